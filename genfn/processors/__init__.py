@@ -1,0 +1,5 @@
+"""Logits processors: pure functions of (logits, LogitsContext)."""
+
+from genfn.processors.context import LogitsContext
+
+__all__ = ["LogitsContext"]
