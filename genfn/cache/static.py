@@ -1,0 +1,64 @@
+"""The static KV cache: preallocated buffers, written in place at a tensor offset.
+
+Layout ``[layers, batch, kv_heads, max_cache_len, head_dim]`` for keys and values, a ``[batch,
+max_cache_len]`` validity mask (left padding marks its slots invalid), and ``length``, the number
+of filled slots (the same for every row: prompts are left padded, as in transformers).
+
+The update follows DESIGN principle 4: the cache passed in is *donated*. ``write`` copies the new
+keys/values into the existing buffers (``index_copy_``) and returns a cache that shares them, so a
+step costs O(new tokens), not O(cache). Never read a cache after passing it to a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.state.base import pytree_dataclass
+
+__all__ = ["StaticCache", "init_static_cache"]
+
+
+@pytree_dataclass
+class StaticCache:
+    keys: torch.Tensor  # [L, B, Hkv, T, D]
+    values: torch.Tensor  # [L, B, Hkv, T, D]
+    valid: torch.Tensor  # [B, T] bool: slot holds a real (non-padding) token
+    length: torch.Tensor  # [] int64: slots filled so far
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.keys.shape[3]
+
+    def slots(self, num_new: int) -> torch.Tensor:
+        """Slot indices ``[num_new]`` the next ``num_new`` tokens go to."""
+        return self.length + torch.arange(num_new, device=self.length.device)
+
+    def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write ``k, v [B, Hkv, S, D]`` of ``layer`` at ``slots`` in place; return the layer's full K, V."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, slots, k.to(keys.dtype))
+        values.index_copy_(2, slots, v.to(values.dtype))
+        return keys, values
+
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "StaticCache":
+        """Mark ``slots`` filled with validity ``new_valid [B, S]``; the buffers were written in place."""
+        self.valid.index_copy_(1, slots, new_valid)
+        return self.replace(length=self.length + slots.shape[0])
+
+
+def init_static_cache(
+    num_layers: int,
+    batch_size: int,
+    num_kv_heads: int,
+    max_cache_len: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> StaticCache:
+    shape = (num_layers, batch_size, num_kv_heads, max_cache_len, head_dim)
+    return StaticCache(
+        keys=torch.zeros(shape, dtype=dtype, device=device),
+        values=torch.zeros(shape, dtype=dtype, device=device),
+        valid=torch.zeros(batch_size, max_cache_len, dtype=torch.bool, device=device),
+        length=torch.zeros((), dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,100 @@
+"""The small loop that runs a strategy's pure ``step``: eagerly, or compiled once and reused.
+
+The compile boundary follows DESIGN: the state is flattened to tensors plus a static treedef
+outside the compiled region, and the compiled function maps tensors to tensors. Rebuilding the
+dataclasses inside it is plain Python that dynamo traces. Compiled steps are cached on the model
+(keyed by the step function, the treedef, which holds every static option, and the leaves'
+shapes and dtypes), so later calls with the same shapes reuse them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from genfn.state.base import tree_flatten, tree_unflatten
+
+__all__ = ["run_loop", "compiled_step", "eager_step"]
+
+StepFn = Callable[[Any, Any], Any]
+
+
+def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
+    """The step as a plain Python call (for debugging; the same function that gets compiled)."""
+    return lambda state: step(model, state)
+
+
+def _split_leaves(state):
+    leaves, treedef = tree_flatten(state)
+    present = tuple(i for i, leaf in enumerate(leaves) if leaf is not None)
+    return [leaves[i] for i in present], (treedef, present, len(leaves))
+
+
+def _join_leaves(tensors, layout):
+    treedef, present, count = layout
+    leaves: list = [None] * count
+    for i, tensor in zip(present, tensors):
+        leaves[i] = tensor
+    return tree_unflatten(treedef, leaves)
+
+
+def compiled_step(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any], Any]:
+    """``state -> state`` running ``torch.compile``'d ``step`` for states shaped like ``state``.
+
+    The compiled function is cached on ``model``; a state with the same structure, static options,
+    shapes and dtypes reuses it without recompiling.
+    """
+    compile_options = dict(compile_options or {})
+    tensors, layout = _split_leaves(state)
+    signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    cache_key = (step, layout[0], layout[1], signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
+    compiled_cache = model.compiled_steps
+    fn = compiled_cache.get(cache_key)
+    if fn is None:
+        def tensors_to_tensors(*flat):
+            new_state = step(model, _join_leaves(flat, layout))
+            new_tensors, new_layout = _split_leaves(new_state)
+            return tuple(new_tensors)
+
+        fn = torch.compile(tensors_to_tensors, **compile_options)
+        compiled_cache[cache_key] = fn
+
+    def run(state):
+        flat, current_layout = _split_leaves(state)
+        return _join_leaves(fn(*flat), current_layout)
+
+    return run
+
+
+def run_loop(
+    advance: Callable[[Any], Any],
+    state,
+    *,
+    num_steps: int,
+    all_done: Callable[[Any], bool],
+    on_step: Callable[[Any], Any] | None = None,
+    max_time: float | None = None,
+    start_time: float | None = None,
+    extra_stop: Callable[[Any], Any] | None = None,
+):
+    """Advance ``state`` at most ``num_steps`` times, stopping when every row is done.
+
+    Between steps (outside any compiled region) the driver may sync with the host: it checks
+    ``all_done``, the wall-clock ``max_time`` budget, and ``extra_stop`` (user criteria that run
+    eagerly and may return an updated state). ``on_step`` sees every new state (streaming,
+    collecting per-step scores).
+    """
+    start_time = time.monotonic() if start_time is None else start_time
+    for _ in range(num_steps):
+        if all_done(state):
+            break
+        if max_time is not None and time.monotonic() - start_time >= max_time:
+            break
+        state = advance(state)
+        if extra_stop is not None:
+            state = extra_stop(state)
+        if on_step is not None:
+            on_step(state)
+    return state

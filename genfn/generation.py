@@ -1,0 +1,238 @@
+"""``generate``: the transformers-shaped entry point over the functional strategies.
+
+It does the imperative chores (resolve the config, validate and pad inputs, build the processor
+chain, choose the strategy, run the driver, package the outputs) and nothing else: every
+decision about tokens is made inside a strategy's pure step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from genfn import driver
+from genfn import random as grandom
+from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
+from genfn.outputs import GenerateDecoderOnlyOutput
+from genfn.processors.chain import build_logits_processors
+from genfn.state.decode import DecodeOptions
+from genfn.strategies import sample as sample_strategy
+
+__all__ = ["generate"]
+
+_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+_COMPILABLE_CACHES = ("static", "offloaded_static")
+
+
+def _as_input_ids(input_ids: Any) -> torch.Tensor:
+    if input_ids is None:
+        raise ValueError("input_ids is required: a [batch, length] tensor of token ids (or a list of ids)")
+    if isinstance(input_ids, (list, tuple)):
+        if len(input_ids) == 0:
+            raise ValueError("input_ids is empty: the prompt needs at least one token")
+        if all(isinstance(t, int) for t in input_ids):
+            input_ids = [list(input_ids)]
+        lengths = {len(row) for row in input_ids}
+        if len(lengths) != 1:
+            raise ValueError("input_ids rows have different lengths; pad them (left) and pass attention_mask")
+        input_ids = torch.tensor(input_ids, dtype=torch.int64)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor or a list of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): the prompt needs at least one token")
+    return input_ids.to(torch.int64)
+
+
+def _check_token_range(input_ids: torch.Tensor, vocab_size: int) -> None:
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab_size}): min {low}, max {high}")
+
+
+def _attention_mask(input_ids, attention_mask, pad_token_id, eos_token_ids) -> torch.Tensor:
+    if attention_mask is None:
+        # Like transformers: infer padding only when the pad token is unambiguous.
+        if pad_token_id is not None and pad_token_id not in eos_token_ids and bool((input_ids == pad_token_id).any()):
+            return (input_ids != pad_token_id).long()
+        return torch.ones_like(input_ids)
+    attention_mask = torch.as_tensor(attention_mask)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape "
+                         f"{list(input_ids.shape)}")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("attention_mask marks padding on the right; genfn (like transformers for decoder-only "
+                         "models) needs left padding")
+    if bool((attention_mask.sum(-1) == 0).any()):
+        raise ValueError("a row of attention_mask is all zeros: every prompt needs at least one real token")
+    return attention_mask.long()
+
+
+def _eos_ids(config: GenerationConfig) -> tuple[int, ...]:
+    eos = config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _pad_id(config: GenerationConfig, eos_ids: tuple[int, ...]) -> int:
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    if eos_ids:
+        return eos_ids[0]
+    return 0
+
+
+def _row_keys(key, batch_size: int) -> torch.Tensor:
+    if key is None:
+        # No key given: draw one from torch's global generator, so `torch.manual_seed` governs it
+        # the way transformers users expect. Pass a key for reproducibility independent of it.
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        key = grandom.key(seed)
+    elif isinstance(key, int) and not isinstance(key, bool):
+        key = grandom.key(key)
+    return grandom.as_row_keys(key, batch_size)
+
+
+def _compile_options(config: GenerationConfig) -> dict | None:
+    if config.disable_compile or config.cache_implementation not in _COMPILABLE_CACHES:
+        return None
+    compile_config = config.compile_config
+    options = {"fullgraph": True}
+    if compile_config is not None:
+        options = {k: v for k, v in compile_config.to_dict().items() if v is not None}
+        options.pop("mode", None) if options.get("mode") == "reduce-overhead" else None
+    return options
+
+
+def generate(
+    model,
+    input_ids=None,
+    generation_config: GenerationConfig | None = None,
+    *,
+    key: torch.Tensor | int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    logits_processor: Sequence | None = None,
+    stopping_criteria: Sequence | None = None,
+    prefix_allowed_tokens_fn=None,
+    streamer=None,
+    **kwargs,
+):
+    """Generate continuations of ``input_ids`` with ``model`` (greedy or multinomial sampling).
+
+    Settings merge like transformers: ``kwargs`` > ``generation_config`` > the model's
+    generation_config.json > library defaults. ``key`` (a ``genfn.random.key``, an int seed, or
+    one key per row ``[B, 2]``) drives sampling; row ``i`` of a single key uses
+    ``fold_in(key, i)``. Returns the sequences ``[B, prompt + new]`` or, with
+    ``return_dict_in_generate=True``, a ``GenerateDecoderOnlyOutput``.
+    """
+    start_time = time.monotonic()
+    input_ids = _as_input_ids(input_ids)
+    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
+    if unused:
+        raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
+                         f"{sorted(unused)}")
+    config.validate()
+    mode = config.get_generation_mode()
+    if mode not in _SUPPORTED_MODES:
+        raise ValueError(f"generation mode {mode.value!r} is not supported yet; supported: "
+                         f"{[m.value for m in _SUPPORTED_MODES]}")
+    _check_token_range(input_ids, model.vocab_size)
+    eos_ids = _eos_ids(config)
+    if config.pad_token_id is None and eos_ids:
+        warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{eos_ids[0]} for open-end generation.",
+                      UserWarning, stacklevel=2)
+    pad_id = _pad_id(config, eos_ids)
+    attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
+
+    batch, prompt_len = input_ids.shape
+    max_pos = model.max_position_embeddings
+    if max_pos is not None and prompt_len >= max_pos:
+        raise ValueError(f"the prompt has {prompt_len} tokens but the model's context (max_position_embeddings) "
+                         f"is {max_pos}")
+    max_length, min_length = resolve_lengths(config, prompt_len, max_pos)
+    max_cache_len = config.max_cache_len if config.max_cache_len is not None else max_length
+    if prompt_len >= max_cache_len:
+        raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room in max_cache_len={max_cache_len}")
+    if max_length > max_cache_len:
+        raise ValueError(f"max_length={max_length} (prompt {prompt_len} + new tokens) exceeds "
+                         f"max_cache_len={max_cache_len}; raise max_cache_len or lower max_new_tokens")
+
+    processors = build_logits_processors(
+        config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
+        attention_mask=attention_mask, vocab_size=model.vocab_size, device=input_ids.device)
+    if processors.requires:
+        raise ValueError(f"these settings need model-level support that generate does not provide yet: "
+                         f"{[name for name, _ in processors.requires]}")
+    options = DecodeOptions(
+        do_sample=bool(config.do_sample),
+        pad_token_id=pad_id,
+        eos_token_ids=eos_ids,
+        processors=processors if len(processors) else None,
+        processors_key=repr(processors),
+        output_scores=bool(config.return_dict_in_generate and config.output_scores),
+        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+    )
+    keys = _row_keys(key, batch) if options.do_sample else None
+
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    state = sample_strategy.init(model, input_ids, attention_mask, options, max_length=max_length,
+                                 max_cache_len=max_cache_len, keys=keys)
+    scores, raw_logits = [], []
+    host_len = [prompt_len + 1]
+
+    def on_step(new_state):
+        if options.output_scores:
+            scores.append(new_state.scores)
+        if options.output_logits:
+            raw_logits.append(new_state.logits)
+        if streamer is not None:
+            streamer.put(new_state.tokens[:, host_len[0] - 1].cpu())
+        host_len[0] += 1
+
+    host_len[0] -= 1
+    on_step(state)
+
+    extra_stop = None
+    if stopping_criteria:
+        def extra_stop(new_state):
+            seq = new_state.tokens[:, : host_len[0]]
+            stop = torch.as_tensor(_call_criteria(stopping_criteria, seq, new_state.scores), dtype=torch.bool)
+            return new_state.replace(done=new_state.done | stop)
+        state = extra_stop(state)
+
+    compile_options = _compile_options(config)
+    if compile_options is not None:
+        advance = driver.compiled_step(sample_strategy.step, model, state, compile_options)
+    else:
+        advance = driver.eager_step(sample_strategy.step, model)
+    state = driver.run_loop(advance, state, num_steps=max_length - prompt_len - 1,
+                            all_done=lambda s: bool(s.done.all()), on_step=on_step, max_time=config.max_time,
+                            start_time=start_time, extra_stop=extra_stop)
+    if streamer is not None:
+        streamer.end()
+    sequences = sample_strategy.finish(state)
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(scores) if options.output_scores else None,
+        logits=tuple(raw_logits) if options.output_logits else None,
+    )
+
+
+def _call_criteria(criteria, input_ids, scores):
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    for criterion in criteria:
+        done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool)
+    return done

@@ -1,0 +1,277 @@
+"""The Llama family as pure functions: ``apply(spec, params, tokens, positions, cache)``.
+
+Covers transformers' ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM``:
+grouped-query attention, rotary embeddings, RMSNorm, SwiGLU, optional q/k/v bias (Qwen2),
+optional sliding window (Mistral), tied or untied embeddings.
+
+Parameters are a plain dict pytree. The q/k/v projections are stored fused as one ``wqkv``
+matrix and gate/up as one ``w_gate_up``: one weight stream per block instead of three or two,
+which is what decoding at batch 1 is bound by. Fusing concatenates rows, so every output element
+is still the same dot product as transformers' separate projections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from genfn.cache.static import StaticCache, init_static_cache
+from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
+
+__all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
+           "init_cache", "ModelOutput"]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSpec:
+    """Static description of a Llama-family model (hashable: it keys compiled steps)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_json: str | None  # JSON text: dicts are not hashable
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        return None if self.rope_scaling_json is None else json.loads(self.rope_scaling_json)
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _architecture(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    if not archs and config.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[config["model_type"]]
+    found = archs or [config.get("model_type")]
+    raise ValueError(f"unsupported architecture {found}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
+    """A ``LlamaSpec`` from a Hugging Face ``config.json`` dict, with transformers' defaults."""
+    arch = _architecture(config)
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        spec_fields = dict(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+        )
+    except KeyError as missing:
+        raise ValueError(f"config.json is missing the required field {missing}") from None
+    rope_scaling = config.get("rope_scaling")
+    rope_theta = config.get("rope_theta")
+    rope_parameters = config.get("rope_parameters")  # transformers 5 folds theta and scaling into one dict
+    if isinstance(rope_parameters, Mapping):
+        rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        if rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        if rope_type == "default":
+            rope_scaling = None
+    sliding_window = config.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        sliding_window = None
+    if arch == "LlamaForCausalLM":
+        sliding_window = None
+    spec = LlamaSpec(
+        **spec_fields,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling_json=None if rope_scaling is None else json.dumps(rope_scaling, sort_keys=True),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
+                         f"num_key_value_heads ({spec.num_kv_heads})")
+    return spec
+
+
+def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
+    """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up)."""
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            tensor = state_dict[name]
+        except KeyError:
+            raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
+        return tensor if dtype is None else tensor.to(dtype)
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "attn_norm": get(p + "input_layernorm.weight"),
+            "wqkv": torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0).contiguous(),
+            "wo": get(p + "self_attn.o_proj.weight").contiguous(),
+            "mlp_norm": get(p + "post_attention_layernorm.weight"),
+            "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
+            "w_down": get(p + "mlp.down_proj.weight").contiguous(),
+        }
+        if spec.attention_bias:
+            layer["bqkv"] = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+        layers.append(layer)
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
+    return {
+        "embed": embed,
+        "layers": layers,
+        "norm": get("model.norm.weight"),
+        "lm_head": lm_head,
+        "inv_freq": inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling),
+    }
+
+
+def init_cache(spec: LlamaSpec, batch_size: int, max_cache_len: int, dtype=torch.float32, device=None) -> StaticCache:
+    return init_static_cache(spec.num_layers, batch_size, spec.num_kv_heads, max_cache_len, spec.head_dim,
+                             dtype=dtype, device=device)
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """What ``apply`` returns beyond logits when asked (hidden states per layer, attention maps)."""
+
+    logits: torch.Tensor
+    cache: StaticCache
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in float32 and cast back before scaling, in transformers' order, so bfloat16
+    # rounds at the same places.
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
+    """Boolean ``[B, 1, S, attend_len]``: query ``i`` (at slot ``slots[i]``) may see slot ``j``."""
+    j = torch.arange(attend_len, device=slots.device)
+    causal = j.unsqueeze(0) <= slots.unsqueeze(1)  # [S, A]
+    if spec.sliding_window is not None:
+        causal = causal & (j.unsqueeze(0) > slots.unsqueeze(1) - spec.sliding_window)
+    valid = cache.valid[:, :attend_len]  # [B, A]
+    mask = causal.unsqueeze(0) & valid.unsqueeze(1)
+    # A padding query would see nothing and its softmax would be NaN; letting every query see
+    # its own slot keeps all values finite (padding outputs are never read).
+    mask = mask | (j.unsqueeze(0) == slots.unsqueeze(1)).unsqueeze(0)
+    return mask.unsqueeze(1)
+
+
+def apply(
+    spec: LlamaSpec,
+    params: Mapping[str, Any],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cache: StaticCache,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    logits_to_keep: int = 0,
+    attend_len: int | None = None,
+    output_hidden_states: bool = False,
+    output_attentions: bool = False,
+):
+    """Run ``tokens [B, S]`` at ``positions [B, S]`` against ``cache`` (donated).
+
+    ``attention_mask [B, S]`` marks real tokens (1) versus left padding (0); default all real.
+    ``logits_to_keep``: compute logits for the last that many positions only (0 = all).
+    ``attend_len``: attend over the first ``attend_len`` cache slots only (static; must cover
+    every filled slot), so attention costs the real context rather than ``max_cache_len``.
+    Returns ``(logits [B, S', V] float32, cache)``, or a ``ModelOutput`` when hidden states or
+    attentions are requested.
+    """
+    batch, seq = tokens.shape
+    attend_len = cache.max_cache_len if attend_len is None else attend_len
+    slots = cache.slots(seq)
+    if attention_mask is None:
+        new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
+    else:
+        new_valid = attention_mask.to(torch.bool)
+    cache = cache.advance(slots, new_valid)
+    mask = _attention_mask(spec, cache, slots, attend_len)
+
+    x = F.embedding(tokens, params["embed"])
+    cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype)
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    hidden_states = [x] if output_hidden_states else None
+    attentions = [] if output_attentions else None
+    for i, layer in enumerate(params["layers"]):
+        h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        qkv = F.linear(h, layer["wqkv"], layer.get("bqkv"))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write_layer(i, slots, k, v)
+        keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+        if spec.num_query_groups > 1:
+            keys = keys.repeat_interleave(spec.num_query_groups, dim=1)
+            values = values.repeat_interleave(spec.num_query_groups, dim=1)
+        if output_attentions:
+            attn, weights = _eager_attention(q, keys, values, mask, spec.head_dim)
+            attentions.append(weights)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
+        x = x + F.linear(attn, layer["wo"])
+        h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        if output_hidden_states:
+            hidden_states.append(x)
+    x = _rms_norm(x, params["norm"], spec.rms_norm_eps)
+    if output_hidden_states:
+        hidden_states[-1] = x  # transformers reports the final-norm output as the last hidden state
+    if logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    logits = F.linear(x, params["lm_head"]).to(torch.float32)
+    if output_hidden_states or output_attentions:
+        return ModelOutput(logits, cache,
+                           tuple(hidden_states) if hidden_states is not None else None,
+                           tuple(attentions) if attentions is not None else None)
+    return logits, cache
+
+
+def _eager_attention(q, k, v, mask, head_dim):
+    scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return weights @ v, weights
