@@ -16,14 +16,17 @@ import torch
 from genfn import driver
 from genfn import random as grandom
 from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
-from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.processors.chain import build_logits_processors
-from genfn.state.decode import DecodeOptions
 from genfn.strategies import sample as sample_strategy
+from genfn.strategies.request import GenerationRequest, StepTrace
 
 __all__ = ["generate"]
 
-_SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# The strategy module that runs each mode: it exposes init / step / finish (and collect).
+STRATEGIES = {
+    GenerationMode.GREEDY_SEARCH: sample_strategy,
+    GenerationMode.SAMPLE: sample_strategy,
+}
 _COMPILABLE_CACHES = ("static", "offloaded_static")
 
 
@@ -126,30 +129,77 @@ def generate(
     streamer=None,
     **kwargs,
 ):
-    """Generate continuations of ``input_ids`` with ``model`` (greedy or multinomial sampling).
+    """Generate continuations of ``input_ids`` with ``model``.
 
     Settings merge like transformers: ``kwargs`` > ``generation_config`` > the model's
     generation_config.json > library defaults. ``key`` (a ``genfn.random.key``, an int seed, or
     one key per row ``[B, 2]``) drives sampling; row ``i`` of a single key uses
     ``fold_in(key, i)``. Returns the sequences ``[B, prompt + new]`` or, with
-    ``return_dict_in_generate=True``, a ``GenerateDecoderOnlyOutput``.
+    ``return_dict_in_generate=True``, a ``Generate*Output``.
     """
     start_time = time.monotonic()
+    request, strategy = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
+                                        logits_processor=logits_processor,
+                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, kwargs=kwargs)
+    if streamer is not None and strategy is not sample_strategy:
+        raise ValueError("streamer is only supported for greedy search and sampling (num_beams=1), as in transformers")
+    config = request.config
+    trace = StepTrace()
+    host_len = request.prompt_len + 1  # sequence length after the latest step, known without a sync
+
+    if streamer is not None:
+        streamer.put(request.input_ids.cpu())
+    state = strategy.init(model, request)
+
+    def after_step(new_state):
+        nonlocal host_len
+        strategy.collect(new_state, trace)
+        if streamer is not None:
+            streamer.put(strategy.newest_tokens(new_state, host_len).cpu())
+        host_len += 1
+
+    extra_stop = None
+    if stopping_criteria:
+        def extra_stop(new_state):
+            # User criteria are Python: they run eagerly between steps, on transformers' view.
+            seq = new_state.tokens[:, :host_len]
+            stop = _call_criteria(stopping_criteria, seq, new_state.scores)
+            return new_state.replace(done=new_state.done | stop)
+        state = extra_stop(state)
+    after_step(state)
+    host_len -= 1  # after_step advanced past the first token already counted
+
+    compile_options = _compile_options(config)
+    if compile_options is not None:
+        advance = driver.compiled_step(strategy.step, model, state, compile_options)
+    else:
+        advance = driver.eager_step(strategy.step, model)
+    state = driver.run_loop(advance, state, num_steps=request.max_length - request.prompt_len - 1,
+                            all_done=lambda s: bool(s.done.all()), on_step=after_step, max_time=config.max_time,
+                            start_time=start_time, extra_stop=extra_stop)
+    if streamer is not None:
+        streamer.end()
+    return strategy.finish(state, trace, request)
+
+
+def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
+                    logits_processor=None, prefix_allowed_tokens_fn=None, kwargs=None):
+    """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it."""
     input_ids = _as_input_ids(input_ids)
-    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
+    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs or {})
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
                          f"{sorted(unused)}")
     config.validate()
     mode = config.get_generation_mode()
-    if mode not in _SUPPORTED_MODES:
-        raise ValueError(f"generation mode {mode.value!r} is not supported yet; supported: "
-                         f"{[m.value for m in _SUPPORTED_MODES]}")
+    if mode not in STRATEGIES:
+        raise ValueError(f"generation mode {mode.value!r} is not supported; supported: "
+                         f"{[m.value for m in STRATEGIES]}")
     _check_token_range(input_ids, model.vocab_size)
     eos_ids = _eos_ids(config)
     if config.pad_token_id is None and eos_ids:
         warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{eos_ids[0]} for open-end generation.",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=3)
     pad_id = _pad_id(config, eos_ids)
     attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
 
@@ -173,65 +223,28 @@ def generate(
     if processors.requires:
         raise ValueError(f"these settings need model-level support that generate does not provide yet: "
                          f"{[name for name, _ in processors.requires]}")
-    options = DecodeOptions(
-        do_sample=bool(config.do_sample),
-        pad_token_id=pad_id,
+    return_dict = bool(config.return_dict_in_generate)
+    request = GenerationRequest(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        config=config,
+        max_length=max_length,
+        min_length=min_length,
+        max_cache_len=max_cache_len,
         eos_token_ids=eos_ids,
+        pad_token_id=pad_id,
         processors=processors if len(processors) else None,
         processors_key=repr(processors),
-        output_scores=bool(config.return_dict_in_generate and config.output_scores),
-        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+        keys=_row_keys(key, batch) if config.do_sample else None,
+        output_scores=return_dict and bool(config.output_scores),
+        output_logits=return_dict and bool(config.output_logits),
+        output_attentions=return_dict and bool(config.output_attentions),
+        output_hidden_states=return_dict and bool(config.output_hidden_states),
     )
-    keys = _row_keys(key, batch) if options.do_sample else None
-
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    state = sample_strategy.init(model, input_ids, attention_mask, options, max_length=max_length,
-                                 max_cache_len=max_cache_len, keys=keys)
-    scores, raw_logits = [], []
-    host_len = [prompt_len + 1]
-
-    def on_step(new_state):
-        if options.output_scores:
-            scores.append(new_state.scores)
-        if options.output_logits:
-            raw_logits.append(new_state.logits)
-        if streamer is not None:
-            streamer.put(new_state.tokens[:, host_len[0] - 1].cpu())
-        host_len[0] += 1
-
-    host_len[0] -= 1
-    on_step(state)
-
-    extra_stop = None
-    if stopping_criteria:
-        def extra_stop(new_state):
-            seq = new_state.tokens[:, : host_len[0]]
-            stop = torch.as_tensor(_call_criteria(stopping_criteria, seq, new_state.scores), dtype=torch.bool)
-            return new_state.replace(done=new_state.done | stop)
-        state = extra_stop(state)
-
-    compile_options = _compile_options(config)
-    if compile_options is not None:
-        advance = driver.compiled_step(sample_strategy.step, model, state, compile_options)
-    else:
-        advance = driver.eager_step(sample_strategy.step, model)
-    state = driver.run_loop(advance, state, num_steps=max_length - prompt_len - 1,
-                            all_done=lambda s: bool(s.done.all()), on_step=on_step, max_time=config.max_time,
-                            start_time=start_time, extra_stop=extra_stop)
-    if streamer is not None:
-        streamer.end()
-    sequences = sample_strategy.finish(state)
-    if not config.return_dict_in_generate:
-        return sequences
-    return GenerateDecoderOnlyOutput(
-        sequences=sequences,
-        scores=tuple(scores) if options.output_scores else None,
-        logits=tuple(raw_logits) if options.output_logits else None,
-    )
+    return request, STRATEGIES[mode]
 
 
-def _call_criteria(criteria, input_ids, scores):
+def _call_criteria(criteria, input_ids, scores) -> torch.Tensor:
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     for criterion in criteria:
         done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool)

@@ -11,10 +11,12 @@ import torch
 
 from genfn import random as grandom
 from genfn.processors.context import LogitsContext
+from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.decode import DecodeOptions, DecodeState
 from genfn.stopping import eos_emitted, max_length_reached
+from genfn.strategies.request import GenerationRequest, StepTrace
 
-__all__ = ["init", "step", "finish", "prefill_positions"]
+__all__ = ["init", "step", "finish", "collect", "newest_tokens", "prefill_positions", "options_for"]
 
 
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -23,9 +25,23 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def init(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, options: DecodeOptions, *,
-         max_length: int, max_cache_len: int, keys: torch.Tensor | None = None, cache=None) -> DecodeState:
+def options_for(request: GenerationRequest) -> DecodeOptions:
+    return DecodeOptions(
+        do_sample=bool(request.config.do_sample),
+        pad_token_id=request.pad_token_id,
+        eos_token_ids=request.eos_token_ids,
+        processors=request.processors,
+        processors_key=request.processors_key,
+        output_scores=request.output_scores,
+        output_logits=request.output_logits,
+    )
+
+
+def init(model, request: GenerationRequest, cache=None) -> DecodeState:
     """Allocate the buffers, prefill the prompt, and choose the first new token."""
+    options = options_for(request)
+    input_ids, attention_mask = request.input_ids, request.attention_mask
+    max_length, max_cache_len, keys = request.max_length, request.max_cache_len, request.keys
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     if cache is None:
@@ -84,6 +100,26 @@ def _choose_next(state: DecodeState, logits: torch.Tensor) -> DecodeState:
     )
 
 
-def finish(state: DecodeState) -> torch.Tensor:
-    """The sequences ``[B, cur_len]``: prompt plus generated tokens (a host sync; outside any step)."""
-    return state.tokens[:, : int(state.cur_len)].clone()
+def collect(state: DecodeState, trace: StepTrace) -> None:
+    """Record what the output asked for after a step (the driver calls this between steps)."""
+    if state.options.output_scores:
+        trace.scores.append(state.scores)
+    if state.options.output_logits:
+        trace.logits.append(state.logits)
+
+
+def newest_tokens(state: DecodeState, cur_len: int) -> torch.Tensor:
+    """``[B]`` the tokens chosen by the latest step, for streaming (``cur_len`` known on the host)."""
+    return state.tokens[:, cur_len - 1]
+
+
+def finish(state: DecodeState, trace: StepTrace, request: GenerationRequest):
+    """Trim the buffers into the sequences ``[B, cur_len]`` or a ``GenerateDecoderOnlyOutput``."""
+    sequences = state.tokens[:, : int(state.cur_len)].clone()
+    if not request.config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(trace.scores) if request.output_scores else None,
+        logits=tuple(trace.logits) if request.output_logits else None,
+    )
