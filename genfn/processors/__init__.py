@@ -1,5 +1,98 @@
-"""Logits processors: pure functions of (logits, LogitsContext)."""
+"""Logits processors: pure functions of (logits, LogitsContext), and their chain.
 
+Every processor equals its transformers counterpart (same name) on the same inputs; see
+``chain.build_logits_processors`` for the order ``generate`` applies them in.
+"""
+
+from genfn.processors.base import LogitsProcessor, StatefulLogitsProcessor
+from genfn.processors.bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
+from genfn.processors.chain import ProcessorChain, build_logits_processors
 from genfn.processors.context import LogitsContext
+from genfn.processors.forcing import (
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+from genfn.processors.guidance import guidance_combine
+from genfn.processors.ngrams import EncoderNoRepeatNGramLogitsProcessor, NoRepeatNGramLogitsProcessor
+from genfn.processors.numerics import InfNanRemoveLogitsProcessor, LogitNormalization
+from genfn.processors.penalties import (
+    EncoderRepetitionPenaltyLogitsProcessor,
+    ExponentialDecayLengthPenalty,
+    RepetitionPenaltyLogitsProcessor,
+)
+from genfn.processors.prefix import PrefixConstrainedLogitsProcessor
+from genfn.processors.synthid import (
+    SynthIDTextWatermarkLogitsProcessor,
+    SynthIDTextWatermarkState,
+    synthid_mean_score,
+    synthid_weighted_mean_score,
+)
+from genfn.processors.warpers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from genfn.processors.watermark import (
+    WatermarkDetector,
+    WatermarkDetectorOutput,
+    WatermarkLogitsProcessor,
+    greenlist_ids,
+)
 
-__all__ = ["LogitsContext"]
+__all__ = [
+    "LogitsContext",
+    "LogitsProcessor",
+    "StatefulLogitsProcessor",
+    "ProcessorChain",
+    "build_logits_processors",
+    "guidance_combine",
+    # warpers
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TopHLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    # penalties
+    "RepetitionPenaltyLogitsProcessor",
+    "EncoderRepetitionPenaltyLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+    # n-grams
+    "NoRepeatNGramLogitsProcessor",
+    "EncoderNoRepeatNGramLogitsProcessor",
+    # biases
+    "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    # forcing / suppression
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor",
+    # numerics
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
+    # eager-only
+    "PrefixConstrainedLogitsProcessor",
+    # watermarking
+    "WatermarkLogitsProcessor",
+    "WatermarkDetector",
+    "WatermarkDetectorOutput",
+    "greenlist_ids",
+    "SynthIDTextWatermarkLogitsProcessor",
+    "SynthIDTextWatermarkState",
+    "synthid_mean_score",
+    "synthid_weighted_mean_score",
+]

@@ -1,0 +1,142 @@
+"""Penalties that rescale the logits of particular tokens: repetition, encoder repetition, and
+the exponential length penalty on EOS.
+
+Repetition penalties gather the logits of every token id seen so far and scatter the rescaled
+values back. Over the static buffer, columns that must not count (garbage past ``cur_len``, the
+left padding transformers ignores) are redirected to a spare column ``V`` that is dropped, so
+the gather/scatter has a fixed shape and the result equals transformers' on ``input_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from genfn.processors.base import ProcessorBase, as_id_list, filled_tokens
+from genfn.processors.context import LogitsContext
+from genfn.state.base import pytree_dataclass, static_field
+
+__all__ = [
+    "RepetitionPenaltyLogitsProcessor",
+    "EncoderRepetitionPenaltyLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+]
+
+
+def _rescale_at(logits: torch.Tensor, ids: torch.Tensor, mul: Any, div: Any) -> torch.Tensor:
+    """Multiply negative / divide positive logits at ``ids`` (``V`` = ignored), like transformers."""
+    vocab = logits.shape[-1]
+    padded = torch.nn.functional.pad(logits, (0, 1))
+    ids = ids.clamp(max=vocab)
+    score = torch.gather(padded, 1, ids)
+    score = torch.where(score < 0, score * mul, score / div)
+    return padded.scatter(1, ids, score)[..., :vocab]
+
+
+@pytree_dataclass
+class RepetitionPenaltyLogitsProcessor(ProcessorBase):
+    """Penalize every token already in the sequence (CTRL-style): ``x * p`` if ``x < 0`` else ``x / p``.
+
+    ``prompt_ignore_length`` skips leading columns: an int for all rows, or a ``[B]`` tensor per
+    row. transformers' ``generate`` passes the left-padding length of each row (from the
+    attention mask) so that pad tokens are not penalized. ``penalty`` may be a ``[B]`` tensor.
+    """
+
+    penalty: float | torch.Tensor
+    prompt_ignore_length: int | torch.Tensor | None = None
+
+    def __post_init__(self):
+        p = self.penalty
+        if isinstance(p, torch.Tensor):
+            if p.dim() != 1:
+                raise ValueError("per-row `penalty` must be 1-D [batch]")
+        elif not isinstance(p, float) or not p > 0:
+            raise ValueError(f"`penalty` has to be a strictly positive float, but is {p}")
+        ign = self.prompt_ignore_length
+        if isinstance(ign, int) and ign < 0:
+            raise ValueError(f"`prompt_ignore_length` has to be a positive integer, but is {ign}")
+        if isinstance(ign, torch.Tensor) and ign.dim() != 1:
+            raise ValueError("`prompt_ignore_length` must be 1D")
+
+    def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        ids = filled_tokens(ctx, vocab, start=self.prompt_ignore_length)
+        p = self.penalty
+        if isinstance(p, torch.Tensor):
+            p = p.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)
+        return _rescale_at(logits, ids, p, p)
+
+
+@pytree_dataclass
+class EncoderRepetitionPenaltyLogitsProcessor(ProcessorBase):
+    """The opposite of the repetition penalty, over the encoder (or prompt) ids: it *boosts*
+    tokens of the source, to favour copying (transformers stores ``1 / penalty``).
+
+    ``encoder_input_ids`` is a constant ``[B_enc, L]`` tensor (rows are repeated to the
+    beam-expanded batch), or ``None`` to read the prompt columns ``< ctx.prompt_len`` of the
+    buffer, which is what transformers passes for a decoder-only model.
+    """
+
+    penalty: float = static_field()
+    encoder_input_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.penalty, float) or not self.penalty > 0:
+            raise ValueError(f"`penalty` has to be a strictly positive float, but is {self.penalty}")
+
+    def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        inv = 1 / self.penalty
+        enc = self.encoder_input_ids
+        if enc is None:
+            n = ctx.tokens.shape[1]
+            pos = torch.arange(n, device=ctx.tokens.device).unsqueeze(0)
+            ids = torch.where(pos < ctx.prompt_len, ctx.tokens, torch.full_like(ctx.tokens, logits.shape[-1]))
+        else:
+            ids = enc.to(logits.device)
+            if logits.shape[0] > ids.shape[0]:
+                ids = ids.repeat_interleave(logits.shape[0] // ids.shape[0], dim=0)
+        return _rescale_at(logits, ids, inv, inv)
+
+
+@pytree_dataclass
+class ExponentialDecayLengthPenalty(ProcessorBase):
+    """After ``start_index`` generated tokens, raise the EOS logits by ``|x| * (factor**i - 1)``
+    where ``i`` counts the steps past the start, so ending becomes ever more likely.
+
+    ``prompt_len`` is the prompt length the start is relative to (transformers'
+    ``input_ids_seq_length``); ``None`` reads ``ctx.prompt_len`` so the compiled step does not
+    depend on it.
+    """
+
+    start_index: int = static_field()
+    decay_factor: float = static_field()
+    eos_token_id: tuple[int, ...] = static_field()
+    prompt_len: int | None = static_field(None)
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
+        if not self.eos_token_id:
+            raise ValueError("`eos_token_id` has to be a list of positive integers, but is empty")
+
+    @classmethod
+    def from_config(cls, exponential_decay_length_penalty, eos_token_id, input_ids_seq_length=None):
+        """Build from transformers' ``(start_index, decay_factor)`` tuple."""
+        start, factor = exponential_decay_length_penalty
+        return cls(int(start), float(factor), as_id_list(eos_token_id, "eos_token_id"), input_ids_seq_length)
+
+    def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        prompt_len = ctx.prompt_len if self.prompt_len is None else self.prompt_len
+        regulation_start = self.start_index + prompt_len
+        active = ctx.cur_len > regulation_start
+        steps = (ctx.cur_len - regulation_start).to(torch.float64)
+        # Python evaluates pow(factor, i) - 1 in double; the product with float32 logits then
+        # happens in float32.
+        factor = torch.full((), self.decay_factor, dtype=torch.float64, device=logits.device)
+        coef = (torch.pow(factor, steps) - 1).to(logits.dtype)
+        eos = torch.tensor(self.eos_token_id, device=logits.device).unsqueeze(0).expand(logits.shape[0], -1)
+        eos_scores = logits.gather(1, eos)
+        penalty = torch.abs(eos_scores) * coef
+        penalty = penalty.masked_fill(~torch.isfinite(eos_scores), 0.0)
+        penalties = torch.zeros_like(logits).scatter(1, eos, penalty)
+        return torch.where(active, logits + penalties, logits)
