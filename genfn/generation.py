@@ -167,7 +167,6 @@ def generate(
             return new_state.replace(done=new_state.done | stop)
         state = extra_stop(state)
     after_step(state)
-    host_len -= 1  # after_step advanced past the first token already counted
 
     compile_options = _compile_options(config)
     if compile_options is not None:
