@@ -2,7 +2,9 @@
 
 The compile boundary follows DESIGN: the state is flattened to tensors plus a static treedef
 outside the compiled region, and the compiled function maps tensors to tensors. Rebuilding the
-dataclasses inside it is plain Python that dynamo traces. Compiled steps are cached on the model
+dataclasses inside it is plain Python that dynamo traces. The boundary uses torch's own pytree
+registry (every state class is registered there too): dynamo traces ``torch.utils._pytree``
+natively, while its handling of optree's C++ treespecs fails inside a compiled frame. Compiled steps are cached on the model
 (keyed by the step function, the treedef, which holds every static option, and the leaves'
 shapes and dtypes), so later calls with the same shapes reuse them.
 """
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from genfn.state.base import tree_flatten, tree_unflatten
+import torch.utils._pytree as torch_pytree
 
 __all__ = ["run_loop", "compiled_step", "eager_step"]
 
@@ -27,17 +29,21 @@ def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
 
 
 def _split_leaves(state):
-    leaves, treedef = tree_flatten(state)
-    present = tuple(i for i, leaf in enumerate(leaves) if leaf is not None)
-    return [leaves[i] for i in present], (treedef, present, len(leaves))
+    """Tensor leaves, and the static layout: the treedef plus the non-tensor leaves (None, ints)."""
+    leaves, treedef = torch_pytree.tree_flatten(state)
+    tensor_slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    constants = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
+    return [leaves[i] for i in tensor_slots], (treedef, tensor_slots, constants)
 
 
 def _join_leaves(tensors, layout):
-    treedef, present, count = layout
-    leaves: list = [None] * count
-    for i, tensor in zip(present, tensors):
+    treedef, tensor_slots, constants = layout
+    leaves: list = [None] * (len(tensor_slots) + len(constants))
+    for i, tensor in zip(tensor_slots, tensors):
         leaves[i] = tensor
-    return tree_unflatten(treedef, leaves)
+    for i, value in constants:
+        leaves[i] = value
+    return torch_pytree.tree_unflatten(leaves, treedef)
 
 
 def compiled_step(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any], Any]:
@@ -49,7 +55,7 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     compile_options = dict(compile_options or {})
     tensors, layout = _split_leaves(state)
     signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
-    cache_key = (step, layout[0], layout[1], signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
+    cache_key = (step, layout, signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
     compiled_cache = model.compiled_steps
     fn = compiled_cache.get(cache_key)
     if fn is None:
