@@ -17,6 +17,7 @@ from genfn import driver
 from genfn import random as grandom
 from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
+from genfn.strategies import beam as beam_strategy
 from genfn.strategies import sample as sample_strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 
@@ -26,6 +27,8 @@ __all__ = ["generate"]
 STRATEGIES = {
     GenerationMode.GREEDY_SEARCH: sample_strategy,
     GenerationMode.SAMPLE: sample_strategy,
+    GenerationMode.BEAM_SEARCH: beam_strategy,
+    GenerationMode.BEAM_SAMPLE: beam_strategy,
 }
 _COMPILABLE_CACHES = ("static", "offloaded_static")
 
@@ -140,9 +143,11 @@ def generate(
     start_time = time.monotonic()
     request, strategy = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
                                         logits_processor=logits_processor,
-                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, kwargs=kwargs)
+                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
     if streamer is not None and strategy is not sample_strategy:
         raise ValueError("streamer is only supported for greedy search and sampling (num_beams=1), as in transformers")
+    if stopping_criteria and strategy is beam_strategy:
+        raise ValueError("custom stopping_criteria are not supported with beam search (num_beams > 1) yet")
     config = request.config
     trace = StepTrace()
     host_len = request.prompt_len + 1  # sequence length after the latest step, known without a sync
@@ -182,10 +187,10 @@ def generate(
 
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
-                    logits_processor=None, prefix_allowed_tokens_fn=None, kwargs=None):
+                    logits_processor=None, prefix_allowed_tokens_fn=None, **kwargs):
     """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it."""
     input_ids = _as_input_ids(input_ids)
-    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs or {})
+    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
                          f"{sorted(unused)}")
@@ -201,6 +206,13 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
                       UserWarning, stacklevel=3)
     pad_id = _pad_id(config, eos_ids)
     attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
+    # transformers' _expand_inputs_for_generation: every prompt row repeated (consecutively) once
+    # per beam / returned sample; the processors and the strategies see the expanded rows.
+    num_beams = int(config.num_beams or 1)
+    expand = max(num_beams, int(config.num_return_sequences or 1))
+    if expand > 1:
+        input_ids = input_ids.repeat_interleave(expand, dim=0)
+        attention_mask = attention_mask.repeat_interleave(expand, dim=0)
 
     batch, prompt_len = input_ids.shape
     max_pos = model.max_position_embeddings
@@ -217,7 +229,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
 
     processors = build_logits_processors(
         config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
+        num_beams=num_beams, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
         attention_mask=attention_mask, vocab_size=model.vocab_size, device=input_ids.device)
     if processors.requires:
         raise ValueError(f"these settings need model-level support that generate does not provide yet: "
@@ -234,7 +246,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         pad_token_id=pad_id,
         processors=processors if len(processors) else None,
         processors_key=repr(processors),
-        keys=_row_keys(key, batch) if config.do_sample else None,
+        # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
+        keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),
         output_logits=return_dict and bool(config.output_logits),
         output_attentions=return_dict and bool(config.output_attentions),
