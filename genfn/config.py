@@ -723,7 +723,8 @@ _FIELD_SPECS: tuple[_Field, ...] = (
     _Field("min_length", "length", _int_check(minimum=0)),
     _Field("min_new_tokens", "length", _int_check(minimum=0)),
     _Field("early_stopping", "length", _check_early_stopping),
-    _Field("max_time", "length", _real_check(_POSITIVE, allow_inf=True)),
+    # 0 is legal: the time budget is checked after each step, so it means "stop after one step".
+    _Field("max_time", "length", _real_check(_Interval(0.0), allow_inf=True)),
     _Field("stop_strings", "length", _check_stop_strings),
     # strategy
     _Field("do_sample", "strategy", _check_bool),

@@ -194,7 +194,6 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
                          f"{sorted(unused)}")
-    config.validate()
     mode = config.get_generation_mode()
     if mode not in STRATEGIES:
         raise ValueError(f"generation mode {mode.value!r} is not supported; supported: "
