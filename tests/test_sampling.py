@@ -6,7 +6,6 @@ import torch
 import genfn
 from conftest import tiny_pair
 from genfn import random as R
-from genfn.processors.context import LogitsContext
 from genfn.state.decode import DecodeOptions
 from genfn.strategies.sample import _choose_next
 
