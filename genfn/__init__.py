@@ -11,6 +11,7 @@ from genfn.config import (
 from genfn.generation import generate
 from genfn.models.model import Model, load
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+from genfn.scores import compute_transition_scores
 from genfn.stopping import StoppingCriteria, StoppingCriteriaList
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SynthIDTextWatermarkingConfig",
     "GenerateDecoderOnlyOutput",
     "GenerateBeamDecoderOnlyOutput",
+    "compute_transition_scores",
     "StoppingCriteria",
     "StoppingCriteriaList",
 ]

@@ -19,6 +19,8 @@ from genfn.config import GenerationConfig, GenerationMode, resolve_generation_co
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import sample as sample_strategy
+from genfn.stopping import stop_string_criteria
+from genfn.strategies.guidance import make_guidance_spec
 from genfn.strategies.request import GenerationRequest, StepTrace
 
 __all__ = ["generate"]
@@ -187,8 +189,14 @@ def generate(
 
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
-                    logits_processor=None, prefix_allowed_tokens_fn=None, **kwargs):
-    """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it."""
+                    logits_processor=None, prefix_allowed_tokens_fn=None, tokenizer=None, negative_prompt_ids=None,
+                    negative_prompt_attention_mask=None, **kwargs):
+    """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it.
+
+    ``tokenizer`` is needed for ``stop_strings`` and ``token_healing`` (as in transformers);
+    ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` give classifier-free guidance
+    (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
+    """
     input_ids = _as_input_ids(input_ids)
     config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
     if unused:
@@ -205,6 +213,11 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
                       UserWarning, stacklevel=3)
     pad_id = _pad_id(config, eos_ids)
     attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
+    if config.token_healing:
+        # Imperative preprocessing, like transformers' heal_tokens: rewrite each prompt's tail.
+        from genfn.healing import heal_tokens
+
+        input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask)
     # transformers' _expand_inputs_for_generation: every prompt row repeated (consecutively) once
     # per beam / returned sample; the processors and the strategies see the expanded rows.
     num_beams = int(config.num_beams or 1)
@@ -230,9 +243,21 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
         num_beams=num_beams, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
         attention_mask=attention_mask, vocab_size=model.vocab_size, device=input_ids.device)
-    if processors.requires:
+    requires = dict(processors.requires)
+    requires.pop("token_healing", None)  # done above
+    guidance = None
+    if "guidance_scale" in requires:
+        guidance = make_guidance_spec(requires.pop("guidance_scale"), negative_prompt_ids,
+                                      negative_prompt_attention_mask, batch, expand, model.vocab_size)
+    if requires:
         raise ValueError(f"these settings need model-level support that generate does not provide yet: "
-                         f"{[name for name, _ in processors.requires]}")
+                         f"{sorted(requires)}")
+    stop_strings = None
+    if config.stop_strings is not None:
+        stop_strings = stop_string_criteria(tokenizer, config.stop_strings, input_ids.device)
+    if STRATEGIES[mode] is not sample_strategy and (guidance is not None or stop_strings is not None):
+        raise ValueError("stop_strings and guidance_scale are supported for greedy search and sampling "
+                         "(num_beams=1); not with beam search yet")
     return_dict = bool(config.return_dict_in_generate)
     request = GenerationRequest(
         input_ids=input_ids,
@@ -251,6 +276,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         output_logits=return_dict and bool(config.output_logits),
         output_attentions=return_dict and bool(config.output_attentions),
         output_hidden_states=return_dict and bool(config.output_hidden_states),
+        stop_strings=stop_strings,
+        guidance=guidance,
     )
     return request, STRATEGIES[mode]
 

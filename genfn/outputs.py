@@ -46,6 +46,11 @@ class ModelOutput(OrderedDict):
     def to_tuple(self) -> tuple[Any, ...]:
         return tuple(self[k] for k in self.keys())
 
+    @property
+    def past_key_values(self):
+        """The returned cache under its transformers 4.x name (transformers 5 calls the field ``cache``)."""
+        return getattr(self, "cache", None)
+
 
 def _output(cls):
     cls = dataclasses.dataclass(eq=False, repr=True)(cls)
@@ -59,7 +64,7 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     logits: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
-    past_key_values: Any = None
+    cache: Any = None
 
 
 @_output
@@ -72,7 +77,7 @@ class GenerateEncoderDecoderOutput(ModelOutput):
     decoder_attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     cross_attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     decoder_hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
-    past_key_values: Any = None
+    cache: Any = None
 
 
 @_output
@@ -84,7 +89,7 @@ class GenerateBeamDecoderOnlyOutput(ModelOutput):
     beam_indices: torch.Tensor | None = None
     attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
-    past_key_values: Any = None
+    cache: Any = None
 
 
 @_output
@@ -99,4 +104,4 @@ class GenerateBeamEncoderDecoderOutput(ModelOutput):
     decoder_attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     cross_attentions: tuple[tuple[torch.Tensor, ...], ...] | None = None
     decoder_hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None = None
-    past_key_values: Any = None
+    cache: Any = None

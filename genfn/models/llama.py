@@ -217,13 +217,15 @@ def apply(
     attentions are requested.
     """
     batch, seq = tokens.shape
-    attend_len = cache.max_cache_len if attend_len is None else attend_len
     slots = cache.slots(seq)
     if attention_mask is None:
         new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
     else:
         new_valid = attention_mask.to(torch.bool)
     cache = cache.advance(slots, new_valid)
+    # After advance: a dynamic cache's capacity grows to cover the new tokens there (and may be
+    # shorter than an attend_len chosen for a static cache).
+    attend_len = cache.max_cache_len if attend_len is None else min(attend_len, cache.max_cache_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = F.embedding(tokens, params["embed"])

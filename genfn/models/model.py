@@ -51,8 +51,15 @@ class Model:
     def apply(self, tokens, positions, cache, attention_mask=None, **kwargs):
         return self.apply_fn(self.spec, self.params, tokens, positions, cache, attention_mask, **kwargs)
 
-    def init_cache(self, batch_size: int, max_cache_len: int):
-        return self.init_cache_fn(self.spec, batch_size, max_cache_len, dtype=self.dtype, device=self.device)
+    def init_cache(self, batch_size: int, max_cache_len: int, implementation: str | None = "static",
+                   cache_config: dict | None = None):
+        """A fresh cache; ``implementation`` as ``GenerationConfig.cache_implementation`` (None: "dynamic")."""
+        if implementation == "static" and not cache_config:
+            return self.init_cache_fn(self.spec, batch_size, max_cache_len, dtype=self.dtype, device=self.device)
+        from genfn.cache.factory import make_cache
+
+        return make_cache(implementation, self.spec, batch_size, max_cache_len, dtype=self.dtype,
+                          device=self.device, cache_config=cache_config)
 
     def generate(self, input_ids=None, generation_config=None, **kwargs):
         from genfn.generation import generate

@@ -31,10 +31,15 @@ class DecodeOptions:
     attend_len: int | None = None  # attend over this many cache slots (None: all of them)
     stopping: Callable | None = None  # user stopping criteria, eager only
     stopping_key: Any = None
+    # Stop strings: a genfn.stopping.StopStringMatcher (constant tables), checked in the step.
+    stop_strings: Any = None
+    # Classifier-free guidance scale (None: off); the unconditional branch is DecodeState.guidance.
+    guidance_scale: float | None = None
 
     def _key(self):
         return (self.do_sample, self.pad_token_id, self.eos_token_ids, self.processors_key,
-                self.output_scores, self.output_logits, self.attend_len, self.stopping_key)
+                self.output_scores, self.output_logits, self.attend_len, self.stopping_key,
+                None if self.stop_strings is None else self.stop_strings.key, self.guidance_scale)
 
     def __eq__(self, other):
         return isinstance(other, DecodeOptions) and self._key() == other._key()
@@ -62,6 +67,17 @@ class DecodeState:
     scores: torch.Tensor | None  # [B, V] processed scores of the latest token (output_scores)
     logits: torch.Tensor | None  # [B, V] raw logits of the latest token (output_logits)
     options: DecodeOptions = static_field()
+    # output_attentions / output_hidden_states (None unless asked for): per-layer tuples of the
+    # latest step, and the prefill's, which steps pass through so no leaf changes shape.
+    attentions: tuple | None = None  # [B, H, 1, attend_len] per layer
+    hidden_states: tuple | None = None  # [B, 1, hidden] per layer (+ embeddings)
+    prefill_attentions: tuple | None = None
+    prefill_hidden_states: tuple | None = None
+    # The logits-processor chain's state when it holds a stateful processor (SynthID): the tuple
+    # ``options.processors.init_state(B)`` returns, threaded through every step.
+    processor_state: Any = None
+    # Classifier-free guidance: the unconditional branch (genfn.strategies.guidance.GuidanceState).
+    guidance: Any = None
 
     @property
     def batch_size(self) -> int:

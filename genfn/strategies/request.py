@@ -33,6 +33,8 @@ class GenerationRequest:
     output_logits: bool = False
     output_attentions: bool = False
     output_hidden_states: bool = False
+    stop_strings: Any = None  # genfn.stopping.StopStringMatcher, checked inside the step
+    guidance: Any = None  # genfn.strategies.guidance.GuidanceSpec when guidance_scale != 1
 
     @property
     def batch_size(self) -> int:

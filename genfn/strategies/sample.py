@@ -13,16 +13,60 @@ from genfn import random as grandom
 from genfn.processors.context import LogitsContext
 from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.decode import DecodeOptions, DecodeState
+from genfn.processors.guidance import guidance_combine
 from genfn.stopping import eos_emitted, max_length_reached
+from genfn.strategies.guidance import guidance_init, guidance_step
 from genfn.strategies.request import GenerationRequest, StepTrace
 
-__all__ = ["init", "step", "finish", "collect", "newest_tokens", "prefill_positions", "options_for"]
+__all__ = ["init", "step", "finish", "collect", "newest_tokens", "prefill_positions", "options_for",
+           "model_forward", "step_placeholders", "collect_model_outputs"]
 
 
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-row position ids ``[B, P]`` for a left-padded prompt (padding gets 1, as in transformers)."""
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.masked_fill(attention_mask == 0, 1)
+
+
+def model_forward(model, tokens, positions, cache, attention_mask=None, *, attentions=False, hidden_states=False,
+                  **kwargs):
+    """``(logits, cache, attentions, hidden_states)``; the last two are None unless asked for."""
+    if not (attentions or hidden_states):
+        logits, cache = model.apply(tokens, positions, cache, attention_mask, **kwargs)
+        return logits, cache, None, None
+    out = model.apply(tokens, positions, cache, attention_mask, output_attentions=attentions,
+                      output_hidden_states=hidden_states, **kwargs)
+    return out.logits, out.cache, out.attentions, out.hidden_states
+
+
+def step_placeholders(attentions, hidden_states):
+    """Step-shaped stand-ins (one query position) for the rich outputs of a prefill, so the state
+    handed to the first step already has the shapes every step returns."""
+    def last_query(tensors, dim):
+        if tensors is None:
+            return None
+        return tuple(t.narrow(dim, t.shape[dim] - 1, 1).clone(memory_format=torch.contiguous_format)
+                     for t in tensors)
+
+    return last_query(attentions, 2), last_query(hidden_states, 1)
+
+
+def collect_model_outputs(state, trace: StepTrace, attentions: bool, hidden_states: bool) -> None:
+    """Append the latest step's attentions / hidden states to ``trace`` in transformers' shapes.
+
+    The first call after ``init`` records the prefill's (``[B, H, P, P]``, ``[B, P, hidden]``),
+    later ones the step's (``[B, H, 1, P + n]``, ``[B, 1, hidden]``). Attention maps come out of
+    the model over all ``attend_len`` cache slots; they are cut to the real key length here.
+    """
+    if attentions:
+        if not trace.attentions:
+            maps, kv_len = state.prefill_attentions, state.prefill_attentions[0].shape[2]
+        else:
+            maps, kv_len = state.attentions, trace.attentions[0][0].shape[-1] + len(trace.attentions)
+        trace.attentions.append(tuple(m[..., :kv_len].contiguous() for m in maps))
+    if hidden_states:
+        first = not trace.hidden_states
+        trace.hidden_states.append(state.prefill_hidden_states if first else state.hidden_states)
 
 
 def options_for(request: GenerationRequest) -> DecodeOptions:
@@ -34,6 +78,8 @@ def options_for(request: GenerationRequest) -> DecodeOptions:
         processors_key=request.processors_key,
         output_scores=request.output_scores,
         output_logits=request.output_logits,
+        stop_strings=request.stop_strings,
+        guidance_scale=None if request.guidance is None else request.guidance.scale,
     )
 
 
@@ -45,11 +91,16 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     if cache is None:
-        cache = model.init_cache(batch, max_cache_len)
+        # transformers' default (cache_implementation=None) is the dynamic cache, the eager path.
+        cache = model.init_cache(batch, max_cache_len, request.config.cache_implementation or "dynamic",
+                                 request.config.cache_config)
     tokens = torch.full((batch, max_cache_len), options.pad_token_id, dtype=torch.int64, device=device)
     tokens[:, :prompt_len] = input_ids
     positions = prefill_positions(attention_mask)
-    logits, cache = model.apply(input_ids, positions, cache, attention_mask, logits_to_keep=1)
+    logits, cache, attentions, hidden_states = model_forward(
+        model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
+        attentions=request.output_attentions, hidden_states=request.output_hidden_states)
+    step_attentions, step_hidden = step_placeholders(attentions, hidden_states)
     state = DecodeState(
         tokens=tokens,
         cur_len=torch.tensor(prompt_len, dtype=torch.int64, device=device),
@@ -62,8 +113,26 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
         scores=None,
         logits=None,
         options=options,
+        attentions=step_attentions,
+        hidden_states=step_hidden,
+        prefill_attentions=attentions,
+        prefill_hidden_states=hidden_states,
+        processor_state=_init_processor_state(options.processors, batch, device),
     )
-    return _choose_next(state, logits[:, -1])
+    unconditional = None
+    if request.guidance is not None:
+        guidance, unconditional = guidance_init(
+            model, request.guidance, input_ids, max_cache_len - prompt_len,
+            request.config.cache_implementation or "dynamic", request.config.cache_config)
+        state = state.replace(guidance=guidance)
+    return _choose_next(state, logits[:, -1], unconditional)
+
+
+def _init_processor_state(processors, batch: int, device):
+    """The chain's state when it holds a stateful processor (SynthID), else None."""
+    if processors is None or not getattr(processors, "stateful", False):
+        return None
+    return processors.init_state(batch, device)
 
 
 def step(model, state: DecodeState) -> DecodeState:
@@ -71,14 +140,33 @@ def step(model, state: DecodeState) -> DecodeState:
     batch = state.batch_size
     newest = state.tokens.gather(1, (state.cur_len - 1).reshape(1, 1).expand(batch, 1))
     positions = state.positions + 1
-    logits, cache = model.apply(newest, positions.unsqueeze(1), state.cache, attend_len=state.options.attend_len)
-    return _choose_next(state.replace(cache=cache, positions=positions), logits[:, -1])
+    want_attentions, want_hidden = state.attentions is not None, state.hidden_states is not None
+    logits, cache, attentions, hidden_states = model_forward(
+        model, newest, positions.unsqueeze(1), state.cache, attend_len=state.options.attend_len,
+        attentions=want_attentions, hidden_states=want_hidden)
+    state = state.replace(cache=cache, positions=positions, attentions=attentions, hidden_states=hidden_states)
+    unconditional = None
+    if state.guidance is not None:
+        # Classifier-free guidance: the unconditional branch sees the same newest token.
+        guidance, unconditional = guidance_step(model, state.guidance, newest)
+        state = state.replace(guidance=guidance)
+    return _choose_next(state, logits[:, -1], unconditional)
 
 
-def _choose_next(state: DecodeState, logits: torch.Tensor) -> DecodeState:
+def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits: torch.Tensor | None = None
+                 ) -> DecodeState:
     opts = state.options
     ctx = LogitsContext(tokens=state.tokens, cur_len=state.cur_len, prompt_len=state.prompt_len)
-    scores = logits if opts.processors is None else opts.processors(logits, ctx)
+    scores = logits
+    if opts.guidance_scale is not None:
+        # CFG heads the processor chain, as in transformers.
+        scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)
+    processor_state = state.processor_state
+    if opts.processors is not None:
+        if processor_state is not None:
+            scores, processor_state = opts.processors.apply(scores, ctx, processor_state)
+        else:
+            scores = opts.processors(scores, ctx)
     if opts.do_sample:
         # The noise counter is the number of tokens this row generated so far: independent of
         # how much left padding the batch gave the row.
@@ -92,9 +180,12 @@ def _choose_next(state: DecodeState, logits: torch.Tensor) -> DecodeState:
     cur_len = state.cur_len + 1
     done = state.done | eos_emitted(next_tokens, opts.eos_token_ids)
     done = done | max_length_reached(cur_len, state.max_length, state.batch_size)
+    if opts.stop_strings is not None:
+        done = done | opts.stop_strings(state.tokens, cur_len)
     return state.replace(
         cur_len=cur_len,
         done=done,
+        processor_state=processor_state,
         scores=scores if opts.output_scores else None,
         logits=logits if opts.output_logits else None,
     )
@@ -106,6 +197,7 @@ def collect(state: DecodeState, trace: StepTrace) -> None:
         trace.scores.append(state.scores)
     if state.options.output_logits:
         trace.logits.append(state.logits)
+    collect_model_outputs(state, trace, state.attentions is not None, state.hidden_states is not None)
 
 
 def newest_tokens(state: DecodeState, cur_len: int) -> torch.Tensor:
@@ -122,4 +214,7 @@ def finish(state: DecodeState, trace: StepTrace, request: GenerationRequest):
         sequences=sequences,
         scores=tuple(trace.scores) if request.output_scores else None,
         logits=tuple(trace.logits) if request.output_logits else None,
+        attentions=tuple(trace.attentions) if request.output_attentions else None,
+        hidden_states=tuple(trace.hidden_states) if request.output_hidden_states else None,
+        cache=state.cache,
     )

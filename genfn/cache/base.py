@@ -1,0 +1,73 @@
+"""What every KV cache shares: the interface the model uses, memory accounting, device transfers.
+
+A cache is a ``pytree_dataclass`` with these members, which is all ``genfn.models`` relies on:
+
+``slots(num_new) -> LongTensor[num_new]``
+    the cache slots the next ``num_new`` tokens go to (a contiguous range after ``length``);
+``advance(slots, new_valid[B, S]) -> cache``
+    called once per forward, *before* the layers: claims ``slots`` (a dynamic cache grows its
+    buffers here) and records which of the new tokens are real, so the attention mask covers them;
+``write_layer(layer, slots, k, v) -> (K, V)``
+    stores the new keys/values ``[B, Hkv, S, D]`` of one layer in the buffers ``advance`` made
+    room for (in place: the cache is donated) and returns the layer's keys/values
+    ``[B, Hkv, max_cache_len, D]`` on the compute device;
+``valid [B, max_cache_len]`` (bool), ``length`` (0-d int64), ``max_cache_len`` (int: the
+    capacity, which for a dynamic cache is the current length);
+``reorder(beam_idx: LongTensor[B]) -> cache``
+    row ``i`` becomes old row ``beam_idx[i]`` (beam search);
+``nbytes(device=None) -> int``
+    bytes held by the cache's tensors (only those on ``device`` when given).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from genfn.state.base import leaf_fields
+
+__all__ = ["tensor_nbytes", "default_copy", "host_sync", "CopyFn", "as_device"]
+
+# ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
+# "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer
+# ahead of use) or "writeback" (new keys/values returned to the offload device); ``layer`` is the
+# layer index. Offloaded caches issue every cross-device copy through it, so tests (or a
+# stream-aware implementation) can observe or replace the transfers.
+CopyFn = Callable[..., None]
+
+
+def default_copy(dst: torch.Tensor, src: torch.Tensor, *, kind: str, layer: int) -> None:
+    """Asynchronous where the devices allow it; ordered on the current stream."""
+    dst.copy_(src, non_blocking=True)
+
+
+def host_sync(device: torch.device) -> None:
+    """Wait for the copies queued on ``device`` before the host reads offloaded memory."""
+    if device.type in ("cpu", "meta"):
+        return
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(device)
+
+
+def as_device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device if device is not None else "cpu")
+
+
+def tensor_nbytes(cache, device: torch.device | str | None = None) -> int:
+    """Bytes of the tensor leaves of ``cache`` (only those on ``device`` when given)."""
+    if device is not None:
+        device = as_device(device)
+    total = 0
+    for name in leaf_fields(type(cache)):
+        value = getattr(cache, name)
+        tensors = value if isinstance(value, (tuple, list)) else (value,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if device is not None and (t.device.type != device.type or
+                                       (device.index is not None and t.device.index != device.index)):
+                continue
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,113 @@
+"""The offloaded static cache: static buffers on an offload device, one layer staged ahead.
+
+transformers' ``StaticCache(offloading=True)`` (``cache_implementation="offloaded_static"``). The
+``[L, B, Hkv, max_cache_len, D]`` buffers live on ``offload_device`` (pinned CPU memory when the
+compute device is an accelerator); the compute device holds two staging buffers ``[2, B, Hkv,
+max_cache_len, D]``. Every shape is fixed, and positions are tensors, so the step compiles like the
+static cache's:
+
+* ``advance`` (start of a forward) records validity and loads layer 0 into stage 0;
+* ``write_layer(i)`` writes the new keys/values into stage ``i % 2`` at ``slots`` (in place),
+  copies that stage back to the offloaded layer ``i`` (as transformers' static-layer offload does:
+  the slots are a tensor, so the host cannot address the new tokens alone without a sync), issues
+  the copy of layer ``i + 1`` into stage ``(i + 1) % 2``, and returns stage ``i % 2``.
+
+Copies go through ``copy_fn`` (see ``genfn.cache.base``). ``reorder`` permutes the offloaded
+buffers in place (the staging buffers are reloaded by the next forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, tensor_nbytes
+from genfn.cache.offloaded import _alloc
+from genfn.state.base import pytree_dataclass, static_field
+
+__all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
+
+
+@pytree_dataclass
+class OffloadedStaticCache:
+    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    valid: torch.Tensor  # [B, T] bool, compute device
+    length: torch.Tensor  # [] int64, compute device
+    copy_fn: CopyFn = static_field(default=default_copy)
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def offload_device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.stage_keys.device
+
+    def slots(self, num_new: int) -> torch.Tensor:
+        return self.length + torch.arange(num_new, device=self.length.device)
+
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "OffloadedStaticCache":
+        self.valid.index_copy_(1, slots, new_valid.to(torch.bool))
+        self.copy_fn(self.stage_keys[0], self.keys[0], kind="load", layer=0)
+        self.copy_fn(self.stage_values[0], self.values[0], kind="load", layer=0)
+        return self.replace(length=self.length + slots.shape[0])
+
+    def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        keys, values = self.stage_keys[layer % 2], self.stage_values[layer % 2]
+        keys.index_copy_(2, slots, k.to(keys.dtype))
+        values.index_copy_(2, slots, v.to(values.dtype))
+        self.copy_fn(self.keys[layer], keys, kind="writeback", layer=layer)
+        self.copy_fn(self.values[layer], values, kind="writeback", layer=layer)
+        nxt = layer + 1
+        if nxt < self.keys.shape[0]:
+            self.copy_fn(self.stage_keys[nxt % 2], self.keys[nxt], kind="prefetch", layer=nxt)
+            self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
+        return keys, values
+
+    def reorder(self, beam_idx: torch.Tensor) -> "OffloadedStaticCache":
+        """Row ``i`` becomes old row ``beam_idx[i]``, in the donated buffers (addresses kept)."""
+        if not torch.compiler.is_compiling():  # compiled code orders its own copies
+            host_sync(self.compute_device)
+        idx = beam_idx.to(self.offload_device)
+        for layer in range(self.keys.shape[0]):
+            self.keys[layer].copy_(self.keys[layer].index_select(0, idx))
+            self.values[layer].copy_(self.values[layer].index_select(0, idx))
+        self.valid.copy_(self.valid.index_select(0, beam_idx.to(self.valid.device)))
+        return self.replace()
+
+    def nbytes(self, device=None) -> int:
+        return tensor_nbytes(self, device)
+
+
+def init_offloaded_static_cache(
+    num_layers: int,
+    batch_size: int,
+    num_kv_heads: int,
+    max_cache_len: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    offload_device: torch.device | str = "cpu",
+    copy_fn: CopyFn = default_copy,
+) -> OffloadedStaticCache:
+    compute, offload = as_device(device), as_device(offload_device)
+    shape = (num_layers, batch_size, num_kv_heads, max_cache_len, head_dim)
+    stage = (2, batch_size, num_kv_heads, max_cache_len, head_dim)
+    keys, values = _alloc(shape, dtype, offload, compute), _alloc(shape, dtype, offload, compute)
+    keys.zero_()
+    values.zero_()
+    return OffloadedStaticCache(
+        keys=keys,
+        values=values,
+        stage_keys=torch.zeros(stage, dtype=dtype, device=compute),
+        stage_values=torch.zeros(stage, dtype=dtype, device=compute),
+        valid=torch.zeros(batch_size, max_cache_len, dtype=torch.bool, device=compute),
+        length=torch.zeros((), dtype=torch.int64, device=compute),
+        copy_fn=copy_fn,
+    )
