@@ -36,10 +36,20 @@ class StaticCache:
 
     def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write ``k, v [B, Hkv, S, D]`` of ``layer`` at ``slots`` in place; return the layer's full K, V."""
-        keys, values = self.keys[layer], self.values[layer]
-        keys.index_copy_(2, slots, k.to(keys.dtype))
-        values.index_copy_(2, slots, v.to(values.dtype))
-        return keys, values
+        # Index the stacked base tensors, never a per-layer view of them: inductor reinplaces an
+        # index_put_ on a graph input, but functionalizes a write through a view into a copy of
+        # the whole buffer per step (measured: 12x slower per token at max_cache_len 4096).
+        batch, heads, seq = k.shape[0], k.shape[1], k.shape[2]
+        device = slots.device
+        index = (
+            torch.tensor(layer, device=device),
+            torch.arange(batch, device=device).view(batch, 1, 1),
+            torch.arange(heads, device=device).view(1, heads, 1),
+            slots.view(1, 1, seq),
+        )
+        self.keys.index_put_(index, k.to(self.keys.dtype))
+        self.values.index_put_(index, v.to(self.values.dtype))
+        return self.keys[layer], self.values[layer]
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "StaticCache":
         """Mark ``slots`` filled with validity ``new_valid [B, S]``; the buffers were written in place."""
