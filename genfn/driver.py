@@ -18,7 +18,7 @@ import torch
 
 import torch.utils._pytree as torch_pytree
 
-__all__ = ["run_loop", "compiled_step", "eager_step"]
+__all__ = ["run_loop", "compiled_step", "eager_step", "limit_attention"]
 
 StepFn = Callable[[Any, Any], Any]
 
@@ -46,6 +46,36 @@ def _join_leaves(tensors, layout):
     return torch_pytree.tree_unflatten(leaves, treedef)
 
 
+def _static_shape(tensor: torch.Tensor) -> tuple:
+    """The shape with dims marked dynamic (``maybe_mark_dynamic``) replaced by None: those sizes
+    vary from call to call under one compiled function, so they must not key the cache."""
+    dynamic = getattr(tensor, "_dynamo_weak_dynamic_indices", set()) | getattr(tensor, "_dynamo_dynamic_indices", set())
+    return tuple(None if dim in dynamic else size for dim, size in enumerate(tensor.shape))
+
+
+def _canonical_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _with_canonical_strides(tensor: torch.Tensor) -> torch.Tensor:
+    # ``is_contiguous`` ignores the strides of size-1 dims, but dynamo's guards do not.
+    if tensor.stride() == _canonical_strides(tensor.shape):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def limit_attention(state, num_slots: int):
+    """``state`` with its cache's attention limited to ``num_slots`` slots, when the cache supports it."""
+    cache = getattr(state, "cache", None)
+    if cache is None or not hasattr(cache, "with_span"):
+        return state
+    return state.replace(cache=cache.with_span(num_slots))
+
+
 def compiled_step(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any], Any]:
     """``state -> state`` running ``torch.compile``'d ``step`` for states shaped like ``state``.
 
@@ -54,7 +84,7 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     """
     compile_options = dict(compile_options or {})
     tensors, layout = _split_leaves(state)
-    signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
+    signature = tuple((_static_shape(t), t.dtype) for t in tensors)
     cache_key = (step, layout, signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
     compiled_cache = model.compiled_steps
     fn = compiled_cache.get(cache_key)
@@ -69,6 +99,10 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
 
     def run(state):
         flat, current_layout = _split_leaves(state)
+        # Dynamo guards on strides: a leaf that is a strided view (a column sliced out of a
+        # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
+        # pass through untouched, so donated buffers are never copied.
+        flat = [_with_canonical_strides(t) for t in flat]
         return _join_leaves(fn(*flat), current_layout)
 
     return run

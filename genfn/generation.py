@@ -141,6 +141,9 @@ def generate(
     one key per row ``[B, 2]``) drives sampling; row ``i`` of a single key uses
     ``fold_in(key, i)``. Returns the sequences ``[B, prompt + new]`` or, with
     ``return_dict_in_generate=True``, a ``Generate*Output``.
+
+    As in transformers, ``tokenizer=`` is required by ``stop_strings`` and ``token_healing``, and
+    ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` feed ``guidance_scale``.
     """
     start_time = time.monotonic()
     request, strategy = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
@@ -176,10 +179,17 @@ def generate(
     after_step(state)
 
     compile_options = _compile_options(config)
+    # Each step attends over the slots filled so far (host_len - 1 before the step), not over
+    # max_cache_len: the span's size is dynamic, so one compiled step serves every length.
+    state = driver.limit_attention(state, host_len - 1)
     if compile_options is not None:
-        advance = driver.compiled_step(strategy.step, model, state, compile_options)
+        step_fn = driver.compiled_step(strategy.step, model, state, compile_options)
     else:
-        advance = driver.eager_step(strategy.step, model)
+        step_fn = driver.eager_step(strategy.step, model)
+
+    def advance(current):
+        return step_fn(driver.limit_attention(current, host_len - 1))
+
     state = driver.run_loop(advance, state, num_steps=request.max_length - request.prompt_len - 1,
                             all_done=lambda s: bool(s.done.all()), on_step=after_step, max_time=config.max_time,
                             start_time=start_time, extra_stop=extra_stop)

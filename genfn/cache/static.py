@@ -25,6 +25,23 @@ class StaticCache:
     values: torch.Tensor  # [L, B, Hkv, T, D]
     valid: torch.Tensor  # [B, T] bool: slot holds a real (non-padding) token
     length: torch.Tensor  # [] int64: slots filled so far
+    # Optional: a tensor whose *size* is the number of slots worth attending (its values are
+    # unused). The driver sets it between steps from the length it knows on the host and marks
+    # that size dynamic, so one compiled step attends over the real context, not all T slots.
+    span: torch.Tensor | None = None
+
+    def attend_len(self) -> int:
+        """How many leading slots attention reads (a SymInt under a dynamic-span compile)."""
+        return self.max_cache_len if self.span is None else self.span.shape[0]
+
+    def with_span(self, num_slots: int) -> "StaticCache":
+        """This cache with attention limited to the first ``num_slots`` slots (rounded up to 16)."""
+        num_slots = min(-(-num_slots // 16) * 16, self.max_cache_len)
+        span = torch.empty(num_slots, dtype=torch.int8, device=self.keys.device)
+        # One compiled step serves every span length; maybe_ (not mark_) lets dynamo specialize
+        # the rare edge (span == T) with a guard instead of failing the compile.
+        torch._dynamo.maybe_mark_dynamic(span, 0)
+        return self.replace(span=span)
 
     @property
     def max_cache_len(self) -> int:

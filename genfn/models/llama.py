@@ -225,7 +225,10 @@ def apply(
     cache = cache.advance(slots, new_valid)
     # After advance: a dynamic cache's capacity grows to cover the new tokens there (and may be
     # shorter than an attend_len chosen for a static cache).
-    attend_len = cache.max_cache_len if attend_len is None else min(attend_len, cache.max_cache_len)
+    if attend_len is None:
+        attend_len = cache.attend_len() if hasattr(cache, "attend_len") else cache.max_cache_len
+    else:
+        attend_len = min(attend_len, cache.max_cache_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = F.embedding(tokens, params["embed"])
