@@ -1,7 +1,7 @@
 """Stopping criteria as pure functions ``(...) -> done mask [B]``.
 
-The compiled step evaluates the built-in criteria (max length, EOS) on tensors; time limits
-and user criteria that need Python are checked by the driver between steps.
+The compiled step evaluates the built-in criteria (max length, EOS, stop strings) on tensors;
+time limits and user criteria that need Python are checked by the driver between steps.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import abc
 import hashlib
 import json
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ class StoppingCriteriaList(list):
 # This is the algorithm of transformers' StopStringCriteria, and it gives the same answers.
 
 _STATIC_PREFIX = "abcdef"
-_TABLE_CACHE: "OrderedDict[Any, StopStringMatcher]" = OrderedDict()
+_TABLE_CACHE: OrderedDict[Any, StopStringMatcher] = OrderedDict()
 _TABLE_CACHE_SIZE = 8
 
 
@@ -248,7 +249,7 @@ class StopStringMatcher:
     digest: str = static_field("")  # content hash of the tables: a hashable identity for compile keys
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, stop_strings: str | Sequence[str], device: Any = None) -> "StopStringMatcher":
+    def from_tokenizer(cls, tokenizer: Any, stop_strings: str | Sequence[str], device: Any = None) -> StopStringMatcher:
         if isinstance(stop_strings, str):
             stop_strings = [stop_strings]
         stop_strings = tuple(stop_strings)
@@ -277,7 +278,7 @@ class StopStringMatcher:
             matcher = matcher.to(device)
         return matcher
 
-    def to(self, device: Any) -> "StopStringMatcher":
+    def to(self, device: Any) -> StopStringMatcher:
         return self.replace(positions=self.positions.to(device), end_lengths=self.end_lengths.to(device),
                             lengths=self.lengths.to(device), target_lengths=self.target_lengths.to(device))
 

@@ -21,13 +21,13 @@ A cache is a ``pytree_dataclass`` with these members, which is all ``genfn.model
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from genfn.state.base import leaf_fields
 
-__all__ = ["tensor_nbytes", "default_copy", "host_sync", "CopyFn", "as_device"]
+__all__ = ["CopyFn", "as_device", "default_copy", "host_sync", "tensor_nbytes"]
 
 # ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
 # "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer

@@ -35,7 +35,7 @@ class DynamicCache:
         start = self.keys.shape[3]  # known on the host: no sync
         return torch.arange(start, start + num_new, device=self.valid.device)
 
-    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "DynamicCache":
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> DynamicCache:
         """Grow every buffer by the ``S = len(slots)`` new tokens (concatenation)."""
         num_new = slots.shape[0]
         L, B, H, _, D = self.keys.shape
@@ -55,7 +55,7 @@ class DynamicCache:
         values.narrow(2, values.shape[2] - num_new, num_new).copy_(v)
         return keys, values
 
-    def reorder(self, beam_idx: torch.Tensor) -> "DynamicCache":
+    def reorder(self, beam_idx: torch.Tensor) -> DynamicCache:
         """Row ``i`` becomes old row ``beam_idx[i]`` (a new cache; this one is donated)."""
         idx = beam_idx.to(self.keys.device)
         return self.replace(

@@ -14,8 +14,13 @@ from genfn.cache.offloaded_static import init_offloaded_static_cache
 from genfn.cache.quantized import init_quantized_cache
 from genfn.cache.static import init_static_cache
 
-__all__ = ["make_cache", "CACHE_IMPLEMENTATIONS", "COMPILABLE_CACHE_IMPLEMENTATIONS", "DEPRECATED_CACHE_IMPLEMENTATIONS",
-           "resolve_cache_implementation"]
+__all__ = [
+    "CACHE_IMPLEMENTATIONS",
+    "COMPILABLE_CACHE_IMPLEMENTATIONS",
+    "DEPRECATED_CACHE_IMPLEMENTATIONS",
+    "make_cache",
+    "resolve_cache_implementation",
+]
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized")
 COMPILABLE_CACHE_IMPLEMENTATIONS = ("static", "offloaded_static")

@@ -54,9 +54,9 @@ class OffloadedCache:
         start = self.keys.shape[3]
         return torch.arange(start, start + num_new, device=self.valid.device)
 
-    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "OffloadedCache":
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> OffloadedCache:
         num_new = slots.shape[0]
-        L, B, H, T, D = self.keys.shape
+        _, B, H, T, D = self.keys.shape
         host_sync(self.compute_device)  # write-backs of the last forward land before the host copies
         keys, values = self._grow(self.keys, num_new), self._grow(self.values, num_new)
         stage = (2, B, H, T + num_new, D)
@@ -85,7 +85,7 @@ class OffloadedCache:
             self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
         return keys, values
 
-    def reorder(self, beam_idx: torch.Tensor) -> "OffloadedCache":
+    def reorder(self, beam_idx: torch.Tensor) -> OffloadedCache:
         """Row ``i`` becomes old row ``beam_idx[i]`` (the staging buffers are reloaded next forward)."""
         host_sync(self.compute_device)
         idx = beam_idx.to(self.offload_device)

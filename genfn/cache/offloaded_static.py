@@ -52,7 +52,7 @@ class OffloadedStaticCache:
     def slots(self, num_new: int) -> torch.Tensor:
         return self.length + torch.arange(num_new, device=self.length.device)
 
-    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "OffloadedStaticCache":
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> OffloadedStaticCache:
         self.valid.index_copy_(1, slots, new_valid.to(torch.bool))
         self.copy_fn(self.stage_keys[0], self.keys[0], kind="load", layer=0)
         self.copy_fn(self.stage_values[0], self.values[0], kind="load", layer=0)
@@ -70,7 +70,7 @@ class OffloadedStaticCache:
             self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
         return keys, values
 
-    def reorder(self, beam_idx: torch.Tensor) -> "OffloadedStaticCache":
+    def reorder(self, beam_idx: torch.Tensor) -> OffloadedStaticCache:
         """Row ``i`` becomes old row ``beam_idx[i]``, in the donated buffers (addresses kept)."""
         if not torch.compiler.is_compiling():  # compiled code orders its own copies
             host_sync(self.compute_device)

@@ -3,7 +3,8 @@
 transformers' ``QuantizedCache`` (``cache_implementation="quantized"``, the KIVI-style cache), with
 genfn's own quantizer (no quanto/HQQ dependency). Settings come from ``cache_config``:
 
-``nbits`` (2, 4 or 8; default 4), ``q_group_size`` (default 64; must divide ``head_dim``),
+``nbits`` (2, 4 or 8; default 4), ``q_group_size`` (default 64, or the largest divisor of
+``head_dim`` below it; must divide ``head_dim``),
 ``residual_length`` (default 128), ``axis_key``/``axis_value`` (0 only), ``backend`` ("quanto" or
 "hqq", accepted for transformers configs; both select this quantizer).
 
@@ -31,8 +32,15 @@ import torch
 from genfn.cache.base import tensor_nbytes
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["QuantizedCache", "init_quantized_cache", "quantize", "dequantize", "ALLOWED_NBITS",
-           "validate_quantized_config", "QUANTIZED_CONFIG_DEFAULTS"]
+__all__ = [
+    "ALLOWED_NBITS",
+    "QUANTIZED_CONFIG_DEFAULTS",
+    "QuantizedCache",
+    "dequantize",
+    "init_quantized_cache",
+    "quantize",
+    "validate_quantized_config",
+]
 
 ALLOWED_NBITS = (2, 4, 8)
 ALLOWED_BACKENDS = ("quanto", "hqq")
@@ -54,6 +62,9 @@ def validate_quantized_config(cache_config: dict | None, head_dim: int) -> dict:
         raise ValueError(f"cache_config has keys {unknown} that cache_implementation='quantized' does not use; "
                          f"allowed keys: {sorted(config)}")
     config.update({k: v for k, v in given.items() if v is not None})
+    if given.get("q_group_size") is None:
+        # Unset: transformers' 64, or the largest divisor of head_dim below it.
+        config["q_group_size"] = max(d for d in range(1, min(64, head_dim) + 1) if head_dim % d == 0)
     if config["backend"] not in ALLOWED_BACKENDS:
         raise ValueError(f"cache_config['backend'] must be one of {ALLOWED_BACKENDS} (both select genfn's integer "
                          f"quantizer); got {config['backend']!r}")
@@ -68,9 +79,9 @@ def validate_quantized_config(cache_config: dict | None, head_dim: int) -> dict:
         divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
         raise ValueError(f"cache_config['q_group_size'] must be a positive divisor of the model's head_dim "
                          f"({head_dim}): one of {divisors}; got {group!r}")
-    if (group * config["nbits"]) % 8:
-        raise ValueError(f"cache_config['q_group_size'] ({group}) times nbits ({config['nbits']}) must be a "
-                         f"multiple of 8 bits")
+    if (head_dim * config["nbits"]) % 8:
+        raise ValueError(f"cache_config['nbits'] = {config['nbits']} cannot pack the model's head_dim ({head_dim}) "
+                         f"into whole bytes; use nbits=8")
     if not _is_int(config["residual_length"]) or config["residual_length"] < 0:
         raise ValueError(f"cache_config['residual_length'] must be an integer >= 0; got "
                          f"{config['residual_length']!r}")
@@ -154,7 +165,7 @@ class QuantizedCache:
         start = self.max_cache_len
         return torch.arange(start, start + num_new, device=self.valid.device)
 
-    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "QuantizedCache":
+    def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> QuantizedCache:
         """Flush a full residual window into the quantized part, then make room for the new tokens."""
         cache = self
         if self.residual_len and self.residual_len >= self.residual_length:
@@ -169,7 +180,7 @@ class QuantizedCache:
             length=cache.length + num_new,
         )
 
-    def _flush(self) -> "QuantizedCache":
+    def _flush(self) -> QuantizedCache:
         qk, ks, kz = quantize(self.rkeys, self.nbits, self.q_group_size)
         qv, vs, vz = quantize(self.rvalues, self.nbits, self.q_group_size)
         empty = self.rkeys.narrow(3, 0, 0)
@@ -193,7 +204,7 @@ class QuantizedCache:
         values = dequantize(self.qvalues[layer], self.vscale[layer], self.vzero[layer], self.nbits, rvalues.dtype)
         return torch.cat([keys, rkeys], dim=2), torch.cat([values, rvalues], dim=2)
 
-    def reorder(self, beam_idx: torch.Tensor) -> "QuantizedCache":
+    def reorder(self, beam_idx: torch.Tensor) -> QuantizedCache:
         """Row ``i`` becomes old row ``beam_idx[i]``: codes and scales move as they are (no requantization)."""
         idx = beam_idx.to(self.qkeys.device)
         per_row = ("qkeys", "kscale", "kzero", "qvalues", "vscale", "vzero", "rkeys", "rvalues")

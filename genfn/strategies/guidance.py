@@ -30,6 +30,8 @@ from genfn.state.base import pytree_dataclass
 
 __all__ = ["GuidanceSpec", "GuidanceState", "make_guidance_spec", "guidance_init", "guidance_step"]
 
+_STATIC_CACHES = ("static", "offloaded_static")
+
 
 @dataclasses.dataclass(frozen=True)
 class GuidanceSpec:
@@ -83,16 +85,18 @@ def make_guidance_spec(scale, negative_prompt_ids, negative_prompt_attention_mas
 
 
 def guidance_init(model, spec: GuidanceSpec, input_ids: torch.Tensor, num_new_tokens: int,
-                  cache_implementation: str | None = "static", cache_config: dict | None = None
-                  ) -> tuple[GuidanceState, torch.Tensor]:
+                  cache_implementation: str | None = None) -> tuple[GuidanceState, torch.Tensor]:
     """Prefill the unconditional prompt: ``(state, unconditional logits [B, V] of its last position)``.
 
-    Its cache has room for the unconditional prompt plus ``num_new_tokens`` and is of the same
-    implementation as the conditional branch's."""
+    Its cache has room for the unconditional prompt plus ``num_new_tokens``. It is a plain
+    full-precision cache, as transformers' unconditional branch gets (a ``DynamicCache``): static
+    when the conditional branch's cache is static (the compiled path needs fixed shapes),
+    dynamic otherwise."""
     ids = input_ids[:, -1:] if spec.input_ids is None else spec.input_ids.to(input_ids.device)
     mask = None if spec.attention_mask is None else spec.attention_mask.to(input_ids.device)
     batch, length = ids.shape
-    cache = model.init_cache(batch, length + num_new_tokens, cache_implementation, cache_config)
+    implementation = "static" if cache_implementation in _STATIC_CACHES else "dynamic"
+    cache = model.init_cache(batch, length + num_new_tokens, implementation)
     positions = torch.arange(length, device=ids.device).unsqueeze(0).expand(batch, length)
     logits, cache = model.apply(ids, positions, cache, mask, logits_to_keep=1)
     last = torch.full((batch,), length - 1, dtype=torch.int64, device=ids.device)

@@ -121,9 +121,8 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
     )
     unconditional = None
     if request.guidance is not None:
-        guidance, unconditional = guidance_init(
-            model, request.guidance, input_ids, max_cache_len - prompt_len,
-            request.config.cache_implementation or "dynamic", request.config.cache_config)
+        guidance, unconditional = guidance_init(model, request.guidance, input_ids, max_cache_len - prompt_len,
+                                                request.config.cache_implementation)
         state = state.replace(guidance=guidance)
     return _choose_next(state, logits[:, -1], unconditional)
 
