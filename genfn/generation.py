@@ -279,7 +279,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         eos_token_ids=eos_ids,
         pad_token_id=pad_id,
         processors=processors if len(processors) else None,
-        processors_key=repr(processors),
+        processors_key=processors.fingerprint(),
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
         keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),

@@ -24,6 +24,8 @@ the head of the chain, see :func:`genfn.processors.guidance.guidance_combine` an
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -126,12 +128,43 @@ class ProcessorChain:
             new_state.append(s)
         return logits, tuple(new_state)
 
+    def fingerprint(self) -> tuple:
+        """A hashable value that is equal for chains that compute the same function.
+
+        It keys compiled steps: two calls with equal settings share one compiled step, and two
+        chains that differ in any constant (a tensor table included, hashed by content) never do.
+        """
+        return tuple(_fingerprint(p) for p in self.processors)
+
     def prepend(self, processor: Any) -> ProcessorChain:
         """A new chain with ``processor`` first (where transformers puts classifier-free guidance)."""
         return ProcessorChain((processor, *self.processors), self.requires)
 
     def append(self, processor: Any) -> ProcessorChain:
         return ProcessorChain((*self.processors, processor), self.requires)
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        return ("tensor", str(data.dtype), tuple(data.shape), hashlib.sha1(data.view(torch.uint8).numpy()).hexdigest()
+                if data.numel() else "")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__,
+                tuple((f.name, _fingerprint(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_fingerprint(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _fingerprint(v)) for k, v in value.items())))
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if callable(value):
+        return ("callable", id(value))  # user callables (prefix_allowed_tokens_fn) are compared by identity
+    try:
+        hash(value)
+        return (type(value).__qualname__, value)
+    except TypeError:
+        return (type(value).__qualname__, id(value))
 
 
 def _merge_user_processors(defaults: list, custom: Iterable[Any], on_duplicate: str) -> list:
