@@ -1,0 +1,43 @@
+"""The compiled decode step: compiled once, reused by every call, and token-identical to eager."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import genfn
+from conftest import tiny_pair
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_ten_calls_compile_the_decode_step_once():
+    _, model = tiny_pair(eos_token_id=None)
+    gen = torch.Generator().manual_seed(0)
+    before = _graphs()
+    for i, (prompt_len, new_tokens) in enumerate([(3, 5), (9, 30), (17, 60), (4, 100), (30, 12), (2, 2),
+                                                  (50, 70), (7, 7), (64, 64), (11, 1)]):
+        ids = torch.randint(3, 97, (2, prompt_len), generator=gen)
+        out = genfn.generate(model, ids, max_new_tokens=new_tokens, cache_implementation="static", max_cache_len=160)
+        assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=new_tokens)), f"call {i}"
+    assert _graphs() - before == 1
+    assert len(model.compiled_steps) == 1
+
+
+def test_disable_compile_runs_eagerly():
+    _, model = tiny_pair(eos_token_id=None)
+    genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cache_implementation="static",
+                   disable_compile=True)
+    assert model.compiled_steps == {}
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_eager_on_smollm2(smollm2, smollm2_prompts):
+    """One SmolLM2 compile (minutes on 2 cores), so one mode here: greedy. Compiled sampling is
+    checked token for token against eager on a tiny model in test_sampling.py; the sampling
+    math (keyed noise, processors) does not depend on the model."""
+    ids, mask = smollm2_prompts["input_ids"], smollm2_prompts["attention_mask"]
+    common = dict(attention_mask=mask, max_new_tokens=24, max_cache_len=64)
+    compiled = genfn.generate(smollm2, ids, cache_implementation="static", **common)
+    assert torch.equal(compiled, genfn.generate(smollm2, ids, **common))
