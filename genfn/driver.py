@@ -16,7 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+import torch._inductor.config
 import torch.utils._pytree as torch_pytree
+
+from genfn.models.model import BoundModel, ParamsModule
 
 __all__ = ["run_loop", "compiled_step", "eager_step", "limit_attention"]
 
@@ -89,8 +92,12 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     compiled_cache = model.compiled_steps
     fn = compiled_cache.get(cache_key)
     if fn is None:
+        weights = ParamsModule(model.params)
+
         def tensors_to_tensors(*flat):
-            new_state = step(model, _join_leaves(flat, layout))
+            # The weights come from module buffers, so freezing makes them constants.
+            bound = BoundModel(model, weights.tree())
+            new_state = step(bound, _join_leaves(flat, layout))
             new_tensors, new_layout = _split_leaves(new_state)
             return tuple(new_tensors)
 
@@ -103,7 +110,9 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
         # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
         # pass through untouched, so donated buffers are never copied.
         flat = [_with_canonical_strides(t) for t in flat]
-        return _join_leaves(fn(*flat), current_layout)
+        # Inference only: freezing folds the weights into constants (it needs grad disabled).
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+            return _join_leaves(fn(*flat), current_layout)
 
     return run
 
