@@ -1,0 +1,346 @@
+"""Decode speed: genfn against transformers, side by side in one process, on SmolLM2-135M.
+
+    python benchmarks/decode.py                      # float32 + bfloat16, batch 1 and 8, 128 tokens
+    python benchmarks/decode.py --quick              # float32, batch 1, 32 tokens, no transformers compile
+    python benchmarks/decode.py --dtypes bfloat16 --batches 1 --new-tokens 64
+
+Engines (all greedy, ``min_new_tokens = max_new_tokens`` so every row decodes the same count):
+
+    hf            transformers ``generate`` with its defaults (dynamic cache, eager)
+    hf-compiled   transformers static cache + ``torch.compile`` of the forward (``compile_config``
+                  with ``_compile_all_devices``: transformers only auto-compiles on GPUs)
+    genfn         genfn eager (the same pure step, run in a Python loop)
+    genfn-compiled  genfn ``cache_implementation="static"``: the whole step compiled
+
+Prints tok/s (best of ``--repeats`` timed runs after a warm-up, engines interleaved so machine
+noise hits them alike), ratios genfn/transformers, first-call compile time (warm-up time minus
+the steady time of the same call), the bandwidth roofline share at batch 1 (weight bytes per
+token / read bandwidth measured here with a large ``tensor.sum()``), whether genfn's tokens equal
+transformers', and the per-token latency at a 100-token context for max_cache_len 4096 vs 256.
+
+Timing on a shared machine: OpenMP's default spin-then-sleep barrier collapses (10-20x slower
+GEMVs) when other processes compete for the cores; unless OMP_WAIT_POLICY is set, this script
+sets it to PASSIVE before torch loads (it applies to every engine alike).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # must precede `import torch` (libgomp reads it once)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import sys
+import time
+import warnings
+
+import torch
+
+PROMPTS = [
+    "The history of the Roman Empire is long and complicated. It began when Augustus became the first "
+    "emperor, and over the following centuries",
+    "Photosynthesis is the process by which green plants use sunlight to make food. In this short "
+    "explanation we will look at",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who",
+    "To install the package, first make sure that Python is available on your system. Then open a "
+    "terminal and",
+    "The three most important things to remember when learning a new language are",
+    "Water boils at one hundred degrees Celsius at sea level, but at higher altitudes the boiling point",
+    "In mathematics, a prime number is a natural number greater than one that",
+    "The recipe calls for two cups of flour, one cup of sugar, three eggs and a pinch of salt. Start by",
+]
+LONG_CONTEXT = 100
+
+
+@dataclasses.dataclass
+class Result:
+    engine: str
+    dtype: str
+    batch: int
+    first_call_s: float | None = None
+    times: list = dataclasses.field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    error: str | None = None
+    new_tokens: int = 0
+
+    @property
+    def best(self) -> float | None:
+        return min(self.times) if self.times else None
+
+    @property
+    def tok_s(self) -> float | None:
+        return None if self.best is None else self.batch * self.new_tokens / self.best
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def read_bandwidth_gbs(mib: int = 512, repeats: int = 7) -> float:
+    """Best-of-N ``tensor.sum()`` read bandwidth over a buffer far larger than the caches."""
+    big = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    big.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t)
+    del big
+    return mib * 1024 * 1024 / best / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a batch-1 decode step streams: every matrix once (tied head counted once),
+    the embedding table only when it is not also the LM head (then one row is read, ~0)."""
+    params = model.params
+    seen, total = set(), 0
+    leaves = torch.utils._pytree.tree_leaves({k: v for k, v in params.items() if k != "embed"})
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def batch_inputs(tokenizer, batch: int, pad_id: int, min_len: int | None = None):
+    """Left-padded ids and mask for the first ``batch`` prompts (each repeated up to ``min_len`` tokens)."""
+    rows = []
+    for i in range(batch):
+        ids = tokenizer.encode(PROMPTS[i % len(PROMPTS)])
+        if min_len is not None:
+            while len(ids) < min_len:
+                ids = ids + tokenizer.encode(" " + PROMPTS[(i + len(ids)) % len(PROMPTS)])
+            ids = ids[:min_len]
+        rows.append(ids)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((batch, width), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return input_ids, mask
+
+
+def first_mismatch(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> str:
+    if a.shape != b.shape:
+        return f"shapes differ {tuple(a.shape)} vs {tuple(b.shape)}"
+    diff = (a != b).any(0).nonzero()
+    if len(diff) == 0:
+        return "equal"
+    rows = int((a != b).any(1).sum())
+    return f"DIFFER from new token {int(diff[0]) - prompt_len} ({rows}/{a.shape[0]} rows)"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="float32, batch 1, 32 tokens, 1 repeat, no hf-compiled")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine after the warm-up")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
+                    help="torch.compile mode for genfn-compiled and hf-compiled ('default' for none)")
+    ap.add_argument("--engines", default="hf,hf-compiled,genfn,genfn-compiled")
+    ap.add_argument("--no-latency", action="store_true", help="skip the max_cache_len 4096 vs 256 latency check")
+    ap.add_argument("--latency-dtypes", default=None, help="dtypes for the latency check (default: the first)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.dtypes = "float32" if args.dtypes == ap.get_default("dtypes") else args.dtypes
+        args.batches = "1" if args.batches == ap.get_default("batches") else args.batches
+        args.new_tokens = 32 if args.new_tokens == ap.get_default("new_tokens") else args.new_tokens
+        args.repeats = 1 if args.repeats == ap.get_default("repeats") else args.repeats
+        if args.engines == ap.get_default("engines"):
+            args.engines = "hf,genfn,genfn-compiled"
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    import genfn
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from genfn.default_model import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    latency_dtypes = ([getattr(torch, d) for d in args.latency_dtypes.split(",")] if args.latency_dtypes
+                      else dtypes[:1])
+    N = args.new_tokens
+    mode = None if args.compile_mode == "default" else args.compile_mode
+
+    log(f"# genfn decode benchmark  torch {torch.__version__}  transformers {transformers.__version__}  "
+        f"threads {torch.get_num_threads()}  OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  "
+        f"load avg {os.getloadavg()[0]:.1f}")
+    log(f"# {N} greedy tokens, batches {batches}, dtypes {[str(d).split('.')[-1] for d in dtypes]}, "
+        f"compile mode {args.compile_mode}, best of {args.repeats} after a warm-up")
+    bandwidth = read_bandwidth_gbs()
+    log(f"# read bandwidth (512 MiB tensor.sum(), best of 7): {bandwidth:.1f} GB/s")
+
+    path = default_model_path()
+    results: list[Result] = []
+    latency_rows = []
+    roofline: dict[str, float] = {}  # dtype -> batch-1 bandwidth roofline, tok/s
+    t_start = time.perf_counter()
+
+    for dtype in dtypes:
+        dname = str(dtype).split(".")[-1]
+        model = genfn.load(dtype=dtype)
+        tok = model.tokenizer
+        pad_id = 2
+        hf = None
+        if any(e.startswith("hf") for e in engines):
+            with contextlib.redirect_stderr(open(os.devnull, "w")):
+                hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=dtype)
+            hf.eval()
+        wbytes = weight_bytes_per_token(model)
+        roofline[dname] = bandwidth * 1e9 / wbytes
+        log(f"\n## {dname}: weight bytes per token {wbytes / 1e6:.0f} MB -> roofline "
+            f"{bandwidth * 1e9 / wbytes:.1f} tok/s at batch 1")
+
+        for batch in batches:
+            input_ids, mask = batch_inputs(tok, batch, pad_id)
+            prompt_len = input_ids.shape[1]
+            max_cache_len = max(256, prompt_len + N)
+
+            def call(engine, new_tokens):
+                common = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=pad_id)
+                with torch.no_grad():
+                    if engine == "hf":
+                        return hf.generate(input_ids, **common)
+                    if engine == "hf-compiled":
+                        cc = transformers.CompileConfig(fullgraph=True, mode=mode or "default")
+                        cc._compile_all_devices = True  # transformers compiles only on GPUs otherwise
+                        return hf.generate(input_ids, cache_implementation="static", compile_config=cc, **common)
+                    if engine == "genfn":
+                        return genfn.generate(model, input_ids, **common)
+                    if engine == "genfn-compiled":
+                        extra = {}
+                        if mode is not None:
+                            extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=mode)
+                        return genfn.generate(model, input_ids, cache_implementation="static",
+                                              max_cache_len=max_cache_len, **common, **extra)
+                raise ValueError(engine)
+
+            rows = {e: Result(e, dname, batch, new_tokens=N) for e in engines}
+            # Warm-up: the first call of each engine (compiles where it compiles).
+            for e in engines:
+                t = time.perf_counter()
+                try:
+                    out = call(e, N)
+                    rows[e].first_call_s = time.perf_counter() - t
+                    rows[e].tokens = out
+                except Exception as exc:  # keep going: report the failure in the table
+                    rows[e].error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+                    log(f"  {e} b={batch} FAILED: {rows[e].error}")
+            for r in range(args.repeats):
+                for e in engines:
+                    if rows[e].error:
+                        continue
+                    gc.collect()
+                    t = time.perf_counter()
+                    out = call(e, N)
+                    rows[e].times.append(time.perf_counter() - t)
+            for e in engines:
+                res = rows[e]
+                results.append(res)
+                if res.error:
+                    continue
+                compile_s = res.first_call_s - res.best
+                log(f"  {dname} b={batch} {e:15s} {res.tok_s:7.1f} tok/s   first call {res.first_call_s:6.1f} s "
+                    f"(~{max(compile_s, 0):.0f} s compile/warm-up)")
+            ref = rows.get("hf")
+            if ref is not None and ref.tokens is not None:
+                for e in engines:
+                    if e.startswith("genfn") and rows[e].tokens is not None:
+                        log(f"    tokens {e} vs hf: {first_mismatch(rows[e].tokens, ref.tokens, prompt_len)}")
+                if "hf-compiled" in rows and rows["hf-compiled"].tokens is not None:
+                    log(f"    tokens hf-compiled vs hf: "
+                        f"{first_mismatch(rows['hf-compiled'].tokens, ref.tokens, prompt_len)}")
+
+        if not args.no_latency and dtype in latency_dtypes and "genfn-compiled" in engines:
+            latency_rows += latency_check(genfn, model, tok, pad_id, mode, args.repeats + 1)
+        del model, hf
+        gc.collect()
+
+    # ---- summary
+    log("\n## summary (tok/s; ratios > 1 mean genfn is faster)")
+    log(f"{'dtype':9s} {'batch':>5s} " + " ".join(f"{e:>15s}" for e in engines)
+        + "   genfn-c/hf  genfn-c/hf-c  genfn/hf  roofline(b=1)")
+    by = {(r.dtype, r.batch, r.engine): r for r in results}
+    for dtype in dtypes:
+        dname = str(dtype).split(".")[-1]
+        for batch in batches:
+            cells = []
+            for e in engines:
+                r = by.get((dname, batch, e))
+                cells.append(f"{r.tok_s:15.1f}" if r is not None and r.tok_s else f"{'failed':>15s}")
+
+            def ratio(a, b):
+                ra, rb = by.get((dname, batch, a)), by.get((dname, batch, b))
+                if ra is None or rb is None or not ra.tok_s or not rb.tok_s:
+                    return "     -"
+                return f"{ra.tok_s / rb.tok_s:6.2f}"
+
+            roof = ""
+            gc_row = by.get((dname, batch, "genfn-compiled"))
+            if batch == 1 and gc_row is not None and gc_row.tok_s and dname in roofline:
+                roof = f"{gc_row.tok_s / roofline[dname]:6.0%}"
+            log(f"{dname:9s} {batch:5d} " + " ".join(cells)
+                + f"   {ratio('genfn-compiled', 'hf'):>10s}  {ratio('genfn-compiled', 'hf-compiled'):>12s}"
+                  f"  {ratio('genfn', 'hf'):>8s}  {roof:>13s}")
+    log("first-call seconds (compile + warm-up): " + ", ".join(
+        f"{r.engine}/{r.dtype}/b{r.batch}={r.first_call_s:.0f}" for r in results
+        if r.first_call_s is not None and r.engine.endswith("compiled")))
+    for row in latency_rows:
+        log(row)
+    log(f"# total {time.perf_counter() - t_start:.0f} s, load avg {os.getloadavg()[0]:.1f}")
+
+
+def latency_check(genfn, model, tok, pad_id, mode, repeats):
+    """Per-token latency of the compiled step at a 100-token context, max_cache_len 4096 vs 256.
+
+    latency = (time(generate 33 tokens) - time(generate 1 token)) / 32: the prefill cancels out.
+    """
+    input_ids, mask = batch_inputs(tok, 1, pad_id, min_len=LONG_CONTEXT)
+    extra = {} if mode is None else {"compile_config": genfn.CompileConfig(fullgraph=True, mode=mode)}
+    k = 32
+    out = []
+
+    def gen(T, n, compiled=True):
+        kw = dict(cache_implementation="static", max_cache_len=T, **extra) if compiled else dict(max_cache_len=T)
+        t = time.perf_counter()
+        with torch.no_grad():
+            genfn.generate(model, input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad_id, **kw)
+        return time.perf_counter() - t
+
+    first = {}
+    for T in (256, 4096):
+        first[T] = gen(T, k + 1)
+    best = {}
+    for _ in range(repeats):
+        for T in (256, 4096):
+            per_tok = (gen(T, k + 1) - gen(T, 1)) / k
+            best[T] = min(best.get(T, float("inf")), per_tok)
+    dname = str(model.dtype).split(".")[-1]
+    out.append(f"latency {dname} b=1 context {LONG_CONTEXT}: genfn-compiled {best[256] * 1e3:.1f} ms/token at "
+               f"max_cache_len 256, {best[4096] * 1e3:.1f} ms/token at 4096 (ratio {best[4096] / best[256]:.2f}; "
+               f"first call at 4096: {first[4096]:.0f} s)")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
