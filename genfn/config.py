@@ -19,6 +19,8 @@ Why this module looks the way it does:
 
 from __future__ import annotations
 
+import abc
+
 import copy
 import dataclasses
 import json
@@ -444,15 +446,16 @@ class CompileConfig:
         return cls(**config_dict)
 
 
-class BaseWatermarkingConfig:
+class BaseWatermarkingConfig(abc.ABC):
     """Shared (de)serialization of the watermarking configs (subclasses are dataclasses).
 
     Both configs validate on construction: a watermark that silently does nothing, or crashes in
     the middle of generation, is worse than an error at the line that built it.
     """
 
-    def validate(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a setting is out of range."""
 
     @classmethod
     def from_dict(cls, config_dict: Mapping[str, Any], **kwargs: Any) -> BaseWatermarkingConfig:

