@@ -254,6 +254,19 @@ class TypicalLogitsWarper(ProcessorBase):
         return logits.masked_fill(remove, self.filter_value)
 
 
+def _validate_cutoff(warper, setting: str) -> None:
+    """Epsilon and eta share their checks: a cutoff in (0, 1), and ``min_tokens_to_keep >= 1``."""
+    eps = float(warper.epsilon)
+    if eps <= 0 or eps >= 1:
+        raise ValueError(f"`{setting}` has to be a float > 0 and < 1, but is {eps}")
+    object.__setattr__(warper, "epsilon", eps)
+    if int(warper.min_tokens_to_keep) < 1:
+        raise ValueError(
+            f"`min_tokens_to_keep` has to be a strictly positive integer, but is {warper.min_tokens_to_keep}"
+        )
+    object.__setattr__(warper, "min_tokens_to_keep", int(warper.min_tokens_to_keep))
+
+
 @pytree_dataclass
 class EpsilonLogitsWarper(ProcessorBase):
     """Epsilon sampling: drop tokens with probability below ``epsilon`` (keeping ``min_tokens_to_keep``)."""
@@ -263,15 +276,7 @@ class EpsilonLogitsWarper(ProcessorBase):
     min_tokens_to_keep: int = static_field(1)
 
     def __post_init__(self):
-        eps = float(self.epsilon)
-        if eps <= 0 or eps >= 1:
-            raise ValueError(f"`epsilon_cutoff` has to be a float > 0 and < 1, but is {eps}")
-        object.__setattr__(self, "epsilon", eps)
-        if int(self.min_tokens_to_keep) < 1:
-            raise ValueError(
-                f"`min_tokens_to_keep` has to be a strictly positive integer, but is {self.min_tokens_to_keep}"
-            )
-        object.__setattr__(self, "min_tokens_to_keep", int(self.min_tokens_to_keep))
+        _validate_cutoff(self, "epsilon_cutoff")
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
@@ -290,15 +295,7 @@ class EtaLogitsWarper(ProcessorBase):
     min_tokens_to_keep: int = static_field(1)
 
     def __post_init__(self):
-        eps = float(self.epsilon)
-        if eps <= 0 or eps >= 1:
-            raise ValueError(f"`eta_cutoff` has to be a float > 0 and < 1, but is {eps}")
-        object.__setattr__(self, "epsilon", eps)
-        if int(self.min_tokens_to_keep) < 1:
-            raise ValueError(
-                f"`min_tokens_to_keep` has to be a strictly positive integer, but is {self.min_tokens_to_keep}"
-            )
-        object.__setattr__(self, "min_tokens_to_keep", int(self.min_tokens_to_keep))
+        _validate_cutoff(self, "eta_cutoff")
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
