@@ -41,3 +41,24 @@ def test_compiled_greedy_equals_eager_on_smollm2(smollm2, smollm2_prompts):
     common = dict(attention_mask=mask, max_new_tokens=24, max_cache_len=64)
     compiled = genfn.generate(smollm2, ids, cache_implementation="static", **common)
     assert torch.equal(compiled, genfn.generate(smollm2, ids, **common))
+
+
+def test_compile_options_pick_max_autotune_on_cpu_unless_told_otherwise():
+    from genfn.generation import _compile_options
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    static = dict(cache_implementation="static")
+    assert _compile_options(genfn.GenerationConfig(**static), cpu) == {"fullgraph": True,
+                                                                       "mode": "max-autotune-no-cudagraphs"}
+    # transformers' default mode is CUDA graphs ("reduce-overhead"): meaningless on a CPU, and
+    # it would capture the donated buffers' addresses on a GPU.
+    default_cc = genfn.GenerationConfig(compile_config=genfn.CompileConfig(), **static)
+    assert _compile_options(default_cc, cpu)["mode"] == "max-autotune-no-cudagraphs"
+    assert "mode" not in _compile_options(default_cc, cuda)
+    chosen = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode="default"), **static)
+    assert _compile_options(chosen, cpu)["mode"] == "default"
+    with_options = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode=None, options={"freezing": True}),
+                                          **static)
+    assert "mode" not in _compile_options(with_options, cpu)
+    assert _compile_options(genfn.GenerationConfig(disable_compile=True, **static), cpu) is None
+    assert _compile_options(genfn.GenerationConfig(), cpu) is None  # dynamic cache: eager
