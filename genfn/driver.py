@@ -79,91 +79,98 @@ def limit_attention(state, num_slots: int):
     return state.replace(cache=cache.with_span(num_slots))
 
 
+def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict | None, build: Callable):
+    """``torch.compile(build(weights, layout), **compile_options)``, cached on ``model``.
+
+    The key holds ``kind``, the step function, the treedef (which holds every static option) and
+    the leaves' shapes and dtypes (dims marked dynamic excluded), so a state with the same
+    structure reuses the compiled function without recompiling.
+    """
+    compile_options = dict(compile_options or {})
+    tensors, layout = _split_leaves(state)
+    signature = tuple((_static_shape(t), t.dtype) for t in tensors)
+    cache_key = (kind, step, layout, signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
+    fn = model.compiled_steps.get(cache_key)
+    if fn is None:
+        # The weights come from module buffers, so freezing makes them constants.
+        fn = torch.compile(build(ParamsModule(model.params), layout), **compile_options)
+        model.compiled_steps[cache_key] = fn
+    return fn
+
+
+def _call_on_leaves(fn: Callable, state, *leading):
+    """``fn(*leading, *tensor leaves of state)`` rebuilt into a state of ``state``'s layout."""
+    flat, layout = _split_leaves(state)
+    # Dynamo guards on strides: a leaf that is a strided view (a column sliced out of a
+    # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
+    # pass through untouched, so donated buffers are never copied.
+    flat = [_with_canonical_strides(t) for t in flat]
+    # Inference only: freezing folds the weights into constants (it needs grad disabled).
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        return _join_leaves(fn(*leading, *flat), layout)
+
+
+def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
+    def tensors_to_tensors(*flat):
+        bound = BoundModel(model, weights.tree())
+        new_tensors, _ = _split_leaves(step(bound, _join_leaves(flat, layout)))
+        return tuple(new_tensors)
+
+    return tensors_to_tensors
+
+
 def compiled_step(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any], Any]:
     """``state -> state`` running ``torch.compile``'d ``step`` for states shaped like ``state``.
 
     The compiled function is cached on ``model``; a state with the same structure, static options,
     shapes and dtypes reuses it without recompiling.
     """
-    compile_options = dict(compile_options or {})
-    tensors, layout = _split_leaves(state)
-    signature = tuple((_static_shape(t), t.dtype) for t in tensors)
-    cache_key = (step, layout, signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
-    compiled_cache = model.compiled_steps
-    fn = compiled_cache.get(cache_key)
-    if fn is None:
-        weights = ParamsModule(model.params)
+    fn = _cached_compile(model, "step", step, state, compile_options,
+                         lambda weights, layout: _step_on_leaves(step, model, weights, layout))
+    return lambda state: _call_on_leaves(fn, state)
 
-        def tensors_to_tensors(*flat):
-            # The weights come from module buffers, so freezing makes them constants.
-            bound = BoundModel(model, weights.tree())
-            new_state = step(bound, _join_leaves(flat, layout))
-            new_tensors, new_layout = _split_leaves(new_state)
-            return tuple(new_tensors)
 
-        fn = torch.compile(tensors_to_tensors, **compile_options)
-        compiled_cache[cache_key] = fn
+def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
+    from torch._higher_order_ops.while_loop import while_loop
 
-    def run(state):
-        flat, current_layout = _split_leaves(state)
-        # Dynamo guards on strides: a leaf that is a strided view (a column sliced out of a
-        # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
-        # pass through untouched, so donated buffers are never copied.
-        flat = [_with_canonical_strides(t) for t in flat]
-        # Inference only: freezing folds the weights into constants (it needs grad disabled).
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-            return _join_leaves(fn(*flat), current_layout)
+    one_step = _step_on_leaves(step, model, weights, layout)
 
-    return run
+    def whole_loop(num_steps, *flat):
+        def keep_going(i, *carried):
+            return (i < num_steps) & ~_join_leaves(carried, layout).done.all()
+
+        def advance(i, *carried):
+            return (i + 1, *one_step(*[t.clone() for t in carried]))  # no in-place update of carried state
+
+        start = torch.zeros((), dtype=torch.int64, device=num_steps.device)
+        return while_loop(keep_going, advance, (start, *flat))[1:]
+
+    return whole_loop
 
 
 def compiled_loop(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any, int], Any]:
-    """``(state, num_steps) -> state``: the whole decoding loop as one compiled graph.
+    """``(state, num_steps) -> state``: the whole decoding loop as one graph.
 
     The loop is torch's ``while_loop`` higher-order op: up to ``num_steps`` applications of
     ``step``, ending early once every row is done, with no return to Python in between. The step
     count is a tensor input, so every ``max_new_tokens`` shares one compile; the state's shapes
     must stay fixed across iterations, so attention reads the whole cache (no span).
+    ``compile_options=None`` runs the same ``while_loop`` eagerly (``disable_compile``).
 
     ``while_loop`` forbids its body from mutating or aliasing the carried state, so each iteration
     starts by copying the state, cache included: O(cache) bytes per step in exchange for no
-    per-step Python, guard checks or kernel-launch round trips. It pays off when those dominate
-    (small models, short caches); for a model whose weights dwarf its cache it is about even.
+    per-step Python, guard checks or launch round trips. That pays off where those dominate
+    (small models); on SmolLM2 the copies cost more than they save (benchmarks/decode.py).
     """
-    compile_options = dict(compile_options or {})
-    tensors, layout = _split_leaves(state)
-    signature = tuple((tuple(t.shape), t.dtype) for t in tensors)
-    cache_key = ("while_loop", step, layout, signature,
-                 tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
-    fn = model.compiled_steps.get(cache_key)
-    if fn is None:
-        weights = ParamsModule(model.params)
-
-        def whole_loop(num_steps, *flat):
-            from torch._higher_order_ops.while_loop import while_loop
-
-            bound = BoundModel(model, weights.tree())
-
-            def keep_going(i, *carried):
-                return (i < num_steps) & ~_join_leaves(carried, layout).done.all()
-
-            def advance(i, *carried):
-                fresh = [t.clone() for t in carried]  # no in-place update of carried state
-                new_tensors, _ = _split_leaves(step(bound, _join_leaves(fresh, layout)))
-                return (i + 1, *new_tensors)
-
-            start = torch.zeros((), dtype=torch.int64, device=num_steps.device)
-            return while_loop(keep_going, advance, (start, *flat))[1:]
-
-        fn = torch.compile(whole_loop, **compile_options)
-        model.compiled_steps[cache_key] = fn
+    if compile_options is None:
+        fn = _loop_on_leaves(step, model, ParamsModule(model.params), _split_leaves(state)[1])
+    else:
+        fn = _cached_compile(model, "while_loop", step, state, compile_options,
+                             lambda weights, layout: _loop_on_leaves(step, model, weights, layout))
 
     def run(state, num_steps: int):
-        flat, current_layout = _split_leaves(state)
-        flat = [_with_canonical_strides(t) for t in flat]
-        steps = torch.tensor(num_steps, dtype=torch.int64, device=flat[0].device)
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-            return _join_leaves(fn(steps, *flat), current_layout)
+        steps = torch.tensor(num_steps, dtype=torch.int64, device=state.done.device)
+        return _call_on_leaves(fn, state, steps)
 
     return run
 

@@ -50,6 +50,7 @@ def test_whole_loop_stops_when_every_row_hit_eos():
                            **_static(disable_compile=True))
     assert torch.equal(whole, stepwise)
     assert whole.shape[1] <= 9
+    assert model.compiled_steps == {}  # disable_compile ran the while_loop eagerly
 
 
 @pytest.mark.parametrize("kwargs, named", [
