@@ -16,8 +16,9 @@ Engines (all greedy, ``min_new_tokens = max_new_tokens`` so every row decodes th
 Prints tok/s (best of ``--repeats`` timed runs after a warm-up, engines interleaved so machine
 noise hits them alike), ratios genfn/transformers, first-call compile time (warm-up time minus
 the steady time of the same call), the bandwidth roofline share at batch 1 (weight bytes per
-token / read bandwidth measured here with a large ``tensor.sum()``), whether genfn's tokens equal
-transformers', and the per-token latency at a 100-token context for max_cache_len 4096 vs 256.
+token / the faster of ``tensor.sum()`` and ``torch.mv`` over 512 MiB), whether genfn's tokens
+equal transformers', the per-token latency at a 100-token context for max_cache_len 4096 vs 256,
+and the first-call times of a second process that finds the on-disk compile caches filled.
 
 Run it on a quiet machine with OpenMP's default wait policy (threads spin briefly between
 parallel regions): a decode step runs hundreds of short kernels, and ``OMP_WAIT_POLICY=PASSIVE``
@@ -57,6 +58,7 @@ PROMPTS = [
     "The recipe calls for two cups of flour, one cup of sugar, three eggs and a pinch of salt. Start by",
 ]
 LONG_CONTEXT = 100
+COMPILED_ENGINES = ("hf-compiled", "genfn-compiled", "genfn-loop")
 
 
 @dataclasses.dataclass
@@ -320,10 +322,10 @@ def main(argv=None):
                   f"  {ratio('genfn', 'hf'):>8s}  {roof:>13s}")
     log("first-call seconds (compile + warm-up): " + ", ".join(
         f"{r.engine}/{r.dtype}/b{r.batch}={r.first_call_s:.0f}" for r in results
-        if r.first_call_s is not None and r.engine.endswith(("compiled", "loop"))))
+        if r.first_call_s is not None and r.engine in COMPILED_ENGINES))
     for row in latency_rows:
         log(row)
-    compiled_engines = [e for e in engines if e.endswith(("compiled", "loop"))]
+    compiled_engines = [e for e in engines if e in COMPILED_ENGINES]
     if compiled_engines and not args.no_second_process and not args.child:
         second_process(args, compiled_engines, dtypes[0], batches[0])
     log(f"# total {time.perf_counter() - t_start:.0f} s, load avg {os.getloadavg()[0]:.1f}")
