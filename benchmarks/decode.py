@@ -156,7 +156,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine after the warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
-                    help="torch.compile mode for genfn-compiled and hf-compiled ('default' for none)")
+                    help="torch.compile mode for hf-compiled ('default' for none)")
+    ap.add_argument("--genfn-compile-mode", default="auto",
+                    help="compile_config mode for genfn's compiled engines; 'auto' (default) passes no "
+                         "compile_config, i.e. genfn's CPU default: max-autotune options + the C++ wrapper")
     ap.add_argument("--engines", default="hf,hf-compiled,genfn,genfn-compiled,genfn-loop")
     ap.add_argument("--no-second-process", action="store_true",
                     help="skip timing the first call of a fresh process that reuses the on-disk compile cache")
@@ -193,12 +196,13 @@ def main(argv=None):
                       else dtypes[:1])
     N = args.new_tokens
     mode = None if args.compile_mode == "default" else args.compile_mode
+    genfn_mode = None if args.genfn_compile_mode == "auto" else args.genfn_compile_mode
 
     log(f"# genfn decode benchmark  torch {torch.__version__}  transformers {transformers.__version__}  "
         f"threads {torch.get_num_threads()}  OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  "
         f"load avg {os.getloadavg()[0]:.1f}")
     log(f"# {N} greedy tokens, batches {batches}, dtypes {[str(d).split('.')[-1] for d in dtypes]}, "
-        f"compile mode {args.compile_mode}, best of {args.repeats} after a warm-up")
+        f"compile mode hf {args.compile_mode}, genfn {args.genfn_compile_mode}, best of {args.repeats} after a warm-up")
     sum_rate, mv_rate = read_bandwidth_gbs()
     bandwidth = max(sum_rate, mv_rate)
     log(f"# read bandwidth over 512 MiB, best of 7: tensor.sum() {sum_rate:.1f} GB/s, torch.mv {mv_rate:.1f} GB/s; "
@@ -245,8 +249,8 @@ def main(argv=None):
                         return genfn.generate(model, input_ids, **common)
                     if engine in ("genfn-compiled", "genfn-loop"):
                         extra = {}
-                        if mode is not None:
-                            extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=mode)
+                        if genfn_mode is not None:
+                            extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=genfn_mode)
                         if engine == "genfn-loop":
                             extra["compile_loop"] = True
                         return genfn.generate(model, input_ids, cache_implementation="static",
@@ -290,7 +294,7 @@ def main(argv=None):
                         f"{first_mismatch(rows['hf-compiled'].tokens, ref.tokens, prompt_len)}")
 
         if not args.no_latency and dtype in latency_dtypes and "genfn-compiled" in engines:
-            latency_rows += latency_check(genfn, model, tok, pad_id, mode, args.repeats + 1)
+            latency_rows += latency_check(genfn, model, tok, pad_id, genfn_mode, args.repeats + 1)
         del model, hf
         gc.collect()
 
@@ -338,7 +342,8 @@ def second_process(args, engines, dtype, batch):
 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--no-latency", "--repeats", "1",
            "--engines", ",".join(engines), "--dtypes", str(dtype).split(".")[-1], "--batches", str(batch),
-           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--compile-mode", args.compile_mode]
+           "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--compile-mode", args.compile_mode,
+           "--genfn-compile-mode", args.genfn_compile_mode]
     log(f"\n## second process (reuses the on-disk compile cache): {' '.join(cmd[2:])}")
     t = time.perf_counter()
     try:

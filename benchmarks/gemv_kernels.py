@@ -1,13 +1,13 @@
 """How fast each way of running SmolLM2's batch-1 linears streams its weights, on this machine.
 
-    python benchmarks/gemv_kernels.py float32
-    python benchmarks/gemv_kernels.py bfloat16
+    python benchmarks/gemv_kernels.py float32 [rows]
+    python benchmarks/gemv_kernels.py bfloat16 [rows]
 
 A chain of 30 layers of SmolLM2's fused gate/up [3072, 576] and down [576, 1536] projections
-(far larger than the caches) is run at batch 1 five ways: eager ``F.linear``; compiled with the
-weights frozen as constants (default mode, and max-autotune, where inductor may pick its own C++
-GEMM kernels); and the GEMV written as a multiply + sum reduction for inductor to generate
-(plain and with its C++ wrapper). Prints the median time, weight bytes streamed per second, and
+(far larger than the caches) is run at batch 1 (or ``rows``) six ways: eager ``F.linear``; genfn's
+decode kernel (``genfn.kernels.linear``, eager); compiled with the weights frozen as constants
+(default mode, and max-autotune, where inductor may pick its own C++ GEMM kernels); and the GEMV
+written as a multiply + sum reduction for inductor to generate (plain and with its C++ wrapper). Prints the median time, weight bytes streamed per second, and
 the largest difference from eager; ``tensor.sum()`` over 1 GiB gives the read bandwidth for scale.
 """
 
@@ -62,14 +62,20 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def main(dtype_name: str = "float32") -> None:
+def main(dtype_name: str = "float32", rows: str = "1") -> None:
+    from genfn import kernels
+
     torch.set_grad_enabled(False)
     dtype = getattr(torch, dtype_name)
     weights = Weights(dtype)
     weight_bytes = sum(b.numel() * b.element_size() for b in weights.buffers())
-    x = torch.randn(1, 576).to(dtype)
-    print(f"{dtype_name}: {weight_bytes / 1e6:.0f} MB of weights; sum() read bandwidth {read_bandwidth_gbs():.1f} GB/s")
+    x = torch.randn(int(rows), 576).to(dtype)
+    print(f"{dtype_name}, {rows} row(s): {weight_bytes / 1e6:.0f} MB of weights; sum() read bandwidth {read_bandwidth_gbs():.1f} GB/s")
     variants = {"eager F.linear": mlp_chain(weights, linear)}
+    if kernels.decode_linear_available():
+        variants["genfn decode_linear (eager)"] = mlp_chain(weights, kernels.linear)
+    else:
+        print(f"  genfn decode kernel: {kernels.kernel_status()}")
     with inductor_config.patch(freezing=True):
         for name, project, options in [("frozen, default mode", linear, {}),
                                        ("frozen, max-autotune", linear, {"max_autotune": True}),
@@ -90,4 +96,4 @@ def main(dtype_name: str = "float32") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

@@ -19,6 +19,7 @@ import torch
 import torch._inductor.config
 import torch.utils._pytree as torch_pytree
 
+from genfn import kernels
 from genfn.models.model import BoundModel, ParamsModule
 
 __all__ = ["run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention"]
@@ -79,6 +80,15 @@ def limit_attention(state, num_slots: int):
     return state.replace(cache=cache.with_span(num_slots))
 
 
+def _hashable(value):
+    """``value`` with its dicts (``compile_options["options"]`` is one) as sorted item tuples."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict | None, build: Callable):
     """``torch.compile(build(weights, layout), **compile_options)``, cached on ``model``.
 
@@ -89,9 +99,11 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
     compile_options = dict(compile_options or {})
     tensors, layout = _split_leaves(state)
     signature = tuple((_static_shape(t), t.dtype) for t in tensors)
-    cache_key = (kind, step, layout, signature, tuple(sorted(compile_options.items(), key=lambda kv: kv[0])))
+    cache_key = (kind, step, layout, signature, _hashable(compile_options))
     fn = model.compiled_steps.get(cache_key)
     if fn is None:
+        # Build/load the native kernels now, not while dynamo traces the model.
+        kernels.decode_linear_available()
         # The weights come from module buffers, so freezing makes them constants.
         fn = torch.compile(build(ParamsModule(model.params), layout), **compile_options)
         model.compiled_steps[cache_key] = fn

@@ -43,18 +43,20 @@ def test_compiled_greedy_equals_eager_on_smollm2(smollm2, smollm2_prompts):
     assert torch.equal(compiled, genfn.generate(smollm2, ids, **common))
 
 
-def test_compile_options_pick_max_autotune_on_cpu_unless_told_otherwise():
-    from genfn.generation import _compile_options
+def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_told_otherwise():
+    from genfn.generation import _CPU_COMPILE_OPTIONS, _compile_options
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     static = dict(cache_implementation="static")
+    assert _CPU_COMPILE_OPTIONS == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
     assert _compile_options(genfn.GenerationConfig(**static), cpu) == {"fullgraph": True,
-                                                                       "mode": "max-autotune-no-cudagraphs"}
+                                                                       "options": _CPU_COMPILE_OPTIONS}
     # transformers' default mode is CUDA graphs ("reduce-overhead"): meaningless on a CPU, and
     # it would capture the donated buffers' addresses on a GPU.
     default_cc = genfn.GenerationConfig(compile_config=genfn.CompileConfig(), **static)
-    assert _compile_options(default_cc, cpu)["mode"] == "max-autotune-no-cudagraphs"
-    assert "mode" not in _compile_options(default_cc, cuda)
+    assert _compile_options(default_cc, cpu)["options"] == _CPU_COMPILE_OPTIONS
+    assert "mode" not in _compile_options(default_cc, cpu)
+    assert "mode" not in _compile_options(default_cc, cuda) and "options" not in _compile_options(default_cc, cuda)
     chosen = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode="default"), **static)
     assert _compile_options(chosen, cpu)["mode"] == "default"
     with_options = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode=None, options={"freezing": True}),

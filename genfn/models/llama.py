@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from genfn.cache.static import StaticCache, init_static_cache
+from genfn.kernels import linear
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
@@ -239,7 +240,7 @@ def apply(
     attentions = [] if output_attentions else None
     for i, layer in enumerate(params["layers"]):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        qkv = F.linear(h, layer["wqkv"], layer.get("bqkv"))
+        qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
         k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -256,10 +257,10 @@ def apply(
         else:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
-        x = x + F.linear(attn, layer["wo"])
+        x = x + linear(attn, layer["wo"])
         h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
-        gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, layer["w_down"])
         if output_hidden_states:
             hidden_states.append(x)
     x = _rms_norm(x, params["norm"], spec.rms_norm_eps)
@@ -267,7 +268,7 @@ def apply(
         hidden_states[-1] = x  # transformers reports the final-norm output as the last hidden state
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
-    logits = F.linear(x, params["lm_head"]).to(torch.float32)
+    logits = linear(x, params["lm_head"]).to(torch.float32)
     if output_hidden_states or output_attentions:
         return ModelOutput(logits, cache,
                            tuple(hidden_states) if hidden_states is not None else None,

@@ -1,0 +1,157 @@
+"""Native kernels for the memory-bound decode step, built on first use.
+
+``decode_linear(x, weight)`` is ``F.linear`` for a few rows of ``x`` (a decode step: one row per
+sequence), streaming the weight once from memory at close to the machine's read bandwidth
+(see ``decode_linear.cpp`` and ``benchmarks/gemv_kernels.py``). It is a ``torch.library`` op
+with a fake implementation, so it sits inside compiled steps like any aten op.
+
+The C++ source is compiled with the system C++ compiler the first time it is needed and cached
+under ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``), keyed by the source, torch's
+version and the flags. Where it cannot be built or run (no compiler, a CPU without AVX-512,
+``GENFN_KERNELS=0``), ``linear`` is ``F.linear`` and the reason is in ``kernel_status()``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["linear", "decode_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
+
+_SOURCE = Path(__file__).with_name("decode_linear.cpp")
+_OP_NAMESPACE = "genfn_kernels"
+_BUILD_TIMEOUT_S = 600
+
+# Rows of x up to which the kernel beats the library GEMM (benchmarks/gemv_kernels.py): in
+# bfloat16, past 4 rows its widening FMAs, not memory, set the pace and oneDNN's AMX path wins.
+MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+
+_status = "not loaded yet"
+# None until the first call of decode_linear_available(); a plain global (not functools.cache)
+# so that a compiled step reads it as a constant instead of tracing the loader.
+_available: bool | None = None
+
+
+def kernel_status() -> str:
+    """Why ``decode_linear`` is or is not in use: ``"loaded from <path>"`` or the reason it is not."""
+    decode_linear_available()
+    return _status
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("GENFN_KERNEL_CACHE") or Path.home() / ".cache" / "genfn" / "kernels")
+
+
+def _compile_command(output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or "c++"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dirs = cpp_extension.library_paths()
+    return [
+        compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *includes, str(_SOURCE), "-o", str(output),
+        *[f"-L{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu",
+        # Resolve OpenMP and torch's libraries to the ones this torch ships, so the kernel's
+        # parallel regions run on torch's thread pool rather than a second OpenMP runtime.
+        *[f"-Wl,-rpath,{d}" for d in lib_dirs],
+    ]
+
+
+def _build() -> Path:
+    """Path of the compiled library, compiling it if this source/torch/flags has no build yet."""
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(" ".join(_compile_command(Path("out.so"))).encode())
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"decode_linear-{key.hexdigest()[:16]}.so"
+    # One process builds; the others wait on the lock and then find the library.
+    with open(cache / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            partial = target.with_suffix(f".{os.getpid()}.tmp")
+            done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
+                                  timeout=_BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                partial.unlink(missing_ok=True)
+                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{done.stderr[-2000:]}")
+            partial.replace(target)
+    return target
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
+    def _(x, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def decode_linear_available() -> bool:
+    """Whether ``torch.ops.genfn_kernels.decode_linear`` is built and loaded (built on first call)."""
+    global _available
+    if _available is None:
+        _available = _load()
+    return _available
+
+
+def _load() -> bool:
+    global _status
+    if os.environ.get("GENFN_KERNELS", "1") == "0":
+        _status = "disabled by GENFN_KERNELS=0"
+        return False
+    if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        _status = f"needs an x86-64 CPU with AVX-512 on Linux (this: {sys.platform}, " \
+                  f"{torch.backends.cpu.get_cpu_capability()})"
+        return False
+    try:
+        path = _build()
+        torch.ops.load_library(str(path))
+        _register_fake()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _status = f"unavailable: {error}"
+        warnings.warn(f"genfn: decode kernels {_status}; using F.linear", RuntimeWarning, stacklevel=2)
+        return False
+    _status = f"loaded from {path}"
+    return True
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    limit = MAX_DECODE_ROWS.get(weight.dtype)
+    return (
+        limit is not None
+        and x.dtype == weight.dtype
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() // max(weight.shape[1], 1) <= limit
+        # The op has no backward: anything that will be differentiated takes F.linear.
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and (_available if _available is not None else decode_linear_available())
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the decode kernel when ``x`` has only a few rows."""
+    if not _takes(x, weight):
+        return F.linear(x, weight, bias)
+    y = _decode_linear_op(x, weight)
+    return y if bias is None else y + bias
+
+
+def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return getattr(torch.ops, _OP_NAMESPACE).decode_linear(x, weight)
