@@ -119,7 +119,7 @@ def _row_keys(key, batch_size: int) -> torch.Tensor:
 _CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
 
 
-def _compile_options(config: GenerationConfig, device: torch.device) -> dict | None:
+def _compile_options(config: GenerationConfig, device: torch.device, whole_loop: bool = False) -> dict | None:
     if config.disable_compile or config.cache_implementation not in _COMPILABLE_CACHES:
         return None
     compile_config = config.compile_config
@@ -131,6 +131,10 @@ def _compile_options(config: GenerationConfig, device: torch.device) -> dict | N
         if device.type == "cpu" and options.get("backend", "inductor") == "inductor":
             options.pop("mode", None)  # torch.compile takes a mode or options, not both
             options["options"] = dict(_CPU_COMPILE_OPTIONS)
+            if whole_loop:
+                # A while_loop's C++ wrapper inlines every layer's kernels into one ~1 MB source
+                # (SmolLM2: over 8 minutes of g++ -O3); the loop has no per-step Python to save.
+                options["options"].pop("cpp_wrapper")
         else:
             options.pop("mode", None)  # CUDA graphs would capture the donated buffers' addresses
     return options
@@ -201,7 +205,7 @@ def generate(
         state = extra_stop(state)
     after_step(state)
 
-    compile_options = _compile_options(config, model.device)
+    compile_options = _compile_options(config, model.device, whole_loop=compile_loop)
     if compile_loop:
         loop = driver.compiled_loop(strategy.step, model, state, compile_options)
         state = loop(state, request.max_length - request.prompt_len - 1)

@@ -57,6 +57,7 @@ def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_tol
     assert _compile_options(default_cc, cpu)["options"] == _CPU_COMPILE_OPTIONS
     assert "mode" not in _compile_options(default_cc, cpu)
     assert "mode" not in _compile_options(default_cc, cuda) and "options" not in _compile_options(default_cc, cuda)
+    assert "cpp_wrapper" not in _compile_options(default_cc, cpu, whole_loop=True)["options"]
     chosen = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode="default"), **static)
     assert _compile_options(chosen, cpu)["mode"] == "default"
     with_options = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode=None, options={"freezing": True}),

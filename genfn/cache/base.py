@@ -27,7 +27,8 @@ import torch
 
 from genfn.state.base import leaf_fields
 
-__all__ = ["CopyFn", "as_device", "default_copy", "host_sync", "tensor_nbytes"]
+__all__ = ["CacheBase", "CopyFn", "as_device", "default_copy", "host_sync", "reorder_in_place", "rows_selected",
+           "tensor_nbytes"]
 
 # ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
 # "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer
@@ -71,3 +72,32 @@ def tensor_nbytes(cache, device: torch.device | str | None = None) -> int:
                 continue
             total += t.numel() * t.element_size()
     return total
+
+
+class CacheBase:
+    """Methods every cache shares; the caches are ``pytree_dataclass``es deriving from it."""
+
+    def nbytes(self, device=None) -> int:
+        """Bytes held by the cache's tensors (only those on ``device`` when given)."""
+        return tensor_nbytes(self, device)
+
+
+def reorder_in_place(buffers, beam_idx: torch.Tensor) -> None:
+    """Row ``i`` of each ``[L, B, ...]`` buffer becomes old row ``beam_idx[i]``, in place.
+
+    Each layer is gathered into a temporary and copied back, so the buffers keep their addresses
+    (static for compiled steps) and the extra memory is one layer, not the cache.
+    """
+    for buffer in buffers:
+        idx = beam_idx.to(buffer.device)
+        for layer in range(buffer.shape[0]):
+            buffer[layer].copy_(buffer[layer].index_select(0, idx))
+
+
+def rows_selected(cache, names, beam_idx: torch.Tensor) -> dict:
+    """``replace`` arguments giving row ``i`` of ``cache.valid`` and of each ``[L, B, ...]`` buffer
+    in ``names`` the old row ``beam_idx[i]`` (new tensors: for caches that are not donated)."""
+    changes = {name: getattr(cache, name).index_select(1, beam_idx.to(getattr(cache, name).device))
+               for name in names}
+    changes["valid"] = cache.valid.index_select(0, beam_idx.to(cache.valid.device))
+    return changes

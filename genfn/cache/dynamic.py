@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import tensor_nbytes
+from genfn.cache.base import CacheBase, rows_selected
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["DynamicCache", "init_dynamic_cache"]
 
 
 @pytree_dataclass
-class DynamicCache:
+class DynamicCache(CacheBase):
     keys: torch.Tensor  # [L, B, Hkv, T, D], T = tokens seen so far
     values: torch.Tensor  # [L, B, Hkv, T, D]
     valid: torch.Tensor  # [B, T] bool
@@ -57,15 +57,7 @@ class DynamicCache:
 
     def reorder(self, beam_idx: torch.Tensor) -> DynamicCache:
         """Row ``i`` becomes old row ``beam_idx[i]`` (a new cache; this one is donated)."""
-        idx = beam_idx.to(self.keys.device)
-        return self.replace(
-            keys=self.keys.index_select(1, idx),
-            values=self.values.index_select(1, idx),
-            valid=self.valid.index_select(0, beam_idx.to(self.valid.device)),
-        )
-
-    def nbytes(self, device=None) -> int:
-        return tensor_nbytes(self, device)
+        return self.replace(**rows_selected(self, ("keys", "values"), beam_idx))
 
 
 def init_dynamic_cache(

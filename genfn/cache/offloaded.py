@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, tensor_nbytes
+from genfn.cache.base import CacheBase, CopyFn, as_device, default_copy, host_sync
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["OffloadedCache", "init_offloaded_cache"]
 
 
-@pytree_dataclass
-class OffloadedCache:
-    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    valid: torch.Tensor  # [B, T] bool, compute device
-    length: torch.Tensor  # [] int64, compute device
-    copy_fn: CopyFn = static_field(default=default_copy)
+class StagedLayers(CacheBase):
+    """What both offloaded caches share: ``keys``/``values`` ``[L, B, Hkv, T, D]`` on the offload
+    device, ``stage_keys``/``stage_values`` ``[2, B, Hkv, T, D]`` on the compute device, and
+    ``copy_fn`` for every transfer between them."""
 
     @property
     def max_cache_len(self) -> int:
@@ -49,6 +44,24 @@ class OffloadedCache:
     @property
     def compute_device(self) -> torch.device:
         return self.stage_keys.device
+
+    def _prefetch_after(self, layer: int) -> None:
+        """Issue the copy of layer ``layer + 1`` into its stage, one layer ahead of its use."""
+        nxt = layer + 1
+        if nxt < self.keys.shape[0]:
+            self.copy_fn(self.stage_keys[nxt % 2], self.keys[nxt], kind="prefetch", layer=nxt)
+            self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
+
+
+@pytree_dataclass
+class OffloadedCache(StagedLayers):
+    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    valid: torch.Tensor  # [B, T] bool, compute device
+    length: torch.Tensor  # [] int64, compute device
+    copy_fn: CopyFn = static_field(default=default_copy)
 
     def slots(self, num_new: int) -> torch.Tensor:
         start = self.keys.shape[3]
@@ -79,10 +92,7 @@ class OffloadedCache:
         # Only the new tokens go back: the offloaded layer already holds the rest.
         self.copy_fn(self.keys[layer].narrow(2, start, num_new), k, kind="writeback", layer=layer)
         self.copy_fn(self.values[layer].narrow(2, start, num_new), v, kind="writeback", layer=layer)
-        nxt = layer + 1
-        if nxt < self.keys.shape[0]:
-            self.copy_fn(self.stage_keys[nxt % 2], self.keys[nxt], kind="prefetch", layer=nxt)
-            self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
+        self._prefetch_after(layer)
         return keys, values
 
     def reorder(self, beam_idx: torch.Tensor) -> OffloadedCache:
@@ -94,9 +104,6 @@ class OffloadedCache:
         torch.index_select(self.values, 1, idx, out=values)
         return self.replace(keys=keys, values=values,
                             valid=self.valid.index_select(0, beam_idx.to(self.valid.device)))
-
-    def nbytes(self, device=None) -> int:
-        return tensor_nbytes(self, device)
 
     def _alloc_like(self, buf: torch.Tensor, length: int | None = None) -> torch.Tensor:
         shape = list(buf.shape)

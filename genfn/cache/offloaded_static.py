@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, tensor_nbytes
-from genfn.cache.offloaded import _alloc
+from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, reorder_in_place
+from genfn.cache.offloaded import StagedLayers, _alloc
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
 
 
 @pytree_dataclass
-class OffloadedStaticCache:
+class OffloadedStaticCache(StagedLayers):
     keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
     values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
     stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
@@ -36,18 +36,6 @@ class OffloadedStaticCache:
     valid: torch.Tensor  # [B, T] bool, compute device
     length: torch.Tensor  # [] int64, compute device
     copy_fn: CopyFn = static_field(default=default_copy)
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def offload_device(self) -> torch.device:
-        return self.keys.device
-
-    @property
-    def compute_device(self) -> torch.device:
-        return self.stage_keys.device
 
     def slots(self, num_new: int) -> torch.Tensor:
         return self.length + torch.arange(num_new, device=self.length.device)
@@ -64,25 +52,16 @@ class OffloadedStaticCache:
         values.index_copy_(2, slots, v.to(values.dtype))
         self.copy_fn(self.keys[layer], keys, kind="writeback", layer=layer)
         self.copy_fn(self.values[layer], values, kind="writeback", layer=layer)
-        nxt = layer + 1
-        if nxt < self.keys.shape[0]:
-            self.copy_fn(self.stage_keys[nxt % 2], self.keys[nxt], kind="prefetch", layer=nxt)
-            self.copy_fn(self.stage_values[nxt % 2], self.values[nxt], kind="prefetch", layer=nxt)
+        self._prefetch_after(layer)
         return keys, values
 
     def reorder(self, beam_idx: torch.Tensor) -> OffloadedStaticCache:
         """Row ``i`` becomes old row ``beam_idx[i]``, in the donated buffers (addresses kept)."""
         if not torch.compiler.is_compiling():  # compiled code orders its own copies
             host_sync(self.compute_device)
-        idx = beam_idx.to(self.offload_device)
-        for layer in range(self.keys.shape[0]):
-            self.keys[layer].copy_(self.keys[layer].index_select(0, idx))
-            self.values[layer].copy_(self.values[layer].index_select(0, idx))
+        reorder_in_place((self.keys, self.values), beam_idx)
         self.valid.copy_(self.valid.index_select(0, beam_idx.to(self.valid.device)))
         return self.replace()
-
-    def nbytes(self, device=None) -> int:
-        return tensor_nbytes(self, device)
 
 
 def init_offloaded_static_cache(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import tensor_nbytes
+from genfn.cache.base import CacheBase, rows_selected
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -134,7 +134,7 @@ def _unpack(packed: torch.Tensor, nbits: int) -> torch.Tensor:
 
 
 @pytree_dataclass
-class QuantizedCache:
+class QuantizedCache(CacheBase):
     qkeys: torch.Tensor  # [L, B, Hkv, Tq, D * nbits / 8] uint8
     kscale: torch.Tensor  # [L, B, Hkv, Tq, D / q_group_size] float32
     kzero: torch.Tensor  # [L, B, Hkv, Tq, D / q_group_size] float32
@@ -206,13 +206,8 @@ class QuantizedCache:
 
     def reorder(self, beam_idx: torch.Tensor) -> QuantizedCache:
         """Row ``i`` becomes old row ``beam_idx[i]``: codes and scales move as they are (no requantization)."""
-        idx = beam_idx.to(self.qkeys.device)
         per_row = ("qkeys", "kscale", "kzero", "qvalues", "vscale", "vzero", "rkeys", "rvalues")
-        changes = {name: getattr(self, name).index_select(1, idx) for name in per_row}
-        return self.replace(valid=self.valid.index_select(0, beam_idx.to(self.valid.device)), **changes)
-
-    def nbytes(self, device=None) -> int:
-        return tensor_nbytes(self, device)
+        return self.replace(**rows_selected(self, per_row, beam_idx))
 
 
 def init_quantized_cache(

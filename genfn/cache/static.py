@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import tensor_nbytes
+from genfn.cache.base import CacheBase, reorder_in_place
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["StaticCache", "init_static_cache"]
 
 
 @pytree_dataclass
-class StaticCache:
+class StaticCache(CacheBase):
     keys: torch.Tensor  # [L, B, Hkv, T, D]
     values: torch.Tensor  # [L, B, Hkv, T, D]
     valid: torch.Tensor  # [B, T] bool: slot holds a real (non-padding) token
@@ -74,20 +74,10 @@ class StaticCache:
         return self.replace(length=self.length + slots.shape[0])
 
     def reorder(self, beam_idx: torch.Tensor) -> "StaticCache":
-        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search's reorder), in the donated buffers.
-
-        Each layer is gathered into a temporary and copied back, so the buffers keep their
-        addresses (static for compiled steps) and the extra memory is one layer, not the cache.
-        """
-        for layer in range(self.keys.shape[0]):
-            self.keys[layer].copy_(self.keys[layer].index_select(0, beam_idx))
-            self.values[layer].copy_(self.values[layer].index_select(0, beam_idx))
+        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search's reorder), in the donated buffers."""
+        reorder_in_place((self.keys, self.values), beam_idx)
         self.valid.copy_(self.valid.index_select(0, beam_idx))
         return self.replace()
-
-    def nbytes(self, device=None) -> int:
-        """Bytes held by the cache's tensors (only those on ``device`` when given)."""
-        return tensor_nbytes(self, device)
 
 
 def init_static_cache(
