@@ -23,6 +23,16 @@ def test_ten_calls_compile_the_decode_step_once():
         assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=new_tokens)), f"call {i}"
     assert _graphs() - before == 1
     assert len(model.compiled_steps) == 1
+    # The compiled step's linears (batch 2: two rows) run genfn's decode kernel where it is built.
+    from genfn import kernels
+
+    with torch.profiler.profile() as profile:
+        genfn.generate(model, ids, max_new_tokens=3, cache_implementation="static", max_cache_len=160)
+    kernel_calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::decode_linear")
+    # Two compiled steps of 4 linears per layer + the LM head; the eager prefill (22 rows) takes
+    # F.linear except for its LM head, which sees only the last position of each row.
+    per_step = 4 * model.spec.num_layers + 1
+    assert kernel_calls == (2 * per_step + 1 if kernels.decode_linear_available() else 0)
 
 
 def test_disable_compile_runs_eagerly():
