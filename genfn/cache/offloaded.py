@@ -20,6 +20,8 @@ touches the offloaded memory (growth, reorder) it waits for the copies in flight
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from genfn.cache.base import CacheBase, CopyFn, as_device, default_copy, host_sync
@@ -28,10 +30,19 @@ from genfn.state.base import pytree_dataclass, static_field
 __all__ = ["OffloadedCache", "init_offloaded_cache"]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class StagedLayers(CacheBase):
-    """What both offloaded caches share: ``keys``/``values`` ``[L, B, Hkv, T, D]`` on the offload
-    device, ``stage_keys``/``stage_values`` ``[2, B, Hkv, T, D]`` on the compute device, and
-    ``copy_fn`` for every transfer between them."""
+    """The fields and helpers both offloaded caches share: every layer on the offload device, two
+    staging buffers on the compute device, ``copy_fn`` for every transfer between them. The
+    subclasses are the ``pytree_dataclass``es (their leaves are these fields, in this order)."""
+
+    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
+    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
+    valid: torch.Tensor  # [B, T] bool, compute device
+    length: torch.Tensor  # [] int64, compute device
+    copy_fn: CopyFn = static_field(default=default_copy)
 
     @property
     def max_cache_len(self) -> int:
@@ -55,14 +66,6 @@ class StagedLayers(CacheBase):
 
 @pytree_dataclass
 class OffloadedCache(StagedLayers):
-    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    valid: torch.Tensor  # [B, T] bool, compute device
-    length: torch.Tensor  # [] int64, compute device
-    copy_fn: CopyFn = static_field(default=default_copy)
-
     def slots(self, num_new: int) -> torch.Tensor:
         start = self.keys.shape[3]
         return torch.arange(start, start + num_new, device=self.valid.device)

@@ -22,21 +22,13 @@ import torch
 
 from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, reorder_in_place
 from genfn.cache.offloaded import StagedLayers, _alloc
-from genfn.state.base import pytree_dataclass, static_field
+from genfn.state.base import pytree_dataclass
 
 __all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
 
 
 @pytree_dataclass
 class OffloadedStaticCache(StagedLayers):
-    keys: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    values: torch.Tensor  # [L, B, Hkv, T, D] on the offload device
-    stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
-    valid: torch.Tensor  # [B, T] bool, compute device
-    length: torch.Tensor  # [] int64, compute device
-    copy_fn: CopyFn = static_field(default=default_copy)
-
     def slots(self, num_new: int) -> torch.Tensor:
         return self.length + torch.arange(num_new, device=self.length.device)
 

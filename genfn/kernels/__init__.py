@@ -51,10 +51,14 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("GENFN_KERNEL_CACHE") or Path.home() / ".cache" / "genfn" / "kernels")
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
 def _compile_command(output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX") or "c++"
+    compiler = _compiler()
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     return [
@@ -71,7 +75,7 @@ def _compile_command(output: Path) -> list[str]:
 
 def _build() -> Path:
     """Path of the compiled library, compiling it if this source/torch/flags has no build yet."""
-    if shutil.which(os.environ.get("CXX") or "c++") is None:
+    if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
@@ -141,7 +145,7 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.numel() // max(weight.shape[1], 1) <= limit
         # The op has no backward: anything that will be differentiated takes F.linear.
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and (_available if _available is not None else decode_linear_available())
+        and decode_linear_available()
     )
 
 
