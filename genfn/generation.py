@@ -333,7 +333,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         eos_token_ids=eos_ids,
         pad_token_id=pad_id,
         processors=processors if len(processors) else None,
-        processors_key=processors.fingerprint(),
+        processors_key=processors.content_key(),  # the chain is a static option here
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
         keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),

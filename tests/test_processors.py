@@ -321,10 +321,17 @@ def test_validation_errors():
         TopPLogitsWarper(1.5)
     with pytest.raises(ValueError):
         NoRepeatNGramLogitsProcessor(0)
-    with pytest.raises(ValueError):
-        NoBadWordsLogitsProcessor.create([[3]], eos_token_id=3)  # nothing left once EOS is dropped
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sequence_bias"):
         SequenceBiasLogitsProcessor.create({(1, 60): 1.0}, vocab_size=V)
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        NoBadWordsLogitsProcessor.create([[1, 60]], vocab_size=V)
+
+
+def test_bad_words_of_only_eos_is_a_no_op_like_transformers():
+    ctx, logits, input_ids, _ = make_batch(4)
+    ours = NoBadWordsLogitsProcessor.create([[3]], eos_token_id=3)
+    out = check(ours, hf.NoBadWordsLogitsProcessor([[3]], eos_token_id=3), ctx, logits, input_ids)
+    assert torch.equal(out, logits)
 
 
 def test_guidance_combine():
