@@ -89,6 +89,10 @@ class ProcessorBase:
         """This processor with every switch set to its "off" value (a row that does not use it)."""
         return evolve(self, **{n: rv.off for n, rv in self.row_values.items() if rv.off is not None})
 
+    def first_row(self) -> Any:
+        """A one-row processor holding row 0 of this one's per-row values (a template for a row)."""
+        return evolve(self, **{n: _row0(getattr(self, n)) for n in self.row_values})
+
     def with_row(self, slot: int | torch.Tensor, row: Any) -> Any:
         """Pure: this per-row processor with row ``slot`` replaced by the one row of ``row``.
 
@@ -119,7 +123,7 @@ class ProcessorBase:
         """
         present = [e for e in entries if e is not None]
         check_same_kind(present if like is None else [like, *present], skip=())
-        template = present[0]
+        template = present[0] if present else like.first_row()
         if not template.row_values:
             return template.per_row(len(entries), device)
         rows = [(e if e is not None else template.off_row()).per_row(1, device) for e in entries]
@@ -129,6 +133,14 @@ class ProcessorBase:
     def _row_tables(self) -> tuple[str, ...]:
         """Leaf names that are per-row tables checked by ``with_row`` itself (none by default)."""
         return ()
+
+
+def _row0(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return value[:1]
+    if isinstance(value, tuple):
+        return tuple(_row0(v) for v in value)
+    return value
 
 
 def _to_device(value: Any, device: Any) -> Any:

@@ -80,6 +80,8 @@ class SequenceBiasLogitsProcessor(ProcessorBase):
     The biases are ``[S]`` for one request, ``[B, S]`` per row.
     """
 
+    has_row_off = True  # zero biases
+
     single_ids: torch.Tensor  # [S1] int64: one-token sequences
     single_bias: torch.Tensor  # [S1] or [B, S1] float32
     group_prefixes: tuple = ()  # ([S, L] int64, ...) one entry per prefix length L
@@ -127,7 +129,7 @@ class SequenceBiasLogitsProcessor(ProcessorBase):
         """One ``{sequence: bias}`` dict per row (a single one for the scalar form), zeros dropped."""
         seqs = self.sequences()
         biases = [self.single_bias, *self.group_bias]
-        rows = torch.cat([b.reshape(-1, b.shape[-1]) for b in biases], dim=-1) if biases else torch.zeros(1, 0)
+        rows = torch.cat([b.unsqueeze(0) if b.dim() == 1 else b for b in biases], dim=-1)
         return [{s: v for s, v in zip(seqs, row) if v != 0.0} for row in rows.tolist()]
 
     def per_row(self, batch_size: int, device: Any = None):

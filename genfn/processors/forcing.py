@@ -175,6 +175,7 @@ class _TokenSetRows:
     per-row ``row_mask [B, S]`` (which of those ids each row suppresses)."""
 
     _ids_field: str
+    has_row_off = True  # an all-False row_mask
 
     def _ids(self) -> tuple[int, ...]:
         return getattr(self, self._ids_field)
@@ -204,7 +205,8 @@ class _TokenSetRows:
     @classmethod
     def merge_rows(cls, entries: list[Any], device: Any = None, like: Any = None):
         present = [e for e in entries if e is not None]
-        check_same_kind(present, skip=(cls._ids_field, "row_mask"))
+        if present:
+            check_same_kind(present, skip=(cls._ids_field, "row_mask"))
         if like is not None:
             ids = tuple(like._ids())
         else:
@@ -219,7 +221,7 @@ class _TokenSetRows:
                 raise ValueError(f"a row suppresses {sorted(missing)}, which the batch's {cls.__name__} does not "
                                  f"hold ({list(ids)}): rebuild the batch chain with this row")
             masks.append(torch.tensor([[i in row_ids for i in ids]], dtype=torch.bool).reshape(1, len(ids)))
-        template = evolve(present[0] if like is None else like, **{cls._ids_field: ids})
+        template = evolve(present[0] if like is None else like.first_row(), row_mask=None, **{cls._ids_field: ids})
         rows = [(e if e is not None else template.off_row()).per_row(1, device) for e in entries]
         merged = {n: cat_rows([getattr(r, n) for r in rows], n) for n in cls.row_values}
         return evolve(template, row_mask=torch.cat(masks).to(device), **merged)

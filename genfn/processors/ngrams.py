@@ -79,7 +79,7 @@ class _NGramRows:
     @classmethod
     def merge_rows(cls, entries, device=None, like=None):
         present = [e for e in entries if e is not None]
-        largest = max(e.max_ngram_size for e in present)
+        largest = max((e.max_ngram_size for e in present), default=1)
         if like is not None:
             if largest > like.max_ngram_size:
                 raise ValueError(f"a row's n-gram size {largest} exceeds the batch's max_ngram_size "

@@ -126,7 +126,10 @@ def _merge_kind(kind: Any, entries: list[Any], device: Any, like_p: Any) -> Any:
         present = [like_inner]
         entries = [None] * len(entries)
     inner = [e.processor if isinstance(e, RowSelect) else e for e in entries]
-    template = next(e for e in inner if e is not None) if any(e is not None for e in inner) else like_inner
+    if any(e is not None for e in inner):
+        template = next(e for e in inner if e is not None)
+    else:
+        template = like_inner.first_row() if hasattr(like_inner, "first_row") else like_inner
     if getattr(template, "stateful", False) and (None in inner):
         raise ValueError(f"{_name(kind)} keeps state across steps: every row of the batch must use it (or none)")
     has_off = bool(getattr(template, "has_row_off", False))
@@ -151,6 +154,3 @@ def _merge_kind(kind: Any, entries: list[Any], device: Any, like_p: Any) -> Any:
             active.append(torch.tensor([e is not None]))
     return RowSelect(body, torch.cat(active).to(device))
 
-
-def _is_base(p: Any) -> bool:
-    return isinstance(p, ProcessorBase)
