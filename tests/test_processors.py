@@ -236,12 +236,18 @@ PAIR_IDS = [name for name, _, _ in pairs(*[make_batch(0)[i] for i in (0, 2, 3)])
 def test_processor_matches_transformers(name, batch):
     ctx, logits, input_ids, mask = batch
     _, ours, theirs = next(p for p in pairs(ctx, input_ids, mask) if p[0] == name)
+    # Both ways: the processor as built (transformers' Python values, 0-d lengths), and its
+    # per-row form (every number a [B] leaf) on [B] lengths.
+    per_row = ours.per_row(logits.shape[0])
+    rows_ctx = ctx.replace(cur_len=ctx.row_cur_len().clone(), prompt_len=ctx.row_prompt_len().clone())
     check(ours, theirs, ctx, logits, input_ids)
+    check(per_row, theirs, rows_ctx, logits, input_ids)
     # rows with -inf entries (as after an earlier truncation), and a row entirely -inf
     masked = logits.masked_fill(torch.rand(logits.shape, generator=torch.Generator().manual_seed(1)) < 0.3, -math.inf)
     if name not in ("top_h", "eta", "eta_keep"):  # transformers' Categorical rejects all--inf rows
         masked[0] = -math.inf
     check(ours, theirs, ctx, masked, input_ids)
+    check(per_row, theirs, rows_ctx, masked, input_ids)
 
 
 def test_inf_nan_removed():
@@ -541,6 +547,12 @@ def test_every_compile_safe_processor_traces_fullgraph():
     assert len(chain) == len(everything)
     compiled = torch.compile(lambda x, c: chain(x, c), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(logits, ctx), chain(logits, ctx), atol=0, rtol=0, equal_nan=True)
+    # The per-row chain, with [B] lengths, traces too and computes the same.
+    rows = chain.per_row(logits.shape[0])
+    rows_ctx = ctx.replace(cur_len=ctx.row_cur_len().clone(), prompt_len=ctx.row_prompt_len().clone())
+    compiled_rows = torch.compile(lambda x, c, ch: ch(x, c), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled_rows(logits, rows_ctx, rows), chain(logits, ctx), atol=0, rtol=0,
+                               equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------

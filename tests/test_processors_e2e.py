@@ -184,3 +184,31 @@ def test_truncation_sampling_distribution(name, settings):
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                             torch.tensor(chi2 / 2, dtype=torch.float64)))
     assert p_value > 1e-3, f"chi2={chi2:.1f} at {dof} dof (p={p_value:.2g})"
+
+
+def test_transformers_processor_objects_in_logits_processor(smollm2, hf_smollm2, batch, greedy):
+    """transformers' own processors (and plain callables) passed to genfn.generate run as they do
+    in transformers.generate: same tokens, same scores."""
+    from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
+
+    ids, mask = batch
+    suppressed = [greedy[0][0], greedy[1][1]]
+
+    def damp_first_tokens(input_ids, scores):
+        return scores - 5.0 * (torch.arange(scores.shape[-1]) < 100)
+
+    def processors():
+        return LogitsProcessorList([SuppressTokensLogitsProcessor(suppressed, device="cpu"), damp_first_tokens])
+
+    out = _run_both(smollm2, hf_smollm2, ids, mask, dict(logits_processor=processors()),
+                    dict(logits_processor=processors()))
+    assert out.sequences[:, ids.shape[1]:].tolist() != greedy, "the processors should change the output"
+
+
+def test_bad_words_of_only_eos_is_a_no_op(smollm2, hf_smollm2, batch, greedy):
+    ids, mask = batch
+    eos = smollm2.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    out = _run_both(smollm2, hf_smollm2, ids, mask, dict(bad_words_ids=[[e] for e in eos]),
+                    dict(bad_words_ids=[[e] for e in eos]))
+    assert out.sequences[:, ids.shape[1]:].tolist() == greedy

@@ -80,7 +80,9 @@ class ProcessorBase:
         for name in leaf_fields(type(self)):
             value = getattr(self, name)
             if name in self.row_values:
-                changes[name] = to_row(value, batch_size, self.row_values[name].dtype, device, name)
+                rv = self.row_values[name]
+                value = rv.none_as if value is None else value
+                changes[name] = to_row(value, batch_size, rv.dtype, device, name)
             elif device is not None:
                 changes[name] = _to_device(value, device)
         return evolve(self, **changes)
@@ -105,6 +107,8 @@ class ProcessorBase:
         changes = {}
         for name, rv in self.row_values.items():
             value, row_value = getattr(self, name), getattr(row, name)
+            if row_value is None:
+                row_value = rv.none_as
             if value is None and row_value is None:
                 continue
             if value is None or row_value is None:

@@ -47,7 +47,7 @@ class RepetitionPenaltyLogitsProcessor(ProcessorBase):
     attention mask) so that pad tokens are not penalized. ``penalty`` may be a ``[B]`` tensor.
     """
 
-    row_values = {"penalty": RowValue(torch.float32, 1.0), "prompt_ignore_length": RowValue(torch.int64, None)}
+    row_values = {"penalty": RowValue(torch.float32, 1.0), "prompt_ignore_length": RowValue(torch.int64, None, none_as=0)}
 
     penalty: float | torch.Tensor
     prompt_ignore_length: int | torch.Tensor | None = None

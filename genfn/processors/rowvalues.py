@@ -27,6 +27,7 @@ class RowValue:
 
     dtype: torch.dtype
     off: Any
+    none_as: Any = None  # the per-row value of a field left at None (None: it stays None, i.e. "read ctx")
 
 
 def evolve(obj: Any, **changes: Any) -> Any:
