@@ -27,6 +27,9 @@ from genfn.strategies.assisted import (
     draft_budget,
     draft_keys,
     init_confidence,
+    init_stats,
+    process_block,
+    record,
     init_schedule,
     limit_new_tokens,
     propose_prompt_lookup,
@@ -91,7 +94,7 @@ def run_speculative(model, prompts, new, k, propose, verify):
     """The speculative loop with per-row lengths: every row appends ``num_new`` tokens per round.
 
     ``propose(tokens, cur_len, counter) -> (draft, num_valid, draft_logits)``;
-    ``verify(draft, num_valid, target_logits, draft_logits, counter) -> Verified``.
+    ``verify(draft, num_valid, target_logits, draft_logits, counter, tokens, cur_len) -> Verified``.
     Returns each row's new tokens and the (proposed, accepted) totals.
     """
     tokens, cur_len = buffer_of(prompts, max(map(len, prompts)) + new + k + 2)
@@ -104,7 +107,8 @@ def run_speculative(model, prompts, new, k, propose, verify):
             break
         draft, num_valid, draft_logits = propose(tokens, cur_len, counter)
         num_valid = torch.minimum(num_valid, (budget - 1).clamp(min=0))
-        verified = verify(draft, num_valid, model.block_logits(tokens, cur_len, draft), draft_logits, counter)
+        verified = verify(draft, num_valid, model.block_logits(tokens, cur_len, draft), draft_logits, counter,
+                          tokens, cur_len)
         verified = limit_new_tokens(verified, budget=budget.clamp(min=0))
         proposed_total += int(num_valid[budget > 0].sum())
         accepted_total += int(verified.accepted.sum())
@@ -176,7 +180,7 @@ def test_greedy_speculation_equals_plain_greedy_at_every_batch(drafter):
         def propose(tokens, cur_len, counter):
             return (*propose_prompt_lookup(tokens, cur_len, k, 2), None)
 
-    def verify(draft, num_valid, target_logits, draft_logits, counter):
+    def verify(draft, num_valid, target_logits, *_):
         return verify_greedy(draft, num_valid, target_logits)
 
     outs, proposed, accepted = run_speculative(model, PROMPTS, new, k, propose, verify)
@@ -190,6 +194,71 @@ def test_greedy_speculation_equals_plain_greedy_at_every_batch(drafter):
         assert accepted == 0 and proposed > 0
     if drafter == "noisy":
         assert 0 < accepted < proposed
+
+
+class CountPenalty:
+    """A per-row processor: each earlier occurrence of a token in the row lowers its logit by 1.5."""
+
+    def __call__(self, logits, ctx):
+        filled = torch.arange(ctx.tokens.shape[1]).unsqueeze(0) < ctx.cur_len.unsqueeze(1)
+        vocab = logits.shape[-1]
+        counts = torch.zeros(logits.shape[0], vocab + 1).scatter_add(
+            1, torch.where(filled, ctx.tokens, vocab), torch.ones(ctx.tokens.shape))[:, :vocab]
+        return logits - 1.5 * counts
+
+
+def test_block_processing_gives_each_position_the_drafts_before_it():
+    from genfn.processors.context import LogitsContext
+
+    model, k, new, penalty = ToyModel(vocab=10, seed=4), 3, 14, CountPenalty()
+
+    def plain(prompt):
+        seq = list(prompt)
+        for _ in range(new):
+            ctx = LogitsContext(tokens=torch.tensor([seq]), cur_len=torch.tensor([len(seq)]),
+                                prompt_len=torch.tensor([len(prompt)]))
+            logits = penalty(model.logits(torch.tensor([seq[-2]]), torch.tensor([seq[-1]])), ctx)
+            seq.append(int(logits.argmax()))
+        return seq[len(prompt):]
+
+    def propose(tokens, cur_len, counter):
+        return (*propose_prompt_lookup(tokens, cur_len, k, 2), None)
+
+    prompt_len = torch.tensor([len(p) for p in PROMPTS])
+
+    def verify(draft, num_valid, target_logits, draft_logits, counter, tokens, cur_len):
+        before = tokens.clone()
+        processed = process_block(penalty, target_logits, tokens, cur_len, prompt_len, draft)
+        assert torch.equal(tokens, before)  # the buffer is read, never written
+        return verify_greedy(draft, num_valid, processed)
+
+    outs, proposed, accepted = run_speculative(model, PROMPTS, new, k, propose, verify)
+    assert outs == [plain(p) for p in PROMPTS]
+    assert accepted > 0
+    # Without per-position processing the tokens differ: the test sees the processor.
+    unprocessed = run_speculative(model, PROMPTS, new, k, propose,
+                                  lambda d, n, t, *_: verify_greedy(d, n, t))[0]
+    assert unprocessed != outs
+
+
+def test_block_processing_refuses_stateful_chains():
+    class Stateful:
+        stateful = True
+
+    with pytest.raises(TypeError, match="stateful"):
+        process_block(Stateful(), torch.zeros(1, 3, 4), torch.zeros(1, 8, dtype=torch.int64), torch.tensor([2]),
+                      torch.tensor([2]), torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_acceptance_statistics_count_per_row():
+    stats = init_stats(3)
+    stats = record(stats, torch.tensor([4, 4, 2]), torch.tensor([4, 1, 0]))
+    stats = record(stats, torch.tensor([4, 3, 2]), torch.tensor([2, 3, 2]), active=torch.tensor([True, True, False]))
+    assert stats.proposed.tolist() == [8, 7, 2] and stats.accepted.tolist() == [6, 4, 0]
+    assert stats.rounds.tolist() == [2, 2, 1]
+    totals = stats.totals()
+    assert totals["proposed"] == 17 and totals["accepted"] == 10 and totals["acceptance_rate"] == 10 / 17
+    assert totals["tokens_per_round"] == (10 + 5) / 5
 
 
 def test_greedy_ensemble_compares_drafts_with_the_mixtures_argmax():
@@ -223,7 +292,7 @@ def test_sampling_with_a_deterministic_drafter_is_plain_sampling_token_for_token
         return (*propose_prompt_lookup(tokens, cur_len, k, 2), None)
 
     def verify_rows(row_keys):
-        def verify(draft, num_valid, target_logits, draft_logits, counter):
+        def verify(draft, num_valid, target_logits, draft_logits, counter, *_):
             return verify_sampling(draft, num_valid, target_logits, row_keys, counter)
         return verify
 

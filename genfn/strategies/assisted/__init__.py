@@ -1,6 +1,6 @@
 """Assisted (speculative) decoding: verification, draft-length schedules and proposers, as pure functions.
 
-``verify`` decides which drafts a row keeps; ``schedule`` sizes drafts and adapts the assistant's
+``verify`` decides which drafts a row keeps (``stats`` counts them); ``schedule`` sizes drafts and adapts the assistant's
 confidence threshold; ``drafter`` is the interface proposers implement; ``prompt_lookup`` is the
 proposer that drafts from the row's own tokens. The speculative step that composes them with a
 model and the caches' ``rewind`` lives with the strategies that run it.
@@ -20,11 +20,13 @@ from genfn.strategies.assisted.schedule import (
     update_confidence,
     update_schedule,
 )
+from genfn.strategies.assisted.stats import AcceptanceStats, init_stats, record
 from genfn.strategies.assisted.verify import (
     Verified,
     accept_keys,
     draft_keys,
     limit_new_tokens,
+    process_block,
     verify_greedy,
     verify_sampling,
 )
@@ -34,5 +36,6 @@ __all__ = [
     "propose_prompt_lookup",
     "ConfidenceState", "DraftSchedule", "confident_length", "draft_budget", "init_confidence", "init_schedule",
     "roc_optimal_threshold", "schedule_for_next_call", "update_confidence", "update_schedule",
-    "Verified", "accept_keys", "draft_keys", "limit_new_tokens", "verify_greedy", "verify_sampling",
+    "AcceptanceStats", "init_stats", "record",
+    "Verified", "accept_keys", "draft_keys", "limit_new_tokens", "process_block", "verify_greedy", "verify_sampling",
 ]

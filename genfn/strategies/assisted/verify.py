@@ -28,9 +28,11 @@ from __future__ import annotations
 import torch
 
 from genfn import random as grandom
+from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass
 
-__all__ = ["Verified", "verify_greedy", "verify_sampling", "limit_new_tokens", "draft_keys", "accept_keys"]
+__all__ = ["Verified", "verify_greedy", "verify_sampling", "limit_new_tokens", "process_block", "draft_keys",
+           "accept_keys"]
 
 # Stream tags folded into a row key; arbitrary constants, fixed forever (changing one changes tokens).
 _DRAFT_STREAM = 0x64726166
@@ -95,6 +97,38 @@ def _ensemble_weights(ensemble_weight, batch: int, device) -> torch.Tensor | Non
     if tuple(ensemble_weight.shape) not in ((), (batch,)):
         raise ValueError(f"ensemble_weight must be a scalar or a [{batch}] tensor, got {list(ensemble_weight.shape)}")
     return ensemble_weight.to(torch.float32).expand(batch).reshape(batch, 1, 1)
+
+
+def process_block(processors, target_logits: torch.Tensor, tokens: torch.Tensor, cur_len: torch.Tensor,
+                  prompt_len: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """The target's logits ``[B, k + 1, V]`` through ``processors``, each position in its own context.
+
+    Position ``i`` of row ``b`` is processed as plain decoding would process it had the row
+    already appended ``draft[b, :i]``: the context's tokens hold the drafts after the row's
+    ``cur_len`` filled columns and its ``cur_len`` is ``cur_len + i`` (the per-row
+    :class:`~genfn.processors.context.LogitsContext`). ``tokens`` itself is not written; its
+    width must leave room for ``k`` more columns after every row's ``cur_len``. The logits are
+    processed in float32, as transformers does before verifying. Stateful chains (SynthID) are
+    refused: their state would have to advance along the kept drafts only.
+    """
+    if processors is None:
+        return target_logits.float()
+    if getattr(processors, "stateful", False):
+        raise TypeError("process_block cannot run a stateful processor chain (SynthID watermarking) "
+                        "over a draft block")
+    batch, k = draft.shape
+    if tuple(target_logits.shape[:2]) != (batch, k + 1):
+        raise ValueError(f"target_logits must have shape [{batch}, {k + 1}, vocab] for a draft of shape "
+                         f"[{batch}, {k}], got {list(target_logits.shape)}")
+    if tokens.shape[1] < k:
+        raise ValueError(f"tokens has {tokens.shape[1]} columns, fewer than the block's {k} drafts")
+    columns = (cur_len.unsqueeze(1) + torch.arange(k, device=draft.device)).clamp(max=tokens.shape[1] - 1)
+    with_draft = tokens.scatter(1, columns, draft)
+    processed = []
+    for i in range(k + 1):
+        ctx = LogitsContext(tokens=with_draft, cur_len=cur_len + i, prompt_len=prompt_len)
+        processed.append(processors(target_logits[:, i].float(), ctx))
+    return torch.stack(processed, dim=1)
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
