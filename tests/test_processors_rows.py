@@ -505,3 +505,42 @@ def test_prefix_allowed_tokens_fn_answers_are_checked():
     out = PrefixConstrainedLogitsProcessor(allowed)(logits, uneven)
     assert seen == [10, 4, 7]
     assert torch.isfinite(out[:, 1:3]).all() and torch.isneginf(out[:, 3:]).all()
+
+
+def test_synthid_rows_count_their_own_steps():
+    """A row that joins a running batch (fresh SynthID state in its slot) is watermarked exactly as
+    the same request alone."""
+    processor = SynthIDTextWatermarkLogitsProcessor.create(ngram_len=3, keys=[654, 400, 836], context_history_size=4)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 6, (2, 12), generator=g)
+    state = processor.init_state(2)
+    for t in range(4, 7):
+        ctx = LogitsContext(tokens=tokens, cur_len=torch.tensor([t, t]), prompt_len=torch.tensor([4, 4]))
+        _, state = processor.apply(torch.randn((2, V), generator=g), ctx, state)
+    fresh = processor.init_state(1)
+    joined = type(state)(
+        context=torch.cat([state.context[:1], fresh.context]),
+        context_history=torch.cat([state.context_history[:1], fresh.context_history]),
+        num_calls=torch.cat([state.num_calls[:1], fresh.num_calls]),
+    )
+    newcomer = torch.randint(0, 6, (1, 12), generator=g)
+    both = torch.cat([tokens[:1], newcomer])
+    alone_state = fresh
+    for step in range(3):
+        logits = torch.randn((2, V), generator=g)
+        ctx = LogitsContext(tokens=both, cur_len=torch.tensor([7 + step, 3 + step]), prompt_len=torch.tensor([4, 3]))
+        got, joined = processor.apply(logits.clone(), ctx, joined)
+        alone_ctx = LogitsContext(tokens=newcomer, cur_len=torch.tensor([3 + step]), prompt_len=torch.tensor([3]))
+        want, alone_state = processor.apply(logits[1:].clone(), alone_ctx, alone_state)
+        torch.testing.assert_close(got[1:], want, atol=0, rtol=0)
+    assert joined.num_calls.tolist() == [6, 3]
+
+
+def test_package_exports_everything_it_documents():
+    import genfn.processors as P
+
+    for name in P.__all__:
+        assert hasattr(P, name), name
+    for name in ("ProcessorBase", "ExternalLogitsProcessor", "RowSelect", "RowValue",
+                 "build_logits_processors_for_rows"):
+        assert name in P.__all__
