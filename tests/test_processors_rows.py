@@ -121,6 +121,16 @@ KINDS = [
      lambda v, c, r: hf.ForcedEOSTokenLogitsProcessor(v, EOS)),
     ("exp_decay", [(2, 1.3), None, (0, 0.8), (1, 1.1)], lambda v: ExponentialDecayLengthPenalty.from_config(v, EOS),
      lambda v, c, r: hf.ExponentialDecayLengthPenalty(v, EOS, PROMPT_LENS[r])),
+    # Rows that end on different EOS ids (continuous batching: eos_token_id per request).
+    ("min_length_eos", [(12, [3]), None, (5, [7, 9]), (22, [9])], lambda v: MinLengthLogitsProcessor(*v),
+     lambda v, c, r: hf.MinLengthLogitsProcessor(*v)),
+    ("min_new_tokens_eos", [(7, [3, 7]), (2, [9]), (1, [7]), None], lambda v: MinNewTokensLengthLogitsProcessor(*v),
+     lambda v, c, r: hf.MinNewTokensLengthLogitsProcessor(PROMPT_LENS[r], *v)),
+    ("forced_eos_eos", [(15, [3]), (9, [5, 7]), None, (21, [9, 3])], lambda v: ForcedEOSTokenLogitsProcessor(*v),
+     lambda v, c, r: hf.ForcedEOSTokenLogitsProcessor(*v)),
+    ("exp_decay_eos", [((2, 1.3), [3]), None, ((0, 0.8), [7, 9]), ((1, 1.1), [9])],
+     lambda v: ExponentialDecayLengthPenalty.from_config(*v),
+     lambda v, c, r: hf.ExponentialDecayLengthPenalty(v[0], v[1], PROMPT_LENS[r])),
     ("suppress", [(1, 4, 9), None, (2,), (4, 11)], SuppressTokensLogitsProcessor,
      lambda v, c, r: hf.SuppressTokensLogitsProcessor(list(v))),
     ("begin_suppress", [(2, 3), (5, 2), None, (2,)], SuppressTokensAtBeginLogitsProcessor,
@@ -189,7 +199,8 @@ def test_per_row_chain_has_only_tensor_leaves_and_one_structure():
             ps = []
             for name, values, make, _ in KINDS:
                 v = values[r]
-                if v is None or name in ("inf_nan", "normalize", "top_k_keep", "top_p_keep", "no_repeat_mixed"):
+                if v is None or name.endswith("_eos") or name in ("inf_nan", "normalize", "top_k_keep", "top_p_keep",
+                                                                  "no_repeat_mixed"):
                     continue  # one processor per kind; these two are masked, not valued
                 if isinstance(v, float):
                     v = v * values_shift if name not in ("top_p", "top_p_keep", "min_p", "typical", "epsilon",
@@ -264,7 +275,7 @@ def test_with_row_replaces_one_row_only():
     # A row with a kind or a table the batch does not hold is refused, naming it.
     with pytest.raises(ValueError, match="MinPLogitsWarper"):
         ProcessorChain.merge_rows([ProcessorChain((MinPLogitsWarper(0.1),))], like=batch)
-    with pytest.raises(ValueError, match="suppresses"):
+    with pytest.raises(ValueError, match="suppress_tokens"):
         ProcessorChain.merge_rows([chain({**newcomer, "suppress": (13,)})], like=batch)
     with pytest.raises(ValueError, match="exceeds"):
         ProcessorChain.merge_rows([chain({**newcomer, "ngram": 5})], like=batch)

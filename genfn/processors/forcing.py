@@ -6,9 +6,9 @@ condition is a ``[B]`` bool tensor of ``ctx.cur_len`` and the choice a ``torch.w
 compiled step serves every position, and rows of a batch may stand at different positions.
 
 Lengths and ids that are numbers are per-row values (``row_values``). Token *sets* (EOS ids,
-suppressed tokens) are static tuples shared by the batch; the suppressions carry a per-row
-``row_mask [B, S]`` saying which of the batch's tokens each row suppresses (``None``: all of them
-in every row), so rows may suppress different tokens and a row may suppress none.
+suppressed tokens) are static tuples shared by the batch (the union of the rows' sets), with a
+per-row mask ``[B, S]`` saying which of them apply to each row (``None``: all of them in every
+row), so rows may suppress different tokens or end on different EOS ids, and a row may have none.
 
 Positions relative to the prompt (min new tokens, begin suppression) take the prompt length as a
 value, or ``None`` to read ``ctx.prompt_len`` so the compiled step does not depend on it.
@@ -33,6 +33,7 @@ __all__ = [
     "ForcedEOSTokenLogitsProcessor",
     "SuppressTokensLogitsProcessor",
     "SuppressTokensAtBeginLogitsProcessor",
+    "TokenSetRows",
 ]
 
 _I64 = torch.int64
@@ -73,38 +74,114 @@ def _check_non_negative(value: Any, name: str, what: str = "a non-negative") -> 
         raise ValueError(f"`{name}` has to be {what} integer, but is {value}")
 
 
+class TokenSetRows:
+    """Row handling for a processor with a token set (suppressed tokens, EOS ids): the set is a
+    static tuple for the batch (the union of the rows' sets) and a per-row mask ``[B, S]`` field
+    says which of those ids apply to each row (``None``: all of them, in every row).
+
+    A class names its set in ``_ids_field`` and its mask in ``_mask_field``.
+    """
+
+    _ids_field: str
+    _mask_field: str = "row_mask"
+    has_row_off = True  # an all-False mask
+
+    def _ids(self) -> tuple[int, ...]:
+        return getattr(self, self._ids_field)
+
+    def _mask(self) -> torch.Tensor | None:
+        return getattr(self, self._mask_field)
+
+    def per_row(self, batch_size: int, device: Any = None):
+        base = ProcessorBase.per_row(self, batch_size, device)
+        mask = self._mask()
+        if mask is None:
+            mask = torch.ones((batch_size, len(self._ids())), dtype=torch.bool, device=device)
+        elif mask.shape[0] != batch_size:
+            mask = mask.expand(batch_size, -1).clone()
+        return evolve(base, **{self._mask_field: mask.to(device) if device is not None else mask})
+
+    def off_row(self):
+        off = torch.zeros((1, len(self._ids())), dtype=torch.bool)
+        return evolve(ProcessorBase.off_row(self), **{self._mask_field: off})
+
+    def _row_tables(self) -> tuple[str, ...]:
+        return (self._mask_field,)
+
+    def with_row(self, slot, row):
+        if tuple(self._ids()) != tuple(row._ids()):
+            row = type(self).merge_rows([row], like=self)
+        out = ProcessorBase.with_row(self, slot, row)
+        row_mask = row._mask()
+        if row_mask is None:
+            row_mask = torch.ones((1, len(self._ids())), dtype=torch.bool)
+        return evolve(out, **{self._mask_field: set_row(self._mask(), row_mask, slot)})
+
+    def _row_ids(self) -> tuple[int, ...]:
+        """The ids this (one-row) processor applies."""
+        mask = self._mask()
+        flags = [True] * len(self._ids()) if mask is None else mask.reshape(-1).tolist()
+        return tuple(i for i, on in zip(self._ids(), flags) if on)
+
+    @classmethod
+    def merge_rows(cls, entries: list[Any], device: Any = None, like: Any = None):
+        present = [e for e in entries if e is not None]
+        if present:
+            check_same_kind(present, skip=(cls._ids_field, cls._mask_field))
+        if like is not None:
+            ids = tuple(like._ids())
+        else:
+            ids = tuple(dict.fromkeys(i for e in present for i in e._ids()))
+        masks = []
+        for e in entries:
+            row_ids = () if e is None else e._row_ids()
+            missing = set(row_ids) - set(ids)
+            if missing:
+                raise ValueError(f"a row's `{cls._ids_field}` holds {sorted(missing)}, which the batch's "
+                                 f"{cls.__name__} does not ({list(ids)}): rebuild the batch chain with this row")
+            masks.append(torch.tensor([[i in row_ids for i in ids]], dtype=torch.bool).reshape(1, len(ids)))
+        template = evolve(present[0] if like is None else like.first_row(),
+                          **{cls._mask_field: None, cls._ids_field: ids})
+        rows = [(e if e is not None else template.off_row()).per_row(1, device) for e in entries]
+        merged = {n: cat_rows([getattr(r, n) for r in rows], n) for n in cls.row_values}
+        return evolve(template, **{cls._mask_field: torch.cat(masks).to(device)}, **merged)
+
+
 @pytree_dataclass
-class MinLengthLogitsProcessor(ProcessorBase):
+class MinLengthLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid EOS while the whole sequence (prompt included) is shorter than ``min_length``."""
 
+    _ids_field, _mask_field = "eos_token_id", "eos_rows"
     row_values = {"min_length": RowValue(_I64, 0)}
 
     min_length: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
-
+    eos_rows: torch.Tensor | None = None  # [B, E] bool: which of the EOS ids are each row's
     def __post_init__(self):
         _check_non_negative(self.min_length, "min_length")
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        eos = _id_mask(self.eos_token_id, logits, "eos_token_id")
+        eos = _id_mask(self.eos_token_id, logits, "eos_token_id", self.eos_rows)
         active = _column(ctx.row_cur_len()) < per_row_column(self.min_length, _I64, logits.device)
         return torch.where(eos & active, -math.inf, logits)
 
 
 @pytree_dataclass
-class MinNewTokensLengthLogitsProcessor(ProcessorBase):
+class MinNewTokensLengthLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid EOS until ``min_new_tokens`` tokens were generated after the prompt.
 
     ``prompt_length_to_skip`` (transformers' first argument) may be ``None``: each row's
     ``ctx.prompt_len``.
     """
 
+    _ids_field, _mask_field = "eos_token_id", "eos_rows"
     row_values = {"min_new_tokens": RowValue(_I64, 0), "prompt_length_to_skip": RowValue(_I64, None)}
 
     min_new_tokens: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
     prompt_length_to_skip: int | torch.Tensor | None = None
+    eos_rows: torch.Tensor | None = None  # [B, E] bool: which of the EOS ids are each row's
 
     def __post_init__(self):
         _check_non_negative(self.min_new_tokens, "min_new_tokens", "a positive")
@@ -117,7 +194,8 @@ class MinNewTokensLengthLogitsProcessor(ProcessorBase):
         skip = _column(ctx.row_prompt_len()) if skip is None else per_row_column(skip, _I64, logits.device)
         minimum = per_row_column(self.min_new_tokens, _I64, logits.device)
         active = _column(ctx.row_cur_len()) - skip < minimum
-        return torch.where(_id_mask(self.eos_token_id, logits, "eos_token_id") & active, -math.inf, logits)
+        eos = _id_mask(self.eos_token_id, logits, "eos_token_id", self.eos_rows)
+        return torch.where(eos & active, -math.inf, logits)
 
 
 @pytree_dataclass
@@ -149,16 +227,18 @@ class ForcedBOSTokenLogitsProcessor(ProcessorBase):
 
 
 @pytree_dataclass
-class ForcedEOSTokenLogitsProcessor(ProcessorBase):
+class ForcedEOSTokenLogitsProcessor(TokenSetRows, ProcessorBase):
     """When the next token is the last one ``max_length`` allows, allow only EOS.
 
     Per row, ``max_length == 0`` means off (no position is ``-1``).
     """
 
+    _ids_field, _mask_field = "eos_token_id", "eos_rows"
     row_values = {"max_length": RowValue(_I64, 0)}
 
     max_length: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
+    eos_rows: torch.Tensor | None = None  # [B, E] bool: which of the EOS ids are each row's
 
     def __post_init__(self):
         _check_non_negative(self.max_length, "max_length")
@@ -167,68 +247,12 @@ class ForcedEOSTokenLogitsProcessor(ProcessorBase):
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         last = per_row_column(self.max_length, _I64, logits.device)
         active = _column(ctx.row_cur_len()) == last - 1
-        return torch.where(active, _only(_id_mask(self.eos_token_id, logits, "forced_eos_token_id"), logits), logits)
-
-
-class _TokenSetRows:
-    """Row handling shared by the two suppressions: a static id tuple for the batch and a
-    per-row ``row_mask [B, S]`` (which of those ids each row suppresses)."""
-
-    _ids_field: str
-    has_row_off = True  # an all-False row_mask
-
-    def _ids(self) -> tuple[int, ...]:
-        return getattr(self, self._ids_field)
-
-    def per_row(self, batch_size: int, device: Any = None):
-        base = ProcessorBase.per_row(self, batch_size, device)
-        mask = self.row_mask
-        if mask is None:
-            mask = torch.ones((batch_size, len(self._ids())), dtype=torch.bool, device=device)
-        elif mask.shape[0] != batch_size:
-            mask = mask.expand(batch_size, -1).clone()
-        return evolve(base, row_mask=mask.to(device) if device is not None else mask)
-
-    def off_row(self):
-        return evolve(ProcessorBase.off_row(self), row_mask=torch.zeros((1, len(self._ids())), dtype=torch.bool))
-
-    def _row_tables(self) -> tuple[str, ...]:
-        return ("row_mask",)
-
-    def with_row(self, slot, row):
-        if tuple(self._ids()) != tuple(row._ids()):
-            row = type(self).merge_rows([row], like=self)
-        out = ProcessorBase.with_row(self, slot, row)
-        row_mask = row.row_mask if row.row_mask is not None else torch.ones((1, len(self._ids())), dtype=torch.bool)
-        return evolve(out, row_mask=set_row(self.row_mask, row_mask, slot))
-
-    @classmethod
-    def merge_rows(cls, entries: list[Any], device: Any = None, like: Any = None):
-        present = [e for e in entries if e is not None]
-        if present:
-            check_same_kind(present, skip=(cls._ids_field, "row_mask"))
-        if like is not None:
-            ids = tuple(like._ids())
-        else:
-            ids = tuple(dict.fromkeys(i for e in present for i in e._ids()))
-        masks = []
-        for e in entries:
-            row_ids = () if e is None else tuple(
-                i for i, on in zip(e._ids(), [True] * len(e._ids()) if e.row_mask is None
-                                   else e.row_mask.reshape(-1).tolist()) if on)
-            missing = set(row_ids) - set(ids)
-            if missing:
-                raise ValueError(f"a row suppresses {sorted(missing)}, which the batch's {cls.__name__} does not "
-                                 f"hold ({list(ids)}): rebuild the batch chain with this row")
-            masks.append(torch.tensor([[i in row_ids for i in ids]], dtype=torch.bool).reshape(1, len(ids)))
-        template = evolve(present[0] if like is None else like.first_row(), row_mask=None, **{cls._ids_field: ids})
-        rows = [(e if e is not None else template.off_row()).per_row(1, device) for e in entries]
-        merged = {n: cat_rows([getattr(r, n) for r in rows], n) for n in cls.row_values}
-        return evolve(template, row_mask=torch.cat(masks).to(device), **merged)
+        allowed = _id_mask(self.eos_token_id, logits, "forced_eos_token_id", self.eos_rows)
+        return torch.where(active, _only(allowed, logits), logits)
 
 
 @pytree_dataclass
-class SuppressTokensLogitsProcessor(_TokenSetRows, ProcessorBase):
+class SuppressTokensLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid a fixed set of tokens at every step."""
 
     _ids_field = "suppress_tokens"
@@ -245,7 +269,7 @@ class SuppressTokensLogitsProcessor(_TokenSetRows, ProcessorBase):
 
 
 @pytree_dataclass
-class SuppressTokensAtBeginLogitsProcessor(_TokenSetRows, ProcessorBase):
+class SuppressTokensAtBeginLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid a set of tokens at the first generated position only (e.g. a blank or EOS first).
 
     The position is ``begin_index`` if given, else ``ctx.prompt_len + begin_offset`` (transformers

@@ -18,6 +18,7 @@ import torch
 
 from genfn.processors.base import ProcessorBase, as_id_list, filled_tokens, per_row_column
 from genfn.processors.context import LogitsContext
+from genfn.processors.forcing import TokenSetRows
 from genfn.processors.rowvalues import RowValue
 from genfn.state.base import pytree_dataclass, static_field
 
@@ -114,7 +115,7 @@ class EncoderRepetitionPenaltyLogitsProcessor(ProcessorBase):
 
 
 @pytree_dataclass
-class ExponentialDecayLengthPenalty(ProcessorBase):
+class ExponentialDecayLengthPenalty(TokenSetRows, ProcessorBase):
     """After ``start_index`` generated tokens, raise the EOS logits by ``|x| * (factor**i - 1)``
     where ``i`` counts the steps past the start, so ending becomes ever more likely.
 
@@ -123,6 +124,7 @@ class ExponentialDecayLengthPenalty(ProcessorBase):
     depend on it.
     """
 
+    _ids_field, _mask_field = "eos_token_id", "eos_rows"
     row_values = {
         "start_index": RowValue(torch.int64, None),
         "decay_factor": RowValue(torch.float64, 1.0),
@@ -133,6 +135,7 @@ class ExponentialDecayLengthPenalty(ProcessorBase):
     decay_factor: float | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
     prompt_len: int | torch.Tensor | None = None
+    eos_rows: torch.Tensor | None = None  # [B, E] bool: which of the EOS ids are each row's
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
@@ -167,5 +170,7 @@ class ExponentialDecayLengthPenalty(ProcessorBase):
         eos_scores = logits.gather(1, eos)
         penalty = torch.abs(eos_scores) * coef
         penalty = penalty.masked_fill(~torch.isfinite(eos_scores), 0.0)
+        if self.eos_rows is not None:
+            penalty = penalty.masked_fill(~self.eos_rows.to(logits.device), 0.0)
         penalties = torch.zeros_like(logits).scatter(1, eos, penalty)
         return torch.where(active, logits + penalties, logits)
