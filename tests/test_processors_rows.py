@@ -335,6 +335,12 @@ def test_per_row_chain_compiles_once_for_ten_value_sets():
                 EpsilonLogitsWarper(draw(1e-4, 0.05)),
                 EtaLogitsWarper(draw(1e-4, 0.05)),
                 TopHLogitsWarper(draw(0.2, 1.0)),
+                # Tables shared by the batch, numbers per row.
+                SequenceBiasLogitsProcessor.create({(4,): draw(-3, 3), (1, 2): draw(-3, 3)}),
+                MinLengthLogitsProcessor(int(torch.randint(0, 20, (), generator=g)), EOS),
+                ForcedEOSTokenLogitsProcessor(int(torch.randint(2, 22, (), generator=g)), EOS),
+                ForcedBOSTokenLogitsProcessor(int(torch.randint(0, V, (), generator=g))),
+                WatermarkLogitsProcessor.create(V, bias=draw(0.5, 3.0), precompute_greenlists=True),
             )))
         return ProcessorChain.merge_rows(rows, like=None)
 

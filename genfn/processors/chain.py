@@ -460,25 +460,26 @@ def build_logits_processors_for_rows(
     eos_token_ids: Any,
     like: ProcessorChain | None = None,
     device: Any = None,
+    attention_masks: Any = None,
     **kwargs: Any,
 ) -> ProcessorChain:
     """One per-row batch chain for a batch whose row ``b`` has ``generation_configs[b]``.
 
     Each row's chain is what :func:`build_logits_processors` builds for its config (so each row
-    equals transformers for that request); ``prompt_len``, ``max_length``, ``min_length`` and
-    ``eos_token_ids`` are one value for every row or a list with one per row (``eos_token_ids``: a
-    list of ids, or a list of such lists). A kind absent from a row gets that row's "off" value.
-    ``like``: an existing batch chain the result must match kind for kind (to build a row for
-    :meth:`ProcessorChain.with_row`). Other keyword arguments go to every row's build
-    (``vocab_size``, ``attention_mask`` is not supported per row: pass ``attention_mask`` rows via
-    ``attention_masks=[...]``).
+    equals transformers for that request), then the rows are merged kind by kind
+    (:meth:`ProcessorChain.merge_rows`): a kind absent from a row gets that row's "off" value.
+    ``prompt_len``, ``max_length`` and ``min_length`` are one value for every row or a list with
+    one per row; ``eos_token_ids`` is a list of ids for every row, or a list of such lists.
+    ``attention_masks``: one ``[1, P]`` prompt mask per row (for the repetition penalty's left
+    padding), or ``None``. ``like``: an existing batch chain the result must match kind for kind,
+    to build a row for :meth:`ProcessorChain.with_row`. Other keyword arguments (``vocab_size``,
+    ``num_beams``, ``user_processors``, ...) go to every row's build.
     """
     configs = list(generation_configs)
     if not configs:
         raise ValueError("build_logits_processors_for_rows needs at least one generation config")
     b = len(configs)
-    masks = kwargs.pop("attention_masks", None)
-    masks = [None] * b if masks is None else _per_row_setting(list(masks), b, "attention_masks")
+    masks = [None] * b if attention_masks is None else _per_row_setting(list(attention_masks), b, "attention_masks")
     prompt_lens = _per_row_setting(prompt_len, b, "prompt_len")
     max_lengths = _per_row_setting(max_length, b, "max_length")
     min_lengths = _per_row_setting(min_length, b, "min_length")
