@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,26 +68,21 @@ class ContinuousBatchingConfig:
         self.validate()
 
     def _apply_deprecated_fields(self) -> None:
-        """Translate deprecated knobs into their replacements, warning like transformers does."""
+        """Translate deprecated knobs into their replacements, logging a warning as transformers does."""
         if self.use_default_compile_configs is not None:
             check_bool("use_default_compile_configs", self.use_default_compile_configs)
             self.default_compile_level = 3 if self.use_default_compile_configs else 0
-            warnings.warn(
+            logger.warning(
                 "`use_default_compile_configs` is deprecated, use `default_compile_level` instead; "
-                f"setting default_compile_level={self.default_compile_level}.",
-                FutureWarning,
-                stacklevel=4,
+                "setting default_compile_level=%d.",
+                self.default_compile_level,
             )
         if self.max_cached_graphs is not None:
-            warnings.warn("`max_cached_graphs` is deprecated and has no effect.", FutureWarning, stacklevel=4)
+            logger.warning("`max_cached_graphs` is deprecated and has no effect.")
         if self.block_size is not None:
             int_check(minimum=4)("block_size", self.block_size)
             self.page_size = self.block_size
-            warnings.warn(
-                "`block_size` is deprecated, use `page_size` instead; using it as the page size.",
-                FutureWarning,
-                stacklevel=4,
-            )
+            logger.warning("`block_size` is deprecated, use `page_size` instead; using it as the page size.")
 
     def validate(self) -> None:
         int_check(minimum=4)("page_size", self.page_size)

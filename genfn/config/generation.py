@@ -58,7 +58,7 @@ class GenerationConfig:
     :meth:`with_defaults` or :func:`resolve_generation_config` fills them. Unknown keyword
     arguments are kept as extra attributes and written to JSON (model-specific settings live
     there), as in transformers. The constructor validates: hard errors raise, questionable
-    combinations warn (see :meth:`validate`).
+    combinations are logged (see :meth:`validate`).
     """
 
     # length
@@ -174,6 +174,12 @@ class GenerationConfig:
         elif kwargs.get("force_bos_token_to_be_generated", False):
             # Old model configs asked for the BOS token to be forced this way.
             self.forced_bos_token_id = self.bos_token_id
+            validation.log_once(
+                logger,
+                logging.WARNING,
+                f"`force_bos_token_to_be_generated` is deprecated: the generation config should set "
+                f"`forced_bos_token_id={self.bos_token_id}`.",
+            )
         self.validate(user_set_attributes=user_set_attributes)
 
     def _set_deprecated_fields(self, kwargs: dict[str, Any]) -> None:
@@ -460,7 +466,7 @@ class GenerationConfig:
         """Write ``generation_config.json`` (only set entries) into ``save_directory``; return its path.
 
         A config edited since it was loaded must pass ``validate(strict=True)``: contradictory
-        settings should not be published. One saved unchanged only warns, so that any loaded
+        settings should not be published. One saved unchanged only logs its issues, so that any loaded
         config can be written back. ``compile_config`` is not saved (it may hold callables).
         """
         if push_to_hub:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from enum import Enum
 from types import MappingProxyType
@@ -84,10 +83,13 @@ def _extend_mode(mode: GenerationMode, extended: GenerationMode, trigger: str) -
     """Assisted and DoLa decoding extend greedy search and sampling only; anything else keeps its mode."""
     if mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return extended
-    warnings.warn(
-        f"{trigger} asks for {extended.value}, which only extends greedy search and sampling; the base mode is "
-        f"{mode.value}, so the flags requesting {extended.value} are ignored.",
-        UserWarning,
-        stacklevel=4,
+    # A warning on every call, not once, as transformers logs it.
+    logger.warning(
+        "%s asks for %s, which only extends greedy search and sampling; the base mode is %s, so the flags "
+        "requesting %s are ignored.",
+        trigger,
+        extended.value,
+        mode.value,
+        extended.value,
     )
     return mode

@@ -78,11 +78,11 @@ def _resolve_max_length(
 ) -> int:
     if config.max_new_tokens is not None:
         if not has_default_max:
-            warnings.warn(
-                f"Both `max_new_tokens` (={config.max_new_tokens}) and `max_length` (={config.max_length}) are set; "
-                "`max_new_tokens` takes precedence.",
-                UserWarning,
-                stacklevel=3,
+            # transformers logs this one and warns (UserWarning) about the others below.
+            logger.warning(
+                "Both `max_new_tokens` (=%s) and `max_length` (=%s) are set; `max_new_tokens` takes precedence.",
+                config.max_new_tokens,
+                config.max_length,
             )
         return config.max_new_tokens + prompt_len
     if not has_default_max:
@@ -98,11 +98,10 @@ def _resolve_min_length(config: GenerationConfig, prompt_len: int) -> int:
     has_default_min = config.min_length is None or "min_length" in config.defaulted_fields
     if config.min_new_tokens is not None:
         if not has_default_min:
-            warnings.warn(
-                f"Both `min_new_tokens` (={config.min_new_tokens}) and `min_length` (={config.min_length}) are set; "
-                "`min_new_tokens` takes precedence.",
-                UserWarning,
-                stacklevel=3,
+            logger.warning(
+                "Both `min_new_tokens` (=%s) and `min_length` (=%s) are set; `min_new_tokens` takes precedence.",
+                config.min_new_tokens,
+                config.min_length,
             )
         return config.min_new_tokens + prompt_len
     return DEFAULT_GENERATION_PARAMS["min_length"] if config.min_length is None else config.min_length

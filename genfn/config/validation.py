@@ -12,7 +12,6 @@ the GenerationConfig class.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 from .caches import DYNAMIC_CACHE_IMPLEMENTATIONS
@@ -230,28 +229,27 @@ def _output_flag_issues(config: Any) -> dict[str, str]:
 
 
 def warn_unused_max_cache_len(config: Any) -> None:
-    # genfn's default cache (cache_implementation=None) is static, so only an explicitly
-    # dynamic choice makes max_cache_len pointless.
+    # genfn's default cache (cache_implementation=None) is static, so only an explicitly dynamic
+    # choice makes max_cache_len pointless (transformers, whose default is dynamic, also logs for None).
     if config.max_cache_len is not None and config.cache_implementation in DYNAMIC_CACHE_IMPLEMENTATIONS + ("paged",):
-        warnings.warn(
+        log_once(
+            logger,
+            logging.WARNING,
             f"`max_cache_len` is only used by static caches; it is ignored with "
             f"cache_implementation={config.cache_implementation!r}.",
-            UserWarning,
-            stacklevel=4,
         )
 
 
 def report_minor_issues(issues: dict[str, str], strict: bool) -> None:
+    """Raise the issues as one ValueError if ``strict``; else log the flags (WARNING) and the details (INFO)."""
     if not issues:
         return
     details = "\n".join(f"- `{name}`: {text}" for name, text in issues.items())
-    details += (
-        "\nIf you're using a pretrained model, some of these values may come from its generation_config.json."
-    )
+    details += "\nIf you're using a pretrained model, some of these values may come from its generation_config.json."
     if strict:
         raise ValueError("GenerationConfig is invalid:\n" + details)
-    warnings.warn(
-        f"The following generation flags are not valid and may be ignored: {list(issues)}.\n{details}",
-        UserWarning,
-        stacklevel=4,
-    )
+    summary = f"The following generation flags are not valid and may be ignored: {list(issues)}."
+    if not logger.isEnabledFor(logging.INFO):
+        summary += f" Set the `{logger.name}` logger to INFO for details."
+    log_once(logger, logging.WARNING, summary)
+    log_once(logger, logging.INFO, details)
