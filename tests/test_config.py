@@ -188,6 +188,56 @@ def test_field_names_equal_transformers_minus_listed_deprecated():
     assert len(GENERATION_CONFIG_FIELDS) == len(set(GENERATION_CONFIG_FIELDS))
 
 
+def test_cache_implementation_names_are_defined_once_and_equal_transformers():
+    import transformers.generation.configuration_utils as theirs
+
+    from genfn.cache import factory
+
+    for name in ("STATIC", "DYNAMIC", "DEPRECATED_STATIC", "ALL_STATIC", "ALL"):
+        assert getattr(gc, f"{name}_CACHE_IMPLEMENTATIONS") == getattr(theirs, f"{name}_CACHE_IMPLEMENTATIONS"), name
+    # the factory uses the config's tuples themselves, not copies that could drift
+    assert factory.CACHE_IMPLEMENTATIONS is gc.CACHE_IMPLEMENTATIONS
+    assert factory.COMPILABLE_CACHE_IMPLEMENTATIONS is gc.COMPILABLE_CACHES == gc.STATIC_CACHE_IMPLEMENTATIONS
+    assert factory.DEPRECATED_CACHE_IMPLEMENTATIONS is gc.DEPRECATED_CACHE_IMPLEMENTATIONS
+    assert set(gc.CACHE_IMPLEMENTATIONS) == set(gc.STATIC_CACHE_IMPLEMENTATIONS + gc.DYNAMIC_CACHE_IMPLEMENTATIONS)
+    # every name the config accepts, the factory builds (or maps), except "paged" (continuous batching)
+    for name in VALID_CACHE_IMPLEMENTATIONS:
+        if name == "paged":
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            assert factory.resolve_cache_implementation(name) in gc.CACHE_IMPLEMENTATIONS
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompileConfig(),
+        WatermarkingConfig(),
+        SynthIDTextWatermarkingConfig(ngram_len=2, keys=[1, 2]),
+        ContinuousBatchingConfig(),
+    ],
+    ids=lambda config: type(config).__name__,
+)
+def test_option_dataclasses_compare_by_every_field(config):
+    # Equality keys compiled steps and caches: a field it forgot would silently reuse a wrong one.
+    assert not hasattr(config, "_key")
+    assert config == copy.deepcopy(config)
+    for field in dataclasses.fields(config):
+        changed = copy.deepcopy(config)
+        object.__setattr__(changed, field.name, ("changed", field.name))  # past validation, on purpose
+        assert changed != config, field.name
+
+
+def test_generation_config_equality_and_hash_follow_every_field():
+    config = GenerationConfig()
+    assert not hasattr(config, "_key")
+    for name in GENERATION_CONFIG_FIELDS + DEPRECATED_FIELDS:
+        changed = config.copy()
+        setattr(changed, name, ("changed", name))  # past validation, on purpose
+        assert changed != config and hash(changed) != hash(config), name
+
+
 def test_class_annotations_list_every_field():
     annotated = set(inspect.get_annotations(GenerationConfig)) - {
         "transformers_version",
