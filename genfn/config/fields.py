@@ -45,6 +45,7 @@ METADATA_FIELDS = ("_from_model_config", "_commit_hash", "_original_object_hash"
 # The bookkeeping keys a config keeps and writes back.
 STORED_METADATA = ("_from_model_config", "transformers_version")
 
+
 @dataclass(frozen=True)
 class _Field:
     name: str

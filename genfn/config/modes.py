@@ -12,6 +12,7 @@ __all__ = ["GenerationMode", "HUB_GENERATION_MODES", "generation_mode"]
 
 logger = logging.getLogger(__name__)
 
+
 class GenerationMode(str, Enum):
     """The decoding strategy a config selects (``str`` values equal transformers')."""
 
@@ -71,7 +72,10 @@ def _base_generation_mode(config: Any) -> GenerationMode:
         if config.do_sample is True:
             return GenerationMode.SAMPLE
         contrastive = (
-            config.top_k is not None and config.top_k > 1 and config.penalty_alpha is not None and config.penalty_alpha > 0
+            config.top_k is not None
+            and config.top_k > 1
+            and config.penalty_alpha is not None
+            and config.penalty_alpha > 0
         )
         return GenerationMode.CONTRASTIVE_SEARCH if contrastive else GenerationMode.GREEDY_SEARCH
     if config.num_beam_groups is not None and config.num_beam_groups > 1:

@@ -17,6 +17,7 @@ __all__ = ["resolve_generation_config", "resolve_lengths"]
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_generation_config(
     model_config: GenerationConfig | Mapping[str, Any] | None,
     passed_config: GenerationConfig | None = None,

@@ -14,7 +14,13 @@ from typing import Any
 from .checks import Interval, check_bool, check_no_unknown_keys, choice_check, int_check, is_int, is_sequence
 from .checks import real_check, type_error, value_error
 
-__all__ = ["BaseWatermarkingConfig", "WatermarkingConfig", "SynthIDTextWatermarkingConfig", "watermarking_config_from_dict"]
+__all__ = [
+    "BaseWatermarkingConfig",
+    "WatermarkingConfig",
+    "SynthIDTextWatermarkingConfig",
+    "watermarking_config_from_dict",
+]
+
 
 class BaseWatermarkingConfig(abc.ABC):
     """Shared (de)serialization of the watermarking configs (subclasses are dataclasses).
