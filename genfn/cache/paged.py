@@ -113,7 +113,7 @@ def paged_attention(
     ``positions [T]``: the query's position within its request. Query ``t`` attends positions
     ``0 .. positions[t]`` (and only the last ``sliding_window`` of them when given). Grouped-query
     attention: ``H`` is a multiple of the cache's kv heads. Returns ``[T, H, D]`` in ``q``'s dtype,
-    computed in float32.
+    computed in float32 (float64 for float64 inputs).
 
     The keys of each query are gathered through its block table row, so the cost is
     ``T x W x block_size`` scores: what a fused varlen kernel computes, without its memory
@@ -131,8 +131,10 @@ def paged_attention(
     # [T, W, Hkv, bs, D] -> [T, Hkv, W * bs, D]: key ``s`` of a query is at position ``s`` of its request.
     k = keys[tables].permute(0, 2, 1, 3, 4).reshape(num_tokens, kv_heads, span, head_dim)
     v = values[tables].permute(0, 2, 1, 3, 4).reshape(num_tokens, kv_heads, span, head_dim)
-    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).to(torch.float32)
-    scores = torch.einsum("thgd,thsd->thgs", qg, k.to(torch.float32))
+    # Half precisions accumulate in float32; float64 stays float64.
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).to(compute)
+    scores = torch.einsum("thgd,thsd->thgs", qg, k.to(compute))
     scores = scores * (head_dim ** -0.5 if scale is None else scale)
     key_pos = torch.arange(span, device=q.device)
     visible = key_pos.view(1, span) <= positions.view(num_tokens, 1)
@@ -140,5 +142,5 @@ def paged_attention(
         visible = visible & (key_pos.view(1, span) > positions.view(num_tokens, 1) - sliding_window)
     scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, span), float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    out = torch.einsum("thgs,thsd->thgd", weights, v.to(torch.float32))
+    out = torch.einsum("thgs,thsd->thgd", weights, v.to(compute))
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
