@@ -126,7 +126,7 @@ def test_budgets_are_respected_on_every_step():
             assert batch.kv_read <= 400
             assert len(batch.chunks) <= 5
             assert len(set(batch.request_ids)) == len(batch.chunks)
-        assert all_blocks_back(S.reset(state)) and B.num_free_blocks(state.allocator) == 200
+        assert all_blocks_back(state)
 
 
 def _decoding_and_split(kind):

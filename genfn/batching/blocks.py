@@ -43,6 +43,7 @@ __all__ = [
     "match_prefix",
     "num_free_blocks",
     "ref_count",
+    "truncate",
 ]
 
 RequestId = Hashable
@@ -304,6 +305,43 @@ def free_request(alloc: BlockAllocator, request_id: RequestId, keep_cached: bool
         tables=_frozen(tables),
         chains=_frozen(chains),
     )
+
+
+def truncate(alloc: BlockAllocator, request_id: RequestId, num_tokens: int) -> tuple[BlockAllocator, int]:
+    """Keep only the blocks holding the request's first ``num_tokens`` tokens (a rewind: rejected
+    draft tokens, a request cut back); returns (alloc, tokens kept).
+
+    The block cut in the middle is about to be overwritten past the cut, so it leaves the prefix
+    cache; if another request shares it, it is released instead (no copy here) and the tokens
+    kept stop at the block boundary: the caller recomputes the rest.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"`num_tokens` must be an int >= 0, got {num_tokens!r}")
+    size = alloc.block_size
+    table = block_table(alloc, request_id)
+    num_tokens = min(num_tokens, len(table) * size)
+    keep = -(-num_tokens // size)
+    digest_of, cached = alloc.digest_of, alloc.cached
+    if num_tokens % size and alloc.digest_of[table[keep - 1]] is not None:
+        cut = table[keep - 1]
+        if alloc.refs[cut] > 1:
+            keep -= 1
+            num_tokens = keep * size
+        else:
+            digest_of = list(digest_of)
+            cached = dict(cached)
+            del cached[digest_of[cut]]
+            digest_of[cut] = None
+            digest_of, cached = tuple(digest_of), _frozen(cached)
+    if keep == len(table) and digest_of is alloc.digest_of:
+        return alloc, num_tokens
+    chain = alloc.chains.get(request_id, ())[:num_tokens // size]
+    # Release the dropped blocks as a scratch request's, so the accounting is free_request's.
+    scratch = ("genfn.blocks.truncate", request_id)
+    alloc = alloc.replace(digest_of=digest_of, cached=cached,
+                          tables=_frozen({**alloc.tables, request_id: table[:keep], scratch: table[keep:]}),
+                          chains=_frozen({**alloc.chains, request_id: chain}))
+    return free_request(alloc, scratch), num_tokens
 
 
 def evict_all(alloc: BlockAllocator) -> BlockAllocator:
