@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -380,3 +382,69 @@ def test_truncate_releases_trailing_blocks_and_never_overwrites_a_shared_one():
     assert B.num_free_blocks(cut) == 8 and not any(cut.refs)
     with pytest.raises(ValueError, match="num_tokens"):
         B.truncate(alloc, "a", -1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_random_allocator_operations_keep_the_accounting_and_share_only_equal_prefixes(data):
+    """Random sequences of allocate / write / commit / admit-with-prefix / truncate / free over a
+    two-letter alphabet (so prefixes collide often): the invariants hold after every operation,
+    and a reused block always holds exactly the tokens the new request expects there."""
+    size = data.draw(st.sampled_from([1, 2, 3]))
+    num_blocks = data.draw(st.integers(2, 10))
+    alloc = B.init_allocator(num_blocks, size)
+    content = {}  # block -> the tokens written into it, as the forward would
+    tokens_of = {}  # request -> its tokens whose keys/values are written
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 40))):
+        op = data.draw(st.sampled_from(["admit", "grow", "free", "truncate", "evict"]))
+        live = sorted(tokens_of)
+        if op == "admit":
+            tokens = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=12))
+            trial, reused = B.acquire_prefix(alloc, next_id, tokens, max_tokens=len(tokens) - 1)
+            for index, block in enumerate(B.block_table(trial, next_id)):
+                assert content[block] == tokens[index * size:(index + 1) * size]
+            trial = B.ensure_capacity(trial, next_id, len(tokens))
+            if trial is None:
+                continue  # dropped: the old state is untouched
+            alloc = trial
+            table = B.block_table(alloc, next_id)
+            for position in range(reused, len(tokens)):
+                block = table[position // size]
+                content.setdefault(block, [])
+                content[block] = content[block][:position % size] + [tokens[position]]
+            tokens_of[next_id] = tokens
+            alloc = B.commit_full_blocks(alloc, next_id, tokens)
+            next_id += 1
+        elif op == "grow" and live:
+            request_id = data.draw(st.sampled_from(live))
+            extra = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=5))
+            tokens = tokens_of[request_id] + extra
+            grown = B.ensure_capacity(alloc, request_id, len(tokens))
+            if grown is None:
+                continue
+            alloc = grown
+            table = B.block_table(alloc, request_id)
+            for position in range(len(tokens_of[request_id]), len(tokens)):
+                block = table[position // size]
+                assert B.ref_count(alloc, block) == 1, "a request writes only into blocks it owns alone"
+                content[block] = content.get(block, [])[:position % size] + [tokens[position]]
+            tokens_of[request_id] = tokens
+            alloc = B.commit_full_blocks(alloc, request_id, tokens)
+        elif op == "free" and live:
+            request_id = data.draw(st.sampled_from(live))
+            alloc = B.free_request(alloc, request_id, keep_cached=data.draw(st.booleans()))
+            del tokens_of[request_id]
+        elif op == "truncate" and live:
+            request_id = data.draw(st.sampled_from(live))
+            alloc, kept = B.truncate(alloc, request_id, data.draw(st.integers(0, len(tokens_of[request_id]))))
+            tokens_of[request_id] = tokens_of[request_id][:kept]
+        elif op == "evict":
+            alloc = B.evict_all(alloc)
+        B.check_invariants(alloc)
+        for request_id, tokens in tokens_of.items():
+            assert len(B.block_table(alloc, request_id)) >= -(-len(tokens) // size)
+    for request_id in list(tokens_of):
+        alloc = B.free_request(alloc, request_id)
+    B.check_invariants(alloc)
+    assert B.num_free_blocks(alloc) == num_blocks and not alloc.tables

@@ -48,20 +48,7 @@ def sampled(state: S.SchedulerState, batch: S.ScheduledBatch) -> dict:
 
 
 def check_allocator(alloc: B.BlockAllocator) -> None:
-    """Every block is exactly one of free / evictable / referenced, and counts match the tables."""
-    refs = [0] * alloc.num_blocks
-    for table in alloc.tables.values():
-        for block in table:
-            refs[block] += 1
-    assert tuple(refs) == alloc.refs
-    free, evictable = set(alloc.free), set(alloc.evictable)
-    assert len(free) == len(alloc.free) and len(evictable) == len(alloc.evictable)
-    referenced = {b for b in range(alloc.num_blocks) if refs[b] > 0}
-    assert not (free & evictable) and not (free & referenced) and not (evictable & referenced)
-    assert free | evictable | referenced == set(range(alloc.num_blocks))
-    assert all(alloc.digest_of[b] is not None for b in evictable)
-    assert all(alloc.digest_of[b] is None for b in free)
-    assert {alloc.cached[d] for d in alloc.cached} == {b for b in range(alloc.num_blocks) if alloc.digest_of[b]}
+    B.check_invariants(alloc)
 
 
 def all_blocks_back(state: S.SchedulerState) -> bool:

@@ -33,6 +33,7 @@ __all__ = [
     "block_digest",
     "block_table",
     "blocks_needed",
+    "check_invariants",
     "cached_block_count",
     "commit_full_blocks",
     "ensure_capacity",
@@ -142,6 +143,29 @@ def block_table(alloc: BlockAllocator, request_id: RequestId) -> tuple[int, ...]
 
 def allocated_requests(alloc: BlockAllocator) -> tuple[RequestId, ...]:
     return tuple(alloc.tables)
+
+
+def check_invariants(alloc: BlockAllocator) -> None:
+    """Raise ``AssertionError`` unless the state is consistent: every block is exactly one of free,
+    evictable (registered, unreferenced) or referenced; counts match the tables; the digest index
+    and the blocks' digests agree. A debugging aid (tests run it after every transition)."""
+    refs = [0] * alloc.num_blocks
+    for table in alloc.tables.values():
+        for block in table:
+            refs[block] += 1
+    assert tuple(refs) == alloc.refs, "reference counts differ from the block tables"
+    free, evictable = set(alloc.free), set(alloc.evictable)
+    assert len(free) == len(alloc.free) and len(evictable) == len(alloc.evictable), "a block is queued twice"
+    referenced = {b for b in range(alloc.num_blocks) if refs[b]}
+    assert not (free & evictable or free & referenced or evictable & referenced), "a block is in two states"
+    assert free | evictable | referenced == set(range(alloc.num_blocks)), "a block leaked"
+    assert all(alloc.digest_of[b] is not None for b in evictable), "an evictable block is unregistered"
+    assert all(alloc.digest_of[b] is None for b in free), "a free block is still registered"
+    registered = {b for b in range(alloc.num_blocks) if alloc.digest_of[b] is not None}
+    assert {alloc.digest_of[b] for b in alloc.cached.values()} == set(alloc.cached), "digest index is stale"
+    assert set(alloc.cached.values()) == registered, "a registered block is missing from the index"
+    for request_id, chain in alloc.chains.items():
+        assert len(chain) <= len(alloc.tables.get(request_id, ())), "a chain is longer than its table"
 
 
 def blocks_needed(alloc: BlockAllocator, request_id: RequestId, num_tokens: int) -> int:
