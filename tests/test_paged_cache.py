@@ -196,7 +196,10 @@ def test_packed_varlen_attention_equals_dense_attention(dtype, window):
     q = torch.randn(len(rows), heads, dim, generator=gen).to(dtype)
     write(cache, 1, torch.tensor(slots), new_k, new_v)
     out = paged_attention(q, cache, 1, table_tensor, torch.tensor(rows), torch.tensor(positions),
-                          sliding_window=window)
+                          sliding_window=window, query_chunk=None)
+    chunked = paged_attention(q, cache, 1, table_tensor, torch.tensor(rows), torch.tensor(positions),
+                              sliding_window=window, query_chunk=4)
+    torch.testing.assert_close(chunked, out, atol=0, rtol=0)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
     tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2}[dtype]
     start = 0
@@ -209,6 +212,8 @@ def test_packed_varlen_attention_equals_dense_attention(dtype, window):
     assert not zeros.abs().sum()
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(q[:, :3], cache, 1, table_tensor, torch.tensor(rows), torch.tensor(positions))
+    with pytest.raises(ValueError, match="query_chunk"):
+        paged_attention(q, cache, 1, table_tensor, torch.tensor(rows), torch.tensor(positions), query_chunk=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,3 +453,37 @@ def test_random_allocator_operations_keep_the_accounting_and_share_only_equal_pr
         alloc = B.free_request(alloc, request_id)
     B.check_invariants(alloc)
     assert B.num_free_blocks(alloc) == num_blocks and not alloc.tables
+
+
+def test_the_paged_forward_traces_as_one_graph_and_serves_every_batch_of_its_shape():
+    """write + attention over BatchInputs under dynamo with fullgraph=True (the cheap "eager"
+    backend: this checks graph capture, not codegen), then batches of different contents at the
+    same padded sizes run without a recompile."""
+    model = OneLayerModel()
+    size, width = 4, 8
+    cache = init_paged_cache(1, 32, model.kv_heads, size, model.dim, dtype=torch.float64)
+
+    def forward(cache, inputs):
+        return model.paged_step(cache, inputs)
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True, dynamic=False)
+    state = S.init_scheduler(32, size, S.SchedulerPolicy(max_requests_per_batch=4, max_blocks_per_request=width))
+    for i, length in enumerate([3, 9, 14, 1, 6]):
+        state = S.add_request(state, make_request(i, range(5, 5 + length), max_new_tokens=4))
+    torch._dynamo.reset()
+    outputs = 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        while S.has_pending(state):
+            state, batch = S.schedule(state, 8)
+            inputs = build_batch_inputs(state.allocator, batch, num_tokens=8, num_rows=4, table_width=width)
+            eager_cache = init_paged_cache(1, 32, model.kv_heads, size, model.dim, dtype=torch.float64)
+            eager_cache.keys.copy_(cache.keys)
+            eager_cache.values.copy_(cache.values)
+            cache, tokens = compiled(cache, inputs)
+            _, expected = model.paged_step(eager_cache, inputs)
+            assert torch.equal(tokens, expected)
+            new = {c.request_id: int(tokens[r]) for r, c in enumerate(batch.chunks) if c.samples}
+            state, finished = S.apply_step(state, batch, new)
+            outputs += len(finished)
+            assert outputs <= 5
+    assert outputs == 5

@@ -105,6 +105,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    query_chunk: int | None = 128,
 ) -> torch.Tensor:
     """Attention of the packed queries ``q [T, H, D]`` over their own requests' cached keys/values.
 
@@ -115,27 +116,43 @@ def paged_attention(
     attention: ``H`` is a multiple of the cache's kv heads. Returns ``[T, H, D]`` in ``q``'s dtype,
     computed in float32 (float64 for float64 inputs).
 
-    The keys of each query are gathered through its block table row, so the cost is
-    ``T x W x block_size`` scores: what a fused varlen kernel computes, without its memory
-    savings. The scores of a padding query (a sink row, position 0) are finite and ignored.
+    The keys of each query are gathered through its block-table row, ``query_chunk`` queries at a
+    time (``None``: all at once), so the memory is ``query_chunk x W x block_size`` keys and values,
+    whatever ``T``. This is the reference path (any device, compiles to one graph); a fused varlen
+    kernel computes the same. The scores of a padding query (position 0) are finite and ignored.
     """
     num_tokens, num_heads, head_dim = q.shape
-    keys, values = cache.keys[layer], cache.values[layer]  # [NB + 1, Hkv, bs, D]
-    kv_heads, block_size = keys.shape[1], keys.shape[2]
+    kv_heads = cache.keys.shape[2]
     if num_heads % kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of the cache's kv heads ({kv_heads})")
+    if query_chunk is not None and (isinstance(query_chunk, bool) or not isinstance(query_chunk, int)
+                                    or query_chunk < 1):
+        raise ValueError(f"`query_chunk` must be an int >= 1 or None, got {query_chunk!r}")
+    scale = head_dim ** -0.5 if scale is None else scale
+    step = num_tokens if query_chunk is None else query_chunk
+    # A Python loop over a static count: unrolled by the compiler, no host sync.
+    outs = [
+        _attend_chunk(q[start:start + step], cache.keys[layer], cache.values[layer],
+                      block_tables.index_select(0, request_index[start:start + step]),
+                      positions[start:start + step], scale, sliding_window)
+        for start in range(0, num_tokens, max(step, 1))
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window):
+    """``q [t, H, D]`` against the keys at positions ``0 .. positions`` of the rows ``tables [t, W]``."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads, block_size = keys.shape[1], keys.shape[2]
     groups = num_heads // kv_heads
-    width = block_tables.shape[1]
-    span = width * block_size
-    tables = block_tables.index_select(0, request_index)  # [T, W]
-    # [T, W, Hkv, bs, D] -> [T, Hkv, W * bs, D]: key ``s`` of a query is at position ``s`` of its request.
+    span = tables.shape[1] * block_size
+    # [t, W, Hkv, bs, D] -> [t, Hkv, W * bs, D]: key ``s`` of a query is at position ``s`` of its request.
     k = keys[tables].permute(0, 2, 1, 3, 4).reshape(num_tokens, kv_heads, span, head_dim)
     v = values[tables].permute(0, 2, 1, 3, 4).reshape(num_tokens, kv_heads, span, head_dim)
     # Half precisions accumulate in float32; float64 stays float64.
     compute = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(num_tokens, kv_heads, groups, head_dim).to(compute)
-    scores = torch.einsum("thgd,thsd->thgs", qg, k.to(compute))
-    scores = scores * (head_dim ** -0.5 if scale is None else scale)
+    scores = torch.einsum("thgd,thsd->thgs", qg, k.to(compute)) * scale
     key_pos = torch.arange(span, device=q.device)
     visible = key_pos.view(1, span) <= positions.view(num_tokens, 1)
     if sliding_window is not None:
