@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.hints import WorkloadHints, kv_bytes_per_block, resolve
-from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs
+from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestStatus, make_request
 from genfn.cache.paged import init_paged_cache, paged_attention, write
 from genfn.state.base import tree_flatten
@@ -487,3 +487,38 @@ def test_the_paged_forward_traces_as_one_graph_and_serves_every_batch_of_its_sha
             outputs += len(finished)
             assert outputs <= 5
     assert outputs == 5
+
+
+def test_row_history_keeps_the_prompt_length_through_a_recompute():
+    state = S.init_scheduler(4, 4, S.SchedulerPolicy(safety_margin=0.0, prefix_caching=False))
+    state = S.add_request(state, make_request("a", [1, 2, 3], max_new_tokens=20))
+    state = S.add_request(state, make_request("b", [4, 5, 6, 7, 8], max_new_tokens=20))
+    history = None
+    for step in range(40):
+        state, batch = S.schedule(state, 16)
+        if "b" in batch.preempted:
+            break
+        history = build_row_history(state.requests, batch, max_len=16, num_rows=3)
+        rows = {c.request_id: r for r, c in enumerate(batch.chunks)}
+        for request_id, row in rows.items():
+            request = state.requests[request_id]
+            n = int(history.cur_len[row])
+            assert history.tokens[row, :n].tolist() == list(request.token_ids[:n])
+            assert int(history.prompt_len[row]) == len(request.prompt_ids)
+        assert int(history.cur_len[2]) == 0
+        state, _ = S.apply_step(state, batch, {c.request_id: 9 + step for c in batch.chunks if c.samples})
+    else:
+        raise AssertionError("no preemption happened")
+    state, _ = S.apply_step(state, batch, {c.request_id: 0 for c in batch.chunks if c.samples})
+    generated = len(state.requests["b"].generated_ids)
+    for _ in range(10):  # until "b" is recomputed and samples again
+        state, batch = S.schedule(state, 16)
+        chunk = next((c for c in batch.chunks if c.request_id == "b" and c.samples), None)
+        if chunk is not None:
+            break
+        state, _ = S.apply_step(state, batch, {c.request_id: 1 for c in batch.chunks if c.samples})
+    row = batch.request_ids.index("b")
+    history = build_row_history(state.requests, batch, max_len=16, num_rows=3)
+    assert int(history.prompt_len[row]) == 5 and int(history.cur_len[row]) == 5 + generated
+    with pytest.raises(ValueError, match="max_len"):
+        build_row_history(state.requests, batch, max_len=2)

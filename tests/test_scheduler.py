@@ -244,6 +244,7 @@ def test_scheduler_methods_finish_outputs_reset():
     batch = scheduler.schedule_batch(8)
     scheduler.update_batch(batch, {"a": [12, 13]})  # a step may append several tokens
     assert scheduler.get_active_request_static_outputs("a") == [11, 12, 13]
+    assert scheduler.allocated_blocks("a") == (0,)  # 4 tokens have keys/values; 12 and 13 not yet
     assert scheduler.get_active_request_static_outputs("unknown") == []
     ended = scheduler.finish_request("a", RequestStatus.FAILED, error="boom")
     assert ended.status == RequestStatus.FAILED and ended.error == "boom"

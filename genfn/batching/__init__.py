@@ -9,7 +9,7 @@ over a packed batch are ``genfn.cache.paged``.
 
 from genfn.batching.blocks import BlockAllocator, init_allocator
 from genfn.batching.hints import BatchingSizes, WorkloadHints, kv_bytes_per_block, resolve
-from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs
+from genfn.batching.inputs import BatchInputs, RowHistory, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState, RequestStatus, make_request
 from genfn.batching.scheduler import SCHEDULERS, FIFOScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
 from genfn.batching.scheduling import (
@@ -31,6 +31,7 @@ __all__ = [
     "PrefillFirstScheduler",
     "RequestState",
     "RequestStatus",
+    "RowHistory",
     "ScheduledBatch",
     "ScheduledChunk",
     "Scheduler",
@@ -40,6 +41,7 @@ __all__ = [
     "apply_step",
     "bucket",
     "build_batch_inputs",
+    "build_row_history",
     "init_allocator",
     "init_scheduler",
     "kv_bytes_per_block",

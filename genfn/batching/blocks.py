@@ -25,6 +25,8 @@ from array import array
 from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
 
+from genfn.batching.records import replaced
+
 __all__ = [
     "BlockAllocator",
     "RequestId",
@@ -93,7 +95,7 @@ class BlockAllocator:
     chains: Mapping[RequestId, tuple[bytes, ...]] = dataclasses.field(default_factory=_empty)
 
     def replace(self, **changes) -> BlockAllocator:
-        return dataclasses.replace(self, **changes)
+        return replaced(self, changes)
 
 
 def init_allocator(num_blocks: int, block_size: int) -> BlockAllocator:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Hashable, Mapping
+
 from genfn.batching import blocks as B
+from genfn.batching.requests import RequestState
 from genfn.batching.scheduling import ScheduledBatch
 from genfn.state.base import pytree_dataclass
 
-__all__ = ["BatchInputs", "build_batch_inputs", "bucket"]
+__all__ = ["BatchInputs", "RowHistory", "build_batch_inputs", "build_row_history", "bucket"]
 
 
 @pytree_dataclass
@@ -109,3 +112,39 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         logits_index=tensor(logits_index),
         samples=tensor(samples, torch.bool),
     )
+
+
+@pytree_dataclass
+class RowHistory:
+    """Each row's ``input_ids`` for the logits processors (the per-row ``LogitsContext`` fields).
+
+    ``tokens [R, N]``: row ``r``'s prompt then generated tokens in ``tokens[r, :cur_len[r]]`` (the
+    rest is padding); ``cur_len [R]``; ``prompt_len [R]``: the length of the request's own prompt,
+    which a recompute after preemption does not change, so ``cur_len - prompt_len`` counts the
+    tokens generated (min_new_tokens, per-request noise steps) however the request was scheduled.
+    """
+
+    tokens: torch.Tensor  # [R, N] int64
+    cur_len: torch.Tensor  # [R] int64
+    prompt_len: torch.Tensor  # [R] int64
+
+
+def build_row_history(requests: Mapping[Hashable, RequestState], batch: ScheduledBatch, *, max_len: int,
+                      num_rows: int | None = None, pad_token_id: int = 0,
+                      device: torch.device | str | None = None) -> RowHistory:
+    """``RowHistory`` of the batch's rows (in chunk order) from the scheduler's ``requests`` after
+    ``schedule``. A row's history is its tokens up to its chunk's end; padding rows are empty."""
+    num_rows = max(len(batch.chunks), 1) if num_rows is None else num_rows
+    if num_rows < len(batch.chunks):
+        raise ValueError(f"`num_rows` ({num_rows}) is smaller than the batch needs ({len(batch.chunks)})")
+    tokens = torch.full((num_rows, max_len), pad_token_id, dtype=torch.int64)
+    cur_len = torch.zeros(num_rows, dtype=torch.int64)
+    prompt_len = torch.zeros(num_rows, dtype=torch.int64)
+    for row, chunk in enumerate(batch.chunks):
+        request = requests[chunk.request_id]
+        if chunk.end > max_len:
+            raise ValueError(f"request {chunk.request_id!r} has {chunk.end} tokens, more than `max_len` ({max_len})")
+        tokens[row, :chunk.end] = torch.tensor(request.token_ids[:chunk.end], dtype=torch.int64)
+        cur_len[row] = chunk.end
+        prompt_len[row] = len(request.prompt_ids)
+    return RowHistory(tokens=tokens.to(device), cur_len=cur_len.to(device), prompt_len=prompt_len.to(device))

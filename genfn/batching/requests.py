@@ -14,6 +14,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from enum import IntEnum
 from types import MappingProxyType
 
+from genfn.batching.records import replaced
+
 __all__ = ["RequestState", "RequestStatus", "make_request"]
 
 
@@ -52,7 +54,7 @@ class RequestState:
     settings: Mapping = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     def replace(self, **changes) -> RequestState:
-        return dataclasses.replace(self, **changes)
+        return replaced(self, changes)
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -85,6 +85,9 @@ class Scheduler:
         """Tokens generated so far by a request not yet ended (empty otherwise)."""
         return S.generated_tokens(self._state, request_id)
 
+    def allocated_blocks(self, request_id: Hashable) -> tuple[int, ...]:
+        return S.allocated_blocks(self._state, request_id)
+
     def set_request_cancellation(self, request_id: Hashable) -> None:
         with self._lock:
             self._state = S.mark_cancelled(self._state, request_id)

@@ -29,6 +29,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 from genfn.batching import blocks as B
+from genfn.batching.records import replaced
 from genfn.batching.requests import RequestState, RequestStatus
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "SchedulerPolicy",
     "SchedulerState",
     "add_request",
+    "allocated_blocks",
     "apply_step",
     "clear_cancelled",
     "finish",
@@ -107,7 +109,7 @@ class SchedulerState:
     arrivals: int = 0
 
     def replace(self, **changes) -> SchedulerState:
-        return dataclasses.replace(self, **changes)
+        return replaced(self, changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,11 @@ def has_pending(state: SchedulerState) -> bool:
 def generated_tokens(state: SchedulerState, request_id: Hashable) -> list[int]:
     request = state.requests.get(request_id)
     return list(request.generated_ids) if request is not None else []
+
+
+def allocated_blocks(state: SchedulerState, request_id: Hashable) -> tuple[int, ...]:
+    """The request's block table (the allocator is the one record of it)."""
+    return B.block_table(state.allocator, request_id)
 
 
 def is_cancelled(state: SchedulerState, request_id: Hashable) -> bool:
@@ -468,24 +475,27 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
         request = requests.get(chunk.request_id)
         if request is None or request.num_computed < chunk.end:
             continue  # ended or preempted since it was scheduled
-        if state.policy.prefix_caching:
+        if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
             alloc = B.commit_full_blocks(alloc, chunk.request_id, request.token_ids[:chunk.end])
         if not chunk.samples:
             continue
         if chunk.request_id not in new_tokens:
             raise ValueError(f"`new_tokens` has no token for request {chunk.request_id!r}, whose chunk samples")
-        generated = list(request.generated_ids)
+        limit = request.max_new_tokens
+        taken, done = [], False
         for token in _as_tokens(chunk.request_id, new_tokens[chunk.request_id]):
-            generated.append(token)
-            request = request.replace(generated_ids=tuple(generated))
-            if request.reached_limit():
+            taken.append(token)
+            if token in request.eos_token_ids or (limit is not None and len(request.generated_ids) + len(taken) >= limit):
+                done = True
                 break
-        if request.reached_limit():
+        request = request.replace(generated_ids=request.generated_ids + tuple(taken),
+                                  status=RequestStatus.FINISHED if done else RequestStatus.DECODING)
+        if done:
             alloc = B.free_request(alloc, chunk.request_id, keep_cached=state.policy.prefix_caching)
             del requests[chunk.request_id]
-            finished.append(request.replace(status=RequestStatus.FINISHED))
+            finished.append(request)
         else:
-            requests[chunk.request_id] = request.replace(status=RequestStatus.DECODING)
+            requests[chunk.request_id] = request
     done = {r.request_id for r in finished}
     state = state.replace(
         allocator=alloc,
