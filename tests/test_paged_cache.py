@@ -236,6 +236,7 @@ def test_batch_inputs_index_the_blocks_the_scheduler_allocated():
     assert inputs.block_tables.tolist()[0] == [0, 1, 16, 16, 16] and inputs.block_tables.tolist()[1] == [16] * 5
     assert inputs.query_start.tolist() == [0, 8, 8, 8, 8]
     assert inputs.samples.tolist() == [False, False, False, False]
+    assert not batch.is_decode_only
     state, _ = S.apply_step(state, batch, {})
     state, batch = S.schedule(state, 8)
     inputs = build_batch_inputs(state.allocator, batch, num_tokens=8, num_rows=2)
@@ -247,10 +248,13 @@ def test_batch_inputs_index_the_blocks_the_scheduler_allocated():
     assert inputs.slot_mapping.tolist() == [8, 9, table_b[0] * 4, table_b[0] * 4 + 1, -1, -1, -1, -1]
     assert inputs.kv_lens.tolist() == [10, 2] and inputs.logits_index.tolist() == [1, 3]
     assert inputs.samples.tolist() == [True, True]
+    state, _ = S.apply_step(state, batch, {"a": 5, "b": 6})
+    state, batch = S.schedule(state, 8)
+    assert batch.is_decode_only and batch.request_ids == ("a", "b")
     with pytest.raises(ValueError, match="num_rows"):
         build_batch_inputs(state.allocator, batch, num_rows=1)
     with pytest.raises(ValueError, match="num_tokens"):
-        build_batch_inputs(state.allocator, batch, num_tokens=3)
+        build_batch_inputs(state.allocator, batch, num_tokens=1)
     assert [bucket(n, 4) for n in (1, 4, 5, 17)] == [4, 4, 8, 32]
 
 

@@ -58,7 +58,8 @@ class Scheduler:
     def schedule_batch(self, token_budget: int, cache_budget: int | None = None) -> S.ScheduledBatch:
         """The next forward's chunks: at most ``token_budget`` query tokens and ``cache_budget``
         key/value positions read. Requests it preempted are back in the queue; those it failed
-        (``batch.failed``) have ended."""
+        (``batch.failed``) have ended. Where transformers returns ``None`` for "cache full, nothing
+        scheduled", this returns an empty batch with ``cache_full`` set."""
         with self._lock:
             self._state, batch = S.schedule(self._state, token_budget, cache_budget)
         return batch

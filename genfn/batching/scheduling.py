@@ -153,6 +153,12 @@ class ScheduledBatch:
     def request_ids(self) -> tuple[Hashable, ...]:
         return tuple(c.request_id for c in self.chunks)
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every chunk is one sampling token: the batch fits a decode-shaped compiled step
+        (transformers' "decode fast path")."""
+        return bool(self.chunks) and all(len(c.token_ids) == 1 and c.samples for c in self.chunks)
+
 
 # ----------------------------------------------------------------------------------------------
 # Construction and queries
