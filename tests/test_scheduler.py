@@ -51,6 +51,31 @@ def check_allocator(alloc: B.BlockAllocator) -> None:
     B.check_invariants(alloc)
 
 
+def check_scheduler(state: S.SchedulerState, batch: S.ScheduledBatch | None = None) -> None:
+    """Every request is queued exactly once, waiting ones hold nothing, running ones hold the
+    blocks of what they computed, and a batch's chunks are the requests' own next tokens."""
+    B.check_invariants(state.allocator)
+    assert len(set(state.waiting)) == len(state.waiting) and len(set(state.active)) == len(state.active)
+    assert set(state.waiting).isdisjoint(state.active)
+    assert set(state.waiting) | set(state.active) == set(state.requests)
+    assert set(state.allocator.tables) <= set(state.active)
+    size = state.allocator.block_size
+    for request_id in state.waiting:
+        request = state.requests[request_id]
+        assert request.status == RequestStatus.PENDING and request.num_computed == 0
+    for request_id in state.active:
+        request = state.requests[request_id]
+        assert request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+        assert len(B.block_table(state.allocator, request_id)) * size >= request.num_computed
+        assert 0 < request.num_computed <= request.num_tokens
+    if batch is not None:
+        assert len(set(batch.request_ids)) == len(batch.chunks)
+        for chunk in batch.chunks:
+            request = state.requests[chunk.request_id]
+            assert chunk.token_ids and request.token_ids[chunk.start:chunk.end] == chunk.token_ids
+            assert request.num_computed == chunk.end and chunk.samples == (chunk.end == request.num_tokens)
+
+
 def all_blocks_back(state: S.SchedulerState) -> bool:
     alloc = state.allocator
     return (B.num_free_blocks(alloc) == alloc.num_blocks and not alloc.tables and not any(alloc.refs)
@@ -64,6 +89,7 @@ def run(state: S.SchedulerState, token_budget: int, cache_budget: int | None = N
         if not S.has_pending(state):
             return state, ended, batches
         state, batch = S.schedule(state, token_budget, cache_budget)
+        check_scheduler(state, batch)
         batches.append(batch)
         for request in batch.failed:
             assert request.request_id not in ended
@@ -464,6 +490,7 @@ def test_randomized_simulation_of_1000_requests(kind):
         token_budget = rng.choice([4, 16, 48, 64])
         cache_budget = rng.choice([None, 400])
         batch = scheduler.schedule_batch(token_budget, cache_budget)
+        check_scheduler(scheduler.state, batch)
         assert batch.num_tokens <= token_budget and len(batch.chunks) <= 12
         assert cache_budget is None or batch.kv_read <= cache_budget
         stats["preempted"] += len(batch.preempted)
@@ -475,7 +502,7 @@ def test_randomized_simulation_of_1000_requests(kind):
                 stats["reused"] += 1
         for request in scheduler.update_batch(batch, sampled(scheduler.state, batch)):
             end(request)
-        check_allocator(scheduler.state.allocator)
+        check_scheduler(scheduler.state)
         steps += 1
         assert steps < 100_000
     assert sorted(ended) == list(range(total))
