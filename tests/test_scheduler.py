@@ -10,7 +10,7 @@ import pytest
 
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
-from genfn.batching.requests import RequestState, RequestStatus, make_request
+from genfn.batching.requests import RequestStatus, make_request
 from genfn.batching.scheduler import FIFOScheduler, PrefillFirstScheduler, make_scheduler
 
 VOCAB = 50

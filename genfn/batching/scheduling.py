@@ -487,11 +487,11 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
             continue
         if chunk.request_id not in new_tokens:
             raise ValueError(f"`new_tokens` has no token for request {chunk.request_id!r}, whose chunk samples")
-        limit = request.max_new_tokens
+        room = None if request.max_new_tokens is None else request.max_new_tokens - len(request.generated_ids)
         taken, done = [], False
         for token in _as_tokens(chunk.request_id, new_tokens[chunk.request_id]):
             taken.append(token)
-            if token in request.eos_token_ids or (limit is not None and len(request.generated_ids) + len(taken) >= limit):
+            if token in request.eos_token_ids or (room is not None and len(taken) >= room):
                 done = True
                 break
         request = request.replace(generated_ids=request.generated_ids + tuple(taken),
