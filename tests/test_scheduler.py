@@ -522,3 +522,28 @@ def test_randomized_simulation_of_1000_requests(kind):
     assert all_blocks_back(scheduler.state)
     evicted = B.evict_all(scheduler.state.allocator)
     assert sorted(evicted.free) == list(range(40)) and B.cached_block_count(evicted) == 0
+
+
+def test_a_preempted_request_recomputes_from_its_cached_blocks():
+    """With prefix caching, the full blocks a preempted request computed (prompt and generated
+    tokens) stay cached, so its recompute starts past them when they were not evicted meanwhile."""
+    state = S.init_scheduler(6, 4, policy(safety_margin=0.0))
+    state = S.add_request(state, make_request("old", [1, 2, 3, 4, 5, 6], max_new_tokens=14))
+    state = S.add_request(state, make_request("new", [9, 8, 7, 6, 5, 4], max_new_tokens=10))
+    readmissions, ended = [], {}
+    for _ in range(1000):
+        if not S.has_pending(state):
+            break
+        before = {rid: r.preemptions for rid, r in state.requests.items() if rid in state.waiting}
+        state, batch = S.schedule(state, 16)
+        check_scheduler(state, batch)
+        for chunk in batch.chunks:
+            if before.get(chunk.request_id):
+                readmissions.append((chunk.request_id, chunk.start))
+        state, finished = S.apply_step(state, batch, sampled(state, batch))
+        ended.update({r.request_id: r for r in finished})
+    assert not S.has_pending(state)
+    assert readmissions and any(start > 0 for _, start in readmissions)
+    assert ended["old"].generated_ids == oracle([1, 2, 3, 4, 5, 6], 14)
+    assert ended["new"].generated_ids == oracle([9, 8, 7, 6, 5, 4], 10)
+    assert all_blocks_back(state)
