@@ -19,7 +19,7 @@ from genfn.config import GenerationConfig, GenerationMode, resolve_generation_co
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import sample as sample_strategy
-from genfn.stopping import stop_string_criteria
+from genfn.stopping import call_user_criteria, stop_string_criteria
 from genfn.strategies.guidance import make_guidance_spec
 from genfn.strategies.request import GenerationRequest, StepTrace
 
@@ -280,7 +280,4 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
 
 
 def _call_criteria(criteria, input_ids, scores) -> torch.Tensor:
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    for criterion in criteria:
-        done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool)
-    return done
+    return call_user_criteria(criteria, input_ids, scores)
