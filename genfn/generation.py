@@ -235,6 +235,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     if max_length > max_cache_len:
         raise ValueError(f"max_length={max_length} (prompt {prompt_len} + new tokens) exceeds "
                          f"max_cache_len={max_cache_len}; raise max_cache_len or lower max_new_tokens")
+    inputs.check_generation_memory(model, batch, max_cache_len, config.cache_implementation)
 
     processors = build_logits_processors(
         config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),

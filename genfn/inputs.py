@@ -28,6 +28,8 @@ __all__ = [
     "warn_beyond_context",
     "available_memory",
     "check_allocation",
+    "kv_cache_nbytes",
+    "check_generation_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -244,6 +246,31 @@ def check_allocation(nbytes: int, what: str, device: torch.device | str | None =
         where = "GPU" if torch.device(device or "cpu").type == "cuda" else "host"
         raise ValueError(f"{what} needs {nbytes:,} bytes ({_human(nbytes)}), more than the {free:,} bytes "
                          f"({_human(free)}) of {where} memory available")
+
+
+def kv_cache_nbytes(model: Any, batch_size: int, max_cache_len: int) -> int | None:
+    """Bytes of a float KV cache for ``batch_size`` rows of ``max_cache_len`` slots (None when the
+    model's spec does not say how many layers, kv heads and head dims it has)."""
+    spec = getattr(model, "spec", None)
+    sizes = [getattr(spec, name, None) for name in ("num_layers", "num_kv_heads", "head_dim")]
+    if any(not isinstance(v, int) for v in sizes):
+        return None
+    layers, kv_heads, head_dim = sizes
+    itemsize = torch.empty((), dtype=getattr(model, "dtype", torch.float32)).element_size()
+    return 2 * layers * batch_size * kv_heads * max_cache_len * head_dim * itemsize
+
+
+def check_generation_memory(model: Any, batch_size: int, max_cache_len: int,
+                            cache_implementation: str | None = None) -> None:
+    """Refuse a generation whose static buffers (KV cache, token buffer) cannot fit, before
+    allocating them: a huge ``max_new_tokens`` is an error message, not an out-of-memory kill."""
+    if cache_implementation is not None and cache_implementation.startswith(("offloaded", "quantized")):
+        return  # those caches live elsewhere or are smaller than a float cache: no simple bound
+    cache = kv_cache_nbytes(model, batch_size, max_cache_len)
+    tokens = 8 * batch_size * max_cache_len
+    what = (f"the KV cache and token buffer for {batch_size} row(s) x {max_cache_len} positions (max_cache_len; "
+            f"lower max_new_tokens or the batch size)")
+    check_allocation(tokens + (cache or 0), what, getattr(model, "device", None))
 
 
 def _human(nbytes: int) -> str:

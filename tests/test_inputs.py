@@ -220,3 +220,15 @@ def test_generate_past_the_context_reminds_once(tiny, caplog):
         out = genfn.generate(tiny, prompt, max_new_tokens=8, eos_token_id=None)
     assert out.shape == (1, 258)
     assert sum("maximum length (256)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_kv_cache_size_and_generate_refuses_what_cannot_fit(tiny):
+    spec = tiny.spec
+    per_slot = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # K and V, float32
+    assert inputs.kv_cache_nbytes(tiny, 3, 100) == 3 * 100 * per_slot
+    assert inputs.kv_cache_nbytes(object(), 3, 100) is None
+    huge = 10**10
+    with pytest.raises(ValueError, match=r"KV cache and token buffer for 1 row\(s\) x 10000000003 positions .* needs "
+                                         rf"{(huge + 3) * (per_slot + 8):,} bytes"):
+        genfn.generate(tiny, torch.tensor([[5, 6, 7]]), max_new_tokens=huge, eos_token_id=None)
+    inputs.check_generation_memory(tiny, 1, huge, "offloaded_static")  # lives on the host: not bounded here
