@@ -291,7 +291,7 @@ def byte_level_vocab():
     return tokens, types, merges
 
 
-def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, extra=None):
+def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, extra=None, integers=()):
     """Write a transformers model as llama.cpp's converter would (F32, `quantize` names as Q8_0)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch=arch)
@@ -329,7 +329,9 @@ def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, 
             a = llama_cpp_permute(a, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in g:
             a = llama_cpp_permute(a, cfg.num_key_value_heads)
-        if g in quantize:
+        if g in integers:  # plain ggml I8: not a quantization genfn knows
+            w.add_tensor(g, np.round(a * 100).astype(np.int8))
+        elif g in quantize:
             w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -377,6 +379,13 @@ def test_gguf_metadata_that_disagrees_with_the_tensors(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", model)
     with pytest.raises(CheckpointError, match=r"tiny\.gguf: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape "
                                               r"\[64, 32\], but the config implies \[48, 32\]"):
+        load_checkpoint(path)
+
+
+def test_gguf_integer_weights_are_refused(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama"), integers={"blk.1.ffn_down.weight"})
+    assert read_gguf(str(path)).tensors["blk.1.ffn_down.weight"].ggml_type == gguf.GGMLQuantizationType.I8
+    with pytest.raises(CheckpointError, match=r"tiny\.gguf: tensor blk\.1\.ffn_down\.weight is stored as ggml I8"):
         load_checkpoint(path)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .errors import LLAMA_FAMILY, CheckpointError
 
-__all__ = ["expected_shapes", "check_tensors", "check_quantization_config", "FLOAT_DTYPES"]
+__all__ = ["expected_shapes", "check_tensors", "check_gguf_tensors", "check_quantization_config", "FLOAT_DTYPES"]
 
 # Dtypes a weight may be stored in: the model casts them to the requested float dtype exactly.
 # float8 is not among them: its values mean nothing without the scales a quantization keeps.
@@ -119,6 +119,25 @@ def check_tensors(state_dict: Mapping[str, Any], config: Any, source: str) -> No
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {list(shape)}, but the config implies {list(expected)} "
                 f"({_explain(name, config)})")
+
+
+# ggml's plain integer types: a llama-family GGUF stores no weight as integers unless in blocks.
+_GGML_INTEGER_TYPES = frozenset({"I8", "I16", "I32", "I64"})
+
+
+def check_gguf_tensors(gguf_file: Any, state_dict: Mapping[str, Any], config: Mapping) -> None:
+    """:func:`check_tensors` for a GGUF file's state dict, after refusing weights stored as plain
+    ggml integers (the reader would turn them into floats, silently)."""
+    from gguf import GGMLQuantizationType
+
+    for name, info in gguf_file.tensors.items():
+        kind = GGMLQuantizationType(info.ggml_type).name
+        if kind in _GGML_INTEGER_TYPES and name.endswith((".weight", ".bias")):
+            raise CheckpointError(
+                f"{gguf_file.path}: tensor {name} is stored as ggml {kind} integers, which are not a known "
+                "quantization; genfn loads float (F32, F16, BF16) and block-quantized (Q8_0, Q4_0, Q4_1, ...) GGUF "
+                "weights")
+    check_tensors(state_dict, config, gguf_file.path)
 
 
 def _explain(name: str, config: Any) -> str:
