@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("genfn: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`genfn generate ... | head`): stop quietly, and keep Python's exit-time
+        # flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         logger.removeHandler(handler)
         warnings.showwarning, level, logger.propagate = saved[0], saved[1], saved[2]

@@ -329,3 +329,21 @@ def test_stop_checks_compile_with_per_row_lengths():
         expected = check(tokens, old_len, cur_len, torch.tensor(10))
         assert torch.equal(compiled(tokens, old_len, cur_len, torch.tensor(10)), expected)
         assert expected.any() and not expected.all()
+
+
+def test_stop_string_in_any_of_several_new_tokens():
+    from genfn.stopping import stop_string_in_new_tokens
+
+    vocab = ["a", "b", "st", "op", "stop", "x", "s", "top"]
+    matcher = StopStringMatcher.from_tokenizer(_PlainVocab(vocab), ["stop"])
+    t = {tok: i for i, tok in enumerate(vocab)}
+    tokens = torch.tensor([[t["a"], t["st"], t["op"], t["x"], t["x"], 0],   # "stop" ends at column 2
+                           [t["a"], t["st"], t["op"], t["x"], t["x"], 0],
+                           [t["x"], t["s"], t["top"], t["x"], 0, 0]])
+    cur_len = torch.tensor([5, 5, 4])
+    # Row 0 appended columns 2..4 (the string ends inside them); row 1 appended only 3..4 (it ended
+    # before); row 2 appended 2..3 ("s" + "top" ends at column 2).
+    old_len = torch.tensor([2, 3, 2])
+    assert stop_string_in_new_tokens(matcher, tokens, old_len, cur_len, 3).tolist() == [True, False, True]
+    assert matcher(tokens, cur_len).tolist() == [False, False, False]  # the newest token alone misses them
+    assert stop_string_in_new_tokens(matcher, tokens, cur_len, cur_len, 3).tolist() == [False, False, False]

@@ -13,7 +13,12 @@ from genfn.stopping.criteria import (
     call_user_criteria,
     validate_stopping_criteria,
 )
-from genfn.stopping.strings import StopStringMatcher, stop_string_criteria, stop_string_matching_mode
+from genfn.stopping.strings import (
+    StopStringMatcher,
+    stop_string_criteria,
+    stop_string_in_new_tokens,
+    stop_string_matching_mode,
+)
 
 __all__ = [
     "max_length_reached",
@@ -31,4 +36,5 @@ __all__ = [
     "StopStringMatcher",
     "stop_string_criteria",
     "stop_string_matching_mode",
+    "stop_string_in_new_tokens",
 ]

@@ -24,7 +24,7 @@ import torch
 
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode"]
+__all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode", "stop_string_in_new_tokens"]
 
 _STATIC_PREFIX = "abcdef"
 _TABLE_CACHE: OrderedDict[Any, StopStringMatcher] = OrderedDict()
@@ -267,6 +267,21 @@ class StopStringMatcher:
         alive = ok.int().cumprod(dim=1).bool()  # a track dies at its first mismatch
         best = torch.where(alive, matched, torch.zeros_like(matched)).amax(dim=(1, 3))  # [B, S]
         return (best >= self.target_lengths).any(dim=-1)
+
+
+def stop_string_in_new_tokens(matcher: StopStringMatcher, tokens: torch.Tensor, old_len: torch.Tensor,
+                              cur_len: torch.Tensor, max_new: int) -> torch.Tensor:
+    """``[B]`` True where a stop string ends at one of the tokens the latest step appended
+    (columns ``old_len[b] <= c < cur_len[b]``, at most ``max_new`` of them: a static bound).
+
+    For steps that append several tokens (speculation): the row's text is checked as it stood
+    after each new token, so a stop string completed before the last one is caught too.
+    """
+    found = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    for back in range(max_new):
+        end = cur_len - back
+        found = found | (matcher(tokens, end) & (end > old_len))
+    return found
 
 
 def stop_string_criteria(tokenizer: Any, stop_strings: Any, device: Any = None) -> StopStringMatcher:
