@@ -93,8 +93,8 @@ def check_quantization_config(config: Mapping, source: str) -> None:
 
 
 def check_tensors(state_dict: Mapping[str, Any], config: Any, source: str) -> None:
-    """Raise CheckpointError for the first weight whose shape disagrees with ``config`` or whose
-    dtype is not floating point. ``config`` is a config.json dict or a model spec.
+    """Raise CheckpointError for a weight whose dtype is not floating point, or naming the first
+    weight (in model order) whose shape disagrees with ``config``. ``config`` is a config.json dict or a model spec.
 
     A value that is not a plain tensor (a quantized weight of a known format) is checked by its
     logical ``shape`` only, when it has one.
@@ -105,9 +105,10 @@ def check_tensors(state_dict: Mapping[str, Any], config: Any, source: str) -> No
         if family is not None and family not in LLAMA_FAMILY:
             return
     shapes = expected_shapes(config)
-    for name, value in state_dict.items():
-        expected = shapes.get(name)
-        if expected is None:
+    wrong = []
+    for name, expected in shapes.items():  # model order, so the first error named is the earliest weight
+        value = state_dict.get(name)
+        if value is None:
             continue
         if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
             kind = "integer" if not value.dtype.is_floating_point else "scaled float8"
@@ -116,9 +117,12 @@ def check_tensors(state_dict: Mapping[str, Any], config: Any, source: str) -> No
                 "genfn loads floating-point weights (float32, float16, bfloat16) and GGUF's quantized blocks")
         shape = getattr(value, "shape", None)
         if shape is not None and tuple(shape) != expected:
-            raise CheckpointError(
-                f"{source}: tensor {name} has shape {list(shape)}, but the config implies {list(expected)} "
-                f"({_explain(name, config)})")
+            wrong.append((name, list(shape), list(expected)))
+    if wrong:
+        name, shape, expected = wrong[0]
+        more = f"; {len(wrong)} tensors disagree in all" if len(wrong) > 1 else ""
+        raise CheckpointError(f"{source}: tensor {name} has shape {shape}, but the config implies {expected} "
+                              f"({_explain(name, config)}){more}")
 
 
 # ggml's plain integer types: a llama-family GGUF stores no weight as integers unless in blocks.
