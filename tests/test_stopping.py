@@ -215,6 +215,8 @@ def test_stop_string_criteria_equals_transformers(smollm2):
     ours = StopStringCriteria(tok, stops)(ids, None)
     assert torch.equal(ours, hf.StopStringCriteria(hf_smollm2_tokenizer(), stops)(ids, None))
     assert ours.tolist() == [True, True, True, False]  # a stop string inside the newest token counts
+    # transformers' tokenizer works too, with the same answers.
+    assert torch.equal(StopStringCriteria(hf_smollm2_tokenizer(), stops)(ids, None), ours)
 
 
 def test_validate_stopping_criteria_like_transformers():
