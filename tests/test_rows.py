@@ -14,7 +14,7 @@ from genfn import driver
 from genfn.generation import prepare_request
 from genfn.strategies import sample
 from genfn.strategies.rows import insert
-from genfn.streamers import TextIteratorStreamer
+from genfn.streamers import GenerationError, TextIteratorStreamer
 
 MAX_CACHE = 48
 STATIC = dict(cache_implementation="static", max_cache_len=MAX_CACHE)
@@ -126,13 +126,16 @@ class _Iterating:
     """A consumer thread iterating a TextIteratorStreamer, with a bounded wait."""
 
     def __init__(self, streamer):
-        self.texts, self.finished = [], threading.Event()
+        self.texts, self.error, self.finished = [], None, threading.Event()
         self.thread = threading.Thread(target=self._run, args=(streamer,), daemon=True)
         self.thread.start()
 
     def _run(self, streamer):
-        for text in streamer:
-            self.texts.append(text)
+        try:
+            for text in streamer:
+                self.texts.append(text)
+        except GenerationError as error:
+            self.error = error
         self.finished.set()
 
 
@@ -150,6 +153,8 @@ def test_a_failure_inside_generate_ends_the_streamer(models):
     with pytest.raises(KeyError, match="criterion failed"):
         genfn.generate(gm, _prompt(4, 1), max_new_tokens=8, streamer=streamer, stopping_criteria=[failing_criterion])
     assert consumer.finished.wait(30), "the iterating thread was left waiting"
+    # The consumer learns that generation failed, and why.
+    assert isinstance(consumer.error, GenerationError) and isinstance(consumer.error.__cause__, KeyError)
 
 
 def test_an_exception_inside_a_compiled_step_reaches_the_caller_as_itself(models):
