@@ -1,32 +1,93 @@
-"""genfn: text generation as pure step functions over state pytrees."""
+"""genfn: text generation as pure step functions over state pytrees.
+
+The names a transformers user imports live here under the same names: the config types,
+``generate``, the logits processors and warpers, the stopping criteria, the streamers and the
+output types; plus genfn's own: ``random`` (keys), ``Strategy``, ``load``.
+"""
 
 from genfn import random
 from genfn.config import (
     CompileConfig,
+    ContinuousBatchingConfig,
     GenerationConfig,
     GenerationMode,
     SynthIDTextWatermarkingConfig,
     WatermarkingConfig,
 )
+from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
+from genfn.models.functional import FunctionalModel
 from genfn.models.model import Model, load
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+from genfn.processors import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    ProcessorChain,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+    WatermarkDetector,
+    WatermarkLogitsProcessor,
+)
 from genfn.scores import compute_transition_scores
-from genfn.stopping import StoppingCriteria, StoppingCriteriaList
+from genfn.stopping import (
+    ConfidenceCriteria,
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    validate_stopping_criteria,
+)
+from genfn.strategies.base import Strategy
+from genfn.streamers import (
+    AsyncTextIteratorStreamer,
+    BaseStreamer,
+    GenerationError,
+    TextIteratorStreamer,
+    TextStreamer,
+)
 
 __all__ = [
-    "random",
-    "generate",
-    "load",
-    "Model",
-    "GenerationConfig",
-    "GenerationMode",
-    "CompileConfig",
-    "WatermarkingConfig",
+    "random", "generate", "load", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
-    "GenerateDecoderOnlyOutput",
-    "GenerateBeamDecoderOnlyOutput",
-    "compute_transition_scores",
-    "StoppingCriteria",
-    "StoppingCriteriaList",
+    "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",
+    # stopping criteria
+    "StoppingCriteria", "StoppingCriteriaList", "MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria",
+    "ConfidenceCriteria", "StopStringCriteria", "validate_stopping_criteria",
+    # streamers
+    "BaseStreamer", "TextStreamer", "TextIteratorStreamer", "AsyncTextIteratorStreamer", "GenerationError",
+    # logits processors
+    "LogitsProcessor", "ProcessorChain", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+    "MinPLogitsWarper", "TopHLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
+    "RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "ExponentialDecayLengthPenalty",
+    "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor", "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor", "InfNanRemoveLogitsProcessor", "LogitNormalization",
+    "PrefixConstrainedLogitsProcessor", "WatermarkLogitsProcessor", "WatermarkDetector",
+    "SynthIDTextWatermarkLogitsProcessor",
 ]

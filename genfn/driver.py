@@ -24,8 +24,10 @@ import torch._inductor.config
 import torch.utils._pytree as torch_pytree
 
 from genfn import kernels
+from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
 from genfn.strategies.request import StepTrace
+from genfn.streamers import close_stream
 
 __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
            "NonFiniteLogitsError", "ParamsModule"]
@@ -246,9 +248,6 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
     return run
 
 
-# Caches whose shapes stay fixed from step to step: the only ones a compiled step can run on.
-COMPILABLE_CACHES = ("static", "offloaded_static")
-
 # What a CPU step compiles with when compile_config names no mode (or transformers' default,
 # "reduce-overhead", which means CUDA graphs and does nothing on a CPU): the options of mode
 # "max-autotune-no-cudagraphs" plus the C++ wrapper. max-autotune lets inductor pick its own GEMM
@@ -368,7 +367,7 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
     ``compile_options`` (a ``torch.compile`` kwargs dict) compiles the step once per state layout;
     None runs it eagerly. ``stopping_criteria(input_ids, scores) -> [B] bool`` runs between steps.
     ``trace`` collects per-step outputs through ``strategy.collect``. Whatever happens, the
-    streamer is ended.
+    streamer is closed: ended after success, failed with the error otherwise.
     """
     start_time = time.monotonic() if start_time is None else start_time
     trace = StepTrace() if trace is None else trace
@@ -402,7 +401,8 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
             strategy.collect(state, trace)
             if streamer is not None:
                 _stream(streamer, state, before, view.lengths)
-        return state
-    finally:
-        if streamer is not None:
-            streamer.end()
+    except BaseException as error:
+        close_stream(streamer, error)
+        raise
+    close_stream(streamer)
+    return state

@@ -8,22 +8,23 @@ decision about tokens is made inside a strategy's pure step.
 from __future__ import annotations
 
 import time
-import warnings
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from genfn import driver
+from genfn import inputs
 from genfn import random as grandom
 from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import sample as sample_strategy
-from genfn.stopping import stop_string_criteria
 from genfn.healing import heal_tokens
+from genfn.stopping import call_user_criteria, stop_string_criteria
 from genfn.strategies.guidance import make_guidance_spec
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
+from genfn.streamers import close_stream
 
 __all__ = ["generate"]
 
@@ -34,70 +35,6 @@ STRATEGIES = {
     GenerationMode.BEAM_SEARCH: beam_strategy.BEAM,
     GenerationMode.BEAM_SAMPLE: beam_strategy.BEAM,
 }
-
-
-def _as_input_ids(input_ids: Any) -> torch.Tensor:
-    if input_ids is None:
-        raise ValueError("input_ids is required: a [batch, length] tensor of token ids (or a list of ids)")
-    if isinstance(input_ids, (list, tuple)):
-        if len(input_ids) == 0:
-            raise ValueError("input_ids is empty: the prompt needs at least one token")
-        if all(isinstance(t, int) for t in input_ids):
-            input_ids = [list(input_ids)]
-        lengths = {len(row) for row in input_ids}
-        if len(lengths) != 1:
-            raise ValueError("input_ids rows have different lengths; pad them (left) and pass attention_mask")
-        input_ids = torch.tensor(input_ids, dtype=torch.int64)
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor or a list of token ids, got {type(input_ids).__name__}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {list(input_ids.shape)}")
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): the prompt needs at least one token")
-    return input_ids.to(torch.int64)
-
-
-def _check_token_range(input_ids: torch.Tensor, vocab_size: int) -> None:
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab_size}): min {low}, max {high}")
-
-
-def _attention_mask(input_ids, attention_mask, pad_token_id, eos_token_ids) -> torch.Tensor:
-    if attention_mask is None:
-        # Like transformers: infer padding only when the pad token is unambiguous.
-        if pad_token_id is not None and pad_token_id not in eos_token_ids and bool((input_ids == pad_token_id).any()):
-            return (input_ids != pad_token_id).long()
-        return torch.ones_like(input_ids)
-    attention_mask = torch.as_tensor(attention_mask)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape "
-                         f"{list(input_ids.shape)}")
-    if bool((attention_mask[:, -1] == 0).any()):
-        raise ValueError("attention_mask marks padding on the right; genfn (like transformers for decoder-only "
-                         "models) needs left padding")
-    if bool((attention_mask.sum(-1) == 0).any()):
-        raise ValueError("a row of attention_mask is all zeros: every prompt needs at least one real token")
-    return attention_mask.long()
-
-
-def _eos_ids(config: GenerationConfig) -> tuple[int, ...]:
-    eos = config.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-
-def _pad_id(config: GenerationConfig, eos_ids: tuple[int, ...]) -> int:
-    if config.pad_token_id is not None:
-        return int(config.pad_token_id)
-    if eos_ids:
-        return eos_ids[0]
-    return 0
 
 
 def _row_keys(key, batch_size: int) -> torch.Tensor:
@@ -112,19 +49,23 @@ def _row_keys(key, batch_size: int) -> torch.Tensor:
 
 
 class _EndOnce:
-    """The caller's streamer, ended exactly once whichever way generation exits."""
+    """The caller's streamer, closed exactly once whichever way generation exits: ended after
+    success, failed with the error otherwise (so a consumer thread never waits forever)."""
 
     def __init__(self, streamer):
         self.streamer = streamer
-        self.ended = False
+        self.closed = False
 
     def put(self, value) -> None:
         self.streamer.put(value)
 
     def end(self) -> None:
-        if not self.ended:
-            self.ended = True
-            self.streamer.end()
+        self.fail(None)
+
+    def fail(self, error: BaseException | None) -> None:
+        if not self.closed:
+            self.closed = True
+            close_stream(self.streamer, error)
 
 
 def generate(
@@ -208,25 +149,21 @@ def generate(
             state = driver.run(strategy, model, state, num_steps=num_steps, streamer=streamer, stopping_criteria=criteria,
                                compile_options=compile_options, max_time=config.max_time, start_time=start_time,
                                trace=trace)
-        return strategy.finish(state, trace, request)
-    finally:
+        result = strategy.finish(state, trace, request)
+    except BaseException as error:
         if streamer is not None:
-            streamer.end()
+            streamer.fail(error)
+        raise
+    if streamer is not None:
+        streamer.end()
+    return result
 
 
 def user_criteria(stopping_criteria) -> Callable | None:
     """``stopping_criteria`` as one ``(input_ids, scores) -> [B] bool`` callable (None when empty)."""
     if not stopping_criteria:
         return None
-    criteria = list(stopping_criteria) if isinstance(stopping_criteria, (list, tuple)) else [stopping_criteria]
-
-    def stop(input_ids, scores):
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for criterion in criteria:
-            done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool, device=done.device)
-        return done
-
-    return stop
+    return lambda input_ids, scores: call_user_criteria(stopping_criteria, input_ids, scores)
 
 
 def _check_capabilities(strategy: Strategy, request: GenerationRequest, streamer, criteria) -> None:
@@ -280,7 +217,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` give classifier-free guidance
     (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
     """
-    input_ids = _as_input_ids(input_ids)
+    input_ids = inputs.as_input_ids(input_ids)
     config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
@@ -289,13 +226,11 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     if mode not in STRATEGIES:
         raise ValueError(f"generation mode {mode.value!r} is not supported; supported: "
                          f"{[m.value for m in STRATEGIES]}")
-    _check_token_range(input_ids, model.vocab_size)
-    eos_ids = _eos_ids(config)
-    if config.pad_token_id is None and eos_ids:
-        warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{eos_ids[0]} for open-end generation.",
-                      UserWarning, stacklevel=3)
-    pad_id = _pad_id(config, eos_ids)
-    attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
+    inputs.check_token_range(input_ids, model.vocab_size)
+    inputs.check_special_tokens(config, model.vocab_size)
+    eos_ids = inputs.eos_token_ids(config.eos_token_id)
+    pad_id = inputs.resolve_pad_token_id(config.pad_token_id, eos_ids)
+    attention_mask = inputs.attention_mask_for(input_ids, attention_mask, config.pad_token_id, eos_ids)
     if config.token_healing:
         # Imperative preprocessing, like transformers' heal_tokens: rewrite each prompt's tail.
         input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask, generate=generate)
@@ -309,16 +244,16 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
 
     batch, prompt_len = input_ids.shape
     max_pos = model.max_position_embeddings
-    if max_pos is not None and prompt_len >= max_pos:
-        raise ValueError(f"the prompt has {prompt_len} tokens but the model's context (max_position_embeddings) "
-                         f"is {max_pos}")
+    inputs.check_prompt_fits(prompt_len, max_pos)
     max_length, min_length = resolve_lengths(config, prompt_len, max_pos)
+    inputs.warn_beyond_context(max_length, max_pos)
     max_cache_len = config.max_cache_len if config.max_cache_len is not None else max_length
     if prompt_len >= max_cache_len:
         raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room in max_cache_len={max_cache_len}")
     if max_length > max_cache_len:
         raise ValueError(f"max_length={max_length} (prompt {prompt_len} + new tokens) exceeds "
                          f"max_cache_len={max_cache_len}; raise max_cache_len or lower max_new_tokens")
+    inputs.check_generation_memory(model, batch, max_cache_len, config.cache_implementation)
 
     processors = build_logits_processors(
         config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
@@ -349,7 +284,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         max_cache_len=max_cache_len,
         eos_token_ids=eos_ids,
         pad_token_id=pad_id,
-        processors=processors if len(processors) else None,
+        # The step's chain: every number a [B] tensor leaf, so new values never recompile.
+        processors=processors.per_row(batch, input_ids.device) if len(processors) else None,
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
         keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),

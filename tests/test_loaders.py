@@ -186,6 +186,81 @@ def test_missing_shard(tmp_path):
         load_checkpoint(tmp_path)
 
 
+def _rewrite(directory, change_state=None, change_config=None):
+    """Rewrite a saved checkpoint in place: its tensors and/or its config.json."""
+    from safetensors.torch import load_file
+
+    if change_state is not None:
+        state = load_file(directory / "model.safetensors")
+        change_state(state)
+        save_file(state, directory / "model.safetensors")
+    if change_config is not None:
+        config = json.loads((directory / "config.json").read_text())
+        change_config(config)
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("name, shape, detail", [
+    ("model.layers.0.mlp.up_proj.weight", (63, 32), r"\[64, 32\] \(intermediate_size=64, hidden_size=32\)"),
+    ("model.layers.1.self_attn.k_proj.weight", (32, 32), r"\[16, 32\] \(num_key_value_heads=2, head_dim=8"),
+    ("model.embed_tokens.weight", (263, 32), r"\[264, 32\] \(vocab_size=264"),
+    ("model.layers.1.post_attention_layernorm.weight", (31,), r"\[32\] \(hidden_size=32\)"),
+    ("model.norm.weight", (1, 32), r"\[32\]"),
+])
+def test_wrong_shape_names_the_tensor(saved_llama, tmp_path, name, shape, detail):
+    d = _rewrite(copy_of(saved_llama, tmp_path / "m"),
+                 change_state=lambda state: state.__setitem__(name, torch.zeros(shape)))
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')} has shape \[{', '.join(map(str, shape))}\], "
+                                              rf"but the config implies {detail}"):
+        load_checkpoint(d)
+
+
+def test_config_that_disagrees_with_the_weights(saved_llama, tmp_path):
+    d = _rewrite(copy_of(saved_llama, tmp_path / "m"),
+                 change_config=lambda config: config.update(num_key_value_heads=4))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.k_proj\.weight has shape \[16, 32\].*\[32, 32\]"
+                                              r".*; 4 tensors disagree in all"):  # k and v of both layers
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn])
+def test_weights_that_are_not_floats_are_refused(saved_llama, tmp_path, dtype):
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def to_codes(state):
+        state[name] = (state[name] * 10).to(dtype)
+
+    d = _rewrite(copy_of(saved_llama, tmp_path / "m"), change_state=to_codes)
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')} holds .* \({dtype}\) that are not a known "
+                                              "quantization"):
+        load_checkpoint(d)
+
+
+def test_quantized_hf_checkpoints_are_refused(saved_llama, tmp_path):
+    d = _rewrite(copy_of(saved_llama, tmp_path / "m"), change_config=lambda config: config.update(
+        quantization_config={"quant_method": "gptq", "bits": 4}))
+    with pytest.raises(CheckpointError, match="quantization_config.*'gptq'.*GGUF"):
+        load_checkpoint(d)
+
+
+def test_state_dict_shapes_are_checked_without_a_file():
+    from genfn.models.model import from_hf_state_dict
+
+    model = tiny_model("llama")
+    config = model.config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    state = dict(model.state_dict())
+    from_hf_state_dict(config, state)  # the right shapes load
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 65)
+    with pytest.raises(ValueError, match=r"state dict: tensor model\.layers\.1\.mlp\.down_proj\.weight has shape "
+                                         r"\[32, 65\].*\[32, 64\]"):
+        from_hf_state_dict(config, state)
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 64, dtype=torch.int16)
+    with pytest.raises(ValueError, match="down_proj.weight holds integer values"):
+        from_hf_state_dict(config, state)
+
+
 # ---- crafted GGUF files ----------------------------------------------------------------------
 
 HF_TO_GGUF = {
@@ -217,7 +292,7 @@ def byte_level_vocab():
     return tokens, types, merges
 
 
-def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, extra=None):
+def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, extra=None, integers=()):
     """Write a transformers model as llama.cpp's converter would (F32, `quantize` names as Q8_0)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch=arch)
@@ -255,7 +330,9 @@ def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, 
             a = llama_cpp_permute(a, cfg.num_attention_heads)
         elif arch == "llama" and ".attn_k." in g:
             a = llama_cpp_permute(a, cfg.num_key_value_heads)
-        if g in quantize:
+        if g in integers:  # plain ggml I8: not a quantization genfn knows
+            w.add_tensor(g, np.round(a * 100).astype(np.int8))
+        elif g in quantize:
             w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -295,6 +372,22 @@ def test_gguf_matches_transformers_on_crafted_file(tmp_path, family):
     # Q8_0 is lossy but close, and the permutation was undone on the dequantized rows too
     q = ckpt.state_dict["model.layers.0.self_attn.q_proj.weight"]
     torch.testing.assert_close(q, model.state_dict()["model.layers.0.self_attn.q_proj.weight"], rtol=0, atol=2e-3)
+
+
+def test_gguf_metadata_that_disagrees_with_the_tensors(tmp_path):
+    model = tiny_model("llama")
+    model.config.intermediate_size = 48  # the file will say 48; its ffn tensors hold 64
+    path = write_gguf(tmp_path / "tiny.gguf", model)
+    with pytest.raises(CheckpointError, match=r"tiny\.gguf: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape "
+                                              r"\[64, 32\], but the config implies \[48, 32\]"):
+        load_checkpoint(path)
+
+
+def test_gguf_integer_weights_are_refused(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama"), integers={"blk.1.ffn_down.weight"})
+    assert read_gguf(str(path)).tensors["blk.1.ffn_down.weight"].ggml_type == gguf.GGMLQuantizationType.I8
+    with pytest.raises(CheckpointError, match=r"tiny\.gguf: tensor blk\.1\.ffn_down\.weight is stored as ggml I8"):
+        load_checkpoint(path)
 
 
 def test_gguf_rope_scaling_metadata(tmp_path):

@@ -14,7 +14,7 @@ from genfn import driver
 from genfn.generation import prepare_request
 from genfn.strategies import sample
 from genfn.strategies.rows import insert
-from genfn.streamers import TextIteratorStreamer
+from genfn.streamers import GenerationError, TextIteratorStreamer
 
 MAX_CACHE = 48
 STATIC = dict(cache_implementation="static", max_cache_len=MAX_CACHE)
@@ -126,13 +126,16 @@ class _Iterating:
     """A consumer thread iterating a TextIteratorStreamer, with a bounded wait."""
 
     def __init__(self, streamer):
-        self.texts, self.finished = [], threading.Event()
+        self.texts, self.error, self.finished = [], None, threading.Event()
         self.thread = threading.Thread(target=self._run, args=(streamer,), daemon=True)
         self.thread.start()
 
     def _run(self, streamer):
-        for text in streamer:
-            self.texts.append(text)
+        try:
+            for text in streamer:
+                self.texts.append(text)
+        except GenerationError as error:
+            self.error = error
         self.finished.set()
 
 
@@ -150,6 +153,8 @@ def test_a_failure_inside_generate_ends_the_streamer(models):
     with pytest.raises(KeyError, match="criterion failed"):
         genfn.generate(gm, _prompt(4, 1), max_new_tokens=8, streamer=streamer, stopping_criteria=[failing_criterion])
     assert consumer.finished.wait(30), "the iterating thread was left waiting"
+    # The consumer learns that generation failed, and why.
+    assert isinstance(consumer.error, GenerationError) and isinstance(consumer.error.__cause__, KeyError)
 
 
 def test_an_exception_inside_a_compiled_step_reaches_the_caller_as_itself(models):
@@ -176,3 +181,28 @@ class _ByteTokenizer:
 
     def flush(self):
         return ""
+
+
+ROW_SETTINGS = [dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.3, min_new_tokens=4),
+                dict(temperature=1.3, top_p=0.6, top_k=5, repetition_penalty=1.1, min_new_tokens=1),
+                dict(temperature=0.9, top_p=0.95, top_k=40, repetition_penalty=1.6, min_new_tokens=7)]
+
+
+def test_a_batch_with_per_row_processor_values_equals_each_row_alone(models):
+    """Every row carries its own temperature / top-p / top-k / penalties / min_new_tokens as tensor
+    leaves of one chain, so requests with different settings share a batch (and a compiled step)."""
+    _, gm = models
+    alone, prefixes = [], []
+    for (ids, new, seed), settings in zip(REQUESTS, ROW_SETTINGS):
+        alone.append(genfn.generate(gm, ids, max_new_tokens=new, do_sample=True, key=seed, **settings)[0])
+        request, strategy = prepare_request(gm, ids, max_new_tokens=new, do_sample=True, key=seed, **settings, **STATIC)
+        prefixes.append(strategy.init(gm, request))
+    ids0, new0, seed0 = REQUESTS[0]
+    request, strategy = prepare_request(gm, ids0.expand(3, -1), max_new_tokens=new0, do_sample=True, key=seed0,
+                                        **ROW_SETTINGS[0], **STATIC)
+    batch = strategy.init(gm, request)
+    for row in range(3):
+        batch = insert(prefixes[row], batch, row)
+    batch = _run(gm, batch, 40, compiled=False)
+    for row, want in enumerate(alone):
+        assert torch.equal(batch.tokens[row, : want.shape[0]], want), row

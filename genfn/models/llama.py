@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import linear
+from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
@@ -124,6 +125,7 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
 
 def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
     """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up)."""
+    check_tensors(state_dict, spec, "state dict")  # shapes and dtypes against the spec, naming the tensor
 
     def get(name: str) -> torch.Tensor:
         try:

@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from . import LoadedCheckpoint
+from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
 
 __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "SUPPORTED_ARCHITECTURES"]
@@ -349,13 +350,14 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     permuted = SUPPORTED_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
     state_dict = _state_dict(gguf, config, permuted, dtype)
     check_state_dict(state_dict, config, path)
+    check_gguf_tensors(gguf, state_dict, config)
 
     generation_config = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None
     } or None
     tokenizer = None
     if gguf.metadata.get("tokenizer.ggml.tokens"):
-        from ...tokenizer import Tokenizer
+        from ...tokenizer.core import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, source=path)
     return LoadedCheckpoint(config, state_dict, generation_config, tokenizer, path)

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import LoadedCheckpoint
+from .checks import FLOAT_DTYPES, check_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
 
 __all__ = ["load_hf_checkpoint", "read_json", "normalize_config", "load_safetensors"]
@@ -68,7 +69,7 @@ def _tensor_files(directory: str) -> dict[str, list[str] | None]:
 def load_safetensors(
     path: str, dtype: torch.dtype | None = None, names: list[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read tensors from one safetensors file; floating tensors are cast to `dtype`.
+    """Read tensors from one safetensors file; float16/32/64 and bfloat16 tensors are cast to `dtype`.
 
     A corrupt or truncated file raises CheckpointError naming the file; `names`, when given, are
     tensors the index promised and that must be present.
@@ -85,7 +86,7 @@ def load_safetensors(
                     )
             for key in keys:
                 t = f.get_tensor(key)
-                if dtype is not None and t.is_floating_point():
+                if dtype is not None and t.dtype in FLOAT_DTYPES:  # float8 and ints stay, for check_tensors
                     t = t.to(dtype)
                 out[key] = t
     except (SafetensorError, OSError, RuntimeError) as e:
@@ -177,6 +178,7 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.
     if config["tie_word_embeddings"]:
         state_dict.pop("lm_head.weight", None)
     check_state_dict(state_dict, config, directory)
+    check_tensors(state_dict, config, directory)
 
     generation_config = None
     gen_path = os.path.join(directory, "generation_config.json")

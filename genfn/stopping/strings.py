@@ -1,12 +1,18 @@
-"""Stopping criteria as pure functions ``(...) -> done mask [B]``.
+"""Stop strings, checked inside the step: a tensorized matcher built once per (vocabulary, strings).
 
-The compiled step evaluates the built-in criteria (max length, EOS, stop strings) on tensors;
-time limits and user criteria that need Python are checked by the driver between steps.
+A stop string is caught when it overlaps the *newest* token, whatever the token boundaries:
+for "stop", the tails ["st", "op"], ["sto", "pper"], ["las", "topper"] all match. Walking the
+sequence backwards from the newest token, the newest token must begin with an end piece of the
+string (its "end overlap"), and every earlier token must sit exactly where the characters
+matched so far leave off (one of its "valid positions", counted from the end of the string,
+possibly running off the string's start). Both facts depend only on (token, stop string), so
+they are tabulated once per vocabulary; the run-time check is then a few gathers, a cumsum and
+comparisons over a fixed window of the token buffer: no strings, no host sync, static shapes.
+This is the algorithm of transformers' StopStringCriteria, and it gives the same answers.
 """
 
 from __future__ import annotations
 
-import abc
 import hashlib
 import json
 from collections import OrderedDict
@@ -18,57 +24,7 @@ import torch
 
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["max_length_reached", "eos_emitted", "StoppingCriteria", "StoppingCriteriaList", "StopStringMatcher",
-           "stop_string_criteria", "stop_string_matching_mode"]
-
-
-def max_length_reached(cur_len: torch.Tensor, max_length: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """``[B]`` True once the sequences hold ``max_length`` tokens (prompt included)."""
-    return (cur_len >= max_length).expand(batch_size)
-
-
-def eos_emitted(next_tokens: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """``[B]`` True where the newest token is one of ``eos_token_ids``."""
-    if not eos_token_ids:
-        return torch.zeros_like(next_tokens, dtype=torch.bool)
-    eos = torch.tensor(eos_token_ids, dtype=next_tokens.dtype, device=next_tokens.device)
-    return (next_tokens.unsqueeze(-1) == eos).any(-1)
-
-
-class StoppingCriteria(abc.ABC):
-    """A user criterion: called with ``(input_ids [B, cur_len], scores [B, V])``, returns ``[B]`` bool.
-
-    Same call signature as transformers' ``StoppingCriteria``; it runs eagerly between steps.
-    """
-
-    @abc.abstractmethod
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``[B]`` bool: which rows should stop."""
-
-
-class StoppingCriteriaList(list):
-    """A list of criteria; a row is done when any criterion says so."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for criterion in self:
-            done = done | torch.as_tensor(criterion(input_ids, scores, **kwargs), device=done.device)
-        return done
-
-
-# ---------------------------------------------------------------------------------------------
-# Stop strings
-# ---------------------------------------------------------------------------------------------
-#
-# A stop string is caught when it overlaps the *newest* token, whatever the token boundaries:
-# for "stop", the tails ["st", "op"], ["sto", "pper"], ["las", "topper"] all match. Walking the
-# sequence backwards from the newest token, the newest token must begin with an end piece of the
-# string (its "end overlap"), and every earlier token must sit exactly where the characters
-# matched so far leave off (one of its "valid positions", counted from the end of the string,
-# possibly running off the string's start). Both facts depend only on (token, stop string), so
-# they are tabulated once per vocabulary; the run-time check is then a few gathers, a cumsum and
-# comparisons over a fixed window of the token buffer: no strings, no host sync, static shapes.
-# This is the algorithm of transformers' StopStringCriteria, and it gives the same answers.
+__all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode", "stop_string_in_new_tokens"]
 
 _STATIC_PREFIX = "abcdef"
 _TABLE_CACHE: OrderedDict[Any, StopStringMatcher] = OrderedDict()
@@ -233,11 +189,13 @@ def _build_tables(clean: list[tuple[Any, int]], stops: tuple) -> tuple[torch.Ten
 
 @pytree_dataclass
 class StopStringMatcher:
-    """``matcher(tokens [B, N], cur_len []) -> [B] bool``: which rows end with a stop string.
+    """``matcher(tokens [B, N], cur_len [B]) -> [B] bool``: which rows end with a stop string.
 
-    Build with :meth:`from_tokenizer`. Only the last ``window`` filled columns of the buffer are
-    read (one token per character at most), by gather at ``cur_len - 1 - k``; columns before the
-    buffer start read a dummy row that matches nothing. Pure and compile-safe.
+    Row ``b``'s sequence is ``tokens[b, :cur_len[b]]`` (a 0-d ``cur_len`` serves every row). Build
+    with :meth:`from_tokenizer`. Only the last ``window`` filled columns of each row are read (one
+    token per character at most), by gather at ``cur_len[b] - 1 - k``; columns before the row's
+    start read a dummy row that matches nothing, and columns past ``cur_len[b]`` are never read.
+    Pure and compile-safe.
     """
 
     positions: torch.Tensor  # [R, S, P] int32: valid positions per (token, stop string), -1 filler
@@ -290,10 +248,11 @@ class StopStringMatcher:
     def __call__(self, tokens: torch.Tensor, cur_len: torch.Tensor) -> torch.Tensor:
         batch, n = tokens.shape
         rows = self.lengths.shape[0]
-        # Newest first: column cur_len - 1 - k for k < window; columns before 0 read the dummy row.
-        cols = cur_len - 1 - torch.arange(self.window, device=tokens.device)
-        ids = tokens.gather(1, cols.clamp(min=0, max=n - 1).unsqueeze(0).expand(batch, self.window))
-        ids = torch.where((cols >= 0).unsqueeze(0), ids.clamp(min=0, max=rows - 1), rows - 1)
+        # Newest first: column cur_len[b] - 1 - k for k < window; columns before 0 read the dummy row.
+        offsets = torch.arange(self.window, device=tokens.device)
+        cols = (cur_len.to(tokens.device).reshape(-1, 1) - 1 - offsets).expand(batch, self.window)
+        ids = tokens.gather(1, cols.clamp(min=0, max=n - 1))
+        ids = torch.where(cols >= 0, ids.clamp(min=0, max=rows - 1), rows - 1)
         end = self.end_lengths[ids[:, 0]]  # [B, S, E]
         earlier = ids[:, 1:]
         positions = self.positions[earlier]  # [B, W-1, S, P]
@@ -308,6 +267,21 @@ class StopStringMatcher:
         alive = ok.int().cumprod(dim=1).bool()  # a track dies at its first mismatch
         best = torch.where(alive, matched, torch.zeros_like(matched)).amax(dim=(1, 3))  # [B, S]
         return (best >= self.target_lengths).any(dim=-1)
+
+
+def stop_string_in_new_tokens(matcher: StopStringMatcher, tokens: torch.Tensor, old_len: torch.Tensor,
+                              cur_len: torch.Tensor, max_new: int) -> torch.Tensor:
+    """``[B]`` True where a stop string ends at one of the tokens the latest step appended
+    (columns ``old_len[b] <= c < cur_len[b]``, at most ``max_new`` of them: a static bound).
+
+    For steps that append several tokens (speculation): the row's text is checked as it stood
+    after each new token, so a stop string completed before the last one is caught too.
+    """
+    found = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    for back in range(max_new):
+        end = cur_len - back
+        found = found | (matcher(tokens, end) & (end > old_len))
+    return found
 
 
 def stop_string_criteria(tokenizer: Any, stop_strings: Any, device: Any = None) -> StopStringMatcher:
