@@ -76,6 +76,8 @@ def cat_rows(parts: list) -> "RowBlocks | torch.Tensor":
     Mixed parts (float with blocks, or two formats) are dequantized to float32 first: exact, and
     the only way to fuse them into one matrix.
     """
+    if len(parts) == 1:
+        return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0).contiguous()
     formats = {p.format if isinstance(p, RowBlocks) else None for p in parts}
