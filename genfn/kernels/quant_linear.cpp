@@ -199,8 +199,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
   static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  // Reused across calls: a decode step makes ~120 of them, each needing a few KiB.
-  thread_local Activations a;
+  // Reused across calls: a decode step makes ~120 of them, each needing a few KiB. The worker
+  // threads must read the calling thread's buffers, so the lambda captures this reference
+  // (naming the thread_local inside it would reach each worker's own, empty, copy).
+  thread_local Activations buffers;
+  Activations& a = buffers;
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, M - m0);
     quantize_activations(xf.data_ptr<float>() + m0 * K, rows, K, a);
