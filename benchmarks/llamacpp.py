@@ -67,7 +67,7 @@ def make_variant(source: str, target: str, ggml_type: str) -> None:
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(tensor.name, values.astype(np.float16))
         else:
-            writer.add_tensor(tensor.name, quantize(values, qtype), raw_shape=values.shape, raw_dtype=qtype)
+            writer.add_tensor(tensor.name, quantize(values, qtype), raw_dtype=qtype)  # shape from the bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -95,6 +95,8 @@ def _build() -> Path:
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
+            # Say so: the first build takes 20-80 s of g++ and would otherwise look like a hang.
+            print("genfn: building the native kernels (first use, ~20-80 s)...", file=sys.stderr, flush=True)
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)

@@ -161,10 +161,10 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         ckpt = load_checkpoint(path, dtype=dtype)
     model = from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
                                generation_config=ckpt.generation_config, source=ckpt.source)
-    if quantize is not None:
-        from genfn import kernels
+    from genfn import kernels
 
+    if quantize is not None:
         model.params = quantize_params(model.params, quantize)
-        # Build (or find) the native kernels now, not in the middle of the first step.
-        kernels.quant_linear_available()
+    # Build (or find) the native kernels now, not in the middle of the first step.
+    kernels.quant_linear_available()
     return model
