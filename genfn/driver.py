@@ -1,5 +1,9 @@
 """The small loop that runs a strategy's pure ``step``: eagerly, or compiled once and reused.
 
+``run`` drives any :class:`~genfn.strategies.base.Strategy`: it advances the state, limits
+attention to the filled cache slots, runs user stopping criteria and ``max_time`` between steps,
+streams every row's new tokens, raises on non-finite logits, and ends the streamer on every exit.
+
 The compile boundary follows DESIGN: the state is flattened to tensors plus a static treedef
 outside the compiled region, and the compiled function maps tensors to tensors. Rebuilding the
 dataclasses inside it is plain Python that dynamo traces. The boundary uses torch's own pytree
@@ -20,16 +24,49 @@ import torch._inductor.config
 import torch.utils._pytree as torch_pytree
 
 from genfn import kernels
-from genfn.models.model import BoundModel, ParamsModule
+from genfn.models.functional import FunctionalModel
+from genfn.strategies.request import StepTrace
 
-__all__ = ["run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention"]
+__all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
+           "NonFiniteLogitsError", "ParamsModule"]
 
 StepFn = Callable[[Any, Any], Any]
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits for some rows."""
+
+
+def functional(model) -> FunctionalModel:
+    """The value a step receives: ``model.functional()`` for a ``genfn.Model``, else ``model`` itself."""
+    return model.functional() if hasattr(model, "functional") else model
+
+
 def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
-    """The step as a plain Python call (for debugging; the same function that gets compiled)."""
-    return lambda state: step(model, state)
+    """The step as a plain Python call (for debugging; the same function that gets compiled, given the
+    same kind of model value)."""
+    value = functional(model)
+    return lambda state: step(value, state)
+
+
+class ParamsModule(torch.nn.Module):
+    """A params pytree held as buffers of an ``nn.Module``.
+
+    Inside ``torch.compile``, tensors read from module buffers are module state that inductor's
+    ``freezing`` folds into the graph as constants (like a jitted JAX function closing over
+    arrays); it can then pick its own GEMV kernels and prepacked layouts for them. Tensors
+    reached any other way stay graph inputs and are left to the library kernels.
+    """
+
+    def __init__(self, params):
+        super().__init__()
+        leaves, self._treedef = torch_pytree.tree_flatten(params)
+        self._count = len(leaves)
+        for i, leaf in enumerate(leaves):
+            self.register_buffer(f"p{i}", leaf, persistent=False)
+
+    def tree(self):
+        return torch_pytree.tree_unflatten([getattr(self, f"p{i}") for i in range(self._count)], self._treedef)
 
 
 def _split_leaves(state):
@@ -105,7 +142,7 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing makes them constants.
-        fn = torch.compile(build(ParamsModule(model.params), layout), **compile_options)
+        fn = torch.compile(build(ParamsModule(functional(model).params), layout), **compile_options)
         model.compiled_steps[cache_key] = fn
     return fn
 
@@ -123,12 +160,34 @@ def _call_on_leaves(fn: Callable, state, *leading):
 
 
 def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
+    value = functional(model)
+
     def tensors_to_tensors(*flat):
-        bound = BoundModel(model, weights.tree())
-        new_tensors, _ = _split_leaves(step(bound, _join_leaves(flat, layout)))
+        new_tensors, _ = _split_leaves(step(value.with_params(weights.tree()), _join_leaves(flat, layout)))
         return tuple(new_tensors)
 
     return tensors_to_tensors
+
+
+# What dynamo raises when the traced code itself raised, or failed on values a plain run would
+# report better (a shape error seen on fake tensors): the step is re-run eagerly to surface it.
+_TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in
+                      ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
+                       "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(torch._dynamo.exc, name))
+
+
+def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Callable[[Any], Any]:
+    """``compiled``, except that an exception the step raises while it is traced reaches the caller
+    as itself (its type and message), not as dynamo's wrapper: the step runs eagerly once on the same
+    state (tracing touched no real buffer) and its own exception propagates."""
+    def call(state):
+        try:
+            return compiled(state)
+        except _TRACE_ERRORS as traced:
+            eager_step(step, model)(state)
+            raise traced
+
+    return call
 
 
 def compiled_step(step: StepFn, model, state, compile_options: dict | None = None) -> Callable[[Any], Any]:
@@ -139,7 +198,7 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     """
     fn = _cached_compile(model, "step", step, state, compile_options,
                          lambda weights, layout: _step_on_leaves(step, model, weights, layout))
-    return lambda state: _call_on_leaves(fn, state)
+    return _with_own_errors(lambda state: _call_on_leaves(fn, state), step, model)
 
 
 def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
@@ -175,7 +234,7 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
     (small models); on SmolLM2 the copies cost more than they save (benchmarks/decode.py).
     """
     if compile_options is None:
-        fn = _loop_on_leaves(step, model, ParamsModule(model.params), _split_leaves(state)[1])
+        fn = _loop_on_leaves(step, model, ParamsModule(functional(model).params), _split_leaves(state)[1])
     else:
         fn = _cached_compile(model, "while_loop", step, state, compile_options,
                              lambda weights, layout: _loop_on_leaves(step, model, weights, layout))
@@ -185,6 +244,44 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
         return _call_on_leaves(fn, state, steps)
 
     return run
+
+
+# Caches whose shapes stay fixed from step to step: the only ones a compiled step can run on.
+COMPILABLE_CACHES = ("static", "offloaded_static")
+
+# What a CPU step compiles with when compile_config names no mode (or transformers' default,
+# "reduce-overhead", which means CUDA graphs and does nothing on a CPU): the options of mode
+# "max-autotune-no-cudagraphs" plus the C++ wrapper. max-autotune lets inductor pick its own GEMM
+# kernels for the frozen weights wherever genfn's decode kernel does not take a linear (bfloat16
+# past 4 rows); the C++ wrapper calls the step's ~500 kernels without Python in between (SmolLM2
+# bf16 b=1: 18.4 -> 16.6 ms/step, f32 b=8: 44.7 -> 43.6, interleaved in one process).
+_CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
+
+
+def compile_options_for(config, device: torch.device, whole_loop: bool = False) -> dict | None:
+    """The ``torch.compile`` kwargs for a generation config, or None for the eager path.
+
+    Compiles only for a fixed-shape cache (``cache_implementation`` in ``COMPILABLE_CACHES``)
+    unless ``disable_compile``; ``compile_config`` passes options through.
+    """
+    if config.disable_compile or config.cache_implementation not in COMPILABLE_CACHES:
+        return None
+    compile_config = config.compile_config
+    options = {"fullgraph": True}
+    if compile_config is not None:
+        options = {k: v for k, v in compile_config.to_dict().items() if v is not None}
+    mode = options.get("mode")
+    if mode == "reduce-overhead" or (mode is None and "options" not in options):
+        if device.type == "cpu" and options.get("backend", "inductor") == "inductor":
+            options.pop("mode", None)  # torch.compile takes a mode or options, not both
+            options["options"] = dict(_CPU_COMPILE_OPTIONS)
+            if whole_loop:
+                # A while_loop's C++ wrapper inlines every layer's kernels into one ~1 MB source
+                # (SmolLM2: over 8 minutes of g++ -O3); the loop has no per-step Python to save.
+                options["options"].pop("cpp_wrapper")
+        else:
+            options.pop("mode", None)  # CUDA graphs would capture the donated buffers' addresses
+    return options
 
 
 def run_loop(
@@ -217,3 +314,95 @@ def run_loop(
         if on_step is not None:
             on_step(state)
     return state
+
+
+class _HostView:
+    """What the driver learns from a state between steps, in one host sync: whether every row is
+    done, whether any row saw non-finite logits, and every row's length."""
+
+    def __init__(self, state):
+        done = state.done.reshape(-1).all().reshape(1)
+        nonfinite = getattr(state, "nonfinite", None)
+        bad = (nonfinite.any() if nonfinite is not None else torch.zeros((), dtype=torch.bool)).reshape(1)
+        lengths = state.cur_len.reshape(-1)
+        values = torch.cat([done.to(lengths.device, torch.int64), bad.to(lengths.device, torch.int64), lengths]).tolist()
+        self.all_done, self.nonfinite, self.lengths = bool(values[0]), bool(values[1]), values[2:]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+
+def _check_finite(view: _HostView, state) -> None:
+    if view.nonfinite:
+        rows = torch.nonzero(state.nonfinite).reshape(-1).tolist()
+        raise NonFiniteLogitsError(
+            f"the model produced NaN or infinite logits (rows {rows}); pass remove_invalid_values=True to replace "
+            f"them and keep generating, or check the model's weights and dtype")
+
+
+def _stream(streamer, state, before: list[int], after: list[int]) -> None:
+    """Put every row's new tokens: ``[B]`` when each row appended one (transformers' form), else the
+    single row's new tokens ``[k]``."""
+    if after == before:
+        return
+    if all(a - b == 1 for a, b in zip(after, before)):
+        columns = torch.tensor(before, dtype=torch.int64, device=state.tokens.device)
+        streamer.put(state.tokens.gather(1, columns.unsqueeze(1)).squeeze(1).cpu())
+    else:
+        streamer.put(state.tokens[0, before[0]:after[0]].cpu())
+
+
+def _user_stop(criteria: Callable, state, longest: int):
+    """User stopping criteria see transformers' view: ``input_ids [B, cur_len]`` and the scores."""
+    stop = criteria(state.tokens[:, :longest], getattr(state, "scores", None))
+    return state.replace(done=state.done | stop.to(state.done.device))
+
+
+def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_criteria: Callable | None = None,
+        compile_options: dict | None = None, max_time: float | None = None, start_time: float | None = None,
+        trace=None):
+    """Drive ``strategy`` from ``state`` (what ``strategy.init`` returned) for at most ``num_steps``
+    steps, or until every row is done; returns the last state.
+
+    ``compile_options`` (a ``torch.compile`` kwargs dict) compiles the step once per state layout;
+    None runs it eagerly. ``stopping_criteria(input_ids, scores) -> [B] bool`` runs between steps.
+    ``trace`` collects per-step outputs through ``strategy.collect``. Whatever happens, the
+    streamer is ended.
+    """
+    start_time = time.monotonic() if start_time is None else start_time
+    trace = StepTrace() if trace is None else trace
+    try:
+        view = _HostView(state)
+        if stopping_criteria is not None:
+            state = _user_stop(stopping_criteria, state, view.longest)
+            view = _HostView(state)
+        _check_finite(view, state)
+        strategy.collect(state, trace)
+        if streamer is not None:
+            # ``init`` chose each row's first token.
+            streamer.put(state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1).cpu())
+        advance = None
+        for _ in range(num_steps):
+            if view.all_done or (max_time is not None and time.monotonic() - start_time >= max_time):
+                break
+            # Attention covers the filled slots plus what this step writes; the span's size is
+            # dynamic, so one compiled step serves every length.
+            state = limit_attention(state, view.longest + strategy.tokens_per_step - 1)
+            if advance is None:
+                advance = (compiled_step(strategy.step, model, state, compile_options) if compile_options is not None
+                           else eager_step(strategy.step, model))
+            before = view.lengths
+            state = advance(state)
+            view = _HostView(state)
+            if stopping_criteria is not None:
+                state = _user_stop(stopping_criteria, state, view.longest)
+                view = _HostView(state)
+            _check_finite(view, state)
+            strategy.collect(state, trace)
+            if streamer is not None:
+                _stream(streamer, state, before, view.lengths)
+        return state
+    finally:
+        if streamer is not None:
+            streamer.end()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -20,19 +20,20 @@ from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import sample as sample_strategy
 from genfn.stopping import stop_string_criteria
+from genfn.healing import heal_tokens
 from genfn.strategies.guidance import make_guidance_spec
+from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 
 __all__ = ["generate"]
 
-# The strategy module that runs each mode: it exposes init / step / finish (and collect).
+# The built-in strategy that runs each mode.
 STRATEGIES = {
-    GenerationMode.GREEDY_SEARCH: sample_strategy,
-    GenerationMode.SAMPLE: sample_strategy,
-    GenerationMode.BEAM_SEARCH: beam_strategy,
-    GenerationMode.BEAM_SAMPLE: beam_strategy,
+    GenerationMode.GREEDY_SEARCH: sample_strategy.SAMPLE,
+    GenerationMode.SAMPLE: sample_strategy.SAMPLE,
+    GenerationMode.BEAM_SEARCH: beam_strategy.BEAM,
+    GenerationMode.BEAM_SAMPLE: beam_strategy.BEAM,
 }
-_COMPILABLE_CACHES = ("static", "offloaded_static")
 
 
 def _as_input_ids(input_ids: Any) -> torch.Tensor:
@@ -110,34 +111,20 @@ def _row_keys(key, batch_size: int) -> torch.Tensor:
     return grandom.as_row_keys(key, batch_size)
 
 
-# What a CPU step compiles with when compile_config names no mode (or transformers' default,
-# "reduce-overhead", which means CUDA graphs and does nothing on a CPU): the options of mode
-# "max-autotune-no-cudagraphs" plus the C++ wrapper. max-autotune lets inductor pick its own GEMM
-# kernels for the frozen weights wherever genfn's decode kernel does not take a linear (bfloat16
-# past 4 rows); the C++ wrapper calls the step's ~500 kernels without Python in between (SmolLM2
-# bf16 b=1: 18.4 -> 16.6 ms/step, f32 b=8: 44.7 -> 43.6, interleaved in one process).
-_CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
+class _EndOnce:
+    """The caller's streamer, ended exactly once whichever way generation exits."""
 
+    def __init__(self, streamer):
+        self.streamer = streamer
+        self.ended = False
 
-def _compile_options(config: GenerationConfig, device: torch.device, whole_loop: bool = False) -> dict | None:
-    if config.disable_compile or config.cache_implementation not in _COMPILABLE_CACHES:
-        return None
-    compile_config = config.compile_config
-    options = {"fullgraph": True}
-    if compile_config is not None:
-        options = {k: v for k, v in compile_config.to_dict().items() if v is not None}
-    mode = options.get("mode")
-    if mode == "reduce-overhead" or (mode is None and "options" not in options):
-        if device.type == "cpu" and options.get("backend", "inductor") == "inductor":
-            options.pop("mode", None)  # torch.compile takes a mode or options, not both
-            options["options"] = dict(_CPU_COMPILE_OPTIONS)
-            if whole_loop:
-                # A while_loop's C++ wrapper inlines every layer's kernels into one ~1 MB source
-                # (SmolLM2: over 8 minutes of g++ -O3); the loop has no per-step Python to save.
-                options["options"].pop("cpp_wrapper")
-        else:
-            options.pop("mode", None)  # CUDA graphs would capture the donated buffers' addresses
-    return options
+    def put(self, value) -> None:
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.streamer.end()
 
 
 def generate(
@@ -151,6 +138,8 @@ def generate(
     stopping_criteria: Sequence | None = None,
     prefix_allowed_tokens_fn=None,
     streamer=None,
+    strategy: Strategy | None = None,
+    custom_generate=None,
     compile_loop: bool = False,
     **kwargs,
 ):
@@ -162,6 +151,14 @@ def generate(
     ``fold_in(key, i)``. Returns the sequences ``[B, prompt + new]`` or, with
     ``return_dict_in_generate=True``, a ``Generate*Output``.
 
+    ``strategy`` runs any :class:`~genfn.strategies.base.Strategy` (yours included) through the
+    same driver instead of the one the config's mode selects, with streaming, stopping criteria,
+    ``max_time``, per-step outputs and the compiled path. ``custom_generate``: a ``Strategy`` (the
+    same as ``strategy=``), or a callable that replaces the decoding loop, as in transformers:
+    genfn prepares the inputs, config, processors and criteria, then returns
+    ``custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
+    generation_config=..., streamer=..., attention_mask=..., request=...)``.
+
     As in transformers, ``tokenizer=`` is required by ``stop_strings`` and ``token_healing``, and
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` feed ``guidance_scale``.
 
@@ -171,75 +168,97 @@ def generate(
     ``max_time`` and per-step outputs.
     """
     start_time = time.monotonic()
-    request, strategy = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
-                                        logits_processor=logits_processor,
-                                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
-    if compile_loop:
-        _check_compile_loop(request, strategy, streamer, stopping_criteria)
-    if streamer is not None and strategy is not sample_strategy:
-        raise ValueError("streamer is only supported for greedy search and sampling (num_beams=1), as in transformers")
-    if stopping_criteria and strategy is beam_strategy:
-        raise ValueError("custom stopping_criteria are not supported with beam search (num_beams > 1) yet")
-    config = request.config
-    trace = StepTrace()
-    host_len = request.prompt_len + 1  # sequence length after the latest step, known without a sync
-
-    if streamer is not None:
-        streamer.put(request.input_ids.cpu())
-    state = strategy.init(model, request)
-
-    def after_step(new_state):
-        nonlocal host_len
-        strategy.collect(new_state, trace)
+    streamer = _EndOnce(streamer) if streamer is not None else None
+    try:
+        request, chosen = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
+                                          logits_processor=logits_processor,
+                                          prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
+        criteria = user_criteria(stopping_criteria)
+        if custom_generate is not None:
+            if isinstance(custom_generate, Strategy):
+                strategy = custom_generate
+            elif callable(custom_generate):
+                return custom_generate(model, request.input_ids, logits_processor=request.processors,
+                                       stopping_criteria=criteria, generation_config=request.config,
+                                       streamer=streamer.streamer if streamer else None,
+                                       attention_mask=request.attention_mask, request=request)
+            else:
+                raise ValueError(f"custom_generate must be a genfn Strategy or a callable; got "
+                                 f"{type(custom_generate).__name__} (loading a custom_generate directory or Hub "
+                                 f"repository is not supported)")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a genfn.strategies.base.Strategy, got {type(strategy).__name__}")
+        strategy = strategy or chosen
+        _check_capabilities(strategy, request, streamer, criteria)
+        if compile_loop:
+            _check_compile_loop(request, strategy, streamer, criteria)
         if streamer is not None:
-            streamer.put(strategy.newest_tokens(new_state, host_len).cpu())
-        host_len += 1
-
-    extra_stop = None
-    if stopping_criteria:
-        def extra_stop(new_state):
-            # User criteria are Python: they run eagerly between steps, on transformers' view.
-            seq = new_state.tokens[:, :host_len]
-            stop = _call_criteria(stopping_criteria, seq, new_state.scores)
-            return new_state.replace(done=new_state.done | stop)
-        state = extra_stop(state)
-    after_step(state)
-
-    compile_options = _compile_options(config, model.device, whole_loop=compile_loop)
-    if compile_loop:
-        loop = driver.compiled_loop(strategy.step, model, state, compile_options)
-        state = loop(state, request.max_length - request.prompt_len - 1)
+            streamer.put(request.input_ids.cpu())
+        state = strategy.init(model, request)
+        config = request.config
+        compile_options = None
+        if strategy.compiles and (request.processors is None or request.processors.compile_safe):
+            compile_options = driver.compile_options_for(config, model.device, whole_loop=compile_loop)
+        trace = StepTrace()
+        num_steps = request.max_length - request.prompt_len - 1
+        if compile_loop:
+            strategy.collect(state, trace)
+            state = driver.compiled_loop(strategy.step, model, state, compile_options)(state, num_steps)
+        else:
+            state = driver.run(strategy, model, state, num_steps=num_steps, streamer=streamer, stopping_criteria=criteria,
+                               compile_options=compile_options, max_time=config.max_time, start_time=start_time,
+                               trace=trace)
         return strategy.finish(state, trace, request)
-    # Each step attends over the slots filled so far (host_len - 1 before the step), not over
-    # max_cache_len: the span's size is dynamic, so one compiled step serves every length.
-    state = driver.limit_attention(state, host_len - 1)
-    if compile_options is not None:
-        step_fn = driver.compiled_step(strategy.step, model, state, compile_options)
-    else:
-        step_fn = driver.eager_step(strategy.step, model)
-
-    def advance(current):
-        return step_fn(driver.limit_attention(current, host_len - 1))
-
-    state = driver.run_loop(advance, state, num_steps=request.max_length - request.prompt_len - 1,
-                            all_done=lambda s: bool(s.done.all()), on_step=after_step, max_time=config.max_time,
-                            start_time=start_time, extra_stop=extra_stop)
-    if streamer is not None:
-        streamer.end()
-    return strategy.finish(state, trace, request)
+    finally:
+        if streamer is not None:
+            streamer.end()
 
 
-def _check_compile_loop(request: GenerationRequest, strategy, streamer, stopping_criteria) -> None:
+def user_criteria(stopping_criteria) -> Callable | None:
+    """``stopping_criteria`` as one ``(input_ids, scores) -> [B] bool`` callable (None when empty)."""
+    if not stopping_criteria:
+        return None
+    criteria = list(stopping_criteria) if isinstance(stopping_criteria, (list, tuple)) else [stopping_criteria]
+
+    def stop(input_ids, scores):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for criterion in criteria:
+            done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool, device=done.device)
+        return done
+
+    return stop
+
+
+def _check_capabilities(strategy: Strategy, request: GenerationRequest, streamer, criteria) -> None:
+    """Refuse combinations the strategy does not declare, naming both."""
+    if streamer is not None and not strategy.streams:
+        raise ValueError(f"streamer is only supported by strategies that stream (greedy search and sampling, "
+                         f"num_beams=1, as in transformers); the {strategy.name!r} strategy does not")
+    if criteria is not None and not strategy.streams:
+        raise ValueError(f"custom stopping_criteria are not supported by the {strategy.name!r} strategy "
+                         f"(beam search keeps no per-row sequence to show them)")
+    if streamer is not None and strategy.tokens_per_step > 1 and request.batch_size > 1:
+        raise ValueError(f"streamer needs batch size 1 with the {strategy.name!r} strategy (it appends up to "
+                         f"{strategy.tokens_per_step} tokens per step)")
+    wanted = {"scores": request.output_scores, "logits": request.output_logits,
+              "attentions": request.output_attentions, "hidden_states": request.output_hidden_states}
+    missing = sorted(name for name, asked in wanted.items() if asked and name not in strategy.outputs)
+    if missing:
+        raise ValueError(f"the {strategy.name!r} strategy cannot return {', '.join('output_' + m for m in missing)}")
+
+
+def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer, stopping_criteria) -> None:
     """compile_loop runs every step inside one graph: reject what needs the host between steps."""
     config = request.config
-    if strategy is not sample_strategy:
-        raise ValueError("compile_loop supports greedy search and sampling (num_beams=1), not beam search")
+    if not strategy.whole_loop:
+        raise ValueError(f"compile_loop supports greedy search and sampling (num_beams=1), not beam search or the "
+                         f"{strategy.name!r} strategy")
     if config.cache_implementation != "static":
         raise ValueError(f"compile_loop needs cache_implementation='static' (a fixed-shape cache), got "
                          f"{config.cache_implementation!r}")
     blockers = {
         "streamer": streamer is not None,
-        "stopping_criteria": bool(stopping_criteria),
+        "stopping_criteria": stopping_criteria is not None,
         "max_time": config.max_time is not None,
         "output_scores/output_logits/output_attentions/output_hidden_states": (
             request.output_scores or request.output_logits or request.output_attentions
@@ -279,9 +298,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     attention_mask = _attention_mask(input_ids, attention_mask, config.pad_token_id, eos_ids)
     if config.token_healing:
         # Imperative preprocessing, like transformers' heal_tokens: rewrite each prompt's tail.
-        from genfn.healing import heal_tokens
-
-        input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask)
+        input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask, generate=generate)
     # transformers' _expand_inputs_for_generation: every prompt row repeated (consecutively) once
     # per beam / returned sample; the processors and the strategies see the expanded rows.
     num_beams = int(config.num_beams or 1)
@@ -319,7 +336,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     stop_strings = None
     if config.stop_strings is not None:
         stop_strings = stop_string_criteria(tokenizer, config.stop_strings, input_ids.device)
-    if STRATEGIES[mode] is not sample_strategy and (guidance is not None or stop_strings is not None):
+    if STRATEGIES[mode] is not sample_strategy.SAMPLE and (guidance is not None or stop_strings is not None):
         raise ValueError("stop_strings and guidance_scale are supported for greedy search and sampling "
                          "(num_beams=1); not with beam search yet")
     return_dict = bool(config.return_dict_in_generate)
@@ -333,7 +350,6 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         eos_token_ids=eos_ids,
         pad_token_id=pad_id,
         processors=processors if len(processors) else None,
-        processors_key=processors.fingerprint(),
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
         keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),
@@ -344,10 +360,3 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         guidance=guidance,
     )
     return request, STRATEGIES[mode]
-
-
-def _call_criteria(criteria, input_ids, scores) -> torch.Tensor:
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    for criterion in criteria:
-        done = done | torch.as_tensor(criterion(input_ids, scores), dtype=torch.bool)
-    return done

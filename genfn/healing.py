@@ -57,15 +57,15 @@ def token_extensions(tokenizer: Any, token_id: int, vocabulary: tuple[list[str],
     return out
 
 
-def heal_tokens(model, input_ids: torch.Tensor, tokenizer: Any, attention_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def heal_tokens(model, input_ids: torch.Tensor, tokenizer: Any, attention_mask: torch.Tensor | None = None, *,
+                generate) -> tuple[torch.Tensor, torch.Tensor]:
     """``(healed input_ids, attention_mask)``, left padded, for ``input_ids [B, P]`` (left padded,
-    ``attention_mask`` marking the real tokens)."""
+    ``attention_mask`` marking the real tokens). ``generate`` is ``genfn.generate`` (passed in, so
+    this preprocessing step does not import the entry point that calls it)."""
     if tokenizer is None:
         raise ValueError(" When generating with token healing, you must pass the model's tokenizer to the `tokenizer` "
                          "argument of `generate`.")
     from genfn.config import GenerationConfig
-    from genfn.generation import generate
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

@@ -255,7 +255,7 @@ def test_beam_state_shapes_are_static():
         assert new_treedef == treedef
         assert [(tuple(t.shape), t.dtype) if t is not None else None for t in new_leaves] == signature
     assert (state.cache.keys.data_ptr(), state.cache.values.data_ptr()) == pointers
-    assert int(state.cur_len) == ids.shape[1] + 9
+    assert int(state.cur_len) == ids.shape[1] + 9  # beams move in lockstep: one length for all
 
 
 def test_static_cache_reorder_is_in_place():

@@ -51,7 +51,7 @@ def _feed(cache, steps, batch, spec, generator, num_new=1):
         slots = cache.slots(num_new)
         valid = torch.ones(batch, num_new, dtype=torch.bool)
         cache = cache.advance(slots, valid)
-        length = int(slots[-1]) + 1
+        length = int(slots.max()) + 1
         layers = []
         for layer in range(spec.num_layers):
             k = torch.randn(batch, spec.num_kv_heads, num_new, spec.head_dim, generator=generator)
@@ -75,7 +75,7 @@ def test_caches_return_the_static_caches_keys_and_values(impl):
     for ref_layers, layers in zip(ref_seen, seen):
         for (rk, rv), (k, v) in zip(ref_layers, layers):
             assert torch.equal(rk, k) and torch.equal(rv, v)
-    assert torch.equal(ref.valid[:, :15], cache.valid[:, :15]) and int(cache.length) == 15
+    assert torch.equal(ref.valid[:, :15], cache.valid[:, :15]) and cache.length.tolist() == [15] * cache.batch_size
 
 
 def test_quantized_cache_returns_quantized_past_and_exact_residual():
@@ -119,9 +119,9 @@ def test_static_caches_keep_structure_shapes_and_buffers(impl):
     for num_new in (7, 1, 1, 1):
         cache, _ = _feed(cache, 1, 2, TINY, generator, num_new=num_new)
         assert _layout(cache) == layout
-        # length is a fresh 0-d tensor each step; every buffer is the donated one, written in place.
+        # length is a fresh [B] tensor each step; every buffer is the donated one, written in place.
         assert [getattr(cache, name).data_ptr() for name in buffers] == pointers
-    assert int(cache.length) == 10 and cache.max_cache_len == 24
+    assert cache.length.tolist() == [10, 10] and cache.max_cache_len == 24
 
 
 @pytest.mark.parametrize("impl", ["dynamic", "offloaded", "quantized"])
@@ -134,7 +134,7 @@ def test_dynamic_caches_grow_by_exactly_the_new_tokens(impl):
         before = _layout(cache)[0]
         cache, _ = _feed(cache, 1, 2, TINY, generator, num_new=num_new)
         total += num_new
-        assert cache.max_cache_len == total == int(cache.length)
+        assert cache.max_cache_len == total and cache.length.tolist() == [total, total]
         assert cache.valid.shape == (2, total)
         assert _layout(cache)[0] == before  # same pytree structure, only the token axis grew
         if impl != "quantized":

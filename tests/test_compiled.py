@@ -54,7 +54,7 @@ def test_compiled_greedy_equals_eager_on_smollm2(smollm2, smollm2_prompts):
 
 
 def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_told_otherwise():
-    from genfn.generation import _CPU_COMPILE_OPTIONS, _compile_options
+    from genfn.driver import _CPU_COMPILE_OPTIONS, compile_options_for as _compile_options
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     static = dict(cache_implementation="static")

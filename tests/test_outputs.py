@@ -90,7 +90,8 @@ def test_rich_outputs_match_transformers(models, mode, cache):
                 a, b = a[real], b[real]
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     assert out.past_key_values is out.cache and out.cache.keys.shape[1] == rows
-    assert int(out.cache.length) == out.sequences.shape[1] - 1  # the newest token is not in the cache yet
+    # The newest token is not in the cache yet.
+    assert out.cache.length.tolist() == [out.sequences.shape[1] - 1] * rows
 
 
 def test_sampling_output_shapes(models):

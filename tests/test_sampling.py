@@ -45,12 +45,13 @@ def _sample_many(logits: torch.Tensor, n: int, processors=None) -> torch.Tensor:
     from genfn.state.decode import DecodeState
 
     vocab = logits.shape[-1]
-    options = DecodeOptions(do_sample=True, pad_token_id=0, eos_token_ids=(), processors=processors,
-                            processors_key=None)
-    state = DecodeState(tokens=torch.zeros(n, 4, dtype=torch.int64), cur_len=torch.tensor(1),
-                        prompt_len=torch.tensor(1), max_length=torch.tensor(4), positions=torch.zeros(n, dtype=torch.int64),
+    options = DecodeOptions(do_sample=True, pad_token_id=0, eos_token_ids=())
+    ones = torch.ones(n, dtype=torch.int64)
+    state = DecodeState(tokens=torch.zeros(n, 4, dtype=torch.int64), cur_len=ones, prompt_len=ones.clone(),
+                        max_length=4 * ones, positions=torch.zeros(n, dtype=torch.int64),
                         done=torch.zeros(n, dtype=torch.bool), keys=R.split(R.key(123), n), cache=None, scores=None,
-                        logits=None, options=options)
+                        logits=None, nonfinite=torch.zeros(n, dtype=torch.bool), options=options,
+                        processors=processors)
     return _choose_next(state, logits.expand(n, vocab)).tokens[:, 1]
 
 

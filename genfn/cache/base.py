@@ -1,18 +1,29 @@
 """What every KV cache shares: the interface the model uses, memory accounting, device transfers.
 
-A cache is a ``pytree_dataclass`` with these members, which is all ``genfn.models`` relies on:
+Rows move independently: every row has its own fill pointer. A cache is a ``pytree_dataclass``
+with these members, which is all ``genfn.models`` and the strategies rely on:
 
-``slots(num_new) -> LongTensor[num_new]``
-    the cache slots the next ``num_new`` tokens go to (a contiguous range after ``length``);
+``slots(num_new) -> LongTensor[B, num_new]``
+    the slots row ``b``'s next ``num_new`` tokens go to: ``length[b] + arange(num_new)`` for the
+    fixed-size caches (clamped to the last slot, so a finished row at capacity never writes out of
+    bounds); the shared end columns for the growing caches (dynamic, offloaded, quantized), whose
+    rows all append at the current capacity;
 ``advance(slots, new_valid[B, S]) -> cache``
-    called once per forward, *before* the layers: claims ``slots`` (a dynamic cache grows its
+    called once per forward, *before* the layers: claims ``slots`` (a growing cache grows its
     buffers here) and records which of the new tokens are real, so the attention mask covers them;
 ``write_layer(layer, slots, k, v) -> (K, V)``
     stores the new keys/values ``[B, Hkv, S, D]`` of one layer in the buffers ``advance`` made
     room for (in place: the cache is donated) and returns the layer's keys/values
     ``[B, Hkv, max_cache_len, D]`` on the compute device;
-``valid [B, max_cache_len]`` (bool), ``length`` (0-d int64), ``max_cache_len`` (int: the
-    capacity, which for a dynamic cache is the current length);
+``rewind(lengths[B]) -> cache``
+    forget every slot at or after ``lengths[b]`` in row ``b`` (a rejected draft): a pointer move
+    for the fixed-size caches; the growing caches truncate to the longest row (one host read: they
+    run eagerly) and mask the shorter rows' tails, which attention then skips like padding;
+``with_rows(rows[R], other) -> cache``
+    rows ``rows`` replaced by the ``R`` rows of ``other`` (a prefilled request joining a running
+    batch);
+``valid [B, max_cache_len]`` (bool), ``length [B]`` (int64: each row's next write slot),
+``max_cache_len`` (int: the capacity, which for a growing cache is the current length);
 ``reorder(beam_idx: LongTensor[B]) -> cache``
     row ``i`` becomes old row ``beam_idx[i]`` (beam search);
 ``nbytes(device=None) -> int``
@@ -28,7 +39,7 @@ import torch
 from genfn.state.base import leaf_fields
 
 __all__ = ["CacheBase", "CopyFn", "as_device", "default_copy", "host_sync", "reorder_in_place", "rows_selected",
-           "tensor_nbytes"]
+           "tensor_nbytes", "row_slots", "end_slots", "valid_below", "as_row_index"]
 
 # ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
 # "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer
@@ -80,6 +91,35 @@ class CacheBase:
     def nbytes(self, device=None) -> int:
         """Bytes held by the cache's tensors (only those on ``device`` when given)."""
         return tensor_nbytes(self, device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
+
+
+def row_slots(length: torch.Tensor, num_new: int, capacity: int) -> torch.Tensor:
+    """``[B, num_new]`` each row's next slots after its fill pointer ``length [B]``, clamped to the
+    last slot: a finished row that sits at capacity keeps writing (to a slot it never reads again)
+    without indexing out of bounds."""
+    slots = length.unsqueeze(1) + torch.arange(num_new, device=length.device)
+    return slots.clamp(max=capacity - 1)
+
+
+def end_slots(capacity: int, batch_size: int, num_new: int, device) -> torch.Tensor:
+    """``[B, num_new]`` the columns a growing cache appends at (the same for every row)."""
+    return torch.arange(capacity, capacity + num_new, device=device).expand(batch_size, num_new)
+
+
+def valid_below(valid: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``valid`` with every slot at or after ``lengths[b]`` of row ``b`` cleared."""
+    columns = torch.arange(valid.shape[1], device=valid.device)
+    return valid & (columns.unsqueeze(0) < lengths.to(valid.device).unsqueeze(1))
+
+
+def as_row_index(rows, device) -> torch.Tensor:
+    """Row indices as a 1-D int64 tensor (an int, a list, or a tensor)."""
+    index = torch.as_tensor(rows, dtype=torch.int64, device=device)
+    return index.reshape(-1)
 
 
 def reorder_in_place(buffers, beam_idx: torch.Tensor) -> None:

@@ -6,14 +6,17 @@ change every step, so it runs on the eager path; ``static`` is the compilable on
 Layout as the static cache (``[layers, batch, kv_heads, length, head_dim]``, ``valid [batch,
 length]``), but the capacity always equals the number of tokens seen: ``advance`` concatenates
 room for the new tokens onto every buffer (a new cache; the old one is donated and dropped) and
-``write_layer`` fills that room in place. ``max_cache_len`` is the current length.
+``write_layer`` fills that room in place. ``max_cache_len`` is the current length. Every row
+appends at the end columns; ``rewind`` truncates to the longest row and masks the tails of the
+shorter ones (attention skips them like padding; positions are carried separately, so a gap
+changes nothing).
 """
 
 from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CacheBase, rows_selected
+from genfn.cache.base import CacheBase, as_row_index, end_slots, rows_selected, valid_below
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["DynamicCache", "init_dynamic_cache"]
@@ -24,7 +27,7 @@ class DynamicCache(CacheBase):
     keys: torch.Tensor  # [L, B, Hkv, T, D], T = tokens seen so far
     values: torch.Tensor  # [L, B, Hkv, T, D]
     valid: torch.Tensor  # [B, T] bool
-    length: torch.Tensor  # [] int64, equal to T
+    length: torch.Tensor  # [B] int64: each row's next write slot (T for every row)
 
     @property
     def max_cache_len(self) -> int:
@@ -32,20 +35,35 @@ class DynamicCache(CacheBase):
         return self.keys.shape[3]
 
     def slots(self, num_new: int) -> torch.Tensor:
-        start = self.keys.shape[3]  # known on the host: no sync
-        return torch.arange(start, start + num_new, device=self.valid.device)
+        # The capacity is known on the host: no sync.
+        return end_slots(self.max_cache_len, self.batch_size, num_new, self.valid.device)
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> DynamicCache:
-        """Grow every buffer by the ``S = len(slots)`` new tokens (concatenation)."""
-        num_new = slots.shape[0]
+        """Grow every buffer by the ``S`` new tokens (concatenation)."""
+        num_new = slots.shape[1]
         L, B, H, _, D = self.keys.shape
         room = torch.zeros((L, B, H, num_new, D), dtype=self.keys.dtype, device=self.keys.device)
         return self.replace(
             keys=torch.cat([self.keys, room], dim=3),
             values=torch.cat([self.values, room], dim=3),
             valid=torch.cat([self.valid, new_valid.to(torch.bool)], dim=1),
-            length=self.length + num_new,
+            length=torch.full_like(self.length, self.max_cache_len + num_new),
         )
+
+    def rewind(self, lengths: torch.Tensor) -> DynamicCache:
+        """Truncate to the longest row (one host read: this cache runs eagerly); mask shorter rows' tails."""
+        keep = int(lengths.max()) if lengths.numel() else 0
+        return self.replace(keys=self.keys[:, :, :, :keep].clone(), values=self.values[:, :, :, :keep].clone(),
+                            valid=valid_below(self.valid[:, :keep], lengths), length=torch.full_like(self.length, keep))
+
+    def with_rows(self, rows, other) -> DynamicCache:
+        """Rows ``rows`` replaced by ``other``'s; the shorter of the two is widened with masked columns."""
+        cache, other = widen(self, other.max_cache_len), widen(other, self.max_cache_len)
+        index = as_row_index(rows, self.valid.device)
+        return cache.replace(keys=cache.keys.index_copy(1, index, other.keys.to(cache.keys.dtype)),
+                             values=cache.values.index_copy(1, index, other.values.to(cache.values.dtype)),
+                             valid=cache.valid.index_copy(0, index, other.valid),
+                             length=torch.full_like(cache.length, cache.max_cache_len))
 
     def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Fill the room ``advance`` made at ``slots`` (the last ``S`` positions) in place."""
@@ -58,6 +76,19 @@ class DynamicCache(CacheBase):
     def reorder(self, beam_idx: torch.Tensor) -> DynamicCache:
         """Row ``i`` becomes old row ``beam_idx[i]`` (a new cache; this one is donated)."""
         return self.replace(**rows_selected(self, ("keys", "values"), beam_idx))
+
+
+def widen(cache, capacity: int):
+    """A growing cache with at least ``capacity`` columns: new columns are masked (never attended)."""
+    extra = capacity - cache.max_cache_len
+    if extra <= 0:
+        return cache
+    L, B, H, _, D = cache.keys.shape
+    room = torch.zeros((L, B, H, extra, D), dtype=cache.keys.dtype, device=cache.keys.device)
+    return cache.replace(keys=torch.cat([cache.keys, room], dim=3), values=torch.cat([cache.values, room], dim=3),
+                         valid=torch.cat([cache.valid, torch.zeros(B, extra, dtype=torch.bool,
+                                                                   device=cache.valid.device)], dim=1),
+                         length=torch.full_like(cache.length, capacity))
 
 
 def init_dynamic_cache(
@@ -74,5 +105,5 @@ def init_dynamic_cache(
         keys=torch.zeros(shape, dtype=dtype, device=device),
         values=torch.zeros(shape, dtype=dtype, device=device),
         valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),
-        length=torch.zeros((), dtype=torch.int64, device=device),
+        length=torch.zeros(batch_size, dtype=torch.int64, device=device),
     )

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from genfn.cache.base import CacheBase, CopyFn, as_device, default_copy, host_sync
+from genfn.cache.base import CacheBase, CopyFn, as_device, default_copy, end_slots, host_sync, valid_below
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["OffloadedCache", "init_offloaded_cache"]
@@ -41,7 +41,7 @@ class StagedLayers(CacheBase):
     stage_keys: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
     stage_values: torch.Tensor  # [2, B, Hkv, T, D] on the compute device
     valid: torch.Tensor  # [B, T] bool, compute device
-    length: torch.Tensor  # [] int64, compute device
+    length: torch.Tensor  # [B] int64, compute device: each row's next write slot
     copy_fn: CopyFn = static_field(default=default_copy)
 
     @property
@@ -67,11 +67,10 @@ class StagedLayers(CacheBase):
 @pytree_dataclass
 class OffloadedCache(StagedLayers):
     def slots(self, num_new: int) -> torch.Tensor:
-        start = self.keys.shape[3]
-        return torch.arange(start, start + num_new, device=self.valid.device)
+        return end_slots(self.max_cache_len, self.batch_size, num_new, self.valid.device)
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> OffloadedCache:
-        num_new = slots.shape[0]
+        num_new = slots.shape[1]
         _, B, H, T, D = self.keys.shape
         host_sync(self.compute_device)  # write-backs of the last forward land before the host copies
         keys, values = self._grow(self.keys, num_new), self._grow(self.values, num_new)
@@ -83,8 +82,22 @@ class OffloadedCache(StagedLayers):
         return self.replace(
             keys=keys, values=values, stage_keys=stage_keys, stage_values=stage_values,
             valid=torch.cat([self.valid, new_valid.to(torch.bool)], dim=1),
-            length=self.length + num_new,
+            length=torch.full_like(self.length, T + num_new),
         )
+
+    def rewind(self, lengths: torch.Tensor) -> OffloadedCache:
+        """Truncate to the longest row, as the dynamic cache (the staging buffers follow at the next forward)."""
+        keep = int(lengths.max()) if lengths.numel() else 0
+        host_sync(self.compute_device)
+        keys, values = self._alloc_like(self.keys, keep), self._alloc_like(self.values, keep)
+        keys.copy_(self.keys.narrow(3, 0, keep))
+        values.copy_(self.values.narrow(3, 0, keep))
+        return self.replace(keys=keys, values=values, valid=valid_below(self.valid[:, :keep], lengths),
+                            length=torch.full_like(self.length, keep))
+
+    def with_rows(self, rows, other) -> OffloadedCache:
+        raise ValueError("inserting rows into a running batch needs cache_implementation 'static', "
+                         "'offloaded_static' or 'dynamic'; the offloaded dynamic cache does not support it")
 
     def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         num_new = k.shape[2]
@@ -151,6 +164,6 @@ def init_offloaded_cache(
         stage_keys=torch.empty(stage, dtype=dtype, device=compute),
         stage_values=torch.empty(stage, dtype=dtype, device=compute),
         valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=compute),
-        length=torch.zeros((), dtype=torch.int64, device=compute),
+        length=torch.zeros(batch_size, dtype=torch.int64, device=compute),
         copy_fn=copy_fn,
     )

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CopyFn, as_device, default_copy, host_sync, reorder_in_place
+from genfn.cache.base import CopyFn, as_device, as_row_index, default_copy, host_sync, reorder_in_place, row_slots, valid_below
 from genfn.cache.offloaded import StagedLayers, _alloc
+from genfn.cache.static import check_same_capacity, write_rows
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
@@ -30,18 +31,34 @@ __all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
 @pytree_dataclass
 class OffloadedStaticCache(StagedLayers):
     def slots(self, num_new: int) -> torch.Tensor:
-        return self.length + torch.arange(num_new, device=self.length.device)
+        return row_slots(self.length, num_new, self.max_cache_len)
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> OffloadedStaticCache:
-        self.valid.index_copy_(1, slots, new_valid.to(torch.bool))
+        self.valid.scatter_(1, slots, new_valid.to(torch.bool))
         self.copy_fn(self.stage_keys[0], self.keys[0], kind="load", layer=0)
         self.copy_fn(self.stage_values[0], self.values[0], kind="load", layer=0)
-        return self.replace(length=self.length + slots.shape[0])
+        return self.replace(length=(self.length + slots.shape[1]).clamp(max=self.max_cache_len))
+
+    def rewind(self, lengths: torch.Tensor) -> OffloadedStaticCache:
+        """A pointer move, as the static cache's."""
+        self.valid.copy_(valid_below(self.valid, lengths))
+        return self.replace(length=lengths.to(self.length.dtype))
+
+    def with_rows(self, rows, other) -> OffloadedStaticCache:
+        """Rows ``rows`` replaced by ``other``'s (a static or offloaded static cache of the same capacity)."""
+        check_same_capacity(self, other)
+        if not torch.compiler.is_compiling():
+            host_sync(self.compute_device)
+        index = as_row_index(rows, self.length.device)
+        offload_index = index.to(self.offload_device)
+        self.keys.index_copy_(1, offload_index, other.keys.to(self.offload_device, self.keys.dtype))
+        self.values.index_copy_(1, offload_index, other.values.to(self.offload_device, self.values.dtype))
+        self.valid.index_copy_(0, index, other.valid.to(self.valid.device))
+        return self.replace(length=self.length.index_copy(0, index, other.length.to(self.length.device)))
 
     def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        write_rows(self.stage_keys, self.stage_values, layer % 2, slots, k, v)
         keys, values = self.stage_keys[layer % 2], self.stage_values[layer % 2]
-        keys.index_copy_(2, slots, k.to(keys.dtype))
-        values.index_copy_(2, slots, v.to(values.dtype))
         self.copy_fn(self.keys[layer], keys, kind="writeback", layer=layer)
         self.copy_fn(self.values[layer], values, kind="writeback", layer=layer)
         self._prefetch_after(layer)
@@ -79,6 +96,6 @@ def init_offloaded_static_cache(
         stage_keys=torch.zeros(stage, dtype=dtype, device=compute),
         stage_values=torch.zeros(stage, dtype=dtype, device=compute),
         valid=torch.zeros(batch_size, max_cache_len, dtype=torch.bool, device=compute),
-        length=torch.zeros((), dtype=torch.int64, device=compute),
+        length=torch.zeros(batch_size, dtype=torch.int64, device=compute),
         copy_fn=copy_fn,
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CacheBase, rows_selected
+from genfn.cache.base import CacheBase, end_slots, rows_selected, valid_below
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -144,7 +144,7 @@ class QuantizedCache(CacheBase):
     rkeys: torch.Tensor  # [L, B, Hkv, Tr, D] residual window, full precision
     rvalues: torch.Tensor
     valid: torch.Tensor  # [B, Tq + Tr] bool
-    length: torch.Tensor  # [] int64
+    length: torch.Tensor  # [B] int64: each row's next write slot (the capacity for every row)
     nbits: int = static_field(default=4)
     q_group_size: int = static_field(default=64)
     residual_length: int = static_field(default=128)
@@ -162,22 +162,42 @@ class QuantizedCache(CacheBase):
         return self.rkeys.shape[3]
 
     def slots(self, num_new: int) -> torch.Tensor:
-        start = self.max_cache_len
-        return torch.arange(start, start + num_new, device=self.valid.device)
+        return end_slots(self.max_cache_len, self.batch_size, num_new, self.valid.device)
+
+    def rewind(self, lengths: torch.Tensor) -> QuantizedCache:
+        """Truncate to the longest row (one host read: this cache runs eagerly); mask shorter rows' tails.
+
+        Inside the residual window it is a pointer move on full-precision tokens; below it, whole
+        quantized tokens are dropped (codes are per token, nothing is re-quantized)."""
+        keep = int(lengths.max()) if lengths.numel() else 0
+        valid = valid_below(self.valid[:, :keep], lengths)
+        length = torch.full_like(self.length, keep)
+        if keep >= self.quantized_len:
+            residual = keep - self.quantized_len
+            return self.replace(rkeys=self.rkeys[:, :, :, :residual].clone(),
+                                rvalues=self.rvalues[:, :, :, :residual].clone(), valid=valid, length=length)
+        cut = {name: getattr(self, name)[:, :, :, :keep].clone()
+               for name in ("qkeys", "kscale", "kzero", "qvalues", "vscale", "vzero")}
+        empty = self.rkeys.narrow(3, 0, 0).clone()
+        return self.replace(**cut, rkeys=empty, rvalues=empty.clone(), valid=valid, length=length)
+
+    def with_rows(self, rows, other) -> QuantizedCache:
+        raise ValueError("inserting rows into a running batch needs cache_implementation 'static', "
+                         "'offloaded_static' or 'dynamic'; the quantized cache does not support it")
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> QuantizedCache:
         """Flush a full residual window into the quantized part, then make room for the new tokens."""
         cache = self
         if self.residual_len and self.residual_len >= self.residual_length:
             cache = self._flush()
-        num_new = slots.shape[0]
+        num_new = slots.shape[1]
         L, B, H, _, D = cache.rkeys.shape
         room = torch.zeros((L, B, H, num_new, D), dtype=cache.rkeys.dtype, device=cache.rkeys.device)
         return cache.replace(
             rkeys=torch.cat([cache.rkeys, room], dim=3),
             rvalues=torch.cat([cache.rvalues, room], dim=3),
             valid=torch.cat([cache.valid, new_valid.to(torch.bool)], dim=1),
-            length=cache.length + num_new,
+            length=torch.full_like(cache.length, cache.max_cache_len + num_new),
         )
 
     def _flush(self) -> QuantizedCache:
@@ -238,6 +258,6 @@ def init_quantized_cache(
         qvalues=codes(), vscale=group_params(), vzero=group_params(),
         rkeys=residual(), rvalues=residual(),
         valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),
-        length=torch.zeros((), dtype=torch.int64, device=device),
+        length=torch.zeros(batch_size, dtype=torch.int64, device=device),
         nbits=nbits, q_group_size=group, residual_length=config["residual_length"],
     )

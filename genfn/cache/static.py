@@ -1,8 +1,8 @@
 """The static KV cache: preallocated buffers, written in place at a tensor offset.
 
 Layout ``[layers, batch, kv_heads, max_cache_len, head_dim]`` for keys and values, a ``[batch,
-max_cache_len]`` validity mask (left padding marks its slots invalid), and ``length``, the number
-of filled slots (the same for every row: prompts are left padded, as in transformers).
+max_cache_len]`` validity mask (left padding marks its slots invalid), and ``length [batch]``, each
+row's fill pointer: rows advance, rewind and are replaced independently.
 
 The update follows DESIGN principle 4: the cache passed in is *donated*. ``write`` copies the new
 keys/values into the existing buffers (``index_copy_``) and returns a cache that shares them, so a
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.cache.base import CacheBase, reorder_in_place
+from genfn.cache.base import CacheBase, as_row_index, reorder_in_place, row_slots, valid_below
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["StaticCache", "init_static_cache"]
@@ -24,7 +24,7 @@ class StaticCache(CacheBase):
     keys: torch.Tensor  # [L, B, Hkv, T, D]
     values: torch.Tensor  # [L, B, Hkv, T, D]
     valid: torch.Tensor  # [B, T] bool: slot holds a real (non-padding) token
-    length: torch.Tensor  # [] int64: slots filled so far
+    length: torch.Tensor  # [B] int64: each row's next write slot
     # Optional: a tensor whose *size* is the number of slots worth attending (its values are
     # unused). The driver sets it between steps from the length it knows on the host and marks
     # that size dynamic, so one compiled step attends over the real context, not all T slots.
@@ -48,36 +48,62 @@ class StaticCache(CacheBase):
         return self.keys.shape[3]
 
     def slots(self, num_new: int) -> torch.Tensor:
-        """Slot indices ``[num_new]`` the next ``num_new`` tokens go to."""
-        return self.length + torch.arange(num_new, device=self.length.device)
+        """``[B, num_new]`` the slots each row's next ``num_new`` tokens go to."""
+        return row_slots(self.length, num_new, self.max_cache_len)
 
     def write_layer(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write ``k, v [B, Hkv, S, D]`` of ``layer`` at ``slots`` in place; return the layer's full K, V."""
-        # Index the stacked base tensors, never a per-layer view of them: inductor reinplaces an
-        # index_put_ on a graph input, but functionalizes a write through a view into a copy of
-        # the whole buffer per step (measured: 12x slower per token at max_cache_len 4096).
-        batch, heads, seq = k.shape[0], k.shape[1], k.shape[2]
-        device = slots.device
-        index = (
-            torch.tensor(layer, device=device),
-            torch.arange(batch, device=device).view(batch, 1, 1),
-            torch.arange(heads, device=device).view(1, heads, 1),
-            slots.view(1, 1, seq),
-        )
-        self.keys.index_put_(index, k.to(self.keys.dtype))
-        self.values.index_put_(index, v.to(self.values.dtype))
+        """Write ``k, v [B, Hkv, S, D]`` of ``layer`` at ``slots [B, S]`` in place; return the layer's full K, V."""
+        write_rows(self.keys, self.values, layer, slots, k, v)
         return self.keys[layer], self.values[layer]
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> "StaticCache":
         """Mark ``slots`` filled with validity ``new_valid [B, S]``; the buffers were written in place."""
-        self.valid.index_copy_(1, slots, new_valid)
-        return self.replace(length=self.length + slots.shape[0])
+        self.valid.scatter_(1, slots, new_valid.to(torch.bool))
+        return self.replace(length=(self.length + slots.shape[1]).clamp(max=self.max_cache_len))
+
+    def rewind(self, lengths: torch.Tensor) -> "StaticCache":
+        """Forget row ``b``'s slots from ``lengths[b]`` on: a pointer move (the buffers stay)."""
+        self.valid.copy_(valid_below(self.valid, lengths))
+        return self.replace(length=lengths.to(self.length.dtype))
+
+    def with_rows(self, rows, other: "StaticCache") -> "StaticCache":
+        """Rows ``rows`` replaced by ``other``'s rows (same capacity), in the donated buffers."""
+        index = as_row_index(rows, self.length.device)
+        check_same_capacity(self, other)
+        self.keys.index_copy_(1, index, other.keys.to(self.keys.dtype))
+        self.values.index_copy_(1, index, other.values.to(self.values.dtype))
+        self.valid.index_copy_(0, index, other.valid)
+        return self.replace(length=self.length.index_copy(0, index, other.length))
 
     def reorder(self, beam_idx: torch.Tensor) -> "StaticCache":
         """Row ``i`` becomes old row ``beam_idx[i]`` (beam search's reorder), in the donated buffers."""
         reorder_in_place((self.keys, self.values), beam_idx)
         self.valid.copy_(self.valid.index_select(0, beam_idx))
         return self.replace()
+
+
+def write_rows(keys: torch.Tensor, values: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+    """``keys[layer, b, :, slots[b]] = k[b]`` (and values) for every row, in place."""
+    # Index the stacked base tensors, never a per-layer view of them: inductor reinplaces an
+    # index_put_ on a graph input, but functionalizes a write through a view into a copy of
+    # the whole buffer per step (measured: 12x slower per token at max_cache_len 4096).
+    batch, heads, seq = k.shape[0], k.shape[1], k.shape[2]
+    device = slots.device
+    index = (
+        torch.tensor(layer, device=device),
+        torch.arange(batch, device=device).view(batch, 1, 1),
+        torch.arange(heads, device=device).view(1, heads, 1),
+        slots.view(batch, 1, seq),
+    )
+    keys.index_put_(index, k.to(keys.dtype))
+    values.index_put_(index, v.to(values.dtype))
+
+
+def check_same_capacity(cache, other) -> None:
+    if other.max_cache_len != cache.max_cache_len:
+        raise ValueError(f"cannot insert rows of a cache with max_cache_len {other.max_cache_len} into one with "
+                         f"max_cache_len {cache.max_cache_len}: prefill with the running batch's max_cache_len")
 
 
 def init_static_cache(
@@ -94,5 +120,5 @@ def init_static_cache(
         keys=torch.zeros(shape, dtype=dtype, device=device),
         values=torch.zeros(shape, dtype=dtype, device=device),
         valid=torch.zeros(batch_size, max_cache_len, dtype=torch.bool, device=device),
-        length=torch.zeros((), dtype=torch.int64, device=device),
+        length=torch.zeros(batch_size, dtype=torch.int64, device=device),
     )

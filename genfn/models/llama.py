@@ -189,16 +189,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
-    """Boolean ``[B, 1, S, attend_len]``: query ``i`` (at slot ``slots[i]``) may see slot ``j``."""
-    j = torch.arange(attend_len, device=slots.device)
-    causal = j.unsqueeze(0) <= slots.unsqueeze(1)  # [S, A]
+    """Boolean ``[B, 1, S, attend_len]``: row ``b``'s query ``i`` (at slot ``slots[b, i]``) may see slot ``j``."""
+    j = torch.arange(attend_len, device=slots.device).view(1, 1, attend_len)
+    query_slots = slots.unsqueeze(2)  # [B, S, 1]
+    causal = j <= query_slots  # [B, S, A]
     if spec.sliding_window is not None:
-        causal = causal & (j.unsqueeze(0) > slots.unsqueeze(1) - spec.sliding_window)
+        causal = causal & (j > query_slots - spec.sliding_window)
     valid = cache.valid[:, :attend_len]  # [B, A]
-    mask = causal.unsqueeze(0) & valid.unsqueeze(1)
+    mask = causal & valid.unsqueeze(1)
     # A padding query would see nothing and its softmax would be NaN; letting every query see
     # its own slot keeps all values finite (padding outputs are never read).
-    mask = mask | (j.unsqueeze(0) == slots.unsqueeze(1)).unsqueeze(0)
+    mask = mask | (j == query_slots)
     return mask.unsqueeze(1)
 
 
@@ -225,7 +226,7 @@ def apply(
     attentions are requested.
     """
     batch, seq = tokens.shape
-    slots = cache.slots(seq)
+    slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
     if attention_mask is None:
         new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
     else:

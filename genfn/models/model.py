@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from genfn.models import llama
+from genfn.models.functional import FunctionalModel
 
 __all__ = ["Model", "load", "from_hf_state_dict"]
 
@@ -51,6 +52,10 @@ class Model:
     def apply(self, tokens, positions, cache, attention_mask=None, **kwargs):
         return self.apply_fn(self.spec, self.params, tokens, positions, cache, attention_mask, **kwargs)
 
+    def functional(self) -> FunctionalModel:
+        """The value a step function receives (eager and compiled alike): spec, params, apply."""
+        return FunctionalModel(self.spec, self.params, self.apply_fn)
+
     def init_cache(self, batch_size: int, max_cache_len: int, implementation: str | None = "static",
                    cache_config: dict | None = None):
         """A fresh cache; ``implementation`` as ``GenerationConfig.cache_implementation`` (None: "dynamic")."""
@@ -73,39 +78,6 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({self.spec!r}, dtype={self.dtype}, source={self.source!r})"
-
-
-class ParamsModule(torch.nn.Module):
-    """A params pytree held as buffers of an ``nn.Module``.
-
-    Inside ``torch.compile``, tensors read from module buffers are module state that inductor's
-    ``freezing`` folds into the graph as constants (like a jitted JAX function closing over
-    arrays); it can then pick its own GEMV kernels and prepacked layouts for them. Tensors
-    reached any other way stay graph inputs and are left to the library kernels.
-    """
-
-    def __init__(self, params):
-        super().__init__()
-        leaves, self._treedef = torch.utils._pytree.tree_flatten(params)
-        self._count = len(leaves)
-        for i, leaf in enumerate(leaves):
-            self.register_buffer(f"p{i}", leaf, persistent=False)
-
-    def tree(self):
-        return torch.utils._pytree.tree_unflatten([getattr(self, f"p{i}") for i in range(self._count)], self._treedef)
-
-
-class BoundModel:
-    """``model`` with other params (same spec and apply): what a compiled step sees."""
-
-    def __init__(self, model: "Model", params):
-        self.spec = model.spec
-        self.params = params
-        self.apply_fn = model.apply_fn
-        self.vocab_size = model.spec.vocab_size
-
-    def apply(self, tokens, positions, cache, attention_mask=None, **kwargs):
-        return self.apply_fn(self.spec, self.params, tokens, positions, cache, attention_mask, **kwargs)
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:

@@ -11,7 +11,7 @@ length-penalized scores, both kept sorted by score. The KV cache holds ``B * K``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -20,9 +20,11 @@ from genfn.state.base import pytree_dataclass, static_field
 __all__ = ["BeamOptions", "BeamState"]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class BeamOptions:
     """Everything static about a beam-search run (it selects code, so it keys compilation).
+
+    Equality and hashing come from the fields; the processors' numbers are leaves of the state.
 
     ``fill_token_id`` is what the token buffers hold past a hypothesis' end: transformers fills
     with ``pad_token_id or eos_token_id[0]`` when there is an EOS token, else ``-1``.
@@ -36,29 +38,15 @@ class BeamOptions:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     fill_token_id: int
-    processors: Callable | None
-    processors_key: Any
     output_scores: bool = False
     output_logits: bool = False
     output_attentions: bool = False
     output_hidden_states: bool = False
-    attend_len: int | None = None
 
     @property
     def beams_to_keep(self) -> int:
         """Candidates kept per step: enough that ``num_beams`` survive even if the best all end."""
         return max(2, 1 + len(self.eos_token_ids)) * self.num_beams
-
-    def _key(self):
-        return (self.num_beams, self.num_return_sequences, self.length_penalty, self.early_stopping, self.do_sample,
-                self.eos_token_ids, self.pad_token_id, self.fill_token_id, self.processors_key, self.output_scores,
-                self.output_logits, self.output_attentions, self.output_hidden_states, self.attend_len)
-
-    def __eq__(self, other):
-        return isinstance(other, BeamOptions) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
 
 
 @pytree_dataclass
@@ -93,6 +81,8 @@ class BeamState:
     prefill_attentions: tuple | None  # the prefill's, passed through unchanged so shapes stay fixed
     prefill_hidden_states: tuple | None
     options: BeamOptions = static_field()
+    # The logits-processor chain (a pytree: kinds static, numbers leaves), as in DecodeState.
+    processors: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -28,11 +28,12 @@ import torch
 from genfn import random as grandom
 from genfn.outputs import GenerateBeamDecoderOnlyOutput
 from genfn.processors.context import LogitsContext
+from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.state.beam import BeamOptions, BeamState
 from genfn.strategies.request import GenerationRequest, StepTrace
 from genfn.strategies.sample import collect_model_outputs, model_forward, prefill_positions, step_placeholders
 
-__all__ = ["init", "step", "finish", "collect", "options_for"]
+__all__ = ["BEAM", "init", "step", "finish", "collect", "options_for"]
 
 _NEG = -1.0e9  # transformers' "never choose this" score
 
@@ -64,8 +65,6 @@ def options_for(request: GenerationRequest) -> BeamOptions:
         eos_token_ids=tuple(request.eos_token_ids),
         pad_token_id=request.pad_token_id,
         fill_token_id=_fill_token_id(request),
-        processors=request.processors,
-        processors_key=request.processors_key,
         output_scores=request.output_scores,
         output_logits=request.output_logits,
         output_attentions=request.output_attentions,
@@ -129,6 +128,7 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
         prefill_attentions=attentions,
         prefill_hidden_states=hidden_states,
         options=opts,
+        processors=request.processors,
     )
     return _beam_step(state, logits[:, -1])
 
@@ -141,8 +141,7 @@ def step(model, state: BeamState) -> BeamState:
     newest = flat.gather(1, (state.cur_len - 1).reshape(1, 1).expand(rows, 1))
     positions = state.positions + 1
     logits, cache, attentions, hidden_states = model_forward(
-        model, newest, positions.unsqueeze(1), state.cache, attend_len=opts.attend_len,
-        attentions=opts.output_attentions, hidden_states=opts.output_hidden_states)
+        model, newest, positions.unsqueeze(1), state.cache, attentions=opts.output_attentions, hidden_states=opts.output_hidden_states)
     state = state.replace(cache=cache, positions=positions,
                           attentions=attentions if opts.output_attentions else None,
                           hidden_states=hidden_states if opts.output_hidden_states else None)
@@ -181,9 +180,11 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
 
     # 1. Candidate scores: processed log-probs plus the running score of their beam.
     log_probs = torch.log_softmax(logits, dim=-1)
-    if opts.processors is not None:
-        ctx = LogitsContext(tokens=state.running_sequences.view(rows, width), cur_len=cur_len, prompt_len=prompt_len)
-        log_probs = opts.processors(log_probs, ctx)
+    if state.processors is not None:
+        # Beams move in lockstep: every row of the context has the same lengths.
+        ctx = LogitsContext(tokens=state.running_sequences.view(rows, width), cur_len=cur_len.expand(rows),
+                            prompt_len=prompt_len.expand(rows))
+        log_probs = state.processors(log_probs, ctx)
     accumulated = (log_probs.view(batch, num_beams, vocab) + state.running_scores.unsqueeze(-1)).view(batch, -1)
 
     # 2. The K2 candidates to consider, best first.
@@ -305,3 +306,9 @@ def finish(state: BeamState, trace: StepTrace, request: GenerationRequest):
         hidden_states=tuple(trace.hidden_states) if opts.output_hidden_states else None,
         cache=state.cache,
     )
+
+
+# Beam search and beam sampling as a Strategy value: beams move in lockstep and are reordered
+# every step, so there is no per-row sequence to stream or to show user stopping criteria.
+BEAM = Strategy(name="beam_search", init=init, step=step, finish=finish, collect=collect, streams=False,
+                outputs=OUTPUT_KINDS)

@@ -26,8 +26,7 @@ class GenerationRequest:
     max_cache_len: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    processors: Any  # ProcessorChain or None
-    processors_key: Any  # hashable description of the chain (keys compiled steps)
+    processors: Any  # ProcessorChain or None (a pytree: its kinds key compiled steps, its numbers are leaves)
     keys: torch.Tensor | None  # [B, 2] when sampling
     output_scores: bool = False
     output_logits: bool = False

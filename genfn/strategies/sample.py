@@ -14,12 +14,13 @@ from genfn.processors.context import LogitsContext
 from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.decode import DecodeOptions, DecodeState
 from genfn.processors.guidance import guidance_combine
-from genfn.stopping import eos_emitted, max_length_reached
+from genfn.stopping import eos_emitted
+from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.strategies.guidance import guidance_init, guidance_step
 from genfn.strategies.request import GenerationRequest, StepTrace
 
-__all__ = ["init", "step", "finish", "collect", "newest_tokens", "prefill_positions", "options_for",
-           "model_forward", "step_placeholders", "collect_model_outputs"]
+__all__ = ["SAMPLE", "init", "step", "finish", "collect", "prefill_positions", "options_for", "model_forward",
+           "step_placeholders", "collect_model_outputs", "append_tokens", "newest_input"]
 
 
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -74,20 +75,27 @@ def options_for(request: GenerationRequest) -> DecodeOptions:
         do_sample=bool(request.config.do_sample),
         pad_token_id=request.pad_token_id,
         eos_token_ids=request.eos_token_ids,
-        processors=request.processors,
-        processors_key=request.processors_key,
         output_scores=request.output_scores,
         output_logits=request.output_logits,
-        stop_strings=request.stop_strings,
         guidance_scale=None if request.guidance is None else request.guidance.scale,
+        check_finite=not bool(request.config.remove_invalid_values),
     )
 
 
+def _per_row(value, batch: int, device) -> torch.Tensor:
+    """An int or a ``[B]`` tensor as a ``[B]`` int64 tensor."""
+    return torch.as_tensor(value, dtype=torch.int64, device=device).expand(batch).clone()
+
+
 def init(model, request: GenerationRequest, cache=None) -> DecodeState:
-    """Allocate the buffers, prefill the prompt, and choose the first new token."""
+    """Allocate the buffers, prefill the prompt, and choose the first new token.
+
+    This is also the *prefill* of a request that joins a running batch (see :func:`insert`): its
+    state holds the request's rows, ready to be copied into free rows of the batch.
+    """
     options = options_for(request)
     input_ids, attention_mask = request.input_ids, request.attention_mask
-    max_length, max_cache_len, keys = request.max_length, request.max_cache_len, request.keys
+    max_cache_len, keys = request.max_cache_len, request.keys
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     if cache is None:
@@ -101,23 +109,27 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
         model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
         attentions=request.output_attentions, hidden_states=request.output_hidden_states)
     step_attentions, step_hidden = step_placeholders(attentions, hidden_states)
+    processors = request.processors
     state = DecodeState(
         tokens=tokens,
-        cur_len=torch.tensor(prompt_len, dtype=torch.int64, device=device),
-        prompt_len=torch.tensor(prompt_len, dtype=torch.int64, device=device),
-        max_length=torch.tensor(max_length, dtype=torch.int64, device=device),
+        cur_len=_per_row(prompt_len, batch, device),
+        prompt_len=_per_row(prompt_len, batch, device),
+        max_length=_per_row(request.max_length, batch, device),
         positions=positions[:, -1],
         done=torch.zeros(batch, dtype=torch.bool, device=device),
         keys=keys,
         cache=cache,
         scores=None,
         logits=None,
+        nonfinite=torch.zeros(batch, dtype=torch.bool, device=device),
         options=options,
+        processors=processors,
+        processor_state=_init_processor_state(processors, batch, device),
+        stop_strings=request.stop_strings,
         attentions=step_attentions,
         hidden_states=step_hidden,
         prefill_attentions=attentions,
         prefill_hidden_states=hidden_states,
-        processor_state=_init_processor_state(options.processors, batch, device),
     )
     unconditional = None
     if request.guidance is not None:
@@ -134,15 +146,18 @@ def _init_processor_state(processors, batch: int, device):
     return processors.init_state(batch, device)
 
 
+def newest_input(state: DecodeState) -> torch.Tensor:
+    """``[B, 1]`` each row's most recent token (padding for a finished row, as transformers feeds)."""
+    return state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1))
+
+
 def step(model, state: DecodeState) -> DecodeState:
     """Feed the newest token of every row and choose the next one (pure; donates ``state``)."""
-    batch = state.batch_size
-    newest = state.tokens.gather(1, (state.cur_len - 1).reshape(1, 1).expand(batch, 1))
+    newest = newest_input(state)
     positions = state.positions + 1
     want_attentions, want_hidden = state.attentions is not None, state.hidden_states is not None
     logits, cache, attentions, hidden_states = model_forward(
-        model, newest, positions.unsqueeze(1), state.cache, attend_len=state.options.attend_len,
-        attentions=want_attentions, hidden_states=want_hidden)
+        model, newest, positions.unsqueeze(1), state.cache, attentions=want_attentions, hidden_states=want_hidden)
     state = state.replace(cache=cache, positions=positions, attentions=attentions, hidden_states=hidden_states)
     unconditional = None
     if state.guidance is not None:
@@ -152,38 +167,50 @@ def step(model, state: DecodeState) -> DecodeState:
     return _choose_next(state, logits[:, -1], unconditional)
 
 
+def append_tokens(tokens: torch.Tensor, cur_len: torch.Tensor, new_tokens: torch.Tensor) -> torch.Tensor:
+    """Write ``new_tokens [B]`` at each row's column ``cur_len[b]`` of the donated buffer, in place;
+    return ``cur_len + 1``. A row already at the buffer's end (it is finished) rewrites its last
+    column with padding instead of indexing past the end."""
+    batch, width = tokens.shape
+    rows = torch.arange(batch, device=tokens.device)
+    tokens.index_put_((rows, cur_len.clamp(max=width - 1)), new_tokens)
+    return (cur_len + 1).clamp(max=width)
+
+
 def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits: torch.Tensor | None = None
                  ) -> DecodeState:
     opts = state.options
     ctx = LogitsContext(tokens=state.tokens, cur_len=state.cur_len, prompt_len=state.prompt_len)
     scores = logits
+    nonfinite = state.nonfinite
+    if opts.check_finite:
+        nonfinite = nonfinite | ~torch.isfinite(logits).all(dim=-1)
     if opts.guidance_scale is not None:
         # CFG heads the processor chain, as in transformers.
         scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)
-    processor_state = state.processor_state
-    if opts.processors is not None:
+    processors, processor_state = state.processors, state.processor_state
+    if processors is not None:
         if processor_state is not None:
-            scores, processor_state = opts.processors.apply(scores, ctx, processor_state)
+            scores, processor_state = processors.apply(scores, ctx, processor_state)
         else:
-            scores = opts.processors(scores, ctx)
+            scores = processors(scores, ctx)
     if opts.do_sample:
         # The noise counter is the number of tokens this row generated so far: independent of
-        # how much left padding the batch gave the row.
-        counter = (state.cur_len - state.prompt_len).expand(state.batch_size)
+        # the row's left padding and of when it joined the batch.
+        counter = state.cur_len - state.prompt_len
         noise = grandom.gumbel(state.keys, counter, scores.shape[-1])
         next_tokens = torch.argmax(scores + noise, dim=-1)
     else:
         next_tokens = torch.argmax(scores, dim=-1)
     next_tokens = torch.where(state.done, opts.pad_token_id, next_tokens)
-    state.tokens.index_copy_(1, state.cur_len.reshape(1), next_tokens.unsqueeze(1))
-    cur_len = state.cur_len + 1
-    done = state.done | eos_emitted(next_tokens, opts.eos_token_ids)
-    done = done | max_length_reached(cur_len, state.max_length, state.batch_size)
-    if opts.stop_strings is not None:
-        done = done | opts.stop_strings(state.tokens, cur_len)
+    cur_len = append_tokens(state.tokens, state.cur_len, next_tokens)
+    done = state.done | eos_emitted(next_tokens, opts.eos_token_ids) | (cur_len >= state.max_length)
+    if state.stop_strings is not None:
+        done = done | state.stop_strings(state.tokens, cur_len)
     return state.replace(
         cur_len=cur_len,
         done=done,
+        nonfinite=nonfinite,
         processor_state=processor_state,
         scores=scores if opts.output_scores else None,
         logits=logits if opts.output_logits else None,
@@ -199,14 +226,9 @@ def collect(state: DecodeState, trace: StepTrace) -> None:
     collect_model_outputs(state, trace, state.attentions is not None, state.hidden_states is not None)
 
 
-def newest_tokens(state: DecodeState, cur_len: int) -> torch.Tensor:
-    """``[B]`` the tokens chosen by the latest step, for streaming (``cur_len`` known on the host)."""
-    return state.tokens[:, cur_len - 1]
-
-
 def finish(state: DecodeState, trace: StepTrace, request: GenerationRequest):
     """Trim the buffers into the sequences ``[B, cur_len]`` or a ``GenerateDecoderOnlyOutput``."""
-    sequences = state.tokens[:, : int(state.cur_len)].clone()
+    sequences = state.tokens[:, : int(state.cur_len.max())].clone()
     if not request.config.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(
@@ -217,3 +239,8 @@ def finish(state: DecodeState, trace: StepTrace, request: GenerationRequest):
         hidden_states=tuple(trace.hidden_states) if request.output_hidden_states else None,
         cache=state.cache,
     )
+
+
+# Greedy search and multinomial sampling as a Strategy value (``do_sample`` selects which).
+SAMPLE = Strategy(name="sample", init=init, step=step, finish=finish, collect=collect, outputs=OUTPUT_KINDS,
+                  whole_loop=True)

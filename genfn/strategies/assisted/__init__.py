@@ -1,0 +1,41 @@
+"""Assisted (speculative) decoding: verification, draft-length schedules and proposers, as pure functions.
+
+``verify`` decides which drafts a row keeps (``stats`` counts them); ``schedule`` sizes drafts and adapts the assistant's
+confidence threshold; ``drafter`` is the interface proposers implement; ``prompt_lookup`` is the
+proposer that drafts from the row's own tokens. The speculative step that composes them with a
+model and the caches' ``rewind`` lives with the strategies that run it.
+"""
+
+from genfn.strategies.assisted.drafter import Draft, DraftInput, Drafter, PromptLookupDrafter, check_ensemble_weight
+from genfn.strategies.assisted.prompt_lookup import propose_prompt_lookup
+from genfn.strategies.assisted.schedule import (
+    ConfidenceState,
+    DraftSchedule,
+    confident_length,
+    draft_budget,
+    init_confidence,
+    init_schedule,
+    roc_optimal_threshold,
+    schedule_for_next_call,
+    update_confidence,
+    update_schedule,
+)
+from genfn.strategies.assisted.stats import AcceptanceStats, init_stats, record
+from genfn.strategies.assisted.verify import (
+    Verified,
+    accept_keys,
+    draft_keys,
+    limit_new_tokens,
+    process_block,
+    verify_greedy,
+    verify_sampling,
+)
+
+__all__ = [
+    "Draft", "DraftInput", "Drafter", "PromptLookupDrafter", "check_ensemble_weight",
+    "propose_prompt_lookup",
+    "ConfidenceState", "DraftSchedule", "confident_length", "draft_budget", "init_confidence", "init_schedule",
+    "roc_optimal_threshold", "schedule_for_next_call", "update_confidence", "update_schedule",
+    "AcceptanceStats", "init_stats", "record",
+    "Verified", "accept_keys", "draft_keys", "limit_new_tokens", "process_block", "verify_greedy", "verify_sampling",
+]
