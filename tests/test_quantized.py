@@ -79,6 +79,19 @@ def test_tiles_hold_every_code_and_scale_of_the_rows(fmt, rows):
     assert torch.equal(weight.dequantize(), dequantize(blocks))
 
 
+def test_fusing_rows_keeps_blocks_and_falls_back_to_float_for_mixed_formats():
+    from genfn.quant import cat_rows
+
+    torch.manual_seed(5)
+    a, b = quantize(torch.randn(8, 64), "q4_1"), quantize(torch.randn(4, 64), "q4_1")
+    fused = cat_rows([a, b])
+    assert fused.format == "q4_1" and torch.equal(fused.codes, torch.cat([a.codes, b.codes]))
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
+    mixed = cat_rows([a, quantize(torch.randn(4, 64), "q8_0")])
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
+    assert torch.equal(mixed[:8], dequantize(a))
+
+
 def test_quantize_rejects_bad_arguments():
     with pytest.raises(ValueError, match="q8_0, q4_0, q4_1, int8, int4"):
         quantize(torch.randn(4, 32), "q5_k")
