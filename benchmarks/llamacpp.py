@@ -62,6 +62,9 @@ def make_variant(source: str, target: str, ggml_type: str) -> None:
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if values.ndim < 2:
             writer.add_tensor(tensor.name, values)  # norms stay float32, as llama.cpp's tools keep them
+        elif tensor.name in ("token_embd.weight", "output.weight") and ggml_type.startswith("Q4"):
+            # The shipped file's mix: 4-bit matrices, an 8-bit embedding/output (kept as stored).
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
         elif qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, values)
         elif qtype == gguf.GGMLQuantizationType.F16:
@@ -95,6 +98,17 @@ def available() -> bool:
     return True
 
 
+_QUIET = None
+
+
+def _quiet(lc) -> None:
+    """Silence llama.cpp's load-time log lines (hundreds of them per model)."""
+    global _QUIET
+    if _QUIET is None:
+        _QUIET = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_QUIET, ctypes.c_void_p(0))
+
+
 class LlamaCpp:
     """Greedy decoding of several sequences at once through ``llama_decode`` (one batch a step)."""
 
@@ -102,6 +116,7 @@ class LlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
+        _quiet(lc)
         lc.llama_backend_init()
         params = lc.llama_model_default_params()
         load = getattr(lc, "llama_model_load_from_file", None) or lc.llama_load_model_from_file

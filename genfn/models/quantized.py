@@ -5,6 +5,11 @@
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
 matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
 float, and the embedding lookup reads float rows (for a tied head, the head's own values).
+
+With a 4-bit format the LM head is stored in 8 bits (q8_0, or int8 for int4), as llama.cpp's
+quantizer keeps its output matrix at higher precision and the shipped SmolLM2 file has it in
+Q8_0: the head is a tenth of the bytes, and at 4 bits it alone cost SmolLM2 a third more
+perplexity (benchmarks/quality.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from genfn.quant.weight import QuantizedWeight
 __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
 
 QUANTIZE_CHOICES = ("gguf", *FORMATS)
+HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "int4": "int8"}
 LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
@@ -51,7 +57,8 @@ def quantize_params(params: dict, fmt: str) -> dict:
         for key in LINEAR_PARAMS:
             layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
-    out = dict(params, layers=layers, lm_head=_quantized(params["lm_head"], fmt, "lm_head", kept_float))
+    head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
+    out = dict(params, layers=layers, lm_head=head)
     if kept_float:
         warnings.warn(f"genfn: quantize={fmt!r}: {', '.join(kept_float[:4])} kept in float (in_features not a "
                       f"multiple of the block size)", RuntimeWarning, stacklevel=3)
