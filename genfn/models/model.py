@@ -112,6 +112,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     quantizes the float weights on load. Quantized linears run ``genfn.kernels``' VNNI kernel
     (see ``genfn.models.quantized``); activations stay ``dtype``.
     """
+    from genfn import kernels
     from genfn.models.loaders import find_checkpoint_format, load_checkpoint
     from genfn.models.quantized import check_quantize, quantize_params
 
@@ -133,8 +134,6 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         ckpt = load_checkpoint(path, dtype=dtype)
     model = from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
                                generation_config=ckpt.generation_config, source=ckpt.source)
-    from genfn import kernels
-
     if quantize is not None:
         model.params = quantize_params(model.params, quantize)
     # Build (or find) the native kernels now, not in the middle of the first step.
