@@ -62,7 +62,10 @@ class RowBlocks:
 
     def map_rows(self, fn) -> "RowBlocks":
         """The same blocks with ``fn`` (a function of a tensor whose dim 0 is rows) applied to every part."""
-        return RowBlocks(self.format, fn(self.codes), fn(self.scales), None if self.mins is None else fn(self.mins))
+        # Codes move four bytes at a time (a quarter of the elements to copy).
+        codes = fn(self.codes.view(torch.int32)).contiguous().view(torch.uint8)
+        return RowBlocks(self.format, codes, fn(self.scales).contiguous(),
+                         None if self.mins is None else fn(self.mins).contiguous())
 
 
 def _check_format(fmt: str) -> None:
@@ -96,13 +99,15 @@ def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]
     """``RowBlocks`` holding a GGUF tensor's blocks bit for bit (``raw``: its uint8 data)."""
     fmt = GGUF_FORMATS[ggml_type_name]
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, -1).copy())
-    # Leading float16 fields of each block: d (and m for Q4_1), then the codes.
-    header = 4 if fmt == "q4_1" else 2
-    halves = blocks[:, :, :header].contiguous().view(torch.float16)
-    scales = halves[:, :, 0].contiguous()
-    mins = halves[:, :, 1].contiguous() if fmt == "q4_1" else None
-    return RowBlocks(fmt, blocks[:, :, header:].contiguous(), scales, mins)
+    # Each block: float16 d (and m for Q4_1), then the codes. A structured view splits the
+    # fields in numpy's fast copies rather than torch's strided byte copies (seconds per model).
+    fields = [("d", "<f2")] + ([("m", "<f2")] if fmt == "q4_1" else []) + [("q", "u1", 32 if fmt == "q8_0" else 16)]
+    blocks = np.ascontiguousarray(raw).reshape(-1).view(np.dtype(fields)).reshape(rows, cols // BLOCK)
+
+    def tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(blocks[name]))
+
+    return RowBlocks(fmt, tensor("q"), tensor("d"), tensor("m") if fmt == "q4_1" else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,9 @@ class QuantizedWeight:
                 t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
             return t.reshape(tiles, TILE, blocks, *tail).permute(*order).contiguous()
 
-        tiled_codes = tiled(codes, (chunks, 4), (0, 2, 3, 1, 4)).reshape(tiles, blocks, chunks * 64)
+        # A chunk's four code bytes move together: permute them as one int32.
+        words = codes.contiguous().view(torch.int32)  # [N, blocks, chunks]
+        tiled_codes = tiled(words, (chunks,), (0, 2, 3, 1)).view(torch.uint8).reshape(tiles, blocks, chunks * 64)
         scales = tiled(_per_block(rows.scales, rows.shape), (), (0, 2, 1))
         mins = None if rows.mins is None else tiled(_per_block(rows.mins, rows.shape), (), (0, 2, 1))
         return cls(tiled_codes, scales, mins, rows.format, n, k)
@@ -88,8 +90,8 @@ class QuantizedWeight:
         """The row-major blocks (scales per block of 32; int8/int4 read as q8_0/q4_1)."""
         tiles, blocks, width = self.codes.shape
         chunks = width // 64
-        codes = self.codes.reshape(tiles, blocks, chunks, TILE, 4).permute(0, 3, 1, 2, 4)
-        codes = codes.reshape(tiles * TILE, blocks, chunks * 4)[: self.out_features]
+        words = self.codes.view(torch.int32).reshape(tiles, blocks, chunks, TILE).permute(0, 3, 1, 2)
+        codes = words.contiguous().view(torch.uint8).reshape(tiles * TILE, blocks, chunks * 4)[: self.out_features]
         if self.format in EIGHT_BIT:
             codes = codes ^ 0x80
 
