@@ -91,6 +91,8 @@ def _build() -> Path:
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"decode_linear-{key.hexdigest()[:16]}.so"
+    if target.exists():  # built: no need to queue behind another process's build of other sources
+        return target
     # One process builds; the others wait on the lock and then find the library.
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
