@@ -24,6 +24,7 @@ import torch._inductor.config
 import torch.utils._pytree as torch_pytree
 
 from genfn import kernels
+from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
 from genfn.strategies.request import StepTrace
 
@@ -245,9 +246,6 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
 
     return run
 
-
-# Caches whose shapes stay fixed from step to step: the only ones a compiled step can run on.
-COMPILABLE_CACHES = ("static", "offloaded_static")
 
 # What a CPU step compiles with when compile_config names no mode (or transformers' default,
 # "reduce-overhead", which means CUDA graphs and does nothing on a CPU): the options of mode

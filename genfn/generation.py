@@ -349,7 +349,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         max_cache_len=max_cache_len,
         eos_token_ids=eos_ids,
         pad_token_id=pad_id,
-        processors=processors if len(processors) else None,
+        # The step's chain: every number a [B] tensor leaf, so new values never recompile.
+        processors=processors.per_row(batch, input_ids.device) if len(processors) else None,
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
         keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),

@@ -229,7 +229,7 @@ def test_offload_compute_memory_does_not_grow_with_layers(impl):
         cache = make_cache(impl, spec, 2, 16, torch.float32, "cpu")
         cache, _ = _feed(cache, 2, 2, spec, torch.Generator().manual_seed(0), num_new=3)
         staged = cache.stage_keys.numel() * 4 * 2
-        return cache.nbytes(), staged + cache.valid.numel() + 8, cache.keys.numel() * 4 * 2
+        return cache.nbytes(), staged + cache.valid.numel() + 8 * cache.length.numel(), cache.keys.numel() * 4 * 2
 
     total4, staged4, offloaded4 = compute_bytes(4)
     total8, staged8, offloaded8 = compute_bytes(8)

@@ -75,3 +75,18 @@ def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_tol
     assert "mode" not in _compile_options(with_options, cpu)
     assert _compile_options(genfn.GenerationConfig(disable_compile=True, **static), cpu) is None
     assert _compile_options(genfn.GenerationConfig(), cpu) is None  # dynamic cache: eager
+
+
+def test_ten_calls_with_different_processor_values_compile_the_step_once():
+    """Processor kinds key the compiled step; their numbers are tensor leaves, so new values never
+    recompile (and compiled sampling equals eager for each of them)."""
+    _, model = tiny_pair(eos_token_id=2)
+    ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    before = _graphs()
+    for i in range(10):
+        settings = dict(do_sample=True, key=i, temperature=0.5 + 0.1 * i, top_p=0.5 + 0.05 * i, top_k=5 + 3 * i,
+                        min_new_tokens=1 + i % 4, repetition_penalty=1.05 + 0.05 * i, max_new_tokens=10,
+                        cache_implementation="static", max_cache_len=48)
+        compiled = genfn.generate(model, ids, **settings)
+        assert torch.equal(compiled, genfn.generate(model, ids, disable_compile=True, **settings)), f"call {i}"
+    assert _graphs() - before == 1

@@ -5,11 +5,15 @@ transformers is imported here as the oracle only; genfn.config itself must never
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import copy
 import dataclasses
 import inspect
 import json
+import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +21,7 @@ import warnings
 
 import pytest
 import transformers
+import transformers.utils.logging as transformers_logging
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import CompileConfig as TCompileConfig
@@ -41,6 +46,7 @@ from genfn.config import (
     resolve_generation_config,
     resolve_lengths,
 )
+from genfn.config.validation import forget_logged_messages
 
 transformers.logging.set_verbosity_error()
 
@@ -79,6 +85,55 @@ def outcome(fn):
         return None, err
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, level: int) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@contextlib.contextmanager
+def logs(name: str = "genfn.config"):
+    """What the logger ``name`` (and its children) logs at INFO and up, each message fresh.
+
+    Both libraries log a validation message once per process; their once-caches are cleared so that
+    a message logged by an earlier test is logged again here. A handler of our own (not caplog)
+    because transformers' loggers do not propagate to the root, and hypothesis tests cannot use
+    function-scoped fixtures.
+    """
+    forget_logged_messages()
+    transformers_logging.warning_once.cache_clear()
+    transformers_logging.info_once.cache_clear()
+    handler, target = _Records(), logging.getLogger(name)
+    old_level = target.level
+    target.addHandler(handler)
+    target.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(old_level)
+
+
+OURS_LOGGER = "genfn.config"
+THEIRS_LOGGER = "transformers.generation.configuration_utils"
+
+
+def logged_flags(handler: _Records) -> set[str]:
+    """The flags named by the "may be ignored: [...]" warnings (both libraries word it so)."""
+    found: set[str] = set()
+    for message in handler.messages(logging.WARNING):
+        listed = re.search(r"may be ignored: (\[.*?\])", message)
+        if listed:
+            found |= set(ast.literal_eval(listed.group(1)))
+    return found
+
+
 def ours_data(config: GenerationConfig) -> dict:
     return json.loads(config.to_json_string(use_diff=False, ignore_metadata=True))
 
@@ -102,20 +157,28 @@ def flagged(message: str) -> set[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_config_module_imports_neither_transformers_nor_torch():
-    # Load the module file on its own (the genfn package itself imports torch, legitimately).
+def test_config_package_imports_neither_transformers_nor_torch():
+    # Load the package on its own, under another name (the genfn package itself imports torch,
+    # legitimately): its modules reach each other by relative imports only.
+    package_dir = os.path.dirname(gc.__file__)
     code = (
-        "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('genfn_config_alone', sys.argv[1])\n"
+        "import importlib.util, os, sys\n"
+        "init = os.path.join(sys.argv[1], '__init__.py')\n"
+        "spec = importlib.util.spec_from_file_location('genfn_config_alone', init,\n"
+        "                                              submodule_search_locations=[sys.argv[1]])\n"
         "module = importlib.util.module_from_spec(spec)\n"
         "sys.modules[spec.name] = module\n"
         "spec.loader.exec_module(module)\n"
-        "loaded = {'torch', 'transformers'} & set(sys.modules)\n"
+        "assert module.GenerationConfig(max_new_tokens=3).max_new_tokens == 3\n"
+        "loaded = {'torch', 'transformers', 'genfn'} & set(sys.modules)\n"
         "assert not loaded, loaded\n"
     )
-    subprocess.run([sys.executable, "-c", code, gc.__file__], check=True)
-    source = open(gc.__file__, encoding="utf-8").read()
-    assert not re.search(r"^\s*(import|from)\s+(transformers|torch)\b", source, flags=re.M)
+    subprocess.run([sys.executable, "-c", code, package_dir], check=True, timeout=120)
+    modules = sorted(name for name in os.listdir(package_dir) if name.endswith(".py"))
+    assert "generation.py" in modules and len(modules) > 5
+    for name in modules:
+        source = open(os.path.join(package_dir, name), encoding="utf-8").read()
+        assert not re.search(r"^\s*(import|from)\s+(transformers|torch|genfn)\b", source, flags=re.M), name
 
 
 def test_field_names_equal_transformers_minus_listed_deprecated():
@@ -123,6 +186,56 @@ def test_field_names_equal_transformers_minus_listed_deprecated():
     assert set(DEPRECATED_FIELDS) == EXPECTED_OMITTED
     assert set(GENERATION_CONFIG_FIELDS) == theirs - EXPECTED_OMITTED
     assert len(GENERATION_CONFIG_FIELDS) == len(set(GENERATION_CONFIG_FIELDS))
+
+
+def test_cache_implementation_names_are_defined_once_and_equal_transformers():
+    import transformers.generation.configuration_utils as theirs
+
+    from genfn.cache import factory
+
+    for name in ("STATIC", "DYNAMIC", "DEPRECATED_STATIC", "ALL_STATIC", "ALL"):
+        assert getattr(gc, f"{name}_CACHE_IMPLEMENTATIONS") == getattr(theirs, f"{name}_CACHE_IMPLEMENTATIONS"), name
+    # the factory uses the config's tuples themselves, not copies that could drift
+    assert factory.CACHE_IMPLEMENTATIONS is gc.CACHE_IMPLEMENTATIONS
+    assert factory.COMPILABLE_CACHE_IMPLEMENTATIONS is gc.COMPILABLE_CACHES == gc.STATIC_CACHE_IMPLEMENTATIONS
+    assert factory.DEPRECATED_CACHE_IMPLEMENTATIONS is gc.DEPRECATED_CACHE_IMPLEMENTATIONS
+    assert set(gc.CACHE_IMPLEMENTATIONS) == set(gc.STATIC_CACHE_IMPLEMENTATIONS + gc.DYNAMIC_CACHE_IMPLEMENTATIONS)
+    # every name the config accepts, the factory builds (or maps), except "paged" (continuous batching)
+    for name in VALID_CACHE_IMPLEMENTATIONS:
+        if name == "paged":
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            assert factory.resolve_cache_implementation(name) in gc.CACHE_IMPLEMENTATIONS
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CompileConfig(),
+        WatermarkingConfig(),
+        SynthIDTextWatermarkingConfig(ngram_len=2, keys=[1, 2]),
+        ContinuousBatchingConfig(),
+    ],
+    ids=lambda config: type(config).__name__,
+)
+def test_option_dataclasses_compare_by_every_field(config):
+    # Equality keys compiled steps and caches: a field it forgot would silently reuse a wrong one.
+    assert not hasattr(config, "_key")
+    assert config == copy.deepcopy(config)
+    for field in dataclasses.fields(config):
+        changed = copy.deepcopy(config)
+        object.__setattr__(changed, field.name, ("changed", field.name))  # past validation, on purpose
+        assert changed != config, field.name
+
+
+def test_generation_config_equality_and_hash_follow_every_field():
+    config = GenerationConfig()
+    assert not hasattr(config, "_key")
+    for name in GENERATION_CONFIG_FIELDS + DEPRECATED_FIELDS:
+        changed = config.copy()
+        setattr(changed, name, ("changed", name))  # past validation, on purpose
+        assert changed != config and hash(changed) != hash(config), name
 
 
 def test_class_annotations_list_every_field():
@@ -321,11 +434,12 @@ def test_save_refuses_edited_contradictory_configs_like_transformers(tmp_path, k
         quiet(TGenerationConfig(**kwargs).save_pretrained, tmp_path / "theirs")
 
 
-def test_save_accepts_unchanged_loaded_config_with_warning(tmp_path):
+def test_save_accepts_unchanged_loaded_config_logging_its_issues(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
     loaded = quiet(GenerationConfig.from_pretrained, tmp_path)
-    with pytest.warns(UserWarning, match="temperature"):
+    with logs() as log:
         loaded.save_pretrained(tmp_path / "out")
+    assert logged_flags(log) == {"temperature"}
     loaded.top_k = 3  # now edited: strict
     with pytest.raises(ValueError, match="temperature"):
         quiet(loaded.save_pretrained, tmp_path / "out2")
@@ -465,10 +579,13 @@ def test_generation_mode_equals_transformers(kwargs, assistant):
     assert ours_mode.value == quiet(theirs.get_generation_mode, assistant).value
 
 
-def test_assisted_request_on_beam_search_warns():
-    with pytest.warns(UserWarning, match="assisted_generation"):
-        mode = GenerationConfig(num_beams=2).get_generation_mode(assistant_model=object())
+def test_assisted_request_on_beam_search_logs_a_warning():
+    config = GenerationConfig(num_beams=2)
+    with logs() as log:
+        mode = config.get_generation_mode(assistant_model=object())
     assert mode is GenerationMode.BEAM_SEARCH
+    assert [r.name for r in log.records] == ["genfn.config.modes"]
+    assert "assisted_generation" in log.messages(logging.WARNING)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -549,9 +666,15 @@ def test_update_is_atomic_when_validation_fails():
         {"min_p": 0.1},
     ],
 )
-def test_contradictions_warn_and_raise_when_strict_like_transformers(kwargs):
-    with pytest.warns(UserWarning, match="may be ignored"):
-        config = GenerationConfig(**kwargs)
+def test_contradictions_log_and_raise_when_strict_like_transformers(kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported through logging, never as a Python warning
+        with logs() as log:
+            config = GenerationConfig(**kwargs)
+    (summary,) = log.messages(logging.WARNING)
+    (details,) = log.messages(logging.INFO)
+    assert "may be ignored" in summary and {r.name for r in log.records} == {"genfn.config.validation"}
+    assert logged_flags(log) == flagged(details) == set(kwargs) - {"do_sample", "num_beams", "use_cache"}
     with pytest.raises(ValueError) as ours:
         config.validate(strict=True)
     with pytest.raises(ValueError) as theirs:
@@ -559,18 +682,91 @@ def test_contradictions_warn_and_raise_when_strict_like_transformers(kwargs):
     assert flagged(str(ours.value)) == flagged(str(theirs.value)) != set()
 
 
-def test_inherited_sampling_flags_do_not_warn_when_user_chose_greedy():
+def test_inherited_sampling_flags_are_not_reported_when_user_chose_greedy():
     config = quiet(GenerationConfig, do_sample=True, temperature=0.6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        config.update(do_sample=False)  # temperature came from elsewhere: no warning
-    with pytest.warns(UserWarning, match="temperature"):
+    with logs() as log:
+        config.update(do_sample=False)  # temperature came from elsewhere: not reported
+    assert log.records == []
+    with logs() as log:
         config.validate()  # provenance unknown: reported
+    assert logged_flags(log) == {"temperature"}
 
 
-def test_max_cache_len_with_a_dynamic_cache_warns_but_is_not_an_error():
-    with pytest.warns(UserWarning, match="max_cache_len"):
+def test_a_minor_issue_is_logged_once_per_process_like_transformers_warning_once():
+    with logs() as log:
+        GenerationConfig(temperature=0.5)
+        GenerationConfig(temperature=0.5)
+        GenerationConfig(temperature=0.25)  # another message: logged
+    assert len(log.messages(logging.WARNING)) == 1  # the summary names the flags, not their values
+    assert len(log.messages(logging.INFO)) == 2
+    forget_logged_messages()
+
+
+def test_a_message_filtered_out_by_level_is_not_spent():
+    target = logging.getLogger(OURS_LOGGER)
+    old_level = target.level
+    forget_logged_messages()
+    target.setLevel(logging.ERROR)
+    try:
+        GenerationConfig(top_k=7)  # nothing logged at ERROR
+    finally:
+        target.setLevel(old_level)
+    with contextlib.ExitStack() as stack:
+        handler = _Records()
+        target.addHandler(handler)
+        stack.callback(target.removeHandler, handler)
+        target.setLevel(logging.INFO)
+        stack.callback(target.setLevel, old_level)
+        GenerationConfig(top_k=7)
+    assert logged_flags(handler) == {"top_k"}
+    forget_logged_messages()
+
+
+def _behaviour(build, logger_name: str) -> tuple:
+    """("raises", exception type) or ("logs", levels logged, flags named) for one way to misconfigure."""
+    with logs(logger_name) as log:
+        try:
+            build()
+        except (TypeError, ValueError) as err:
+            return "raises", type(err).__name__
+    return "logs", sorted({record.levelname for record in log.records}), logged_flags(log)
+
+
+# (genfn's classes, transformers' classes) -> the same misconfiguration, built with either.
+MISCONFIGURATIONS = {
+    "sampling flag, greedy": lambda g, b: g(temperature=0.5),
+    "two sampling flags": lambda g, b: g(do_sample=False, top_k=5, top_p=0.9),
+    "beam flag, one beam": lambda g, b: g(num_beams=1, early_stopping=True),
+    "cache config, no cache": lambda g, b: g(use_cache=False, cache_config={"nbits": 4}),
+    "output flag, no dict": lambda g, b: g(output_logits=True),
+    "negative pad token": lambda g, b: g(pad_token_id=-1),
+    "max_cache_len, dynamic cache": lambda g, b: g(max_cache_len=64, cache_implementation="dynamic"),
+    "assistant on beam search": lambda g, b: g(num_beams=2).get_generation_mode(assistant_model=object()),
+    "deprecated batching field": lambda g, b: b(block_size=64),
+    "strict on a minor issue": lambda g, b: g(temperature=0.5).validate(strict=True),
+    "greedy, two sequences": lambda g, b: g(num_return_sequences=2),
+    "more sequences than beams": lambda g, b: g(num_beams=2, num_return_sequences=3),
+    "forced token suppressed": lambda g, b: g(suppress_tokens=[2], forced_eos_token_id=2),
+    "generate argument in config": lambda g, b: g(streamer=object()),
+    "bad early_stopping": lambda g, b: g(early_stopping="sometimes"),
+    "no new tokens": lambda g, b: g(max_new_tokens=0),
+    "unknown cache": lambda g, b: g(cache_implementation="nope"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISCONFIGURATIONS))
+def test_misconfigurations_are_logged_or_raised_exactly_as_transformers_does(case):
+    build = MISCONFIGURATIONS[case]
+    ours = _behaviour(lambda: build(GenerationConfig, ContinuousBatchingConfig), OURS_LOGGER)
+    theirs = _behaviour(lambda: build(TGenerationConfig, TContinuousBatchingConfig), THEIRS_LOGGER)
+    assert ours == theirs
+    assert ours[0] == "raises" or "WARNING" in ours[1]  # every case is reported one way or the other
+
+
+def test_max_cache_len_with_a_dynamic_cache_logs_but_is_not_an_error():
+    with logs() as log:
         config = GenerationConfig(max_cache_len=64, cache_implementation="dynamic")
+    assert "max_cache_len" in log.messages(logging.WARNING)[0]
     quiet(config.validate, strict=True)
 
 
@@ -809,12 +1005,14 @@ def test_fuzz_raise_and_warn_match_transformers(case, data):
     assert (ours_strict is None) == (theirs_strict is None), (ours_strict, theirs_strict, kwargs)
     if ours_strict is not None:
         assert flagged(str(ours_strict)) == flagged(str(theirs_strict))
-    # non-strict: a warning exactly when strict mode found contradictions
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # non-strict: a logged warning exactly when strict mode found contradictions, naming the same
+    # flags as transformers' logged warning
+    with logs(OURS_LOGGER) as ours_log:
         ours.validate(user_set_attributes=user_set)
-    reported = set().union(*(flagged(str(w.message)) for w in caught if "may be ignored" in str(w.message)))
-    assert reported == (flagged(str(ours_strict)) if ours_strict is not None else set())
+    with logs(THEIRS_LOGGER) as theirs_log:
+        theirs.validate(user_set_attributes=user_set)
+    assert logged_flags(ours_log) == (flagged(str(ours_strict)) if ours_strict is not None else set())
+    assert logged_flags(ours_log) == logged_flags(theirs_log)
 
 
 @FUZZ
@@ -1019,11 +1217,14 @@ def test_nested_configs_round_trip_through_dicts():
 
 
 def test_continuous_batching_deprecated_fields_translate_like_transformers():
-    with pytest.warns(FutureWarning, match="block_size"):
+    with logs() as log:
         ours = ContinuousBatchingConfig(block_size=128)
-    with pytest.warns(FutureWarning, match="use_default_compile_configs"):
         levels = ContinuousBatchingConfig(use_default_compile_configs=True)
-    theirs = TContinuousBatchingConfig(block_size=128)
+    with logs(THEIRS_LOGGER) as theirs_log:
+        theirs = TContinuousBatchingConfig(block_size=128)
+        their_levels = TContinuousBatchingConfig(use_default_compile_configs=True)
+    ours_warnings, theirs_warnings = log.messages(logging.WARNING), theirs_log.messages(logging.WARNING)
+    assert len(ours_warnings) == len(theirs_warnings) == 2
+    assert "block_size" in ours_warnings[0] and "use_default_compile_configs" in ours_warnings[1]
     assert ours.page_size == theirs.page_size == 128
-    their_levels = TContinuousBatchingConfig(use_default_compile_configs=True)
     assert levels.default_compile_level == their_levels.default_compile_level

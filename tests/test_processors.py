@@ -236,12 +236,18 @@ PAIR_IDS = [name for name, _, _ in pairs(*[make_batch(0)[i] for i in (0, 2, 3)])
 def test_processor_matches_transformers(name, batch):
     ctx, logits, input_ids, mask = batch
     _, ours, theirs = next(p for p in pairs(ctx, input_ids, mask) if p[0] == name)
+    # Both ways: the processor as built (transformers' Python values, 0-d lengths), and its
+    # per-row form (every number a [B] leaf) on [B] lengths.
+    per_row = ours.per_row(logits.shape[0])
+    rows_ctx = ctx.replace(cur_len=ctx.row_cur_len().clone(), prompt_len=ctx.row_prompt_len().clone())
     check(ours, theirs, ctx, logits, input_ids)
+    check(per_row, theirs, rows_ctx, logits, input_ids)
     # rows with -inf entries (as after an earlier truncation), and a row entirely -inf
     masked = logits.masked_fill(torch.rand(logits.shape, generator=torch.Generator().manual_seed(1)) < 0.3, -math.inf)
     if name not in ("top_h", "eta", "eta_keep"):  # transformers' Categorical rejects all--inf rows
         masked[0] = -math.inf
     check(ours, theirs, ctx, masked, input_ids)
+    check(per_row, theirs, rows_ctx, masked, input_ids)
 
 
 def test_inf_nan_removed():
@@ -321,10 +327,17 @@ def test_validation_errors():
         TopPLogitsWarper(1.5)
     with pytest.raises(ValueError):
         NoRepeatNGramLogitsProcessor(0)
-    with pytest.raises(ValueError):
-        NoBadWordsLogitsProcessor.create([[3]], eos_token_id=3)  # nothing left once EOS is dropped
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sequence_bias"):
         SequenceBiasLogitsProcessor.create({(1, 60): 1.0}, vocab_size=V)
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        NoBadWordsLogitsProcessor.create([[1, 60]], vocab_size=V)
+
+
+def test_bad_words_of_only_eos_is_a_no_op_like_transformers():
+    ctx, logits, input_ids, _ = make_batch(4)
+    ours = NoBadWordsLogitsProcessor.create([[3]], eos_token_id=3)
+    out = check(ours, hf.NoBadWordsLogitsProcessor([[3]], eos_token_id=3), ctx, logits, input_ids)
+    assert torch.equal(out, logits)
 
 
 def test_guidance_combine():
@@ -534,6 +547,12 @@ def test_every_compile_safe_processor_traces_fullgraph():
     assert len(chain) == len(everything)
     compiled = torch.compile(lambda x, c: chain(x, c), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(logits, ctx), chain(logits, ctx), atol=0, rtol=0, equal_nan=True)
+    # The per-row chain, with [B] lengths, traces too and computes the same.
+    rows = chain.per_row(logits.shape[0])
+    rows_ctx = ctx.replace(cur_len=ctx.row_cur_len().clone(), prompt_len=ctx.row_prompt_len().clone())
+    compiled_rows = torch.compile(lambda x, c, ch: ch(x, c), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled_rows(logits, rows_ctx, rows), chain(logits, ctx), atol=0, rtol=0,
+                               equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,3 +176,28 @@ class _ByteTokenizer:
 
     def flush(self):
         return ""
+
+
+ROW_SETTINGS = [dict(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.3, min_new_tokens=4),
+                dict(temperature=1.3, top_p=0.6, top_k=5, repetition_penalty=1.1, min_new_tokens=1),
+                dict(temperature=0.9, top_p=0.95, top_k=40, repetition_penalty=1.6, min_new_tokens=7)]
+
+
+def test_a_batch_with_per_row_processor_values_equals_each_row_alone(models):
+    """Every row carries its own temperature / top-p / top-k / penalties / min_new_tokens as tensor
+    leaves of one chain, so requests with different settings share a batch (and a compiled step)."""
+    _, gm = models
+    alone, prefixes = [], []
+    for (ids, new, seed), settings in zip(REQUESTS, ROW_SETTINGS):
+        alone.append(genfn.generate(gm, ids, max_new_tokens=new, do_sample=True, key=seed, **settings)[0])
+        request, strategy = prepare_request(gm, ids, max_new_tokens=new, do_sample=True, key=seed, **settings, **STATIC)
+        prefixes.append(strategy.init(gm, request))
+    ids0, new0, seed0 = REQUESTS[0]
+    request, strategy = prepare_request(gm, ids0.expand(3, -1), max_new_tokens=new0, do_sample=True, key=seed0,
+                                        **ROW_SETTINGS[0], **STATIC)
+    batch = strategy.init(gm, request)
+    for row in range(3):
+        batch = insert(prefixes[row], batch, row)
+    batch = _run(gm, batch, 40, compiled=False)
+    for row, want in enumerate(alone):
+        assert torch.equal(batch.tokens[row, : want.shape[0]], want), row

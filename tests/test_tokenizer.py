@@ -268,3 +268,57 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path, text):
 
 def test_from_gguf_reads_only_metadata(smollm2_path, tok):
     assert Tokenizer.from_gguf(smollm2_path).encode("Hello world") == tok.encode("Hello world") == [19556, 905]
+
+
+# ---- the GGUF metadata reader and the package's layering ---------------------------------------
+
+
+def test_metadata_reader_agrees_with_the_checkpoint_loader(smollm2_path, tmp_path):
+    # The tokenizer reads GGUF metadata itself so that it does not depend on the model loaders;
+    # the two readers must never drift apart.
+    from genfn.tokenizer.gguf_vocab import read_gguf_metadata
+
+    for path in (smollm2_path, str(write_spm_gguf(tmp_path / "spm.gguf"))):
+        ours, loaders = read_gguf_metadata(path), read_gguf(path).metadata
+        assert list(ours) == list(loaders)
+        assert all(ours[key] == loaders[key] for key in ours), path
+        assert ours["tokenizer.ggml.model"] in ("gpt2", "llama") and len(ours["tokenizer.ggml.tokens"]) > 256
+
+
+def test_metadata_reader_names_the_file_it_cannot_read(smollm2_path, tmp_path):
+    from genfn.tokenizer.gguf_vocab import read_gguf_metadata
+
+    empty, text, truncated = tmp_path / "empty.gguf", tmp_path / "text.gguf", tmp_path / "truncated.gguf"
+    empty.write_bytes(b"")
+    text.write_text("not a gguf file at all")
+    with open(smollm2_path, "rb") as f:
+        truncated.write_bytes(f.read(200_000))  # cut inside the token list
+    for path, match in ((empty, "not a GGUF file"), (text, "bad magic"), (truncated, "truncated")):
+        with pytest.raises(ValueError, match=match) as err:
+            read_gguf_metadata(path)
+        assert str(path) in str(err.value)
+    with pytest.raises(ValueError, match="truncated"):
+        Tokenizer.from_gguf(truncated)
+
+
+def test_tokenizer_package_does_not_import_the_model_loaders():
+    # genfn.models.loaders imports genfn.tokenizer.core to attach a tokenizer to a checkpoint; an
+    # arrow back (a lazy import in a function included) would be an import circle.
+    import ast
+    import pathlib
+
+    import genfn.tokenizer
+
+    package = pathlib.Path(genfn.tokenizer.__file__).parent
+    modules = sorted(package.glob("*.py"))
+    assert {m.name for m in modules} >= {"__init__.py", "core.py", "chat.py", "gguf_vocab.py"}
+    for module in modules:
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("genfn", "..")), f"{module.name} imports {name}"

@@ -13,6 +13,8 @@ from genfn.cache.offloaded import init_offloaded_cache
 from genfn.cache.offloaded_static import init_offloaded_static_cache
 from genfn.cache.quantized import init_quantized_cache
 from genfn.cache.static import init_static_cache
+from genfn.config.caches import CACHE_IMPLEMENTATIONS, DEPRECATED_CACHE_IMPLEMENTATIONS
+from genfn.config.caches import COMPILABLE_CACHES as COMPILABLE_CACHE_IMPLEMENTATIONS
 
 __all__ = [
     "CACHE_IMPLEMENTATIONS",
@@ -22,17 +24,6 @@ __all__ = [
     "resolve_cache_implementation",
 ]
 
-CACHE_IMPLEMENTATIONS = ("dynamic", "static", "offloaded", "offloaded_static", "quantized")
-COMPILABLE_CACHE_IMPLEMENTATIONS = ("static", "offloaded_static")
-# transformers still accepts these (deprecated): they build its static cache, offloaded when the
-# name says so, with the layer types inferred from the model. genfn maps them the same way.
-DEPRECATED_CACHE_IMPLEMENTATIONS = {
-    "sliding_window": "static",
-    "hybrid": "static",
-    "hybrid_chunked": "static",
-    "offloaded_hybrid": "offloaded_static",
-    "offloaded_hybrid_chunked": "offloaded_static",
-}
 _OFFLOAD_KEYS = ("offload_device",)
 _CONFIG_KEYS = {"dynamic": (), "static": (), "offloaded": _OFFLOAD_KEYS, "offloaded_static": _OFFLOAD_KEYS}
 

@@ -1,13 +1,16 @@
 """Logits processors: pure functions of (logits, LogitsContext), and their chain.
 
 Every processor equals its transformers counterpart (same name) on the same inputs; see
-``chain.build_logits_processors`` for the order ``generate`` applies them in.
+``chain.build_logits_processors`` for the order ``generate`` applies them in. Lengths in the
+context are per row, and so are the processors' numbers (``ProcessorChain.per_row``): one
+compiled step serves every value, and a batch whose rows differ.
 """
 
-from genfn.processors.base import LogitsProcessor, StatefulLogitsProcessor
+from genfn.processors.base import LogitsProcessor, ProcessorBase, StatefulLogitsProcessor
 from genfn.processors.bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
-from genfn.processors.chain import ProcessorChain, build_logits_processors
+from genfn.processors.chain import ProcessorChain, build_logits_processors, build_logits_processors_for_rows
 from genfn.processors.context import LogitsContext
+from genfn.processors.external import ExternalLogitsProcessor
 from genfn.processors.forcing import (
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
@@ -25,6 +28,8 @@ from genfn.processors.penalties import (
     RepetitionPenaltyLogitsProcessor,
 )
 from genfn.processors.prefix import PrefixConstrainedLogitsProcessor
+from genfn.processors.rows import RowSelect
+from genfn.processors.rowvalues import RowValue
 from genfn.processors.synthid import (
     SynthIDTextWatermarkLogitsProcessor,
     SynthIDTextWatermarkState,
@@ -52,8 +57,13 @@ __all__ = [
     "LogitsContext",
     "LogitsProcessor",
     "StatefulLogitsProcessor",
+    "ProcessorBase",
     "ProcessorChain",
     "build_logits_processors",
+    "build_logits_processors_for_rows",
+    # per-row values
+    "RowValue",
+    "RowSelect",
     "guidance_combine",
     # warpers
     "TemperatureLogitsWarper",
@@ -86,6 +96,7 @@ __all__ = [
     "LogitNormalization",
     # eager-only
     "PrefixConstrainedLogitsProcessor",
+    "ExternalLogitsProcessor",
     # watermarking
     "WatermarkLogitsProcessor",
     "WatermarkDetector",

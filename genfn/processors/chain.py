@@ -16,6 +16,16 @@ type as a config-built processor takes that processor's place (transformers >= 4
 warning and lets the user's win; ``on_duplicate="raise"`` restores the old ``ValueError``), the
 others follow the config-built non-warpers.
 
+Entries of ``user_processors`` that are not genfn processors (transformers' own processor
+objects, any ``(input_ids, scores) -> scores`` callable) are wrapped as eager-only
+:class:`~genfn.processors.external.ExternalLogitsProcessor`; a transformers processor of the same
+class name as a config-built one takes its slot, as in transformers.
+
+The chain ``generate`` builds holds transformers' Python values; :meth:`ProcessorChain.per_row`
+turns it into the chain a compiled decode step carries as a leaf (every number a ``[B]`` tensor,
+so the treedef, and :meth:`ProcessorChain.fingerprint`, only describe the kinds).
+:func:`build_logits_processors_for_rows` builds one batch chain from a config per row.
+
 Classifier-free guidance and token healing need the model or the tokenizer, so they are not
 built here: they are reported in ``ProcessorChain.requires`` for the strategy layer (CFG goes at
 the head of the chain, see :func:`genfn.processors.guidance.guidance_combine` and
@@ -33,9 +43,10 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import as_id_list
+from genfn.processors.base import as_id_list, check_vocab
 from genfn.processors.bias import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
 from genfn.processors.context import LogitsContext
+from genfn.processors.external import ExternalLogitsProcessor, as_genfn_processor
 from genfn.processors.forcing import (
     ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor,
@@ -52,6 +63,7 @@ from genfn.processors.penalties import (
     RepetitionPenaltyLogitsProcessor,
 )
 from genfn.processors.prefix import PrefixConstrainedLogitsProcessor
+from genfn.processors.rows import merge_processor_rows
 from genfn.processors.synthid import SynthIDTextWatermarkLogitsProcessor, synthid_kwargs
 from genfn.processors.warpers import (
     EpsilonLogitsWarper,
@@ -66,7 +78,7 @@ from genfn.processors.warpers import (
 from genfn.processors.watermark import WatermarkLogitsProcessor, watermarking_kwargs
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["ProcessorChain", "build_logits_processors"]
+__all__ = ["ProcessorChain", "build_logits_processors", "build_logits_processors_for_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +141,55 @@ class ProcessorChain:
         return logits, tuple(new_state)
 
     def fingerprint(self) -> tuple:
-        """A hashable value that is equal for chains that compute the same function.
+        """A hashable description of the chain's *structure*: kinds, static fields, and the dtype,
+        shape and device of every tensor leaf (Python-number leaves by value, as they are baked
+        into a compiled step).
 
-        It keys compiled steps: two calls with equal settings share one compiled step, and two
-        chains that differ in any constant (a tensor table included, hashed by content) never do.
+        Two per-row chains (:meth:`per_row`) of the same kinds therefore share a fingerprint
+        whatever their numbers, and so share one compiled step when the chain is a leaf of the
+        decode state. A chain held as a *static* option must be keyed by :meth:`content_key`.
         """
+        return tuple(_structure(p) for p in self.processors)
+
+    def content_key(self) -> tuple:
+        """A hashable value that is equal for chains that compute the same function: like
+        :meth:`fingerprint`, with tensor leaves hashed by content."""
         return tuple(_fingerprint(p) for p in self.processors)
+
+    # -- per-row values ----------------------------------------------------------------------------
+
+    def per_row(self, batch_size: int, device: Any = None) -> ProcessorChain:
+        """The chain a decode step runs: every number a ``[batch_size]`` tensor leaf on ``device``."""
+        return ProcessorChain(
+            tuple(p.per_row(batch_size, device) if hasattr(p, "per_row") else p for p in self.processors),
+            self.requires,
+        )
+
+    def with_row(self, slot: int | torch.Tensor, row_chain: ProcessorChain) -> ProcessorChain:
+        """Pure: this per-row chain with row ``slot`` set from ``row_chain``'s single row.
+
+        ``row_chain`` must hold the same kinds in the same order (build it with
+        ``build_logits_processors_for_rows([config], like=this_chain, ...)``); tables shared by the
+        batch stay as they are.
+        """
+        if len(row_chain) != len(self):
+            raise ValueError(f"the row chain has {len(row_chain)} processors, the batch chain {len(self)}: build it "
+                             "with build_logits_processors_for_rows(..., like=batch_chain)")
+        out = []
+        for mine, row in zip(self.processors, row_chain.processors):
+            out.append(mine.with_row(slot, row) if hasattr(mine, "with_row") else mine)
+        return ProcessorChain(tuple(out), self.requires)
+
+    @classmethod
+    def merge_rows(cls, chains: list[ProcessorChain], device: Any = None,
+                   like: ProcessorChain | None = None) -> ProcessorChain:
+        """One per-row batch chain whose row ``b`` computes what ``chains[b]`` computes."""
+        if not chains:
+            raise ValueError("merge_rows needs at least one row chain")
+        requires = tuple(dict.fromkeys(r for c in chains for r in c.requires))
+        processors = merge_processor_rows([list(c.processors) for c in chains], device,
+                                          None if like is None else list(like.processors))
+        return ProcessorChain(processors, requires if like is None else like.requires)
 
     def prepend(self, processor: Any) -> ProcessorChain:
         """A new chain with ``processor`` first (where transformers puts classifier-free guidance)."""
@@ -167,15 +222,35 @@ def _fingerprint(value: Any) -> Any:
         return (type(value).__qualname__, id(value))
 
 
+def _structure(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), str(value.device))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__,
+                tuple((f.name, _structure(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_structure(v) for v in value))
+    return _fingerprint(value)
+
+
+def _same_kind(custom: Any, default: Any) -> bool:
+    """transformers replaces a default processor by a custom one of the same class; a wrapped
+    transformers processor counts as the genfn class of the same name."""
+    if isinstance(custom, ExternalLogitsProcessor):
+        wrapped = type(custom.wrapped)
+        return wrapped.__module__.startswith("transformers.") and wrapped.__name__ == type(default).__name__
+    return type(custom) is type(default)
+
+
 def _merge_user_processors(defaults: list, custom: Iterable[Any], on_duplicate: str) -> list:
     """transformers' ``_merge_criteria_processor_list``: a custom processor of the same type as a
     default one takes its slot; the remaining custom ones are appended in order."""
-    custom = list(custom)
+    custom = [as_genfn_processor(c) for c in custom]
     if not custom:
         return defaults
     merged = []
     for default in defaults:
-        replacement = next((c for c in custom if type(c) is type(default)), None)
+        replacement = next((c for c in custom if _same_kind(c, default)), None)
         if replacement is None:
             merged.append(default)
             continue
@@ -243,6 +318,10 @@ def build_logits_processors(
         return getattr(generation_config, name, default)
 
     eos = as_id_list(eos_token_ids, "eos_token_ids")
+    check_vocab(list(eos), vocab_size, "eos_token_id")
+    for name in ("forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens"):
+        if cfg(name) is not None:
+            check_vocab(cfg(name), vocab_size, name)
     if num_beams is None:
         num_beams = cfg("num_beams", 1) or 1
     processors: list[Any] = []
@@ -315,6 +394,8 @@ def build_logits_processors(
         offset = 0 if (prompt_len > 1 or forced_bos is None) else 1
         processors.append(SuppressTokensAtBeginLogitsProcessor(tuple(cfg("begin_suppress_tokens")), None, offset))
 
+    if callable(user_processors) and not isinstance(user_processors, (list, tuple, ProcessorChain)):
+        user_processors = [user_processors]  # a single processor (or callable) rather than a list
     processors = _merge_user_processors(processors, user_processors or (), on_duplicate)
 
     if cfg("do_sample"):
@@ -359,3 +440,56 @@ def _watermark_processor(config: Any, vocab_size: int | None, device: Any) -> An
     if vocab_size is None:
         raise ValueError("watermarking needs the model's `vocab_size`: pass vocab_size= to build_logits_processors")
     return WatermarkLogitsProcessor.create(vocab_size, device=device, **watermarking_kwargs(config))
+
+
+def _per_row_setting(value: Any, batch_size: int, name: str) -> list[Any]:
+    """A setting shared by every row, or one value per row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch_size:
+            raise ValueError(f"`{name}` has {len(value)} entries for {batch_size} rows")
+        return list(value)
+    return [value] * batch_size
+
+
+def build_logits_processors_for_rows(
+    generation_configs: list[Any],
+    *,
+    prompt_len: Any,
+    max_length: Any,
+    min_length: Any,
+    eos_token_ids: Any,
+    like: ProcessorChain | None = None,
+    device: Any = None,
+    **kwargs: Any,
+) -> ProcessorChain:
+    """One per-row batch chain for a batch whose row ``b`` has ``generation_configs[b]``.
+
+    Each row's chain is what :func:`build_logits_processors` builds for its config (so each row
+    equals transformers for that request); ``prompt_len``, ``max_length``, ``min_length`` and
+    ``eos_token_ids`` are one value for every row or a list with one per row (``eos_token_ids``: a
+    list of ids, or a list of such lists). A kind absent from a row gets that row's "off" value.
+    ``like``: an existing batch chain the result must match kind for kind (to build a row for
+    :meth:`ProcessorChain.with_row`). Other keyword arguments go to every row's build
+    (``vocab_size``, ``attention_mask`` is not supported per row: pass ``attention_mask`` rows via
+    ``attention_masks=[...]``).
+    """
+    configs = list(generation_configs)
+    if not configs:
+        raise ValueError("build_logits_processors_for_rows needs at least one generation config")
+    b = len(configs)
+    masks = kwargs.pop("attention_masks", None)
+    masks = [None] * b if masks is None else _per_row_setting(list(masks), b, "attention_masks")
+    prompt_lens = _per_row_setting(prompt_len, b, "prompt_len")
+    max_lengths = _per_row_setting(max_length, b, "max_length")
+    min_lengths = _per_row_setting(min_length, b, "min_length")
+    if eos_token_ids and isinstance(eos_token_ids, (list, tuple)) and isinstance(eos_token_ids[0], (list, tuple)):
+        eos_rows = _per_row_setting(list(eos_token_ids), b, "eos_token_ids")
+    else:
+        eos_rows = [eos_token_ids] * b
+    chains = [
+        build_logits_processors(
+            config, prompt_len=pl, max_length=ml, min_length=mn, eos_token_ids=eos, attention_mask=mask,
+            device=device, **kwargs)
+        for config, pl, ml, mn, eos, mask in zip(configs, prompt_lens, max_lengths, min_lengths, eos_rows, masks)
+    ]
+    return ProcessorChain.merge_rows(chains, device=device, like=like)

@@ -2,21 +2,28 @@
 
 Minimum lengths forbid EOS, forced BOS/EOS leave a single allowed token, suppression forbids a
 fixed set. In transformers each checks ``input_ids.shape[-1]`` with a Python ``if``; here the
-condition is a 0-d bool tensor of ``ctx.cur_len`` and the choice a ``torch.where``, so one compiled
-step serves every position.
+condition is a ``[B]`` bool tensor of ``ctx.cur_len`` and the choice a ``torch.where``, so one
+compiled step serves every position, and rows of a batch may stand at different positions.
+
+Lengths and ids that are numbers are per-row values (``row_values``). Token *sets* (EOS ids,
+suppressed tokens) are static tuples shared by the batch; the suppressions carry a per-row
+``row_mask [B, S]`` saying which of the batch's tokens each row suppresses (``None``: all of them
+in every row), so rows may suppress different tokens and a row may suppress none.
 
 Positions relative to the prompt (min new tokens, begin suppression) take the prompt length as a
-static int, or ``None`` to read ``ctx.prompt_len`` so the compiled step does not depend on it.
+value, or ``None`` to read ``ctx.prompt_len`` so the compiled step does not depend on it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, as_id_list, vocab_mask
+from genfn.processors.base import ProcessorBase, as_id_list, per_row_column, token_set_mask
 from genfn.processors.context import LogitsContext
+from genfn.processors.rowvalues import RowValue, cat_rows, check_same_kind, evolve, set_row
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -28,24 +35,41 @@ __all__ = [
     "SuppressTokensAtBeginLogitsProcessor",
 ]
 
-
-def _ids_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64, device=device)
+_I64 = torch.int64
 
 
-def _only(ids: tuple[int, ...], logits: torch.Tensor) -> torch.Tensor:
-    """``[1, V]`` a row that is 0 at ``ids`` and ``-inf`` elsewhere."""
-    allowed = vocab_mask(_ids_tensor(ids, logits.device), logits.shape[-1], logits.device)
-    return torch.where(allowed, 0.0, -math.inf).to(logits.dtype).unsqueeze(0)
+def _id_mask(ids: tuple[int, ...], logits: torch.Tensor, name: str, row_mask: torch.Tensor | None = None):
+    """``[1, V]`` (or ``[B, V]`` with a per-row ``row_mask [B, S]``) bool: the entries in ``ids``.
+
+    The ids are static, so the vocabulary check is plain Python at trace time.
+    """
+    vocab = logits.shape[-1]
+    if ids and max(ids) >= vocab:
+        raise ValueError(f"`{name}` holds token ids outside the vocabulary [0, {vocab}): "
+                         f"{sorted(i for i in ids if i >= vocab)}")
+    table = torch.tensor(ids, dtype=_I64, device=logits.device)
+    if row_mask is None:
+        return torch.isin(torch.arange(vocab, device=logits.device), table).unsqueeze(0)
+    chosen = torch.where(row_mask.to(logits.device), table, vocab)
+    return token_set_mask(chosen, vocab)
 
 
-def _forbid(ids: tuple[int, ...], logits: torch.Tensor, when: torch.Tensor | bool = True) -> torch.Tensor:
-    mask = vocab_mask(_ids_tensor(ids, logits.device), logits.shape[-1], logits.device)
-    return torch.where(mask & when, -math.inf, logits)
+def _only(mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A row that is 0 where ``mask`` and ``-inf`` elsewhere (transformers' forcing)."""
+    return torch.where(mask, 0.0, -math.inf).to(logits.dtype)
 
 
-def _check_non_negative(value: int, name: str, what: str = "a non-negative") -> None:
-    if not isinstance(value, int) or value < 0:
+def _column(condition: torch.Tensor) -> torch.Tensor:
+    """A ``[B]`` per-row condition as a ``[B, 1]`` column."""
+    return condition.reshape(-1, 1)
+
+
+def _check_non_negative(value: Any, name: str, what: str = "a non-negative") -> None:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ValueError(f"per-row `{name}` must be 1-D [batch], got shape {tuple(value.shape)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`{name}` has to be {what} integer, but is {value}")
 
 
@@ -53,7 +77,9 @@ def _check_non_negative(value: int, name: str, what: str = "a non-negative") -> 
 class MinLengthLogitsProcessor(ProcessorBase):
     """Forbid EOS while the whole sequence (prompt included) is shorter than ``min_length``."""
 
-    min_length: int = static_field()
+    row_values = {"min_length": RowValue(_I64, 0)}
+
+    min_length: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
 
     def __post_init__(self):
@@ -61,16 +87,24 @@ class MinLengthLogitsProcessor(ProcessorBase):
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        return _forbid(self.eos_token_id, logits, ctx.cur_len < self.min_length)
+        eos = _id_mask(self.eos_token_id, logits, "eos_token_id")
+        active = _column(ctx.row_cur_len()) < per_row_column(self.min_length, _I64, logits.device)
+        return torch.where(eos & active, -math.inf, logits)
 
 
 @pytree_dataclass
 class MinNewTokensLengthLogitsProcessor(ProcessorBase):
-    """Forbid EOS until ``min_new_tokens`` tokens were generated after the prompt."""
+    """Forbid EOS until ``min_new_tokens`` tokens were generated after the prompt.
 
-    min_new_tokens: int = static_field()
+    ``prompt_length_to_skip`` (transformers' first argument) may be ``None``: each row's
+    ``ctx.prompt_len``.
+    """
+
+    row_values = {"min_new_tokens": RowValue(_I64, 0), "prompt_length_to_skip": RowValue(_I64, None)}
+
+    min_new_tokens: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
-    prompt_length_to_skip: int | None = static_field(None)
+    prompt_length_to_skip: int | torch.Tensor | None = None
 
     def __post_init__(self):
         _check_non_negative(self.min_new_tokens, "min_new_tokens", "a positive")
@@ -79,58 +113,152 @@ class MinNewTokensLengthLogitsProcessor(ProcessorBase):
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        skip = ctx.prompt_len if self.prompt_length_to_skip is None else self.prompt_length_to_skip
-        return _forbid(self.eos_token_id, logits, ctx.cur_len - skip < self.min_new_tokens)
+        skip = self.prompt_length_to_skip
+        skip = _column(ctx.row_prompt_len()) if skip is None else per_row_column(skip, _I64, logits.device)
+        minimum = per_row_column(self.min_new_tokens, _I64, logits.device)
+        active = _column(ctx.row_cur_len()) - skip < minimum
+        return torch.where(_id_mask(self.eos_token_id, logits, "eos_token_id") & active, -math.inf, logits)
 
 
 @pytree_dataclass
 class ForcedBOSTokenLogitsProcessor(ProcessorBase):
-    """At the first generated position of a one-token (decoder start) sequence, allow only BOS."""
+    """At the first generated position of a one-token (decoder start) sequence, allow only BOS.
 
-    bos_token_id: int = static_field()
+    Per row, ``bos_token_id == -1`` means off.
+    """
+
+    row_values = {"bos_token_id": RowValue(_I64, -1)}
+
+    bos_token_id: int | torch.Tensor
+
+    def __post_init__(self):
+        if not isinstance(self.bos_token_id, torch.Tensor):
+            object.__setattr__(self, "bos_token_id", as_id_list(self.bos_token_id, "forced_bos_token_id")[0])
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        return torch.where(ctx.cur_len == 1, _only((self.bos_token_id,), logits), logits)
+        vocab = logits.shape[-1]
+        bos = self.bos_token_id
+        if isinstance(bos, torch.Tensor):
+            bos = bos.to(device=logits.device, dtype=_I64).reshape(-1, 1)
+            active = _column(ctx.row_cur_len() == 1) & (bos >= 0)
+        else:
+            _id_mask((bos,), logits, "forced_bos_token_id")
+            active = _column(ctx.row_cur_len() == 1)
+        allowed = torch.arange(vocab, device=logits.device).unsqueeze(0) == bos
+        return torch.where(active, _only(allowed, logits), logits)
 
 
 @pytree_dataclass
 class ForcedEOSTokenLogitsProcessor(ProcessorBase):
-    """When the next token is the last one ``max_length`` allows, allow only EOS."""
+    """When the next token is the last one ``max_length`` allows, allow only EOS.
 
-    max_length: int = static_field()
+    Per row, ``max_length == 0`` means off (no position is ``-1``).
+    """
+
+    row_values = {"max_length": RowValue(_I64, 0)}
+
+    max_length: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
 
     def __post_init__(self):
-        object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
+        _check_non_negative(self.max_length, "max_length")
+        object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "forced_eos_token_id"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        return torch.where(ctx.cur_len == self.max_length - 1, _only(self.eos_token_id, logits), logits)
+        last = per_row_column(self.max_length, _I64, logits.device)
+        active = _column(ctx.row_cur_len()) == last - 1
+        return torch.where(active, _only(_id_mask(self.eos_token_id, logits, "forced_eos_token_id"), logits), logits)
+
+
+class _TokenSetRows:
+    """Row handling shared by the two suppressions: a static id tuple for the batch and a
+    per-row ``row_mask [B, S]`` (which of those ids each row suppresses)."""
+
+    _ids_field: str
+    has_row_off = True  # an all-False row_mask
+
+    def _ids(self) -> tuple[int, ...]:
+        return getattr(self, self._ids_field)
+
+    def per_row(self, batch_size: int, device: Any = None):
+        base = ProcessorBase.per_row(self, batch_size, device)
+        mask = self.row_mask
+        if mask is None:
+            mask = torch.ones((batch_size, len(self._ids())), dtype=torch.bool, device=device)
+        elif mask.shape[0] != batch_size:
+            mask = mask.expand(batch_size, -1).clone()
+        return evolve(base, row_mask=mask.to(device) if device is not None else mask)
+
+    def off_row(self):
+        return evolve(ProcessorBase.off_row(self), row_mask=torch.zeros((1, len(self._ids())), dtype=torch.bool))
+
+    def _row_tables(self) -> tuple[str, ...]:
+        return ("row_mask",)
+
+    def with_row(self, slot, row):
+        if tuple(self._ids()) != tuple(row._ids()):
+            row = type(self).merge_rows([row], like=self)
+        out = ProcessorBase.with_row(self, slot, row)
+        row_mask = row.row_mask if row.row_mask is not None else torch.ones((1, len(self._ids())), dtype=torch.bool)
+        return evolve(out, row_mask=set_row(self.row_mask, row_mask, slot))
+
+    @classmethod
+    def merge_rows(cls, entries: list[Any], device: Any = None, like: Any = None):
+        present = [e for e in entries if e is not None]
+        if present:
+            check_same_kind(present, skip=(cls._ids_field, "row_mask"))
+        if like is not None:
+            ids = tuple(like._ids())
+        else:
+            ids = tuple(dict.fromkeys(i for e in present for i in e._ids()))
+        masks = []
+        for e in entries:
+            row_ids = () if e is None else tuple(
+                i for i, on in zip(e._ids(), [True] * len(e._ids()) if e.row_mask is None
+                                   else e.row_mask.reshape(-1).tolist()) if on)
+            missing = set(row_ids) - set(ids)
+            if missing:
+                raise ValueError(f"a row suppresses {sorted(missing)}, which the batch's {cls.__name__} does not "
+                                 f"hold ({list(ids)}): rebuild the batch chain with this row")
+            masks.append(torch.tensor([[i in row_ids for i in ids]], dtype=torch.bool).reshape(1, len(ids)))
+        template = evolve(present[0] if like is None else like.first_row(), row_mask=None, **{cls._ids_field: ids})
+        rows = [(e if e is not None else template.off_row()).per_row(1, device) for e in entries]
+        merged = {n: cat_rows([getattr(r, n) for r in rows], n) for n in cls.row_values}
+        return evolve(template, row_mask=torch.cat(masks).to(device), **merged)
 
 
 @pytree_dataclass
-class SuppressTokensLogitsProcessor(ProcessorBase):
+class SuppressTokensLogitsProcessor(_TokenSetRows, ProcessorBase):
     """Forbid a fixed set of tokens at every step."""
 
+    _ids_field = "suppress_tokens"
+
     suppress_tokens: tuple[int, ...] = static_field()
+    row_mask: torch.Tensor | None = None  # [B, S] bool: which of the tokens each row suppresses
 
     def __post_init__(self):
         object.__setattr__(self, "suppress_tokens", as_id_list(list(self.suppress_tokens), "suppress_tokens"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        return _forbid(self.suppress_tokens, logits)
+        mask = _id_mask(self.suppress_tokens, logits, "suppress_tokens", self.row_mask)
+        return logits.masked_fill(mask, -math.inf)
 
 
 @pytree_dataclass
-class SuppressTokensAtBeginLogitsProcessor(ProcessorBase):
+class SuppressTokensAtBeginLogitsProcessor(_TokenSetRows, ProcessorBase):
     """Forbid a set of tokens at the first generated position only (e.g. a blank or EOS first).
 
     The position is ``begin_index`` if given, else ``ctx.prompt_len + begin_offset`` (transformers
     uses the prompt length, plus one when a forced BOS fills the first slot of a one-token prompt).
     """
 
+    _ids_field = "begin_suppress_tokens"
+    row_values = {"begin_index": RowValue(_I64, None), "begin_offset": RowValue(_I64, None)}
+
     begin_suppress_tokens: tuple[int, ...] = static_field()
-    begin_index: int | None = static_field(None)
-    begin_offset: int = static_field(0)
+    begin_index: int | torch.Tensor | None = None
+    begin_offset: int | torch.Tensor = 0
+    row_mask: torch.Tensor | None = None  # [B, S] bool: which of the tokens each row suppresses
 
     def __post_init__(self):
         object.__setattr__(
@@ -138,5 +266,11 @@ class SuppressTokensAtBeginLogitsProcessor(ProcessorBase):
         )
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        begin = ctx.prompt_len + self.begin_offset if self.begin_index is None else self.begin_index
-        return _forbid(self.begin_suppress_tokens, logits, ctx.cur_len == begin)
+        offset = per_row_column(self.begin_offset, _I64, logits.device)
+        if self.begin_index is None:
+            begin = _column(ctx.row_prompt_len()) + offset
+        else:
+            begin = per_row_column(self.begin_index, _I64, logits.device)
+        active = _column(ctx.row_cur_len()) == begin
+        mask = _id_mask(self.begin_suppress_tokens, logits, "begin_suppress_tokens", self.row_mask)
+        return torch.where(mask & active, -math.inf, logits)

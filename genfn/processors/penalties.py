@@ -5,6 +5,9 @@ Repetition penalties gather the logits of every token id seen so far and scatter
 values back. Over the static buffer, columns that must not count (garbage past ``cur_len``, the
 left padding transformers ignores) are redirected to a spare column ``V`` that is dropped, so
 the gather/scatter has a fixed shape and the result equals transformers' on ``input_ids``.
+
+Penalties, lengths and decay settings are per-row values; a penalty of 1 (or a decay factor of
+1) leaves a row untouched.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, as_id_list, filled_tokens
+from genfn.processors.base import ProcessorBase, as_id_list, filled_tokens, per_row_column
 from genfn.processors.context import LogitsContext
+from genfn.processors.rowvalues import RowValue
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -43,6 +47,8 @@ class RepetitionPenaltyLogitsProcessor(ProcessorBase):
     attention mask) so that pad tokens are not penalized. ``penalty`` may be a ``[B]`` tensor.
     """
 
+    row_values = {"penalty": RowValue(torch.float32, 1.0), "prompt_ignore_length": RowValue(torch.int64, None, none_as=0)}
+
     penalty: float | torch.Tensor
     prompt_ignore_length: int | torch.Tensor | None = None
 
@@ -62,9 +68,7 @@ class RepetitionPenaltyLogitsProcessor(ProcessorBase):
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         vocab = logits.shape[-1]
         ids = filled_tokens(ctx, vocab, start=self.prompt_ignore_length)
-        p = self.penalty
-        if isinstance(p, torch.Tensor):
-            p = p.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)
+        p = per_row_column(self.penalty, logits.dtype, logits.device)
         return _rescale_at(logits, ids, p, p)
 
 
@@ -78,20 +82,30 @@ class EncoderRepetitionPenaltyLogitsProcessor(ProcessorBase):
     buffer, which is what transformers passes for a decoder-only model.
     """
 
-    penalty: float = static_field()
+    row_values = {"penalty": RowValue(torch.float64, 1.0)}
+
+    penalty: float | torch.Tensor
     encoder_input_ids: torch.Tensor | None = None
 
     def __post_init__(self):
-        if not isinstance(self.penalty, float) or not self.penalty > 0:
+        if isinstance(self.penalty, torch.Tensor):
+            if self.penalty.dim() != 1:
+                raise ValueError("per-row `penalty` must be 1-D [batch]")
+        elif not isinstance(self.penalty, float) or not self.penalty > 0:
             raise ValueError(f"`penalty` has to be a strictly positive float, but is {self.penalty}")
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        inv = 1 / self.penalty
+        if isinstance(self.penalty, torch.Tensor):
+            # transformers stores 1 / penalty as a Python float (double) and multiplies in float32.
+            inv = (1 / self.penalty.to(device=logits.device, dtype=torch.float64)).to(logits.dtype).unsqueeze(1)
+        else:
+            inv = 1 / self.penalty
         enc = self.encoder_input_ids
         if enc is None:
             n = ctx.tokens.shape[1]
             pos = torch.arange(n, device=ctx.tokens.device).unsqueeze(0)
-            ids = torch.where(pos < ctx.prompt_len, ctx.tokens, torch.full_like(ctx.tokens, logits.shape[-1]))
+            in_prompt = pos < ctx.row_prompt_len().unsqueeze(1)
+            ids = torch.where(in_prompt, ctx.tokens, torch.full_like(ctx.tokens, logits.shape[-1]))
         else:
             ids = enc.to(logits.device)
             if logits.shape[0] > ids.shape[0]:
@@ -109,10 +123,16 @@ class ExponentialDecayLengthPenalty(ProcessorBase):
     depend on it.
     """
 
-    start_index: int = static_field()
-    decay_factor: float = static_field()
+    row_values = {
+        "start_index": RowValue(torch.int64, None),
+        "decay_factor": RowValue(torch.float64, 1.0),
+        "prompt_len": RowValue(torch.int64, None),
+    }
+
+    start_index: int | torch.Tensor
+    decay_factor: float | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
-    prompt_len: int | None = static_field(None)
+    prompt_len: int | torch.Tensor | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
@@ -126,13 +146,22 @@ class ExponentialDecayLengthPenalty(ProcessorBase):
         return cls(int(start), float(factor), as_id_list(eos_token_id, "eos_token_id"), input_ids_seq_length)
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        prompt_len = ctx.prompt_len if self.prompt_len is None else self.prompt_len
-        regulation_start = self.start_index + prompt_len
-        active = ctx.cur_len > regulation_start
-        steps = (ctx.cur_len - regulation_start).to(torch.float64)
+        device = logits.device
+        if self.prompt_len is None:
+            prompt_len = ctx.row_prompt_len().unsqueeze(1)
+        else:
+            prompt_len = per_row_column(self.prompt_len, torch.int64, device)
+        regulation_start = per_row_column(self.start_index, torch.int64, device) + prompt_len
+        cur_len = ctx.row_cur_len().unsqueeze(1)
+        active = cur_len > regulation_start
+        steps = (cur_len - regulation_start).to(torch.float64)
         # Python evaluates pow(factor, i) - 1 in double; the product with float32 logits then
         # happens in float32.
-        factor = torch.full((), self.decay_factor, dtype=torch.float64, device=logits.device)
+        factor = self.decay_factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(device=device, dtype=torch.float64).unsqueeze(1)
+        else:
+            factor = torch.full((), factor, dtype=torch.float64, device=device)
         coef = (torch.pow(factor, steps) - 1).to(logits.dtype)
         eos = torch.tensor(self.eos_token_id, device=logits.device).unsqueeze(0).expand(logits.shape[0], -1)
         eos_scores = logits.gather(1, eos)

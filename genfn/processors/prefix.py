@@ -1,14 +1,16 @@
 """Constrained generation through a user callback: ``prefix_allowed_tokens_fn(batch_id, ids)``.
 
 This processor is **eager-only**. The callback is arbitrary Python that receives the sequence
-so far (a tensor sliced to ``cur_len``, which needs the length on the host) and returns a Python
-list; nothing about that can be traced into a graph. Compile a step without it, or run the step
-eagerly (the driver's eager mode runs the very same step function).
+so far (a tensor sliced to the row's ``cur_len``, which needs the length on the host) and returns
+a list (or tensor) of token ids; nothing about that can be traced into a graph. Compile a step
+without it, or run the step eagerly (the driver's eager mode runs the very same step function).
+Rows may stand at different lengths: each hypothesis gets its own slice.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -18,6 +20,27 @@ from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["PrefixConstrainedLogitsProcessor"]
+
+
+def _allowed_ids(allowed, vocab_size: int) -> list[int]:
+    """The callback's answer as a list of in-vocabulary ids, or a clear error naming it."""
+    if isinstance(allowed, torch.Tensor):
+        allowed = allowed.reshape(-1).tolist()
+    elif isinstance(allowed, (list, tuple)):
+        allowed = list(allowed)
+    else:
+        raise TypeError(
+            f"`prefix_allowed_tokens_fn` must return a list or a tensor of token ids, got {type(allowed).__name__}"
+        )
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in allowed):
+        raise TypeError(f"`prefix_allowed_tokens_fn` must return integer token ids, got {allowed!r}")
+    allowed = [int(t) for t in allowed]
+    bad = sorted({t for t in allowed if t < 0 or t >= vocab_size})
+    if bad:
+        raise ValueError(
+            f"`prefix_allowed_tokens_fn` returned token ids outside the vocabulary [0, {vocab_size}): {bad}"
+        )
+    return allowed
 
 
 @pytree_dataclass
@@ -35,14 +58,15 @@ class PrefixConstrainedLogitsProcessor(ProcessorBase):
     num_beams: int = static_field(1)
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        cur_len = int(ctx.cur_len)
-        sequences = ctx.tokens[:, :cur_len]
+        lengths = ctx.row_cur_len().tolist()
+        vocab = logits.shape[-1]
         mask = torch.full_like(logits, -math.inf)
-        batch_size = sequences.shape[0] // self.num_beams
+        batch_size = logits.shape[0] // self.num_beams
         for batch_id in range(batch_size):
             for beam_id in range(self.num_beams):
                 row = batch_id * self.num_beams + beam_id
-                allowed = self.prefix_allowed_tokens_fn(batch_id, sequences[row])
+                allowed = self.prefix_allowed_tokens_fn(batch_id, ctx.tokens[row, : lengths[row]])
+                allowed = _allowed_ids(allowed, vocab)
                 if len(allowed) == 0:
                     raise ValueError(
                         f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {batch_id}. This means "

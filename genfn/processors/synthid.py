@@ -64,7 +64,7 @@ class SynthIDTextWatermarkState:
 
     context: torch.Tensor  # [B, ngram_len - 1] int64: the previous tokens
     context_history: torch.Tensor  # [B, context_history_size] int64: hashes of recent contexts, newest first
-    num_calls: torch.Tensor  # [] int64: steps processed so far
+    num_calls: torch.Tensor  # [B] int64: steps each row processed so far (rows may join a batch later)
 
 
 @pytree_dataclass
@@ -120,7 +120,7 @@ class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
         return SynthIDTextWatermarkState(
             context=torch.zeros((batch_size, self.ngram_len - 1), dtype=torch.int64, device=device),
             context_history=torch.zeros((batch_size, self.context_history_size), dtype=torch.int64, device=device),
-            num_calls=torch.zeros((), dtype=torch.int64, device=device),
+            num_calls=torch.zeros((batch_size,), dtype=torch.int64, device=device),
         )
 
     def apply(
@@ -131,8 +131,9 @@ class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
             logits = torch.ones_like(logits)
         # The first call keeps the zero context; later calls shift in the newest token.
         shifted = torch.cat([state.context, ctx.last_token().unsqueeze(1)], dim=1)[:, 1:]
-        context = torch.where(state.num_calls > 0, shifted, state.context)
-        num_calls = state.num_calls + 1
+        num_calls = state.num_calls.reshape(-1, 1).expand(batch, 1)  # a 0-d count (older states) broadcasts
+        context = torch.where(num_calls > 0, shifted, state.context)
+        num_calls = num_calls + 1
 
         ngram_keys, context_hash = self._compute_keys(context, vocab)
         g_values = self.sample_g_values(ngram_keys)
@@ -146,7 +147,7 @@ class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
             skip = num_calls < self.ngram_len
             out = torch.where(skip, logits, out)
             history = torch.where(skip, state.context_history, history)
-        return out, SynthIDTextWatermarkState(context=context, context_history=history, num_calls=num_calls)
+        return out, SynthIDTextWatermarkState(context=context, context_history=history, num_calls=num_calls[:, 0])
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         raise TypeError(

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, tail_tokens, token_set_mask
+from genfn.processors.base import ProcessorBase, per_row_column, tail_tokens, token_set_mask
 from genfn.processors.context import LogitsContext
+from genfn.processors.rowvalues import RowValue
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -102,15 +103,18 @@ class WatermarkLogitsProcessor(ProcessorBase):
 
     ``lefthash``: the green list is seeded by the previous token. ``selfhash``: each of the 40 most
     likely candidates is kept green only if it is in the green list seeded by the context *and
-    itself*. Nothing happens while the sequence is shorter than ``context_width``.
+    itself*. Nothing happens while the sequence is shorter than ``context_width``. ``bias`` is a
+    per-row value (0: the row is not marked).
 
     Build with :meth:`create`; ``fixed_table`` (selfhash) and ``green_table`` (precomputed
     lefthash) are constant tensors made there.
     """
 
+    row_values = {"bias": RowValue(torch.float32, 0.0)}
+
     vocab_size: int = static_field()
     greenlist_size: int = static_field()
-    bias: float = static_field()
+    bias: float | torch.Tensor  # per row: 0 leaves the row unmarked
     hashing_key: int = static_field()
     seeding_scheme: str = static_field()
     context_width: int = static_field()
@@ -168,8 +172,8 @@ class WatermarkLogitsProcessor(ProcessorBase):
             seeds = _selfhash_seeds(windows, self.fixed_table.to(logits.device), self.hashing_key)
             in_own_list = (self._greenlists(seeds) == candidates.unsqueeze(-1)).any(dim=-1)  # [B, K]
             green = torch.zeros_like(logits, dtype=torch.bool).scatter(1, candidates, in_own_list)
-        marked = torch.where(green, logits + self.bias, logits)
-        return torch.where(ctx.cur_len < self.context_width, logits, marked)
+        marked = torch.where(green, logits + per_row_column(self.bias, logits.dtype, logits.device), logits)
+        return torch.where((ctx.row_cur_len() < self.context_width).unsqueeze(1), logits, marked)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from genfn.config.caches import COMPILABLE_CACHES
 from genfn.state.base import pytree_dataclass
 
 __all__ = ["GuidanceSpec", "GuidanceState", "make_guidance_spec", "guidance_init", "guidance_step"]
 
-_STATIC_CACHES = ("static", "offloaded_static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def guidance_init(model, spec: GuidanceSpec, input_ids: torch.Tensor, num_new_to
     ids = input_ids[:, -1:] if spec.input_ids is None else spec.input_ids.to(input_ids.device)
     mask = None if spec.attention_mask is None else spec.attention_mask.to(input_ids.device)
     batch, length = ids.shape
-    implementation = "static" if cache_implementation in _STATIC_CACHES else "dynamic"
+    implementation = "static" if cache_implementation in COMPILABLE_CACHES else "dynamic"
     cache = model.init_cache(batch, length + num_new_tokens, implementation)
     positions = torch.arange(length, device=ids.device).unsqueeze(0).expand(batch, length)
     logits, cache = model.apply(ids, positions, cache, mask, logits_to_keep=1)

@@ -85,7 +85,13 @@ def insert(prefix: DecodeState, state: DecodeState, rows) -> DecodeState:
             changes[name] = big.index_copy(0, index, small.to(big.device, big.dtype))
     changes["cache"] = state.cache.with_rows(index, prefix.cache)
     batch = state.batch_size
-    changes["processors"] = insert_rows(state.processors, index, prefix.processors, batch, "logits processors")
+    if state.processors is not None and index.shape[0] == 1 and hasattr(state.processors, "with_row"):
+        # The chain knows which of its leaves are per-row and which are tables shared by the batch.
+        if len(prefix.processors) != len(state.processors):
+            raise ValueError("cannot insert: the request's logits processors differ in kind from the running batch's")
+        changes["processors"] = state.processors.with_row(index[0], prefix.processors)
+    else:
+        changes["processors"] = insert_rows(state.processors, index, prefix.processors, batch, "logits processors")
     changes["processor_state"] = insert_rows(state.processor_state, index, prefix.processor_state, batch,
                                              "processor states")
     changes["stop_strings"] = insert_rows(state.stop_strings, index, prefix.stop_strings, batch, "stop strings")

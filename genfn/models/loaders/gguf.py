@@ -376,7 +376,7 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     } or None
     tokenizer = None
     if gguf.metadata.get("tokenizer.ggml.tokens"):
-        from ...tokenizer import Tokenizer
+        from ...tokenizer.core import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, source=path)
     return LoadedCheckpoint(config, state_dict, generation_config, tokenizer, path)

@@ -1,4 +1,4 @@
-"""Text <-> token ids on top of the `tokenizers` library, and chat templates.
+"""The tokenizer: text <-> token ids on top of the `tokenizers` library.
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust backend that does the real work) with the
 few things generation needs from transformers' tokenizers: the named special tokens, batch
@@ -13,23 +13,19 @@ decoder for streaming. It is built from a Hugging Face directory (`tokenizer.jso
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
-from tokenizers.models import BPE
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "render_chat_template", "bytes_to_unicode"]
+from .chat import render_chat_template
+from .gguf_vocab import gguf_tokenizer_parts, read_gguf_metadata
+
+__all__ = ["Tokenizer", "IncrementalDecoder"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -130,49 +126,14 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """From a GGUF file's metadata alone (its tensors are not read)."""
-        from .models.loaders.gguf import read_gguf
-
-        return cls.from_gguf_metadata(read_gguf(os.fspath(path)).metadata, source=os.fspath(path))
+        path = os.fspath(path)
+        return cls.from_gguf_metadata(read_gguf_metadata(path), source=path)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str | None = None) -> Tokenizer:
-        """From a GGUF file's `tokenizer.*` metadata.
-
-        `tokenizer.ggml.model` "gpt2" is byte-level BPE (vocab + merges); "llama" is a
-        sentencepiece-style BPE with byte fallback (merges derived from the scores when the file
-        has none). Tokens typed CONTROL become special tokens, USER_DEFINED plain added tokens.
-        """
-        kind = metadata.get("tokenizer.ggml.model")
-        tokens = list(metadata["tokenizer.ggml.tokens"])
-        types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or ()]
-        if kind == "gpt2":
-            backend, vocab = _byte_level_backend(tokens, merges, metadata.get("tokenizer.ggml.pre"))
-            default_add_bos = False
-        elif kind == "llama":
-            backend, vocab = _sentencepiece_backend(tokens, metadata, merges)
-            default_add_bos = True
-        else:
-            raise ValueError(
-                f"{source or 'GGUF'}: tokenizer model {kind!r} is not supported; supported: gpt2, llama"
-            )
-        _add_gguf_tokens(backend, tokens, types, vocab, byte_level=kind == "gpt2")
-
-        def named(key: str) -> str | None:
-            idx = metadata.get(f"tokenizer.ggml.{key}")
-            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-        return cls(
-            backend,
-            bos_token=named("bos_token_id"),
-            eos_token=named("eos_token_id"),
-            unk_token=named("unknown_token_id"),
-            pad_token=named("padding_token_id"),
-            chat_template=metadata.get("tokenizer.chat_template"),
-            add_bos_token=metadata.get("tokenizer.ggml.add_bos_token", default_add_bos),
-            add_eos_token=metadata.get("tokenizer.ggml.add_eos_token", False),
-            name_or_path=source,
-        )
+        """From a GGUF file's `tokenizer.*` metadata (see :func:`genfn.tokenizer.gguf_vocab.gguf_tokenizer_parts`)."""
+        backend, settings = gguf_tokenizer_parts(metadata, source)
+        return cls(backend, **settings, name_or_path=source)
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         add_bos, add_eos = add_bos and self.bos_token is not None, add_eos and self.eos_token is not None
@@ -410,205 +371,6 @@ class IncrementalDecoder:
         text = self._decode(self.ids[self._prefix :])
         self._prefix, self._read = self._read, len(self.ids)
         return text[len(context) :]
-
-
-# ---- chat template rendering -----------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept transformers' `{% generation %}...{% endgeneration %}` blocks (used to mark the
-    assistant's tokens for training masks); genfn only renders their body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson escapes HTML characters, which chat templates do not want.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-    """Chat templates come from model files, so they run in jinja2's immutable sandbox, with the
-    same environment as transformers (trim_blocks, lstrip_blocks, loop controls and the
-    `raise_exception` / `strftime_now` helpers) so that they render identically."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-def render_chat_template(
-    template: str,
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = False,
-    continue_final_message: bool = False,
-    **kwargs: Any,
-) -> str:
-    """Render one conversation. Keys whose value is None are dropped from the messages (APIs send
-    `content=None`, templates handle a missing key better). With continue_final_message the text
-    stops right after the last message's content, so the model continues it."""
-    messages = [_plain({k: v for k, v in dict(m).items() if v is not None}) for m in messages]
-    if continue_final_message:
-        content = messages[-1].get("content")
-        if not isinstance(content, str):
-            raise ValueError("continue_final_message needs the final message's content to be a string")
-        messages[-1]["content"] = content + _CONTINUE_TAG
-    try:
-        text = _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template error: {e}") from None
-    if continue_final_message:
-        cut = text.rfind(_CONTINUE_TAG.strip())
-        if cut < 0:
-            raise ValueError("continue_final_message: the template dropped the final message")
-        text = text[:cut] if text[cut:].startswith(_CONTINUE_TAG) else text[:cut].rstrip()
-    return text
-
-
-def _plain(value: Any) -> Any:
-    """A deep copy built from JSON-like types, so a template never touches callers' objects."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-# ---- building backends from GGUF metadata ----------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies:
-    printable Latin-1 bytes map to themselves, the other 68 bytes to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-# Split regexes for the llama.cpp `tokenizer.ggml.pre` names whose tokenizer.json splits text
-# with a custom regex (they follow the models' own tokenizer.json files).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
-}
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in _PRE_SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    if pre == "smollm":  # SmolLM's tokenizer.json: every digit on its own, then GPT-2 splitting
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _byte_level_backend(
-    tokens: list[str], merges: list[tuple[str, ...]], pre: str | None
-) -> tuple[Backend, dict[str, int]]:
-    """Byte-level BPE (GPT-2 style). A token written with characters outside the byte alphabet
-    (a literal space, say) is respelled in it, as the BPE model looks tokens up by that spelling."""
-    alphabet = set(bytes_to_unicode().values())
-    spell = bytes_to_unicode()
-    vocab = {
-        (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
-    }
-    backend = Backend(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                          end_of_word_suffix="", fuse_unk=False))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
-    return backend, vocab
-
-
-def _sentencepiece_backend(
-    tokens: list[str], metadata: Mapping[str, Any], merges: list[tuple[str, ...]]
-) -> tuple[Backend, dict[str, int]]:
-    """llama.cpp's "llama" vocabulary: sentencepiece BPE with `▁` for spaces and `<0xNN>` byte
-    fallback tokens, merges derived from the token scores when the file has none."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if not merges:
-        merges = _merges_from_scores(tokens, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens), vocab)
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    backend = Backend(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None))
-    prefix_space = metadata.get("tokenizer.ggml.add_space_prefix", True)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix_space:
-        steps.append(decoders.Strip(content=" ", left=1, right=0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend, vocab
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Recover BPE merges from a scored vocabulary: every way to split a token into two tokens
-    is a merge, ranked by the merged token's score (best first), then by shorter pieces."""
-    candidates = []
-    for token, score in zip(tokens, scores):
-        splits = sorted(
-            ((token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab),
-            key=lambda pair: (vocab[pair[0]], vocab[pair[1]]),
-        )
-        candidates.extend((-score, -len(left), -len(right), left, right) for left, right in splits)
-    candidates.sort(key=lambda c: c[:3])  # stable: ties keep vocabulary order
-    return [(c[3], c[4]) for c in candidates]
-
-
-def _add_gguf_tokens(
-    backend: Backend, tokens: list[str], types: list[int], vocab: dict[str, int], byte_level: bool
-) -> None:
-    """Make CONTROL tokens (type 3) special and USER_DEFINED ones (type 4) whole added tokens,
-    so that text containing them is not split into pieces. In a byte-level vocabulary a
-    CONTROL token spelled outside the byte alphabet is a mislabeled ordinary token: skipped."""
-    alphabet = set(bytes_to_unicode().values()) if byte_level else None
-    control = [t for t, k in zip(tokens, types) if k == 3 and (alphabet is None or set(t) <= alphabet)]
-    if control:
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    user = [t for t, k in zip(tokens, types) if k == 4 and t in vocab]
-    if user:
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
 
 # ---- helpers ---------------------------------------------------------------------------------

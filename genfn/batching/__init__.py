@@ -1,0 +1,52 @@
+"""Continuous batching: the pure core (block allocator, schedulers, per-step index tensors, sizing hints).
+
+``blocks``: the paged cache's block allocator with prefix caching; ``requests``: the request
+record; ``scheduling``: ``SchedulerState`` and the pure scheduling functions; ``scheduler``:
+transformers' ``Scheduler`` classes over them; ``inputs``: the index tensors of a packed
+forward; ``hints``: ``WorkloadHints`` to default sizes. The key/value tensors and the attention
+over a packed batch are ``genfn.cache.paged``.
+"""
+
+from genfn.batching.blocks import BlockAllocator, init_allocator
+from genfn.batching.hints import BatchingSizes, WorkloadHints, kv_bytes_per_block, resolve
+from genfn.batching.inputs import BatchInputs, RowHistory, bucket, build_batch_inputs, build_row_history
+from genfn.batching.requests import RequestState, RequestStatus, make_request
+from genfn.batching.scheduler import SCHEDULERS, FIFOScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
+from genfn.batching.scheduling import (
+    ScheduledBatch,
+    ScheduledChunk,
+    SchedulerPolicy,
+    SchedulerState,
+    apply_step,
+    init_scheduler,
+    schedule,
+)
+
+__all__ = [
+    "SCHEDULERS",
+    "BatchInputs",
+    "BatchingSizes",
+    "BlockAllocator",
+    "FIFOScheduler",
+    "PrefillFirstScheduler",
+    "RequestState",
+    "RequestStatus",
+    "RowHistory",
+    "ScheduledBatch",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerPolicy",
+    "SchedulerState",
+    "WorkloadHints",
+    "apply_step",
+    "bucket",
+    "build_batch_inputs",
+    "build_row_history",
+    "init_allocator",
+    "init_scheduler",
+    "kv_bytes_per_block",
+    "make_request",
+    "make_scheduler",
+    "resolve",
+    "schedule",
+]
