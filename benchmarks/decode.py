@@ -357,7 +357,8 @@ def main(argv=None):
     # ---- summary
     log("\n## summary (tok/s; ratios > 1 mean genfn is faster)")
     log(f"{'format':9s} {'batch':>5s} " + " ".join(f"{e:>15s}" for e in engines)
-        + "   genfn-c/hf  genfn-c/hf-c  genfn/hf  genfn-c/llama.cpp  roofline(b=1)  MB/token genfn, llama.cpp")
+        + "   genfn-c/hf  genfn-c/hf-c  genfn/hf  genfn-c/llama.cpp  genfn/llama.cpp  roofline(b=1)"
+        "  MB/token genfn, llama.cpp")
     by = {(r.dtype, r.batch, r.engine): r for r in results}
     for dname in dtypes:
         for batch in batches:
@@ -380,7 +381,8 @@ def main(argv=None):
             ours_mb, cpp_mb = weight_mb.get(dname, (None, None))
             log(f"{dname:9s} {batch:5d} " + " ".join(cells)
                 + f"   {ratio('genfn-compiled', 'hf'):>10s}  {ratio('genfn-compiled', 'hf-compiled'):>12s}"
-                  f"  {ratio('genfn', 'hf'):>8s}  {ratio('genfn-compiled', 'llama.cpp'):>17s}  {roof:>13s}"
+                  f"  {ratio('genfn', 'hf'):>8s}  {ratio('genfn-compiled', 'llama.cpp'):>17s}  {ratio('genfn', 'llama.cpp'):>15s}"
+                  f"  {roof:>13s}"
                   f"  {ours_mb or 0:8.0f}, {cpp_mb or 0:.0f}")
     log("first-call seconds (compile + warm-up): " + ", ".join(
         f"{r.engine}/{r.dtype}/b{r.batch}={r.first_call_s:.0f}" for r in results
