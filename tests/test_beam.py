@@ -226,7 +226,7 @@ def test_beam_sample_processors_follow_transformers_settings():
     _, gm = pair("llama_eos2")
     request, strategy = prepare_request(gm, torch.tensor([[4, 6, 8]]), **dict(
         num_beams=2, do_sample=True, top_k=1, max_new_tokens=4))
-    assert strategy is beam
+    assert strategy is beam.BEAM
     top_k = [p for p in request.processors if type(p).__name__ == "TopKLogitsWarper"][0]
     assert top_k.min_tokens_to_keep == 3  # num_eos + 1
     assert request.input_ids.shape == (2, 3) and request.keys.shape == (1, 2)

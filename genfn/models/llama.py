@@ -23,6 +23,7 @@ from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import linear
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
+from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput"]
@@ -124,7 +125,11 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
 
 
 def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
-    """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up)."""
+    """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up).
+
+    A matrix may be ``genfn.quant.RowBlocks`` (a GGUF file's own blocks): fusing concatenates its
+    blocks as they are, and the embedding lookup gets its float values (the tied LM head keeps
+    the blocks; ``genfn.models.quantized`` turns them into the kernel's layout)."""
     check_tensors(state_dict, spec, "state dict")  # shapes and dtypes against the spec, naming the tensor
 
     def get(name: str) -> torch.Tensor:
@@ -132,24 +137,26 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None else tensor.to(dtype)
+        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
 
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         layer = {
             "attn_norm": get(p + "input_layernorm.weight"),
-            "wqkv": torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0).contiguous(),
-            "wo": get(p + "self_attn.o_proj.weight").contiguous(),
+            "wqkv": cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            "wo": cat_rows([get(p + "self_attn.o_proj.weight")]),
             "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
-            "w_down": get(p + "mlp.down_proj.weight").contiguous(),
+            "w_gate_up": cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            "w_down": cat_rows([get(p + "mlp.down_proj.weight")]),
         }
         if spec.attention_bias:
             layer["bqkv"] = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
         layers.append(layer)
     embed = get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
+    if isinstance(embed, RowBlocks):
+        embed = dequantize(embed).to(dtype or torch.float32)
     return {
         "embed": embed,
         "layers": layers,
