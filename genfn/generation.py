@@ -65,7 +65,8 @@ class _EndOnce:
     def fail(self, error: BaseException | None) -> None:
         if not self.closed:
             self.closed = True
-            close_stream(self.streamer, error)
+            if callable(getattr(self.streamer, "end", None)):  # a non-streamer was refused by name
+                close_stream(self.streamer, error)
 
 
 def generate(
@@ -131,6 +132,10 @@ def generate(
             raise TypeError(f"strategy must be a genfn.strategies.base.Strategy, got {type(strategy).__name__}")
         strategy = strategy or chosen
         _check_capabilities(strategy, request, streamer, criteria)
+        if streamer is not None and not (callable(getattr(streamer.streamer, "put", None))
+                                         and callable(getattr(streamer.streamer, "end", None))):
+            raise TypeError(f"streamer must have put(tokens) and end() methods (a genfn or transformers streamer); got "
+                            f"{type(streamer.streamer).__name__}")
         if compile_loop:
             _check_compile_loop(request, strategy, streamer, criteria)
         if streamer is not None:
