@@ -208,6 +208,7 @@ def apply(
     attend_len: int | None = None,
     output_hidden_states: bool = False,
     output_attentions: bool = False,
+    num_layers: int | None = None,
 ):
     """Run ``tokens [B, S]`` at ``positions [B, S]`` against ``cache`` (donated).
 
@@ -215,9 +216,16 @@ def apply(
     ``logits_to_keep``: compute logits for the last that many positions only (0 = all).
     ``attend_len``: attend over the first ``attend_len`` cache slots only (static; must cover
     every filled slot), so attention costs the real context rather than ``max_cache_len``.
+    ``num_layers``: run only the first that many layers, then the final norm and LM head (early
+    exit: a cheaper draft of the same model; the cache's deeper layers are left as they were).
     Returns ``(logits [B, S', V] float32, cache)``, or a ``ModelOutput`` when hidden states or
     attentions are requested.
     """
+    layers = params["layers"]
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), got {num_layers!r}")
+        layers = layers[:num_layers]
     batch, seq = tokens.shape
     slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
     if attention_mask is None:
@@ -239,7 +247,7 @@ def apply(
     kv_size = spec.num_kv_heads * spec.head_dim
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
