@@ -38,9 +38,10 @@ class DraftModelState:
     proposed: torch.Tensor  # [B] int64: drafts offered in the last round
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class DraftModelDrafter:
-    """Draft with ``assistant`` (a genfn ``Model``); compared by identity, so it keys compiled steps.
+    """Draft with ``assistant`` (a genfn ``Model``, compared by identity); equal settings with the same
+    assistant compare equal, so every call reuses one compiled step.
 
     ``num_tokens``: the block width ``k`` (``num_assistant_tokens``); ``confidence_threshold``:
     ``assistant_confidence_threshold`` (0 disables the early stop); ``confidence_capacity``: how
