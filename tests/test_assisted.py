@@ -187,18 +187,29 @@ def test_sampled_drafts_from_a_draft_model_give_valid_keyed_sequences(models):
     assert torch.equal(first[:, : ids.shape[1]], ids)
 
 
-def test_heuristic_schedule_carries_across_calls(models):
+def test_heuristic_schedule_grows_on_full_acceptance_and_carries_across_calls(models):
+    from genfn.generation import prepare_request
     from genfn.strategies.assisted.build import carried_schedules
 
-    target, assistant = models
+    target, _ = models
     ids, mask = BATCH_1
-    genfn.generate(target, ids, attention_mask=mask, max_new_tokens=NEW, disable_compile=True,
-                   assistant_model=assistant, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic",
-                   **STATIC)
-    carried = carried_schedules[assistant]
-    assert carried.kind == "heuristic"
-    # The random assistant is mostly wrong: the schedule fell from 3.
-    assert int(carried.num_tokens[0]) < 3
+    # The target drafting for itself with no confidence stop: every draft is kept, so "heuristic"
+    # adds 2 after every round.
+    settings = dict(max_new_tokens=NEW, disable_compile=True, assistant_model=target, num_assistant_tokens=3,
+                    assistant_confidence_threshold=0.0, **STATIC)
+    out = genfn.generate(target, ids, attention_mask=mask, return_dict_in_generate=True,
+                         num_assistant_tokens_schedule="heuristic", **settings)
+    carried = carried_schedules[target]
+    rounds = int(out.acceptance["total_rounds"])
+    assert carried.kind == "heuristic" and int(carried.num_tokens[0]) == 3 + 2 * rounds
+    request, strategy = prepare_request(target, ids, attention_mask=mask, num_assistant_tokens_schedule="heuristic",
+                                        **settings)
+    assert int(strategy.init(target, request).schedule.num_tokens[0]) == 3 + 2 * rounds
+    # "heuristic_transient" starts every call afresh.
+    request, strategy = prepare_request(target, ids, attention_mask=mask,
+                                        num_assistant_tokens_schedule="heuristic_transient", **settings)
+    assert int(strategy.init(target, request).schedule.num_tokens[0]) == 3
+    carried_schedules.pop(target)
 
 
 def test_errors_name_the_argument(models):
