@@ -233,3 +233,70 @@ def test_smollm2_prompt_lookup_equals_greedy(smollm2):
     out = genfn.generate(smollm2, ids, max_new_tokens=24, prompt_lookup_num_tokens=8, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain)
     assert out.acceptance["total_rounds"] < 23 or out.acceptance["total_accepted"] == 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A target and a draft model over 16 tokens, different enough that drafts get rejected."""
+    _, target = tiny_pair(vocab_size=16, seed=2)
+    _, assistant = tiny_pair(vocab_size=16, seed=3)
+    for model in (target, assistant):
+        # Random init gives near-uniform next-token distributions; sharper ones make p, q and their
+        # mixtures easy to tell apart, so the test has power.
+        model.params["lm_head"] = model.params["lm_head"] * 8
+    return target, assistant
+
+
+def _second_token_distribution(model, sequences, prompt_len):
+    """``[B, V]`` the model's next-token distribution after each row's prompt and first new token."""
+    context = sequences[:, : prompt_len + 1]
+    positions = torch.arange(context.shape[1]).expand_as(context)
+    logits, _ = model.apply(context, positions, model.init_cache(context.shape[0], context.shape[1] + 1))
+    return logits[:, -1].softmax(dim=-1).double()
+
+
+def _goodness_of_fit(tokens, expected_probs) -> float:
+    from scipy import stats
+
+    counts = torch.bincount(tokens, minlength=expected_probs.shape[1]).double()
+    expected = expected_probs.sum(dim=0)
+    keep = expected > 5  # Pearson's approximation needs enough expected counts per cell
+    return float(stats.chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum()).pvalue)
+
+
+@pytest.mark.parametrize("ensemble_weight", [None, 0.4], ids=["speculative", "ensemble"])
+def test_speculative_sampling_keeps_the_target_distribution(small_vocab, ensemble_weight):
+    """Over 4000 keyed rows, the first speculatively chosen token follows the target's distribution
+    (or the ensemble's mixture ``w p + (1 - w) q``) given each row's context, and not the drafter's."""
+    target, assistant = small_vocab
+    rows, prompt = 4000, torch.tensor([[5, 9, 3]])
+    out = genfn.generate(target, prompt.expand(rows, -1), do_sample=True, top_k=None, key=123, max_new_tokens=3,
+                         assistant_model=assistant, num_assistant_tokens=2, assistant_confidence_threshold=0.0,
+                         assistant_ensemble_weight=ensemble_weight, return_dict_in_generate=True,
+                         disable_compile=True, **STATIC)
+    sequences = out.sequences
+    real = sequences[:, 3] != 2  # rows whose first token was EOS stop there
+    p = _second_token_distribution(target, sequences[real], 3)
+    q = _second_token_distribution(assistant, sequences[real], 3)
+    second = sequences[real, 4]
+    assert out.acceptance["acceptance_rate"] < 0.95, "the drafter agrees too often to test the rejection path"
+    w = 1.0 if ensemble_weight is None else ensemble_weight
+    assert _goodness_of_fit(second, w * p + (1 - w) * q) > 1e-3
+    assert _goodness_of_fit(second, q) < 1e-6
+    if ensemble_weight is not None:
+        assert _goodness_of_fit(second, p) < 1e-6
+
+
+def test_sampled_assisted_rows_do_not_depend_on_the_batch(small_vocab):
+    """The same per-row key gives the same tokens alone and inside a batch."""
+    from genfn import random as grandom
+
+    target, assistant = small_vocab
+    ids = torch.tensor([[5, 9, 3, 7], [4, 4, 11, 6], [8, 1, 12, 3]])
+    keys = grandom.as_row_keys(grandom.key(5), 3)
+    settings = dict(do_sample=True, top_k=None, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=3,
+                    disable_compile=True, **STATIC)
+    together = genfn.generate(target, ids, key=keys, **settings)
+    for b in range(3):
+        alone = genfn.generate(target, ids[b: b + 1], key=keys[b: b + 1], **settings)
+        assert torch.equal(alone[0], together[b, : alone.shape[1]])
