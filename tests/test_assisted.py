@@ -11,6 +11,7 @@ import torch
 
 import genfn
 from conftest import tiny_pair
+from genfn.strategies.assisted.block import BlockDrafter
 from genfn.strategies.assisted.drafter import Draft
 from genfn.strategies.assisted.step import speculative_strategy
 
@@ -300,3 +301,47 @@ def test_sampled_assisted_rows_do_not_depend_on_the_batch(small_vocab):
     for b in range(3):
         alone = genfn.generate(target, ids[b: b + 1], key=keys[b: b + 1], **settings)
         assert torch.equal(alone[0], together[b, : alone.shape[1]])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckingBlockDrafter(BlockDrafter):
+    """A block drafter whose state records, per row, whether the hidden state it was given is the one
+    whose logits chose the newest token (the target's LM head on it gives back that token)."""
+
+    lm_head: torch.Tensor = None
+
+    def prefill(self, model, request):
+        return torch.ones(request.batch_size, dtype=torch.bool)
+
+    def draft(self, model, state, view, cache):
+        draft, _, cache = super().draft(model, None, view, cache)
+        newest = view.tokens.gather(1, (view.cur_len - 1).unsqueeze(1)).squeeze(1)
+        chosen = (view.target_hidden[:, -1] @ self.lm_head.T).argmax(dim=-1)
+        return draft, state & (chosen == newest), cache
+
+
+def _random_block_head(params, hidden, newest):
+    """A tiny random block drafter: k logit rows from the hidden state and the newest token's embedding."""
+    mixed = hidden[:, -1] + params["embed"][newest]
+    return torch.einsum("bh,khv->bkv", mixed, params["proj"])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_block_drafter_equals_plain_greedy_and_reads_the_right_hidden_state(models, compiled):
+    from genfn import driver
+    from genfn.generation import prepare_request
+
+    target, _ = models
+    ids, mask = BATCH_4
+    g = torch.Generator().manual_seed(4)
+    params = {"embed": target.params["embed"], "proj": torch.randn(3, 64, 97, generator=g)}
+    drafter = CheckingBlockDrafter(head=_random_block_head, params=params, num_tokens=3,
+                                   lm_head=target.params["lm_head"])
+    settings = dict(COMPILED) if compiled else dict(STATIC, disable_compile=True)
+    request, strategy = prepare_request(target, ids, attention_mask=mask, max_new_tokens=NEW,
+                                        speculation_type="dflash", assistant_model=drafter, **settings)
+    options = driver.compile_options_for(request.config, target.device)
+    assert (options is not None) == compiled
+    state = driver.run(strategy, target, strategy.init(target, request), num_steps=NEW - 1, compile_options=options)
+    assert torch.equal(state.tokens[:, : int(state.cur_len.max())], _plain(target, ids, mask))
+    assert bool(state.drafter_state.all())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 
+from genfn.strategies.assisted.block import BlockDrafter
 from genfn.strategies.assisted.draft_model import DraftModelDrafter
 from genfn.strategies.assisted.drafter import PromptLookupDrafter
 from genfn.strategies.assisted.early_exit import EarlyExitDrafter
@@ -23,8 +24,7 @@ __all__ = ["assisted_strategy", "carried_schedules"]
 # The schedule each assistant (or early-exiting target) ended its last call at, for "heuristic".
 carried_schedules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-_NOT_YET = {"use_mtp": "multi-token prediction heads (use_mtp)",
-            "speculation_type": "block drafting (speculation_type='dflash')"}
+_NOT_YET = {"use_mtp": "multi-token prediction heads (use_mtp)"}
 
 
 def _drafter(model, request: GenerationRequest, assistant_model):
@@ -34,6 +34,12 @@ def _drafter(model, request: GenerationRequest, assistant_model):
             raise ValueError(f"{what} is not supported by genfn yet; use prompt_lookup_num_tokens, assistant_model "
                              "or assistant_early_exit")
     num_tokens = int(config.num_assistant_tokens or 20)
+    if config.speculation_type == "dflash" or isinstance(assistant_model, BlockDrafter):
+        if not isinstance(assistant_model, BlockDrafter):
+            raise ValueError("speculation_type='dflash' needs assistant_model to be a "
+                             "genfn.strategies.assisted.block.BlockDrafter (a block drafter trained for this "
+                             f"target), got {type(assistant_model).__name__}")
+        return assistant_model, None
     if config.assistant_early_exit is not None:
         return EarlyExitDrafter(num_layers=int(config.assistant_early_exit), num_tokens=num_tokens), model
     if config.prompt_lookup_num_tokens is not None:

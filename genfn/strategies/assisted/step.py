@@ -130,6 +130,9 @@ class SpeculativeState:
     schedule: Any  # DraftSchedule or None (the drafter's budget is then its block width)
     stats: AcceptanceStats
     ensemble_weight: torch.Tensor | None  # [B] float32: assistant_ensemble_weight, or None
+    # [B, 1, H] the target's final hidden state at the last cached position, for drafters that
+    # declare needs_target_hidden (block drafters), else None.
+    target_hidden: torch.Tensor | None
     options: SpeculativeOptions = static_field()
     drafter: Any = static_field()
     processors: Any = None
@@ -153,7 +156,8 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         raise ValueError(f"assistant_ensemble_weight needs the drafter's probabilities, and "
                          f"{type(getattr(drafter, 'inner', drafter)).__name__} gives none (prompt lookup has no "
                          "draft model); drop assistant_ensemble_weight or use an assistant_model")
-    plain = sample.init(model, request)
+    wants_hidden = _needs_target_hidden(drafter)
+    plain = sample.init(model, dataclasses.replace(request, output_hidden_states=True) if wants_hidden else request)
     batch = plain.batch_size
     device = plain.tokens.device
     options = SpeculativeOptions(do_sample=plain.options.do_sample, pad_token_id=plain.options.pad_token_id,
@@ -176,10 +180,15 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         schedule=schedule,
         stats=init_stats(batch, device),
         ensemble_weight=weight,
+        target_hidden=plain.prefill_hidden_states[-1][:, -1:].contiguous() if wants_hidden else None,
         options=options,
         drafter=drafter,
         processors=plain.processors,
     )
+
+
+def _needs_target_hidden(drafter) -> bool:
+    return bool(getattr(drafter, "needs_target_hidden", False))
 
 
 def _budget(state: SpeculativeState, k: int) -> torch.Tensor:
@@ -199,7 +208,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     device = state.tokens.device
     counter = state.cur_len - state.prompt_len  # tokens each row generated so far (the noise counter)
     view = DraftInput(tokens=state.tokens, cur_len=state.cur_len, budget=_budget(state, k), keys=state.keys,
-                      counter=counter, first_column=state.first_column)
+                      counter=counter, first_column=state.first_column, target_hidden=state.target_hidden)
     draft, drafter_state, cache = drafter.draft(model, state.drafter_state, view, state.cache)
     num_valid = torch.minimum(draft.num_valid, view.budget)
 
@@ -207,7 +216,13 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     block = torch.arange(k + 1, device=device)
     positions = (state.positions + 1).unsqueeze(1) + block
     cached = cache.length
-    logits, cache = model.apply(torch.cat([newest, draft.tokens], dim=1), positions, cache)
+    fed = torch.cat([newest, draft.tokens], dim=1)
+    target_hidden = None
+    if _needs_target_hidden(drafter):
+        out = model.apply(fed, positions, cache, output_hidden_states=True)
+        logits, cache, hidden = out.logits, out.cache, out.hidden_states[-1]
+    else:
+        logits, cache = model.apply(fed, positions, cache)
     scores = process_block(state.processors, logits, state.tokens, state.cur_len, state.prompt_len, draft.tokens)
     weight = state.ensemble_weight
     if opts.do_sample:
@@ -220,6 +235,10 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     verified = Verified(tokens=verified.tokens, num_new=num_new, accepted=accepted)
 
     kept = block.unsqueeze(0) < num_new.unsqueeze(1)  # [B, k + 1]
+    if _needs_target_hidden(drafter):
+        # The last kept input's hidden state chose the row's new newest token.
+        last_kept = (num_new - 1).clamp(min=0).reshape(batch, 1, 1).expand(batch, 1, hidden.shape[-1])
+        target_hidden = torch.where(state.done.reshape(batch, 1, 1), state.target_hidden, hidden.gather(1, last_kept))
     nonfinite = state.nonfinite
     if opts.check_finite:
         nonfinite = nonfinite | (~torch.isfinite(logits).all(dim=-1) & kept).any(dim=1)
@@ -227,7 +246,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     written = torch.where(kept, verified.tokens, opts.pad_token_id)
     state.tokens.scatter_(1, state.cur_len.unsqueeze(1) + block, written)
     cur_len = state.cur_len + num_new
-    new_eos = (eos_emitted(verified.tokens.reshape(-1), opts.eos_token_ids).reshape(batch, k + 1) & kept).any(dim=1)
+    new_eos = (eos_emitted(verified.tokens, opts.eos_token_ids) & kept).any(dim=1)
     done = state.done | new_eos | (cur_len >= state.max_length)
 
     active = ~state.done
@@ -243,6 +262,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
         drafter_state=drafter.commit(drafter_state, verified, view),
         schedule=schedule,
         stats=record(state.stats, num_valid, accepted, active=active),
+        target_hidden=target_hidden,
     )
 
 
