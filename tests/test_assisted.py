@@ -345,3 +345,18 @@ def test_block_drafter_equals_plain_greedy_and_reads_the_right_hidden_state(mode
     state = driver.run(strategy, target, strategy.init(target, request), num_steps=NEW - 1, compile_options=options)
     assert torch.equal(state.tokens[:, : int(state.cur_len.max())], _plain(target, ids, mask))
     assert bool(state.drafter_state.all())
+
+
+def test_mtp_heads_draft_and_greedy_equals_plain():
+    _, model = tiny_pair()
+    g = torch.Generator().manual_seed(5)
+    hidden = model.spec.hidden_size
+    model.params["mtp"] = [{"enorm": torch.ones(hidden), "hnorm": torch.ones(hidden),
+                            "eh_proj": torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5}
+                           for _ in range(2)]
+    for ids, mask in (BATCH_1, BATCH_4):
+        out = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, use_mtp=True,
+                             return_dict_in_generate=True, disable_compile=True, **STATIC)
+        assert torch.equal(out.sequences, _plain(model, ids, mask))
+        # Two heads: at most two drafts a round.
+        assert int(out.acceptance["proposed"].max()) <= 2 * int(out.acceptance["rounds"].max())

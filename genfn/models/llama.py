@@ -24,7 +24,7 @@ from genfn.kernels import linear
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput"]
+           "init_cache", "ModelOutput", "mtp_head"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -283,6 +283,23 @@ def apply(
                            tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)
     return logits, cache
+
+
+def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: torch.Tensor, token: torch.Tensor):
+    """Multi-token prediction head ``index`` (optional ``params["mtp"]``, a list of heads).
+
+    DeepSeek-V3's MTP module without its transformer block: the head mixes the previous depth's
+    hidden state ``hidden [B, H]`` with the embedding of the token chosen from it, ``token [B]``
+    (each RMS-normed, concatenated, projected back to ``H`` by ``eh_proj [H, 2H]``), and reads the
+    next-next token through the model's final norm and LM head. Returns ``(logits [B, V] float32,
+    hidden [B, H])``; the hidden state feeds head ``index + 1``.
+    """
+    head = params["mtp"][index]
+    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
+                   head["eh_proj"])
+    logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    return logits, mixed
 
 
 def _eager_attention(q, k, v, mask, head_dim):

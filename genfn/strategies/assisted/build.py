@@ -14,6 +14,7 @@ from genfn.strategies.assisted.block import BlockDrafter
 from genfn.strategies.assisted.draft_model import DraftModelDrafter
 from genfn.strategies.assisted.drafter import PromptLookupDrafter
 from genfn.strategies.assisted.early_exit import EarlyExitDrafter
+from genfn.strategies.assisted.mtp import MTPDrafter, num_mtp_heads
 from genfn.strategies.assisted.schedule import schedule_for_next_call
 from genfn.strategies.assisted.step import speculative_strategy
 from genfn.strategies.base import Strategy
@@ -24,15 +25,8 @@ __all__ = ["assisted_strategy", "carried_schedules"]
 # The schedule each assistant (or early-exiting target) ended its last call at, for "heuristic".
 carried_schedules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-_NOT_YET = {"use_mtp": "multi-token prediction heads (use_mtp)"}
-
-
 def _drafter(model, request: GenerationRequest, assistant_model):
     config = request.config
-    for name, what in _NOT_YET.items():
-        if getattr(config, name, None):
-            raise ValueError(f"{what} is not supported by genfn yet; use prompt_lookup_num_tokens, assistant_model "
-                             "or assistant_early_exit")
     num_tokens = int(config.num_assistant_tokens or 20)
     if config.speculation_type == "dflash" or isinstance(assistant_model, BlockDrafter):
         if not isinstance(assistant_model, BlockDrafter):
@@ -42,6 +36,12 @@ def _drafter(model, request: GenerationRequest, assistant_model):
         return assistant_model, None
     if config.assistant_early_exit is not None:
         return EarlyExitDrafter(num_layers=int(config.assistant_early_exit), num_tokens=num_tokens), model
+    if config.use_mtp:
+        heads = num_mtp_heads(model)
+        if heads == 0:
+            raise ValueError("use_mtp=True needs a model with multi-token-prediction heads (params['mtp']); this "
+                             "model has none")
+        return MTPDrafter(num_tokens=min(heads, num_tokens)), None
     if config.prompt_lookup_num_tokens is not None:
         drafter = PromptLookupDrafter(num_tokens=int(config.prompt_lookup_num_tokens),
                                       max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
