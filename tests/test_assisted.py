@@ -28,6 +28,16 @@ PROPOSERS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def many_compiled_steps():
+    """Dynamo counts compiles per code object, and every compiled step runs the driver's one
+    ``tensors_to_tensors``: this module compiles more distinct strategies than its default limit of 8."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 64
+    yield
+    torch._dynamo.config.recompile_limit = limit
+
+
 @pytest.fixture(scope="module")
 def models():
     """The target and a differently seeded assistant of the same shape (it drafts, often wrongly)."""
