@@ -1,6 +1,6 @@
 """Assisted (speculative) decoding on SmolLM2-135M: plain greedy against each proposer, in one run.
 
-    python benchmarks/assisted.py                  # eager, static cache, 96 new tokens
+    python benchmarks/assisted.py                  # eager, static cache, 64 new tokens
     python benchmarks/assisted.py --compiled       # the compiled step (minutes of compiling per engine on CPU)
     python benchmarks/assisted.py --quick          # 32 new tokens, one timed repeat
 
@@ -15,8 +15,8 @@ its output copies long spans of the prompt, which is where prompt lookup drafts 
 
 Batch 1 runs every engine; batch 4 (four passages of different lengths, left padded) runs greedy
 and prompt lookup. Prints and writes (benchmarks/results/assisted-<date>.json) tok/s (best of
-``--repeats`` after a warm-up, engines interleaved), the speed-up over greedy, whether the tokens
-equal greedy's, and the acceptance statistics. A slow-down is reported as one.
+``--repeats``; with ``--compiled`` after a warm-up call that compiles), the speed-up over greedy,
+whether the tokens equal greedy's, and the acceptance statistics. A slow-down is reported as one.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def prompts(tokenizer, count: int):
     return batch["input_ids"], batch["attention_mask"]
 
 
-def timed(fn, repeats: int):
-    out = fn()  # warm-up (compiles in --compiled)
+def timed(fn, repeats: int, warm_up: bool):
+    out = fn() if warm_up else None  # the compiled engines compile on their first call
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,13 +73,14 @@ def timed(fn, repeats: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--early-exit", type=int, default=8)
     parser.add_argument("--assistant-tokens", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--note", default="", help="recorded in the JSON (e.g. the machine's load)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
@@ -103,7 +104,8 @@ def main() -> None:
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)", "torch": torch.__version__,
                "threads": torch.get_num_threads(), "compiled": args.compiled, "new_tokens": args.new_tokens,
-               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "runs": []}
+               "settings": {k: v for k, v in vars(args).items() if k != "out"},
+               "load_average_at_start": os.getloadavg(), "runs": []}
     print(f"# assisted decoding, SmolLM2-135M float32, {args.new_tokens} new tokens, "
           f"{'compiled' if args.compiled else 'eager'}, {torch.get_num_threads()} threads")
     for batch, names in plan.items():
@@ -111,7 +113,7 @@ def main() -> None:
         baseline = None
         for name in names:
             out, seconds = timed(lambda: genfn.generate(model, ids, attention_mask=mask, **settings,
-                                                        **engines[name]), args.repeats)
+                                                        **engines[name]), args.repeats, args.compiled)
             tokens = batch * (out.sequences.shape[1] - ids.shape[1])  # the same for every engine of a batch
             row = {"batch": batch, "engine": name, "seconds": round(seconds, 3),
                    "tok_per_s": round(tokens / seconds, 2)}

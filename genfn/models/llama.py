@@ -224,7 +224,8 @@ def apply(
     layers = params["layers"]
     if num_layers is not None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), got {num_layers!r}")
+            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
+                             f"got {num_layers!r}")
         layers = layers[:num_layers]
     batch, seq = tokens.shape
     slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
