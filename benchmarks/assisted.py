@@ -15,8 +15,9 @@ its output copies long spans of the prompt, which is where prompt lookup drafts 
 
 Batch 1 runs every engine; batch 4 (four passages of different lengths, left padded) runs greedy
 and prompt lookup. Prints and writes (benchmarks/results/assisted-<date>.json) tok/s (best of
-``--repeats``; with ``--compiled`` after a warm-up call that compiles), the speed-up over greedy,
-whether the tokens equal greedy's, and the acceptance statistics. A slow-down is reported as one.
+``--repeats``, engines interleaved within each repeat; with ``--compiled`` after a warm-up call
+that compiles), the speed-up over greedy, whether the tokens equal greedy's, and the acceptance
+statistics. A slow-down is reported as one.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ def prompts(tokenizer, count: int):
     return batch["input_ids"], batch["attention_mask"]
 
 
-def timed(fn, repeats: int, warm_up: bool):
-    out = fn() if warm_up else None  # the compiled engines compile on their first call
-    best = float("inf")
+def interleaved(calls: dict, repeats: int, warm_up: bool):
+    """``{name: (last output, [seconds per repeat])}``; each repeat times every engine once, in turn,
+    so a change in the machine's load hits every engine alike."""
+    if warm_up:
+        for call in calls.values():
+            call()  # the compiled engines compile on their first call
+    results = {name: (None, []) for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return out, best
+        for name, call in calls.items():
+            start = time.perf_counter()
+            out = call()
+            results[name] = (out, results[name][1] + [time.perf_counter() - start])
+    return results
 
 
 def main() -> None:
@@ -80,6 +86,8 @@ def main() -> None:
     parser.add_argument("--assistant-tokens", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--engines", nargs="+", default=["greedy", "prompt-lookup", "early-exit", "draft-bf16"],
+                        help="which engines to run (greedy, the baseline, always runs)")
     parser.add_argument("--note", default="", help="recorded in the JSON (e.g. the machine's load)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -100,6 +108,7 @@ def main() -> None:
         "draft-bf16": dict(assistant_model=draft, num_assistant_tokens=args.assistant_tokens,
                            assistant_confidence_threshold=0.0),
     }
+    args.engines = ["greedy"] + [name for name in args.engines if name != "greedy"]
     plan = {1: list(engines), 4: ["greedy", "prompt-lookup"]}
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)", "torch": torch.__version__,
@@ -111,12 +120,13 @@ def main() -> None:
     for batch, names in plan.items():
         ids, mask = prompts(model.tokenizer, batch)
         baseline = None
-        for name in names:
-            out, seconds = timed(lambda: genfn.generate(model, ids, attention_mask=mask, **settings,
-                                                        **engines[name]), args.repeats, args.compiled)
+        calls = {name: (lambda name=name: genfn.generate(model, ids, attention_mask=mask, **settings,
+                                                        **engines[name])) for name in names if name in args.engines}
+        for name, (out, times) in interleaved(calls, args.repeats, args.compiled).items():
+            seconds = min(times)
             tokens = batch * (out.sequences.shape[1] - ids.shape[1])  # the same for every engine of a batch
             row = {"batch": batch, "engine": name, "seconds": round(seconds, 3),
-                   "tok_per_s": round(tokens / seconds, 2)}
+                   "tok_per_s": round(tokens / seconds, 2), "all_seconds": [round(t, 2) for t in times]}
             if baseline is None:
                 baseline = (out.sequences, seconds)
             else:
