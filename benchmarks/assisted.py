@@ -3,6 +3,7 @@
     python benchmarks/assisted.py                  # eager, static cache, 64 new tokens
     python benchmarks/assisted.py --compiled       # the compiled step (minutes of compiling per engine on CPU)
     python benchmarks/assisted.py --quick          # 32 new tokens, one timed repeat
+    python benchmarks/assisted.py --engines prompt-lookup --repeats 3   # greedy vs prompt lookup only
 
 The task is input-grounded: the model rewrites a passage given in the prompt (chat template), so
 its output copies long spans of the prompt, which is where prompt lookup drafts well. Engines
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--assistant-tokens", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4], choices=[1, 2, 3, 4])
     parser.add_argument("--engines", nargs="+", default=["greedy", "prompt-lookup", "early-exit", "draft-bf16"],
                         help="which engines to run (greedy, the baseline, always runs)")
     parser.add_argument("--note", default="", help="recorded in the JSON (e.g. the machine's load)")
@@ -109,7 +111,7 @@ def main() -> None:
                            assistant_confidence_threshold=0.0),
     }
     args.engines = ["greedy"] + [name for name in args.engines if name != "greedy"]
-    plan = {1: list(engines), 4: ["greedy", "prompt-lookup"]}
+    plan = {batch: list(engines) if batch == 1 else ["greedy", "prompt-lookup"] for batch in args.batches}
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)", "torch": torch.__version__,
                "threads": torch.get_num_threads(), "compiled": args.compiled, "new_tokens": args.new_tokens,
