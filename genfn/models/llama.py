@@ -26,7 +26,7 @@ from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequenc
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput"]
+           "init_cache", "ModelOutput", "mtp_head"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -217,6 +217,7 @@ def apply(
     attend_len: int | None = None,
     output_hidden_states: bool = False,
     output_attentions: bool = False,
+    num_layers: int | None = None,
 ):
     """Run ``tokens [B, S]`` at ``positions [B, S]`` against ``cache`` (donated).
 
@@ -224,9 +225,17 @@ def apply(
     ``logits_to_keep``: compute logits for the last that many positions only (0 = all).
     ``attend_len``: attend over the first ``attend_len`` cache slots only (static; must cover
     every filled slot), so attention costs the real context rather than ``max_cache_len``.
+    ``num_layers``: run only the first that many layers, then the final norm and LM head (early
+    exit: a cheaper draft of the same model; the cache's deeper layers are left as they were).
     Returns ``(logits [B, S', V] float32, cache)``, or a ``ModelOutput`` when hidden states or
     attentions are requested.
     """
+    layers = params["layers"]
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
+                             f"got {num_layers!r}")
+        layers = layers[:num_layers]
     batch, seq = tokens.shape
     slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
     if attention_mask is None:
@@ -248,7 +257,7 @@ def apply(
     kv_size = spec.num_kv_heads * spec.head_dim
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -284,6 +293,23 @@ def apply(
                            tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)
     return logits, cache
+
+
+def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: torch.Tensor, token: torch.Tensor):
+    """Multi-token prediction head ``index`` (optional ``params["mtp"]``, a list of heads).
+
+    DeepSeek-V3's MTP module without its transformer block: the head mixes the previous depth's
+    hidden state ``hidden [B, H]`` with the embedding of the token chosen from it, ``token [B]``
+    (each RMS-normed, concatenated, projected back to ``H`` by ``eh_proj [H, 2H]``), and reads the
+    next-next token through the model's final norm and LM head. Returns ``(logits [B, V] float32,
+    hidden [B, H])``; the hidden state feeds head ``index + 1``.
+    """
+    head = params["mtp"][index]
+    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
+                   head["eh_proj"])
+    logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    return logits, mixed
 
 
 def _eager_attention(q, k, v, mask, head_dim):
