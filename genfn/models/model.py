@@ -35,11 +35,11 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.params["embed"].dtype
+        return _first_floating(self.params).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.params["embed"].device
+        return _first_floating(self.params).device
 
     @property
     def vocab_size(self) -> int:
@@ -78,6 +78,18 @@ class Model:
 
     def __repr__(self) -> str:
         return f"Model({self.spec!r}, dtype={self.dtype}, source={self.source!r})"
+
+
+def _first_floating(params) -> torch.Tensor:
+    """The embedding of a native family, else the first floating-point tensor of the params."""
+    if isinstance(params, dict) and isinstance(params.get("embed"), torch.Tensor):
+        return params["embed"]
+    import optree
+
+    for leaf in optree.tree_leaves(params):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    raise ValueError("the model's params hold no floating-point tensor")
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
