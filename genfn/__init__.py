@@ -17,6 +17,7 @@ from genfn.config import (
 from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
 from genfn.models.functional import FunctionalModel
+from genfn.models.adapter import from_module
 from genfn.models.model import Model, load
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from genfn.processors import (
@@ -71,7 +72,7 @@ from genfn.streamers import (
 )
 
 __all__ = [
-    "random", "generate", "load", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "random", "generate", "load", "from_module", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
     "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",

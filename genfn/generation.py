@@ -82,6 +82,7 @@ def generate(
     strategy: Strategy | None = None,
     custom_generate=None,
     compile_loop: bool = False,
+    synced_gpus: bool | None = None,
     **kwargs,
 ):
     """Generate continuations of ``input_ids`` with ``model``.
@@ -103,12 +104,18 @@ def generate(
     As in transformers, ``tokenizer=`` is required by ``stop_strings`` and ``token_healing``, and
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` feed ``guidance_scale``.
 
+    ``synced_gpus`` is accepted for transformers compatibility: it keeps every rank stepping until
+    all ranks finish, under data-parallel sharding (DeepSpeed ZeRO-3, FSDP). genfn runs one process
+    on one device, so there is nothing to synchronize and it changes nothing.
+
     ``compile_loop=True`` (greedy or sampling with ``cache_implementation="static"``) runs the
     whole decoding loop as one graph (torch ``while_loop``) instead of one compiled step per token;
     nothing can run on the host between steps, so it excludes streamers, stopping criteria,
     ``max_time`` and per-step outputs.
     """
     start_time = time.monotonic()
+    if synced_gpus is not None and not isinstance(synced_gpus, bool):
+        raise TypeError(f"synced_gpus must be a bool or None, got {type(synced_gpus).__name__}")
     streamer = _EndOnce(streamer) if streamer is not None else None
     try:
         request, chosen = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,

@@ -243,6 +243,8 @@ def from_module(module: torch.nn.Module, *, tokenizer=None, generation_config=No
     from genfn.config import GenerationConfig
     from genfn.models.model import Model
 
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"from_module expects a torch.nn.Module, got {type(module).__name__}")
     module = module.eval()
     spec = spec_for(module)
     if isinstance(generation_config, dict):

@@ -1,0 +1,159 @@
+"""genfn.from_module: transformers models wrapped as genfn models give their own generate's tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import genfn
+from tests.conftest import tiny_hf_model
+
+
+def _tiny(arch: str, seed: int = 0):
+    import transformers
+
+    if arch == "GPT2LMHeadModel":
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_hf_model(arch, seed)[0]
+
+
+ARCHS = ["LlamaForCausalLM", "GPT2LMHeadModel", "Qwen2ForCausalLM"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    hf = _tiny(request.param)
+    return hf, genfn.from_module(hf)
+
+
+def _left_padded():
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [3, 4, 9, 5, 6, 7], [0, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    return ids, mask
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(num_beams=2, num_return_sequences=2)],
+                         ids=["greedy", "beam3", "beam2x2"])
+def test_tokens_equal_module_generate(pair, settings):
+    hf, model = pair
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=2, **settings)
+    ours = genfn.generate(model, ids, attention_mask=mask, **common)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(ours, theirs)
+
+
+def test_greedy_scores_match_module(pair):
+    hf, model = pair
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    ours = genfn.generate(model, ids, attention_mask=mask, **common)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    for a, b in zip(ours.scores, theirs.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_reproducible_per_key(pair):
+    _, model = pair
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=12, do_sample=True, top_k=0, temperature=1.5, pad_token_id=0)
+    first = genfn.generate(model, ids, attention_mask=mask, key=genfn.random.key(7), **common)
+    again = genfn.generate(model, ids, attention_mask=mask, key=genfn.random.key(7), **common)
+    other = genfn.generate(model, ids, attention_mask=mask, key=genfn.random.key(8), **common)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_static_cache_equals_dynamic(pair):
+    hf, model = pair
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, disable_compile=True)
+    dynamic = genfn.generate(model, ids, attention_mask=mask, **common)
+    static = genfn.generate(model, ids, attention_mask=mask, cache_implementation="static", **common)
+    assert torch.equal(dynamic, static)
+
+
+def test_compiled_step_traces_fullgraph():
+    """transformers' GPT2 traces under the compiled driver (fullgraph; the eager backend keeps it cheap)."""
+    hf = _tiny("GPT2LMHeadModel", seed=3)
+    model = genfn.from_module(hf)
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    compiled = genfn.generate(model, ids, attention_mask=mask, cache_implementation="static",
+                              compile_config=genfn.CompileConfig(fullgraph=True, backend="eager", mode=None), **common)
+    assert model.compiled_steps, "the static-cache path did not compile a step"
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(compiled, theirs)
+
+
+def test_params_are_a_pytree_the_call_uses():
+    """The module's forward runs on the params value, not on the module's own tensors."""
+    hf = _tiny("LlamaForCausalLM", seed=1)
+    model = genfn.from_module(hf)
+    ids = torch.tensor([[3, 4, 5]])
+    before = model(ids).logits
+    zeroed = {name: torch.zeros_like(t) if name.endswith("norm.weight") and name.startswith("model.norm") else t
+              for name, t in model.params.items()}
+    changed = genfn.Model(model.spec, zeroed, model.apply_fn, model.init_cache_fn,
+                          generation_config=model.generation_config)
+    assert changed(ids).logits.abs().max() == 0  # the final norm scales every logit to zero
+    torch.testing.assert_close(model(ids).logits, before)
+    with torch.no_grad():
+        torch.testing.assert_close(before, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_from_module_rejects_other_values():
+    with pytest.raises(TypeError, match="nn.Module"):
+        genfn.from_module("gpt2")
+
+
+def test_module_without_cache_interface_is_refused():
+    class NoCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+
+        def forward(self, input_ids, cache=None, use_cache=False, **kwargs):
+            return (self.embed(input_ids),)
+
+    with pytest.raises(TypeError, match="cache"):
+        genfn.from_module(NoCache())
+
+
+def test_load_unknown_architecture_goes_through_transformers(tmp_path):
+    hf = _tiny("GPT2LMHeadModel", seed=2)
+    hf.save_pretrained(tmp_path)
+    model = genfn.load(tmp_path)
+    assert model.spec.architecture == "GPT2LMHeadModel"
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(genfn.generate(model, ids, attention_mask=mask, **common), theirs)
+
+
+def test_hub_id_is_refused_with_directions():
+    with pytest.raises(ValueError, match="hub downloads are not supported.*local directory"):
+        genfn.load("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_synced_gpus_accepted():
+    hf = _tiny("LlamaForCausalLM")
+    model = genfn.from_module(hf)
+    ids, mask = _left_padded()
+    plain = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    synced = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                            synced_gpus=True)
+    assert torch.equal(plain, synced)
+    with pytest.raises(TypeError, match="synced_gpus"):
+        genfn.generate(model, ids, attention_mask=mask, max_new_tokens=4, synced_gpus="yes")
