@@ -18,7 +18,8 @@ from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
 from genfn.models.functional import FunctionalModel
 from genfn.models.adapter import from_module
-from genfn.models.model import Model, load
+from genfn.models.loading import load
+from genfn.models.model import Model
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from genfn.processors import (
     EncoderNoRepeatNGramLogitsProcessor,

@@ -20,7 +20,7 @@ import torch
 from genfn.models import registry
 from genfn.models.functional import FunctionalModel
 
-__all__ = ["Model", "ModelCallOutput", "load", "from_hf_state_dict"]
+__all__ = ["Model", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
 
 
 @dataclasses.dataclass
@@ -181,7 +181,8 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
 
 
 def load(path: str | os.PathLike | None = None, *, dtype=torch.float32) -> Model:
-    """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2)."""
+    """Load a Hugging Face directory or a GGUF file of a native architecture; ``None`` loads the
+    embedded default (SmolLM2). ``genfn.load`` (``genfn.models.loading``) adds every other architecture."""
     from genfn.models.loaders import load_checkpoint
 
     if path is None:
@@ -189,9 +190,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32) -> Model
 
         path = default_model_path()
     dtype = _check_dtype(dtype)
-    _refuse_hub_id(path)
-    if _needs_transformers(path):
-        return _load_with_transformers(os.fspath(path), dtype)
+    refuse_hub_id(path)
     ckpt = load_checkpoint(path, dtype=dtype)
     return from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
                               generation_config=ckpt.generation_config, source=ckpt.source)
@@ -201,43 +200,9 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32) -> Model
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
-def _refuse_hub_id(path) -> None:
+def refuse_hub_id(path) -> None:
     text = os.fspath(path)
     if not os.path.exists(text) and _HUB_ID.match(text):
         raise ValueError(f"{text!r} looks like a Hugging Face Hub id, and hub downloads are not supported by "
                          f"genfn.load: download it first (e.g. `huggingface-cli download {text} --local-dir "
                          f"./{text.split('/')[-1]}`) and pass the local directory: genfn.load('./{text.split('/')[-1]}')")
-
-
-def _needs_transformers(path) -> bool:
-    """Whether ``path`` is a Hugging Face directory of an architecture genfn has no native family for."""
-    from genfn.models.loaders import find_checkpoint_format
-    from genfn.models.loaders.hf import read_json
-
-    kind, resolved = find_checkpoint_format(path)
-    if kind != "hf":
-        return False
-    config = read_json(os.path.join(resolved, "config.json"), "config.json")
-    return registry.family_or_none(config) is None
-
-
-def _load_with_transformers(directory: str, dtype: torch.dtype) -> Model:
-    """A directory of a non-native architecture, loaded by transformers and wrapped by ``from_module``."""
-    try:
-        import transformers
-    except ImportError:
-        from genfn.models.loaders.hf import read_json
-
-        arch = registry.architecture_of(read_json(os.path.join(directory, "config.json"), "config.json"))
-        raise ImportError(f"{directory}: genfn has no native implementation of {arch} (native: "
-                          f"{', '.join(registry.ARCHITECTURES)}); loading it needs transformers: "
-                          f"pip install transformers") from None
-    from genfn.models.adapter import from_module
-
-    module = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    tokenizer = None
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        from genfn.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_pretrained(directory)
-    return from_module(module, tokenizer=tokenizer, source=directory)
