@@ -157,3 +157,46 @@ def test_synced_gpus_accepted():
     assert torch.equal(plain, synced)
     with pytest.raises(TypeError, match="synced_gpus"):
         genfn.generate(model, ids, attention_mask=mask, max_new_tokens=4, synced_gpus="yes")
+
+
+def _custom_generate_dir(root) -> str:
+    code = root / "custom_generate"
+    code.mkdir(parents=True)
+    (code / "helpers.py").write_text("def marker():\n    return 'from the directory'\n")
+    (code / "generate.py").write_text(
+        "from .helpers import marker\n\n"
+        "def generate(model, input_ids, **kwargs):\n"
+        "    # the last prompt token repeated three times: a decoding loop genfn would never produce\n"
+        "    import torch\n"
+        "    tail = input_ids[:, -1:].repeat(1, 3)\n"
+        "    return {'sequences': torch.cat([input_ids, tail], dim=1), 'marker': marker(),\n"
+        "            'max_new_tokens': kwargs['generation_config'].max_new_tokens}\n")
+    return str(root)
+
+
+def test_custom_generate_directory_needs_trust_remote_code(tmp_path):
+    model = genfn.from_module(_tiny("LlamaForCausalLM"))
+    directory = _custom_generate_dir(tmp_path / "repo")
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        genfn.generate(model, ids, custom_generate=directory, max_new_tokens=4)
+    out = genfn.generate(model, ids, custom_generate=directory, trust_remote_code=True, max_new_tokens=4)
+    assert out["marker"] == "from the directory"
+    assert out["max_new_tokens"] == 4
+    assert out["sequences"].tolist() == [[3, 4, 5, 5, 5, 5]]
+
+
+def test_custom_generate_directory_without_generate_py(tmp_path):
+    model = genfn.from_module(_tiny("LlamaForCausalLM"))
+    with pytest.raises(FileNotFoundError, match="custom_generate/generate.py"):
+        genfn.generate(model, torch.tensor([[3, 4]]), custom_generate=str(tmp_path), trust_remote_code=True,
+                       max_new_tokens=2)
+
+
+def test_custom_generate_hub_id_offline_is_clear(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: the repository is not there
+    model = genfn.from_module(_tiny("LlamaForCausalLM"))
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache.*does not download"):
+        genfn.generate(model, torch.tensor([[3, 4]]), custom_generate="transformers-community/custom_generate_example",
+                       trust_remote_code=True, max_new_tokens=2)
