@@ -20,6 +20,7 @@ from genfn.models.functional import FunctionalModel
 from genfn.models.adapter import from_module
 from genfn.models.loading import load
 from genfn.models.model import Model
+from genfn.models.save import save
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from genfn.processors import (
     EncoderNoRepeatNGramLogitsProcessor,
@@ -73,7 +74,7 @@ from genfn.streamers import (
 )
 
 __all__ = [
-    "random", "generate", "load", "from_module", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "random", "generate", "load", "save", "from_module", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
     "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",
