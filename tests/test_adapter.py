@@ -96,6 +96,38 @@ def test_compiled_step_traces_fullgraph():
     assert torch.equal(compiled, theirs)
 
 
+class _Untraceable(torch.nn.Module):
+    """A transformers model behind a forward dynamo cannot trace in one graph."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+                logits_to_keep=0, **kwargs):
+        torch._dynamo.graph_break()
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def test_untraceable_module_falls_back_to_eager_once(caplog):
+    hf = _tiny("LlamaForCausalLM", seed=4)
+    model = genfn.from_module(_Untraceable(hf))
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    compile_config = genfn.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    with caplog.at_level("WARNING", logger="genfn.driver"):
+        first = genfn.generate(model, ids, attention_mask=mask, cache_implementation="static",
+                               compile_config=compile_config, **common)
+        second = genfn.generate(model, ids, attention_mask=mask, cache_implementation="static",
+                                compile_config=compile_config, **common)
+    fallbacks = [r for r in caplog.records if "does not trace under torch.compile" in r.getMessage()]
+    assert len(fallbacks) == 1
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(first, theirs) and torch.equal(second, theirs)
+
+
 def test_params_are_a_pytree_the_call_uses():
     """The module's forward runs on the params value, not on the module's own tensors."""
     hf = _tiny("LlamaForCausalLM", seed=1)

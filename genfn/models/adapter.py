@@ -48,6 +48,10 @@ class ModuleSpec:
     cache_arg: str  # "cache" (transformers 5) or "past_key_values"
     cache_view: Any  # the transformers Cache the module is handed, rebound at every forward
 
+    # An arbitrary module may not trace under torch.compile: the driver then runs its step
+    # eagerly (logging it once) instead of failing the call.
+    compile_fallback = True
+
     def __repr__(self) -> str:
         return (f"ModuleSpec({self.architecture}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, vocab={self.vocab_size})")
