@@ -232,3 +232,30 @@ def test_custom_generate_hub_id_offline_is_clear(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="not in the local Hugging Face cache.*does not download"):
         genfn.generate(model, torch.tensor([[3, 4]]), custom_generate="transformers-community/custom_generate_example",
                        trust_remote_code=True, max_new_tokens=2)
+
+
+def test_hidden_states_equal_module_generate(pair):
+    hf, model = pair
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_hidden_states=True)
+    ours = genfn.generate(model, ids, attention_mask=mask, **common)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert len(ours.hidden_states) == len(theirs.hidden_states)
+    for step_ours, step_theirs in zip(ours.hidden_states, theirs.hidden_states):
+        assert len(step_ours) == len(step_theirs)
+        for a, b in zip(step_ours, step_theirs):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["quantized", "offloaded"])
+def test_other_genfn_caches_bridge_too(implementation):
+    hf = _tiny("Qwen2ForCausalLM", seed=9)
+    model = genfn.from_module(hf)
+    ids, mask = _left_padded()
+    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ours = genfn.generate(model, ids, attention_mask=mask, cache_implementation=implementation, **common)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **common)
+    assert torch.equal(ours, theirs)
