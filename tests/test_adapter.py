@@ -243,9 +243,12 @@ def test_hidden_states_equal_module_generate(pair):
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=mask, **common)
     assert len(ours.hidden_states) == len(theirs.hidden_states)
-    for step_ours, step_theirs in zip(ours.hidden_states, theirs.hidden_states):
+    real = mask.bool()  # what a padding query computes is never read, and differs between attention kernels
+    for step, (step_ours, step_theirs) in enumerate(zip(ours.hidden_states, theirs.hidden_states)):
         assert len(step_ours) == len(step_theirs)
         for a, b in zip(step_ours, step_theirs):
+            if step == 0:
+                a, b = a[real], b[real]
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
