@@ -126,11 +126,13 @@ def _bridge_classes():
 
 
 def _forward_args(module: torch.nn.Module) -> frozenset:
+    """The forward's keyword names; ``"kwargs"`` stands for a ``**kwargs`` that takes any (empty:
+    the signature is unknown, so every argument is passed)."""
     try:
         parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return frozenset()
-    return frozenset(parameters)
+    return frozenset("kwargs" if p.kind is inspect.Parameter.VAR_KEYWORD else name for name, p in parameters.items())
 
 
 def _probe(module: torch.nn.Module, cache_arg: str, vocab_size: int | None):
@@ -147,8 +149,8 @@ def _probe(module: torch.nn.Module, cache_arg: str, vocab_size: int | None):
     param = next(iter(module.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     with torch.no_grad():
-        out = module(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
-                     **{cache_arg: Recorder(), "use_cache": True})
+        token = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        out = module(input_ids=token, attention_mask=torch.ones_like(token), **{cache_arg: Recorder(), "use_cache": True})
     if not recorded:
         raise TypeError(f"{type(module).__name__} did not write its keys and values through the cache passed as "
                         f"{cache_arg}=: genfn.from_module needs a module with transformers' cache interface")
@@ -210,6 +212,8 @@ def apply(spec: ModuleSpec, params, tokens, positions, cache, attention_mask=Non
     view = spec.cache_view.bind(cache, slots, attend_len)
     kwargs = {"input_ids": tokens, "attention_mask": cache.valid[:, :attend_len], "position_ids": positions,
               spec.cache_arg: view, "use_cache": True}
+    if spec.forward_args and "kwargs" not in spec.forward_args:
+        kwargs = {name: value for name, value in kwargs.items() if name in spec.forward_args}
     if logits_to_keep and "logits_to_keep" in spec.forward_args:
         kwargs["logits_to_keep"] = logits_to_keep
     if output_hidden_states:

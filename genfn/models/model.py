@@ -203,6 +203,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 def refuse_hub_id(path) -> None:
     text = os.fspath(path)
     if not os.path.exists(text) and _HUB_ID.match(text):
-        raise ValueError(f"{text!r} looks like a Hugging Face Hub id, and hub downloads are not supported by "
+        raise ValueError(f"{text!r} is not a local path; it looks like a Hugging Face Hub id, and hub downloads are "
+                         f"not supported by "
                          f"genfn.load: download it first (e.g. `huggingface-cli download {text} --local-dir "
                          f"./{text.split('/')[-1]}`) and pass the local directory: genfn.load('./{text.split('/')[-1]}')")
