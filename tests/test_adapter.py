@@ -262,3 +262,12 @@ def test_other_genfn_caches_bridge_too(implementation):
     with torch.no_grad():
         theirs = hf.generate(ids, attention_mask=mask, **common)
     assert torch.equal(ours, theirs)
+
+
+def test_load_without_transformers_names_the_missing_package(tmp_path, monkeypatch):
+    import sys
+
+    _tiny("GPT2LMHeadModel").save_pretrained(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(ImportError, match="no native implementation of GPT2LMHeadModel.*pip install transformers"):
+        genfn.load(tmp_path)
