@@ -184,7 +184,9 @@ _TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in
 def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Callable[[Any], Any]:
     """``compiled``, except that an exception the step raises while it is traced reaches the caller
     as itself (its type and message), not as dynamo's wrapper: the step runs eagerly once on the same
-    state (tracing touched no real buffer) and its own exception propagates."""
+    state (tracing touched no real buffer) and its own exception propagates. A model whose spec sets
+    ``compile_fallback`` (a wrapped ``nn.Module``) keeps that eager result when the step itself
+    succeeded, and runs eagerly from then on."""
     fallback_key = ("eager_fallback", step)
 
     def call(state):
