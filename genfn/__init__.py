@@ -17,7 +17,10 @@ from genfn.config import (
 from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
 from genfn.models.functional import FunctionalModel
-from genfn.models.model import Model, load
+from genfn.models.adapter import from_module
+from genfn.models.loading import load
+from genfn.models.model import Model
+from genfn.models.save import save
 from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 from genfn.processors import (
     EncoderNoRepeatNGramLogitsProcessor,
@@ -71,7 +74,7 @@ from genfn.streamers import (
 )
 
 __all__ = [
-    "random", "generate", "load", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "random", "generate", "load", "save", "from_module", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
     "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",

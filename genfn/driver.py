@@ -15,6 +15,7 @@ shapes and dtypes), so later calls with the same shapes reuse them.
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 from typing import Any, Callable
@@ -34,6 +35,8 @@ __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "l
            "NonFiniteLogitsError", "ParamsModule"]
 
 StepFn = Callable[[Any, Any], Any]
+
+_logger = logging.getLogger(__name__)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -191,13 +194,26 @@ _TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in
 def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Callable[[Any], Any]:
     """``compiled``, except that an exception the step raises while it is traced reaches the caller
     as itself (its type and message), not as dynamo's wrapper: the step runs eagerly once on the same
-    state (tracing touched no real buffer) and its own exception propagates."""
+    state (tracing touched no real buffer) and its own exception propagates. A model whose spec sets
+    ``compile_fallback`` (a wrapped ``nn.Module``) keeps that eager result when the step itself
+    succeeded, and runs eagerly from then on."""
+    fallback_key = ("eager_fallback", step)
+
     def call(state):
+        if model.compiled_steps.get(fallback_key):
+            return eager_step(step, model)(state)
         try:
             return compiled(state)
         except _TRACE_ERRORS as traced:
-            eager_step(step, model)(state)
-            raise traced
+            result = eager_step(step, model)(state)
+            if not getattr(functional(model).spec, "compile_fallback", False):
+                raise traced
+            # A wrapped nn.Module (genfn.from_module) that dynamo cannot trace runs eagerly instead:
+            # its step just worked, so only the compile failed. Said once per model and step.
+            model.compiled_steps[fallback_key] = True
+            _logger.warning("genfn: %s does not trace under torch.compile (%s: %s); its decode step runs eagerly",
+                            functional(model).spec, type(traced).__name__, str(traced).splitlines()[0][:200])
+            return result
 
     return call
 
@@ -208,6 +224,8 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     The compiled function is cached on ``model``; a state with the same structure, static options,
     shapes and dtypes reuses it without recompiling.
     """
+    if model.compiled_steps.get(("eager_fallback", step)):
+        return eager_step(step, model)
     fn = _cached_compile(model, "step", step, state, compile_options,
                          lambda weights, layout: _step_on_leaves(step, model, weights, layout))
     return _with_own_errors(lambda state: _call_on_leaves(fn, state), step, model)

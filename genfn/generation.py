@@ -7,6 +7,7 @@ decision about tokens is made inside a strategy's pure step.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Sequence
 
@@ -15,6 +16,7 @@ import torch
 from genfn import driver
 from genfn import inputs
 from genfn import random as grandom
+from genfn.custom_generate import load_custom_generate
 from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
@@ -85,6 +87,8 @@ def generate(
     custom_generate=None,
     compile_loop: bool = False,
     assistant_model=None,
+    synced_gpus: bool | None = None,
+    trust_remote_code: bool = False,
     **kwargs,
 ):
     """Generate continuations of ``input_ids`` with ``model``.
@@ -101,7 +105,9 @@ def generate(
     same as ``strategy=``), or a callable that replaces the decoding loop, as in transformers:
     genfn prepares the inputs, config, processors and criteria, then returns
     ``custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
-    generation_config=..., streamer=..., attention_mask=..., request=...)``.
+    generation_config=..., streamer=..., attention_mask=..., request=...)``; or a directory (path or
+    cached Hub id) holding ``custom_generate/generate.py``, whose ``generate`` is then called the
+    same way; it runs code from disk, so it needs ``trust_remote_code=True``.
 
     As in transformers, ``tokenizer=`` is required by ``stop_strings`` and ``token_healing``, and
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` feed ``guidance_scale``.
@@ -110,12 +116,18 @@ def generate(
     or ``assistant_early_exit`` select assisted (speculative) generation at any batch size; its
     output equals plain decoding's, and ``return_dict_in_generate=True`` adds ``acceptance``.
 
+    ``synced_gpus`` is accepted for transformers compatibility: it keeps every rank stepping until
+    all ranks finish, under data-parallel sharding (DeepSpeed ZeRO-3, FSDP). genfn runs one process
+    on one device, so there is nothing to synchronize and it changes nothing.
+
     ``compile_loop=True`` (greedy or sampling with ``cache_implementation="static"``) runs the
     whole decoding loop as one graph (torch ``while_loop``) instead of one compiled step per token;
     nothing can run on the host between steps, so it excludes streamers, stopping criteria,
     ``max_time`` and per-step outputs.
     """
     start_time = time.monotonic()
+    if synced_gpus is not None and not isinstance(synced_gpus, bool):
+        raise TypeError(f"synced_gpus must be a bool or None, got {type(synced_gpus).__name__}")
     streamer = _EndOnce(streamer) if streamer is not None else None
     try:
         request, chosen = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
@@ -124,6 +136,8 @@ def generate(
                                           assistant_model=assistant_model, **kwargs)
         criteria = user_criteria(stopping_criteria)
         if custom_generate is not None:
+            if isinstance(custom_generate, (str, os.PathLike)):
+                custom_generate = load_custom_generate(custom_generate, trust_remote_code=trust_remote_code)
             if isinstance(custom_generate, Strategy):
                 strategy = custom_generate
             elif callable(custom_generate):
@@ -132,9 +146,8 @@ def generate(
                                        streamer=streamer.streamer if streamer else None,
                                        attention_mask=request.attention_mask, request=request)
             else:
-                raise ValueError(f"custom_generate must be a genfn Strategy or a callable; got "
-                                 f"{type(custom_generate).__name__} (loading a custom_generate directory or Hub "
-                                 f"repository is not supported)")
+                raise ValueError(f"custom_generate must be a genfn Strategy, a callable, or a directory holding "
+                                 f"custom_generate/generate.py; got {type(custom_generate).__name__}")
         if strategy is not None and not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a genfn.strategies.base.Strategy, got {type(strategy).__name__}")
         strategy = strategy or chosen

@@ -9,15 +9,26 @@ the model because the compiled code closes over its weights.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from typing import Any, Callable
 
+import optree
 import torch
 
-from genfn.models import llama
+from genfn.models import registry
 from genfn.models.functional import FunctionalModel
 
-__all__ = ["Model", "load", "from_hf_state_dict"]
+__all__ = ["Model", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
+
+
+@dataclasses.dataclass
+class ModelCallOutput:
+    """What ``model(input_ids)`` returns: ``logits [B, S, V]`` (float32) and the filled cache."""
+
+    logits: torch.Tensor
+    cache: Any
 
 
 class Model:
@@ -35,11 +46,11 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.params["embed"].dtype
+        return _first_floating(self.params).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.params["embed"].device
+        return _first_floating(self.params).device
 
     @property
     def vocab_size(self) -> int:
@@ -51,6 +62,51 @@ class Model:
 
     def apply(self, tokens, positions, cache, attention_mask=None, **kwargs):
         return self.apply_fn(self.spec, self.params, tokens, positions, cache, attention_mask, **kwargs)
+
+    def __call__(self, input_ids, attention_mask=None, *, cache=None) -> ModelCallOutput:
+        """One forward over ``input_ids [B, S]`` (left padding marked 0 in ``attention_mask``), like
+        calling a transformers model: ``model(input_ids).logits``. Positions count the real tokens
+        of each row (padding gets 1, as in transformers); ``cache`` (default: a fresh static cache
+        holding exactly the prompt) is donated."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = torch.as_tensor(attention_mask, device=self.device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{tuple(attention_mask.shape)}")
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        if cache is None:
+            cache = self.init_cache(input_ids.shape[0], input_ids.shape[1])
+        with torch.no_grad():
+            logits, cache = self.apply(input_ids, positions, cache, attention_mask)
+        return ModelCallOutput(logits, cache)
+
+    def to(self, device=None, dtype=None) -> "Model":
+        """A new Model with the floating-point params cast to ``dtype`` and every param moved to
+        ``device`` (either may be None); this model is unchanged. Compiled steps are not shared:
+        they closed over the old weights."""
+        if isinstance(device, torch.dtype):  # model.to(torch.bfloat16), as with nn.Module
+            device, dtype = None, device
+        if dtype is not None:
+            dtype = _check_dtype(dtype)
+        if device is not None:
+            device = torch.device(device)
+
+        def moved(leaf):
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            cast = dtype if dtype is not None and leaf.is_floating_point() and not _keeps_float32(leaf, self.params) \
+                else None
+            return leaf.to(device=device, dtype=cast)
+
+        params = optree.tree_map(moved, self.params, none_is_leaf=True)
+        return Model(self.spec, params, self.apply_fn, self.init_cache_fn, tokenizer=self.tokenizer,
+                     generation_config=self.generation_config, config=dict(self.config), source=self.source)
 
     def functional(self) -> FunctionalModel:
         """The value a step function receives (eager and compiled alike): spec, params, apply."""
@@ -80,6 +136,18 @@ class Model:
         return f"Model({self.spec!r}, dtype={self.dtype}, source={self.source!r})"
 
 
+def _first_floating(params) -> torch.Tensor:
+    """The embedding of a native family, else the first floating-point tensor of the params."""
+    if isinstance(params, dict) and isinstance(params.get("embed"), torch.Tensor):
+        return params["embed"]
+    import optree
+
+    for leaf in optree.tree_leaves(params):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    raise ValueError("the model's params hold no floating-point tensor")
+
+
 def _check_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
@@ -88,19 +156,27 @@ def _check_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
+def _keeps_float32(leaf: torch.Tensor, params) -> bool:
+    """Whether ``leaf`` is a float32 table a native family keeps at full precision whatever the
+    weights' dtype (the rotary inverse frequencies)."""
+    return isinstance(params, dict) and params.get("inv_freq") is leaf
+
+
 def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, tokenizer=None,
                        generation_config=None, source: str | None = None) -> Model:
-    """A native ``Model`` from a Hugging Face config dict and state dict (any supported architecture)."""
+    """A native ``Model`` from a Hugging Face config dict and state dict (any architecture in
+    ``genfn.models.registry``)."""
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
-    spec = llama.spec_from_config(config)
-    params = llama.params_from_state_dict(spec, state_dict, dtype=dtype)
+    family = registry.native_family(config)
+    spec = family.spec_from_config(config)
+    params = family.params_from_state_dict(spec, state_dict, dtype=dtype)
     if isinstance(generation_config, dict):
         generation_config = GenerationConfig.from_dict(generation_config)
     if generation_config is None:
         generation_config = GenerationConfig.from_model_config(config)
-    return Model(spec, params, llama.apply, llama.init_cache, tokenizer=tokenizer,
+    return Model(spec, params, family.apply, family.init_cache, tokenizer=tokenizer,
                  generation_config=generation_config, config=dict(config), source=source)
 
 
@@ -121,6 +197,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
 
         path = default_model_path()
     dtype = _check_dtype(dtype)
+    refuse_hub_id(path)
     quantize = check_quantize(quantize)
     if quantize == "gguf":
         from genfn.models.loaders.gguf import load_gguf_checkpoint
@@ -139,3 +216,16 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     # Build (or find) the native kernels now, not in the middle of the first step.
     kernels.quant_linear_available()
     return model
+
+
+# "owner/name" (optionally "@revision"): what the Hub calls a repository id.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def refuse_hub_id(path) -> None:
+    text = os.fspath(path)
+    if not os.path.exists(text) and _HUB_ID.match(text):
+        raise ValueError(f"{text!r} is not a local path; it looks like a Hugging Face Hub id, and hub downloads are "
+                         f"not supported by "
+                         f"genfn.load: download it first (e.g. `huggingface-cli download {text} --local-dir "
+                         f"./{text.split('/')[-1]}`) and pass the local directory: genfn.load('./{text.split('/')[-1]}')")

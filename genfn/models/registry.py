@@ -1,0 +1,59 @@
+"""The architecture registry: which native family implements a Hugging Face architecture.
+
+A family is a module with ``spec_from_config(config)``, ``params_from_state_dict(spec, state_dict,
+dtype)``, ``apply`` and ``init_cache``. Adding a native family is one entry in ``ARCHITECTURES``
+(and, for configs without ``architectures``, one in ``MODEL_TYPES``). Architectures with no entry
+load through transformers and ``genfn.from_module`` instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, Mapping
+
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "architecture_of", "native_family", "family_or_none"]
+
+# Hugging Face architecture name -> the genfn module implementing it.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "genfn.models.llama",
+    "MistralForCausalLM": "genfn.models.llama",
+    "Qwen2ForCausalLM": "genfn.models.llama",
+}
+
+# config.json ``model_type`` -> architecture, for configs that name no architecture.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def architecture_of(config: Mapping[str, Any]) -> str | None:
+    """The first of the config's architectures genfn implements natively, else its first one (or
+    the one its ``model_type`` implies); None when the config names neither."""
+    archs = list(config.get("architectures") or [])
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    if archs:
+        return archs[0]
+    return MODEL_TYPES.get(config.get("model_type"))
+
+
+def family_or_none(config: Mapping[str, Any]) -> ModuleType | None:
+    """The native family module for ``config``, or None when genfn has none."""
+    arch = architecture_of(config)
+    if arch not in ARCHITECTURES:
+        return None
+    return importlib.import_module(ARCHITECTURES[arch])
+
+
+def native_family(config: Mapping[str, Any]) -> ModuleType:
+    """The native family module for ``config``; a ValueError naming the supported ones otherwise."""
+    family = family_or_none(config)
+    if family is None:
+        found = config.get("architectures") or [config.get("model_type")]
+        raise ValueError(f"unsupported architecture {found}; native architectures: {', '.join(ARCHITECTURES)} "
+                         f"(others load through transformers: genfn.load(directory) or genfn.from_module(module))")
+    return family

@@ -1,0 +1,129 @@
+"""``genfn.save(model, directory)``: a directory transformers' ``from_pretrained`` loads.
+
+It writes ``config.json``, ``model.safetensors`` under Hugging Face tensor names,
+``generation_config.json`` and, when the model has one, the tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, ``chat_template.jinja``). A native model's fused projections are split
+back (q/k/v from ``wqkv``, gate/up from ``w_gate_up``) and tied embeddings are stored once, as
+transformers does, so a model loaded from GGUF becomes an ordinary transformers checkpoint. A
+wrapped module (``genfn.from_module``) is saved by its own ``save_pretrained`` with the params.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from genfn.models import registry
+from genfn.models.adapter import ModuleSpec
+from genfn.models.llama import LlamaSpec
+
+__all__ = ["save", "llama_state_dict"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _plain(weight) -> torch.Tensor:
+    """A weight as a dense tensor (a quantized weight is expanded: checkpoints hold dense ones)."""
+    if isinstance(weight, torch.Tensor):
+        return weight
+    if hasattr(weight, "dequantize"):
+        return weight.dequantize()
+    raise TypeError(f"cannot export a weight of type {type(weight).__name__}: it is neither a tensor nor dequantizable")
+
+
+def llama_state_dict(spec: LlamaSpec, params) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> tensors for a Llama-family params pytree (the inverse of
+    ``llama.params_from_state_dict``)."""
+    q_rows = spec.num_heads * spec.head_dim
+    kv_rows = spec.num_kv_heads * spec.head_dim
+    state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _plain(params["embed"])}
+    for i, layer in enumerate(params["layers"]):
+        p = f"model.layers.{i}."
+        q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
+        gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
+        state.update({
+            p + "input_layernorm.weight": _plain(layer["attn_norm"]),
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": _plain(layer["wo"]),
+            p + "post_attention_layernorm.weight": _plain(layer["mlp_norm"]),
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": _plain(layer["w_down"]),
+        })
+        if spec.attention_bias:
+            qb, kb, vb = _plain(layer["bqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
+            state.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
+                          p + "self_attn.v_proj.bias": vb})
+    state["model.norm.weight"] = _plain(params["norm"])
+    if not spec.tie_word_embeddings:
+        state["lm_head.weight"] = _plain(params["lm_head"])
+    # safetensors stores each tensor's own bytes: no views into a fused buffer.
+    return {name: t.detach().contiguous().clone() for name, t in state.items()}
+
+
+def _llama_config(spec: LlamaSpec, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    model_types = {arch: kind for kind, arch in registry.MODEL_TYPES.items()}
+    out = {k: v for k, v in config.items() if v is not None or k in ("rope_scaling",)}
+    out.update({
+        "architectures": [spec.architecture],
+        "model_type": config.get("model_type") or model_types.get(spec.architecture, "llama"),
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": spec.attention_bias,
+        "hidden_act": config.get("hidden_act", "silu"), "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    })
+    out["rope_parameters"] = {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {"rope_type": "default"})}
+    out["rope_scaling"] = spec.rope_scaling
+    if spec.sliding_window is not None:
+        out["sliding_window"] = spec.sliding_window
+        if spec.architecture == "Qwen2ForCausalLM":
+            out["use_sliding_window"] = True
+    return out
+
+
+def _save_tokenizer(tokenizer, directory: str) -> None:
+    tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            settings[name] = value
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=2, ensure_ascii=False)
+    if getattr(tokenizer, "chat_template", None):
+        with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(tokenizer.chat_template)
+
+
+def save(model, directory: str | os.PathLike) -> str:
+    """Write ``model`` to ``directory`` (created if needed) as a transformers-loadable checkpoint;
+    returns the directory."""
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"directory must be a directory path; {directory!r} is a file")
+    os.makedirs(directory, exist_ok=True)
+    spec = model.spec
+    if isinstance(spec, ModuleSpec):
+        keep = set(spec.module.state_dict())
+        state = {name: t for name, t in model.params.items() if name in keep}
+        spec.module.save_pretrained(directory, state_dict=state)
+    elif isinstance(spec, LlamaSpec):
+        save_file(llama_state_dict(spec, model.params), os.path.join(directory, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(_llama_config(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
+    else:
+        raise TypeError(f"genfn.save supports native Llama-family models and wrapped modules; got a model with "
+                        f"spec {type(spec).__name__}")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(directory)
+    if model.tokenizer is not None:
+        _save_tokenizer(model.tokenizer, directory)
+    return directory
