@@ -187,6 +187,13 @@ class TextStreamer(BaseStreamer):
         self._reset()
         self.on_finalized_text(text, stream_end=True)
 
+    def fail(self, error: BaseException) -> None:
+        """Generation failed: finish a line already printed; print nothing if nothing was."""
+        if self._source is None:
+            self._reset()
+        else:
+            self.end()
+
     def _reset(self) -> None:
         self._source = None
         self._next_is_prompt = True

@@ -26,7 +26,7 @@ def test_healed_generation_equals_transformers(smollm2, hf_smollm2, prompt):
 def test_heal_tokens_rewrites_the_tail(smollm2):
     tok = smollm2.tokenizer
     ids = torch.tensor([tok.encode('The link is <a href="http:')])
-    healed, mask = heal_tokens(smollm2, ids, tok)
+    healed, mask = heal_tokens(smollm2, ids, tok, generate=genfn.generate)
     assert healed.shape == ids.shape and bool(mask.all())
     assert torch.equal(healed[0, :-1], ids[0, :-1])
     assert tok.decode(healed[0]).startswith('The link is <a href="http:') and healed[0, -1] != ids[0, -1]
@@ -41,9 +41,9 @@ def test_batched_healing_equals_healing_each_prompt(smollm2):
     tok = smollm2.tokenizer
     prompts = [PROMPTS[0], PROMPTS[3]]
     batch = tok(prompts)
-    healed, mask = heal_tokens(smollm2, batch["input_ids"], tok, batch["attention_mask"])
+    healed, mask = heal_tokens(smollm2, batch["input_ids"], tok, batch["attention_mask"], generate=genfn.generate)
     for i, prompt in enumerate(prompts):
-        alone, _ = heal_tokens(smollm2, torch.tensor([tok.encode(prompt)]), tok)
+        alone, _ = heal_tokens(smollm2, torch.tensor([tok.encode(prompt)]), tok, generate=genfn.generate)
         assert healed[i][mask[i].bool()].tolist() == alone[0].tolist()
 
 
