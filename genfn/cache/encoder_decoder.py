@@ -29,6 +29,10 @@ class EncoderDecoderCache(CacheBase):
     # What the encoder reported, kept for the output (None unless output_hidden_states/attentions).
     encoder_hidden_states: tuple | None = None
     encoder_attentions: tuple | None = None
+    # output_attentions: the decoder's latest cross-attention maps per layer ([B, H, 1, S_enc]),
+    # which the decoder writes here, and the prefill's, which steps carry unchanged.
+    cross_attentions: tuple | None = None
+    prefill_cross_attentions: tuple | None = None
 
     @property
     def valid(self) -> torch.Tensor:

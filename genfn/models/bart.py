@@ -240,6 +240,8 @@ def apply(spec: BartSpec, params: Mapping[str, Any], tokens: torch.Tensor, posit
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     logits = (F.linear(x, params["lm_head"]) + params["final_logits_bias"]).to(torch.float32)
+    if output_attentions:
+        cache = cache.replace(cross_attentions=tuple(cross_attentions))
     if output_hidden_states or output_attentions:
         return DecoderOutput(logits, cache, tuple(hidden_states) if output_hidden_states else None,
                              tuple(attentions) if output_attentions else None,

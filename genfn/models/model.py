@@ -94,12 +94,17 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
-    spec = llama.spec_from_config(config)
-    params = llama.params_from_state_dict(spec, state_dict, dtype=dtype)
     if isinstance(generation_config, dict):
         generation_config = GenerationConfig.from_dict(generation_config)
     if generation_config is None:
         generation_config = GenerationConfig.from_model_config(config)
+    from genfn.models import encoder_decoder  # it imports this module (EncoderDecoderModel is a Model)
+
+    if encoder_decoder.is_encoder_decoder_config(config):
+        return encoder_decoder.from_hf_state_dict(config, state_dict, dtype=dtype, tokenizer=tokenizer,
+                                                  generation_config=generation_config, source=source)
+    spec = llama.spec_from_config(config)
+    params = llama.params_from_state_dict(spec, state_dict, dtype=dtype)
     return Model(spec, params, llama.apply, llama.init_cache, tokenizer=tokenizer,
                  generation_config=generation_config, config=dict(config), source=source)
 

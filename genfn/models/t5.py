@@ -292,6 +292,8 @@ def apply(spec: T5Spec, params: Mapping[str, Any], tokens: torch.Tensor, positio
     if spec.scale_decoder_outputs:
         x = x * (spec.d_model ** -0.5)
     logits = F.linear(x, params["lm_head"]).to(torch.float32)
+    if output_attentions:
+        cache = cache.replace(cross_attentions=tuple(cross_attentions))
     if output_hidden_states or output_attentions:
         return DecoderOutput(logits, cache, tuple(hidden_states) if output_hidden_states else None,
                              tuple(attentions) if output_attentions else None,
