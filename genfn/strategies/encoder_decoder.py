@@ -129,7 +129,8 @@ def start_cache(model, request: GenerationRequest, rows: int) -> EncoderDecoderC
     if encoder.encoder_outputs is not None:
         last = encoder.encoder_outputs.last_hidden_state
     else:
-        out = model.encode(_rows_expanded(encoder.input_ids, rows), mask,
+        # Once per prompt, then shared by its beams / samples (transformers reports it unexpanded too).
+        out = model.encode(encoder.input_ids, encoder.attention_mask,
                            output_hidden_states=request.output_hidden_states,
                            output_attentions=request.output_attentions)
         last, hidden_states, attentions = out.last_hidden_state, out.hidden_states, out.attentions
