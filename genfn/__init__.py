@@ -17,8 +17,9 @@ from genfn.config import (
 from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
 from genfn.models.functional import FunctionalModel
-from genfn.models.model import Model, load
-from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+from genfn.models.model import EncoderDecoderModel, Model, load
+from genfn.outputs import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput, GenerateDecoderOnlyOutput,
+                           GenerateEncoderDecoderOutput)
 from genfn.processors import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -71,10 +72,12 @@ from genfn.streamers import (
 )
 
 __all__ = [
-    "random", "generate", "load", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "random", "generate", "load", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",
+    "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
-    "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",
+    "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "GenerateEncoderDecoderOutput",
+    "GenerateBeamEncoderDecoderOutput", "compute_transition_scores",
     # stopping criteria
     "StoppingCriteria", "StoppingCriteriaList", "MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria",
     "ConfidenceCriteria", "StopStringCriteria", "validate_stopping_criteria",

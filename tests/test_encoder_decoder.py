@@ -8,7 +8,7 @@ import torch
 
 import genfn
 from genfn.cache.encoder_decoder import EncoderDecoderCache
-from genfn.models.encoder_decoder import EncoderDecoderModel
+from genfn.models.model import EncoderDecoderModel
 
 VOCAB = 96
 

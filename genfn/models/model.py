@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from genfn.models import llama
+from genfn.models import encoder_decoder, llama
 from genfn.models.functional import FunctionalModel
+from genfn.models.seq2seq import EncoderOutput
 
-__all__ = ["Model", "load", "from_hf_state_dict"]
+__all__ = ["Model", "EncoderDecoderModel", "load", "from_hf_state_dict"]
 
 
 class Model:
@@ -80,6 +81,33 @@ class Model:
         return f"Model({self.spec!r}, dtype={self.dtype}, source={self.source!r})"
 
 
+class EncoderDecoderModel(Model):
+    """A ``Model`` whose ``apply`` is the decoder, with a pure encoder beside it.
+
+    ``generate`` runs ``encode`` once per call (in the strategy's ``init``) and keeps the
+    cross-attention keys/values in the decode state's cache.
+    """
+
+    is_encoder_decoder = True
+
+    def __init__(self, spec, params, apply_fn: Callable, init_cache_fn: Callable, *, encode_fn: Callable,
+                 cross_kv_fn: Callable, **kwargs):
+        super().__init__(spec, params, apply_fn, init_cache_fn, **kwargs)
+        self.encode_fn = encode_fn
+        self.cross_kv_fn = cross_kv_fn
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+               output_hidden_states: bool = False, output_attentions: bool = False) -> EncoderOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.encode_fn(self.spec, self.params, input_ids, attention_mask,
+                              output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+
+    def cross_attention_kv(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K, V)`` ``[L, B, H, S_enc, D]``: every decoder layer's cross-attention keys/values."""
+        return self.cross_kv_fn(self.spec, self.params, encoder_hidden)
+
+
 def _check_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
@@ -98,11 +126,9 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
         generation_config = GenerationConfig.from_dict(generation_config)
     if generation_config is None:
         generation_config = GenerationConfig.from_model_config(config)
-    from genfn.models import encoder_decoder  # it imports this module (EncoderDecoderModel is a Model)
-
     if encoder_decoder.is_encoder_decoder_config(config):
-        return encoder_decoder.from_hf_state_dict(config, state_dict, dtype=dtype, tokenizer=tokenizer,
-                                                  generation_config=generation_config, source=source)
+        return EncoderDecoderModel(**encoder_decoder.family_parts(config, state_dict, dtype), tokenizer=tokenizer,
+                                   generation_config=generation_config, config=dict(config), source=source)
     spec = llama.spec_from_config(config)
     params = llama.params_from_state_dict(spec, state_dict, dtype=dtype)
     return Model(spec, params, llama.apply, llama.init_cache, tokenizer=tokenizer,
