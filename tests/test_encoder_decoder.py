@@ -78,8 +78,9 @@ def _batch(seed: int = 1, rows: int = 3, length: int = 9):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (rows, length), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, length - 3:] = 0
-    ids[1, length - 3:] = 0
+    if rows > 1:
+        mask[1, length - 3:] = 0
+        ids[1, length - 3:] = 0
     return ids, mask
 
 
@@ -153,6 +154,22 @@ def test_decoder_input_ids_are_routed_to_the_decoder(t5):
     # Without the start token in front, it is prepended (as transformers does).
     out_prepended = model.generate(ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, 1:] + 1, max_new_tokens=6)
     assert out_prepended[:, 0].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_precomputed_encoder_outputs_skip_the_encoder(bart, num_beams):
+    _, model = bart
+    ids, mask = _batch()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=num_beams)
+    encoded = model.encode(ids, mask)
+    calls = []
+    original = model.encode_fn
+    model.encode_fn = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        out = model.generate(ids, attention_mask=mask, encoder_outputs=encoded, max_new_tokens=6, num_beams=num_beams)
+    finally:
+        model.encode_fn = original
+    assert torch.equal(out, expected) and not calls
 
 
 def test_unknown_decoder_kwarg_and_bad_start_ids_are_clear_errors(t5):
@@ -246,3 +263,22 @@ def test_compiled_static_cache_step_equals_eager(t5):
     other_eager = model.generate(other_ids, attention_mask=other_mask, max_new_tokens=6,
                                  **{**settings, "disable_compile": True})
     assert torch.equal(compiled, eager) and torch.equal(other, other_eager)
+
+
+def test_streamer_sees_the_decoder_tokens(t5):
+    _, model = t5
+    ids, mask = _batch(rows=1)
+
+    class Collect:
+        def __init__(self):
+            self.values, self.ended = [], False
+
+        def put(self, value):
+            self.values.extend(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=7, streamer=streamer)
+    assert streamer.ended and streamer.values == out[0].tolist()
