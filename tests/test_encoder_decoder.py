@@ -38,11 +38,27 @@ def _hf_model(family: str, seed: int = 0):
             decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
             forced_eos_token_id=None, **overrides)
         model = transformers.BartForConditionalGeneration(config)
-        with torch.no_grad():
-            model.final_logits_bias.normal_()  # zero at init: give the bias something to get wrong
+    _spread_weights(model)
     # Eager attention: transformers returns attention maps only from it.
     model.set_attn_implementation("eager")
     return model.eval()
+
+
+def _spread_weights(model) -> None:
+    """Redraw every weight wider than transformers' init (which gives tiny models near-uniform logits
+    and one repeated token), so greedy and beam search have real choices to get wrong; norm weights
+    and biases move off 1 and 0 (BART's final_logits_bias included)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.6)
+            elif "norm" in name and name.endswith("weight"):
+                param.normal_(1.0, 0.1)
+            else:
+                param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("final_logits_bias"):
+                buffer.normal_(0.0, 0.5)
 
 
 _PAIRS: dict = {}

@@ -47,8 +47,8 @@ class T5Spec:
     layer_norm_epsilon: float
     is_gated: bool
     dense_act_fn: str
-    # Original T5 rescales the decoder output by d_model ** -0.5 before its (tied) head; v1.1 and
-    # Flan-T5 do not. transformers 5 stores this as ``scale_decoder_outputs``; older configs said
+    # Original T5 rescales the decoder output by d_model ** -0.5 before its (tied) head; v1.1,
+    # Flan-T5 and mT5 do not. transformers 5 stores this as ``scale_decoder_outputs``; older configs said
     # it with ``tie_word_embeddings`` (False for v1.1).
     scale_decoder_outputs: bool
     max_position_embeddings: int | None = None  # relative positions: no fixed context
@@ -74,10 +74,17 @@ def spec_from_config(config: Mapping[str, Any]) -> T5Spec:
     # T5Config maps "gated-gelu" to the tanh approximation, for backwards compatibility.
     act = "gelu_new" if projection == "gated-gelu" else parts[-1]
     activation(act)  # unsupported activations fail here, naming the allowed ones
+    if archs:
+        arch = archs[0]
+    else:
+        arch = "MT5ForConditionalGeneration" if config.get("model_type") == "mt5" else "T5ForConditionalGeneration"
+    # mT5 never rescales (transformers' MT5 has no such step).
+    scale = arch != "MT5ForConditionalGeneration" and bool(
+        config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True)))
     try:
         num_layers = int(config["num_layers"])
         spec = T5Spec(
-            architecture=archs[0] if archs else "T5ForConditionalGeneration",
+            architecture=arch,
             vocab_size=int(config["vocab_size"]),
             d_model=int(config["d_model"]),
             d_ff=int(config["d_ff"]),
@@ -90,7 +97,7 @@ def spec_from_config(config: Mapping[str, Any]) -> T5Spec:
             layer_norm_epsilon=float(config.get("layer_norm_epsilon", 1e-6)),
             is_gated=is_gated,
             dense_act_fn=act,
-            scale_decoder_outputs=bool(config.get("scale_decoder_outputs", config.get("tie_word_embeddings", True))),
+            scale_decoder_outputs=scale,
         )
     except KeyError as missing:
         raise ValueError(f"config.json is missing the required T5 field {missing}") from None
