@@ -16,6 +16,7 @@ VOCAB = 96
 FAMILIES = {
     "t5": ("T5", dict()),
     "t5_v1_1": ("T5", dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "mt5": ("MT5", dict()),
     "bart": ("Bart", dict()),
     "bart_scaled": ("Bart", dict(scale_embedding=True, activation_function="gelu_new")),
 }
@@ -26,12 +27,12 @@ def _hf_model(family: str, seed: int = 0):
 
     prefix, overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    if prefix == "T5":
-        config = transformers.T5Config(
+    if prefix in ("T5", "MT5"):
+        config = getattr(transformers, f"{prefix}Config")(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=3, num_decoder_layers=2, num_heads=4,
             relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0,
             pad_token_id=0, eos_token_id=1, **overrides)
-        model = transformers.T5ForConditionalGeneration(config)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     else:
         config = transformers.BartConfig(
             vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
