@@ -1,8 +1,14 @@
-"""Decode speed: genfn against transformers, side by side in one process, on SmolLM2-135M.
+"""Decode speed: genfn against transformers and llama.cpp, side by side in one process, on SmolLM2-135M.
 
     python benchmarks/decode.py                      # float32 + bfloat16, batch 1 and 8, 128 tokens
     python benchmarks/decode.py --quick              # float32, batch 1, 32 tokens, no transformers compile
     python benchmarks/decode.py --dtypes bfloat16 --batches 1 --new-tokens 64
+    python benchmarks/decode.py --dtypes float32,bfloat16,q8_0,q4_1 --engines genfn-compiled,llama.cpp
+
+``--dtypes`` names weight formats: ``float32``/``bfloat16``, or a quantized one. ``q4_1`` is the
+shipped GGUF file's own blocks (``genfn.load(quantize="gguf")``); ``q8_0``/``q4_0`` are files
+made from it (``benchmarks/llamacpp.py``), loaded the same way; ``int8``/``int4`` quantize the
+float weights on load. transformers runs the float formats only.
 
 Engines (all greedy, ``min_new_tokens = max_new_tokens`` so every row decodes the same count):
 
@@ -12,6 +18,9 @@ Engines (all greedy, ``min_new_tokens = max_new_tokens`` so every row decodes th
     genfn         genfn eager (the same pure step, run in a Python loop)
     genfn-compiled  genfn ``cache_implementation="static"``: the whole step compiled
     genfn-loop    genfn ``compile_loop=True``: the whole decoding loop as one ``while_loop`` graph
+    llama.cpp     llama-cpp-python (``pip install -e .[bench]``), greedy, all sequences in one
+                  ``llama_decode`` per step, on the GGUF file of the same format (float32: F32,
+                  bfloat16: F16); skipped when llama_cpp is not importable
 
 Prints tok/s (best of ``--repeats`` timed runs after a warm-up, engines interleaved so machine
 noise hits them alike), ratios genfn/transformers, first-call compile time (warm-up time minus
@@ -42,7 +51,13 @@ import sys
 import time
 import warnings
 
+from pathlib import Path
+
 import torch
+
+# This checkout's genfn (not another installed one), and benchmarks/llamacpp.py beside this file.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+import llamacpp  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire is long and complicated. It began when Augustus became the first "
@@ -59,6 +74,9 @@ PROMPTS = [
 ]
 LONG_CONTEXT = 100
 COMPILED_ENGINES = ("hf-compiled", "genfn-compiled", "genfn-loop")
+FLOAT_FORMATS = ("float32", "bfloat16")
+# Weight format -> the ggml type of the GGUF file llama.cpp (and genfn's "gguf" load) reads.
+GGUF_TYPE_OF = {"float32": "F32", "bfloat16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 @dataclasses.dataclass
@@ -150,7 +168,8 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="float32, batch 1, 32 tokens, 1 repeat, no hf-compiled")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16,q8_0,q4_1",
+                    help="weight formats: float32, bfloat16, q8_0, q4_0, q4_1 (the shipped file's), int8, int4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine after the warm-up")
@@ -160,7 +179,8 @@ def main(argv=None):
     ap.add_argument("--genfn-compile-mode", default="auto",
                     help="compile_config mode for genfn's compiled engines; 'auto' (default) passes no "
                          "compile_config, i.e. genfn's CPU default: max-autotune options + the C++ wrapper")
-    ap.add_argument("--engines", default="hf,hf-compiled,genfn,genfn-compiled,genfn-loop")
+    ap.add_argument("--engines", default="hf,hf-compiled,genfn,genfn-compiled,genfn-loop,llama.cpp")
+    ap.add_argument("--json", default=None, help="where to write the results (default benchmarks/results/decode-<time>.json)")
     ap.add_argument("--no-second-process", action="store_true",
                     help="skip timing the first call of a fresh process that reuses the on-disk compile cache")
     ap.add_argument("--no-latency", action="store_true", help="skip the max_cache_len 4096 vs 256 latency check")
@@ -178,6 +198,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     import genfn
+    import genfn.quant
     import transformers
     from transformers import AutoModelForCausalLM
     from genfn.default_model import default_model_path
@@ -189,11 +210,16 @@ def main(argv=None):
     except Exception:
         pass
 
-    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in FLOAT_FORMATS + tuple(genfn.quant.FORMATS)]
+    if unknown:
+        ap.error(f"unknown --dtypes {unknown}; choose from {FLOAT_FORMATS + tuple(genfn.quant.FORMATS)}")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    latency_dtypes = ([getattr(torch, d) for d in args.latency_dtypes.split(",")] if args.latency_dtypes
-                      else dtypes[:1])
+    latency_dtypes = args.latency_dtypes.split(",") if args.latency_dtypes else dtypes[:1]
+    if "llama.cpp" in engines and not llamacpp.available():
+        log("# llama_cpp is not importable (pip install -e .[bench]): llama.cpp skipped")
+        engines.remove("llama.cpp")
     N = args.new_tokens
     mode = None if args.compile_mode == "default" else args.compile_mode
     genfn_mode = None if args.genfn_compile_mode == "auto" else args.genfn_compile_mode
@@ -201,7 +227,7 @@ def main(argv=None):
     log(f"# genfn decode benchmark  torch {torch.__version__}  transformers {transformers.__version__}  "
         f"threads {torch.get_num_threads()}  OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  "
         f"load avg {os.getloadavg()[0]:.1f}")
-    log(f"# {N} greedy tokens, batches {batches}, dtypes {[str(d).split('.')[-1] for d in dtypes]}, "
+    log(f"# {N} greedy tokens, batches {batches}, formats {dtypes}, engines {engines}, "
         f"compile mode hf {args.compile_mode}, genfn {args.genfn_compile_mode}, best of {args.repeats} after a warm-up")
     sum_rate, mv_rate = read_bandwidth_gbs()
     bandwidth = max(sum_rate, mv_rate)
@@ -211,24 +237,45 @@ def main(argv=None):
     path = default_model_path()
     results: list[Result] = []
     latency_rows = []
-    roofline: dict[str, float] = {}  # dtype -> batch-1 bandwidth roofline, tok/s
+    roofline: dict[str, float] = {}  # format -> batch-1 bandwidth roofline, tok/s
+    weight_mb: dict[str, tuple] = {}  # format -> (genfn's, llama.cpp file's) weight MB per token
     t_start = time.perf_counter()
 
-    for dtype in dtypes:
-        dname = str(dtype).split(".")[-1]
-        model = genfn.load(dtype=dtype)
+    for dname in dtypes:
+        is_float = dname in FLOAT_FORMATS
+        dtype = getattr(torch, dname) if is_float else torch.float32
+        gguf_type = GGUF_TYPE_OF.get(dname)
+        gguf_file = llamacpp.variant_path(path, gguf_type) if gguf_type is not None else None
+        t_load = time.perf_counter()
+        if is_float:
+            model = genfn.load(dtype=dtype)
+        elif gguf_type is not None:
+            model = genfn.load(gguf_file, quantize="gguf")
+        else:
+            model = genfn.load(quantize=dname)
+        log(f"\n# loaded genfn {dname} in {time.perf_counter() - t_load:.1f} s")
         tok = model.tokenizer
         pad_id = 2
         hf = None
-        if any(e.startswith("hf") for e in engines):
+        runner = None
+        format_engines = [e for e in engines if is_float or not e.startswith("hf")]
+        if "llama.cpp" in format_engines and gguf_file is None:
+            format_engines.remove("llama.cpp")
+        if "llama.cpp" in format_engines:
+            prompt_max = max(len(tok.encode(p)) for p in PROMPTS)
+            runner = llamacpp.LlamaCpp(gguf_file, args.threads, max(batches), prompt_max + N + 8)
+        if any(e.startswith("hf") for e in format_engines):
             with contextlib.redirect_stderr(open(os.devnull, "w")):
                 hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                           dtype=dtype)
             hf.eval()
         wbytes = weight_bytes_per_token(model)
         roofline[dname] = bandwidth * 1e9 / wbytes
+        file_bytes = llamacpp.file_weight_bytes(gguf_file) if gguf_file is not None else None
+        weight_mb[dname] = (wbytes / 1e6, None if file_bytes is None else file_bytes / 1e6)
         log(f"\n## {dname}: weight bytes per token {wbytes / 1e6:.0f} MB -> roofline "
-            f"{bandwidth * 1e9 / wbytes:.1f} tok/s at batch 1")
+            f"{bandwidth * 1e9 / wbytes:.1f} tok/s at batch 1"
+            + ("" if file_bytes is None else f"; llama.cpp's file {Path(gguf_file).name}: {file_bytes / 1e6:.0f} MB"))
 
         for batch in batches:
             input_ids, mask = batch_inputs(tok, batch, pad_id)
@@ -238,6 +285,8 @@ def main(argv=None):
             def call(engine, new_tokens):
                 common = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=pad_id)
+                if engine == "llama.cpp":
+                    return torch.tensor(runner.generate(prompt_ids, new_tokens))
                 with torch.no_grad():
                     if engine == "hf":
                         return hf.generate(input_ids, **common)
@@ -257,9 +306,10 @@ def main(argv=None):
                                               max_cache_len=max_cache_len, **common, **extra)
                 raise ValueError(engine)
 
-            rows = {e: Result(e, dname, batch, new_tokens=N) for e in engines}
+            prompt_ids = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+            rows = {e: Result(e, dname, batch, new_tokens=N) for e in format_engines}
             # Warm-up: the first call of each engine (compiles where it compiles).
-            for e in engines:
+            for e in format_engines:
                 t = time.perf_counter()
                 try:
                     out = call(e, N)
@@ -269,14 +319,14 @@ def main(argv=None):
                     rows[e].error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
                     log(f"  {e} b={batch} FAILED: {rows[e].error}")
             for r in range(args.repeats):
-                for e in engines:
+                for e in format_engines:
                     if rows[e].error:
                         continue
                     gc.collect()
                     t = time.perf_counter()
                     out = call(e, N)
                     rows[e].times.append(time.perf_counter() - t)
-            for e in engines:
+            for e in format_engines:
                 res = rows[e]
                 results.append(res)
                 if res.error:
@@ -284,32 +334,39 @@ def main(argv=None):
                 compile_s = res.first_call_s - res.best
                 log(f"  {dname} b={batch} {e:15s} {res.tok_s:7.1f} tok/s   first call {res.first_call_s:6.1f} s "
                     f"(~{max(compile_s, 0):.0f} s compile/warm-up)")
+            cpp, ours = rows.get("llama.cpp"), rows.get("genfn-compiled") or rows.get("genfn")
+            if cpp is not None and cpp.tokens is not None and ours is not None and ours.tokens is not None:
+                log(f"    new tokens {ours.engine} vs llama.cpp: "
+                    f"{first_mismatch(ours.tokens[:, prompt_len:], cpp.tokens, 0)}")
             ref = rows.get("hf")
             if ref is not None and ref.tokens is not None:
-                for e in engines:
+                for e in format_engines:
                     if e.startswith("genfn") and rows[e].tokens is not None:
                         log(f"    tokens {e} vs hf: {first_mismatch(rows[e].tokens, ref.tokens, prompt_len)}")
                 if "hf-compiled" in rows and rows["hf-compiled"].tokens is not None:
                     log(f"    tokens hf-compiled vs hf: "
                         f"{first_mismatch(rows['hf-compiled'].tokens, ref.tokens, prompt_len)}")
 
-        if not args.no_latency and dtype in latency_dtypes and "genfn-compiled" in engines:
+        if not args.no_latency and dname in latency_dtypes and "genfn-compiled" in engines:
             latency_rows += latency_check(genfn, model, tok, pad_id, genfn_mode, args.repeats + 1)
-        del model, hf
+        if runner is not None:
+            runner.close()
+        del model, hf, runner
         gc.collect()
 
     # ---- summary
     log("\n## summary (tok/s; ratios > 1 mean genfn is faster)")
-    log(f"{'dtype':9s} {'batch':>5s} " + " ".join(f"{e:>15s}" for e in engines)
-        + "   genfn-c/hf  genfn-c/hf-c  genfn/hf  roofline(b=1)")
+    log(f"{'format':9s} {'batch':>5s} " + " ".join(f"{e:>15s}" for e in engines)
+        + "   genfn-c/hf  genfn-c/hf-c  genfn/hf  genfn-c/llama.cpp  genfn/llama.cpp  roofline(b=1)"
+        "  MB/token genfn, llama.cpp")
     by = {(r.dtype, r.batch, r.engine): r for r in results}
-    for dtype in dtypes:
-        dname = str(dtype).split(".")[-1]
+    for dname in dtypes:
         for batch in batches:
             cells = []
             for e in engines:
                 r = by.get((dname, batch, e))
-                cells.append(f"{r.tok_s:15.1f}" if r is not None and r.tok_s else f"{'failed':>15s}")
+                cells.append(f"{r.tok_s:15.1f}" if r is not None and r.tok_s else
+                             f"{'failed' if r is not None else '-':>15s}")
 
             def ratio(a, b):
                 ra, rb = by.get((dname, batch, a)), by.get((dname, batch, b))
@@ -321,9 +378,12 @@ def main(argv=None):
             gc_row = by.get((dname, batch, "genfn-compiled"))
             if batch == 1 and gc_row is not None and gc_row.tok_s and dname in roofline:
                 roof = f"{gc_row.tok_s / roofline[dname]:6.0%}"
+            ours_mb, cpp_mb = weight_mb.get(dname, (None, None))
             log(f"{dname:9s} {batch:5d} " + " ".join(cells)
                 + f"   {ratio('genfn-compiled', 'hf'):>10s}  {ratio('genfn-compiled', 'hf-compiled'):>12s}"
-                  f"  {ratio('genfn', 'hf'):>8s}  {roof:>13s}")
+                  f"  {ratio('genfn', 'hf'):>8s}  {ratio('genfn-compiled', 'llama.cpp'):>17s}  {ratio('genfn', 'llama.cpp'):>15s}"
+                  f"  {roof:>13s}"
+                  f"  {ours_mb or 0:8.0f}, {cpp_mb or 0:.0f}")
     log("first-call seconds (compile + warm-up): " + ", ".join(
         f"{r.engine}/{r.dtype}/b{r.batch}={r.first_call_s:.0f}" for r in results
         if r.first_call_s is not None and r.engine in COMPILED_ENGINES))
@@ -333,6 +393,25 @@ def main(argv=None):
     if compiled_engines and not args.no_second_process and not args.child:
         second_process(args, compiled_engines, dtypes[0], batches[0])
     log(f"# total {time.perf_counter() - t_start:.0f} s, load avg {os.getloadavg()[0]:.1f}")
+    if not args.child:
+        write_json(args, results, weight_mb, bandwidth)
+
+
+def write_json(args, results, weight_mb, bandwidth):
+    import json
+
+    out = Path(args.json) if args.json else (Path(__file__).parent / "results"
+                                              / time.strftime("decode-%Y-%m-%d-%H%M.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "args": vars(args), "torch": torch.__version__, "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_end": os.getloadavg()[0],
+        "read_bandwidth_gbs": bandwidth, "weight_mb_per_token": weight_mb,
+        "results": [{"engine": r.engine, "format": r.dtype, "batch": r.batch, "tok_s": r.tok_s,
+                     "first_call_s": r.first_call_s, "times_s": r.times, "error": r.error} for r in results],
+    }
+    out.write_text(json.dumps(payload, indent=1))
+    log(f"# wrote {out}")
 
 
 def second_process(args, engines, dtype, batch):

@@ -16,6 +16,7 @@ shapes and dtypes), so later calls with the same shapes reuse them.
 from __future__ import annotations
 
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -128,6 +129,14 @@ def _hashable(value):
     return value
 
 
+def _own_code(fn: Callable, serial: int) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps one cache (and one recompile budget, 8 by
+    default) per code object; every compiled step is built from the same closure code, so without
+    this a process that compiles a few strategies and layouts would exhaust that budget."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{serial}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict | None, build: Callable):
     """``torch.compile(build(weights, layout), **compile_options)``, cached on ``model``.
 
@@ -144,7 +153,8 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing makes them constants.
-        fn = torch.compile(build(ParamsModule(functional(model).params), layout), **compile_options)
+        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), len(model.compiled_steps)),
+                           **compile_options)
         model.compiled_steps[cache_key] = fn
     return fn
 

@@ -19,6 +19,7 @@ from genfn.config import GenerationConfig, GenerationMode, resolve_generation_co
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import encoder_decoder as encdec_strategy
+from genfn.strategies.assisted.build import assisted_strategy
 from genfn.strategies import sample as sample_strategy
 from genfn.healing import heal_tokens
 from genfn.stopping import call_user_criteria, stop_string_criteria
@@ -66,7 +67,8 @@ class _EndOnce:
     def fail(self, error: BaseException | None) -> None:
         if not self.closed:
             self.closed = True
-            close_stream(self.streamer, error)
+            if callable(getattr(self.streamer, "end", None)):  # a non-streamer was refused by name
+                close_stream(self.streamer, error)
 
 
 def generate(
@@ -83,6 +85,7 @@ def generate(
     strategy: Strategy | None = None,
     custom_generate=None,
     compile_loop: bool = False,
+    assistant_model=None,
     **kwargs,
 ):
     """Generate continuations of ``input_ids`` with ``model``.
@@ -104,6 +107,10 @@ def generate(
     As in transformers, ``tokenizer=`` is required by ``stop_strings`` and ``token_healing``, and
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` feed ``guidance_scale``.
 
+    ``assistant_model`` (a genfn ``Model`` with the same vocabulary), ``prompt_lookup_num_tokens``
+    or ``assistant_early_exit`` select assisted (speculative) generation at any batch size; its
+    output equals plain decoding's, and ``return_dict_in_generate=True`` adds ``acceptance``.
+
     ``compile_loop=True`` (greedy or sampling with ``cache_implementation="static"``) runs the
     whole decoding loop as one graph (torch ``while_loop``) instead of one compiled step per token;
     nothing can run on the host between steps, so it excludes streamers, stopping criteria,
@@ -114,7 +121,8 @@ def generate(
     try:
         request, chosen = prepare_request(model, input_ids, generation_config, key=key, attention_mask=attention_mask,
                                           logits_processor=logits_processor,
-                                          prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
+                                          prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                          assistant_model=assistant_model, **kwargs)
         criteria = user_criteria(stopping_criteria)
         if custom_generate is not None:
             if isinstance(custom_generate, Strategy):
@@ -132,6 +140,10 @@ def generate(
             raise TypeError(f"strategy must be a genfn.strategies.base.Strategy, got {type(strategy).__name__}")
         strategy = strategy or chosen
         _check_capabilities(strategy, request, streamer, criteria)
+        if streamer is not None and not (callable(getattr(streamer.streamer, "put", None))
+                                         and callable(getattr(streamer.streamer, "end", None))):
+            raise TypeError(f"streamer must have put(tokens) and end() methods (a genfn or transformers streamer); got "
+                            f"{type(streamer.streamer).__name__}")
         if compile_loop:
             _check_compile_loop(request, strategy, streamer, criteria)
         if streamer is not None:
@@ -211,7 +223,7 @@ def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
                     logits_processor=None, prefix_allowed_tokens_fn=None, tokenizer=None, negative_prompt_ids=None,
-                    negative_prompt_attention_mask=None, **kwargs):
+                    negative_prompt_attention_mask=None, assistant_model=None, **kwargs):
     """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it.
 
     ``tokenizer`` is needed for ``stop_strings`` and ``token_healing`` (as in transformers);
@@ -229,8 +241,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
                          f"{sorted(unused)}")
-    mode = config.get_generation_mode()
-    if mode not in STRATEGIES:
+    mode = config.get_generation_mode(assistant_model)
+    if mode not in STRATEGIES and mode is not GenerationMode.ASSISTED_GENERATION:
         raise ValueError(f"generation mode {mode.value!r} is not supported; supported: "
                          f"{[m.value for m in STRATEGIES]}")
     inputs.check_token_range(input_ids, model.vocab_size)
@@ -292,7 +304,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     stop_strings = None
     if config.stop_strings is not None:
         stop_strings = stop_string_criteria(tokenizer, config.stop_strings, input_ids.device)
-    if STRATEGIES[mode] is not sample_strategy.SAMPLE and (guidance is not None or stop_strings is not None):
+    beam = STRATEGIES.get(mode) is beam_strategy.BEAM
+    if beam and (guidance is not None or stop_strings is not None):
         raise ValueError("stop_strings and guidance_scale are supported for greedy search and sampling "
                          "(num_beams=1); not with beam search yet")
     return_dict = bool(config.return_dict_in_generate)
@@ -317,5 +330,10 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         guidance=guidance,
         encoder=encoder,
     )
+    if mode is GenerationMode.ASSISTED_GENERATION:
+        if encoder_decoder:
+            raise ValueError("assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) "
+                             "is not supported with encoder-decoder models")
+        return request, assisted_strategy(model, request, assistant_model)
     chosen = STRATEGIES[mode]
     return request, (encdec_strategy.for_encoder_decoder(chosen) if encoder_decoder else chosen)

@@ -54,12 +54,12 @@ def padded_prompts(vocab, batch=3, length=6, seed=0):
     return ids * mask, mask  # padding positions hold token 0 (pad), as a tokenizer would leave them
 
 
-def assert_same_beams(ref, out, scores_atol=1e-4):
+def assert_same_beams(ref, out, scores_atol=1e-4, scores_rtol=0.0):
     assert out.sequences.shape == ref.sequences.shape
     assert torch.equal(out.sequences, ref.sequences)
     assert torch.equal(out.beam_indices, ref.beam_indices)
     assert out.beam_indices.dtype == ref.beam_indices.dtype
-    torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=scores_atol, rtol=0)
+    torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=scores_atol, rtol=scores_rtol)
     assert len(out.scores) == len(ref.scores)
     for a, b in zip(out.scores, ref.scores):
         finite = torch.isfinite(b)
@@ -161,7 +161,10 @@ def test_beam_search_matches_transformers_smollm2(case, smollm2, hf_smollm2, smo
     ids = torch.as_tensor(smollm2_prompts["input_ids"])
     mask = torch.as_tensor(smollm2_prompts["attention_mask"])
     ref, out = run_both(hf_smollm2, smollm2, ids, mask, max_new_tokens=12, **SMOL_CASES[case])
-    assert_same_beams(ref, out)
+    # Tokens and beam indices are exact. The summed scores (~60 in magnitude after 12 steps of a
+    # 576-wide model) differ by float32 summation order between genfn's kernels and MKL: up to
+    # 1.4e-4 on AMD Zen 4, i.e. 2e-6 relative, hence a relative bound on top of the absolute one.
+    assert_same_beams(ref, out, scores_rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def test_beam_sample_processors_follow_transformers_settings():
     _, gm = pair("llama_eos2")
     request, strategy = prepare_request(gm, torch.tensor([[4, 6, 8]]), **dict(
         num_beams=2, do_sample=True, top_k=1, max_new_tokens=4))
-    assert strategy is beam
+    assert strategy is beam.BEAM
     top_k = [p for p in request.processors if type(p).__name__ == "TopKLogitsWarper"][0]
     assert top_k.min_tokens_to_keep == 3  # num_eos + 1
     assert request.input_ids.shape == (2, 3) and request.keys.shape == (1, 2)

@@ -1,14 +1,18 @@
-"""Native kernels for the memory-bound decode step, built on first use.
+"""Native kernels for the memory-bound decode step, built when a model is loaded (or on first use).
 
 ``decode_linear(x, weight)`` is ``F.linear`` for a few rows of ``x`` (a decode step: one row per
 sequence), streaming the weight once from memory at close to the machine's read bandwidth
-(see ``decode_linear.cpp`` and ``benchmarks/gemv_kernels.py``). It is a ``torch.library`` op
-with a fake implementation, so it sits inside compiled steps like any aten op.
+(see ``decode_linear.cpp`` and ``benchmarks/gemv_kernels.py``). ``quant_linear`` is the same for
+a block-quantized ``genfn.quant.QuantizedWeight`` (``quant_linear.cpp``: AVX-512 VNNI integer
+dot products against the activation quantized to 8 bits). Both are ``torch.library`` ops with
+fake implementations, so they sit inside compiled steps like any aten op; ``linear`` picks one
+by the weight's type.
 
 The C++ source is compiled with the system C++ compiler the first time it is needed and cached
 under ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``), keyed by the source, torch's
 version and the flags. Where it cannot be built or run (no compiler, a CPU without AVX-512,
-``GENFN_KERNELS=0``), ``linear`` is ``F.linear`` and the reason is in ``kernel_status()``.
+``GENFN_KERNELS=0``), ``linear`` is ``F.linear`` and the reason is in ``kernel_status()``; the
+quantized op then runs ``genfn.quant.reference_linear`` (same numbers, far slower).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "decode_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
+from genfn.quant.weight import QuantizedWeight
 
-_SOURCE = Path(__file__).with_name("decode_linear.cpp")
+__all__ = ["linear", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
+
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp"))
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 
@@ -65,7 +71,7 @@ def _compile_command(output: Path) -> list[str]:
         compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *includes, str(_SOURCE), "-o", str(output),
+        *includes, *map(str, _SOURCES), "-o", str(output),
         *[f"-L{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu",
         # Resolve OpenMP and torch's libraries to the ones this torch ships, so the kernel's
         # parallel regions run on torch's thread pool rather than a second OpenMP runtime.
@@ -78,22 +84,27 @@ def _build() -> Path:
     if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_compile_command(Path("out.so"))).encode())
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"decode_linear-{key.hexdigest()[:16]}.so"
+    if target.exists():  # built: no need to queue behind another process's build of other sources
+        return target
     # One process builds; the others wait on the lock and then find the library.
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
+            # Say so: the first build takes 20-80 s of g++ and would otherwise look like a hang.
+            print("genfn: building the native kernels (first use, ~20-80 s)...", file=sys.stderr, flush=True)
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 partial.unlink(missing_ok=True)
-                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{done.stderr[-2000:]}")
+                raise RuntimeError(f"compiling {', '.join(s.name for s in _SOURCES)} failed:\n{done.stderr[-2000:]}")
             partial.replace(target)
     return target
 
@@ -102,6 +113,14 @@ def _register_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
     def _(x, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    _register_quant_fake()
+
+
+def _register_quant_fake() -> None:
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")
+    def _(x, codes, scales, mins, kind, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
 
 
 def decode_linear_available() -> bool:
@@ -150,7 +169,11 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the decode kernel when ``x`` has only a few rows."""
+    """``F.linear(x, weight, bias)``, through the decode kernel when ``x`` has only a few rows;
+    a ``QuantizedWeight`` always takes the quantized kernel."""
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_linear(x, weight)
+        return y if bias is None else y + bias
     if not _takes(x, weight):
         return F.linear(x, weight, bias)
     y = _decode_linear_op(x, weight)
@@ -159,3 +182,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return getattr(torch.ops, _OP_NAMESPACE).decode_linear(x, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized weights
+
+_FORMAT_OF_KIND = {0: "q4_0", 1: "q4_1", 2: "q8_0"}
+# None until the first quantized call: whether quant_linear is the native op or the torch fallback.
+_quant_native: bool | None = None
+
+
+def _define_reference_op() -> None:
+    """``quant_linear`` in plain torch, under the native op's name and schema, where the library
+    could not be built: compiled steps and eager calls see the same op either way."""
+    from genfn.quant.reference import reference_linear
+
+    library = torch.library.Library(_OP_NAMESPACE, "FRAGMENT")
+    library.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+                   "int out_features) -> Tensor")
+
+    def reference(x, codes, scales, mins, kind, out_features):
+        weight = QuantizedWeight(codes, scales, mins, _FORMAT_OF_KIND[kind], out_features, codes.shape[1] * 32)
+        return reference_linear(x, weight, dtype=torch.float32)
+
+    library.impl("quant_linear", reference, "CPU")
+    _define_reference_op.library = library  # the registration lives as long as this object
+    _register_quant_fake()
+
+
+def quant_linear_available() -> bool:
+    """Whether quantized linears run the native kernel (else the torch reference, much slower)."""
+    global _quant_native
+    if _quant_native is None:
+        _quant_native = decode_linear_available()
+        if not _quant_native:
+            _define_reference_op()
+    return _quant_native
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x @ weight.dequantize().T`` with ``x`` quantized per block of 32 to 8 bits (see quant_linear.cpp)."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the quantized weight expects {weight.in_features}")
+    quant_linear_available()
+    return getattr(torch.ops, _OP_NAMESPACE).quant_linear(x, weight.codes, weight.scales, weight.mins,
+                                                          weight.kind, weight.out_features)

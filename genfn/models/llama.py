@@ -23,9 +23,10 @@ from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import linear
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
+from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput"]
+           "init_cache", "ModelOutput", "mtp_head"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -124,7 +125,11 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
 
 
 def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
-    """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up)."""
+    """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up).
+
+    A matrix may be ``genfn.quant.RowBlocks`` (a GGUF file's own blocks): fusing concatenates its
+    blocks as they are, and the embedding lookup gets its float values (the tied LM head keeps
+    the blocks; ``genfn.models.quantized`` turns them into the kernel's layout)."""
     check_tensors(state_dict, spec, "state dict")  # shapes and dtypes against the spec, naming the tensor
 
     def get(name: str) -> torch.Tensor:
@@ -132,24 +137,26 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None else tensor.to(dtype)
+        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
 
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         layer = {
             "attn_norm": get(p + "input_layernorm.weight"),
-            "wqkv": torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0).contiguous(),
-            "wo": get(p + "self_attn.o_proj.weight").contiguous(),
+            "wqkv": cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            "wo": cat_rows([get(p + "self_attn.o_proj.weight")]),
             "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "w_gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
-            "w_down": get(p + "mlp.down_proj.weight").contiguous(),
+            "w_gate_up": cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            "w_down": cat_rows([get(p + "mlp.down_proj.weight")]),
         }
         if spec.attention_bias:
             layer["bqkv"] = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
         layers.append(layer)
     embed = get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
+    if isinstance(embed, RowBlocks):
+        embed = dequantize(embed).to(dtype or torch.float32)
     return {
         "embed": embed,
         "layers": layers,
@@ -210,6 +217,7 @@ def apply(
     attend_len: int | None = None,
     output_hidden_states: bool = False,
     output_attentions: bool = False,
+    num_layers: int | None = None,
 ):
     """Run ``tokens [B, S]`` at ``positions [B, S]`` against ``cache`` (donated).
 
@@ -217,9 +225,17 @@ def apply(
     ``logits_to_keep``: compute logits for the last that many positions only (0 = all).
     ``attend_len``: attend over the first ``attend_len`` cache slots only (static; must cover
     every filled slot), so attention costs the real context rather than ``max_cache_len``.
+    ``num_layers``: run only the first that many layers, then the final norm and LM head (early
+    exit: a cheaper draft of the same model; the cache's deeper layers are left as they were).
     Returns ``(logits [B, S', V] float32, cache)``, or a ``ModelOutput`` when hidden states or
     attentions are requested.
     """
+    layers = params["layers"]
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
+                             f"got {num_layers!r}")
+        layers = layers[:num_layers]
     batch, seq = tokens.shape
     slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
     if attention_mask is None:
@@ -241,7 +257,7 @@ def apply(
     kv_size = spec.num_kv_heads * spec.head_dim
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -277,6 +293,23 @@ def apply(
                            tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)
     return logits, cache
+
+
+def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: torch.Tensor, token: torch.Tensor):
+    """Multi-token prediction head ``index`` (optional ``params["mtp"]``, a list of heads).
+
+    DeepSeek-V3's MTP module without its transformer block: the head mixes the previous depth's
+    hidden state ``hidden [B, H]`` with the embedding of the token chosen from it, ``token [B]``
+    (each RMS-normed, concatenated, projected back to ``H`` by ``eh_proj [H, 2H]``), and reads the
+    next-next token through the model's final norm and LM head. Returns ``(logits [B, V] float32,
+    hidden [B, H])``; the hidden state feeds head ``index + 1``.
+    """
+    head = params["mtp"][index]
+    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
+                   head["eh_proj"])
+    logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    return logits, mixed
 
 
 def _eager_attention(q, k, v, mask, head_dim):

@@ -135,15 +135,41 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
                  generation_config=generation_config, config=dict(config), source=source)
 
 
-def load(path: str | os.PathLike | None = None, *, dtype=torch.float32) -> Model:
-    """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2)."""
-    from genfn.models.loaders import load_checkpoint
+def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None) -> Model:
+    """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2).
+
+    ``quantize``: None (default) loads every weight as ``dtype``; ``"gguf"`` keeps a GGUF file's
+    own Q8_0/Q4_0/Q4_1 blocks bit for bit; ``"q8_0" | "q4_0" | "q4_1" | "int8" | "int4"``
+    quantizes the float weights on load. Quantized linears run ``genfn.kernels``' VNNI kernel
+    (see ``genfn.models.quantized``); activations stay ``dtype``.
+    """
+    from genfn import kernels
+    from genfn.models.loaders import find_checkpoint_format, load_checkpoint
+    from genfn.models.quantized import check_quantize, quantize_params
 
     if path is None:
         from genfn.default_model import default_model_path
 
         path = default_model_path()
     dtype = _check_dtype(dtype)
-    ckpt = load_checkpoint(path, dtype=dtype)
-    return from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
-                              generation_config=ckpt.generation_config, source=ckpt.source)
+    quantize = check_quantize(quantize)
+    if quantize == "gguf":
+        from genfn.models.loaders.gguf import load_gguf_checkpoint
+
+        kind, resolved = find_checkpoint_format(path)
+        if kind != "gguf":
+            raise ValueError(f"quantize='gguf' keeps a GGUF file's blocks, but {path} is a {kind} checkpoint; "
+                             "pick a format to quantize to (q8_0, q4_0, q4_1, int8, int4)")
+        ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True)
+    else:
+        ckpt = load_checkpoint(path, dtype=dtype)
+    model = from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
+                               generation_config=ckpt.generation_config, source=ckpt.source)
+    if quantize is not None:
+        if isinstance(model, EncoderDecoderModel):
+            raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "
+                             f"unquantized (quantize=None)")
+        model.params = quantize_params(model.params, quantize)
+    # Build (or find) the native kernels now, not in the middle of the first step.
+    kernels.quant_linear_available()
+    return model

@@ -25,6 +25,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
+
 from . import LoadedCheckpoint
 from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
@@ -307,8 +309,19 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    state_dict: dict[str, torch.Tensor] = {}
+def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype) -> torch.Tensor | RowBlocks:
+    """A tensor's float values, or (``keep_blocks``, a matrix in a format genfn's kernels run) its
+    blocks as stored."""
+    info = gguf.tensors[name]
+    type_name = GGMLQuantizationType(info.ggml_type).name
+    if keep_blocks and type_name in GGUF_FORMATS and len(info.shape) == 2:
+        return from_gguf_bytes(gguf.raw(name), type_name, info.shape)
+    return torch.from_numpy(gguf.tensor(name)).to(dtype)
+
+
+def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
+                keep_blocks: bool = False) -> dict[str, torch.Tensor | RowBlocks]:
+    state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
     for name in gguf.tensors:
         hf_name = hf_tensor_name(name)
@@ -322,12 +335,16 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             elif not _IGNORED.match(name):
                 unknown.append(name)
             continue
-        t = torch.from_numpy(gguf.tensor(name))
+        t = _tensor(gguf, name, keep_blocks, dtype)
+        heads = None
         if permuted and ".self_attn.q_proj." in hf_name:
-            t = unpermute_qk(t, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permuted and ".self_attn.k_proj." in hf_name:
-            t = unpermute_qk(t, config["num_key_value_heads"])
-        state_dict[hf_name] = t.to(dtype)
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            # The permutation moves whole rows, so quantized rows move with their blocks intact.
+            t = t.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(t, RowBlocks) else unpermute_qk(t, heads)
+        state_dict[hf_name] = t
     if unknown:
         raise CheckpointError(
             f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
@@ -339,8 +356,12 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
 # ---------------------------------------------------------------------------------------------
 
 
-def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring)."""
+def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                         keep_blocks: bool = False) -> LoadedCheckpoint:
+    """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring).
+
+    `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
+    rows unpermuted like the float ones) instead of dequantizing them."""
     check_dtype(dtype)
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -348,7 +369,7 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     gguf = read_gguf(path)
     config = _config_from_metadata(gguf)
     permuted = SUPPORTED_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
-    state_dict = _state_dict(gguf, config, permuted, dtype)
+    state_dict = _state_dict(gguf, config, permuted, dtype, keep_blocks)
     check_state_dict(state_dict, config, path)
     check_gguf_tensors(gguf, state_dict, config)
 

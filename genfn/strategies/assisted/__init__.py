@@ -2,8 +2,10 @@
 
 ``verify`` decides which drafts a row keeps (``stats`` counts them); ``schedule`` sizes drafts and adapts the assistant's
 confidence threshold; ``drafter`` is the interface proposers implement; ``prompt_lookup`` is the
-proposer that drafts from the row's own tokens. The speculative step that composes them with a
-model and the caches' ``rewind`` lives with the strategies that run it.
+proposer that drafts from the row's own tokens; ``draft_model``, ``early_exit``, ``mtp`` and
+``block`` are the model-running proposers. ``step`` is the speculative step that composes a proposer
+with one verifying target forward and the caches' ``rewind``; ``build`` picks the proposer a
+``generate`` call asks for.
 """
 
 from genfn.strategies.assisted.drafter import Draft, DraftInput, Drafter, PromptLookupDrafter, check_ensemble_weight
@@ -21,6 +23,7 @@ from genfn.strategies.assisted.schedule import (
     update_schedule,
 )
 from genfn.strategies.assisted.stats import AcceptanceStats, init_stats, record
+from genfn.strategies.assisted.step import GenerateAssistedOutput, SpeculativeState, speculative_strategy
 from genfn.strategies.assisted.verify import (
     Verified,
     accept_keys,
@@ -37,5 +40,6 @@ __all__ = [
     "ConfidenceState", "DraftSchedule", "confident_length", "draft_budget", "init_confidence", "init_schedule",
     "roc_optimal_threshold", "schedule_for_next_call", "update_confidence", "update_schedule",
     "AcceptanceStats", "init_stats", "record",
+    "GenerateAssistedOutput", "SpeculativeState", "speculative_strategy",
     "Verified", "accept_keys", "draft_keys", "limit_new_tokens", "process_block", "verify_greedy", "verify_sampling",
 ]

@@ -1,0 +1,232 @@
+// y = x @ dequantize(W).T for block-quantized W (genfn/quant/weight.py's "tiles16" layout).
+//
+// Each row of x is quantized once per call to 8 bits per block of 32 inputs (scale max|x|/127,
+// ties to even, and the block's code sum, as llama.cpp's Q8_1). Then per tile of 16 output rows
+// and per block, `vpdpbusd` multiplies the weights' unsigned codes by the activation's signed
+// bytes, four inputs per lane and one output row per lane; the integer sums are exact, and each
+// block adds d_w * d_x * sum in float32. Minimums (Q4_1) and code offsets (8 for Q4_0, 128 for
+// the 8-bit formats) fold into the activation block sums:
+//   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
+// The weight is streamed once per call for up to 8 rows of x; more rows take several passes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16;
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 8;
+enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
+
+constexpr int chunks_of(int64_t kind) { return kind == kQ8 ? 8 : 4; }
+
+struct Activations {
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, nb]
+  std::vector<int32_t> sum;   // [M, nb]
+  std::vector<float> scaled_sum;  // [M, nb]: scale * sum, what a minimum multiplies
+};
+
+__attribute__((target("avx512f,avx512bw"))) void quantize_activations(const float* x, int64_t M, int64_t K,
+                                                                       Activations& a) {
+  const int64_t nb = K / kBlock;
+  a.codes.resize(M * K);
+  a.scale.resize(M * nb);
+  a.sum.resize(M * nb);
+  a.scaled_sum.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * K + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.0f;
+      const float inverse = amax > 0.0f ? 1.0f / d : 0.0f;
+      const __m512 s = _mm512_set1_ps(inverse);
+      const __m512 lim = _mm512_set1_ps(127.0f);
+      const __m512 r0 = _mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), -lim), lim);
+      const __m512 r1 = _mm512_min_ps(_mm512_max_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), -lim), lim);
+      const __m512i q0 = _mm512_cvtps_epi32(r0), q1 = _mm512_cvtps_epi32(r1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + m * K + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.codes.data() + m * K + b * kBlock + 16),
+                       _mm512_cvtsepi32_epi8(q1));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      a.scale[m * nb + b] = d;
+      a.sum[m * nb + b] = total;
+      a.scaled_sum[m * nb + b] = d * static_cast<float>(total);
+    }
+  }
+}
+
+// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32.
+template <int M, int64_t kind>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
+    int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
+    const Activations& a, int64_t K, int64_t N, float* y) {
+  constexpr int kChunks = chunks_of(kind);
+  constexpr int64_t kBlockBytes = kChunks * 64;
+  constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[M], acc_min[M];
+    for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps();
+    const uint8_t* c = codes + t * nb * kBlockBytes;
+    const uint16_t* sc = scales + t * nb * kTile;
+    const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
+    for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
+      // Two blocks ahead; the tiles a thread takes are contiguous, so this runs on into the next.
+      for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + 2 * kBlockBytes + 64 * j), _MM_HINT_T0);
+      __m512i w[8];
+      if constexpr (kind == kQ8) {
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(c + 64 * j);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i packed = _mm512_loadu_si512(c + 64 * j);
+          w[j] = _mm512_and_si512(packed, low_nibbles);
+          w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * kTile)));
+      __m512 mins_b;
+      if constexpr (kind == kQ4Min)
+        mins_b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * kTile)));
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xb = reinterpret_cast<const int32_t*>(a.codes.data() + m * K + b * kBlock);
+        // Two chains so consecutive vpdpbusd do not wait on each other.
+        __m512i s0 = _mm512_set1_epi32(-kOffset * a.sum[m * nb + b]);
+        __m512i s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xb[j + 1]));
+        }
+        const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(a.scale[m * nb + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx, acc[m]);
+        if constexpr (kind == kQ4Min)
+          acc_min[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc_min[m]);
+      }
+    }
+    const int64_t n0 = t * kTile;
+    const __mmask16 keep = n0 + kTile <= N ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (N - n0)) - 1);
+    for (int m = 0; m < M; ++m) {
+      const __m512 out = kind == kQ4Min ? _mm512_add_ps(acc[m], acc_min[m]) : acc[m];
+      _mm512_mask_storeu_ps(y + m * N + n0, keep, out);
+    }
+  }
+}
+
+// The same arithmetic one lane at a time, for CPUs without VNNI.
+void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const uint8_t* codes,
+                      const c10::Half* scales, const c10::Half* mins, const Activations& a, int64_t K, int64_t N,
+                      float* y) {
+  const int chunks = chunks_of(kind);
+  const int32_t offset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t r = 0; r < kTile && t * kTile + r < N; ++r)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f, acc_min = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* c = codes + (t * nb + b) * chunks * 64;
+          const int8_t* xq = a.codes.data() + m * K + b * kBlock;
+          int32_t s = -offset * a.sum[m * nb + b];
+          for (int j = 0; j < 8; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = kind == kQ8 ? c[j * 64 + r * 4 + i] : c[(j % 4) * 64 + r * 4 + i];
+              const int32_t u = kind == kQ8 ? byte : (j < 4 ? byte & 0x0F : byte >> 4);
+              s += u * xq[j * 4 + i];
+            }
+          const float d = static_cast<float>(scales[(t * nb + b) * kTile + r]);
+          acc = std::fma(static_cast<float>(s), d * a.scale[m * nb + b], acc);
+          if (kind == kQ4Min) acc_min = std::fma(static_cast<float>(mins[(t * nb + b) * kTile + r]),
+                                                 a.scaled_sum[m * nb + b], acc_min);
+        }
+        y[m * N + t * kTile + r] = acc + acc_min;
+      }
+}
+
+template <int64_t kind>
+void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales,
+                   const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
+  switch (M) {
+    case 1: return run_tiles<1, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 2: return run_tiles<2, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 3: return run_tiles<3, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 4: return run_tiles<4, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 5: return run_tiles<5, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 6: return run_tiles<6, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 7: return run_tiles<7, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    default: return run_tiles<8, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+  }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features) {
+  TORCH_CHECK(kind == kQ4 || kind == kQ4Min || kind == kQ8, "quant_linear: kind must be 0, 1 or 2, got ", kind);
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "quant_linear: codes must be uint8 [tiles, blocks, bytes]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: scales must be float16");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "quant_linear: CPU tensors only");
+  const int64_t K = x.size(-1);
+  const int64_t tiles = codes.size(0), nb = codes.size(1);
+  TORCH_CHECK(K == nb * kBlock, "quant_linear: x has ", K, " features, the weight expects ", nb * kBlock);
+  TORCH_CHECK(codes.size(2) == chunks_of(kind) * 64, "quant_linear: codes of ", codes.size(2),
+              " bytes a block do not match kind ", kind);
+  TORCH_CHECK(out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
+              "quant_linear: ", out_features, " output rows do not fit ", tiles, " tiles");
+  TORCH_CHECK(scales.numel() == tiles * nb * kTile, "quant_linear: scales do not match the codes");
+  const bool has_min = kind == kQ4Min;
+  TORCH_CHECK(!has_min || (mins.has_value() && mins->numel() == scales.numel() && mins->scalar_type() == at::kHalf),
+              "quant_linear: kind 1 (with minimums) needs float16 mins shaped like the scales");
+  const int64_t N = out_features;
+  const int64_t M = K == 0 ? 0 : x.numel() / K;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y.view(out_sizes).to(x.scalar_type());
+  const at::Tensor c = codes.contiguous(), s = scales.contiguous();
+  const at::Tensor mn = has_min ? mins->contiguous() : at::Tensor();
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
+  const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
+  static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  // Reused across calls: a decode step makes ~120 of them, each needing a few KiB. The worker
+  // threads must read the calling thread's buffers, so the lambda captures this reference
+  // (naming the thread_local inside it would reach each worker's own, empty, copy).
+  thread_local Activations buffers;
+  Activations& a = buffers;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, M - m0);
+    quantize_activations(xf.data_ptr<float>() + m0 * K, rows, K, a);
+    float* yp = y.data_ptr<float>() + m0 * N;
+    if (!vnni) {
+      run_tiles_scalar(rows, kind, tiles, nb, cp, reinterpret_cast<const c10::Half*>(sp),
+                       reinterpret_cast<const c10::Half*>(mp), a, K, N, yp);
+      continue;
+    }
+    // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+      if (kind == kQ4) dispatch_rows<kQ4>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+      else if (kind == kQ4Min) dispatch_rows<kQ4Min>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+      else dispatch_rows<kQ8>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+    });
+  }
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -1,0 +1,75 @@
+"""Turning a model's linear weights into ``QuantizedWeight``s: ``genfn.load(path, quantize=...)``.
+
+``quantize="gguf"`` keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (the loader hands them over as
+``RowBlocks``; they are only rearranged into the kernel's tiles); ``"q8_0" | "q4_0" | "q4_1" |
+"int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
+matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
+float, and the embedding lookup reads float rows (for a tied head, the head's own values).
+
+With a 4-bit format the LM head is stored in 8 bits (q8_0, or int8 for int4), as llama.cpp's
+quantizer keeps its output matrix at higher precision and the shipped SmolLM2 file has it in
+Q8_0: the head is a tenth of the bytes, and at 4 bits it alone cost SmolLM2 a third more
+perplexity (benchmarks/quality.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
+from genfn.quant.weight import QuantizedWeight
+
+__all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
+
+QUANTIZE_CHOICES = ("gguf", *FORMATS)
+HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "int4": "int8"}
+LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def check_quantize(quantize: str | None) -> str | None:
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZE_CHOICES))}; got {quantize!r}")
+    return quantize
+
+
+def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
+    if isinstance(weight, RowBlocks):
+        return QuantizedWeight.from_rows(weight)
+    if fmt == "gguf":  # a float matrix in the file stays float
+        return weight
+    group = 64 if fmt == "int4" else BLOCK
+    if weight.dim() != 2 or weight.shape[1] % group:
+        kept_float.append(name)
+        return weight
+    return QuantizedWeight.from_rows(quantize(weight, fmt))
+
+
+def quantize_params(params: dict, fmt: str) -> dict:
+    """``params`` with its linear weights as ``QuantizedWeight`` in ``fmt`` (see module docstring)."""
+    check_quantize(fmt)
+    kept_float: list[str] = []
+    layers = []
+    for i, layer in enumerate(params["layers"]):
+        layer = dict(layer)
+        for key in LINEAR_PARAMS:
+            layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
+        layers.append(layer)
+    head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
+    out = dict(params, layers=layers, lm_head=head)
+    if kept_float:
+        warnings.warn(f"genfn: quantize={fmt!r}: {', '.join(kept_float[:4])} kept in float (in_features not a "
+                      f"multiple of the block size)", RuntimeWarning, stacklevel=3)
+    return out
+
+
+def weight_bytes(params: dict) -> int:
+    """Bytes a batch-1 decode step streams: every linear weight once (a tied head counted once)."""
+    seen, total = set(), 0
+    for leaf in torch.utils._pytree.tree_leaves({k: v for k, v in params.items() if k != "embed"}):
+        if isinstance(leaf, torch.Tensor) and leaf.data_ptr() not in seen:
+            seen.add(leaf.data_ptr())
+            total += leaf.numel() * leaf.element_size()
+    return total

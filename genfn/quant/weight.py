@@ -1,0 +1,109 @@
+"""``QuantizedWeight``: a block-quantized linear weight as a pytree, in the kernel's tile layout.
+
+Codes, scales and minimums are tensor leaves; the format and the matrix shape are static, so a
+compiled step keys on them and closes over the tensors like any other weight.
+
+Layout ("tiles16"): output rows are grouped in tiles of 16 and, inside a tile, stored block by
+block (32 inputs), with the 16 rows of a block interleaved four code bytes at a time:
+
+    codes  uint8   [tiles, K // 32, chunks * 64]   chunk c = bytes 4c..4c+3 of each of the 16 rows
+    scales float16 [tiles, K // 32, 16]
+    mins   float16 [tiles, K // 32, 16]            q4_1 / int4 only
+
+One AVX-512 register then holds one chunk of 16 rows, and ``vpdpbusd`` against four activation
+bytes broadcast to every lane leaves each row's partial dot product in its own lane: no
+horizontal sums, and one float16 -> float32 conversion turns 16 scales into the lanes' factors.
+4-bit blocks keep GGUF's nibble order (byte j: input j low, input j + 16 high), so a chunk's low
+nibbles meet inputs 4c..4c+3 and its high nibbles 16+4c..16+4c+3. 8-bit codes are stored offset
+by 128 (``vpdpbusd`` multiplies unsigned by signed bytes); the kernel subtracts 128 times the
+activation block's sum, which it has anyway. Every code and scale is the source's, moved, not
+recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.quant.blocks import BLOCK, EIGHT_BIT, WITH_MINIMUM, RowBlocks, _per_block, dequantize
+from genfn.state.base import pytree_dataclass, static_field
+
+__all__ = ["QuantizedWeight", "TILE", "KERNEL_KIND"]
+
+TILE = 16
+# The kernel's three dot products: 4-bit with a fixed offset of 8, 4-bit with a minimum, 8-bit.
+KERNEL_KIND = {"q4_0": 0, "q4_1": 1, "int4": 1, "q8_0": 2, "int8": 2}
+# What each format becomes once its scales are spread per block of 32 (the tile layout's unit).
+_PER_BLOCK_FORMAT = {"q4_0": "q4_0", "q4_1": "q4_1", "int4": "q4_1", "q8_0": "q8_0", "int8": "q8_0"}
+
+
+@pytree_dataclass
+class QuantizedWeight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    format: str = static_field()
+    out_features: int = static_field()
+    in_features: int = static_field()
+    layout: str = static_field(default="tiles16")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def kind(self) -> int:
+        return KERNEL_KIND[self.format]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    @classmethod
+    def from_rows(cls, rows: RowBlocks) -> "QuantizedWeight":
+        n, k = rows.shape
+        blocks = k // BLOCK
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+        codes = rows.codes
+        if rows.format in EIGHT_BIT:
+            codes = codes ^ 0x80  # signed q -> unsigned q + 128
+        chunks = codes.shape[-1] // 4
+
+        def tiled(t: torch.Tensor, tail: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+            if pad:
+                t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+            return t.reshape(tiles, TILE, blocks, *tail).permute(*order).contiguous()
+
+        # A chunk's four code bytes move together: permute them as one int32.
+        words = codes.contiguous().view(torch.int32)  # [N, blocks, chunks]
+        tiled_codes = tiled(words, (chunks,), (0, 2, 3, 1)).view(torch.uint8).reshape(tiles, blocks, chunks * 64)
+        scales = tiled(_per_block(rows.scales, rows.shape), (), (0, 2, 1))
+        mins = None if rows.mins is None else tiled(_per_block(rows.mins, rows.shape), (), (0, 2, 1))
+        return cls(tiled_codes, scales, mins, rows.format, n, k)
+
+    def to_rows(self) -> RowBlocks:
+        """The row-major blocks (scales per block of 32; int8/int4 read as q8_0/q4_1)."""
+        tiles, blocks, width = self.codes.shape
+        chunks = width // 64
+        words = self.codes.view(torch.int32).reshape(tiles, blocks, chunks, TILE).permute(0, 3, 1, 2)
+        codes = words.contiguous().view(torch.uint8).reshape(tiles * TILE, blocks, chunks * 4)[: self.out_features]
+        if self.format in EIGHT_BIT:
+            codes = codes ^ 0x80
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(tiles * TILE, blocks)[: self.out_features].contiguous()
+
+        mins = rows(self.mins) if self.format in WITH_MINIMUM else None
+        return RowBlocks(_PER_BLOCK_FORMAT[self.format], codes.contiguous(), rows(self.scales), mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[out_features, in_features]``: the values the kernel multiplies by."""
+        return dequantize(self.to_rows())
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.format}, {self.out_features}x{self.in_features}, {self.layout})"
