@@ -156,7 +156,8 @@ def test_per_row_decoder_start_token_id_equals_transformers(models, num_beams):
     assert out[:, 0].tolist() == starts
     assert torch.equal(out, ref)
     # A tensor of start ids is the same request.
-    out_tensor = model.generate(ids, attention_mask=mask, **{**settings, "decoder_start_token_id": torch.tensor(starts)})
+    as_tensor = {**settings, "decoder_start_token_id": torch.tensor(starts)}
+    out_tensor = model.generate(ids, attention_mask=mask, **as_tensor)
     assert torch.equal(out_tensor, out)
 
 
@@ -196,6 +197,10 @@ def test_unknown_decoder_kwarg_and_bad_start_ids_are_clear_errors(t5):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, decoder_head_mask=torch.ones(2))
     with pytest.raises(ValueError, match="decoder_start_token_id has 2 values but the batch has 3 rows"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, decoder_start_token_id=[0, 1])
+    with pytest.raises(ValueError, match="guidance_scale are not supported with encoder-decoder"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, guidance_scale=2.0)
+    with pytest.raises(ValueError, match="assisted generation .* not supported with encoder-decoder"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, prompt_lookup_num_tokens=2)
 
 
 def test_return_dict_outputs_match_transformers(bart):

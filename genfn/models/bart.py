@@ -84,7 +84,8 @@ def spec_from_config(config: Mapping[str, Any]) -> BartSpec:
     except KeyError as missing:
         raise ValueError(f"config.json is missing the required BART field {missing}") from None
     activation(spec.activation_function)
-    for heads, name in ((spec.num_heads, "decoder_attention_heads"), (spec.num_encoder_heads, "encoder_attention_heads")):
+    for heads, name in ((spec.num_heads, "decoder_attention_heads"),
+                        (spec.num_encoder_heads, "encoder_attention_heads")):
         if spec.d_model % heads:
             raise ValueError(f"d_model ({spec.d_model}) must be a multiple of {name} ({heads})")
     return spec

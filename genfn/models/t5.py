@@ -135,7 +135,8 @@ def params_from_state_dict(spec: T5Spec, state_dict: Mapping[str, torch.Tensor],
         layers = []
         for i in range(num_layers):
             p = f"{name}.block.{i}.layer."
-            layer = {"attn_norm": get(p + "0.layer_norm.weight"), **_attention_params(get, p + "0.SelfAttention.", spec)}
+            layer = {"attn_norm": get(p + "0.layer_norm.weight"),
+                     **_attention_params(get, p + "0.SelfAttention.", spec)}
             ff_index = 1
             if decoder:
                 cross = _attention_params(get, p + "1.EncDecAttention.", spec)
