@@ -19,9 +19,10 @@ from genfn.generation import generate
 from genfn.models.functional import FunctionalModel
 from genfn.models.adapter import from_module
 from genfn.models.loading import load
-from genfn.models.model import Model
+from genfn.models.model import EncoderDecoderModel, Model
 from genfn.models.save import save
-from genfn.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+from genfn.outputs import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput, GenerateDecoderOnlyOutput,
+                           GenerateEncoderDecoderOutput)
 from genfn.processors import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -74,10 +75,12 @@ from genfn.streamers import (
 )
 
 __all__ = [
-    "random", "generate", "load", "save", "from_module", "Model", "FunctionalModel", "Strategy", "NonFiniteLogitsError",
+    "random", "generate", "load", "save", "from_module", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",
+    "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",
-    "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "compute_transition_scores",
+    "GenerateDecoderOnlyOutput", "GenerateBeamDecoderOnlyOutput", "GenerateEncoderDecoderOutput",
+    "GenerateBeamEncoderDecoderOutput", "compute_transition_scores",
     # stopping criteria
     "StoppingCriteria", "StoppingCriteriaList", "MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria",
     "ConfidenceCriteria", "StopStringCriteria", "validate_stopping_criteria",

@@ -20,6 +20,7 @@ from genfn.custom_generate import load_custom_generate
 from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
 from genfn.strategies import beam as beam_strategy
+from genfn.strategies import encoder_decoder as encdec_strategy
 from genfn.strategies.assisted.build import assisted_strategy
 from genfn.strategies import sample as sample_strategy
 from genfn.healing import heal_tokens
@@ -243,7 +244,13 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
     """
     input_ids = inputs.as_input_ids(input_ids)
+    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+    if isinstance(kwargs.get("decoder_start_token_id"), torch.Tensor):
+        kwargs = {**kwargs, "decoder_start_token_id": kwargs["decoder_start_token_id"].reshape(-1).tolist()}
     config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
+    if encoder_decoder:
+        # transformers routes the decoder_-prefixed kwargs (and encoder_outputs) to the model.
+        decoder_kwargs, encoder_outputs, unused = encdec_strategy.split_model_kwargs(unused)
     if unused:
         raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
                          f"{sorted(unused)}")
@@ -255,7 +262,20 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     inputs.check_special_tokens(config, model.vocab_size)
     eos_ids = inputs.eos_token_ids(config.eos_token_id)
     pad_id = inputs.resolve_pad_token_id(config.pad_token_id, eos_ids)
-    attention_mask = inputs.attention_mask_for(input_ids, attention_mask, config.pad_token_id, eos_ids)
+    encoder = None
+    if encoder_decoder:
+        # From here on input_ids are the decoder's prompt; the encoder's side travels in the request.
+        encoder, input_ids, attention_mask = encdec_strategy.prepare_inputs(
+            config, input_ids, attention_mask, decoder_kwargs, encoder_outputs, config.pad_token_id, eos_ids)
+        inputs.check_token_range(input_ids, model.vocab_size)
+        inputs.check_prompt_fits(encoder.input_ids.shape[1], model.max_position_embeddings)
+        unsupported = [name for name, on in (("token_healing", config.token_healing),
+                                             ("guidance_scale", config.guidance_scale not in (None, 1)))
+                       if on]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} are not supported with encoder-decoder models")
+    else:
+        attention_mask = inputs.attention_mask_for(input_ids, attention_mask, config.pad_token_id, eos_ids)
     if config.token_healing:
         # Imperative preprocessing, like transformers' heal_tokens: rewrite each prompt's tail.
         input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask, generate=generate)
@@ -282,7 +302,8 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
 
     processors = build_logits_processors(
         config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
-        num_beams=num_beams, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
+        num_beams=num_beams, encoder_input_ids=None if encoder is None else encoder.input_ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
         attention_mask=attention_mask, vocab_size=model.vocab_size, device=input_ids.device)
     requires = dict(processors.requires)
     requires.pop("token_healing", None)  # done above
@@ -320,7 +341,12 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         output_hidden_states=return_dict and bool(config.output_hidden_states),
         stop_strings=stop_strings,
         guidance=guidance,
+        encoder=encoder,
     )
     if mode is GenerationMode.ASSISTED_GENERATION:
+        if encoder_decoder:
+            raise ValueError("assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) "
+                             "is not supported with encoder-decoder models")
         return request, assisted_strategy(model, request, assistant_model)
-    return request, STRATEGIES[mode]
+    chosen = STRATEGIES[mode]
+    return request, (encdec_strategy.for_encoder_decoder(chosen) if encoder_decoder else chosen)

@@ -120,6 +120,8 @@ def check_special_tokens(config: Any, vocab_size: int) -> None:
             continue
         if name == "eos_token_id":
             ids = eos_token_ids(value)
+        elif name == "decoder_start_token_id" and isinstance(value, (list, tuple)) and all(map(_is_int, value)):
+            ids = tuple(value)  # one start token per batch row
         elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
             ids = (int(value),)
         elif _is_int(value):

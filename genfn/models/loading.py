@@ -12,7 +12,7 @@ import os
 import torch
 
 from genfn.models import model as native
-from genfn.models import registry
+from genfn.models import encoder_decoder, registry
 from genfn.models.adapter import from_module
 
 __all__ = ["load"]
@@ -44,10 +44,10 @@ def _needs_transformers(path) -> bool:
     if kind != "hf":
         return False
     config = read_json(os.path.join(resolved, "config.json"), "config.json")
-    return registry.family_or_none(config) is None
+    return registry.family_or_none(config) is None and not encoder_decoder.is_encoder_decoder_config(config)
 
 
-def _load_with_transformers(directory: str, dtype: torch.dtype) -> Model:
+def _load_with_transformers(directory: str, dtype: torch.dtype) -> native.Model:
     """A directory of a non-native architecture, loaded by transformers and wrapped by ``from_module``."""
     try:
         import transformers

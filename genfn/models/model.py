@@ -17,10 +17,11 @@ from typing import Any, Callable
 import optree
 import torch
 
-from genfn.models import registry
+from genfn.models import encoder_decoder, registry
 from genfn.models.functional import FunctionalModel
+from genfn.models.seq2seq import EncoderOutput
 
-__all__ = ["Model", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
+__all__ = ["Model", "EncoderDecoderModel", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
 
 
 @dataclasses.dataclass
@@ -148,6 +149,33 @@ def _first_floating(params) -> torch.Tensor:
     raise ValueError("the model's params hold no floating-point tensor")
 
 
+class EncoderDecoderModel(Model):
+    """A ``Model`` whose ``apply`` is the decoder, with a pure encoder beside it.
+
+    ``generate`` runs ``encode`` once per call (in the strategy's ``init``) and keeps the
+    cross-attention keys/values in the decode state's cache.
+    """
+
+    is_encoder_decoder = True
+
+    def __init__(self, spec, params, apply_fn: Callable, init_cache_fn: Callable, *, encode_fn: Callable,
+                 cross_kv_fn: Callable, **kwargs):
+        super().__init__(spec, params, apply_fn, init_cache_fn, **kwargs)
+        self.encode_fn = encode_fn
+        self.cross_kv_fn = cross_kv_fn
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+               output_hidden_states: bool = False, output_attentions: bool = False) -> EncoderOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.encode_fn(self.spec, self.params, input_ids, attention_mask,
+                              output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+
+    def cross_attention_kv(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K, V)`` ``[L, B, H, S_enc, D]``: every decoder layer's cross-attention keys/values."""
+        return self.cross_kv_fn(self.spec, self.params, encoder_hidden)
+
+
 def _check_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
@@ -169,6 +197,9 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
+    if encoder_decoder.is_encoder_decoder_config(config):
+        return EncoderDecoderModel(**encoder_decoder.family_parts(config, state_dict, dtype), tokenizer=tokenizer,
+                                   generation_config=generation_config, config=dict(config), source=source)
     family = registry.native_family(config)
     spec = family.spec_from_config(config)
     params = family.params_from_state_dict(spec, state_dict, dtype=dtype)
@@ -212,6 +243,9 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     model = from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
                                generation_config=ckpt.generation_config, source=ckpt.source)
     if quantize is not None:
+        if isinstance(model, EncoderDecoderModel):
+            raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "
+                             f"unquantized (quantize=None)")
         model.params = quantize_params(model.params, quantize)
     # Build (or find) the native kernels now, not in the middle of the first step.
     kernels.quant_linear_available()

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from genfn.processors.context import LogitsContext
-from genfn.processors.rowvalues import RowValue, cat_rows, check_same_kind, evolve, same_value, set_row, to_row
-from genfn.state.base import leaf_fields, static_fields
+from genfn.processors.rowvalues import RowValue, cat_rows, check_same_kind, evolve, set_row, to_row
+from genfn.state.base import leaf_fields
 
 __all__ = [
     "LogitsProcessor",

@@ -15,7 +15,7 @@ import torch
 
 from genfn.processors.base import ProcessorBase, token_set_mask
 from genfn.processors.context import LogitsContext
-from genfn.processors.rowvalues import RowValue, check_same_kind, evolve
+from genfn.processors.rowvalues import RowValue, evolve
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor"]

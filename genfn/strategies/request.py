@@ -34,6 +34,7 @@ class GenerationRequest:
     output_hidden_states: bool = False
     stop_strings: Any = None  # genfn.stopping.StopStringMatcher, checked inside the step
     guidance: Any = None  # genfn.strategies.guidance.GuidanceSpec when guidance_scale != 1
+    encoder: Any = None  # genfn.strategies.encoder_decoder.EncoderInputs for an encoder-decoder model
 
     @property
     def batch_size(self) -> int:
@@ -52,3 +53,4 @@ class StepTrace:
     logits: list = dataclasses.field(default_factory=list)
     attentions: list = dataclasses.field(default_factory=list)
     hidden_states: list = dataclasses.field(default_factory=list)
+    cross_attentions: list = dataclasses.field(default_factory=list)  # encoder-decoder models

@@ -29,6 +29,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+_ENCODER_DECODER_MODEL_TYPES = ("t5", "mt5", "bart")
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -158,6 +159,10 @@ def _hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
+def _is_encoder_decoder(config: Any) -> bool:
+    return isinstance(config, dict) and config.get("model_type") in _ENCODER_DECODER_MODEL_TYPES
+
+
 def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
     """Load a Hugging Face model directory (see module docstring)."""
     check_dtype(dtype)
@@ -172,13 +177,16 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.
     state_dict: dict[str, torch.Tensor] = {}
     for path, names in _tensor_files(directory).items():
         state_dict.update(load_safetensors(path, dtype, names))
-    state_dict = _hf_names(state_dict)
-
-    config = normalize_config(raw_config, state_dict, config_path)
-    if config["tie_word_embeddings"]:
-        state_dict.pop("lm_head.weight", None)
-    check_state_dict(state_dict, config, directory)
-    check_tensors(state_dict, config, directory)
+    if _is_encoder_decoder(raw_config):
+        # The encoder-decoder families read their own config fields and check their own tensors.
+        config = raw_config
+    else:
+        state_dict = _hf_names(state_dict)
+        config = normalize_config(raw_config, state_dict, config_path)
+        if config["tie_word_embeddings"]:
+            state_dict.pop("lm_head.weight", None)
+        check_state_dict(state_dict, config, directory)
+        check_tensors(state_dict, config, directory)
 
     generation_config = None
     gen_path = os.path.join(directory, "generation_config.json")
