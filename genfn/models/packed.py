@@ -1,0 +1,75 @@
+"""The Llama family over a packed batch: ``apply_packed(spec, params, inputs, cache)``.
+
+Continuous batching runs the tokens of many requests in one forward: prefill chunks and decode
+tokens one after the other on a single ``[T]`` token axis (``genfn.batching.inputs.BatchInputs``).
+Every per-token operation (embedding, norms, projections, MLP) is the dense model's on a batch of
+one sequence of ``T`` tokens; only three things depend on which request a token belongs to, and
+each reads its index tensor: RoPE rotates at each token's own position, the keys/values go to the
+token's slot of the paged cache (``paged.write``), and attention reads only the token's own
+request through its block-table row (``paged.paged_attention``). Logits are computed only at each
+row's ``logits_index`` (``[R, V]``), not for all ``T`` tokens.
+
+Shapes are static (``T``, ``R``, ``W`` are the padded sizes ``build_batch_inputs`` was asked for),
+so one compiled function serves every batch of a padded shape. Pure but for the cache, which is
+donated and written in place, as everywhere in genfn.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from genfn.cache.paged import PagedKVCache, init_paged_cache, paged_attention, write
+from genfn.kernels import linear
+from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.rope import rope_cos_sin
+
+__all__ = ["apply_packed", "init_packed_cache"]
+
+
+def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
+                      device=None) -> PagedKVCache:
+    """A paged cache shaped for ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
+    return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
+                            dtype=dtype, device=device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, D]``: transformers' rotate-half form."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
+                 cache: PagedKVCache) -> tuple[torch.Tensor, PagedKVCache]:
+    """Run the packed tokens of ``inputs`` against the paged ``cache`` (donated).
+
+    Returns ``(logits [R, V] float32, cache)``: row ``r``'s logits are those of its chunk's last
+    token (padding rows get the logits of token 0, to be ignored).
+    """
+    num_tokens = inputs.input_ids.shape[0]
+    x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
+    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    for i, layer in enumerate(params["layers"]):
+        h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = _rotate(q.reshape(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
+        k = _rotate(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        cache = write(cache, i, inputs.slot_mapping, k, v)
+        attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
+                               sliding_window=spec.sliding_window)
+        x = x + linear(attn.reshape(num_tokens, q_size), layer["wo"])
+        h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, layer["w_down"])
+    # The final norm is per token, so taking the sampling rows first computes the same values.
+    x = _rms_norm(x.index_select(0, inputs.logits_index), params["norm"], spec.rms_norm_eps)
+    logits = linear(x, params["lm_head"]).to(torch.float32)
+    return logits, cache
