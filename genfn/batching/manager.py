@@ -16,6 +16,7 @@ every waiter wakes, and leaves the manager startable again (with a fresh cache a
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -100,6 +101,8 @@ class ContinuousBatchingManager:
         self.scheduler = None
         self.warmed_up = False
         self._destroyed = False
+        # Counts of what the loop did (steps, tokens, preemptions, prompt tokens reused from the prefix cache).
+        self.stats: collections.Counter = collections.Counter()
 
     # -- sizes and construction ----------------------------------------------------------------
 
@@ -399,10 +402,13 @@ class ContinuousBatchingManager:
             return
         state = self.scheduler.state
         now = time.perf_counter()
+        self.stats.update(steps=1, tokens=batch.num_tokens, preempted=len(batch.preempted))
         for chunk in batch.chunks:
             record = self._records.get(chunk.request_id)
             if record is not None and record.started < 0:
                 record.started = now
+            if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
+                self.stats["reused_tokens"] += chunk.start
         new_tokens, logprobs = run_batch(self.engine, state.requests, state.allocator, batch)
         finished = list(self.scheduler.update_batch(batch, new_tokens))
         now = time.perf_counter()
