@@ -6,7 +6,8 @@ Every per-token operation (embedding, norms, projections, MLP) is the dense mode
 one sequence of ``T`` tokens; only three things depend on which request a token belongs to, and
 each reads its index tensor: RoPE rotates at each token's own position, the keys/values go to the
 token's slot of the paged cache (``paged.write``), and attention reads only the token's own
-request through its block-table row (``paged.paged_attention``). Logits are computed only at each
+request (``paged.paged_attention`` through its block-table row, or, for a cache of a few
+tables' size, the whole cache under a mask built once per forward from the block tables). Logits are computed only at each
 row's ``logits_index`` (``[R, V]``), not for all ``T`` tokens.
 
 Shapes are static (``T``, ``R``, ``W`` are the padded sizes ``build_batch_inputs`` was asked for),
@@ -43,6 +44,47 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+# Attention reads the whole cache (masked) instead of gathering each query's blocks when the
+# cache holds at most this many times the slots one query's gather would copy: a prefill chunk
+# of T tokens of one request otherwise copies that request's keys T times.
+WHOLE_CACHE_FACTOR = 8
+
+
+def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: int | None) -> torch.Tensor:
+    """``[T, num_slots]`` bool: which cache slots token ``t`` attends (its own request's keys at
+    positions ``0 .. positions[t]``), from the block tables."""
+    rows, width = inputs.block_tables.shape
+    offsets = torch.arange(block_size, device=inputs.block_tables.device)
+    slots = (inputs.block_tables.unsqueeze(-1) * block_size + offsets).reshape(rows, width * block_size)
+    logical = torch.arange(width * block_size, device=slots.device).expand(rows, -1)
+    # Table entries past a row's length (the sink block, repeated) land on positions no query of
+    # that row reaches, so whichever duplicate wins the scatter stays invisible.
+    slot_pos = torch.full((rows, num_slots), -1, dtype=torch.int64, device=slots.device)
+    slot_pos = slot_pos.scatter(1, slots, logical)
+    token_pos = slot_pos.index_select(0, inputs.request_index)  # [T, num_slots]
+    query_pos = inputs.positions.unsqueeze(1)
+    visible = (token_pos >= 0) & (token_pos <= query_pos)
+    if sliding_window is not None:
+        visible = visible & (token_pos > query_pos - sliding_window)
+    return visible
+
+
+def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor) -> torch.Tensor:
+    """``q [T, H, D]`` against every slot of the layer's cache, masked by ``visible [T, S]``;
+    float32 (float64 for float64) accumulation, as ``paged_attention``."""
+    num_tokens, num_heads, head_dim = q.shape
+    keys, values = cache.keys[layer], cache.values[layer]  # [NB + 1, Hkv, bs, D]
+    kv_heads = keys.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    k = keys.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
+    v = values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
+    qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(compute)
+    scores = torch.einsum("thgd,hsd->thgs", qg, k) * head_dim ** -0.5
+    scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, -1), float("-inf"))
+    out = torch.einsum("thgs,hsd->thgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
 def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
                  cache: PagedKVCache) -> tuple[torch.Tensor, PagedKVCache]:
     """Run the packed tokens of ``inputs`` against the paged ``cache`` (donated).
@@ -55,6 +97,11 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
+    num_slots = cache.keys.shape[1] * cache.block_size
+    gathered = inputs.block_tables.shape[1] * cache.block_size
+    visible = None
+    if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
+        visible = _slot_visibility(inputs, num_slots, cache.block_size, spec.sliding_window)
     for i, layer in enumerate(params["layers"]):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
         qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
@@ -63,8 +110,11 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
         k = _rotate(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         cache = write(cache, i, inputs.slot_mapping, k, v)
-        attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
-                               sliding_window=spec.sliding_window)
+        if visible is not None:
+            attn = _attend_whole_cache(q, cache, i, visible)
+        else:
+            attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
+                                   sliding_window=spec.sliding_window)
         x = x + linear(attn.reshape(num_tokens, q_size), layer["wo"])
         h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
         gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
