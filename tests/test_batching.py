@@ -470,3 +470,18 @@ def test_bad_requests_raise_clear_errors(tiny):
     manager.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         manager.start()
+
+
+def test_warmup_on_padding_leaves_the_cache_finite_and_results_unchanged(tiny):
+    """A warm-up batch is all padding: no query has a real key; the forward must stay finite
+    (a NaN written to the sink block would poison every later query through a zero weight)."""
+    manager = ContinuousBatchingManager(tiny, None, _small_cb())
+    manager.warmup()
+    assert torch.isfinite(manager.engine.cache.keys).all() and torch.isfinite(manager.engine.cache.values).all()
+    manager.start()
+    try:
+        rid = manager.add_request([4, 8, 15, 16, 23], max_new_tokens=5, do_sample=False)
+        out = manager.get_result(rid, timeout=WAIT_S)
+    finally:
+        manager.stop(timeout=WAIT_S)
+    assert out.generated_tokens == _until_eos(_alone(tiny, [4, 8, 15, 16, 23], 5, do_sample=False), 2)

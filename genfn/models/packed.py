@@ -66,7 +66,12 @@ def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: in
     visible = (token_pos >= 0) & (token_pos <= query_pos)
     if sliding_window is not None:
         visible = visible & (token_pos > query_pos - sliding_window)
-    return visible
+    # Every query sees at least the slot its own key was written to (padding: the sink's first
+    # slot), so no row of scores is all -inf: a NaN there would reach the sink's values, and a
+    # zero weight times NaN poisons every later query.
+    sink_slot = num_slots - block_size
+    own = torch.where(inputs.slot_mapping < 0, torch.full_like(inputs.slot_mapping, sink_slot), inputs.slot_mapping)
+    return visible | (torch.arange(num_slots, device=own.device).unsqueeze(0) == own.unsqueeze(1))
 
 
 def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor) -> torch.Tensor:
