@@ -485,3 +485,22 @@ def test_warmup_on_padding_leaves_the_cache_finite_and_results_unchanged(tiny):
     finally:
         manager.stop(timeout=WAIT_S)
     assert out.generated_tokens == _until_eos(_alone(tiny, [4, 8, 15, 16, 23], 5, do_sample=False), 2)
+
+
+def test_a_request_id_reused_after_its_end_runs_with_its_own_settings(tiny):
+    manager = ContinuousBatchingManager(tiny, None, _small_cb())
+    manager.start()
+    prompt = [3, 14, 15, 92, 65]
+    try:
+        outs = []
+        for settings in (dict(do_sample=False), dict(do_sample=True, temperature=2.0, seed=11),
+                         dict(do_sample=False, repetition_penalty=3.0)):
+            manager.add_request(prompt, request_id="same", max_new_tokens=8, eos_token_id=-1, **settings)
+            outs.append(manager.get_result("same", timeout=WAIT_S))
+    finally:
+        manager.stop(timeout=WAIT_S)
+    greedy = _alone(tiny, prompt, 8, do_sample=False, eos_token_id=None)
+    sampled = _alone(tiny, prompt, 8, do_sample=True, temperature=2.0, key=11, eos_token_id=None)
+    penalized = _alone(tiny, prompt, 8, do_sample=False, repetition_penalty=3.0, eos_token_id=None)
+    assert [o.generated_tokens for o in outs] == [greedy, sampled, penalized]
+    assert len({tuple(t) for t in (greedy, sampled, penalized)}) > 1

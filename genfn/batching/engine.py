@@ -155,10 +155,12 @@ class Engine:
     def batch_chain(self, requests: Mapping[Hashable, RequestState], batch: S.ScheduledBatch):
         """The merged chain, keys ``[R, 2]`` and sampling mask ``[R]`` of the batch's rows (cached
         while the batch's rows stay the same requests)."""
-        ids = batch.request_ids
+        # Arrival numbers are unique per scheduler: a new request reusing an ended one's id is
+        # a different row.
+        ids = tuple((r, requests[r].arrival) for r in batch.request_ids)
         if self._merged is not None and self._merged[0] == ids:
             return self._merged[1:]
-        settings = [settings_of(requests[r]) for r in ids]
+        settings = [settings_of(requests[r]) for r in batch.request_ids]
         chain = None
         if any(s.chain is not None for s in settings):
             empty = ProcessorChain(())
