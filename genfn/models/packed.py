@@ -47,7 +47,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 # Attention reads the whole cache (masked) instead of gathering each query's blocks when the
 # cache holds at most this many times the slots one query's gather would copy: a prefill chunk
 # of T tokens of one request otherwise copies that request's keys T times.
-WHOLE_CACHE_FACTOR = 8
+WHOLE_CACHE_FACTOR = 16
 
 
 def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: int | None) -> torch.Tensor:
