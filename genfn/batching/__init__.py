@@ -3,7 +3,9 @@
 ``blocks``: the paged cache's block allocator with prefix caching; ``requests``: the request
 record; ``scheduling``: ``SchedulerState`` and the pure scheduling functions; ``scheduler``:
 transformers' ``Scheduler`` classes over them; ``inputs``: the index tensors of a packed
-forward; ``hints``: ``WorkloadHints`` to default sizes. The key/value tensors and the attention
+forward; ``hints``: ``WorkloadHints`` to default sizes; ``engine``: the step (packed forward,
+per-request processors and sampling); ``settings``: a request's own generation settings;
+``manager`` / ``results`` / ``api``: the thread, its outputs and transformers' entry points. The key/value tensors and the attention
 over a packed batch are ``genfn.cache.paged``.
 """
 
@@ -12,6 +14,15 @@ from genfn.batching.hints import BatchingSizes, WorkloadHints, kv_bytes_per_bloc
 from genfn.batching.inputs import BatchInputs, RowHistory, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState, RequestStatus, make_request
 from genfn.batching.scheduler import SCHEDULERS, FIFOScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
+from genfn.batching.api import (
+    continuous_batching_context_manager,
+    destroy_cached_continuous_batching_manager,
+    generate_batch,
+    init_continuous_batching,
+)
+from genfn.batching.engine import Engine, RequestSettings, engine_step
+from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.results import GenerationOutput
 from genfn.batching.scheduling import (
     ScheduledBatch,
     ScheduledChunk,
@@ -27,6 +38,10 @@ __all__ = [
     "BatchInputs",
     "BatchingSizes",
     "BlockAllocator",
+    "ContinuousBatchingManager",
+    "Engine",
+    "GenerationOutput",
+    "RequestSettings",
     "FIFOScheduler",
     "PrefillFirstScheduler",
     "RequestState",
@@ -42,6 +57,11 @@ __all__ = [
     "bucket",
     "build_batch_inputs",
     "build_row_history",
+    "continuous_batching_context_manager",
+    "destroy_cached_continuous_batching_manager",
+    "engine_step",
+    "generate_batch",
+    "init_continuous_batching",
     "init_allocator",
     "init_scheduler",
     "kv_bytes_per_block",

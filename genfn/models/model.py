@@ -128,6 +128,35 @@ class Model:
 
         return generate(self, input_ids, generation_config, **kwargs)
 
+    # Continuous batching (transformers' ContinuousMixin); imported on use so models/ does not
+    # depend on the batching package.
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None,
+                                 **manager_options):
+        from genfn.batching.api import init_continuous_batching
+
+        return init_continuous_batching(self, generation_config, continuous_batching_config, workload_hints,
+                                        **manager_options)
+
+    def continuous_batching_context_manager(self, generation_config=None, block=True, timeout=None,
+                                            continuous_batching_config=None, persistent_manager=False, warmup=True,
+                                            workload_hints=None, **manager_options):
+        from genfn.batching.api import continuous_batching_context_manager
+
+        return continuous_batching_context_manager(self, generation_config, block, timeout, continuous_batching_config,
+                                                   persistent_manager, warmup, workload_hints, **manager_options)
+
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, record_timestamps=False,
+                       progress_bar=False, persistent_manager=False, warmup=True, **kwargs):
+        from genfn.batching.api import generate_batch
+
+        return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
+                              progress_bar, persistent_manager, warmup, **kwargs)
+
+    def destroy_cached_continuous_batching_manager(self) -> None:
+        from genfn.batching.api import destroy_cached_continuous_batching_manager
+
+        destroy_cached_continuous_batching_manager(self)
+
     def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits=False):
         from genfn.scores import compute_transition_scores
 

@@ -73,20 +73,38 @@ def _keyed(processors) -> list[tuple[Any, Any]]:
 
 
 def _merged_order(rows: list[list[Any]]) -> list[Any]:
-    """Every key of every row, keeping each row's order (``ValueError`` when rows disagree)."""
-    order: list[Any] = []
+    """Every key of every row, keeping each row's order (``ValueError`` when rows disagree).
+
+    A topological order of the rows' "comes before" relations: rows holding different subsets
+    of the kinds (one a penalty and a warper, another an n-gram ban) merge whatever order they
+    come in; ties keep the order of first appearance.
+    """
+    first_seen: dict[Any, int] = {}
+    after: dict[Any, set] = {}
     for keys in rows:
-        at = 0
         for key in keys:
-            if key in order:
-                index = order.index(key)
-                if index < at:
-                    raise ValueError("the rows' processor chains order their processors differently; "
-                                     f"cannot merge {key[0]!r} into one batch chain")
-                at = index + 1
-            else:
-                order.insert(at, key)
-                at += 1
+            first_seen.setdefault(key, len(first_seen))
+            after.setdefault(key, set())
+        for earlier, later in zip(keys, keys[1:]):
+            after[earlier].add(later)
+    waiting_on = {key: 0 for key in first_seen}
+    for successors in after.values():
+        for key in successors:
+            waiting_on[key] += 1
+    order: list[Any] = []
+    ready = sorted((k for k, n in waiting_on.items() if n == 0), key=first_seen.__getitem__)
+    while ready:
+        key = ready.pop(0)
+        order.append(key)
+        for successor in after[key]:
+            waiting_on[successor] -= 1
+            if waiting_on[successor] == 0:
+                ready.append(successor)
+        ready.sort(key=first_seen.__getitem__)
+    if len(order) < len(first_seen):
+        stuck = next(k for k, n in waiting_on.items() if n > 0)
+        raise ValueError("the rows' processor chains order their processors differently; "
+                         f"cannot merge {stuck[0]!r} into one batch chain")
     return order
 
 

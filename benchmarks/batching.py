@@ -1,0 +1,211 @@
+"""Continuous batching throughput and latency on SmolLM2-135M, side by side in one process.
+
+    python benchmarks/batching.py                         # the issue's workloads, float32 + bfloat16
+    python benchmarks/batching.py --requests 16 --new-tokens 16 --parallel 8 --dtypes float32   # quick
+
+Workloads (greedy, ``min_new_tokens = max_new_tokens`` so every request decodes the same count):
+
+    mixed     ``--requests`` requests (64) x ``--new-tokens`` (128) new tokens, prompt lengths
+              drawn from 16..512 (seeded)
+    parallel  ``--parallel`` (32) sequences of 30 prompt tokens + ``--new-tokens`` new tokens
+
+Engines:
+
+    genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread)
+    hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
+    genfn-static  genfn ``generate`` on the left-padded batch (static cache; eager unless
+                  ``--compile``): the padded static batch continuous batching must beat
+
+Prints tokens/s (generated tokens / wall time), time to first token (from submission) and
+inter-token latency percentiles (p50, p90, p99), and writes them as JSON under
+``benchmarks/results/``. On a shared CPU, run with ``OMP_WAIT_POLICY=PASSIVE`` and compare ratios
+(see benchmarks/decode.py); the header prints the policy in effect.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentiles(values):
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def at(q):
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(name, wall, generated, ttfts, itls):
+    return {"engine": name, "wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall,
+            "ttft_s": percentiles(ttfts), "itl_s": percentiles(itls)}
+
+
+def workloads(args, vocab):
+    rng = random.Random(0)
+
+    def prompt(length):
+        return [rng.randrange(100, vocab - 1) for _ in range(length)]
+
+    return {
+        "mixed": [prompt(rng.randint(16, 512)) for _ in range(args.requests)],
+        "parallel": [prompt(30) for _ in range(args.parallel)],
+    }
+
+
+def run_genfn_cb(model, prompts, new_tokens):
+    from genfn.config.batching import ContinuousBatchingConfig
+
+    cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
+                                  max_batch_tokens=512)
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                   record_timestamps=True, continuous_batching_config=cb, warmup=False)
+    wall = time.perf_counter() - start
+    return _from_outputs("genfn-cb", results.values(), start, wall)
+
+
+def _from_outputs(name, outputs, start, wall):
+    ttfts, itls, generated = [], [], 0
+    for out in outputs:
+        generated += len(out.generated_tokens)
+        stamps = out.timestamps or []
+        if stamps:
+            ttfts.append(stamps[0] - start)
+            itls += [b - a for a, b in zip(stamps, stamps[1:])]
+    return summarize(name, wall, generated, ttfts, itls)
+
+
+def run_hf_cb(hf_model, prompts, new_tokens):
+    import transformers
+
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                           eos_token_id=-1, pad_token_id=0)
+    start = time.perf_counter()
+    results = hf_model.generate_batch(prompts, generation_config=config, record_timestamps=True)
+    wall = time.perf_counter() - start
+    return _from_outputs("hf-cb", results.values(), start, wall)
+
+
+class _StepClock:
+    """A streamer that records when each decoding step's tokens arrive."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_genfn_static(model, prompts, new_tokens, compile_step):
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    clock = _StepClock()
+    start = time.perf_counter()
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, cache_implementation="static", disable_compile=not compile_step,
+                         pad_token_id=0, streamer=clock)
+    wall = time.perf_counter() - start
+    steps = clock.times[1:]  # the first put is the prompt
+    generated = (out.shape[1] - longest) * len(prompts)
+    itls = [b - a for a, b in zip(steps, steps[1:])] * len(prompts)
+    return summarize("genfn-static", wall, generated, [steps[0] - start] * len(prompts) if steps else [], itls)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--parallel", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--engines", nargs="+", default=["genfn-cb", "hf-cb", "genfn-static"])
+    parser.add_argument("--workloads", nargs="+", default=["mixed", "parallel"])
+    parser.add_argument("--compile", action="store_true", help="compile genfn's static batch step")
+    args = parser.parse_args()
+
+    import genfn
+    from conftest import smollm2_path
+
+    warnings.filterwarnings("ignore")
+    path = smollm2_path()
+    print(f"# continuous batching on SmolLM2-135M: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, device cpu")
+    report = {"args": vars(args), "runs": []}
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        model = genfn.load(path, dtype=dtype)
+        hf_model = None
+        if "hf-cb" in args.engines:
+            import transformers
+
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
+        for workload, prompts in workloads(args, model.vocab_size).items():
+            if workload not in args.workloads:
+                continue
+            # Warm-up at a small size, so first-call costs (kernel builds, allocations) stay out.
+            small = prompts[:2]
+            for engine in args.engines:
+                try:
+                    with torch.inference_mode():
+                        if engine == "genfn-cb":
+                            run_genfn_cb(model, small, 2)
+                            result = run_genfn_cb(model, prompts, args.new_tokens)
+                        elif engine == "hf-cb":
+                            run_hf_cb(hf_model, small, 2)
+                            result = run_hf_cb(hf_model, prompts, args.new_tokens)
+                        else:
+                            run_genfn_static(model, small, 2, args.compile)
+                            result = run_genfn_static(model, prompts, args.new_tokens, args.compile)
+                except Exception as exc:  # report and go on: one engine failing must not hide the others
+                    result = {"engine": engine, "error": f"{type(exc).__name__}: {exc}"}
+                result.update(dtype=dtype_name, workload=workload, requests=len(prompts))
+                report["runs"].append(result)
+                if "error" in result:
+                    print(f"{dtype_name:9s} {workload:9s} {engine:13s} ERROR {result['error']}")
+                    continue
+                ttft, itl = result["ttft_s"], result["itl_s"]
+                fmt = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
+                print(f"{dtype_name:9s} {workload:9s} {engine:13s} {result['tokens_per_s']:8.1f} tok/s  "
+                      f"TTFT p50/p90/p99 {fmt(ttft['p50'])}/{fmt(ttft['p90'])}/{fmt(ttft['p99'])} ms  "
+                      f"ITL p50/p90/p99 {fmt(itl['p50'])}/{fmt(itl['p90'])}/{fmt(itl['p99'])} ms")
+            by_engine = {r["engine"]: r for r in report["runs"]
+                         if r.get("dtype") == dtype_name and r.get("workload") == workload and "error" not in r}
+            cb = by_engine.get("genfn-cb")
+            for other in ("hf-cb", "genfn-static"):
+                if cb and other in by_engine:
+                    print(f"{'':20s} genfn-cb / {other}: {cb['tokens_per_s'] / by_engine[other]['tokens_per_s']:.2f}x")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"batching-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(f"# wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

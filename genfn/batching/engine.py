@@ -1,0 +1,234 @@
+"""The engine step of continuous batching: schedule -> inputs -> packed forward -> choose tokens.
+
+``Engine`` holds what a step needs besides the scheduler's state: the model, the paged KV cache
+(donated to every forward), the padded sizes the forward is compiled for, and the forwards
+compiled so far (one per padded token count). ``engine_step(engine, state, budget)`` is the
+whole step as a function of the ``SchedulerState``: it returns the next state and a
+``StepOutcome`` (tokens chosen, requests finished / failed / preempted). The manager thread
+runs the same pieces (``run_batch``) through the locked ``Scheduler``.
+
+Each request carries its own ``RequestSettings`` (in ``RequestState.settings["genfn"]``): its
+logits-processor chain with per-row values (every ``GenerationConfig`` processor setting of that
+request), its sampling key, its stop strings. Per step, the chains of the rows that sample are
+merged into one batch chain (``ProcessorChain.merge_rows``), which runs on the rows' histories
+(``build_row_history``: each request's prompt and everything it generated), so history-dependent
+processors see the whole request, as in ``generate``. The Gumbel noise of a row is keyed by the
+request's key and counted by the tokens the request generated so far, so its sampled tokens do
+not depend on the other requests, their order, chunking or preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+from genfn import random as grandom
+from genfn.batching import scheduling as S
+from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
+from genfn.batching.requests import RequestState
+from genfn.processors.chain import ProcessorChain
+from genfn.processors.context import LogitsContext
+
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "run_batch", "settings_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSettings:
+    """A request's own decoding settings (host-side values; the chain holds per-row leaves).
+
+    ``chain``: the request's processors as a one-row per-row chain (``None``: none apply);
+    ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``.
+    """
+
+    chain: ProcessorChain | None = None
+    key: torch.Tensor | None = None
+    stop_strings: Any = None
+
+    @property
+    def do_sample(self) -> bool:
+        return self.key is not None
+
+
+_NO_SETTINGS = RequestSettings()
+
+
+def settings_of(request: RequestState) -> RequestSettings:
+    return request.settings.get("genfn", _NO_SETTINGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled,
+    the requests it finished (EOS, length, stop string), failed and preempted."""
+
+    new_tokens: Mapping[Hashable, int]
+    logprobs: Mapping[Hashable, float]
+    finished: tuple[RequestState, ...] = ()
+    failed: tuple[RequestState, ...] = ()
+    preempted: tuple[Hashable, ...] = ()
+    num_tokens: int = 0
+
+
+def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: LogitsContext | None,
+                  keys: torch.Tensor | None, do_sample: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure: each row's next token ``[R]`` and its log-probability under the processed scores.
+
+    ``keys [R, 2]`` and ``do_sample [R]`` (both or neither): rows that sample take
+    ``argmax(scores + gumbel(key, generated count))``, the others ``argmax(scores)``, exactly as
+    ``generate``'s step does for one request.
+    """
+    scores = logits if chain is None else chain(logits, ctx)
+    chosen = torch.argmax(scores, dim=-1)
+    if keys is not None:
+        counter = ctx.row_cur_len() - ctx.row_prompt_len()
+        sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
+        chosen = torch.where(do_sample, sampled, chosen)
+    logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen, logprobs
+
+
+class Engine:
+    """The model, the paged cache and the padded sizes of continuous batching's forward.
+
+    ``max_batch_tokens`` (T), ``max_requests`` (R), ``table_width`` (W blocks per request) and
+    ``max_len`` (the longest request, for the processors' history buffer) are static; the token
+    axis is padded to a power of two up to T, so a handful of compiled shapes serve every batch.
+    ``compile``: ``None`` runs eagerly, a dict is ``torch.compile``'s keyword arguments.
+    """
+
+    def __init__(self, model, cache, *, max_batch_tokens: int, max_requests: int, table_width: int,
+                 compile: dict | None = None):
+        from genfn.models.packed import apply_packed
+
+        self.model = model
+        self.cache = cache
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests
+        self.table_width = table_width
+        self.max_len = table_width * cache.block_size
+        self.device = model.device
+        self.compile_options = compile
+        self._apply_packed = apply_packed
+        self._forwards: dict[int, Any] = {}
+        self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The padded token count a batch of ``num_tokens`` runs at (a power of two, at most T)."""
+        return min(bucket(num_tokens, minimum=8), self.max_batch_tokens)
+
+    def forward(self, inputs: BatchInputs) -> torch.Tensor:
+        """Logits ``[R, V]`` of the batch; the cache is updated (donated and replaced)."""
+        num_tokens = inputs.input_ids.shape[0]
+        fn = self._forwards.get(num_tokens)
+        if fn is None:
+            spec, apply_packed = self.model.spec, self._apply_packed
+
+            def packed(params, inputs, cache):
+                return apply_packed(spec, params, inputs, cache)
+
+            fn = packed if self.compile_options is None else torch.compile(packed, dynamic=False,
+                                                                          **self.compile_options)
+            self._forwards[num_tokens] = fn
+        logits, self.cache = fn(self.model.params, inputs, self.cache)
+        return logits
+
+    def warmup(self) -> None:
+        """Run (and so compile) the forward at every padded token count, on padding only."""
+        alloc_sink = self.cache.num_blocks
+        sizes = sorted({self.padded_tokens(n) for n in range(1, self.max_batch_tokens + 1)})
+        for num_tokens in sizes:
+            R, W = self.max_requests, self.table_width
+            zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            inputs = BatchInputs(
+                input_ids=zeros, positions=zeros, request_index=zeros,
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+                block_tables=torch.full((R, W), alloc_sink, dtype=torch.int64, device=self.device),
+                query_start=torch.zeros(R + 1, dtype=torch.int64, device=self.device),
+                kv_lens=torch.zeros(R, dtype=torch.int64, device=self.device),
+                logits_index=torch.zeros(R, dtype=torch.int64, device=self.device),
+                samples=torch.zeros(R, dtype=torch.bool, device=self.device))
+            self.forward(inputs)
+
+    def batch_chain(self, requests: Mapping[Hashable, RequestState], batch: S.ScheduledBatch):
+        """The merged chain, keys ``[R, 2]`` and sampling mask ``[R]`` of the batch's rows (cached
+        while the batch's rows stay the same requests)."""
+        # Arrival numbers are unique per scheduler: a new request reusing an ended one's id is
+        # a different row.
+        ids = tuple((r, requests[r].arrival) for r in batch.request_ids)
+        if self._merged is not None and self._merged[0] == ids:
+            return self._merged[1:]
+        settings = [settings_of(requests[r]) for r in batch.request_ids]
+        chain = None
+        if any(s.chain is not None for s in settings):
+            empty = ProcessorChain(())
+            rows = [s.chain if s.chain is not None else empty for s in settings]
+            rows += [empty] * (self.max_requests - len(rows))
+            chain = ProcessorChain.merge_rows(rows, device=self.device)
+        keys = do_sample = None
+        if any(s.do_sample for s in settings):
+            zero = torch.zeros(2, dtype=torch.int64)
+            key_rows = [s.key.cpu() if s.do_sample else zero for s in settings]
+            key_rows += [zero] * (self.max_requests - len(key_rows))
+            keys = torch.stack(key_rows).to(self.device)
+            flags = [s.do_sample for s in settings] + [False] * (self.max_requests - len(settings))
+            do_sample = torch.tensor(flags, dtype=torch.bool, device=self.device)
+        self._merged = (ids, chain, keys, do_sample)
+        return chain, keys, do_sample
+
+
+def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocator, batch: S.ScheduledBatch
+              ) -> tuple[dict[Hashable, int], dict[Hashable, float]]:
+    """Forward ``batch`` (scheduled into ``allocator``) and choose each sampling row's token.
+
+    ``requests``: the scheduler's requests after ``schedule``. Returns ``(new_tokens, logprobs)``
+    keyed by request id, for the chunks that sample.
+    """
+    inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
+                                num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
+    logits = engine.forward(inputs)
+    chain, keys, do_sample = engine.batch_chain(requests, batch)
+    ctx = None
+    if chain is not None or keys is not None:
+        history = build_row_history(requests, batch, max_len=engine.max_len, num_rows=engine.max_requests,
+                                    device=engine.device)
+        ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
+    chosen, logprobs = choose_tokens(logits, chain, ctx, keys, do_sample)
+    chosen, logprobs = chosen.tolist(), logprobs.tolist()  # the one host sync of a step
+    new_tokens, new_logprobs = {}, {}
+    for row, chunk in enumerate(batch.chunks):
+        if chunk.samples:
+            new_tokens[chunk.request_id] = chosen[row]
+            new_logprobs[chunk.request_id] = logprobs[row]
+    return new_tokens, new_logprobs
+
+
+def stopped_by_string(request: RequestState, device=None) -> bool:
+    """Whether the request's text now ends with one of its stop strings."""
+    matcher = settings_of(request).stop_strings
+    if matcher is None or not request.generated_ids:
+        return False
+    tokens = torch.tensor([request.token_ids], dtype=torch.int64, device=device)
+    cur_len = torch.tensor([tokens.shape[1]], dtype=torch.int64, device=device)
+    return bool(matcher(tokens, cur_len)[0])
+
+
+def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | None = None
+                ) -> tuple[S.SchedulerState, StepOutcome]:
+    """One step as a function of the scheduler's state (the cache is the engine's, donated)."""
+    state, cancelled = S.clear_cancelled(state)
+    state, batch = S.schedule(state, token_budget or engine.max_batch_tokens)
+    if not batch.chunks:
+        return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted)
+    new_tokens, logprobs = run_batch(engine, state.requests, state.allocator, batch)
+    state, finished = S.apply_step(state, batch, new_tokens)
+    finished = list(finished)
+    for request_id in new_tokens:
+        request = state.requests.get(request_id)
+        if request is not None and stopped_by_string(request):
+            state, ended = S.finish(state, request_id)
+            finished.append(ended)
+    return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=batch.failed,
+                              preempted=batch.preempted, num_tokens=batch.num_tokens)

@@ -1,0 +1,467 @@
+"""``ContinuousBatchingManager``: transformers' API as a thin thread around the pure engine.
+
+The functional core is the scheduler (``scheduling``) and the engine step (``engine``); this
+module is the imperative shell. Other threads only put things in queues (requests, cancellations)
+or flip flags (stop, pause); the loop thread alone drives the scheduler and the cache:
+
+    drain new requests -> apply cancellations -> [pause] -> schedule -> forward -> choose tokens
+    -> update the scheduler -> deliver outputs
+
+Every request ends exactly once with one terminal output (FINISHED, CANCELLED or FAILED with an
+error): ``_end`` is the only place a terminal output is made, and it forgets the request. An
+exception in the loop fails every request in flight with that error, closes the result store so
+every waiter wakes, and leaves the manager startable again (with a fresh cache and scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable, Iterator
+
+import torch
+
+from genfn.batching.engine import Engine, run_batch, stopped_by_string
+from genfn.batching.hints import WorkloadHints, resolve
+from genfn.batching.requests import RequestState, RequestStatus, make_request
+from genfn.batching.results import GenerationOutput, OutputRouter
+from genfn.batching.scheduler import make_scheduler
+from genfn.batching.settings import request_settings
+
+__all__ = ["ContinuousBatchingManager"]
+
+logger = logging.getLogger(__name__)
+
+_STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
+
+
+@dataclasses.dataclass
+class _Record:
+    """What the shell keeps of a live request beyond the scheduler's state."""
+
+    prompt_ids: list[int]
+    streaming: bool
+    record_timestamps: bool
+    created_time: float
+    logprobs: list = dataclasses.field(default_factory=list)
+    timestamps: list = dataclasses.field(default_factory=list)
+    started: float = -1.0
+
+
+class ContinuousBatchingManager:
+    """Requests in, results out, a background thread doing the batching in between.
+
+    ``generation_config``: the defaults every request starts from (a request's own keyword
+    arguments win). ``continuous_batching_config``: sizes, scheduler, prefix sharing, compile;
+    ``workload_hints``: what the sizes left unset are picked for. ``chunked_prefill``: split a
+    prompt longer than the token budget across forwards.
+    """
+
+    def __init__(self, model, generation_config=None, continuous_batching_config=None,
+                 workload_hints: WorkloadHints | None = None, *, chunked_prefill: bool = True):
+        from genfn.config.batching import ContinuousBatchingConfig
+
+        if continuous_batching_config is None:
+            continuous_batching_config = ContinuousBatchingConfig()
+        if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
+            raise TypeError(f"`continuous_batching_config` must be a ContinuousBatchingConfig, got "
+                            f"{type(continuous_batching_config).__name__}")
+        self.model = model
+        self.generation_config = generation_config
+        self.continuous_batching_config = continuous_batching_config
+        self.workload_hints = workload_hints or WorkloadHints()
+        self.chunked_prefill = chunked_prefill
+        self._inputs: queue.Queue = queue.Queue()
+        self._cancels: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._router = OutputRouter()
+        self._records: dict[Hashable, _Record] = {}
+        self._live: set = set()  # requests added and not yet ended
+        self._lock = threading.Lock()  # guards _live and _records
+        # Closes the input queue when the loop exits, so no request is queued after its last drain.
+        self._gate = threading.Lock()
+        self._closing = False
+        self._sizes_cache = None
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop_mode: str | None = None  # None, "flush" or "hard"
+        self._pause = threading.Condition()
+        self._pause_holders = 0
+        self._paused = False
+        self._pause_owner = threading.local()
+        self.fatal_error: BaseException | None = None
+        self.engine: Engine | None = None
+        self.scheduler = None
+        self.warmed_up = False
+        self._destroyed = False
+        # Counts of what the loop did (steps, tokens, preemptions, prompt tokens reused from the prefix cache).
+        self.stats: collections.Counter = collections.Counter()
+
+    # -- sizes and construction ----------------------------------------------------------------
+
+    def _sizes(self):
+        if self._sizes_cache is not None:
+            return self._sizes_cache
+        cb = self.continuous_batching_config
+        spec = self.model.spec
+        sizes = resolve(self.workload_hints, block_size=cb.page_size, num_blocks=cb.num_blocks,
+                        max_batch_tokens=cb.max_batch_tokens, max_requests_per_batch=cb.max_requests_per_batch,
+                        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                        dtype=self.model.dtype)
+        if cb.max_blocks_per_request:
+            sizes = dataclasses.replace(sizes, max_blocks_per_request=min(cb.max_blocks_per_request,
+                                                                          sizes.num_blocks))
+        self._sizes_cache = sizes
+        return sizes
+
+    def _compile_options(self) -> dict | None:
+        cb = self.continuous_batching_config
+        if cb.varlen_compile_config is not None:
+            return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
+        if cb.default_compile_level > 0 or self.model.device.type == "cuda":
+            return {"fullgraph": True}
+        return None
+
+    def _build(self) -> None:
+        from genfn.models.packed import init_packed_cache
+
+        cb = self.continuous_batching_config
+        sizes = self._sizes()
+        width = sizes.max_blocks_per_request
+        cache = init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size, dtype=self.model.dtype,
+                                  device=self.model.device)
+        self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
+                             max_requests=sizes.max_requests_per_batch, table_width=width,
+                             compile=self._compile_options())
+        self.scheduler = make_scheduler(cb.scheduler_type, sizes.num_blocks, sizes.block_size,
+                                        safety_margin=cb.safety_margin,
+                                        max_requests_per_batch=sizes.max_requests_per_batch,
+                                        chunked_prefill=self.chunked_prefill, prefix_caching=cb.allow_block_sharing,
+                                        max_blocks_per_request=width)
+
+    def switch_to_cb_friendly_attn(self, model=None, auto_switch_to_flash: bool = True) -> None:
+        """transformers switches the model to a paged attention kernel here; genfn's packed forward
+        always runs paged attention, so there is nothing to switch."""
+
+    def warmup(self) -> None:
+        """Build the cache and run (compiling, when on) every padded forward shape ahead."""
+        if self.engine is None:
+            self._build()
+        if self.is_running():
+            raise RuntimeError("warmup() must run before start(): the loop owns the cache while it runs")
+        self.engine.warmup()
+        self.warmed_up = True
+
+    # -- control flow ----------------------------------------------------------------------------
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this manager was destroyed; create a new one")
+        if self.is_running():
+            logger.warning("the continuous batching loop is already running")
+            return
+        self._stop_mode = None
+        self.fatal_error = None
+        self._closing = False
+        self._router.open()
+        if self.engine is None:
+            self._build()
+        self._thread = threading.Thread(target=self._run, name="genfn-continuous-batching", daemon=True,
+                                        kwargs={"inference_mode": torch.is_inference_mode_enabled()})
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Stop the loop: after the requests in flight finish, or (``hard_stop``) at once, failing them.
+
+        ``keep_for_next_session``: keep the cache and compiled shapes, and cache this manager on
+        the model for the next ``init_continuous_batching``.
+        """
+        if getattr(self._pause_owner, "depth", 0):
+            raise RuntimeError("cannot stop the manager from inside pause(): the loop is paused and could not exit")
+        if self._thread is None:
+            logger.warning("the continuous batching manager was not started")
+            return
+        self._stop_mode = "hard" if hard_stop else (self._stop_mode or "flush")
+        self._wake.set()
+        with self._pause:
+            self._pause.notify_all()
+        if block:
+            self.join(time.perf_counter(), timeout)
+        if keep_for_next_session:
+            self.model._cached_continuous_batching_manager = self
+        elif not self.is_running():
+            self.engine = self.scheduler = None
+            self.warmed_up = False
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the continuous batching loop did not exit within %s s", timeout)
+        else:
+            self._thread = None
+
+    def destroy(self) -> None:
+        """Stop (hard) and release the cache; the manager cannot start again. Safe to call twice."""
+        if self.is_running():
+            self.stop(block=True, hard_stop=True)
+        self._fail_queued("the continuous batching manager was destroyed")
+        self.engine = self.scheduler = None
+        self._destroyed = True
+        if getattr(self.model, "_cached_continuous_batching_manager", None) is self:
+            del self.model._cached_continuous_batching_manager
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Hold the loop between steps (cache and requests kept); several threads may hold it, the
+        loop resumes when the last one leaves."""
+        if not self.is_running():
+            raise RuntimeError("cannot pause: the continuous batching loop is not running")
+        with self._pause:
+            self._pause_holders += 1
+            self._wake.set()
+            while not self._paused and self.is_running():
+                self._pause.wait(_STOP_WAIT_S)
+        self._pause_owner.depth = getattr(self._pause_owner, "depth", 0) + 1
+        try:
+            yield self
+        finally:
+            self._pause_owner.depth -= 1
+            with self._pause:
+                self._pause_holders -= 1
+                self._pause.notify_all()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
+                    **logit_processor_kwargs) -> Hashable:
+        """Queue a request; returns its id. ``logit_processor_kwargs``: any ``GenerationConfig``
+        setting for this request alone (``do_sample``, ``temperature``, ``repetition_penalty``,
+        ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``."""
+        if self._destroyed:
+            raise RuntimeError("this manager was destroyed; create a new one")
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+        prompt = list(input_ids)
+        cap = self._sizes()
+        max_len = cap.max_blocks_per_request * cap.block_size
+        resolved = request_settings(self.model, prompt, self.generation_config, logit_processor_kwargs,
+                                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_len=max_len)
+        state = make_request(request_id, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
+                             {"genfn": resolved.settings})
+        record = _Record(list(state.prompt_ids), bool(streaming), bool(record_timestamps), time.perf_counter())
+        with self._lock:
+            if request_id in self._live:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._live.add(request_id)
+            self._records[request_id] = record
+        with self._gate:
+            refused = self._closing or (self._stop_mode is not None and self.is_running())
+            if not refused:
+                self._inputs.put(state)
+        if refused:
+            self._end(request_id, RequestStatus.FAILED, (), "the continuous batching manager is stopping or "
+                                                            "stopped; start() it before adding requests")
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs) -> list[Hashable]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for ids in inputs]
+
+    def cancel_request(self, request_id: Hashable) -> None:
+        """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    def _producing(self) -> bool:
+        return self.is_running()
+
+    def get_result(self, request_id: Hashable | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of ``request_id`` when given), waiting up to ``timeout`` seconds; ``None``
+        when none came in time or the loop is not running and nothing is left."""
+        return self._router.take(request_id, timeout, self._producing)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while self._producing() or self._router.pending():
+            out = self.get_result(timeout=_STOP_WAIT_S)
+            if out is not None:
+                yield out
+
+    def request_id_iter(self, request_id: Hashable) -> Iterator[GenerationOutput]:
+        """The outputs of one request as they come (every token when streaming), up to its end."""
+        while True:
+            out = self.get_result(request_id, timeout=_STOP_WAIT_S)
+            if out is not None:
+                yield out
+                if out.is_finished():
+                    return
+            elif not self._producing() and request_id not in self._live:
+                return
+
+    def register_result_handler(self, request_id: Hashable, callback) -> None:
+        """Deliver the request's outputs to ``callback`` on the calling thread's running asyncio loop
+        (``call_soon_threadsafe``); the handler is removed when the request ends."""
+        self._router.register(request_id, callback, asyncio.get_running_loop())
+
+    # -- the loop (background thread only) -------------------------------------------------------
+
+    def _run(self, inference_mode: bool) -> None:
+        error = None
+        try:
+            with torch.inference_mode(inference_mode):
+                while self._loop_once():
+                    pass
+        except Exception as exc:  # noqa: BLE001 - every error ends the in-flight requests with it
+            logger.error("error in the continuous batching loop: %s", exc, exc_info=True)
+            error = exc
+            self.fatal_error = exc
+        finally:
+            message = (f"{type(error).__name__}: {error}" if error is not None
+                       else "the continuous batching loop stopped before the request finished")
+            with self._gate:
+                self._closing = True
+            self._fail_in_flight(message)
+            if error is not None:
+                self.engine = self.scheduler = None  # the donated cache may be half written
+            with self._pause:
+                self._paused = False
+                self._pause.notify_all()
+            self._router.close()
+
+    def _loop_once(self) -> bool:
+        self._drain_inputs()
+        self._apply_cancellations()
+        if self._stop_mode == "hard":
+            return False
+        if self._pause_holders:
+            self._hold_pause()
+            return True
+        if self.scheduler.has_pending_requests():
+            self._step()
+            return True
+        if self._stop_mode == "flush" and self._inputs.empty():
+            return False
+        self._wake.wait(_STOP_WAIT_S)
+        self._wake.clear()
+        return True
+
+    def _hold_pause(self) -> None:
+        with self._pause:
+            self._paused = True
+            self._pause.notify_all()
+            while self._pause_holders and self._stop_mode != "hard":
+                self._pause.wait(_STOP_WAIT_S)
+            self._paused = False
+
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                state = self._inputs.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.add_waiting_request(state)
+
+    def _apply_cancellations(self) -> None:
+        asked = False
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                break
+            if request_id in self.scheduler.state.requests:
+                self.scheduler.set_request_cancellation(request_id)
+                asked = True
+        if asked:
+            for request in self.scheduler.clear_cancelled_requests():
+                self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule_batch(self.engine.max_batch_tokens)
+        for request in batch.failed:
+            self._end(request.request_id, RequestStatus.FAILED, request.generated_ids, request.error)
+        if not batch.chunks:
+            self._wake.wait(0.001)  # blocks are held by requests in flight; look again shortly
+            return
+        state = self.scheduler.state
+        now = time.perf_counter()
+        self.stats.update(steps=1, tokens=batch.num_tokens, preempted=len(batch.preempted))
+        for chunk in batch.chunks:
+            record = self._records.get(chunk.request_id)
+            if record is not None and record.started < 0:
+                record.started = now
+            if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
+                self.stats["reused_tokens"] += chunk.start
+        new_tokens, logprobs = run_batch(self.engine, state.requests, state.allocator, batch)
+        finished = list(self.scheduler.update_batch(batch, new_tokens))
+        now = time.perf_counter()
+        for request_id, token in new_tokens.items():
+            record = self._records.get(request_id)
+            if record is None:
+                continue
+            record.logprobs.append(logprobs[request_id])
+            if record.record_timestamps:
+                record.timestamps.append(now)
+            request = self.scheduler.state.requests.get(request_id)
+            if request is not None and stopped_by_string(request, self.engine.device):
+                ended = self.scheduler.finish_request(request_id)
+                if ended is not None:
+                    finished.append(ended)
+            elif request is not None and record.streaming:
+                self._router.deliver(self._output(request_id, RequestStatus.DECODING, request.generated_ids))
+        for request in finished:
+            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids)
+
+    # -- endings ---------------------------------------------------------------------------------
+
+    def _output(self, request_id, status, generated, error=None, ended: float = -1.0) -> GenerationOutput:
+        record = self._records[request_id]
+        count = len(generated)
+        return GenerationOutput(
+            request_id=request_id, prompt_ids=list(record.prompt_ids), generated_tokens=list(generated),
+            logprobs=list(record.logprobs[:count]), error=error, status=status, created_time=record.created_time,
+            lifespan=(record.started, ended), timestamps=list(record.timestamps[:count]) if record.record_timestamps
+            else None)
+
+    def _end(self, request_id, status: RequestStatus, generated, error: str | None = None) -> None:
+        """The one way a request ends: one terminal output, then it is forgotten."""
+        with self._lock:
+            if request_id not in self._live:
+                return
+            self._live.discard(request_id)
+            output = self._output(request_id, status, generated, error, time.perf_counter())
+            del self._records[request_id]
+        self._router.deliver(output)
+
+    def _fail_queued(self, message: str) -> None:
+        while True:
+            try:
+                state = self._inputs.get_nowait()
+            except queue.Empty:
+                break
+            self._end(state.request_id, RequestStatus.FAILED, (), message)
+
+    def _fail_in_flight(self, message: str) -> None:
+        """Fail every request the loop holds or has queued (after a hard stop or an error)."""
+        if self.scheduler is not None:
+            for request_id, request in list(self.scheduler.state.requests.items()):
+                self.scheduler.finish_request(request_id, RequestStatus.FAILED, message)
+                self._end(request_id, RequestStatus.FAILED, request.generated_ids, message)
+        self._fail_queued(message)

@@ -1,0 +1,108 @@
+"""A request's generation settings for continuous batching, resolved as ``generate`` resolves them.
+
+``request_settings(model, prompt_ids, generation_config, kwargs)`` merges the settings like
+``generate`` (kwargs > the config passed > the model's generation config > defaults) and builds
+that request's own logits-processor chain for its prompt length and limits, with every number
+a per-row leaf, so that chains of requests with different settings merge into one batch chain.
+``seed=`` (an int) or ``key=`` (a ``genfn.random`` key) fixes the request's sampling noise; a
+sampling request without either draws a seed from torch's global generator, as ``generate`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from genfn import random as grandom
+from genfn.batching.engine import RequestSettings
+from genfn.config import GenerationConfig, resolve_generation_config, resolve_lengths
+from genfn.processors.chain import build_logits_processors
+
+__all__ = ["ResolvedRequest", "request_settings"]
+
+# Settings that need a model-level feature continuous batching does not run (another forward per
+# token, several sequences per request, or the processor's own state across steps).
+_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "guidance_scale": None, "token_healing": False,
+                "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
+                "prompt_lookup_num_tokens": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRequest:
+    settings: RequestSettings
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+def _key(seed, key) -> torch.Tensor:
+    if seed is not None and key is not None:
+        raise ValueError("give a request `seed=` or `key=`, not both")
+    if key is not None:
+        return grandom.as_row_keys(key, 1)[0]
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"`seed` must be an int, got {type(seed).__name__}")
+    # As generate(key=seed) for a batch of one: row 0 folds in 0.
+    return grandom.as_row_keys(grandom.key(seed), 1)[0]
+
+
+def _unsupported(config: GenerationConfig) -> list[str]:
+    found = []
+    for name, off in _UNSUPPORTED.items():
+        value = getattr(config, name, off)
+        if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
+            found.append(f"{name}={value!r}")
+    return found
+
+
+def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
+                     max_new_tokens: int | None = None, eos_token_id=None, max_len: int | None = None,
+                     tokenizer=None) -> ResolvedRequest:
+    """Resolve one request's settings. ``max_len``: the most tokens one request may hold (the
+    cache's limit), which caps the default ``max_new_tokens``."""
+    kwargs = dict(kwargs)
+    seed, key = kwargs.pop("seed", None), kwargs.pop("key", None)
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
+    if unused:
+        raise ValueError(f"add_request() got arguments that are not generation settings: {sorted(unused)}")
+    bad = _unsupported(config)
+    if bad:
+        raise ValueError(f"continuous batching runs greedy search and sampling with logits processors; it does not "
+                         f"support {', '.join(bad)}")
+    prompt_len = len(prompt_ids)
+    max_pos = model.max_position_embeddings
+    if max_pos is not None and prompt_len >= max_pos:
+        raise ValueError(f"the prompt has {prompt_len} tokens but the model's context (max_position_embeddings) "
+                         f"is {max_pos}")
+    max_length, min_length = resolve_lengths(config, prompt_len, max_pos)
+    if max_len is not None and config.max_new_tokens is None:
+        max_length = min(max_length, max_len)
+    eos = config.eos_token_id
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    eos_ids = tuple(e for e in eos_ids if e >= 0)  # a negative id means none, as in transformers
+    chain = build_logits_processors(config, prompt_len=prompt_len, max_length=max_length, min_length=min_length,
+                                    eos_token_ids=list(eos_ids), num_beams=1, vocab_size=model.vocab_size,
+                                    device=model.device)
+    if chain.stateful:
+        raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
+                         "continuous batching")
+    if chain.requires:
+        raise ValueError(f"continuous batching does not support {sorted(dict(chain.requires))}")
+    stop_strings = None
+    if config.stop_strings is not None:
+        from genfn.stopping import stop_string_criteria
+
+        stop_strings = stop_string_criteria(tokenizer if tokenizer is not None else model.tokenizer,
+                                            config.stop_strings, model.device)
+    settings = RequestSettings(
+        chain=chain.per_row(1, model.device) if len(chain) else None,
+        key=_key(seed, key) if config.do_sample else None,
+        stop_strings=stop_strings,
+    )
+    return ResolvedRequest(settings, max(max_length - prompt_len, 1), eos_ids)

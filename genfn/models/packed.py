@@ -1,0 +1,130 @@
+"""The Llama family over a packed batch: ``apply_packed(spec, params, inputs, cache)``.
+
+Continuous batching runs the tokens of many requests in one forward: prefill chunks and decode
+tokens one after the other on a single ``[T]`` token axis (``genfn.batching.inputs.BatchInputs``).
+Every per-token operation (embedding, norms, projections, MLP) is the dense model's on a batch of
+one sequence of ``T`` tokens; only three things depend on which request a token belongs to, and
+each reads its index tensor: RoPE rotates at each token's own position, the keys/values go to the
+token's slot of the paged cache (``paged.write``), and attention reads only the token's own
+request (``paged.paged_attention`` through its block-table row, or, for a cache of a few
+tables' size, the whole cache under a mask built once per forward from the block tables). Logits are computed only at each
+row's ``logits_index`` (``[R, V]``), not for all ``T`` tokens.
+
+Shapes are static (``T``, ``R``, ``W`` are the padded sizes ``build_batch_inputs`` was asked for),
+so one compiled function serves every batch of a padded shape. Pure but for the cache, which is
+donated and written in place, as everywhere in genfn.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from genfn.cache.paged import PagedKVCache, init_paged_cache, paged_attention, write
+from genfn.kernels import linear
+from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.rope import rope_cos_sin
+
+__all__ = ["apply_packed", "init_packed_cache"]
+
+
+def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
+                      device=None) -> PagedKVCache:
+    """A paged cache shaped for ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
+    return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
+                            dtype=dtype, device=device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, D]``: transformers' rotate-half form."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+# Attention reads the whole cache (masked) instead of gathering each query's blocks when the
+# cache holds at most this many times the slots one query's gather would copy: a prefill chunk
+# of T tokens of one request otherwise copies that request's keys T times.
+WHOLE_CACHE_FACTOR = 16
+
+
+def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: int | None) -> torch.Tensor:
+    """``[T, num_slots]`` bool: which cache slots token ``t`` attends (its own request's keys at
+    positions ``0 .. positions[t]``), from the block tables."""
+    rows, width = inputs.block_tables.shape
+    offsets = torch.arange(block_size, device=inputs.block_tables.device)
+    slots = (inputs.block_tables.unsqueeze(-1) * block_size + offsets).reshape(rows, width * block_size)
+    logical = torch.arange(width * block_size, device=slots.device).expand(rows, -1)
+    # Table entries past a row's length (the sink block, repeated) land on positions no query of
+    # that row reaches, so whichever duplicate wins the scatter stays invisible.
+    slot_pos = torch.full((rows, num_slots), -1, dtype=torch.int64, device=slots.device)
+    slot_pos = slot_pos.scatter(1, slots, logical)
+    token_pos = slot_pos.index_select(0, inputs.request_index)  # [T, num_slots]
+    query_pos = inputs.positions.unsqueeze(1)
+    visible = (token_pos >= 0) & (token_pos <= query_pos)
+    if sliding_window is not None:
+        visible = visible & (token_pos > query_pos - sliding_window)
+    # Every query sees at least the slot its own key was written to (padding: the sink's first
+    # slot), so no row of scores is all -inf: a NaN there would reach the sink's values, and a
+    # zero weight times NaN poisons every later query.
+    sink_slot = num_slots - block_size
+    own = torch.where(inputs.slot_mapping < 0, torch.full_like(inputs.slot_mapping, sink_slot), inputs.slot_mapping)
+    return visible | (torch.arange(num_slots, device=own.device).unsqueeze(0) == own.unsqueeze(1))
+
+
+def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor) -> torch.Tensor:
+    """``q [T, H, D]`` against every slot of the layer's cache, masked by ``visible [T, S]``;
+    float32 (float64 for float64) accumulation, as ``paged_attention``."""
+    num_tokens, num_heads, head_dim = q.shape
+    keys, values = cache.keys[layer], cache.values[layer]  # [NB + 1, Hkv, bs, D]
+    kv_heads = keys.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    k = keys.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
+    v = values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
+    qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(compute)
+    scores = torch.einsum("thgd,hsd->thgs", qg, k) * head_dim ** -0.5
+    scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, -1), float("-inf"))
+    out = torch.einsum("thgs,hsd->thgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
+                 cache: PagedKVCache) -> tuple[torch.Tensor, PagedKVCache]:
+    """Run the packed tokens of ``inputs`` against the paged ``cache`` (donated).
+
+    Returns ``(logits [R, V] float32, cache)``: row ``r``'s logits are those of its chunk's last
+    token (padding rows get the logits of token 0, to be ignored).
+    """
+    num_tokens = inputs.input_ids.shape[0]
+    x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
+    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    num_slots = cache.keys.shape[1] * cache.block_size
+    gathered = inputs.block_tables.shape[1] * cache.block_size
+    visible = None
+    if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
+        visible = _slot_visibility(inputs, num_slots, cache.block_size, spec.sliding_window)
+    for i, layer in enumerate(params["layers"]):
+        h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+        qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = _rotate(q.reshape(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
+        k = _rotate(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+        v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        cache = write(cache, i, inputs.slot_mapping, k, v)
+        if visible is not None:
+            attn = _attend_whole_cache(q, cache, i, visible)
+        else:
+            attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
+                                   sliding_window=spec.sliding_window)
+        x = x + linear(attn.reshape(num_tokens, q_size), layer["wo"])
+        h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+        gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up, layer["w_down"])
+    # The final norm is per token, so taking the sampling rows first computes the same values.
+    x = _rms_norm(x.index_select(0, inputs.logits_index), params["norm"], spec.rms_norm_eps)
+    logits = linear(x, params["lm_head"]).to(torch.float32)
+    return logits, cache
