@@ -39,7 +39,7 @@ import torch
 from genfn.state.base import leaf_fields
 
 __all__ = ["CacheBase", "CopyFn", "as_device", "default_copy", "host_sync", "reorder_in_place", "rows_selected",
-           "tensor_nbytes", "row_slots", "end_slots", "valid_below", "as_row_index"]
+           "tensor_nbytes", "begin_forward", "row_slots", "end_slots", "valid_below", "as_row_index"]
 
 # ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
 # "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer
@@ -95,6 +95,29 @@ class CacheBase:
     @property
     def batch_size(self) -> int:
         return self.valid.shape[0]
+
+
+def begin_forward(cache, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  attend_len: int | None = None):
+    """What every forward does with the cache before its layers: claim each row's next slots,
+    record which new tokens are real (``attention_mask [B, S]``, default all), and resolve how many
+    slots attention reads — the cache's span, or ``attend_len``, capped by the capacity (a growing
+    cache's capacity covers the new tokens only after ``advance``).
+
+    Returns ``(cache, slots [B, S], attend_len)``.
+    """
+    batch, seq = tokens.shape
+    slots = cache.slots(seq)
+    if attention_mask is None:
+        new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
+    else:
+        new_valid = attention_mask.to(torch.bool)
+    cache = cache.advance(slots, new_valid)
+    if attend_len is None:
+        attend_len = cache.attend_len() if hasattr(cache, "attend_len") else cache.max_cache_len
+    else:
+        attend_len = min(attend_len, cache.max_cache_len)
+    return cache, slots, attend_len
 
 
 def row_slots(length: torch.Tensor, num_new: int, capacity: int) -> torch.Tensor:

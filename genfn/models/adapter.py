@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from genfn.cache.base import begin_forward
 from genfn.cache.static import init_static_cache
 
 __all__ = ["ModuleSpec", "from_module", "apply", "init_cache", "ModuleOutput"]
@@ -199,16 +200,7 @@ def apply(spec: ModuleSpec, params, tokens, positions, cache, attention_mask=Non
     or a ``ModuleOutput`` when hidden states or attentions are asked for.
     """
     batch, seq = tokens.shape
-    slots = cache.slots(seq)
-    if attention_mask is None:
-        new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
-    else:
-        new_valid = attention_mask.to(torch.bool)
-    cache = cache.advance(slots, new_valid)
-    if attend_len is None:
-        attend_len = cache.attend_len() if hasattr(cache, "attend_len") else cache.max_cache_len
-    else:
-        attend_len = min(attend_len, cache.max_cache_len)
+    cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     view = spec.cache_view.bind(cache, slots, attend_len)
     kwargs = {"input_ids": tokens, "attention_mask": cache.valid[:, :attend_len], "position_ids": positions,
               spec.cache_arg: view, "use_cache": True}

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.models.seq2seq import (DecoderOutput, EncoderOutput, activation, attend, causal_mask, check_shape,
                                   get_tensor, merge_heads, padding_mask, split_heads)
@@ -209,11 +210,7 @@ def apply(spec: BartSpec, params: Mapping[str, Any], tokens: torch.Tensor, posit
     """
     dec = params["decoder"]
     batch, seq = tokens.shape
-    slots = cache.slots(seq)
-    new_valid = (torch.ones(batch, seq, dtype=torch.bool, device=tokens.device) if attention_mask is None
-                 else attention_mask.to(torch.bool))
-    cache = cache.advance(slots, new_valid)
-    attend_len = cache.attend_len() if attend_len is None else min(attend_len, cache.max_cache_len)
+    cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     self_mask = causal_mask(cache, slots, attend_len)
     cross_mask = padding_mask(cache.encoder_valid)
     scale = spec.head_dim ** -0.5

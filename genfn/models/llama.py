@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import linear
 from genfn.models.loaders.checks import check_tensors
@@ -237,18 +238,8 @@ def apply(
                              f"got {num_layers!r}")
         layers = layers[:num_layers]
     batch, seq = tokens.shape
-    slots = cache.slots(seq)  # [B, S]: rows fill their caches independently
-    if attention_mask is None:
-        new_valid = torch.ones(batch, seq, dtype=torch.bool, device=tokens.device)
-    else:
-        new_valid = attention_mask.to(torch.bool)
-    cache = cache.advance(slots, new_valid)
-    # After advance: a dynamic cache's capacity grows to cover the new tokens there (and may be
-    # shorter than an attend_len chosen for a static cache).
-    if attend_len is None:
-        attend_len = cache.attend_len() if hasattr(cache, "attend_len") else cache.max_cache_len
-    else:
-        attend_len = min(attend_len, cache.max_cache_len)
+    # slots [B, S]: rows fill their caches independently.
+    cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = F.embedding(tokens, params["embed"])
