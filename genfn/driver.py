@@ -386,6 +386,17 @@ def _user_stop(criteria: Callable, state, longest: int):
     return state.replace(done=state.done | stop.to(state.done.device))
 
 
+def _observe(strategy, state, stopping_criteria: Callable | None, trace):
+    """Between steps: one host read of the state, user criteria, the finiteness check, per-step outputs."""
+    view = _HostView(state)
+    if stopping_criteria is not None:
+        state = _user_stop(stopping_criteria, state, view.longest)
+        view = _HostView(state)
+    _check_finite(view, state)
+    strategy.collect(state, trace)
+    return state, view
+
+
 def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_criteria: Callable | None = None,
         compile_options: dict | None = None, max_time: float | None = None, start_time: float | None = None,
         trace=None):
@@ -400,12 +411,7 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
     start_time = time.monotonic() if start_time is None else start_time
     trace = StepTrace() if trace is None else trace
     try:
-        view = _HostView(state)
-        if stopping_criteria is not None:
-            state = _user_stop(stopping_criteria, state, view.longest)
-            view = _HostView(state)
-        _check_finite(view, state)
-        strategy.collect(state, trace)
+        state, view = _observe(strategy, state, stopping_criteria, trace)
         if streamer is not None:
             # ``init`` chose each row's first token.
             streamer.put(state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1).cpu())
@@ -420,13 +426,7 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
                 advance = (compiled_step(strategy.step, model, state, compile_options) if compile_options is not None
                            else eager_step(strategy.step, model))
             before = view.lengths
-            state = advance(state)
-            view = _HostView(state)
-            if stopping_criteria is not None:
-                state = _user_stop(stopping_criteria, state, view.longest)
-                view = _HostView(state)
-            _check_finite(view, state)
-            strategy.collect(state, trace)
+            state, view = _observe(strategy, advance(state), stopping_criteria, trace)
             if streamer is not None:
                 _stream(streamer, state, before, view.lengths)
     except BaseException as error:
