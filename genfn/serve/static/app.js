@@ -12,6 +12,7 @@
   const $ = (id) => document.getElementById(id);
   const ui = {
     modelName: $("model-name"),
+    conversation: $("conversation"),
     messages: $("messages"),
     emptyNote: $("empty-note"),
     error: $("error"),
@@ -61,7 +62,7 @@
   }
 
   function scrollToEnd() {
-    ui.messages.scrollTop = ui.messages.scrollHeight;
+    ui.conversation.scrollTop = ui.conversation.scrollHeight;
   }
 
   function addMessage(role, text) {
@@ -80,7 +81,8 @@
   function setStreaming(streaming) {
     ui.send.disabled = streaming;
     ui.stop.disabled = !streaming;
-    ui.composer.setAttribute("aria-busy", String(streaming));
+    // A busy live region is read once it settles, not once per streamed token.
+    ui.conversation.setAttribute("aria-busy", String(streaming));
   }
 
   function formatNumber(value, digits = 0) {
@@ -237,7 +239,6 @@
     const reply = addMessage("assistant", "");
     reply.li.dataset.state = "streaming";
     reply.li.dataset.chunks = "0";
-    reply.li.setAttribute("aria-busy", "true");
     reply.meta.textContent = "waiting for the first token…";
 
     const controller = new AbortController();
@@ -306,7 +307,6 @@
         showError(message);
       }
     } finally {
-      reply.li.removeAttribute("aria-busy");
       chat.controller = null;
       setStreaming(false);
       if (replyText) {
@@ -330,7 +330,7 @@
   function newChat() {
     stop();
     chat.history = [];
-    for (const li of [...ui.messages.querySelectorAll(".message")]) li.remove();
+    ui.messages.replaceChildren();
     ui.emptyNote.hidden = false;
     clearError();
     ui.prompt.focus();
