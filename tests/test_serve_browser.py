@@ -56,7 +56,8 @@ def server_url():
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=128, max_requests_per_batch=4)
     manager = ContinuousBatchingManager(model, None, config)
-    app = create_app(manager, tokenizer, model_name=MODEL_NAME)
+    app = create_app(manager, tokenizer, model_name=MODEL_NAME)  # serves the manager its caller runs
+    manager.start()
 
     # The socket is bound before uvicorn starts, so no other process can take the port in between.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -81,8 +82,7 @@ def server_url():
         server.should_exit = True
         thread.join(timeout=START_TIMEOUT_S)
         sock.close()
-        if manager.is_running():
-            manager.stop(timeout=START_TIMEOUT_S)
+        manager.stop(timeout=START_TIMEOUT_S)
         assert not thread.is_alive(), "uvicorn did not shut down"
 
 

@@ -372,6 +372,7 @@
   function setEngineStatus(state, text) {
     ui.engineStatus.dataset.state = state;
     ui.engineStatus.textContent = text;
+    ui.engineStatus.title = "";
   }
 
   // Polls one request at a time: the next starts a second after the last one ended, so a slow
@@ -382,9 +383,14 @@
         cache: "no-store",
         signal: AbortSignal.timeout(ENGINE_TIMEOUT_MS),
       });
-      if (!response.ok) throw new Error(String(response.status));
-      renderEngine(await response.json());
-      setEngineStatus("live", "live");
+      if (response.ok) {
+        renderEngine(await response.json());
+        setEngineStatus("live", "live");
+      } else {
+        // The server runs but has no numbers for the panel (a manager without metrics, say).
+        setEngineStatus("unavailable", `unavailable (${response.status})`);
+        ui.engineStatus.title = await responseError(response);
+      }
     } catch {
       setEngineStatus("offline", "offline");
     } finally {
