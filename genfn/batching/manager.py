@@ -261,7 +261,8 @@ class ContinuousBatchingManager:
                     logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> Hashable:
         """Queue a request; returns its id. ``logit_processor_kwargs``: any ``GenerationConfig``
         setting for this request alone (``do_sample``, ``temperature``, ``repetition_penalty``,
-        ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``.
+        ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``,
+        and ``tokenizer=`` for ``stop_strings`` (default: the model's).
 
         OpenAI's settings: ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract
         ``presence * [count > 0] + frequency * count`` from each token's logit (``count``: its
@@ -278,8 +279,11 @@ class ContinuousBatchingManager:
         prompt = list(input_ids)
         cap = self._sizes()
         max_len = cap.max_blocks_per_request * cap.block_size
+        logit_processor_kwargs = dict(logit_processor_kwargs)
+        tokenizer = logit_processor_kwargs.pop("tokenizer", None)  # for stop_strings, as generate takes it
         resolved = request_settings(self.model, prompt, self.generation_config, logit_processor_kwargs,
                                     max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_len=max_len,
+                                    tokenizer=tokenizer,
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         state = make_request(request_id, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
