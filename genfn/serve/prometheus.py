@@ -29,7 +29,8 @@ _COUNTERS = (
 _GAUGES = (
     ("genfn_requests_running", "running", "Requests admitted to the batch (prefilling or decoding)."),
     ("genfn_requests_waiting", "waiting", "Requests queued or preempted, waiting for admission."),
-    ("genfn_kv_blocks_total", "kv_blocks_total", "KV cache blocks in the paged cache."),
+    # A gauge must not end in _total (Prometheus reads that suffix as a counter).
+    ("genfn_kv_blocks_capacity", "kv_blocks_total", "KV cache blocks in the paged cache."),
     ("genfn_kv_blocks_used", "kv_blocks_used", "KV cache blocks held by live requests."),
     ("genfn_kv_blocks_free", "kv_blocks_free", "KV cache blocks not held by a live request."),
     ("genfn_kv_blocks_cached", "kv_blocks_cached", "Free KV cache blocks that keep a reusable prefix."),
