@@ -284,6 +284,9 @@ class _Job:
         self.prompts = [prompt for prompt in prompts for _ in range(n)]
         self.limits = [limit for limit in limits for _ in range(n)]
         self.settings = [manager_settings(params, self.limits[c], c % n) for c in range(len(self.prompts))]
+        if params.stop:  # the manager matches stop strings on this tokenizer's text, as the response cuts it
+            for settings in self.settings:
+                settings["tokenizer"] = service.tokenizer
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.texts = [ChoiceText(service.tokenizer, params.stop, limit, service.eos_token_ids) for limit in self.limits]
         self.run = Run(service.manager, service.pump, service.drain, prefix)
