@@ -9,6 +9,7 @@ timeout. A screenshot of the finished chat goes to tests/artifacts/.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -154,7 +155,7 @@ def test_a_message_streams_into_the_page_with_the_settings_sent_and_the_engine_p
     page.fill("#temperature", "0.9")
     page.fill("#top_p", "0.9")
     page.fill("#top_k", "40")
-    page.fill("#max_tokens", "40")
+    page.fill("#max_tokens", "24")
     page.fill("#seed", "7")
     page.evaluate(RECORD_LENGTHS)
     page.fill("#prompt", "Tell me about the sea.")
@@ -165,7 +166,7 @@ def test_a_message_streams_into_the_page_with_the_settings_sent_and_the_engine_p
     assert request["messages"] == [{"role": "system", "content": SYSTEM_PROMPT},
                                    {"role": "user", "content": "Tell me about the sea."}]
     assert {k: request[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")} == \
-        {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "max_tokens": 40, "seed": 7}
+        {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "max_tokens": 24, "seed": 7}
 
     state = _wait_for_reply_end(page)
     reply = page.locator(LAST_REPLY)
@@ -186,6 +187,11 @@ def test_a_message_streams_into_the_page_with_the_settings_sent_and_the_engine_p
     assert engine["kv_total"] > 0 and 0 <= engine["kv_used"] <= engine["kv_total"]
     assert page.locator("#engine-status").get_attribute("data-state") == "live"
 
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "serve_browser_chat.png"
+    page.screenshot(path=str(screenshot))
+    print(f"screenshot: {screenshot}")
+
     # The same request without streaming gives the same text: the page assembled the deltas right.
     request.pop("stream_options", None)
     answer = httpx.post(server_url + "/v1/chat/completions", json={**request, "stream": False},
@@ -193,10 +199,6 @@ def test_a_message_streams_into_the_page_with_the_settings_sent_and_the_engine_p
     assert answer.status_code == 200, answer.text
     assert reply.locator(".message-content").text_content() == answer.json()["choices"][0]["message"]["content"]
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    screenshot = ARTIFACTS / "serve_browser_chat.png"
-    page.screenshot(path=str(screenshot))
-    print(f"screenshot: {screenshot}")
 
 
 def test_stop_ends_a_reply_and_the_engine_lets_it_go(page):
@@ -234,3 +236,17 @@ def test_bad_settings_and_server_errors_are_shown_readably(page):
     assert "max_tokens" in banner or "context" in banner, banner
     # The failed turn goes back to the message box for another try.
     assert page.input_value("#prompt") == "Hello"
+
+
+def test_an_error_event_in_the_middle_of_a_stream_is_shown_with_the_text_so_far(page):
+    # The server's SSE error event (what a failure mid-generation sends), played by the browser.
+    chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": "Half a"}, "finish_reason": None}]})
+    failure = json.dumps({"error": {"message": "the engine failed", "type": "server_error", "param": None,
+                                    "code": None}})
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=f"data: {chunk}\n\nevent: error\ndata: {failure}\n\n"))
+    page.fill("#prompt", "Hello")
+    page.click("#send")
+    assert _wait_for_reply_end(page) == "error"
+    assert page.locator(LAST_REPLY).locator(".message-content").text_content() == "Half a"
+    assert page.locator("#error").inner_text() == "The server failed while writing the reply: the engine failed"
