@@ -59,7 +59,6 @@ def server_url():
     manager = ContinuousBatchingManager(model, None, config)
     app = create_app(manager, tokenizer, model_name=MODEL_NAME)  # serves the manager its caller runs
     manager.start()
-
     # The socket is bound before uvicorn starts, so no other process can take the port in between.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -67,13 +66,13 @@ def server_url():
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail(f"the server did not start within {START_TIMEOUT_S} s")
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                pytest.fail(f"the server did not start within {START_TIMEOUT_S} s")
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
         # One request before the browser's, so that no browser wait includes a first-use build.
         warmup = httpx.post(url + "/v1/chat/completions", timeout=WARMUP_TIMEOUT_S,
                             json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
@@ -232,6 +231,7 @@ def test_bad_settings_and_server_errors_are_shown_readably(page):
     page.click("#send")
     assert _wait_for_reply_end(page) == "error"
     banner = page.locator("#error").inner_text()
+    print(f"the page shows: {banner}")
     assert banner.startswith("The server answered 400"), banner
     assert "max_tokens" in banner or "context" in banner, banner
     # The failed turn goes back to the message box for another try.
