@@ -200,18 +200,33 @@ def test_a_message_streams_into_the_page_with_the_settings_sent_and_the_engine_p
 
 
 
-def test_stop_ends_a_reply_and_the_engine_lets_it_go(page):
+def test_stop_ends_a_reply_the_engine_lets_it_go_and_the_next_turn_carries_the_history(page):
     page.fill("#max_tokens", "400")
     page.fill("#prompt", "Write a long story.")
-    page.click("#send")
+    page.press("#prompt", "Enter")
     page.wait_for_function("() => Number(document.querySelector('.message-assistant')?.dataset.chunks) >= 1")
     assert page.locator("#stop").is_enabled()
     page.click("#stop")
     assert _wait_for_reply_end(page) == "stopped"
     assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
+    partial = page.locator(LAST_REPLY).locator(".message-content").text_content()
+    assert partial
     # The server sees the dropped connection and cancels the request: nothing stays running.
     page.wait_for_function("""() => document.getElementById('engine-running').textContent === '0'
                               && document.getElementById('engine-status').dataset.state === 'live'""")
+
+    # The next turn sends the conversation so far, the stopped reply as far as it came.
+    page.fill("#prompt", "Go on.")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.press("#prompt", "Enter")
+    assert sent.value.post_data_json["messages"] == [
+        {"role": "user", "content": "Write a long story."}, {"role": "assistant", "content": partial},
+        {"role": "user", "content": "Go on."}]
+    page.keyboard.press("Escape")
+    assert _wait_for_reply_end(page) == "stopped"
+
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0 and page.locator("#empty-note").is_visible()
 
 
 def test_bad_settings_and_server_errors_are_shown_readably(page):
