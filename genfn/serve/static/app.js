@@ -346,6 +346,7 @@
       const first = body && Array.isArray(body.data) ? body.data[0] : null;
       chat.model = first ? first.id : null;
       ui.modelName.textContent = chat.model || "no model loaded";
+      if (chat.model) document.title = `${chat.model} · genfn chat`;
     } catch {
       ui.modelName.textContent = "server unreachable, retrying…";
       setTimeout(loadModel, MODEL_RETRY_MS);
