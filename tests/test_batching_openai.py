@@ -358,3 +358,21 @@ def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
     finally:
         manager.stop(timeout=WAIT_S)
     assert manager.metrics().kv_blocks_used == 0
+
+
+def test_requests_with_the_same_stop_strings_and_tokenizer_share_one_matcher(tiny):
+    """Building a matcher reads the whole vocabulary (about a second for SmolLM2's): a server's
+    repeated stop strings must not pay it per request."""
+    from genfn.batching.settings import request_settings
+
+    toy, other = _ToyTokenizer(), _ToyTokenizer()
+
+    def matcher(tokenizer, stops):
+        return request_settings(tiny, [5, 6], None, {"stop_strings": stops}, max_new_tokens=2,
+                                tokenizer=tokenizer).settings.stop_strings
+
+    first = matcher(toy, ["ab", "ca"])
+    assert matcher(toy, ["ab", "ca"]) is first
+    assert matcher(toy, ["ab"]) is not first and matcher(other, ["ab", "ca"]) is not first
+    with pytest.raises(ValueError, match="stop_strings"):
+        matcher(toy, [])
