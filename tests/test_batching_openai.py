@@ -231,6 +231,7 @@ def test_penalties_and_bias_per_request_equal_a_reference_by_hand(tiny, manager)
                             settings.get("frequency_penalty", 0.0), settings.get("logit_bias"))
         assert out.status == RequestStatus.FINISHED, out.error
         assert out.generated_tokens == expected, (i, settings)
+        assert out.finish_reason == ("stop" if expected[-1] == EOS else "length")
         changed += settings != {} and expected != _by_hand(tiny, prompt, 10)
     assert changed >= 6, "the settings should change most requests' tokens"
     assert outputs[4].generated_tokens == [11] * 10  # a +100 bias wins every step
@@ -325,8 +326,10 @@ def test_a_request_with_stop_strings_ends_there_and_the_others_are_unaffected(ti
     outputs = _run(manager, requests)
     assert outputs[0].status == RequestStatus.FINISHED
     assert outputs[0].generated_tokens == generated[:end], stop
+    assert outputs[0].finish_reason == "stop" and plain[0].finish_reason in ("stop", "length")
     for out, before in zip(outputs[1:], plain[1:]):
         assert out.generated_tokens == before.generated_tokens
+        assert out.finish_reason == before.finish_reason == ("stop" if out.generated_tokens[-1] == EOS else "length")
 
 
 def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
@@ -348,6 +351,7 @@ def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
             manager.cancel_request(request_id)
         results = _collect(manager, ids)
         assert all(results[i].status == RequestStatus.CANCELLED for i in ids[::2])
+        assert all(results[i].finish_reason is None for i in ids[::2])
         assert all(results[i].status in (RequestStatus.CANCELLED, RequestStatus.FINISHED) for i in ids[1::2])
         idle = manager.metrics()
         assert idle.kv_blocks_used == 0 and idle.kv_blocks_free == idle.kv_blocks_total == 24
