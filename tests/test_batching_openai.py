@@ -380,3 +380,15 @@ def test_requests_with_the_same_stop_strings_and_tokenizer_share_one_matcher(tin
     assert matcher(toy, ["ab"]) is not first and matcher(other, ["ab", "ca"]) is not first
     with pytest.raises(ValueError, match="stop_strings"):
         matcher(toy, [])
+
+
+def test_the_openai_processors_also_serve_generate_as_user_processors(tiny):
+    """Not needed by the manager, but the same processors are ordinary genfn processors: passed to
+    ``generate(logits_processor=...)`` they give the tokens decoding by hand gives."""
+    from genfn.generation import generate
+
+    prompt = _prompts(71, 1, 5, 9)[0]
+    processors = [PresenceFrequencyPenaltyLogitsProcessor(0.5, 1.5), LogitBiasLogitsProcessor.create({20: 0.2}, VOCAB)]
+    out = generate(tiny, torch.tensor([prompt]), max_new_tokens=8, do_sample=False, logits_processor=processors)
+    expected = _by_hand(tiny, prompt, 8, presence=0.5, frequency=1.5, bias={20: 0.2})
+    assert out[0, len(prompt):].tolist()[:len(expected)] == expected
