@@ -392,3 +392,21 @@ def test_the_openai_processors_also_serve_generate_as_user_processors(tiny):
     out = generate(tiny, torch.tensor([prompt]), max_new_tokens=8, do_sample=False, logits_processor=processors)
     expected = _by_hand(tiny, prompt, 8, presence=0.5, frequency=1.5, bias={20: 0.2})
     assert out[0, len(prompt):].tolist()[:len(expected)] == expected
+
+
+def test_max_request_tokens_is_where_a_request_would_fail(tiny):
+    """A server checks prompt + max_tokens against ``max_request_tokens``: within it a request
+    finishes by length; past it (by two: the last token needs no cache room) it fails."""
+    manager = ContinuousBatchingManager(tiny, None, _config(num_blocks=8, max_blocks_per_request=8))
+    assert manager.max_request_tokens == 8 * 4  # < max_position_embeddings (256)
+    assert ContinuousBatchingManager(tiny, None, _config(num_blocks=1000)).max_request_tokens <= 256
+    manager.start()
+    try:
+        room = manager.max_request_tokens
+        fits, over = _run(manager, [([5] * 10, dict(max_new_tokens=room - 10, do_sample=False, eos_token_id=-1)),
+                                    ([5] * 10, dict(max_new_tokens=room - 8, do_sample=False, eos_token_id=-1))])
+        assert fits.status == RequestStatus.FINISHED and fits.finish_reason == "length"
+        assert len(fits.generated_tokens) == room - 10
+        assert over.status == RequestStatus.FAILED and str(room) in over.error
+    finally:
+        manager.stop(timeout=WAIT_S)

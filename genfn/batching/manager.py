@@ -315,6 +315,17 @@ class ContinuousBatchingManager:
         self._cancels.put(request_id)
         self._wake.set()
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and generated) one request may hold: the paged cache's room for
+        one request, or the model's context when that is smaller. ``prompt + max_new_tokens``
+        within it always fits; a request that grows further fails (the last token needs no cache
+        room, so one more may fit), so a server refuses ``prompt + max_tokens`` beyond it up front."""
+        sizes = self._sizes()
+        room = sizes.block_size * min(sizes.max_blocks_per_request, sizes.num_blocks)
+        context = self.model.max_position_embeddings
+        return room if context is None else min(room, context)
+
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters, latency histograms, queue and KV blocks (any thread)."""
         scheduler = self.scheduler  # read once: the loop may drop it after an error
