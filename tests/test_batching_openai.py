@@ -231,6 +231,7 @@ def test_penalties_and_bias_per_request_equal_a_reference_by_hand(tiny, manager)
                             settings.get("frequency_penalty", 0.0), settings.get("logit_bias"))
         assert out.status == RequestStatus.FINISHED, out.error
         assert out.generated_tokens == expected, (i, settings)
+        assert out.finish_reason == ("stop" if expected[-1] == EOS else "length")
         changed += settings != {} and expected != _by_hand(tiny, prompt, 10)
     assert changed >= 6, "the settings should change most requests' tokens"
     assert outputs[4].generated_tokens == [11] * 10  # a +100 bias wins every step
@@ -325,8 +326,10 @@ def test_a_request_with_stop_strings_ends_there_and_the_others_are_unaffected(ti
     outputs = _run(manager, requests)
     assert outputs[0].status == RequestStatus.FINISHED
     assert outputs[0].generated_tokens == generated[:end], stop
+    assert outputs[0].finish_reason == "stop" and plain[0].finish_reason in ("stop", "length")
     for out, before in zip(outputs[1:], plain[1:]):
         assert out.generated_tokens == before.generated_tokens
+        assert out.finish_reason == before.finish_reason == ("stop" if out.generated_tokens[-1] == EOS else "length")
 
 
 def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
@@ -348,6 +351,7 @@ def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
             manager.cancel_request(request_id)
         results = _collect(manager, ids)
         assert all(results[i].status == RequestStatus.CANCELLED for i in ids[::2])
+        assert all(results[i].finish_reason is None for i in ids[::2])
         assert all(results[i].status in (RequestStatus.CANCELLED, RequestStatus.FINISHED) for i in ids[1::2])
         idle = manager.metrics()
         assert idle.kv_blocks_used == 0 and idle.kv_blocks_free == idle.kv_blocks_total == 24
@@ -358,3 +362,51 @@ def test_cancelled_requests_queued_or_running_free_their_blocks(tiny):
     finally:
         manager.stop(timeout=WAIT_S)
     assert manager.metrics().kv_blocks_used == 0
+
+
+def test_requests_with_the_same_stop_strings_and_tokenizer_share_one_matcher(tiny):
+    """Building a matcher reads the whole vocabulary (about a second for SmolLM2's): a server's
+    repeated stop strings must not pay it per request."""
+    from genfn.batching.settings import request_settings
+
+    toy, other = _ToyTokenizer(), _ToyTokenizer()
+
+    def matcher(tokenizer, stops):
+        return request_settings(tiny, [5, 6], None, {"stop_strings": stops}, max_new_tokens=2,
+                                tokenizer=tokenizer).settings.stop_strings
+
+    first = matcher(toy, ["ab", "ca"])
+    assert matcher(toy, ["ab", "ca"]) is first
+    assert matcher(toy, ["ab"]) is not first and matcher(other, ["ab", "ca"]) is not first
+    with pytest.raises(ValueError, match="stop_strings"):
+        matcher(toy, [])
+
+
+def test_the_openai_processors_also_serve_generate_as_user_processors(tiny):
+    """Not needed by the manager, but the same processors are ordinary genfn processors: passed to
+    ``generate(logits_processor=...)`` they give the tokens decoding by hand gives."""
+    from genfn.generation import generate
+
+    prompt = _prompts(71, 1, 5, 9)[0]
+    processors = [PresenceFrequencyPenaltyLogitsProcessor(0.5, 1.5), LogitBiasLogitsProcessor.create({20: 0.2}, VOCAB)]
+    out = generate(tiny, torch.tensor([prompt]), max_new_tokens=8, do_sample=False, logits_processor=processors)
+    expected = _by_hand(tiny, prompt, 8, presence=0.5, frequency=1.5, bias={20: 0.2})
+    assert out[0, len(prompt):].tolist()[:len(expected)] == expected
+
+
+def test_max_request_tokens_is_where_a_request_would_fail(tiny):
+    """A server checks prompt + max_tokens against ``max_request_tokens``: within it a request
+    finishes by length; past it (by two: the last token needs no cache room) it fails."""
+    manager = ContinuousBatchingManager(tiny, None, _config(num_blocks=8, max_blocks_per_request=8))
+    assert manager.max_request_tokens == 8 * 4  # < max_position_embeddings (256)
+    assert ContinuousBatchingManager(tiny, None, _config(num_blocks=1000)).max_request_tokens <= 256
+    manager.start()
+    try:
+        room = manager.max_request_tokens
+        fits, over = _run(manager, [([5] * 10, dict(max_new_tokens=room - 10, do_sample=False, eos_token_id=-1)),
+                                    ([5] * 10, dict(max_new_tokens=room - 8, do_sample=False, eos_token_id=-1))])
+        assert fits.status == RequestStatus.FINISHED and fits.finish_reason == "length"
+        assert len(fits.generated_tokens) == room - 10
+        assert over.status == RequestStatus.FAILED and str(room) in over.error
+    finally:
+        manager.stop(timeout=WAIT_S)

@@ -5,7 +5,8 @@ record; ``scheduling``: ``SchedulerState`` and the pure scheduling functions; ``
 transformers' ``Scheduler`` classes over them; ``inputs``: the index tensors of a packed
 forward; ``hints``: ``WorkloadHints`` to default sizes; ``engine``: the step (packed forward,
 per-request processors and sampling); ``settings``: a request's own generation settings;
-``manager`` / ``results`` / ``api``: the thread, its outputs and transformers' entry points. The key/value tensors and the attention
+``manager`` / ``results`` / ``api``: the thread, its outputs and transformers' entry points;
+``metrics``: ``EngineMetrics`` snapshots; ``logprobs``: the reported log-probabilities. The key/value tensors and the attention
 over a packed batch are ``genfn.cache.paged``.
 """
 
@@ -22,6 +23,7 @@ from genfn.batching.api import (
 )
 from genfn.batching.engine import Engine, RequestSettings, engine_step
 from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.metrics import EngineMetrics, Histogram
 from genfn.batching.results import GenerationOutput
 from genfn.batching.scheduling import (
     ScheduledBatch,
@@ -40,7 +42,9 @@ __all__ = [
     "BlockAllocator",
     "ContinuousBatchingManager",
     "Engine",
+    "EngineMetrics",
     "GenerationOutput",
+    "Histogram",
     "RequestSettings",
     "FIFOScheduler",
     "PrefillFirstScheduler",

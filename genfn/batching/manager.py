@@ -315,6 +315,17 @@ class ContinuousBatchingManager:
         self._cancels.put(request_id)
         self._wake.set()
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and generated) one request may hold: the paged cache's room for
+        one request, or the model's context when that is smaller. ``prompt + max_new_tokens``
+        within it always fits; a request that grows further fails (the last token needs no cache
+        room, so one more may fit), so a server refuses ``prompt + max_tokens`` beyond it up front."""
+        sizes = self._sizes()
+        room = sizes.block_size * min(sizes.max_blocks_per_request, sizes.num_blocks)
+        context = self.model.max_position_embeddings
+        return room if context is None else min(room, context)
+
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters, latency histograms, queue and KV blocks (any thread)."""
         scheduler = self.scheduler  # read once: the loop may drop it after an error
@@ -454,6 +465,7 @@ class ContinuousBatchingManager:
         self.stats["reused_tokens"] += reused
         new_tokens, logprobs, tops = run_batch(self.engine, state.requests, state.allocator, batch)
         finished = list(self.scheduler.update_batch(batch, new_tokens))
+        by_string = set()
         now = time.perf_counter()
         first_latencies, inter_latencies, prompt_tokens = [], [], 0
         for request_id, token in new_tokens.items():
@@ -476,31 +488,38 @@ class ContinuousBatchingManager:
                 ended = self.scheduler.finish_request(request_id)
                 if ended is not None:
                     finished.append(ended)
+                    by_string.add(request_id)
             elif request is not None and record.streaming:
                 self._router.deliver(self._output(request_id, RequestStatus.DECODING, request.generated_ids))
         self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
                                   prompt_tokens, reused)
         for request in finished:
-            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids)
+            stopped = (request.request_id in by_string or request.generated_ids[-1] in request.eos_token_ids
+                       or stopped_by_string(request, self.engine.device))
+            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
+                      finish_reason="stop" if stopped else "length")
 
     # -- endings ---------------------------------------------------------------------------------
 
-    def _output(self, request_id, status, generated, error=None, ended: float = -1.0) -> GenerationOutput:
+    def _output(self, request_id, status, generated, error=None, ended: float = -1.0,
+                finish_reason: str | None = None) -> GenerationOutput:
         record = self._records[request_id]
         count = len(generated)
         return GenerationOutput(
             request_id=request_id, prompt_ids=list(record.prompt_ids), generated_tokens=list(generated),
             logprobs=list(record.logprobs[:count]), error=error, status=status, created_time=record.created_time,
             lifespan=(record.started, ended), timestamps=list(record.timestamps[:count]) if record.record_timestamps
-            else None, top_logprobs=[list(pairs) for pairs in record.tops[:count]] if record.top_logprobs else None)
+            else None, top_logprobs=[list(pairs) for pairs in record.tops[:count]] if record.top_logprobs else None,
+            finish_reason=finish_reason)
 
-    def _end(self, request_id, status: RequestStatus, generated, error: str | None = None) -> None:
+    def _end(self, request_id, status: RequestStatus, generated, error: str | None = None,
+             finish_reason: str | None = None) -> None:
         """The one way a request ends: one terminal output, then it is forgotten."""
         with self._lock:
             if request_id not in self._live:
                 return
             self._live.discard(request_id)
-            output = self._output(request_id, status, generated, error, time.perf_counter())
+            output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason)
             del self._records[request_id]
         self._metrics.record_end(status)
         self._router.deliver(output)

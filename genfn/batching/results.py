@@ -30,6 +30,9 @@ class GenerationOutput:
     (what OpenAI's API and vLLM report by default); ``top_logprobs[i]``: the request's
     ``top_logprobs`` most likely ``(token_id, logprob)`` pairs at that step under the same
     distribution, most likely first (``None`` when the request asked for none).
+    ``finish_reason`` (OpenAI's values, on a FINISHED output): ``"stop"`` when it ended on an EOS
+    token or a stop string, ``"length"`` when it reached ``max_new_tokens`` (or the longest a
+    request may be); ``None`` while it runs and when it was cancelled or failed (see ``status``).
     ``lifespan``: (time the request was first scheduled, time it ended), ``perf_counter`` seconds;
     ``timestamps``: when each generated token was produced (``record_timestamps=True``).
     """
@@ -44,6 +47,7 @@ class GenerationOutput:
     lifespan: tuple[float, float] = (-1, -1)
     timestamps: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
 
     def is_finished(self) -> bool:
         """The request ended: finished, failed or cancelled."""

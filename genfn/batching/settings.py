@@ -15,7 +15,9 @@ user processors: after the config's penalties, before the sampling warpers. ``to
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import torch
 
@@ -54,6 +56,34 @@ def _key(seed, key) -> torch.Tensor:
         raise TypeError(f"`seed` must be an int, got {type(seed).__name__}")
     # As generate(key=seed) for a batch of one: row 0 folds in 0.
     return grandom.as_row_keys(grandom.key(seed), 1)[0]
+
+
+_MATCHERS: collections.OrderedDict = collections.OrderedDict()  # (tokenizer id, stops, device) -> (tokenizer, matcher)
+_MATCHERS_SIZE = 64
+_MATCHERS_LOCK = threading.Lock()
+
+
+def _stop_matcher(tokenizer, stop_strings, device):
+    """The stop-string matcher of ``stop_strings``, kept per tokenizer object: building one (or even
+    keying the stopping module's table cache, which reads the whole vocabulary) takes about a
+    second for a 50k vocabulary, and a server's requests repeat the same few stop strings."""
+    from genfn.stopping import stop_string_criteria
+
+    stops = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    if tokenizer is None or not all(isinstance(s, str) for s in stops):
+        return stop_string_criteria(tokenizer, stop_strings, device)  # raises the usual errors
+    key = (id(tokenizer), stops, str(device))
+    with _MATCHERS_LOCK:
+        entry = _MATCHERS.get(key)
+        if entry is not None and entry[0] is tokenizer:  # the entry holds the tokenizer: its id stays its own
+            _MATCHERS.move_to_end(key)
+            return entry[1]
+    matcher = stop_string_criteria(tokenizer, list(stops), device)
+    with _MATCHERS_LOCK:
+        _MATCHERS[key] = (tokenizer, matcher)
+        while len(_MATCHERS) > _MATCHERS_SIZE:
+            _MATCHERS.popitem(last=False)
+    return matcher
 
 
 def _top_logprobs(value) -> int:
@@ -116,10 +146,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         raise ValueError(f"continuous batching does not support {sorted(dict(chain.requires))}")
     stop_strings = None
     if config.stop_strings is not None:
-        from genfn.stopping import stop_string_criteria
-
-        stop_strings = stop_string_criteria(tokenizer if tokenizer is not None else model.tokenizer,
-                                            config.stop_strings, model.device)
+        stop_strings = _stop_matcher(tokenizer if tokenizer is not None else model.tokenizer, config.stop_strings,
+                                     model.device)
     settings = RequestSettings(
         chain=chain.per_row(1, model.device) if len(chain) else None,
         key=_key(seed, key) if config.do_sample else None,

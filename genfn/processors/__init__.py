@@ -22,6 +22,7 @@ from genfn.processors.forcing import (
 from genfn.processors.guidance import guidance_combine
 from genfn.processors.ngrams import EncoderNoRepeatNGramLogitsProcessor, NoRepeatNGramLogitsProcessor
 from genfn.processors.numerics import InfNanRemoveLogitsProcessor, LogitNormalization
+from genfn.processors.openai_sampling import LogitBiasLogitsProcessor, PresenceFrequencyPenaltyLogitsProcessor
 from genfn.processors.penalties import (
     EncoderRepetitionPenaltyLogitsProcessor,
     ExponentialDecayLengthPenalty,
@@ -84,6 +85,9 @@ __all__ = [
     # biases
     "SequenceBiasLogitsProcessor",
     "NoBadWordsLogitsProcessor",
+    # OpenAI's sampling parameters
+    "PresenceFrequencyPenaltyLogitsProcessor",
+    "LogitBiasLogitsProcessor",
     # forcing / suppression
     "MinLengthLogitsProcessor",
     "MinNewTokensLengthLogitsProcessor",
