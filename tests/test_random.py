@@ -63,3 +63,15 @@ def test_compiled_noise_is_bit_identical_to_eager():
     bits, noise = compiled(keys, counters)
     assert torch.equal(bits, R.random_bits(keys, counters, 4099))
     assert torch.equal(noise, R.gumbel(keys, counters, 4099))
+
+
+def test_host_fast_path_draws_the_traced_paths_bits(monkeypatch):
+    # Eager CPU noise takes numpy uint32 lanes; the int64 path is what traces and other devices
+    # run. They must agree bit for bit, including counters past 2**32 and all-ones keys.
+    keys = torch.cat([R.as_row_keys(R.key(2024), 3), torch.tensor([[0xFFFFFFFF, 0xFFFFFFFF]])])
+    counter = torch.tensor([0, 7, 2**40 + 3, 2**32 - 1])
+    fast = (R.random_bits(keys, counter, 4099), R.uniform(keys, counter, 4099), R.gumbel(keys, counter, 4099))
+    monkeypatch.setattr(R, "_eager_on_host", lambda *tensors: False)
+    traced = (R.random_bits(keys, counter, 4099), R.uniform(keys, counter, 4099), R.gumbel(keys, counter, 4099))
+    for a, b in zip(fast, traced):
+        assert a.dtype == b.dtype and torch.equal(a, b)
