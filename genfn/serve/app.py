@@ -30,7 +30,8 @@ from genfn.batching.requests import RequestStatus
 from genfn.serve.bridge import OutputPump
 from genfn.serve.choices import ChoiceText, chat_logprobs, completion_logprobs
 from genfn.serve.errors import APIError, bad_request
-from genfn.serve.params import SamplingParams, defaults_from_config, manager_settings, parse_chat, parse_completion
+from genfn.serve.params import (MAX_CHOICES, SamplingParams, defaults_from_config, manager_settings, parse_chat,
+                                parse_completion)
 from genfn.serve.runs import Drain, Run, shutting_down
 from genfn.serve.sse import SSEResponse, sse_data, sse_done, sse_error
 
@@ -211,6 +212,8 @@ class _Service:
         params, prompt = parse_completion(body, self.defaults, self.vocab_size)
         self._check_model(params.model)
         prompts = self._completion_prompts(prompt)
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise bad_request("n", f"{len(prompts)} prompts x n={params.n} asks for more than {MAX_CHOICES} choices")
         limits = [self._max_new_tokens(params, len(p), "prompt", "max_tokens") for p in prompts]
         job = _Job(self, "cmpl", "text_completion", params, prompts, limits, chat=False)
         return await job.respond(request)
@@ -312,7 +315,11 @@ class _Job:
 
     async def respond(self, request: Request):
         self.service.pump.start()
-        self.run.submit(self.prompts, self.settings, streaming=self.params.stream)
+        try:
+            await self.run.submit(self.prompts, self.settings, streaming=self.params.stream)
+        except BaseException:
+            self.run.cancel()  # also when the handler itself is cancelled while the worker adds
+            raise
         if self.params.stream:
             return SSEResponse(self._stream(), on_close=self.run.cancel)
         return await self._complete(request)
