@@ -542,3 +542,13 @@ def test_an_error_during_a_stream_is_an_sse_error_event(model):
                                                 max_tokens=5, stream=True))
         with pytest.raises(openai.InternalServerError, match="the GPU caught fire"):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+
+
+def test_a_manager_that_is_not_running_gets_503(model):
+    idle = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(page_size=16,
+                                                                                                num_blocks=8))
+    app = create_app(idle, model.tokenizer, model_name=MODEL)
+    with ServerThread(app) as running, httpx.Client(base_url=running.url, timeout=WAIT_S) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/chat/completions", json=_CHAT)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_not_running"

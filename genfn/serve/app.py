@@ -47,7 +47,8 @@ _PLACEHOLDER_PAGE = ("<!doctype html><html><head><meta charset='utf-8'><title>ge
 
 def create_app(manager, tokenizer, *, model_name: str, generation_defaults: Mapping | None = None,
                drain_timeout: float = 30.0) -> Starlette:
-    """The app over ``manager`` (started by the caller). ``generation_defaults``: sampling defaults
+    """The app over ``manager`` (started and stopped by the caller; the app takes every output the
+    manager delivers, so nothing else should read its results). ``generation_defaults``: sampling defaults
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``);
     ``None`` takes those the model's generation config sets. ``drain_timeout``: at shutdown, how
     long requests in flight may still run before they end with an error."""
@@ -195,6 +196,9 @@ class _Service:
     async def _body(self, request: Request) -> dict:
         if self.drain.draining:
             raise shutting_down()
+        if not self.manager.is_running():  # a request queued now would wait for a start() that may never come
+            raise APIError("the engine is not running (the batching manager was not started or has stopped)",
+                           status=503, type="server_error", code="engine_not_running")
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -349,7 +353,7 @@ class _Job:
         choices, completion_tokens = [], 0
         for index in range(len(self.prompts)):
             output = finals[index]
-            _raise_if_failed(output)
+            _raise_if_failed(output, self.service.manager.is_running())
             text, _ = self.texts[index].finish(output.generated_tokens)
             completion_tokens += len(output.generated_tokens)
             logprobs = self._logprobs(output, list(output.generated_tokens), 0, 0)
@@ -388,7 +392,7 @@ class _Job:
                 texts = self.texts[index]
                 start = texts.consumed
                 if output.is_finished():
-                    _raise_if_failed(output)
+                    _raise_if_failed(output, self.service.manager.is_running())
                     text, ids = texts.finish(output.generated_tokens)
                     completion_tokens += len(output.generated_tokens)
                 else:
@@ -413,12 +417,15 @@ class _Job:
             self.run.cancel()
 
 
-def _raise_if_failed(output) -> None:
+def _raise_if_failed(output, manager_running: bool = True) -> None:
     if output.status == RequestStatus.FINISHED:
         return
     if output.status == RequestStatus.CANCELLED:
         raise APIError("the request was cancelled by the server", status=503, type="server_error",
                        code="request_cancelled")
+    if not manager_running:
+        raise APIError(f"the engine is not running: {output.error}", status=503, type="server_error",
+                       code="engine_not_running")
     raise APIError(f"generation failed: {output.error}", status=500, type="server_error", code="generation_failed")
 
 
