@@ -116,3 +116,32 @@ def test_manager_settings_pass_only_what_a_request_sets():
     assert second == {"max_new_tokens": 4, "do_sample": True, "temperature": 0.5, "top_p": 0.8, "top_k": 3,
                       "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                       "logit_bias": {3: 2.0}, "top_logprobs": 2, "stop_strings": ["x"], "seed": choice_seed(9, 1)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from conftest import smollm2_path
+    from genfn.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path())
+
+
+def test_choice_text_never_sends_half_a_character_or_a_forming_stop(tokenizer):
+    """Token by token through a byte-level BPE (an emoji spans several tokens): every piece sent is
+    whole text, nothing of the stop string is sent, and the pieces add up to the text before it."""
+    from genfn.serve.choices import ChoiceText
+
+    text = "Tea 🍵 and café — naïve 日本語 END of the story"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the text must split a character across tokens"
+    choice = ChoiceText(tokenizer, ["END"], max_new_tokens=len(ids), eos_token_ids=[tokenizer.eos_token_id])
+    pieces = [choice.advance(ids[:count])[0] for count in range(1, len(ids) + 1)]
+    pieces.append(choice.finish(ids)[0])
+    assert all("\ufffd" not in piece and "E" not in piece for piece in pieces)
+    assert "".join(pieces) == "Tea 🍵 and café — naïve 日本語 "
+    assert choice.finish_reason == "stop"
+
+    whole = ChoiceText(tokenizer, [], max_new_tokens=len(ids), eos_token_ids=[tokenizer.eos_token_id])
+    assert whole.finish(ids)[0] == text and whole.finish_reason == "length"
+    early = ChoiceText(tokenizer, [], max_new_tokens=len(ids) + 1, eos_token_ids=[tokenizer.eos_token_id])
+    assert early.finish(ids + [tokenizer.eos_token_id])[0] == text and early.finish_reason == "stop"
