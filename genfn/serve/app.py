@@ -55,14 +55,19 @@ def create_app(manager, tokenizer, *, model_name: str, generation_defaults: Mapp
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
     service = _Service(manager, tokenizer, model_name, generation_defaults, drain_timeout)
+    api = [
+        Route("/models", service.models, methods=["GET"]),
+        Route("/models/{model:path}", service.model, methods=["GET"]),
+        Route("/engine", service.engine, methods=["GET"]),
+        Route("/completions", service.completions, methods=["POST"]),
+        Route("/chat/completions", service.chat_completions, methods=["POST"]),
+    ]
+    # /v1 is a router of its own, so that under it an unknown path is a 404 and a wrong method a
+    # 405 (both as error JSON) instead of falling through to the static files at /.
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
-        Route("/v1/models", service.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", service.model, methods=["GET"]),
-        Route("/v1/engine", service.engine, methods=["GET"]),
-        Route("/v1/completions", service.completions, methods=["POST"]),
-        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+        Mount("/v1", routes=api),
     ]
     if os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
