@@ -552,3 +552,20 @@ def test_a_manager_that_is_not_running_gets_503(model):
         assert http.get("/health").status_code == 503
         response = http.post("/v1/chat/completions", json=_CHAT)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_not_running"
+
+
+def test_generation_defaults_fill_what_a_request_leaves_out(model):
+    """One app per manager (its output pump takes every output), so this app gets a manager of its own."""
+    own = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(page_size=16,
+                                                                                               num_blocks=32))
+    own.start()
+    try:
+        app = create_app(own, model.tokenizer, model_name=MODEL, generation_defaults={"temperature": 0.0,
+                                                                                      "max_tokens": 5})
+        with ServerThread(app) as running:
+            client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+            response = client.completions.create(model=MODEL, prompt="Defaults")
+            assert response.usage.completion_tokens == 5
+            assert response.choices[0].text == _greedy_text(model, model.tokenizer.encode("Defaults"), 5)
+    finally:
+        own.stop(block=True, timeout=WAIT_S)
