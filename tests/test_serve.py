@@ -569,3 +569,18 @@ def test_generation_defaults_fill_what_a_request_leaves_out(model):
             assert response.choices[0].text == _greedy_text(model, model.tokenizer.encode("Defaults"), 5)
     finally:
         own.stop(block=True, timeout=WAIT_S)
+
+
+def test_stream_of_several_choices_gives_each_its_own_text_and_end(client, server):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=3, temperature=1.0,
+                   seed=3, n=2)
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[index].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    body = {**request, "stream": True, "max_tokens": 1, "temperature": 0, "n": 1}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=WAIT_S) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert list(response.iter_lines())[-2:] == ["data: [DONE]", ""]
