@@ -542,3 +542,45 @@ def test_an_error_during_a_stream_is_an_sse_error_event(model):
                                                 max_tokens=5, stream=True))
         with pytest.raises(openai.InternalServerError, match="the GPU caught fire"):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+
+
+def test_a_manager_that_is_not_running_gets_503(model):
+    idle = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(page_size=16,
+                                                                                                num_blocks=8))
+    app = create_app(idle, model.tokenizer, model_name=MODEL)
+    with ServerThread(app) as running, httpx.Client(base_url=running.url, timeout=WAIT_S) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/chat/completions", json=_CHAT)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_not_running"
+
+
+def test_generation_defaults_fill_what_a_request_leaves_out(model):
+    """One app per manager (its output pump takes every output), so this app gets a manager of its own."""
+    own = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(page_size=16,
+                                                                                               num_blocks=32))
+    own.start()
+    try:
+        app = create_app(own, model.tokenizer, model_name=MODEL, generation_defaults={"temperature": 0.0,
+                                                                                      "max_tokens": 5})
+        with ServerThread(app) as running:
+            client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+            response = client.completions.create(model=MODEL, prompt="Defaults")
+            assert response.usage.completion_tokens == 5
+            assert response.choices[0].text == _greedy_text(model, model.tokenizer.encode("Defaults"), 5)
+    finally:
+        own.stop(block=True, timeout=WAIT_S)
+
+
+def test_stream_of_several_choices_gives_each_its_own_text_and_end(client, server):
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=3, temperature=1.0,
+                   seed=3, n=2)
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[index].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    body = {**request, "stream": True, "max_tokens": 1, "temperature": 0, "n": 1}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=WAIT_S) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert list(response.iter_lines())[-2:] == ["data: [DONE]", ""]

@@ -10,13 +10,11 @@ request becomes one manager request per choice; the manager thread batches them,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Mapping
 
 from starlette.applications import Starlette
@@ -26,13 +24,11 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from genfn.batching.requests import RequestStatus
 from genfn.serve.bridge import OutputPump
-from genfn.serve.choices import ChoiceText, chat_logprobs, completion_logprobs
 from genfn.serve.errors import APIError, bad_request
-from genfn.serve.params import SamplingParams, defaults_from_config, manager_settings, parse_chat, parse_completion
-from genfn.serve.runs import Drain, Run, shutting_down
-from genfn.serve.sse import SSEResponse, sse_data, sse_done, sse_error
+from genfn.serve.params import MAX_CHOICES, SamplingParams, defaults_from_config, parse_chat, parse_completion
+from genfn.serve.responses import Job
+from genfn.serve.runs import Drain, shutting_down
 
 __all__ = ["create_app", "STATIC_DIR"]
 
@@ -46,21 +42,27 @@ _PLACEHOLDER_PAGE = ("<!doctype html><html><head><meta charset='utf-8'><title>ge
 
 def create_app(manager, tokenizer, *, model_name: str, generation_defaults: Mapping | None = None,
                drain_timeout: float = 30.0) -> Starlette:
-    """The app over ``manager`` (started by the caller). ``generation_defaults``: sampling defaults
+    """The app over ``manager`` (started and stopped by the caller; the app takes every output the
+    manager delivers, so nothing else should read its results). ``generation_defaults``: sampling defaults
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_tokens``);
     ``None`` takes those the model's generation config sets. ``drain_timeout``: at shutdown, how
     long requests in flight may still run before they end with an error."""
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
     service = _Service(manager, tokenizer, model_name, generation_defaults, drain_timeout)
+    api = [
+        Route("/models", service.models, methods=["GET"]),
+        Route("/models/{model:path}", service.model, methods=["GET"]),
+        Route("/engine", service.engine, methods=["GET"]),
+        Route("/completions", service.completions, methods=["POST"]),
+        Route("/chat/completions", service.chat_completions, methods=["POST"]),
+    ]
+    # /v1 is a router of its own, so that under it an unknown path is a 404 and a wrong method a
+    # 405 (both as error JSON) instead of falling through to the static files at /.
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
-        Route("/v1/models", service.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", service.model, methods=["GET"]),
-        Route("/v1/engine", service.engine, methods=["GET"]),
-        Route("/v1/completions", service.completions, methods=["POST"]),
-        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+        Mount("/v1", routes=api),
     ]
     if os.path.isfile(os.path.join(STATIC_DIR, "index.html")):
         routes.append(Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static"))
@@ -194,6 +196,9 @@ class _Service:
     async def _body(self, request: Request) -> dict:
         if self.drain.draining:
             raise shutting_down()
+        if not self.manager.is_running():  # a request queued now would wait for a start() that may never come
+            raise APIError("the engine is not running (the batching manager was not started or has stopped)",
+                           status=503, type="server_error", code="engine_not_running")
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -211,8 +216,10 @@ class _Service:
         params, prompt = parse_completion(body, self.defaults, self.vocab_size)
         self._check_model(params.model)
         prompts = self._completion_prompts(prompt)
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise bad_request("n", f"{len(prompts)} prompts x n={params.n} asks for more than {MAX_CHOICES} choices")
         limits = [self._max_new_tokens(params, len(p), "prompt", "max_tokens") for p in prompts]
-        job = _Job(self, "cmpl", "text_completion", params, prompts, limits, chat=False)
+        job = Job(self, "cmpl", "text_completion", params, prompts, limits, chat=False)
         return await job.respond(request)
 
     async def chat_completions(self, request: Request):
@@ -225,7 +232,7 @@ class _Service:
             raise bad_request("messages", f"the chat template refused these messages: {exc}") from None
         tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         limits = [self._max_new_tokens(params, len(prompt), "messages", tokens_param)]
-        job = _Job(self, "chatcmpl", "chat.completion", params, [list(prompt)], limits, chat=True)
+        job = Job(self, "chatcmpl", "chat.completion", params, [list(prompt)], limits, chat=True)
         return await job.respond(request)
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
@@ -266,158 +273,3 @@ def _eos_ids(config, tokenizer) -> set[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         found.add(tokenizer.eos_token_id)
     return found
-
-
-class _Job:
-    """One generation request: its choices (``n`` per prompt), run and turned into OpenAI's JSON."""
-
-    def __init__(self, service: _Service, prefix: str, kind: str, params: SamplingParams,
-                 prompts: list[list[int]], limits: list[int], chat: bool):
-        self.service = service
-        self.params = params
-        self.chat = chat
-        self.kind = kind
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        n = params.n
-        # Choice i*n + j is sample j of prompt i, as OpenAI numbers them.
-        self.prompts = [prompt for prompt in prompts for _ in range(n)]
-        self.limits = [limit for limit in limits for _ in range(n)]
-        self.settings = [manager_settings(params, self.limits[c], c % n) for c in range(len(self.prompts))]
-        if params.stop:  # the manager matches stop strings on this tokenizer's text, as the response cuts it
-            for settings in self.settings:
-                settings["tokenizer"] = service.tokenizer
-        self.prompt_tokens = sum(len(p) for p in prompts)
-        self.texts = [ChoiceText(service.tokenizer, params.stop, limit, service.eos_token_ids) for limit in self.limits]
-        self.run = Run(service.manager, service.pump, service.drain, prefix)
-
-    def _base(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.service.model_name,
-                "system_fingerprint": "genfn"}
-
-    def _usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
-
-    def _logprobs(self, output, ids: list[int], start: int, text_offset: int):
-        if self.params.top_logprobs is None:
-            return None
-        values = output.logprobs[start:start + len(ids)]
-        tops = getattr(output, "top_logprobs", None)
-        tops = tops[start:start + len(ids)] if tops and self.params.top_logprobs else None
-        tokenizer = self.service.tokenizer
-        if self.chat:
-            return chat_logprobs(tokenizer, ids, values, tops)
-        return completion_logprobs(tokenizer, ids, values, tops, text_offset)
-
-    async def respond(self, request: Request):
-        self.service.pump.start()
-        self.run.submit(self.prompts, self.settings, streaming=self.params.stream)
-        if self.params.stream:
-            return SSEResponse(self._stream(), on_close=self.run.cancel)
-        return await self._complete(request)
-
-    # ---- a whole response -----------------------------------------------------------------------
-
-    async def _complete(self, request: Request) -> JSONResponse:
-        finals: dict[int, object] = {}
-
-        async def collect() -> None:
-            while self.run.open:
-                output = await self.run.next()
-                if output.is_finished():
-                    finals[self.run.index(output.request_id)] = output
-
-        collecting = asyncio.ensure_future(collect())
-        leaving = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
-            if not collecting.done():  # the client left: nobody will read the answer
-                return JSONResponse({}, status_code=499)
-            collecting.result()
-        finally:
-            leaving.cancel()
-            collecting.cancel()
-            self.run.cancel()
-        choices, completion_tokens = [], 0
-        for index in range(len(self.prompts)):
-            output = finals[index]
-            _raise_if_failed(output)
-            text, _ = self.texts[index].finish(output.generated_tokens)
-            completion_tokens += len(output.generated_tokens)
-            logprobs = self._logprobs(output, list(output.generated_tokens), 0, 0)
-            reason = self.texts[index].finish_reason
-            if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": reason})
-            else:
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
-        return JSONResponse({**self._base(self.kind), "choices": choices, "usage": self._usage(completion_tokens)})
-
-    # ---- a stream -------------------------------------------------------------------------------
-
-    def _chunk(self, index: int, text: str | None, logprobs, reason: str | None, first: bool = False) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            chunk = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
-            chunk = {**self._base("text_completion"), "choices": [choice]}
-        if self.params.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    async def _stream(self):
-        completion_tokens = 0
-        offsets = [0] * len(self.prompts)  # characters sent per choice (legacy logprobs' text_offset)
-        try:
-            if self.chat:
-                for index in range(len(self.prompts)):
-                    yield sse_data(self._chunk(index, None, None, None, first=True))
-            while self.run.open:
-                output = await self.run.next()
-                index = self.run.index(output.request_id)
-                texts = self.texts[index]
-                start = texts.consumed
-                if output.is_finished():
-                    _raise_if_failed(output)
-                    text, ids = texts.finish(output.generated_tokens)
-                    completion_tokens += len(output.generated_tokens)
-                else:
-                    text, ids = texts.advance(output.generated_tokens)
-                logprobs = self._logprobs(output, ids, start, offsets[index]) if ids else None
-                offsets[index] += len(text)
-                if text or logprobs is not None:
-                    yield sse_data(self._chunk(index, text, logprobs, None))
-                if output.is_finished():
-                    yield sse_data(self._chunk(index, None, None, texts.finish_reason))
-            if self.params.include_usage:
-                yield sse_data({**self._base("chat.completion.chunk" if self.chat else "text_completion"),
-                                "choices": [], "usage": self._usage(completion_tokens)})
-            yield sse_done()
-        except APIError as exc:
-            yield sse_error(exc.body())
-        except Exception as exc:  # noqa: BLE001 - a stream that has started can only report in-band
-            logger.error("error in a stream: %s", exc, exc_info=exc)
-            yield sse_error(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                     type="server_error").body())
-        finally:
-            self.run.cancel()
-
-
-def _raise_if_failed(output) -> None:
-    if output.status == RequestStatus.FINISHED:
-        return
-    if output.status == RequestStatus.CANCELLED:
-        raise APIError("the request was cancelled by the server", status=503, type="server_error",
-                       code="request_cancelled")
-    raise APIError(f"generation failed: {output.error}", status=500, type="server_error", code="generation_failed")
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

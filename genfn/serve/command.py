@@ -123,6 +123,11 @@ def main(args: argparse.Namespace) -> int:
         _status("the model has no tokenizer; the server needs one to read and write text")
         return 1
     manager = ContinuousBatchingManager(model, continuous_batching_config=_batching_config(args))
+    if args.compile:
+        compiling = time.perf_counter()
+        _status("compiling the batched forward for every padded size (first run: minutes) ...")
+        manager.warmup()
+        _status(f"compiled in {time.perf_counter() - compiling:.1f} s")
     manager.start()
     name = args.model_name or _model_name(args.model)
     app = create_app(manager, model.tokenizer, model_name=name, drain_timeout=args.drain_timeout)

@@ -9,6 +9,7 @@ left, a server that is shutting down), which frees their cache blocks.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -51,29 +52,38 @@ class Run:
         self.drain = drain
         self.prefix = prefix
         self.request_ids: list[str] = []
+        self._index: dict[str, int] = {}
         self.open: set[str] = set()  # requests that have not ended
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._adding = threading.Lock()
+        self._added: list[str] = []
+        self._abandoned = False
 
-    def submit(self, prompts: Sequence[list[int]], settings: Sequence[dict], streaming: bool) -> None:
-        """Add one manager request per (prompt, settings) pair; a refusal cancels the ones added."""
+    async def submit(self, prompts: Sequence[list[int]], settings: Sequence[dict], streaming: bool) -> None:
+        """Add one manager request per (prompt, settings) pair, on a worker thread: resolving a
+        request's settings (stop strings scan the vocabulary) must not hold up the event loop. A
+        refusal cancels the ones added."""
         tag = uuid.uuid4().hex[:12]
         self.request_ids = [f"{self.prefix}-{tag}-{i}" for i in range(len(prompts))]
+        self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
         self.pump.subscribe(self.request_ids, self._queue.put_nowait)
         self.open = set(self.request_ids)
-        added = []
         try:
-            for request_id, prompt, kwargs in zip(self.request_ids, prompts, settings):
-                self.manager.add_request(prompt, request_id=request_id, streaming=streaming, **kwargs)
-                added.append(request_id)
+            await asyncio.to_thread(self._add_all, prompts, settings, streaming)
         except (ValueError, TypeError) as exc:
-            for request_id in added:
-                self.manager.cancel_request(request_id)
-            self.pump.unsubscribe(self.request_ids)
-            self.open.clear()
+            self.cancel()
             raise APIError(str(exc), status=400) from None
 
+    def _add_all(self, prompts, settings, streaming: bool) -> None:
+        for request_id, prompt, kwargs in zip(self.request_ids, prompts, settings):
+            with self._adding:  # cancel() either sees this request added or stops the ones after it
+                if self._abandoned:
+                    return
+                self.manager.add_request(prompt, request_id=request_id, streaming=streaming, **kwargs)
+                self._added.append(request_id)
+
     def index(self, request_id: str) -> int:
-        return self.request_ids.index(request_id)
+        return self._index[request_id]
 
     async def next(self):
         """The next output of any open choice (it leaves ``open`` when it is final)."""
@@ -89,7 +99,11 @@ class Run:
             return output
 
     def cancel(self) -> None:
-        for request_id in sorted(self.open):
+        """Cancel every choice that has not ended (also those the worker has yet to add)."""
+        with self._adding:
+            self._abandoned = True
+            added = set(self._added)
+        for request_id in sorted(self.open & added):
             self.manager.cancel_request(request_id)
         self.pump.unsubscribe(self.open)
         self.open.clear()

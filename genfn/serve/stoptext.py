@@ -38,14 +38,21 @@ class StopTextFilter:
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """``text`` before its first stop string, and whether there was one."""
+    """``text`` before its first complete stop string, and whether there was one."""
     cut = _first_stop(text, tuple(s for s in stop if s))
     return (text, False) if cut is None else (text[:cut], True)
 
 
 def _first_stop(text: str, stop: Sequence[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(found) if found else None
+    """Where the text is cut: at the start of the stop string that is complete first (the one that
+    ends earliest; of those ending together, the longest), as generation stops the moment one is."""
+    best = None  # (end, -length, start)
+    for s in stop:
+        start = text.find(s)
+        if start >= 0:
+            candidate = (start + len(s), -len(s), start)
+            best = candidate if best is None or candidate < best else best
+    return None if best is None else best[2]
 
 
 def _partial_stop_length(text: str, stop: Sequence[str]) -> int:
