@@ -33,7 +33,7 @@ from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.base import pytree_dataclass, static_field
 from genfn.stopping import eos_emitted
 from genfn.strategies import sample
-from genfn.strategies.assisted.drafter import Draft, DraftInput
+from genfn.strategies.assisted.drafter import Draft, DraftInput, check_rows_independent
 from genfn.strategies.assisted.schedule import draft_budget, update_schedule
 from genfn.strategies.assisted.stats import AcceptanceStats, init_stats, record
 from genfn.strategies.assisted.verify import Verified, limit_new_tokens, process_block, verify_greedy, verify_sampling
@@ -156,6 +156,7 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         raise ValueError(f"assistant_ensemble_weight needs the drafter's probabilities, and "
                          f"{type(getattr(drafter, 'inner', drafter)).__name__} gives none (prompt lookup has no "
                          "draft model); drop assistant_ensemble_weight or use an assistant_model")
+    check_rows_independent(model, request.batch_size, "the model")
     wants_hidden = _needs_target_hidden(drafter)
     plain = sample.init(model, dataclasses.replace(request, output_hidden_states=True) if wants_hidden else request)
     batch = plain.batch_size
