@@ -83,7 +83,7 @@ def setup():
     stranger_tokenizer = _word_tokenizer(_made_up_words("BDFGKLMNPRST", 95))
     stranger_hf, stranger_config = tiny_hf_model("LlamaForCausalLM", seed=4)
     stranger = from_hf_state_dict(stranger_config, stranger_hf.state_dict())
-    return dict(target=target, tokenizer=target_tokenizer, permuted=(permuted, permuted_tokenizer),
+    return dict(hf=hf, target=target, tokenizer=target_tokenizer, permuted=(permuted, permuted_tokenizer),
                 bpe=(bpe_assistant, bpe_tokenizer), stranger=(stranger, stranger_tokenizer))
 
 
@@ -161,6 +161,56 @@ def test_strategy_runs_eagerly(setup):
     ids, mask = BATCHES["batch1"]
     _universal(setup, "permuted", ids, mask, cache_implementation="static")
     assert not any("universal" in str(key) for key in setup["target"].compiled_steps)
+
+
+def test_equals_transformers_universal_assisted_generate(setup):
+    """transformers' own universal assisted generation (its tokenizer classes, its models) gives the same tokens."""
+    import transformers
+
+    target_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=setup["tokenizer"], pad_token="[PAD]",
+                                                            unk_token="[UNK]")
+    assistant, bpe = setup["bpe"]
+    assistant_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>")
+    hf_assistant, _ = tiny_hf_model("LlamaForCausalLM", seed=3, vocab_size=bpe.get_vocab_size())
+    ids, mask = BATCHES["batch1"]
+    settings = dict(GREEDY, tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer)
+    ours = genfn.generate(setup["target"], ids, attention_mask=mask, assistant_model=assistant, **settings)
+    with torch.no_grad():
+        theirs = setup["hf"].generate(ids, attention_mask=mask, assistant_model=hf_assistant, **settings)
+    assert torch.equal(ours, theirs)
+
+
+def test_wrapped_module_target_gives_its_own_greedy(setup):
+    """The target may be a transformers module wrapped with genfn.from_module (rows at their own slots)."""
+    ids, mask = BATCHES["batch4"]
+    assistant, assistant_tokenizer = setup["bpe"]
+    wrapped = genfn.from_module(setup["hf"])
+    out = genfn.generate(wrapped, ids, attention_mask=mask, assistant_model=assistant, tokenizer=setup["tokenizer"],
+                         assistant_tokenizer=assistant_tokenizer, **GREEDY)
+    settings = {**GREEDY}
+    settings.pop("num_assistant_tokens")
+    with torch.no_grad():
+        assert torch.equal(out, setup["hf"].generate(ids, attention_mask=mask, **settings))
+
+
+def test_smollm2_with_a_tiny_assistant_of_its_own_tokenizer(smollm2):
+    """SmolLM2 (its GGUF tokenizer) verifies drafts of a tiny random model reading a byte-level BPE."""
+    english = ["The committee met on Tuesday and agreed that the new library will open in the spring.",
+               "After the roof repairs are finished, the reading rooms and the garden will reopen.",
+               "Rewrite the passage in plain words for a young reader."] * 20
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(english, trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf, config = tiny_hf_model("LlamaForCausalLM", seed=5, vocab_size=bpe.get_vocab_size())
+    assistant = from_hf_state_dict(config, hf.state_dict())
+    ids = torch.tensor([smollm2.tokenizer.encode("Rewrite in plain words: the committee met on Tuesday and")])
+    plain = genfn.generate(smollm2, ids, max_new_tokens=10)
+    out = genfn.generate(smollm2, ids, max_new_tokens=10, assistant_model=assistant, tokenizer=smollm2.tokenizer,
+                         assistant_tokenizer=bpe, num_assistant_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert int(out.acceptance["total_proposed"]) > 0
 
 
 def test_different_vocabulary_without_tokenizers_is_refused(setup):

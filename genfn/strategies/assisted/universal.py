@@ -8,7 +8,7 @@ host pass per row). Every round:
    ``target_lookbehind`` before the previous round's length on; the window's assistant ids are
    aligned with the tail of the previous round's assistant ids by their longest common run, the
    differing tail is replaced and what is new is appended;
-2. **draft** (the assistant's own forwards, greedy): the assistant keeps one static cache per row,
+2. **draft** (the assistant's own forwards, greedy on its raw logits): the assistant keeps one static cache per row,
    rewound to the longest prefix it shares with the new assistant ids, so a round feeds only what
    changed and then drafts up to ``num_assistant_tokens``;
 3. **assistant -> target** (host): the assistant's ids from ``assistant_lookbehind`` before the
