@@ -198,3 +198,44 @@ def test_every_strategy_runs_on_wrapped_module(wrapped, mode):
         assert torch.equal(first, again)
     else:
         assert torch.equal(first, _own_generate(hf, ids, mask, **MODES[mode]))
+
+
+@pytest.mark.parametrize("arch, settings", [
+    ("MistralForCausalLM", dict(sliding_window=4)),
+    ("Qwen2ForCausalLM", dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)),  # one mask per layer type
+    ("LlamaForCausalLM", dict(attn_implementation="eager")),  # an additive mask
+], ids=["mistral_window", "qwen2_mixed_layers", "llama_eager"])
+def test_per_row_masks_of_windows_and_eager_attention(arch, settings):
+    """Sliding windows count each row's real tokens (the growing default cache leaves holes where rows were
+    rewound); eager attention takes the mask additively."""
+    hf = tiny_hf_model(arch, 0, **settings)[0]
+    model = genfn.from_module(hf)
+    ids, mask = BATCHES["batch4"]
+    out = genfn.generate(model, ids, attention_mask=mask, return_dict_in_generate=True, prompt_lookup_num_tokens=3,
+                         **GREEDY)
+    assert torch.equal(out.sequences, _own_generate(hf, ids, mask))
+    assert len(set(out.acceptance["accepted"].tolist())) > 1  # the rows parted
+
+
+class _PlainMaskModule(torch.nn.Module):
+    """A module that is not a transformers model (no config): genfn knows only that it takes a 2-D mask."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache)
+
+
+def test_module_with_only_a_2d_mask_runs_assisted_at_batch_1_and_refuses_batch_4():
+    hf = _tiny("LlamaForCausalLM", seed=0)
+    model = genfn.from_module(_PlainMaskModule(hf))
+    assert not model.spec.rows_independent
+    ids, mask = BATCHES["batch1"]
+    out = genfn.generate(model, ids, attention_mask=mask, prompt_lookup_num_tokens=3, **GREEDY)
+    assert torch.equal(out, _own_generate(hf, ids, mask))
+    ids, mask = BATCHES["batch4"]
+    with pytest.raises(ValueError, match="batch size 4 needs the model to take each row at its own cache slot"):
+        genfn.generate(model, ids, attention_mask=mask, prompt_lookup_num_tokens=3, **GREEDY)

@@ -118,21 +118,33 @@ def _row_mask_for(module: torch.nn.Module) -> RowMask | None:
     return RowMask(additive, (window,))
 
 
-def row_attention_mask(valid: torch.Tensor, slots: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def row_attention_mask(valid: torch.Tensor, slots: torch.Tensor, window: int | None = None,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, 1, S, T]`` bool: query ``i`` of row ``b`` (at slot ``slots[b, i]``) sees slot ``j`` when it
-    holds a real token at or before the query (and, with a sliding ``window``, less than ``window``
-    slots back). Pure; each row's queries sit at their own slots."""
+    holds a real token at or before the query and, with a sliding ``window``, less than ``window``
+    tokens back. Pure; each row's queries sit at their own slots.
+
+    The window counts the row's real tokens (``positions [B, S]`` of the queries against the running
+    count of valid slots), not slots: a growing cache appends every row at the shared end and masks a
+    rewound row's tail, so slot distance would count those holes. In transformers' own layout (left
+    padding, no holes) the two agree.
+    """
     columns = torch.arange(valid.shape[1], device=valid.device)
     query = slots.unsqueeze(-1)  # [B, S, 1]
     seen = (columns <= query) & valid.unsqueeze(1)
     if window is not None:
-        seen = seen & (query - columns < window)
+        if positions is None:
+            seen = seen & (query - columns < window)
+        else:
+            key_positions = valid.to(torch.int64).cumsum(dim=1) - 1  # [B, T]
+            seen = seen & (positions.unsqueeze(-1) - key_positions.unsqueeze(1) < window)
     return seen.unsqueeze(1)
 
 
-def _module_mask(recipe: RowMask, valid: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype):
+def _module_mask(recipe: RowMask, valid: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype):
     def one(window):
-        seen = row_attention_mask(valid, slots, window)
+        seen = row_attention_mask(valid, slots, window, positions)
         if not recipe.additive:
             return seen
         zero = torch.zeros((), dtype=dtype, device=valid.device)
@@ -296,7 +308,7 @@ def apply(spec: ModuleSpec, params, tokens, positions, cache, attention_mask=Non
     valid = cache.valid[:, :attend_len]
     if spec.row_mask is not None:
         dtype = params[spec.float_param].dtype if spec.float_param is not None else torch.float32
-        mask = _module_mask(spec.row_mask, valid, slots, dtype)
+        mask = _module_mask(spec.row_mask, valid, slots, positions, dtype)
     else:
         mask = valid
     kwargs = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions,
