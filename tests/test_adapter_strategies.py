@@ -9,6 +9,8 @@ that it does (otherwise the rows would never part and the test would prove nothi
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -58,16 +60,18 @@ def _repetitive_rows(lengths, seed=0):
 BATCHES = {"batch1": _repetitive_rows([7]), "batch4": _repetitive_rows([3, 5, 7, 9])}
 
 
-_OWN: dict = {}
+# Held per module object (an id() could be reused by a later module once this one is freed).
+_OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _own_generate(hf, ids, mask, **settings):
     """The module's own generate (greedy unless ``settings`` say otherwise), computed once per input."""
-    key = (id(hf), ids.shape, tuple(ids.reshape(-1).tolist()), tuple(sorted(settings.items())))
-    if key not in _OWN:
+    key = (ids.shape, tuple(ids.reshape(-1).tolist()), tuple(sorted(settings.items())))
+    results = _OWN.setdefault(hf, {})
+    if key not in results:
         with torch.no_grad():
-            _OWN[key] = hf.generate(ids, attention_mask=mask, **{**GREEDY, **settings})
-    return _OWN[key]
+            results[key] = hf.generate(ids, attention_mask=mask, **{**GREEDY, **settings})
+    return results[key]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
