@@ -243,3 +243,16 @@ def test_module_with_only_a_2d_mask_runs_assisted_at_batch_1_and_refuses_batch_4
     ids, mask = BATCHES["batch4"]
     with pytest.raises(ValueError, match="batch size 4 needs the model to take each row at its own cache slot"):
         genfn.generate(model, ids, attention_mask=mask, prompt_lookup_num_tokens=3, **GREEDY)
+
+
+def test_compiled_speculative_step_on_wrapped_module():
+    """The per-row mask traces: prompt lookup on a wrapped GPT-2 through the compiled driver (fullgraph; the
+    eager backend keeps the compile cheap) equals the module's own generate at batch 4."""
+    hf = _tiny("GPT2LMHeadModel", seed=0)
+    model = genfn.from_module(hf)
+    ids, mask = BATCHES["batch4"]
+    compiled = genfn.generate(model, ids, attention_mask=mask, prompt_lookup_num_tokens=3,
+                              cache_implementation="static",
+                              compile_config=genfn.CompileConfig(fullgraph=True, backend="eager", mode=None), **GREEDY)
+    assert model.compiled_steps, "the speculative step did not go through the compiled path"
+    assert torch.equal(compiled, _own_generate(hf, ids, mask))
