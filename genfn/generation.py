@@ -115,7 +115,10 @@ def generate(
 
     ``assistant_model`` (a genfn ``Model`` with the same vocabulary), ``prompt_lookup_num_tokens``
     or ``assistant_early_exit`` select assisted (speculative) generation at any batch size; its
-    output equals plain decoding's, and ``return_dict_in_generate=True`` adds ``acceptance``.
+    output equals plain decoding's, and ``return_dict_in_generate=True`` adds ``acceptance``. An
+    ``assistant_model`` with another tokenizer needs ``tokenizer=`` and ``assistant_tokenizer=``
+    (universal assisted generation: drafts re-encoded through text on the host, eagerly, at any
+    batch size; ``assistant_lookbehind`` / ``target_lookbehind`` size the re-encoded windows).
 
     ``synced_gpus`` is accepted for transformers compatibility: it keeps every rank stepping until
     all ranks finish, under data-parallel sharding (DeepSpeed ZeRO-3, FSDP). genfn runs one process
@@ -236,10 +239,11 @@ def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
                     logits_processor=None, prefix_allowed_tokens_fn=None, tokenizer=None, negative_prompt_ids=None,
-                    negative_prompt_attention_mask=None, assistant_model=None, **kwargs):
+                    negative_prompt_attention_mask=None, assistant_model=None, assistant_tokenizer=None, **kwargs):
     """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it.
 
-    ``tokenizer`` is needed for ``stop_strings`` and ``token_healing`` (as in transformers);
+    ``tokenizer`` is needed for ``stop_strings`` and ``token_healing`` (as in transformers), and with
+    ``assistant_tokenizer`` for an ``assistant_model`` whose tokenizer differs (universal assisted generation);
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` give classifier-free guidance
     (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
     """
@@ -347,6 +351,9 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         if encoder_decoder:
             raise ValueError("assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) "
                              "is not supported with encoder-decoder models")
-        return request, assisted_strategy(model, request, assistant_model)
+        return request, assisted_strategy(model, request, assistant_model, tokenizer=tokenizer,
+                                          assistant_tokenizer=assistant_tokenizer)
+    if assistant_tokenizer is not None:
+        raise ValueError("assistant_tokenizer= is only used by assisted generation with an assistant_model")
     chosen = STRATEGIES[mode]
     return request, (encdec_strategy.for_encoder_decoder(chosen) if encoder_decoder else chosen)

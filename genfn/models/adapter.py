@@ -11,8 +11,19 @@ short-lived transformers ``Cache`` whose layers write through genfn's cache prot
 (``write_layer``) and report the sizes transformers' mask builders need. Together with an
 ``attention_mask`` over every cache slot (``cache.valid``) and explicit ``position_ids``, the module
 sees exactly the inputs its own ``generate`` would give it, left padding included, so greedy and
-beam tokens equal the module's own. Rows advance together (every slot index of a forward is shared
-by the batch), as in transformers' caches.
+beam tokens equal the module's own.
+
+Rows move independently, as in every genfn cache (speculative decoding keeps a different number of
+drafts per row and rewinds each row's fill pointer): transformers' masks assume one query offset for
+the whole batch, so for modules that build their masks with transformers' ``sdpa`` or ``eager``
+attention the bridge hands them a prepared 4-D mask instead, built from each row's own slots and
+``cache.valid`` (transformers passes a 4-D mask through unchanged). Other modules get the 2-D mask,
+and their rows must advance together (``ModuleSpec.rows_independent`` is False): speculative
+decoding then runs them at batch size 1 only.
+
+Early exit (``assistant_early_exit``) needs the first ``N`` layers of the model as a function; a
+wrapped module runs its forward whole, so ``ModuleSpec.layer_access`` is False and the early-exit
+drafter refuses it by name.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import torch
 from genfn.cache.base import begin_forward
 from genfn.cache.static import init_static_cache
 
-__all__ = ["ModuleSpec", "from_module", "apply", "init_cache", "ModuleOutput"]
+__all__ = ["ModuleSpec", "RowMask", "from_module", "apply", "init_cache", "ModuleOutput", "row_attention_mask"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,14 +59,100 @@ class ModuleSpec:
     forward_args: frozenset  # the keyword arguments the module's forward accepts
     cache_arg: str  # "cache" (transformers 5) or "past_key_values"
     cache_view: Any  # the transformers Cache the module is handed, rebound at every forward
+    # How the per-row 4-D mask is built: None (the module gets the 2-D mask: rows advance
+    # together), or the static recipe (additive or boolean, windows per layer type).
+    row_mask: "RowMask | None" = None
+    float_param: str | None = None  # a floating-point param whose dtype an additive mask takes
+
+    # The module's forward runs whole: no first-N-layers function for early exit.
+    layer_access = False
 
     # An arbitrary module may not trace under torch.compile: the driver then runs its step
     # eagerly (logging it once) instead of failing the call.
     compile_fallback = True
 
+    @property
+    def rows_independent(self) -> bool:
+        """Whether rows of one forward may sit at different slots (speculative decoding at batch > 1)."""
+        return self.row_mask is not None
+
     def __repr__(self) -> str:
         return (f"ModuleSpec({self.architecture}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, vocab={self.vocab_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowMask:
+    """How a wrapped transformers module takes a per-row mask (static: part of the spec).
+
+    ``additive``: eager attention adds the mask to the scores (0 / the dtype's minimum), sdpa takes a
+    boolean one. ``windows``: the sliding window of each mask the module reads (None: full causal);
+    ``layer_types``: the mask-mapping keys when the module reads one mask per layer type (a dict),
+    else None (one tensor).
+    """
+
+    additive: bool
+    windows: tuple
+    layer_types: tuple | None = None
+
+
+def _row_mask_for(module: torch.nn.Module) -> RowMask | None:
+    """The module's per-row mask recipe, or None when it does not build masks with transformers'
+    sdpa/eager attention (then only the 2-D mask is known to be understood)."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return None
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    additive = implementation == "eager"
+    if layer_types is not None and len(set(layer_types)) > 1:
+        kinds = tuple(sorted(set(layer_types)))
+        if not set(kinds) <= {"full_attention", "sliding_attention"}:
+            return None
+        return RowMask(additive, tuple(window if kind == "sliding_attention" else None for kind in kinds), kinds)
+    if layer_types is not None and set(layer_types) == {"full_attention"}:
+        window = None
+    return RowMask(additive, (window,))
+
+
+def row_attention_mask(valid: torch.Tensor, slots: torch.Tensor, window: int | None = None,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 1, S, T]`` bool: query ``i`` of row ``b`` (at slot ``slots[b, i]``) sees slot ``j`` when it
+    holds a real token at or before the query and, with a sliding ``window``, less than ``window``
+    tokens back. Pure; each row's queries sit at their own slots.
+
+    The window counts the row's real tokens (``positions [B, S]`` of the queries against the running
+    count of valid slots), not slots: a growing cache appends every row at the shared end and masks a
+    rewound row's tail, so slot distance would count those holes. In transformers' own layout (left
+    padding, no holes) the two agree.
+    """
+    columns = torch.arange(valid.shape[1], device=valid.device)
+    query = slots.unsqueeze(-1)  # [B, S, 1]
+    seen = (columns <= query) & valid.unsqueeze(1)
+    if window is not None:
+        if positions is None:
+            seen = seen & (query - columns < window)
+        else:
+            key_positions = valid.to(torch.int64).cumsum(dim=1) - 1  # [B, T]
+            seen = seen & (positions.unsqueeze(-1) - key_positions.unsqueeze(1) < window)
+    return seen.unsqueeze(1)
+
+
+def _module_mask(recipe: RowMask, valid: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype):
+    def one(window):
+        seen = row_attention_mask(valid, slots, window, positions)
+        if not recipe.additive:
+            return seen
+        zero = torch.zeros((), dtype=dtype, device=valid.device)
+        return torch.where(seen, zero, torch.finfo(dtype).min)
+
+    if recipe.layer_types is None:
+        return one(recipe.windows[0])
+    return {kind: one(window) for kind, window in zip(recipe.layer_types, recipe.windows)}
 
 
 @dataclasses.dataclass
@@ -181,10 +278,16 @@ def spec_for(module: torch.nn.Module) -> ModuleSpec:
     vocab = getattr(config, "vocab_size", None)
     layers, heads, head_dim, vocab = _probe(module, cache_arg, vocab)
     architectures = getattr(config, "architectures", None) or [type(module).__name__]
+    accepts_mask = not args or "kwargs" in args or "attention_mask" in args
+    row_mask = _row_mask_for(module) if accepts_mask else None
+    float_param = next((name for name, p in _params(module).items() if p.is_floating_point()), None)
+    if row_mask is not None and row_mask.additive and float_param is None:
+        row_mask = None
     return ModuleSpec(
         module=module, architecture=architectures[0], vocab_size=int(vocab), num_layers=layers, num_kv_heads=heads,
         head_dim=head_dim, max_position_embeddings=getattr(config, "max_position_embeddings", None),
-        forward_args=args, cache_arg=cache_arg, cache_view=view_class(layers))
+        forward_args=args, cache_arg=cache_arg, cache_view=view_class(layers), row_mask=row_mask,
+        float_param=float_param)
 
 
 def init_cache(spec: ModuleSpec, batch_size: int, max_cache_len: int, dtype=torch.float32, device=None):
@@ -202,7 +305,13 @@ def apply(spec: ModuleSpec, params, tokens, positions, cache, attention_mask=Non
     batch, seq = tokens.shape
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     view = spec.cache_view.bind(cache, slots, attend_len)
-    kwargs = {"input_ids": tokens, "attention_mask": cache.valid[:, :attend_len], "position_ids": positions,
+    valid = cache.valid[:, :attend_len]
+    if spec.row_mask is not None:
+        dtype = params[spec.float_param].dtype if spec.float_param is not None else torch.float32
+        mask = _module_mask(spec.row_mask, valid, slots, positions, dtype)
+    else:
+        mask = valid
+    kwargs = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions,
               spec.cache_arg: view, "use_cache": True}
     if spec.forward_args and "kwargs" not in spec.forward_args:
         kwargs = {name: value for name, value in kwargs.items() if name in spec.forward_args}

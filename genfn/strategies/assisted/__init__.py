@@ -3,9 +3,10 @@
 ``verify`` decides which drafts a row keeps (``stats`` counts them); ``schedule`` sizes drafts and adapts the assistant's
 confidence threshold; ``drafter`` is the interface proposers implement; ``prompt_lookup`` is the
 proposer that drafts from the row's own tokens; ``draft_model``, ``early_exit``, ``mtp`` and
-``block`` are the model-running proposers. ``step`` is the speculative step that composes a proposer
-with one verifying target forward and the caches' ``rewind``; ``build`` picks the proposer a
-``generate`` call asks for.
+``block`` are the model-running proposers; ``universal`` drafts with an assistant of another
+tokenizer, re-encoding through text on the host before each (pure) verification. ``step`` is the
+speculative step that composes a proposer with one verifying target forward and the caches'
+``rewind``; ``build`` picks the proposer a ``generate`` call asks for.
 """
 
 from genfn.strategies.assisted.drafter import Draft, DraftInput, Drafter, PromptLookupDrafter, check_ensemble_weight

@@ -1,7 +1,9 @@
 """Which speculative strategy a ``generate`` call asks for, built from its resolved request.
 
 The proposer follows transformers' precedence: ``assistant_early_exit``, then
-``prompt_lookup_num_tokens``, then ``assistant_model``. The ``"heuristic"`` draft-length schedule
+``prompt_lookup_num_tokens``, then ``assistant_model``; an ``assistant_model`` given with
+``tokenizer`` and ``assistant_tokenizer`` drafts through text (universal assisted generation,
+:mod:`genfn.strategies.assisted.universal`). The ``"heuristic"`` draft-length schedule
 carries its value from one call to the next with the same assistant (transformers keeps it in
 the assistant's generation config; genfn keeps it here, next to the strategy that reads it).
 """
@@ -17,6 +19,7 @@ from genfn.strategies.assisted.early_exit import EarlyExitDrafter
 from genfn.strategies.assisted.mtp import MTPDrafter, num_mtp_heads
 from genfn.strategies.assisted.schedule import schedule_for_next_call
 from genfn.strategies.assisted.step import speculative_strategy
+from genfn.strategies.assisted.universal import universal_strategy
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest
 
@@ -25,7 +28,7 @@ __all__ = ["assisted_strategy", "carried_schedules"]
 # The schedule each assistant (or early-exiting target) ended its last call at, for "heuristic".
 carried_schedules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-def _drafter(model, request: GenerationRequest, assistant_model):
+def _drafter(model, request: GenerationRequest, assistant_model, universal: bool = False):
     config = request.config
     num_tokens = int(config.num_assistant_tokens or 20)
     if config.speculation_type == "dflash" or isinstance(assistant_model, BlockDrafter):
@@ -49,19 +52,40 @@ def _drafter(model, request: GenerationRequest, assistant_model):
         return drafter, None
     if assistant_model is None:
         raise ValueError("assisted generation needs assistant_model, prompt_lookup_num_tokens or assistant_early_exit")
-    if getattr(assistant_model, "tokenizer", None) is not None and getattr(model, "tokenizer", None) is not None \
-            and assistant_model.vocab_size != model.vocab_size:
-        raise ValueError("assistant_model has a different vocabulary from the model; universal assisted generation "
-                         "(different tokenizers) is not supported by genfn yet")
+    if universal:
+        return None, assistant_model
+    if getattr(assistant_model, "vocab_size", None) is not None and assistant_model.vocab_size != model.vocab_size:
+        raise ValueError(f"assistant_model has a vocabulary of {assistant_model.vocab_size} tokens and the model "
+                         f"{model.vocab_size}: an assistant with another tokenizer needs tokenizer= (the model's) and "
+                         "assistant_tokenizer= (the assistant's) passed to generate (universal assisted generation)")
     threshold = float(config.assistant_confidence_threshold or 0.0)
     drafter = DraftModelDrafter(assistant=assistant_model, num_tokens=num_tokens, confidence_threshold=threshold,
                                 confidence_capacity=max(1, request.max_length - request.prompt_len))
     return drafter, assistant_model
 
 
-def assisted_strategy(model, request: GenerationRequest, assistant_model=None) -> Strategy:
-    """The speculative :class:`~genfn.strategies.base.Strategy` for ``request`` (mode ASSISTED_GENERATION)."""
-    drafter, schedule_owner = _drafter(model, request, assistant_model)
+def _wants_universal(assistant_model, tokenizer, assistant_tokenizer) -> bool:
+    if assistant_tokenizer is None:
+        return False
+    if tokenizer is None:
+        raise ValueError("assistant_tokenizer= is given without tokenizer=: universal assisted generation re-encodes "
+                         "the model's tokens through text, so it needs the model's tokenizer too")
+    if assistant_model is None:
+        raise ValueError("assistant_tokenizer= is the tokenizer of an assistant_model; pass assistant_model= too")
+    return True
+
+
+def assisted_strategy(model, request: GenerationRequest, assistant_model=None, *, tokenizer=None,
+                      assistant_tokenizer=None) -> Strategy:
+    """The speculative :class:`~genfn.strategies.base.Strategy` for ``request`` (mode ASSISTED_GENERATION).
+
+    ``tokenizer`` and ``assistant_tokenizer`` (both, with ``assistant_model``) select universal
+    assisted generation: eager, any batch size, drafts re-encoded through text.
+    """
+    universal = _wants_universal(assistant_model, tokenizer, assistant_tokenizer)
+    drafter, schedule_owner = _drafter(model, request, assistant_model, universal)
+    if drafter is not None:
+        universal = False  # an earlier proposer (early exit, prompt lookup, MTP, block) takes precedence
     config = request.config
     schedule, on_finish = None, None
     kind = config.num_assistant_tokens_schedule or "constant"
@@ -73,5 +97,11 @@ def assisted_strategy(model, request: GenerationRequest, assistant_model=None) -
         def on_finish(state):
             carried_schedules[schedule_owner] = state.schedule
 
+    if universal:
+        if config.assistant_ensemble_weight is not None:
+            raise ValueError("assistant_ensemble_weight needs the assistant's probabilities over the model's "
+                             "vocabulary; an assistant with another tokenizer (assistant_tokenizer=) has none")
+        return universal_strategy(assistant_model, tokenizer, assistant_tokenizer, request, schedule=schedule,
+                                  on_finish=on_finish)
     return speculative_strategy(drafter, schedule=schedule, ensemble_weight=config.assistant_ensemble_weight,
                                 on_finish=on_finish)

@@ -21,7 +21,7 @@ import torch
 
 from genfn import random as grandom
 from genfn.state.base import pytree_dataclass
-from genfn.strategies.assisted.drafter import Draft, DraftInput
+from genfn.strategies.assisted.drafter import Draft, DraftInput, check_rows_independent
 from genfn.strategies.assisted.schedule import ConfidenceState, confident_length, init_confidence, update_confidence
 from genfn.strategies.assisted.verify import Verified, draft_keys
 from genfn.strategies.request import GenerationRequest
@@ -71,6 +71,7 @@ class DraftModelDrafter:
                              f"{model.vocab_size}; an assistant must share the target's tokenizer")
         batch = request.batch_size
         device = request.input_ids.device
+        check_rows_independent(self.assistant, batch, "assistant_model")
         cache = self.assistant.init_cache(batch, request.max_cache_len, "static")
         _, cache = self.assistant.apply(request.input_ids, prefill_positions(request.attention_mask), cache,
                                         request.attention_mask, logits_to_keep=1)

@@ -29,7 +29,7 @@ from genfn.state.base import pytree_dataclass
 from genfn.strategies.assisted.prompt_lookup import OCCURRENCES, propose_prompt_lookup
 from genfn.strategies.assisted.verify import Verified
 
-__all__ = ["Draft", "DraftInput", "Drafter", "PromptLookupDrafter", "check_ensemble_weight"]
+__all__ = ["Draft", "DraftInput", "Drafter", "PromptLookupDrafter", "check_ensemble_weight", "check_rows_independent"]
 
 
 @pytree_dataclass
@@ -124,3 +124,12 @@ def check_ensemble_weight(drafter: Drafter, ensemble_weight) -> None:
         raise ValueError(f"assistant_ensemble_weight needs the drafter's probabilities, and "
                          f"{type(drafter).__name__} gives none (prompt lookup has no draft model); "
                          "drop assistant_ensemble_weight or use an assistant_model")
+
+
+def check_rows_independent(model, batch_size: int, name: str) -> None:
+    """Speculative rows keep different numbers of drafts, so their cache slots part; a model whose
+    forward needs every row at the same slot (``spec.rows_independent`` False) runs at batch 1 only."""
+    if batch_size > 1 and not getattr(model.spec, "rows_independent", True):
+        raise ValueError(f"assisted generation at batch size {batch_size} needs {name} to take each row at its own "
+                         f"cache slot, and {model.spec!r} takes one offset for the whole batch (its module does not "
+                         "build masks with transformers' sdpa or eager attention); run one row at a time")

@@ -41,6 +41,11 @@ class EarlyExitDrafter:
         return True
 
     def prefill(self, model, request: GenerationRequest) -> None:
+        if not getattr(model.spec, "layer_access", True):
+            raise ValueError(f"assistant_early_exit needs the model's first layers as a function of their own, and "
+                             f"{type(model.spec).__name__} runs its forward whole (a module wrapped with "
+                             "genfn.from_module); use prompt_lookup_num_tokens or an assistant_model, or load the "
+                             "checkpoint as a native genfn model (genfn.load)")
         total = getattr(model.spec, "num_layers", None)
         if total is not None and self.num_layers >= total:
             raise ValueError(f"assistant_early_exit={self.num_layers} must be below the model's {total} layers "

@@ -33,14 +33,14 @@ from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.base import pytree_dataclass, static_field
 from genfn.stopping import eos_emitted
 from genfn.strategies import sample
-from genfn.strategies.assisted.drafter import Draft, DraftInput
+from genfn.strategies.assisted.drafter import Draft, DraftInput, check_rows_independent
 from genfn.strategies.assisted.schedule import draft_budget, update_schedule
 from genfn.strategies.assisted.stats import AcceptanceStats, init_stats, record
 from genfn.strategies.assisted.verify import Verified, limit_new_tokens, process_block, verify_greedy, verify_sampling
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 
-__all__ = ["SpeculativeOptions", "SpeculativeState", "ModelDrafter", "PlainDrafter", "as_model_drafter",
+__all__ = ["row_budget", "SpeculativeOptions", "SpeculativeState", "ModelDrafter", "PlainDrafter", "as_model_drafter",
            "GenerateAssistedOutput", "init", "step", "finish", "speculative_strategy"]
 
 
@@ -156,6 +156,7 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         raise ValueError(f"assistant_ensemble_weight needs the drafter's probabilities, and "
                          f"{type(getattr(drafter, 'inner', drafter)).__name__} gives none (prompt lookup has no "
                          "draft model); drop assistant_ensemble_weight or use an assistant_model")
+    check_rows_independent(model, request.batch_size, "the model")
     wants_hidden = _needs_target_hidden(drafter)
     plain = sample.init(model, dataclasses.replace(request, output_hidden_states=True) if wants_hidden else request)
     batch = plain.batch_size
@@ -191,7 +192,7 @@ def _needs_target_hidden(drafter) -> bool:
     return bool(getattr(drafter, "needs_target_hidden", False))
 
 
-def _budget(state: SpeculativeState, k: int) -> torch.Tensor:
+def row_budget(state: SpeculativeState, k: int) -> torch.Tensor:
     """``[B]`` drafts each row may bring: its schedule, but never past ``max_length``; none once done."""
     if state.schedule is not None:
         budget = draft_budget(state.schedule, state.cur_len, state.max_length).clamp(max=k)
@@ -207,7 +208,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     batch = state.tokens.shape[0]
     device = state.tokens.device
     counter = state.cur_len - state.prompt_len  # tokens each row generated so far (the noise counter)
-    view = DraftInput(tokens=state.tokens, cur_len=state.cur_len, budget=_budget(state, k), keys=state.keys,
+    view = DraftInput(tokens=state.tokens, cur_len=state.cur_len, budget=row_budget(state, k), keys=state.keys,
                       counter=counter, first_column=state.first_column, target_hidden=state.target_hidden)
     draft, drafter_state, cache = drafter.draft(model, state.drafter_state, view, state.cache)
     num_valid = torch.minimum(draft.num_valid, view.budget)
