@@ -1,0 +1,163 @@
+"""Status lines on stderr: what the command is doing while it does it, then a summary.
+
+Each phase (loading, kernel build, compiling) is announced when it starts and reported with its
+elapsed time when it ends. On a terminal the phase is one line whose elapsed time ticks in place;
+anywhere else (a pipe, a log file) it is two plain lines, so captured stderr never holds carriage
+returns. Text output goes to stdout and never shares a line with a status line: a phase that
+begins after text has started streaming is announced only when the line of text is finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+
+__all__ = ["Status", "format_seconds", "watch_compiles"]
+
+_TICK_S = 0.5
+_CLEAR_LINE = "\r\x1b[K"
+
+
+def format_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+class Status:
+    """Writes ``genfn: ...`` lines to the current ``sys.stderr`` (looked up per write, so tests
+    that capture stderr see them). ``quiet`` drops everything but :meth:`error`-level text the
+    caller writes itself; ``live`` (default: stderr is a terminal) turns on the in-place ticker."""
+
+    def __init__(self, quiet: bool = False, live: bool | None = None):
+        self.quiet = quiet
+        self._live = live
+        self._lock = threading.RLock()
+        self._phase: tuple[str, float] | None = None  # (text, start) of the phase on screen
+        self._ticker: threading.Thread | None = None
+        self._drawn = False  # a live phase line is on screen without its newline
+        self.text_open = False  # stdout holds streamed text whose line is not finished
+
+    @property
+    def live(self) -> bool:
+        if self._live is not None:
+            return self._live
+        stream = sys.stderr
+        return bool(getattr(stream, "isatty", lambda: False)())
+
+    def line(self, text: str, always: bool = False) -> None:
+        """One status line (a live phase line on screen is redrawn after it); ``always`` shows it
+        under ``quiet`` too (warnings)."""
+        if self.quiet and not always:
+            return
+        with self._lock:
+            self._erase()
+            sys.stderr.write(f"genfn: {text}\n")
+            sys.stderr.flush()
+            self._draw()
+
+    def begin(self, text: str) -> None:
+        if self.quiet:
+            return
+        with self._lock:
+            self._erase()
+            self._phase = (text, time.perf_counter())
+            if self.live:
+                self._draw()
+                if self._ticker is None or not self._ticker.is_alive():
+                    self._ticker = threading.Thread(target=self._tick, name="genfn-status", daemon=True)
+                    self._ticker.start()
+            else:
+                sys.stderr.write(f"genfn: {text}...\n")
+                sys.stderr.flush()
+
+    def end(self, done: str | None = None) -> float:
+        """Close the current phase: ``done`` (default ``<phase text>: done``) with the elapsed time;
+        returns the elapsed seconds."""
+        with self._lock:
+            if self._phase is None:
+                return 0.0
+            text, start = self._phase
+            elapsed = time.perf_counter() - start
+            self._erase()
+            self._phase = None
+            if not self.quiet:
+                sys.stderr.write(f"genfn: {done or text + ': done'} ({format_seconds(elapsed)})\n")
+                sys.stderr.flush()
+            return elapsed
+
+    @contextlib.contextmanager
+    def phase(self, text: str, done: str | None = None):
+        self.begin(text)
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._erase()
+                self._phase = None
+            raise
+        self.end(done)
+
+    def close(self) -> None:
+        with self._lock:
+            self._erase()
+            self._phase = None
+
+    # ---- the live line -----------------------------------------------------------------------
+
+    def _erase(self) -> None:
+        if self._drawn:
+            sys.stderr.write(_CLEAR_LINE)
+            sys.stderr.flush()
+            self._drawn = False
+
+    def _draw(self) -> None:
+        if self._phase is None or not self.live or self.text_open:
+            return
+        text, start = self._phase
+        sys.stderr.write(f"{_CLEAR_LINE}genfn: {text}... {time.perf_counter() - start:.0f} s")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def _tick(self) -> None:
+        while True:
+            time.sleep(_TICK_S)
+            with self._lock:
+                if self._phase is None:
+                    return
+                self._draw()
+
+
+@contextlib.contextmanager
+def watch_compiles(status: Status, what: str = "compiling the decode step (torch.compile)"):
+    """Show each torch.compile run (dynamo's compile start/end callbacks, on whichever thread
+    compiles) as a status phase; yields a list that collects each compile's seconds."""
+    from torch._dynamo import callback as dynamo_callback
+
+    seconds: list[float] = []
+    unshown_since: float | None = None
+
+    def started(_args) -> None:
+        nonlocal unshown_since
+        if status.text_open:
+            # Text is streaming: a phase line now would split it; count it for the summary only.
+            unshown_since = time.perf_counter()
+            return
+        status.begin(what)
+
+    def ended(_args) -> None:
+        nonlocal unshown_since
+        if unshown_since is not None:
+            seconds.append(time.perf_counter() - unshown_since)
+            unshown_since = None
+            return
+        seconds.append(status.end("compiled the decode step"))
+
+    handler = dynamo_callback.callback_handler
+    handler.register_start_callback(started)
+    handler.register_end_callback(ended)
+    try:
+        yield seconds
+    finally:
+        handler.remove_start_callback(started)
+        handler.remove_end_callback(ended)
