@@ -97,10 +97,10 @@ def _describe(path: str | None, args) -> str:
     elif args.quantize:
         weights = f"quantized to {args.quantize} on load"
     elif str(path).endswith(".gguf"):
-        weights = "dequantized from GGUF (--quantize gguf keeps its blocks)"
+        weights = "dequantized from the file's blocks; --quantize gguf keeps them"
     else:
         weights = "unquantized"
-    return f"loading {path} ({args.dtype}, {weights})"
+    return f"loading {path} ({args.dtype}; {weights})"
 
 
 def _prepare_kernels(status: Status) -> None:
