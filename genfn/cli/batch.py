@@ -40,11 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class BatchRequest:
-    """One input line: its id, prompt token ids and the request's own settings."""
+    """One input line: its id, the prompt (text or chat), its token ids once encoded, and the
+    request's own settings."""
 
-    def __init__(self, request_id: str, line: int, ids: list[int], max_new_tokens: int, settings: dict, stop):
-        self.request_id, self.line, self.ids = request_id, line, ids
+    def __init__(self, request_id: str, line: int, prompt, max_new_tokens: int, settings: dict, stop):
+        self.request_id, self.line, self.prompt = request_id, line, prompt
+        self.ids: list[int] = []
         self.max_new_tokens, self.settings, self.stop = max_new_tokens, settings, stop
+
+    def encode(self, tokenizer) -> None:
+        if isinstance(self.prompt, str):
+            self.ids = tokenizer([self.prompt])["input_ids"][0].tolist()
+            return
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"input line {self.line} has 'messages', but the model has no chat template")
+        ids = list(tokenizer.apply_chat_template(self.prompt, add_generation_prompt=True))
+        self.ids = ids[0] if ids and isinstance(ids[0], list) else ids
 
 
 def _number(value, name: str, line: int, integer: bool = False):
@@ -86,8 +97,9 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     return max_new, settings, stop
 
 
-def read_requests(text: str, tokenizer, default_max: int) -> list[BatchRequest]:
-    """Every input line as a request; a UserError naming the line number for a bad one."""
+def read_requests(text: str, default_max: int) -> list[BatchRequest]:
+    """Every input line as a request (not yet encoded); a UserError naming the line number for a
+    bad one. Runs before the model loads, so a bad file fails at once."""
     requests, seen = [], {}
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
@@ -112,22 +124,20 @@ def read_requests(text: str, tokenizer, default_max: int) -> list[BatchRequest]:
         if ("prompt" in record) == ("messages" in record):
             raise UserError(f"input line {number} needs exactly one of 'prompt' (text) or 'messages' (a chat)")
         if "prompt" in record:
-            if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            prompt = record["prompt"]
+            if not isinstance(prompt, str) or not prompt.strip():
                 raise UserError(f"input line {number}: 'prompt' must be non-empty text")
-            ids = tokenizer([record["prompt"]])["input_ids"][0].tolist()
         else:
-            messages = record["messages"]
-            if (not isinstance(messages, list) or not messages
+            prompt = record["messages"]
+            if (not isinstance(prompt, list) or not prompt
                     or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                               and isinstance(m.get("content"), str) for m in messages)):
+                               and isinstance(m.get("content"), str) for m in prompt)):
                 raise UserError(f"input line {number}: 'messages' must be a list of {{\"role\", \"content\"}} "
                                 f"objects")
-            if not getattr(tokenizer, "chat_template", None):
-                raise UserError(f"input line {number} has 'messages', but the model has no chat template")
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-            ids = ids[0] if ids and isinstance(ids[0], list) else ids
         max_new, settings, stop = _settings(record, number, default_max)
-        requests.append(BatchRequest(request_id, number, ids, max_new, settings, stop))
+        requests.append(BatchRequest(request_id, number, prompt, max_new, settings, stop))
+    if not requests:
+        raise UserError("the input file holds no requests")
     return requests
 
 
@@ -161,19 +171,20 @@ def main(args, status: Status) -> int:
     from genfn.batching import WorkloadHints, continuous_batching_context_manager
     from genfn.config import ContinuousBatchingConfig
 
-    text = _read_input(args.input)
+    requests = read_requests(read_text_file(args.input, "input file"), args.max_new_tokens)
     if os.path.isdir(args.output):
         raise UserError(f"output is a directory: {args.output}")
     done = read_done_ids(args.output)
-    model = load_model(args, status)
-    tokenizer = require_tokenizer(model)
-    requests = read_requests(text, tokenizer, args.max_new_tokens)
     todo = [r for r in requests if r.request_id not in done]
     if len(todo) < len(requests):
         status.line(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests are already in {args.output}")
     if not todo:
         status.line("nothing to do")
         return 0
+    model = load_model(args, status)
+    tokenizer = require_tokenizer(model)
+    for r in todo:
+        r.encode(tokenizer)
     lengths = [len(r.ids) for r in todo]
     longest_new = max(r.max_new_tokens for r in todo)
     hints = WorkloadHints(expected_prompt_len=max(1, sum(lengths) // len(lengths)), expected_new_tokens=longest_new,
@@ -224,7 +235,3 @@ def main(args, status: Status) -> int:
         status.line(f"error: input line {r.line} (id {r.request_id!r}) failed: {error}; rerun to retry it",
                     always=True)
     return 1 if failed else 0
-
-
-def _read_input(path: str) -> str:
-    return read_text_file(path, "input file")

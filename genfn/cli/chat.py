@@ -46,7 +46,7 @@ def main(args, status: Status) -> int:
         args.max_cache_len = _DEFAULT_CACHE_LEN
     args.num_beams = 1
     model = load_model(args, status)
-    tokenizer = require_tokenizer(model, chat=True)
+    tokenizer = require_tokenizer(model, chat=True, without_chat="genfn chat needs one (genfn generate does not)")
     interactive = bool(sys.stdin is not None and sys.stdin.isatty())
     if interactive:
         try:

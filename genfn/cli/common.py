@@ -145,12 +145,12 @@ def load_model(args, status: Status):
     return model
 
 
-def require_tokenizer(model, chat: bool = False):
+def require_tokenizer(model, chat: bool = False, without_chat: str = "run without --chat"):
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise UserError(f"{model.source} has no tokenizer (tokenizer.json) to turn the prompt into tokens")
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"{model.source} has no chat template; run without --chat")
+        raise UserError(f"{model.source} has no chat template; {without_chat}")
     return tokenizer
 
 
