@@ -88,14 +88,25 @@ def test_chat_as_a_subprocess_with_piped_lines(chat_dir):
 
 # ---- batch ---------------------------------------------------------------------------------------
 
-def _inputs(tmp_path):
+def _clean_stop_text(model, prompt: str, max_new_tokens: int) -> tuple[str, int]:
+    """A stop text from the greedy continuation: the first later token that decodes to plain
+    letters (random weights also produce bytes of broken characters), and its index."""
+    ids = model.tokenizer([prompt])["input_ids"]
+    tokens = genfn.generate(model, ids, max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
+    pieces = [model.tokenizer.decode([t]) for t in tokens]
+    at = next(i for i, piece in enumerate(pieces) if i > 0 and len(piece.strip()) >= 2 and piece.isascii()
+              and piece.strip().isalnum())
+    return pieces[at].strip(), at
+
+
+def _inputs(tmp_path, stop_text: str):
     records = [
         {"id": "a", "prompt": "The capital of France is", "max_tokens": 6},
         {"id": 7, "prompt": "Say hi", "max_tokens": 3},
         {"prompt": "Paris is", "max_tokens": 5},  # known as line-3
         {"id": "chat", "messages": [{"role": "user", "content": "Say hi to everyone"}], "max_tokens": 4},
         {"id": "sampled", "prompt": "The capital", "temperature": 0.8, "seed": 5, "max_tokens": 4},
-        {"id": "stop", "prompt": "Say hi to", "stop": ["Paris"], "max_tokens": 12},
+        {"id": "stop", "prompt": "Say hi to", "stop": [stop_text], "max_tokens": 12},
     ]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
@@ -107,7 +118,8 @@ def _outputs(path) -> list[dict]:
 
 
 def test_batch_writes_every_request_and_resumes(chat_dir, chat_model, tmp_path, capsys):
-    source, records = _inputs(tmp_path)
+    stop_text, stop_at = _clean_stop_text(chat_model, "Say hi to", 12)
+    source, records = _inputs(tmp_path, stop_text)
     out = tmp_path / "out.jsonl"
     args = ["batch", str(source), str(out), "--model", str(chat_dir)]
     assert cli.main(args) == 0
@@ -126,8 +138,9 @@ def test_batch_writes_every_request_and_resumes(chat_dir, chat_model, tmp_path, 
     chat_ids = tok.apply_chat_template(records[3]["messages"], add_generation_prompt=True, return_tensors="pt")
     expected = genfn.generate(chat_model, chat_ids, max_new_tokens=4)[0, chat_ids.shape[1]:].tolist()
     assert by_id["chat"]["tokens"] == expected
-    stopped = by_id["stop"]  # this tiny model's greedy continuation of "Say hi to" reaches " Paris" in 5 tokens
-    assert stopped["text"].endswith("Paris") and stopped["finish_reason"] == "stop" and len(stopped["tokens"]) < 12
+    stopped = by_id["stop"]
+    assert stopped["text"].endswith(stop_text) and stopped["finish_reason"] == "stop"
+    assert len(stopped["tokens"]) <= stop_at + 1
 
     # Cut the output to two whole lines and half of a third (a run killed while writing), rerun.
     lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
