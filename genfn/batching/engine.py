@@ -28,6 +28,7 @@ import torch
 from genfn import random as grandom
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
+from genfn.batching.logprobs import raw_logprobs, top_logprobs, top_pairs
 from genfn.batching.requests import RequestState
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
@@ -40,12 +41,14 @@ class RequestSettings:
     """A request's own decoding settings (host-side values; the chain holds per-row leaves).
 
     ``chain``: the request's processors as a one-row per-row chain (``None``: none apply);
-    ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``.
+    ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``;
+    ``top_logprobs``: how many most likely tokens to report per generated token.
     """
 
     chain: ProcessorChain | None = None
     key: torch.Tensor | None = None
     stop_strings: Any = None
+    top_logprobs: int = 0
 
     @property
     def do_sample(self) -> bool:
@@ -61,8 +64,9 @@ def settings_of(request: RequestState) -> RequestSettings:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutcome:
-    """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled,
-    the requests it finished (EOS, length, stop string), failed and preempted."""
+    """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled
+    (``top_logprobs``: of those that asked), the requests it finished (EOS, length, stop string),
+    failed and preempted."""
 
     new_tokens: Mapping[Hashable, int]
     logprobs: Mapping[Hashable, float]
@@ -70,11 +74,13 @@ class StepOutcome:
     failed: tuple[RequestState, ...] = ()
     preempted: tuple[Hashable, ...] = ()
     num_tokens: int = 0
+    top_logprobs: Mapping[Hashable, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
 
 
 def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: LogitsContext | None,
                   keys: torch.Tensor | None, do_sample: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure: each row's next token ``[R]`` and its log-probability under the processed scores.
+    """Pure: each row's next token ``[R]`` and its log-probability under the model's raw
+    distribution (``log_softmax(logits)``, before the processors; see ``batching.logprobs``).
 
     ``keys [R, 2]`` and ``do_sample [R]`` (both or neither): rows that sample take
     ``argmax(scores + gumbel(key, generated count))``, the others ``argmax(scores)``, exactly as
@@ -86,7 +92,7 @@ def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: Logit
         counter = ctx.row_cur_len() - ctx.row_prompt_len()
         sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
         chosen = torch.where(do_sample, sampled, chosen)
-    logprobs = torch.log_softmax(scores, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+    logprobs = raw_logprobs(logits).gather(1, chosen.unsqueeze(1)).squeeze(1)
     return chosen, logprobs
 
 
@@ -180,11 +186,12 @@ class Engine:
 
 
 def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocator, batch: S.ScheduledBatch
-              ) -> tuple[dict[Hashable, int], dict[Hashable, float]]:
+              ) -> tuple[dict[Hashable, int], dict[Hashable, float], dict[Hashable, list[tuple[int, float]]]]:
     """Forward ``batch`` (scheduled into ``allocator``) and choose each sampling row's token.
 
-    ``requests``: the scheduler's requests after ``schedule``. Returns ``(new_tokens, logprobs)``
-    keyed by request id, for the chunks that sample.
+    ``requests``: the scheduler's requests after ``schedule``. Returns ``(new_tokens, logprobs,
+    top_logprobs)`` keyed by request id, for the chunks that sample (``top_logprobs``: only the
+    requests that asked for some, their ``(token_id, logprob)`` pairs, most likely first).
     """
     inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
@@ -196,13 +203,22 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                     device=engine.device)
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
     chosen, logprobs = choose_tokens(logits, chain, ctx, keys, do_sample)
+    wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
+    top_k = max(wanted, default=0)
+    top_ids = top_values = None
+    if top_k:
+        top_ids, top_values = top_logprobs(raw_logprobs(logits), top_k)
     chosen, logprobs = chosen.tolist(), logprobs.tolist()  # the one host sync of a step
-    new_tokens, new_logprobs = {}, {}
+    if top_k:  # already computed by now: no further wait
+        top_ids, top_values = top_ids.tolist(), top_values.tolist()
+    new_tokens, new_logprobs, new_top = {}, {}, {}
     for row, chunk in enumerate(batch.chunks):
         if chunk.samples:
             new_tokens[chunk.request_id] = chosen[row]
             new_logprobs[chunk.request_id] = logprobs[row]
-    return new_tokens, new_logprobs
+            if wanted[row]:
+                new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    return new_tokens, new_logprobs, new_top
 
 
 def stopped_by_string(request: RequestState, device=None) -> bool:
@@ -222,7 +238,7 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     state, batch = S.schedule(state, token_budget or engine.max_batch_tokens)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted)
-    new_tokens, logprobs = run_batch(engine, state.requests, state.allocator, batch)
+    new_tokens, logprobs, top = run_batch(engine, state.requests, state.allocator, batch)
     state, finished = S.apply_step(state, batch, new_tokens)
     finished = list(finished)
     for request_id in new_tokens:
@@ -231,4 +247,4 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
             state, ended = S.finish(state, request_id)
             finished.append(ended)
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=batch.failed,
-                              preempted=batch.preempted, num_tokens=batch.num_tokens)
+                              preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top)

@@ -30,6 +30,7 @@ import torch
 
 from genfn.batching.engine import Engine, run_batch, stopped_by_string
 from genfn.batching.hints import WorkloadHints, resolve
+from genfn.batching.metrics import EngineMetrics, MetricsRecorder
 from genfn.batching.requests import RequestState, RequestStatus, make_request
 from genfn.batching.results import GenerationOutput, OutputRouter
 from genfn.batching.scheduler import make_scheduler
@@ -50,9 +51,12 @@ class _Record:
     streaming: bool
     record_timestamps: bool
     created_time: float
+    top_logprobs: int = 0  # how many pairs per token the request asked for
     logprobs: list = dataclasses.field(default_factory=list)
+    tops: list = dataclasses.field(default_factory=list)
     timestamps: list = dataclasses.field(default_factory=list)
     started: float = -1.0
+    last_token: float = -1.0  # when its latest token came (-1: none yet)
 
 
 class ContinuousBatchingManager:
@@ -61,11 +65,12 @@ class ContinuousBatchingManager:
     ``generation_config``: the defaults every request starts from (a request's own keyword
     arguments win). ``continuous_batching_config``: sizes, scheduler, prefix sharing, compile;
     ``workload_hints``: what the sizes left unset are picked for. ``chunked_prefill``: split a
-    prompt longer than the token budget across forwards.
+    prompt longer than the token budget across forwards (``None``: the config's ``chunked_prefill``).
+    ``metrics()`` is a snapshot of the engine's counters, safe to take from any thread.
     """
 
     def __init__(self, model, generation_config=None, continuous_batching_config=None,
-                 workload_hints: WorkloadHints | None = None, *, chunked_prefill: bool = True):
+                 workload_hints: WorkloadHints | None = None, *, chunked_prefill: bool | None = None):
         from genfn.config.batching import ContinuousBatchingConfig
 
         if continuous_batching_config is None:
@@ -77,9 +82,13 @@ class ContinuousBatchingManager:
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
         self.workload_hints = workload_hints or WorkloadHints()
-        self.chunked_prefill = chunked_prefill
+        if chunked_prefill is not None and not isinstance(chunked_prefill, bool):
+            raise TypeError(f"`chunked_prefill` must be a bool or None, got {type(chunked_prefill).__name__}")
+        self.chunked_prefill = continuous_batching_config.chunked_prefill if chunked_prefill is None else chunked_prefill
         self._inputs: queue.Queue = queue.Queue()
         self._cancels: queue.Queue = queue.Queue()
+        self._cancels_early: list = []  # cancellations of requests still on their way to the scheduler
+        self._metrics = MetricsRecorder()
         self._wake = threading.Event()
         self._router = OutputRouter()
         self._records: dict[Hashable, _Record] = {}
@@ -247,11 +256,20 @@ class ContinuousBatchingManager:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
-                    **logit_processor_kwargs) -> Hashable:
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
+                    top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> Hashable:
         """Queue a request; returns its id. ``logit_processor_kwargs``: any ``GenerationConfig``
         setting for this request alone (``do_sample``, ``temperature``, ``repetition_penalty``,
-        ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``."""
+        ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``,
+        and ``tokenizer=`` for ``stop_strings`` (default: the model's).
+
+        OpenAI's settings: ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract
+        ``presence * [count > 0] + frequency * count`` from each token's logit (``count``: its
+        occurrences in this request's generated tokens); ``logit_bias`` adds a bias in [-100, 100]
+        to token ids; ``top_logprobs`` (0..20) most likely tokens are reported per generated token
+        (``GenerationOutput.top_logprobs``). All are per request: requests with different values
+        share a batch."""
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if isinstance(input_ids, torch.Tensor):
@@ -261,11 +279,17 @@ class ContinuousBatchingManager:
         prompt = list(input_ids)
         cap = self._sizes()
         max_len = cap.max_blocks_per_request * cap.block_size
+        logit_processor_kwargs = dict(logit_processor_kwargs)
+        tokenizer = logit_processor_kwargs.pop("tokenizer", None)  # for stop_strings, as generate takes it
         resolved = request_settings(self.model, prompt, self.generation_config, logit_processor_kwargs,
-                                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_len=max_len)
+                                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, max_len=max_len,
+                                    tokenizer=tokenizer,
+                                    top_logprobs=top_logprobs, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         state = make_request(request_id, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
                              {"genfn": resolved.settings})
-        record = _Record(list(state.prompt_ids), bool(streaming), bool(record_timestamps), time.perf_counter())
+        record = _Record(list(state.prompt_ids), bool(streaming), bool(record_timestamps), time.perf_counter(),
+                         resolved.settings.top_logprobs)
         with self._lock:
             if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in flight")
@@ -290,6 +314,18 @@ class ContinuousBatchingManager:
         """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
         self._cancels.put(request_id)
         self._wake.set()
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's counters, latency histograms, queue and KV blocks (any thread)."""
+        scheduler = self.scheduler  # read once: the loop may drop it after an error
+        if scheduler is None:
+            return self._metrics.snapshot(waiting=self._inputs.qsize(), kv_blocks_total=self._sizes().num_blocks)
+        state = scheduler.state  # an immutable snapshot
+        alloc = state.allocator
+        return self._metrics.snapshot(running=len(state.active), waiting=len(state.waiting) + self._inputs.qsize(),
+                                      kv_blocks_total=alloc.num_blocks,
+                                      kv_blocks_used=sum(1 for refs in alloc.refs if refs),
+                                      kv_blocks_cached=len(alloc.evictable))
 
     def _producing(self) -> bool:
         return self.is_running()
@@ -381,14 +417,19 @@ class ContinuousBatchingManager:
 
     def _apply_cancellations(self) -> None:
         asked = False
+        early, self._cancels_early = self._cancels_early, []
         while True:
             try:
-                request_id = self._cancels.get_nowait()
+                early.append(self._cancels.get_nowait())
             except queue.Empty:
                 break
+        for request_id in early:
             if request_id in self.scheduler.state.requests:
                 self.scheduler.set_request_cancellation(request_id)
                 asked = True
+            elif request_id in self._live:
+                # Added but queued after this loop's drain: cancel it once it reaches the scheduler.
+                self._cancels_early.append(request_id)
         if asked:
             for request in self.scheduler.clear_cancelled_requests():
                 self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
@@ -403,22 +444,33 @@ class ContinuousBatchingManager:
         state = self.scheduler.state
         now = time.perf_counter()
         self.stats.update(steps=1, tokens=batch.num_tokens, preempted=len(batch.preempted))
+        reused = 0
         for chunk in batch.chunks:
             record = self._records.get(chunk.request_id)
             if record is not None and record.started < 0:
                 record.started = now
             if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
-                self.stats["reused_tokens"] += chunk.start
-        new_tokens, logprobs = run_batch(self.engine, state.requests, state.allocator, batch)
+                reused += chunk.start
+        self.stats["reused_tokens"] += reused
+        new_tokens, logprobs, tops = run_batch(self.engine, state.requests, state.allocator, batch)
         finished = list(self.scheduler.update_batch(batch, new_tokens))
         now = time.perf_counter()
+        first_latencies, inter_latencies, prompt_tokens = [], [], 0
         for request_id, token in new_tokens.items():
             record = self._records.get(request_id)
             if record is None:
                 continue
             record.logprobs.append(logprobs[request_id])
+            if record.top_logprobs:
+                record.tops.append(tops[request_id])
             if record.record_timestamps:
                 record.timestamps.append(now)
+            if record.last_token < 0:
+                first_latencies.append(now - record.created_time)
+                prompt_tokens += len(record.prompt_ids)
+            else:
+                inter_latencies.append(now - record.last_token)
+            record.last_token = now
             request = self.scheduler.state.requests.get(request_id)
             if request is not None and stopped_by_string(request, self.engine.device):
                 ended = self.scheduler.finish_request(request_id)
@@ -426,6 +478,8 @@ class ContinuousBatchingManager:
                     finished.append(ended)
             elif request is not None and record.streaming:
                 self._router.deliver(self._output(request_id, RequestStatus.DECODING, request.generated_ids))
+        self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
+                                  prompt_tokens, reused)
         for request in finished:
             self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids)
 
@@ -438,7 +492,7 @@ class ContinuousBatchingManager:
             request_id=request_id, prompt_ids=list(record.prompt_ids), generated_tokens=list(generated),
             logprobs=list(record.logprobs[:count]), error=error, status=status, created_time=record.created_time,
             lifespan=(record.started, ended), timestamps=list(record.timestamps[:count]) if record.record_timestamps
-            else None)
+            else None, top_logprobs=[list(pairs) for pairs in record.tops[:count]] if record.top_logprobs else None)
 
     def _end(self, request_id, status: RequestStatus, generated, error: str | None = None) -> None:
         """The one way a request ends: one terminal output, then it is forgotten."""
@@ -448,6 +502,7 @@ class ContinuousBatchingManager:
             self._live.discard(request_id)
             output = self._output(request_id, status, generated, error, time.perf_counter())
             del self._records[request_id]
+        self._metrics.record_end(status)
         self._router.deliver(output)
 
     def _fail_queued(self, message: str) -> None:

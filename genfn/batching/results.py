@@ -25,6 +25,11 @@ __all__ = ["GenerationOutput", "OutputRouter"]
 class GenerationOutput:
     """One result (final) or one streamed update of a request, with transformers' field names.
 
+    ``logprobs[i]``: the log-probability of ``generated_tokens[i]`` under the model's *raw*
+    distribution, ``log_softmax`` of the logits before any processor, penalty, bias or temperature
+    (what OpenAI's API and vLLM report by default); ``top_logprobs[i]``: the request's
+    ``top_logprobs`` most likely ``(token_id, logprob)`` pairs at that step under the same
+    distribution, most likely first (``None`` when the request asked for none).
     ``lifespan``: (time the request was first scheduled, time it ended), ``perf_counter`` seconds;
     ``timestamps``: when each generated token was produced (``record_timestamps=True``).
     """
@@ -38,6 +43,7 @@ class GenerationOutput:
     created_time: float = dataclasses.field(default_factory=time.perf_counter)
     lifespan: tuple[float, float] = (-1, -1)
     timestamps: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def is_finished(self) -> bool:
         """The request ended: finished, failed or cancelled."""

@@ -6,6 +6,11 @@ that request's own logits-processor chain for its prompt length and limits, with
 a per-row leaf, so that chains of requests with different settings merge into one batch chain.
 ``seed=`` (an int) or ``key=`` (a ``genfn.random`` key) fixes the request's sampling noise; a
 sampling request without either draws a seed from torch's global generator, as ``generate`` does.
+
+OpenAI's settings that ``GenerationConfig`` lacks (``presence_penalty``, ``frequency_penalty``,
+``logit_bias``: ``genfn.processors.openai_sampling``) join the chain where transformers merges
+user processors: after the config's penalties, before the sampling warpers. ``top_logprobs``
+(0..20) asks the step for that many most likely tokens per generated token.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from genfn import random as grandom
 from genfn.batching.engine import RequestSettings
 from genfn.config import GenerationConfig, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
+from genfn.processors.openai_sampling import openai_processors
 
-__all__ = ["ResolvedRequest", "request_settings"]
+__all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 # Settings that need a model-level feature continuous batching does not run (another forward per
 # token, several sequences per request, or the processor's own state across steps).
@@ -48,6 +56,14 @@ def _key(seed, key) -> torch.Tensor:
     return grandom.as_row_keys(grandom.key(seed), 1)[0]
 
 
+def _top_logprobs(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`top_logprobs` must be an int in [0, {MAX_TOP_LOGPROBS}], got {type(value).__name__}")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
 def _unsupported(config: GenerationConfig) -> list[str]:
     found = []
     for name, off in _UNSUPPORTED.items():
@@ -59,9 +75,13 @@ def _unsupported(config: GenerationConfig) -> list[str]:
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
                      max_new_tokens: int | None = None, eos_token_id=None, max_len: int | None = None,
-                     tokenizer=None) -> ResolvedRequest:
+                     tokenizer=None, top_logprobs: int = 0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None) -> ResolvedRequest:
     """Resolve one request's settings. ``max_len``: the most tokens one request may hold (the
     cache's limit), which caps the default ``max_new_tokens``."""
+    top_logprobs = _top_logprobs(top_logprobs)
+    extra = openai_processors(presence_penalty, frequency_penalty, logit_bias, vocab_size=model.vocab_size,
+                              device=model.device)
     kwargs = dict(kwargs)
     seed, key = kwargs.pop("seed", None), kwargs.pop("key", None)
     if max_new_tokens is not None:
@@ -88,7 +108,7 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     eos_ids = tuple(e for e in eos_ids if e >= 0)  # a negative id means none, as in transformers
     chain = build_logits_processors(config, prompt_len=prompt_len, max_length=max_length, min_length=min_length,
                                     eos_token_ids=list(eos_ids), num_beams=1, vocab_size=model.vocab_size,
-                                    device=model.device)
+                                    device=model.device, user_processors=extra)
     if chain.stateful:
         raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
                          "continuous batching")
@@ -104,5 +124,6 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         chain=chain.per_row(1, model.device) if len(chain) else None,
         key=_key(seed, key) if config.do_sample else None,
         stop_strings=stop_strings,
+        top_logprobs=top_logprobs,
     )
     return ResolvedRequest(settings, max(max_length - prompt_len, 1), eos_ids)

@@ -13,7 +13,9 @@ from .checks import Interval, check_bool, check_no_unknown_keys, check_optional_
 from .checks import is_sequence, nested_check, optional, real_check, type_error
 from .compile import CompileConfig
 
-__all__ = ["ContinuousBatchingConfig"]
+__all__ = ["ContinuousBatchingConfig", "GENFN_FIELDS"]
+
+GENFN_FIELDS = ("chunked_prefill",)  # fields transformers' ContinuousBatchingConfig does not have
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,10 @@ class ContinuousBatchingConfig:
 
     Storage and validation only; what each knob does lives with the batching code. Memory
     related fields left as ``None`` are inferred at runtime from the device.
+
+    genfn's own fields (after transformers'; ``GENFN_FIELDS``): ``chunked_prefill`` splits a
+    prompt longer than the token budget across forwards (off: such a prompt fails); the manager's
+    ``chunked_prefill=`` keyword, when given, overrides it.
     """
 
     page_size: int = 256
@@ -58,6 +64,7 @@ class ContinuousBatchingConfig:
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     block_size: int | None = None
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("varlen_compile_config", "decode_compile_config"):
@@ -111,6 +118,7 @@ class ContinuousBatchingConfig:
             "per_request_processors",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
+            "chunked_prefill",
         ):
             check_bool(name, getattr(self, name))
         check_optional_bool("use_async_batching", self.use_async_batching)
