@@ -145,11 +145,17 @@ def test_status_phase_ticks_in_place_on_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stderr", err)
     status = Status(live=True)
     with status.phase("compiling", done="compiled"):
+        import sys
         import time
         time.sleep(1.2)  # the ticker redraws every 0.5 s
+        print("a library's own line", file=sys.stderr)
+        time.sleep(0.7)
     status.line("after")
+    status.close()
     text = err.getvalue()
-    assert text.count("\r\x1b[Kgenfn: compiling... ") >= 2  # drawn, then redrawn in place
+    assert text.count("\r\x1b[Kgenfn: compiling... ") >= 3  # drawn, then redrawn in place
+    # Someone else's write first clears the ticking line, which is drawn again after it.
+    assert re.search(r"\r\x1b\[Ka library's own line\n\r\x1b\[Kgenfn: compiling\.\.\. ", text), text
     assert re.search(r"\r\x1b\[Kgenfn: compiled \([\d.]+ s\)\ngenfn: after\n$", text), text
     plain = io.StringIO()
     monkeypatch.setattr("sys.stderr", plain)

@@ -52,8 +52,8 @@ class Status:
             return
         with self._lock:
             self._erase()
-            sys.stderr.write(f"genfn: {text}\n")
-            sys.stderr.flush()
+            _raw_stderr().write(f"genfn: {text}\n")
+            _raw_stderr().flush()
             self._draw()
 
     def begin(self, text: str) -> None:
@@ -68,8 +68,8 @@ class Status:
                     self._ticker = threading.Thread(target=self._tick, name="genfn-status", daemon=True)
                     self._ticker.start()
             else:
-                sys.stderr.write(f"genfn: {text}...\n")
-                sys.stderr.flush()
+                _raw_stderr().write(f"genfn: {text}...\n")
+                _raw_stderr().flush()
 
     def end(self, done: str | None = None) -> float:
         """Close the current phase: ``done`` (default ``<phase text>: done``) with the elapsed time;
@@ -82,8 +82,8 @@ class Status:
             self._erase()
             self._phase = None
             if not self.quiet:
-                sys.stderr.write(f"genfn: {done or text + ': done'} ({format_seconds(elapsed)})\n")
-                sys.stderr.flush()
+                _raw_stderr().write(f"genfn: {done or text + ': done'} ({format_seconds(elapsed)})\n")
+                _raw_stderr().flush()
             return elapsed
 
     @contextlib.contextmanager
@@ -102,22 +102,28 @@ class Status:
         with self._lock:
             self._erase()
             self._phase = None
+            if isinstance(sys.stderr, _ClearingStderr) and sys.stderr.status is self:
+                sys.stderr = sys.stderr.stream
 
     # ---- the live line -----------------------------------------------------------------------
 
     def _erase(self) -> None:
         if self._drawn:
-            sys.stderr.write(_CLEAR_LINE)
-            sys.stderr.flush()
+            _raw_stderr().write(_CLEAR_LINE)
+            _raw_stderr().flush()
             self._drawn = False
 
     def _draw(self) -> None:
         if self._phase is None or not self.live or self.text_open:
             return
         text, start = self._phase
-        sys.stderr.write(f"{_CLEAR_LINE}genfn: {text}... {time.perf_counter() - start:.0f} s")
-        sys.stderr.flush()
+        stream = _raw_stderr()
+        stream.write(f"{_CLEAR_LINE}genfn: {text}... {time.perf_counter() - start:.0f} s")
+        stream.flush()
         self._drawn = True
+        if not isinstance(sys.stderr, _ClearingStderr):
+            # Others' writes (a library's print, a warning) first clear the ticking line.
+            sys.stderr = _ClearingStderr(sys.stderr, self)
 
     def _tick(self) -> None:
         while True:
@@ -126,6 +132,27 @@ class Status:
                 if self._phase is None:
                     return
                 self._draw()
+
+
+class _ClearingStderr:
+    """sys.stderr while a live line ticks: a write from anyone else erases the line first (the
+    ticker draws it again on its next tick)."""
+
+    def __init__(self, stream, status: Status):
+        self.stream, self.status = stream, status
+
+    def write(self, text: str) -> int:
+        with self.status._lock:
+            self.status._erase()
+            return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _raw_stderr():
+    stream = sys.stderr
+    return stream.stream if isinstance(stream, _ClearingStderr) else stream
 
 
 @contextlib.contextmanager
