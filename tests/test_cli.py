@@ -153,7 +153,7 @@ def test_status_phase_ticks_in_place_on_a_terminal(monkeypatch):
     status.line("after")
     status.close()
     text = err.getvalue()
-    assert text.count("\r\x1b[Kgenfn: compiling... ") >= 3  # drawn, then redrawn in place
+    assert text.count("\r\x1b[Kgenfn: compiling... ") >= 3  # drawn, redrawn each second and after the print
     # Someone else's write first clears the ticking line, which is drawn again after it.
     assert re.search(r"\r\x1b\[Ka library's own line\n\r\x1b\[Kgenfn: compiling\.\.\. ", text), text
     assert re.search(r"\r\x1b\[Kgenfn: compiled \([\d.]+ s\)\ngenfn: after\n$", text), text

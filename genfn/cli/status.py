@@ -126,12 +126,16 @@ class Status:
             sys.stderr = _ClearingStderr(sys.stderr, self)
 
     def _tick(self) -> None:
+        shown = None
         while True:
             time.sleep(_TICK_S)
             with self._lock:
                 if self._phase is None:
                     return
-                self._draw()
+                second = int(time.perf_counter() - self._phase[1])
+                if second != shown or not self._drawn:  # redraw when the count changes or the line was cleared
+                    shown = second
+                    self._draw()
 
 
 class _ClearingStderr:
