@@ -17,7 +17,7 @@ import torch
 
 import genfn
 
-PROMPTS = ["Write a haiku about the sea.", "The capital of France is", "Once upon a time,",
+PROMPTS = ["The sea at night is", "The capital of France is", "Once upon a time,",
            "Three things to pack for a hike:"]
 SAMPLING = dict(do_sample=True, temperature=0.9, top_p=0.95)
 

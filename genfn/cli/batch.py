@@ -193,7 +193,7 @@ def main(args, status: Status) -> int:
     config = ContinuousBatchingConfig(max_requests_per_batch=args.max_requests)
     eos = eos_ids(model)
     by_id = {r.request_id: r for r in todo}
-    failed, tokens, start = [], 0, time.perf_counter()
+    failed, written, start = [], [], time.perf_counter()
     with watch_compiles(status), \
             continuous_batching_context_manager(model, continuous_batching_config=config, workload_hints=hints,
                                                 block=True) as manager, \
@@ -206,32 +206,45 @@ def main(args, status: Status) -> int:
             except (ValueError, TypeError) as err:
                 raise UserError(f"input line {r.line}: {err}") from None
         pending = set(by_id)
-        while pending:
-            result = manager.get_result(timeout=_RESULT_WAIT_S)
-            if result is None:
-                if not manager.is_running():
-                    break
-                continue
-            if not result.is_finished() or result.request_id not in pending:
-                continue
-            pending.discard(result.request_id)
-            bar.update(1)
-            r = by_id[result.request_id]
-            if result.error is not None or result.status.name != "FINISHED":
-                failed.append((r, result.error or result.status.name.lower()))
-                continue
-            new = list(result.generated_tokens)
-            text_out = tokenizer.decode(new, skip_special_tokens=True)
-            tokens += len(new)
-            out.write(json.dumps({"id": r.request_id, "text": text_out, "tokens": new,
-                                  "finish_reason": finish_reason(new, text_out, r.max_new_tokens, eos, r.stop)},
-                                 ensure_ascii=False) + "\n")
-            out.flush()
+        try:
+            _collect(manager, pending, by_id, tokenizer, eos, out, bar, failed, written)
+        except KeyboardInterrupt:
+            manager.stop(block=True, timeout=30, hard_stop=True)  # not "after the requests in flight"
+            status.line(f"interrupted: {len(written)} results written to {args.output}; run the same command "
+                        f"again to resume", always=True)
+            raise
         failed += [(by_id[rid], "the batching loop stopped") for rid in pending]
+    tokens = sum(written)
     seconds = time.perf_counter() - start
-    status.line(f"{len(todo) - len(failed)} requests, {tokens} tokens in {seconds:.1f} s, "
+    status.line(f"{len(written)} requests, {tokens} tokens in {seconds:.1f} s, "
                 f"{tokens / seconds if seconds > 0 else 0:.1f} tok/s; results in {args.output}")
     for r, error in failed:
         status.line(f"error: input line {r.line} (id {r.request_id!r}) failed: {error}; rerun to retry it",
                     always=True)
     return 1 if failed else 0
+
+
+def _collect(manager, pending: set, by_id: dict, tokenizer, eos, out, bar, failed: list, written: list) -> None:
+    """Write each request's result as it finishes (failures go to ``failed``, not to the file, so a
+    rerun retries them); ``written`` gets each written result's token count."""
+    while pending:
+        result = manager.get_result(timeout=_RESULT_WAIT_S)
+        if result is None:
+            if not manager.is_running():
+                return
+            continue
+        if not result.is_finished() or result.request_id not in pending:
+            continue
+        pending.discard(result.request_id)
+        bar.update(1)
+        r = by_id[result.request_id]
+        if result.error is not None or result.status.name != "FINISHED":
+            failed.append((r, result.error or result.status.name.lower()))
+            continue
+        new = list(result.generated_tokens)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        out.write(json.dumps({"id": r.request_id, "text": text, "tokens": new,
+                              "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)},
+                             ensure_ascii=False) + "\n")
+        out.flush()
+        written.append(len(new))
