@@ -269,3 +269,32 @@ def test_entry_points_help_and_version():
         assert command in top.stdout, command
     version = run_cli("--version", module="genfn")
     assert version.returncode == 0 and re.fullmatch(r"genfn \S+.*\n", version.stdout), version
+
+
+def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
+    """With --compile the prefill's token waits for the first (compiled) step, so the compile's
+    status lines never split the text; compiles once text streams are counted, not shown."""
+    from torch._dynamo import callback as dynamo_callback
+
+    from genfn.cli.generate import StatusStreamer
+    from genfn.cli.status import watch_compiles
+
+    status = Status(live=False)
+    streamer = StatusStreamer(tiny.tokenizer, status, hold_first=True)
+    args = dynamo_callback.CallbackArgs(dynamo_callback.CallbackTrigger.DYNAMO, "0/0")
+    ids = tiny.tokenizer(["The capital of France is"])["input_ids"]
+    with watch_compiles(status) as seconds:
+        streamer.put(ids)
+        streamer.put(torch.tensor([ids[0, 1]]))  # the prefill's token: held
+        dynamo_callback.callback_handler.run_start_callbacks(args)  # the first step compiles
+        dynamo_callback.callback_handler.run_end_callbacks(args)
+        held = capsys.readouterr()
+        streamer.put(torch.tensor([ids[0, 2]]))  # the first step's token: both print
+        dynamo_callback.callback_handler.run_start_callbacks(args)  # a recompile mid-stream
+        dynamo_callback.callback_handler.run_end_callbacks(args)
+        streamer.end()
+    after = capsys.readouterr()
+    assert held.out == "" and held.err.splitlines()[0] == "genfn: compiling the decode step (torch.compile)..."
+    assert re.fullmatch(r"genfn: compiled the decode step \([\d.]+ s\)", held.err.splitlines()[1])
+    assert after.out == tiny.tokenizer.decode(ids[0, 1:3].tolist()) + "\n" and after.err == ""
+    assert len(seconds) == 2 and streamer.tokens == 2 and streamer.first_token_at is not None
