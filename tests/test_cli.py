@@ -53,7 +53,8 @@ def test_cli_streams_the_greedy_continuation(smollm2, monkeypatch, capsys):
     # What it did, on stderr: the kernels, the load, then the summary with the token count.
     lines = captured.err.splitlines()
     assert any("native decode kernels" in line for line in lines), lines
-    assert any(line.startswith("genfn: loaded the model (") for line in lines), lines
+    assert any(line.startswith("genfn: loading ") for line in lines), lines
+    assert any(re.fullmatch(r"genfn: loaded \S+ \([\d.]+ s\)", line) for line in lines), lines
     assert re.fullmatch(rf"genfn: {len(expected)} tokens in [\d.]+ s, [\d.]+ tok/s after the first; "
                         r"first token after [\d.]+ s", lines[-1]), lines[-1]
     assert "\r" not in captured.err  # stderr is not a terminal: plain lines, no ticker
@@ -157,6 +158,15 @@ def test_status_phase_ticks_in_place_on_a_terminal(monkeypatch):
     # Someone else's write first clears the ticking line, which is drawn again after it.
     assert re.search(r"\r\x1b\[Ka library's own line\n\r\x1b\[Kgenfn: compiling\.\.\. ", text), text
     assert re.search(r"\r\x1b\[Kgenfn: compiled \([\d.]+ s\)\ngenfn: after\n$", text), text
+    # A phase line wider than the terminal is cut to one row (a wrapped line could not tick in place).
+    wide = io.StringIO()
+    monkeypatch.setattr("sys.stderr", wide)
+    monkeypatch.setenv("COLUMNS", "40")
+    narrow = Status(live=True)
+    narrow.begin("loading " + "x" * 100)
+    narrow.close()
+    drawn = wide.getvalue().split("\r\x1b[K")[1]
+    assert len(drawn) == 39 and drawn.endswith("x…... 0 s"), drawn
     plain = io.StringIO()
     monkeypatch.setattr("sys.stderr", plain)
     with Status(live=False).phase("compiling", done="compiled"):
@@ -209,7 +219,8 @@ def test_tiny_model_prompt_from_argument_file_or_stdin(tiny_model_dir, tmp_path)
     assert result.stdout.endswith("\n") and len(result.stdout) > 1
     lines = result.stderr.splitlines()
     assert all(line.startswith("genfn: ") for line in lines) and "\r" not in result.stderr, result.stderr
-    assert any(line.startswith("genfn: loading ") and str(tiny_model_dir) in line for line in lines), lines
+    assert any(line.startswith(f"genfn: loading {tiny_model_dir.name} (float32; unquantized)") for line in lines), lines
+    assert any(line.startswith(f"genfn: loaded {tiny_model_dir} (") for line in lines), lines
     assert re.match(r"genfn: \d+ tokens? in ", lines[-1]), lines
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The capital of France is", encoding="utf-8")

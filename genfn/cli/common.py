@@ -84,14 +84,18 @@ def read_text_file(path: str, what: str) -> str:
         raise UserError(f"cannot read {what} {path}: {err.strerror or err}") from None
 
 
-def _describe(path: str | None, args) -> str:
-    if path is None:
-        from genfn.default_model import default_model_path
+def _resolve_path(path: str | None) -> str:
+    if path is not None:
+        return str(path)
+    from genfn.default_model import default_model_path
 
-        try:
-            path = default_model_path()
-        except FileNotFoundError:
-            path = "the default model"
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return "the default model"
+
+
+def _describe(path: str, args) -> str:
     if args.quantize == "gguf":
         weights = "the GGUF file's own quantized blocks"
     elif args.quantize:
@@ -100,7 +104,7 @@ def _describe(path: str | None, args) -> str:
         weights = "dequantized from the file's blocks; --quantize gguf keeps them"
     else:
         weights = "unquantized"
-    return f"loading {path} ({args.dtype}; {weights})"
+    return f"loading {os.path.basename(path.rstrip(os.sep)) or path} ({args.dtype}; {weights})"
 
 
 def _prepare_kernels(status: Status) -> None:
@@ -126,7 +130,8 @@ def load_model(args, status: Status):
 
     _prepare_kernels(status)
     options = {"quantize": args.quantize} if args.quantize else {}
-    status.begin(_describe(args.model, args))
+    path = _resolve_path(args.model)
+    status.begin(_describe(path, args))
     try:
         model = genfn.load(args.model, dtype=getattr(torch, args.dtype), **options)
     except FileNotFoundError as err:
@@ -141,7 +146,7 @@ def load_model(args, status: Status):
     except OSError as err:
         status.close()
         raise UserError(f"cannot read model {args.model}: {err.strerror or err}") from None
-    status.end("loaded the model")
+    status.end(f"loaded {path}")
     return model
 
 

@@ -10,6 +10,7 @@ begins after text has started streaming is announced only when the line of text 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import threading
 import time
@@ -118,7 +119,13 @@ class Status:
             return
         text, start = self._phase
         stream = _raw_stderr()
-        stream.write(f"{_CLEAR_LINE}genfn: {text}... {time.perf_counter() - start:.0f} s")
+        # A line wider than the terminal wraps, and the carriage return would then redraw only its
+        # last row: keep it one row.
+        line, ticker = f"genfn: {text}", f"... {time.perf_counter() - start:.0f} s"
+        room = shutil.get_terminal_size((80, 24)).columns - 1 - len(ticker)
+        if len(line) > room:
+            line = line[:max(room - 1, 0)] + "…"
+        stream.write(f"{_CLEAR_LINE}{line}{ticker}")
         stream.flush()
         self._drawn = True
         if not isinstance(sys.stderr, _ClearingStderr):
