@@ -282,9 +282,26 @@ def test_entry_points_help_and_version():
     assert version.returncode == 0 and re.fullmatch(r"genfn \S+.*\n", version.stdout), version
 
 
+def test_a_phase_after_streamed_text_ticks_inline_and_vanishes(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err, out = Terminal(), Terminal()
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr("sys.stdout", out)
+    status = Status()
+    status.text_open = True  # a streamer has printed part of a line
+    status.begin("compiling")
+    assert status.end("compiled") >= 0
+    status.close()
+    # Drawn after the text with the cursor saved and put back, then cleared: no newline, no line of its own.
+    assert err.getvalue() == "\x1b[J\x1b7 [genfn: compiling... 0 s]\x1b8\x1b[J" and out.getvalue() == ""
+
+
 def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     """With --compile the prefill's token waits for the first (compiled) step, so the compile's
-    status lines never split the text; compiles once text streams are counted, not shown."""
+    status lines come before the text; every compile is timed for the summary."""
     from torch._dynamo import callback as dynamo_callback
 
     from genfn.cli.generate import StatusStreamer
@@ -307,5 +324,6 @@ def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     after = capsys.readouterr()
     assert held.out == "" and held.err.splitlines()[0] == "genfn: compiling the decode step (torch.compile)..."
     assert re.fullmatch(r"genfn: compiled the decode step \([\d.]+ s\)", held.err.splitlines()[1])
-    assert after.out == tiny.tokenizer.decode(ids[0, 1:3].tolist()) + "\n" and after.err == ""
+    assert after.out == tiny.tokenizer.decode(ids[0, 1:3].tolist()) + "\n"
+    assert after.err.splitlines()[0] == "genfn: compiling the decode step (torch.compile)..."  # stderr is no terminal
     assert len(seconds) == 2 and streamer.tokens == 2 and streamer.first_token_at is not None

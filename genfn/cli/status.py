@@ -3,8 +3,9 @@
 Each phase (loading, kernel build, compiling) is announced when it starts and reported with its
 elapsed time when it ends. On a terminal the phase is one line whose elapsed time ticks in place;
 anywhere else (a pipe, a log file) it is two plain lines, so captured stderr never holds carriage
-returns. Text output goes to stdout and never shares a line with a status line: a phase that
-begins after text has started streaming is announced only when the line of text is finished.
+returns. A phase that begins while streamed text holds the terminal's line (a recompile in the
+middle of decoding) ticks right after the text, inside brackets, and vanishes when it ends, so
+the text reads on unbroken; stdout itself never receives a status character.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ __all__ = ["Status", "format_seconds", "watch_compiles"]
 
 _TICK_S = 0.5
 _CLEAR_LINE = "\r\x1b[K"
+_CLEAR_BELOW = "\x1b[J"  # from the cursor to the end of the screen
+_SAVE_CURSOR, _RESTORE_CURSOR = "\x1b7", "\x1b8"
+
+
+def _isatty(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def format_seconds(seconds: float) -> str:
@@ -34,17 +41,16 @@ class Status:
         self.quiet = quiet
         self._live = live
         self._lock = threading.RLock()
-        self._phase: tuple[str, float] | None = None  # (text, start) of the phase on screen
+        self._phase: tuple[str, float, bool] | None = None  # (text, start, after streamed text?)
         self._ticker: threading.Thread | None = None
-        self._drawn = False  # a live phase line is on screen without its newline
+        self._drawn: str | bool = False  # "line" / "inline": a live phase is on screen, no newline after it
         self.text_open = False  # stdout holds streamed text whose line is not finished
 
     @property
     def live(self) -> bool:
         if self._live is not None:
             return self._live
-        stream = sys.stderr
-        return bool(getattr(stream, "isatty", lambda: False)())
+        return _isatty(sys.stderr)
 
     def line(self, text: str, always: bool = False) -> None:
         """One status line (a live phase line on screen is redrawn after it); ``always`` shows it
@@ -58,11 +64,12 @@ class Status:
             self._draw()
 
     def begin(self, text: str) -> None:
-        if self.quiet:
-            return
         with self._lock:
             self._erase()
-            self._phase = (text, time.perf_counter())
+            inline = self.text_open and self.live and _isatty(sys.stdout)
+            self._phase = (text, time.perf_counter(), inline)
+            if self.quiet:
+                return  # timed all the same: the caller may report the seconds
             if self.live:
                 self._draw()
                 if self._ticker is None or not self._ticker.is_alive():
@@ -74,15 +81,16 @@ class Status:
 
     def end(self, done: str | None = None) -> float:
         """Close the current phase: ``done`` (default ``<phase text>: done``) with the elapsed time;
-        returns the elapsed seconds."""
+        returns the elapsed seconds. A phase shown after streamed text on the terminal just
+        vanishes, leaving the text as it was (the summary reports its time)."""
         with self._lock:
             if self._phase is None:
                 return 0.0
-            text, start = self._phase
+            text, start, inline = self._phase
             elapsed = time.perf_counter() - start
             self._erase()
             self._phase = None
-            if not self.quiet:
+            if not self.quiet and not inline:
                 _raw_stderr().write(f"genfn: {done or text + ': done'} ({format_seconds(elapsed)})\n")
                 _raw_stderr().flush()
             return elapsed
@@ -110,24 +118,33 @@ class Status:
 
     def _erase(self) -> None:
         if self._drawn:
-            _raw_stderr().write(_CLEAR_LINE)
+            # Inline, the ticker sits after the text's cursor: clear from there to the end of the screen.
+            _raw_stderr().write(_CLEAR_BELOW if self._drawn == "inline" else _CLEAR_LINE)
             _raw_stderr().flush()
             self._drawn = False
 
     def _draw(self) -> None:
-        if self._phase is None or not self.live or self.text_open:
+        if self._phase is None or not self.live or self.quiet:
             return
-        text, start = self._phase
+        text, start, inline = self._phase
         stream = _raw_stderr()
-        # A line wider than the terminal wraps, and the carriage return would then redraw only its
-        # last row: keep it one row.
-        line, ticker = f"genfn: {text}", f"... {time.perf_counter() - start:.0f} s"
-        room = shutil.get_terminal_size((80, 24)).columns - 1 - len(ticker)
-        if len(line) > room:
-            line = line[:max(room - 1, 0)] + "…"
-        stream.write(f"{_CLEAR_LINE}{line}{ticker}")
-        stream.flush()
-        self._drawn = True
+        ticker = f"... {time.perf_counter() - start:.0f} s"
+        if inline:
+            # Streamed text holds the line: draw after its last character and put the cursor back
+            # there (save/restore cursor), so the text goes on where it stopped once this clears.
+            stream.write(f"{_CLEAR_BELOW}{_SAVE_CURSOR} [genfn: {text}{ticker}]{_RESTORE_CURSOR}")
+            stream.flush()
+            self._drawn = "inline"
+        else:
+            # A line wider than the terminal wraps, and the carriage return would then redraw only
+            # its last row: keep it one row.
+            line = f"genfn: {text}"
+            room = shutil.get_terminal_size((80, 24)).columns - 1 - len(ticker)
+            if len(line) > room:
+                line = line[:max(room - 1, 0)] + "…"
+            stream.write(f"{_CLEAR_LINE}{line}{ticker}")
+            stream.flush()
+            self._drawn = "line"
         if not isinstance(sys.stderr, _ClearingStderr):
             # Others' writes (a library's print, a warning) first clear the ticking line.
             sys.stderr = _ClearingStderr(sys.stderr, self)
@@ -173,22 +190,11 @@ def watch_compiles(status: Status, what: str = "compiling the decode step (torch
     from torch._dynamo import callback as dynamo_callback
 
     seconds: list[float] = []
-    unshown_since: float | None = None
 
     def started(_args) -> None:
-        nonlocal unshown_since
-        if status.text_open:
-            # Text is streaming: a phase line now would split it; count it for the summary only.
-            unshown_since = time.perf_counter()
-            return
         status.begin(what)
 
     def ended(_args) -> None:
-        nonlocal unshown_since
-        if unshown_since is not None:
-            seconds.append(time.perf_counter() - unshown_since)
-            unshown_since = None
-            return
         seconds.append(status.end("compiled the decode step"))
 
     handler = dynamo_callback.callback_handler
