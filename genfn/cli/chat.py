@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from genfn.cli.common import UserError, add_model_arguments, load_model, require_tokenizer, summary
 from genfn.cli.generate import StatusStreamer, add_sampling_arguments, run_generation, sampling_settings
@@ -86,7 +85,7 @@ def main(args, status: Status) -> int:
             streamer = StatusStreamer(tokenizer, status, hold_first=args.compile)
             compiled_before = sum(compile_s)
             try:
-                new_tokens, start, seconds = run_generation(model, input_ids, settings, args, status, streamer)
+                new_tokens, start, seconds = run_generation(model, input_ids, settings, args, streamer)
             except UserError as err:  # a turn generate refused (the conversation outgrew the context, say)
                 status.line(f"error: {err}; /reset starts over", always=True)
                 continue

@@ -157,8 +157,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None):
     return tokenizer([prompt])["input_ids"]
 
 
-def run_generation(model, input_ids, settings: dict, args, status: Status, streamer: StatusStreamer | None):
-    """``genfn.generate`` with the CLI's flags; returns (new token ids, seconds)."""
+def run_generation(model, input_ids, settings: dict, args, streamer: StatusStreamer | None):
+    """``genfn.generate`` with the CLI's flags; returns (new token ids, start time, seconds)."""
     import genfn
 
     extra = {"cache_implementation": "static"} if args.compile else {}
@@ -195,7 +195,7 @@ def main(args, status: Status) -> int:
     elif not args.json:
         status.line(f"beam search with {args.num_beams} beams: the text is printed when it is done")
     with watch_compiles(status) as compile_s:
-        new_tokens, start, seconds = run_generation(model, input_ids, settings, args, status, streamer)
+        new_tokens, start, seconds = run_generation(model, input_ids, settings, args, streamer)
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     if streamer is None and not args.json:
         sys.stdout.write(text + "\n")
