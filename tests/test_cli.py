@@ -269,6 +269,30 @@ def test_warnings_become_one_line(tiny_model_dir, monkeypatch, capsys):
     assert verbose.splitlines() == ["genfn: warning: a warning from genfn", "genfn: warning: a third-party warning"]
 
 
+def test_log_records_become_status_lines_unless_a_phase_shows_them(monkeypatch):
+    import logging
+
+    from genfn.cli.common import StderrLines
+
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    quiet_handler, verbose_handler = StderrLines(Status(live=False)), StderrLines(Status(live=False), verbose=True)
+    records = [logging.LogRecord(name, level, __file__, 1, message, (), None) for name, level, message in (
+        ("genfn.batching.api", logging.INFO, "reusing the manager"),
+        ("genfn.driver", logging.INFO, "compiling the decode step (torch.compile)"),  # the compile phase says it
+        ("genfn.kernels", logging.INFO, "building the native kernels"),  # so does the kernel phase
+        ("genfn.driver", logging.WARNING, "runs eagerly\nmore detail"))]
+    for record in records:
+        quiet_handler.emit(record)
+    shown = err.getvalue()
+    for record in records:
+        verbose_handler.emit(record)
+    assert shown.splitlines() == ["genfn: reusing the manager", "genfn: warning: runs eagerly"]
+    assert err.getvalue()[len(shown):].splitlines() == [
+        "genfn: reusing the manager", "genfn: compiling the decode step (torch.compile)",
+        "genfn: building the native kernels", "genfn: warning: runs eagerly"]
+
+
 def test_entry_points_help_and_version():
     result = run_cli("generate", "--help")
     assert result.returncode == 0 and "--max-new-tokens" in result.stdout and "--file" in result.stdout

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser(argv).parse_args(argv)
         status.quiet = args.quiet
+        handler.verbose = args.verbose
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
         logger.propagate = False

@@ -177,13 +177,19 @@ def summary(status: Status, tokens: int, seconds: float, first_token_s: float | 
     status.line(text)
 
 
+# Loggers whose INFO records say what the CLI's own status phases already show with a ticker
+# (the kernel build, the compile): rendered only with --verbose, so no step is announced twice.
+SHOWN_AS_PHASES = ("genfn.driver", "genfn.kernels")
+
+
 class StderrLines(logging.Handler):
     """genfn's log records as one line each on stderr: INFO as status lines, WARNING and above as
     ``genfn: warning: ...`` (the first line of the message only)."""
 
-    def __init__(self, status: Status):
+    def __init__(self, status: Status, verbose: bool = False):
         super().__init__()
         self.status = status
+        self.verbose = verbose
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -192,7 +198,9 @@ class StderrLines(logging.Handler):
             if record.levelno >= logging.WARNING:
                 self.status.line(f"warning: {first}", always=True)
             elif record.levelno >= logging.INFO:
-                self.status.line(first)
+                covered = any(record.name == name or record.name.startswith(name + ".") for name in SHOWN_AS_PHASES)
+                if self.verbose or not covered:
+                    self.status.line(first)
             else:
                 self.status.line(f"{record.levelname.lower()}: {first}")
         except Exception:  # noqa: BLE001 - logging must never take the command down
