@@ -351,3 +351,4 @@ def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     assert after.out == tiny.tokenizer.decode(ids[0, 1:3].tolist()) + "\n"
     assert after.err.splitlines()[0] == "genfn: compiling the decode step (torch.compile)..."  # stderr is no terminal
     assert len(seconds) == 2 and streamer.tokens == 2 and streamer.first_token_at is not None
+    assert streamer.tokens_at_first == 2  # the summary's rate starts after both

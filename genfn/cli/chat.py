@@ -97,4 +97,5 @@ def main(args, status: Status) -> int:
             history = turn + [{"role": "assistant", "content": reply}]
             first = None if streamer.first_token_at is None else streamer.first_token_at - start
             compiled = sum(compile_s) - compiled_before
-            summary(status, len(new_tokens), seconds, first, [compiled] if compiled else None)
+            summary(status, len(new_tokens), seconds, first, [compiled] if compiled else None,
+                    tokens_at_first=streamer.tokens_at_first)

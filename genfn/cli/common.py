@@ -160,14 +160,15 @@ def require_tokenizer(model, chat: bool = False, without_chat: str = "run withou
 
 
 def summary(status: Status, tokens: int, seconds: float, first_token_s: float | None,
-            compile_s: list[float] | None = None) -> None:
+            compile_s: list[float] | None = None, tokens_at_first: int = 1) -> None:
     """The closing line: ``N tokens in X s, Y tok/s after the first; first token after Z s``.
 
     The rate counts the tokens after the first over the time after it, so a one-off compile or
-    prefill (reported as the time to the first token) does not hide the decoding speed."""
+    prefill (reported as the time to the first token) does not hide the decoding speed.
+    ``tokens_at_first``: how many tokens appeared at that moment (the first was held back)."""
     text = f"{tokens} token{'s' if tokens != 1 else ''} in {format_seconds(seconds)}"
-    if first_token_s is not None and tokens > 1 and seconds > first_token_s:
-        text += f", {(tokens - 1) / (seconds - first_token_s):.1f} tok/s after the first"
+    if first_token_s is not None and tokens > tokens_at_first and seconds > first_token_s:
+        text += f", {(tokens - tokens_at_first) / (seconds - first_token_s):.1f} tok/s after the first"
     elif seconds > 0:
         text += f", {tokens / seconds:.1f} tok/s"
     if first_token_s is not None:

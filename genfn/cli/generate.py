@@ -95,6 +95,7 @@ class StatusStreamer:
         self._seen_prompt = False
         self.tokens = 0
         self.first_token_at: float | None = None
+        self.tokens_at_first = 0  # tokens shown at that moment (two when the first was held)
 
     def put(self, value) -> None:
         if not self._seen_prompt:
@@ -111,6 +112,7 @@ class StatusStreamer:
     def _release(self, value=None) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+            self.tokens_at_first = self.tokens
             self.status.text_open = self.text is not None
         for held in self._held + ([value] if value is not None else []):
             if self.text is not None:
@@ -210,5 +212,6 @@ def main(args, status: Status) -> int:
                    "timings": timings}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
         sys.stdout.flush()
-    summary(status, len(new_tokens), seconds, first_token_s, compile_s)
+    summary(status, len(new_tokens), seconds, first_token_s, compile_s,
+            tokens_at_first=streamer.tokens_at_first if streamer is not None else 1)
     return 0
