@@ -34,8 +34,9 @@ def format_seconds(seconds: float) -> str:
 
 class Status:
     """Writes ``genfn: ...`` lines to the current ``sys.stderr`` (looked up per write, so tests
-    that capture stderr see them). ``quiet`` drops everything but :meth:`error`-level text the
-    caller writes itself; ``live`` (default: stderr is a terminal) turns on the in-place ticker."""
+    that capture stderr see them). ``quiet`` drops the status lines but not those written with
+    ``always=True`` (warnings, answers to chat commands); phases are timed either way. ``live``
+    (default: stderr is a terminal) turns on the in-place ticker."""
 
     def __init__(self, quiet: bool = False, live: bool | None = None):
         self.quiet = quiet
