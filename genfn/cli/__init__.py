@@ -1,0 +1,114 @@
+"""The ``genfn`` command line: ``generate``, ``chat``, ``batch``, ``bench`` and ``serve``.
+
+Status lines (loading, kernel build, compiling, a closing tokens/s summary) go to stderr and
+``--quiet`` hides them; generated text goes to stdout. A user's mistake (a bad flag value, a
+missing or broken model, a missing prompt file) ends the command with one line on stderr,
+``genfn: error: ...``, and exit status 2; Python warnings are shown as one-line
+``genfn: warning: ...`` messages (genfn's own; everyone's with ``--verbose``), never as
+tracebacks or warning source lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from genfn.cli import batch, bench, chat, generate, serve
+from genfn.cli.common import GENFN_DIR, USER_ERROR, Parser, StderrLines, UserError
+from genfn.cli.status import Status
+
+__all__ = ["main", "UserError", "USER_ERROR"]
+
+logger = logging.getLogger("genfn")
+
+_COMMANDS = {
+    "generate": (generate, "generate text from a prompt, streaming it to stdout"),
+    "chat": (chat, "an interactive chat with the model (/reset, /exit)"),
+    "batch": (batch, "run a JSON-lines file of prompts with continuous batching (resumable)"),
+    "bench": (bench, "run benchmarks/decode.py and plot tokens/s per configuration"),
+    "serve": (serve, "the OpenAI-compatible HTTP server and web page (the 'serve' extra)"),
+}
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("genfn")
+    except metadata.PackageNotFoundError:  # a source checkout that was never installed
+        return "0.1.0 (not installed)"
+
+
+def _command_of(argv: list[str]) -> str | None:
+    for word in argv:
+        if not word.startswith("-"):
+            return word
+    return None
+
+
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    # -v/-q before or after the command name: the sub-parsers' copies default to SUPPRESS so they
+    # never overwrite what the main parser read.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show every warning and log message")
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no status lines on stderr (errors and warnings still show)")
+    parser = Parser(prog="genfn", description="Functional text generation for PyTorch models.")
+    parser.add_argument("--version", action="version", version=f"genfn {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show every warning and log message")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
+    wanted = _command_of(argv)
+    for name, (module, help_text) in _COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
+        if name == "serve" and wanted != "serve":
+            continue  # its options come from genfn.serve, imported only for `genfn serve`
+        module.add_arguments(sub)
+    return parser
+
+
+def _show_warning(verbose: bool):
+    def show(message, category, filename, lineno, file=None, line=None):
+        ours = os.path.abspath(filename).startswith(GENFN_DIR)
+        level = logging.WARNING if ours or verbose else logging.DEBUG
+        logger.log(level, "%s", message)
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    status = Status()
+    handler = StderrLines(status)
+    saved = (warnings.showwarning, logger.level, logger.propagate)
+    try:
+        args = _parser(argv).parse_args(argv)
+        status.quiet = args.quiet
+        handler.verbose = args.verbose
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
+        logger.propagate = False
+        warnings.showwarning = _show_warning(args.verbose)
+        module, _ = _COMMANDS[args.command]
+        return module.main(args, status)
+    except UserError as err:
+        status.close()
+        print(f"genfn: error: {err}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:
+        status.close()
+        print("\ngenfn: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader left (`genfn generate ... | head`): stop quietly, and keep Python's exit-time
+        # flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    finally:
+        status.close()
+        logger.removeHandler(handler)
+        warnings.showwarning, level, logger.propagate = saved[0], saved[1], saved[2]
+        logger.setLevel(level)

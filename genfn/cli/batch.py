@@ -1,0 +1,250 @@
+"""``genfn batch INPUT.jsonl OUTPUT.jsonl``: many prompts through continuous batching, resumable.
+
+Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
+model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``repetition_penalty``, ``seed``, ``stop`` and ``do_sample`` (a positive
+``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false). Each finished
+request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``), so a run
+that stops part way loses nothing: run the same command again and the ids already in OUTPUT are
+skipped. A line without ``id`` is known by its line number (``line-7``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from genfn.cli.common import (UserError, add_model_arguments, load_model, positive_int, read_text_file,
+                              require_tokenizer)
+from genfn.cli.generate import eos_ids, finish_reason
+from genfn.cli.status import Status, watch_compiles
+
+__all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest"]
+
+_FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+           "repetition_penalty", "seed", "stop", "do_sample"}
+_RESULT_WAIT_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="JSON lines, one request each")
+    parser.add_argument("output", help="JSON lines, one result each; appended to, and read to resume")
+    add_model_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                        help="for lines without max_tokens (default 128)")
+    parser.add_argument("--max-requests", type=positive_int, default=None,
+                        help="requests decoded together at most (default: sized from the inputs)")
+
+
+class BatchRequest:
+    """One input line: its id, the prompt (text or chat), its token ids once encoded, and the
+    request's own settings."""
+
+    def __init__(self, request_id: str, line: int, prompt, max_new_tokens: int, settings: dict, stop):
+        self.request_id, self.line, self.prompt = request_id, line, prompt
+        self.ids: list[int] = []
+        self.max_new_tokens, self.settings, self.stop = max_new_tokens, settings, stop
+
+    def encode(self, tokenizer) -> None:
+        if isinstance(self.prompt, str):
+            self.ids = tokenizer([self.prompt])["input_ids"][0].tolist()
+            return
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"input line {self.line} has 'messages', but the model has no chat template")
+        ids = list(tokenizer.apply_chat_template(self.prompt, add_generation_prompt=True))
+        self.ids = ids[0] if ids and isinstance(ids[0], list) else ids
+
+
+def _number(value, name: str, line: int, integer: bool = False):
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise UserError(f"input line {line}: {name!r} must be {'an integer' if integer else 'a number'}, "
+                        f"got {json.dumps(value)}")
+    return value
+
+
+def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, list | None]:
+    max_new = record.get("max_tokens", record.get("max_new_tokens", default_max))
+    if _number(max_new, "max_tokens", line, integer=True) <= 0:
+        raise UserError(f"input line {line}: 'max_tokens' must be positive, got {max_new}")
+    settings: dict = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if name in record:
+            settings[name] = float(_number(record[name], name, line))
+    for name in ("top_k", "seed"):
+        if name in record:
+            settings[name] = _number(record[name], name, line, integer=True)
+    samples = settings.get("temperature", 0) > 0 or "top_p" in settings or settings.get("top_k", 0) > 0
+    if "do_sample" in record:
+        if not isinstance(record["do_sample"], bool):
+            raise UserError(f"input line {line}: 'do_sample' must be true or false")
+        samples = record["do_sample"]
+    if settings.get("temperature") == 0:
+        del settings["temperature"]  # OpenAI's "temperature 0" means greedy
+    if not samples:
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            settings.pop(name, None)
+    settings["do_sample"] = samples
+    stop = record.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not stop or not all(isinstance(s, str) and s for s in stop):
+            raise UserError(f"input line {line}: 'stop' must be a non-empty string or list of them")
+        settings["stop_strings"] = stop
+    return max_new, settings, stop
+
+
+def read_requests(text: str, default_max: int) -> list[BatchRequest]:
+    """Every input line as a request (not yet encoded); a UserError naming the line number for a
+    bad one. Runs before the model loads, so a bad file fails at once."""
+    requests, seen = [], {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise UserError(f"input line {number} is not valid JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise UserError(f"input line {number} must be a JSON object, got {type(record).__name__}")
+        unknown = sorted(set(record) - _FIELDS)
+        if unknown:
+            raise UserError(f"input line {number}: unknown field(s) {', '.join(unknown)}; the fields are "
+                            f"{', '.join(sorted(_FIELDS))}")
+        request_id = record.get("id", f"line-{number}")
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            raise UserError(f"input line {number}: 'id' must be a string or an integer")
+        request_id = str(request_id)
+        if request_id in seen:
+            raise UserError(f"input line {number}: id {request_id!r} is also on line {seen[request_id]}")
+        seen[request_id] = number
+        if ("prompt" in record) == ("messages" in record):
+            raise UserError(f"input line {number} needs exactly one of 'prompt' (text) or 'messages' (a chat)")
+        if "prompt" in record:
+            prompt = record["prompt"]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise UserError(f"input line {number}: 'prompt' must be non-empty text")
+        else:
+            prompt = record["messages"]
+            if (not isinstance(prompt, list) or not prompt
+                    or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in prompt)):
+                raise UserError(f"input line {number}: 'messages' must be a list of {{\"role\", \"content\"}} "
+                                f"objects")
+        max_new, settings, stop = _settings(record, number, default_max)
+        requests.append(BatchRequest(request_id, number, prompt, max_new, settings, stop))
+    if not requests:
+        raise UserError("the input file holds no requests")
+    return requests
+
+
+def read_done_ids(path: str) -> set[str]:
+    """Ids already in OUTPUT. A last line cut short (the run was killed while writing it) is
+    dropped from the file, so the rerun appends after whole lines only."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb") as f:
+        data = f.read()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    done = set()
+    for number, raw in enumerate(whole.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError:
+            raise UserError(f"output line {number} of {path} is not valid JSON; fix or remove it to resume") from None
+        if isinstance(record, dict) and "id" in record:
+            done.add(str(record["id"]))
+    return done
+
+
+def main(args, status: Status) -> int:
+    from tqdm.auto import tqdm
+
+    from genfn.batching import WorkloadHints, continuous_batching_context_manager
+    from genfn.config import ContinuousBatchingConfig
+
+    requests = read_requests(read_text_file(args.input, "input file"), args.max_new_tokens)
+    if os.path.isdir(args.output):
+        raise UserError(f"output is a directory: {args.output}")
+    done = read_done_ids(args.output)
+    todo = [r for r in requests if r.request_id not in done]
+    if len(todo) < len(requests):
+        status.line(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests are already in {args.output}")
+    if not todo:
+        status.line("nothing to do")
+        return 0
+    model = load_model(args, status)
+    tokenizer = require_tokenizer(model)
+    for r in todo:
+        r.encode(tokenizer)
+    lengths = [len(r.ids) for r in todo]
+    longest_new = max(r.max_new_tokens for r in todo)
+    hints = WorkloadHints(expected_prompt_len=max(1, sum(lengths) // len(lengths)), expected_new_tokens=longest_new,
+                          concurrent_requests=min(len(todo), args.max_requests or 32), max_prompt_len=max(lengths),
+                          max_new_tokens=longest_new)
+    config = ContinuousBatchingConfig(max_requests_per_batch=args.max_requests)
+    eos = eos_ids(model)
+    by_id = {r.request_id: r for r in todo}
+    failed, written, start = [], [], time.perf_counter()
+    with watch_compiles(status), \
+            continuous_batching_context_manager(model, continuous_batching_config=config, workload_hints=hints,
+                                                block=True) as manager, \
+            open(args.output, "a", encoding="utf-8") as out, \
+            tqdm(total=len(todo), desc="requests", unit="req", file=sys.stderr, disable=status.quiet,
+                 mininterval=0.5 if status.live else 5.0, dynamic_ncols=True) as bar:
+        for r in todo:
+            try:
+                manager.add_request(r.ids, request_id=r.request_id, max_new_tokens=r.max_new_tokens, **r.settings)
+            except (ValueError, TypeError) as err:
+                raise UserError(f"input line {r.line}: {err}") from None
+        pending = set(by_id)
+        try:
+            _collect(manager, pending, by_id, tokenizer, eos, out, bar, failed, written)
+        except KeyboardInterrupt:
+            manager.stop(block=True, timeout=30, hard_stop=True)  # not "after the requests in flight"
+            status.line(f"interrupted: {len(written)} results written to {args.output}; run the same command "
+                        f"again to resume", always=True)
+            raise
+        failed += [(by_id[rid], "the batching loop stopped") for rid in pending]
+    tokens = sum(written)
+    seconds = time.perf_counter() - start
+    status.line(f"{len(written)} requests, {tokens} tokens in {seconds:.1f} s, "
+                f"{tokens / seconds if seconds > 0 else 0:.1f} tok/s; results in {args.output}")
+    for r, error in failed:
+        status.line(f"error: input line {r.line} (id {r.request_id!r}) failed: {error}; rerun to retry it",
+                    always=True)
+    return 1 if failed else 0
+
+
+def _collect(manager, pending: set, by_id: dict, tokenizer, eos, out, bar, failed: list, written: list) -> None:
+    """Write each request's result as it finishes (failures go to ``failed``, not to the file, so a
+    rerun retries them); ``written`` gets each written result's token count."""
+    while pending:
+        result = manager.get_result(timeout=_RESULT_WAIT_S)
+        if result is None:
+            if not manager.is_running():
+                return
+            continue
+        if not result.is_finished() or result.request_id not in pending:
+            continue
+        pending.discard(result.request_id)
+        bar.update(1)
+        r = by_id[result.request_id]
+        if result.error is not None or result.status.name != "FINISHED":
+            failed.append((r, result.error or result.status.name.lower()))
+            continue
+        new = list(result.generated_tokens)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        out.write(json.dumps({"id": r.request_id, "text": text, "tokens": new,
+                              "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)},
+                             ensure_ascii=False) + "\n")
+        out.flush()
+        written.append(len(new))
