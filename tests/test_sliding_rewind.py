@@ -194,6 +194,33 @@ def test_real_tokens_back_counts_real_tokens_not_slots():
     assert back[1, 1].tolist() == [6, 5, 4, 3, 2, 1, 0]
 
 
+@pytest.mark.parametrize("implementation", ["static", "offloaded_static"])
+def test_fixed_size_caches_keep_rows_gapless_so_slot_and_token_windows_agree(models, implementation):
+    # Why the fixed-size caches may keep the cheaper slot-distance window: after left padding, a
+    # rewind and a re-append, every row's real tokens are still contiguous.
+    _, target, _ = models
+    ids, mask = _left_padded([_random_tokens((n,), seed=n) for n in (2, 7, 4)])
+    cache = target.init_cache(3, 32, implementation)
+    assert not cache.rows_have_holes
+    _, cache = _forward(target, cache, ids, (mask.cumsum(1) - 1).clamp(min=0), mask)
+    _, cache = _forward(target, cache, _random_tokens((3, 5), seed=1), torch.arange(5).expand(3, 5))
+    cache = cache.rewind(torch.tensor([8, 10, 12]))
+    cache, slots, attend_len = begin_forward(cache, _random_tokens((3, 4), seed=2))
+    columns = torch.arange(attend_len)
+    seen = (columns <= slots.unsqueeze(2)) & cache.valid[:, :attend_len].unsqueeze(1)
+    by_slots = slots.unsqueeze(2) - columns < WINDOW
+    by_tokens = real_tokens_back(cache.valid, slots, attend_len) < WINDOW
+    assert torch.equal(seen & by_slots, seen & by_tokens)
+    assert (seen & ~by_slots).any()  # the window does cut keys off here
+
+
+def test_growing_caches_declare_holes(models):
+    _, target, _ = models
+    for name, (implementation, cache_config) in CACHES.items():
+        cache = target.init_cache(2, 16, implementation, cache_config)
+        assert cache.rows_have_holes == (name in GROWING), name
+
+
 # --------------------------------------------------------------------------- compiled
 
 def test_compiled_static_prompt_lookup_equals_eager_dynamic_and_the_holes_mask_traces(models, plain_greedy):
