@@ -156,8 +156,8 @@ def real_tokens_back(valid: torch.Tensor, slots: torch.Tensor, attend_len: int) 
     (the query itself is 0 back). Slot distance would also count the masked holes a growing cache
     leaves inside a row; this does not. Pure: a running count and one gather, no host sync.
     """
-    # Counted over every slot: a query's slot may lie beyond ``attend_len`` only for a finished row
-    # (whose outputs are never read), and the gather must stay in bounds either way.
+    # Counted over every slot, not just the first ``attend_len``, so the gather at the query slots
+    # stays in bounds whatever ``attend_len`` a caller passes.
     counts = valid.cumsum(dim=1, dtype=torch.int32)  # [B, T]: real tokens in slots 0..j
     at_query = counts.gather(1, slots)  # [B, S]
     return at_query.unsqueeze(2) - counts[:, :attend_len].unsqueeze(1)
