@@ -24,6 +24,11 @@ with these members, which is all ``genfn.models`` and the strategies rely on:
     batch);
 ``valid [B, max_cache_len]`` (bool), ``length [B]`` (int64: each row's next write slot),
 ``max_cache_len`` (int: the capacity, which for a growing cache is the current length);
+``rows_have_holes`` (class attribute, bool): whether a row may hold masked slots *between* real
+    tokens (a growing cache's rewound tails and widened rows), so that a sliding window must count
+    real tokens (``real_tokens_back``) rather than slots; only the fixed-size caches, whose rewind
+    moves the fill pointer back over the forgotten slots, leave none (left padding precedes every
+    real token, so it is no hole);
 ``reorder(beam_idx: LongTensor[B]) -> cache``
     row ``i`` becomes old row ``beam_idx[i]`` (beam search);
 ``nbytes(device=None) -> int``
@@ -39,7 +44,8 @@ import torch
 from genfn.state.base import leaf_fields
 
 __all__ = ["CacheBase", "CopyFn", "as_device", "default_copy", "host_sync", "reorder_in_place", "rows_selected",
-           "tensor_nbytes", "begin_forward", "row_slots", "end_slots", "valid_below", "as_row_index"]
+           "tensor_nbytes", "begin_forward", "row_slots", "end_slots", "valid_below", "as_row_index",
+           "real_tokens_back"]
 
 # ``copy_fn(dst, src, *, kind, layer)``: copy ``src`` into ``dst`` (devices may differ). ``kind`` is
 # "load" (a layer staged at the start of a forward), "prefetch" (the next layer, staged one layer
@@ -87,6 +93,9 @@ def tensor_nbytes(cache, device: torch.device | str | None = None) -> int:
 
 class CacheBase:
     """Methods every cache shares; the caches are ``pytree_dataclass``es deriving from it."""
+
+    # The exact default: a cache that does not declare its rows gapless gets windows counted in tokens.
+    rows_have_holes = True
 
     def nbytes(self, device=None) -> int:
         """Bytes held by the cache's tensors (only those on ``device`` when given)."""
@@ -137,6 +146,21 @@ def valid_below(valid: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``valid`` with every slot at or after ``lengths[b]`` of row ``b`` cleared."""
     columns = torch.arange(valid.shape[1], device=valid.device)
     return valid & (columns.unsqueeze(0) < lengths.to(valid.device).unsqueeze(1))
+
+
+def real_tokens_back(valid: torch.Tensor, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
+    """``[B, S, attend_len]`` int32: how many real tokens of row ``b`` lie after slot ``j`` up to and
+    including its query ``i`` (at slot ``slots[b, i]``), i.e. how far back slot ``j`` is in tokens.
+
+    A key at or before the query is inside a sliding window of ``w`` tokens when this is ``< w``
+    (the query itself is 0 back). Slot distance would also count the masked holes a growing cache
+    leaves inside a row; this does not. Pure: a running count and one gather, no host sync.
+    """
+    # Counted over every slot, not just the first ``attend_len``, so the gather at the query slots
+    # stays in bounds whatever ``attend_len`` a caller passes.
+    counts = valid.cumsum(dim=1, dtype=torch.int32)  # [B, T]: real tokens in slots 0..j
+    at_query = counts.gather(1, slots)  # [B, S]
+    return at_query.unsqueeze(2) - counts[:, :attend_len].unsqueeze(1)
 
 
 def as_row_index(rows, device) -> torch.Tensor:

@@ -30,6 +30,8 @@ __all__ = ["OffloadedStaticCache", "init_offloaded_static_cache"]
 
 @pytree_dataclass
 class OffloadedStaticCache(StagedLayers):
+    rows_have_holes = False  # a pointer-move rewind, as the static cache's
+
     def slots(self, num_new: int) -> torch.Tensor:
         return row_slots(self.length, num_new, self.max_cache_len)
 

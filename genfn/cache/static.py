@@ -30,6 +30,10 @@ class StaticCache(CacheBase):
     # that size dynamic, so one compiled step attends over the real context, not all T slots.
     span: torch.Tensor | None = None
 
+    # ``rewind`` moves the fill pointer back, so the next tokens overwrite the forgotten slots:
+    # a row's real tokens stay contiguous and a sliding window may be measured in slots.
+    rows_have_holes = False
+
     def attend_len(self) -> int:
         """How many leading slots attention reads (a SymInt under a dynamic-span compile)."""
         return self.max_cache_len if self.span is None else self.span.shape[0]

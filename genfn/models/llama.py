@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from genfn.cache.base import begin_forward
+from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import linear
 from genfn.models.loaders.checks import check_tensors
@@ -192,12 +192,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
-    """Boolean ``[B, 1, S, attend_len]``: row ``b``'s query ``i`` (at slot ``slots[b, i]``) may see slot ``j``."""
+    """Boolean ``[B, 1, S, attend_len]``: row ``b``'s query ``i`` (at slot ``slots[b, i]``) may see slot ``j``.
+
+    The sliding window spans the row's last ``sliding_window`` real tokens, as in transformers
+    (where a row's real tokens are contiguous after its left padding). A growing cache leaves
+    masked holes inside rows it rewound or widened, so there the window is counted in real tokens;
+    the fixed-size caches keep rows contiguous and count slots (no running count per step).
+    """
     j = torch.arange(attend_len, device=slots.device).view(1, 1, attend_len)
     query_slots = slots.unsqueeze(2)  # [B, S, 1]
     causal = j <= query_slots  # [B, S, A]
     if spec.sliding_window is not None:
-        causal = causal & (j > query_slots - spec.sliding_window)
+        if cache.rows_have_holes:
+            causal = causal & (real_tokens_back(cache.valid, slots, attend_len) < spec.sliding_window)
+        else:
+            causal = causal & (j > query_slots - spec.sliding_window)
     valid = cache.valid[:, :attend_len]  # [B, A]
     mask = causal & valid.unsqueeze(1)
     # A padding query would see nothing and its softmax would be NaN; letting every query see
