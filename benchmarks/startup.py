@@ -2,6 +2,7 @@
 
     flock /tmp/genfn-bench.lock timeout 900 python benchmarks/startup.py                 # float32 and q4_1
     flock /tmp/genfn-bench.lock timeout 900 python benchmarks/startup.py --formats q4_1
+    flock /tmp/genfn-bench.lock timeout 900 python benchmarks/startup.py --formats q4_1 --freezing on  # the old way
 
 For each weight format (``float32``: the embedded SmolLM2 inflated to float32; ``q4_1``: the
 GGUF file's own Q4_1 blocks, ``genfn.load(quantize="gguf")``) it runs two fresh processes on one
@@ -40,7 +41,7 @@ PROMPT = "The history of the Roman Empire is long and complicated. It began when
 CHILD_TIMEOUT_S = 900
 
 
-def child(fmt: str, new_tokens: int) -> dict:
+def child(fmt: str, new_tokens: int, freezing: str) -> dict:
     """Runs in the measured process: phase times from process start, as a dict (printed as JSON)."""
     import logging
 
@@ -71,10 +72,16 @@ def child(fmt: str, new_tokens: int) -> dict:
     import torch._dynamo.utils
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
 
+    extra = {}
+    if freezing != "auto":
+        # genfn's CPU options with freezing forced, for an A/B against the per-graph choice.
+        from genfn.driver import _CPU_COMPILE_OPTIONS
+        extra["compile_config"] = genfn.CompileConfig(options={**_CPU_COMPILE_OPTIONS, "freezing": freezing == "on"})
+
     def generate(n):
         with torch.no_grad():
             return genfn.generate(model, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  cache_implementation="static", max_cache_len=128, pad_token_id=2)
+                                  cache_implementation="static", max_cache_len=128, pad_token_id=2, **extra)
 
     t = time.perf_counter()
     first = generate(2)
@@ -101,11 +108,12 @@ def child(fmt: str, new_tokens: int) -> dict:
     return phases
 
 
-def run_child(fmt: str, new_tokens: int, cache: Path) -> dict:
+def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), GENFN_KERNEL_CACHE=str(cache / "kernels"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--child", fmt, "--new-tokens", str(new_tokens)], env=env,
+    done = subprocess.run([sys.executable, __file__, "--child", fmt, "--new-tokens", str(new_tokens),
+                           "--freezing", freezing], env=env,
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     wall = time.perf_counter() - t
     if done.returncode != 0:
@@ -122,11 +130,13 @@ def main() -> int:
     ap.add_argument("--warm-only", action="store_true",
                     help="skip the cold process: reuse --cache-dir (a previous run's caches) for the warm one")
     ap.add_argument("--cache-dir", default=None, help="cache directory to use (default: a fresh temporary one)")
+    ap.add_argument("--freezing", default="auto", choices=("auto", "on", "off"),
+                    help="auto: genfn's per-graph choice; on/off: forced (an A/B of the compile times)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.new_tokens)))
+        print(json.dumps(child(args.child, args.new_tokens, args.freezing)))
         return 0
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
@@ -138,7 +148,7 @@ def main() -> int:
 
     log(f"# genfn start-up benchmark  uptime: {os.popen('uptime').read().strip()}")
     log(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}  "
-        f"cpus {os.cpu_count()}")
+        f"cpus {os.cpu_count()}  freezing {args.freezing}")
     rows = []
     for fmt in formats:
         if args.cache_dir:
@@ -150,7 +160,7 @@ def main() -> int:
             cache = Path(holder.name)
         runs = {}
         for phase in (("warm",) if args.warm_only else ("cold", "warm")):
-            runs[phase] = run_child(fmt, args.new_tokens, cache)
+            runs[phase] = run_child(fmt, args.new_tokens, cache, args.freezing)
             r = runs[phase]
             if "error" in r:
                 log(f"{fmt:8s} {phase}: FAILED after {r['wall_s']:.0f} s: {r['error']}")
@@ -180,7 +190,7 @@ def main() -> int:
             f"{fmt_s(warm, 'first_token_since_start_s')} | {fmt_s(warm, 'steady_call_s')} |")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"startup-{time.strftime('%Y-%m-%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"load_avg": os.getloadavg(), "rows": rows}, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "load_avg": os.getloadavg(), "rows": rows}, indent=1))
     log(f"# wrote {out}")
     return 0
 

@@ -149,24 +149,35 @@ def test_other_backends_and_modes_pass_through():
 # OpenMP wait policy
 
 
-def test_the_default_spin_count_is_set_only_when_nothing_is_chosen_and_torch_is_not_loaded():
-    env = {}
-    assert "GOMP_SPINCOUNT" in wait_policy.apply_default(env, torch_loaded=False)
-    assert env == {"GOMP_SPINCOUNT": str(wait_policy.DEFAULT_SPINCOUNT)}
-    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}, {"GENFN_WAIT_POLICY": "default"}):
+def test_the_policy_follows_the_load_at_import_and_only_when_nothing_is_chosen_and_torch_is_not_loaded():
+    quiet, busy = {}, {}
+    assert "genfn's choice" in wait_policy.apply_default(quiet, torch_loaded=False, load=0.1)
+    assert wait_policy.apply_default(busy, torch_loaded=False, load=wait_policy.BUSY_LOAD).startswith("OMP_WAIT_POLICY")
+    assert quiet == wait_policy.QUIET_POLICY and busy == wait_policy.BUSY_POLICY and quiet != busy
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"GENFN_WAIT_POLICY": "default"}):
         env = dict(chosen)
-        assert "left to the environment" in wait_policy.apply_default(env, torch_loaded=False)
+        assert "left to the environment" in wait_policy.apply_default(env, torch_loaded=False, load=0.0)
         assert env == chosen
     env = {}
-    assert "torch was imported before genfn" in wait_policy.apply_default(env, torch_loaded=True)
+    assert "torch was imported before genfn" in wait_policy.apply_default(env, torch_loaded=True, load=0.0)
     assert env == {}
 
 
-def test_import_genfn_sets_the_spin_count_in_a_fresh_process():
-    script = "import os, genfn; print(os.environ.get('GOMP_SPINCOUNT'), '|', genfn.wait_policy.wait_policy())"
+def test_other_load_reads_the_load_average_and_the_runnable_count():
+    assert wait_policy.other_load("0.20 0.30 0.40 1/100 123") == 0.2  # only this process runs
+    assert wait_policy.other_load("0.20 0.30 0.40 3/100 123") == 2.0  # two others runnable now
+    assert wait_policy.other_load("1.50 0.30 0.40 1/100 123") == 1.5
+    assert wait_policy.other_load("garbage") == 0.0
+    assert wait_policy.other_load() >= 0.0
+
+
+def test_import_genfn_sets_a_policy_in_a_fresh_process():
+    script = ("import os, genfn; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), '|', "
+              "genfn.wait_policy.wait_policy())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GENFN_WAIT_POLICY")}
     fresh = subprocess.run([sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT)},
                            capture_output=True, text=True, timeout=300)
     assert fresh.returncode == 0, fresh.stderr
-    spin_count, policy = (part.strip() for part in fresh.stdout.split("|"))
-    assert spin_count == str(wait_policy.DEFAULT_SPINCOUNT) and "genfn's default" in policy
+    settings, policy = (part.strip() for part in fresh.stdout.split("|"))
+    assert "genfn's choice" in policy
+    assert settings in ("PASSIVE None", f"None {wait_policy.QUIET_POLICY['GOMP_SPINCOUNT']}"), settings
