@@ -76,7 +76,8 @@ def child(fmt: str, new_tokens: int, freezing: str) -> dict:
     if freezing != "auto":
         # genfn's CPU options with freezing forced, for an A/B against the per-graph choice.
         from genfn.driver import _CPU_COMPILE_OPTIONS
-        extra["compile_config"] = genfn.CompileConfig(options={**_CPU_COMPILE_OPTIONS, "freezing": freezing == "on"})
+        extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=None,
+                                                      options={**_CPU_COMPILE_OPTIONS, "freezing": freezing == "on"})
 
     def generate(n):
         with torch.no_grad():
