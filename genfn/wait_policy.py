@@ -13,7 +13,7 @@ thread keeps the core the working thread needs (measured here: 1.5 tok/s with th
 Q4_1, where passive gave 45-68) and collapsed beside a busy loop (2-25 tok/s against passive's
 18-62); every bounded spin of 300 iterations or more lost about half of passive's speed under
 load, and 100 iterations was passive. So genfn chooses when it is imported, from the machine's
-state then (``/proc/loadavg``): :data:`BUSY_POLICY` (passive) when other work holds half a core
+state then (:func:`other_load`: the CPU time other processes take over 50 ms): :data:`BUSY_POLICY` (passive) when other work holds half a core
 or more, else :data:`QUIET_POLICY` (a short bounded spin, so that a competitor arriving later
 costs far less than under the default spin). A process keeps its choice: libgomp reads its
 settings once, when it is loaded, so ``import genfn`` sets them only if torch is not imported
@@ -26,32 +26,51 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 __all__ = ["BUSY_POLICY", "QUIET_POLICY", "BUSY_LOAD", "apply_default", "other_load", "wait_policy"]
 
 # What import genfn sets (benchmarks/contention.py; module docstring).
 BUSY_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 QUIET_POLICY = {"GOMP_SPINCOUNT": "1000"}
-# Other work, in cores, from which the machine counts as busy.
+# Other work, in cores, from which the machine counts as busy, and how long import genfn samples it.
 BUSY_LOAD = 0.5
+SAMPLE_S = 0.05
 _USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GENFN_WAIT_POLICY")
 
 # What apply_default() did, and why.
 _outcome = "not applied"
 
 
-def other_load(loadavg_text: str | None = None) -> float:
-    """Cores' worth of work other than this process: the larger of the 1-minute load average and
-    the processes runnable right now besides this one (``/proc/loadavg``); 0.0 where unreadable."""
+def _cpu_ticks(stat_text: str) -> tuple[int, int]:
+    """(busy, total) clock ticks over all CPUs from the first line of ``/proc/stat``."""
+    values = [int(v) for v in stat_text.splitlines()[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values[:8]) - idle, sum(values[:8])
+
+
+def _own_ticks() -> int:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def other_load(window_s: float = SAMPLE_S) -> float:
+    """Cores' worth of work other than this process, measured over ``window_s`` from
+    ``/proc/stat`` (all CPUs) minus this process's own ticks; 0.0 where unreadable. Sampled, not
+    the load average: that lags a minute behind, so it still counts processes that just ended."""
     try:
-        if loadavg_text is None:
-            with open("/proc/loadavg") as f:
-                loadavg_text = f.read()
-        fields = loadavg_text.split()
-        runnable = int(fields[3].split("/")[0])
-        return max(float(fields[0]), float(runnable - 1))
+        with open("/proc/stat") as f:
+            busy0, total0 = _cpu_ticks(f.read())
+        own0, start = _own_ticks(), time.monotonic()
+        time.sleep(window_s)
+        with open("/proc/stat") as f:
+            busy1, total1 = _cpu_ticks(f.read())
+        own1, elapsed = _own_ticks(), time.monotonic() - start
     except (OSError, ValueError, IndexError):
         return 0.0
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks_per_s / max(elapsed, 1e-3)
 
 
 def apply_default(environ=None, torch_loaded: bool | None = None, load: float | None = None) -> str:

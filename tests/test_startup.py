@@ -163,12 +163,17 @@ def test_the_policy_follows_the_load_at_import_and_only_when_nothing_is_chosen_a
     assert env == {}
 
 
-def test_other_load_reads_the_load_average_and_the_runnable_count():
-    assert wait_policy.other_load("0.20 0.30 0.40 1/100 123") == 0.2  # only this process runs
-    assert wait_policy.other_load("0.20 0.30 0.40 3/100 123") == 2.0  # two others runnable now
-    assert wait_policy.other_load("1.50 0.30 0.40 1/100 123") == 1.5
-    assert wait_policy.other_load("garbage") == 0.0
-    assert wait_policy.other_load() >= 0.0
+def test_other_load_counts_a_busy_process_and_not_this_one():
+    assert 0.0 <= wait_policy.other_load(0.05) <= os.cpu_count()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        samples = [wait_policy.other_load(0.2) for _ in range(3)]
+    finally:
+        busy.kill()
+        busy.wait(timeout=30)
+    assert max(samples) >= 0.3, samples  # the busy loop gets at least a share of a core
+    own = [wait_policy.other_load(0.0) for _ in range(3)]
+    assert all(load >= 0.0 for load in own)
 
 
 def test_import_genfn_sets_a_policy_in_a_fresh_process():
