@@ -9,14 +9,16 @@ thread keeps the core the working thread needs (measured here: 1.5 tok/s with th
 14 tok/s with ``OMP_WAIT_POLICY=PASSIVE``, which sleeps at once).
 
 ``benchmarks/contention.py`` measures each choice quiet and beside a competing process. On this
-2-core machine no fixed setting served both: OpenMP's default spin was fastest quiet (92 tok/s,
-Q4_1, where passive gave 45-68) and collapsed beside a busy loop (2-25 tok/s against passive's
-18-62); every bounded spin of 300 iterations or more lost about half of passive's speed under
-load, and 100 iterations was passive. So genfn chooses when it is imported, from the machine's
-state then (:func:`other_load`: the CPU time other processes take over 50 ms): :data:`BUSY_POLICY` (passive) when other work holds half a core
-or more, else :data:`QUIET_POLICY` (a short bounded spin, so that a competitor arriving later
-costs far less than under the default spin). A process keeps its choice: libgomp reads its
-settings once, when it is loaded, so ``import genfn`` sets them only if torch is not imported
+2-core machine no fixed setting served both (Q4_1, compiled step, run 4 in benchmarks/results):
+OpenMP's default spin was fastest quiet (129 tok/s; passive 49, its sleeping threads wake
+slowly on idle cores) and lost most of it beside a busy loop (29 tok/s; passive 70). A bounded
+spin of 1000 iterations kept 0.92 of the quiet figure and reached 0.5-0.8 of passive's under
+load (runs 2-4); 300 and more iterations lost about half under load, 100 behaved like passive.
+So genfn chooses when it is imported, from the machine's state then (:func:`other_load`: the
+CPU time other processes take over 50 ms): :data:`BUSY_POLICY` (passive) when other work holds
+half a core or more, else :data:`QUIET_POLICY` (the bounded spin, so that a competitor arriving
+later costs far less than under the default spin). A process keeps its choice: libgomp reads
+its settings once, when it is loaded, so ``import genfn`` sets them only if torch is not imported
 yet, and only if the user set none of ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or
 ``GENFN_WAIT_POLICY`` (``GENFN_WAIT_POLICY=default`` keeps OpenMP's own policy).
 :func:`wait_policy` says what is in effect and why.
