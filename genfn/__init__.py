@@ -5,7 +5,12 @@ The names a transformers user imports live here under the same names: the config
 output types; plus genfn's own: ``random`` (keys), ``Strategy``, ``load``.
 """
 
-from genfn import random
+# Before anything imports torch: libgomp reads its wait policy once, when torch loads it.
+from genfn import wait_policy as _wait_policy
+
+_wait_policy.apply_default()
+
+from genfn import random  # noqa: E402
 from genfn.config import (
     CompileConfig,
     ContinuousBatchingConfig,

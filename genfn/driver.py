@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-import torch._inductor.config
 import torch.utils._pytree as torch_pytree
 
 from genfn import kernels
+from genfn.compile_backend import with_genfn_backend
 from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
 from genfn.strategies.request import StepTrace
@@ -155,11 +155,30 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
     if fn is None:
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
-        # The weights come from module buffers, so freezing makes them constants.
+        # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
         fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), len(model.compiled_steps)),
-                           **compile_options)
+                           **with_genfn_backend(compile_options))
+        fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn
     return fn
+
+
+def _announced_first_call(fn: Callable, what: str) -> Callable:
+    """``fn``, logging (INFO, ``genfn.driver``) when its first call starts and how long it took:
+    the first call is the compile, which takes seconds to minutes."""
+    state = {"first": True}
+
+    def call(*args):
+        if not state["first"]:
+            return fn(*args)
+        state["first"] = False
+        _logger.info("%s (torch.compile)", what)
+        start = time.perf_counter()
+        result = fn(*args)
+        _logger.info("%s: done in %.1f s", what, time.perf_counter() - start)
+        return result
+
+    return call
 
 
 def _call_on_leaves(fn: Callable, state, *leading):
@@ -169,8 +188,8 @@ def _call_on_leaves(fn: Callable, state, *leading):
     # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
     # pass through untouched, so donated buffers are never copied.
     flat = [_with_canonical_strides(t) for t in flat]
-    # Inference only: freezing folds the weights into constants (it needs grad disabled).
-    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+    # Inference only (freezing, where the backend turns it on, needs grad disabled).
+    with torch.no_grad():
         return _join_leaves(fn(*leading, *flat), layout)
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -36,6 +38,7 @@ __all__ = ["linear", "decode_linear_available", "quant_linear_available", "kerne
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp"))
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
+_logger = logging.getLogger(__name__)
 
 # Rows of x up to which the kernel beats the library GEMM (benchmarks/gemv_kernels.py): in
 # bfloat16, past 4 rows its widening FMAs, not memory, set the pace and oneDNN's AMX path wins.
@@ -98,7 +101,8 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
             # Say so: the first build takes 20-80 s of g++ and would otherwise look like a hang.
-            print("genfn: building the native kernels (first use, ~20-80 s)...", file=sys.stderr, flush=True)
+            _logger.info("building the native kernels into %s (first use, ~20-80 s)", cache)
+            start = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)
@@ -106,6 +110,7 @@ def _build() -> Path:
                 partial.unlink(missing_ok=True)
                 raise RuntimeError(f"compiling {', '.join(s.name for s in _SOURCES)} failed:\n{done.stderr[-2000:]}")
             partial.replace(target)
+            _logger.info("built the native kernels in %.1f s", time.perf_counter() - start)
     return target
 
 

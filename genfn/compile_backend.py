@@ -1,0 +1,70 @@
+"""The inductor backend genfn compiles its steps with: weights frozen only where freezing pays.
+
+Freezing (inductor's ``freezing``) turns the weights into graph constants so that inductor can
+choose and prepack its own GEMM kernels for them. That is worth it only for linears that reach
+the library ``F.linear`` (bfloat16 past 4 rows, the encoder-decoder families). Where genfn's native
+kernels take every linear (``genfn.kernels.linear``: float32 and bfloat16 decode rows, every
+quantized weight) it buys nothing, and it costs every later process its start: a frozen graph
+bypasses AOT autograd's on-disk cache, so a second process re-runs the whole AOT pipeline and the
+freezing passes (SmolLM2 Q4_1: ~60 s under load, where the cached path loads the compiled graph).
+
+So the backend looks at the graph dynamo traced and turns freezing on only if it holds a
+``linear`` call; an explicit ``freezing`` in the user's ``options`` always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["InductorFreezingWhereItPays", "library_linears", "with_genfn_backend"]
+
+_logger = logging.getLogger(__name__)
+
+_LIBRARY_LINEARS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
+
+
+def library_linears(graph_module: torch.fx.GraphModule) -> int:
+    """How many calls to the library linear ``graph_module`` holds (none: the native kernels took all)."""
+    return sum(1 for node in graph_module.graph.nodes if node.op == "call_function" and node.target in _LIBRARY_LINEARS)
+
+
+class InductorFreezingWhereItPays(torch._TorchCompileInductorWrapper):
+    """``torch.compile``'s own inductor backend, with ``freezing`` decided per graph (module docstring)."""
+
+    def __init__(self, mode, options, dynamic=None):
+        super().__init__(mode, options, dynamic)
+
+    def __call__(self, model_, inputs_, *, config_patches=None):
+        patches = dict(config_patches or {})
+        if "freezing" not in self.config and "freezing" not in patches:
+            linears = library_linears(model_)
+            # Freezing needs inference (no grad); a graph traced with grad enabled keeps its weights as inputs.
+            patches["freezing"] = linears > 0 and not torch.is_grad_enabled()
+            _logger.debug("inductor: %d library linears in the graph, freezing %s", linears,
+                          "on" if patches["freezing"] else "off")
+        start = time.perf_counter()
+        compiled = super().__call__(model_, inputs_, config_patches=patches)
+        _logger.debug("inductor compiled the graph in %.1f s", time.perf_counter() - start)
+        return compiled
+
+    def __eq__(self, other):
+        return isinstance(other, InductorFreezingWhereItPays) and super().__eq__(other)
+
+    def __hash__(self):
+        return id(self)
+
+
+def with_genfn_backend(compile_options: dict) -> dict:
+    """``torch.compile`` kwargs with the inductor backend (named or implied) replaced by
+    :class:`InductorFreezingWhereItPays` carrying the same ``mode``, ``options`` and ``dynamic``;
+    any other backend is left as it is."""
+    options = dict(compile_options)
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    options["backend"] = InductorFreezingWhereItPays(options.pop("mode", None), options.pop("options", None),
+                                                     options.get("dynamic"))
+    return options

@@ -1,0 +1,188 @@
+"""Start-up machinery, without timing anything: the kernel build cache key, the per-graph freezing
+decision of the compile backend, and the OpenMP wait policy genfn sets at import."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfn import compile_backend, kernels, wait_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------
+# kernel build cache
+
+
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """``kernels._build`` against a temporary cache, with g++ replaced by a recorder that writes
+    the output file: the list holds the output path of every compile that ran."""
+    builds = []
+
+    def fake_run(command, **kwargs):
+        output = Path(command[command.index("-o") + 1])
+        output.write_bytes(b"not a real library")
+        builds.append(output)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setenv("GENFN_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(kernels.subprocess, "run", fake_run)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/usr/bin/" + name)
+    return builds
+
+
+def test_a_second_build_with_the_same_sources_torch_and_flags_reuses_the_cached_library(fake_compiler):
+    first = kernels._build()
+    second = kernels._build()
+    assert first == second and first.exists()
+    assert len(fake_compiler) == 1, "the second build must find the cached library"
+    assert first.parent == Path(os.environ["GENFN_KERNEL_CACHE"])
+
+
+def test_the_build_key_changes_with_torch_version_and_sources(fake_compiler, monkeypatch, tmp_path):
+    original = kernels._build()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    other_torch = kernels._build()
+    monkeypatch.undo()
+    assert other_torch != original
+
+    monkeypatch.setenv("GENFN_KERNEL_CACHE", str(Path(original).parent))
+    monkeypatch.setattr(kernels.subprocess, "run", lambda command, **kw: (
+        Path(command[command.index("-o") + 1]).write_bytes(b"x"), subprocess.CompletedProcess(command, 0, "", ""))[1])
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/usr/bin/" + name)
+    edited = []
+    for source in kernels._SOURCES:
+        copy = tmp_path / source.name
+        copy.write_text(source.read_text() + "\n// edited\n")
+        edited.append(copy)
+    monkeypatch.setattr(kernels, "_SOURCES", tuple(edited))
+    assert kernels._build() not in (original, other_torch)
+
+
+def test_the_first_build_is_announced_on_the_genfn_logger(fake_compiler, caplog):
+    with caplog.at_level("INFO", logger="genfn"):
+        kernels._build()
+        kernels._build()
+    messages = [r.getMessage() for r in caplog.records if r.name == "genfn.kernels"]
+    assert len(messages) == 2, messages  # building ..., built in ... s; nothing for the cached one
+    assert messages[0].startswith("building the native kernels") and messages[1].startswith("built the native kernels in")
+
+
+# ------------------------------------------------------------------------------------------
+# freezing only where a graph holds a library linear
+
+
+def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_library_linears_counts_f_linear_and_not_the_native_kernels():
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    assert compile_backend.library_linears(_dynamo_graph(lambda x, w: F.linear(F.linear(x, w), w.T), x, w)) == 2
+    assert compile_backend.library_linears(_dynamo_graph(lambda x, w: (x @ w.T).relu(), x, w)) == 0
+    if kernels.decode_linear_available():
+        assert compile_backend.library_linears(_dynamo_graph(kernels.linear, x, w)) == 0
+
+
+@pytest.fixture
+def recorded_patches(monkeypatch):
+    """Replaces inductor's compile_fx with a recorder of the config patches it would compile under."""
+    import torch._inductor.compile_fx
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", fake_compile_fx)
+    return seen
+
+
+def _compile_with_backend(fn, options, *args):
+    torch._dynamo.reset()
+    kwargs = compile_backend.with_genfn_backend(options)
+    with torch.no_grad():
+        return torch.compile(fn, **kwargs)(*args)
+
+
+def test_the_backend_freezes_only_graphs_that_hold_a_library_linear(recorded_patches):
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    _compile_with_backend(lambda x, w: F.linear(x, w), {"fullgraph": True, "options": {"max_autotune": True}}, x, w)
+    _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"fullgraph": True}, x, w)
+    assert [p["freezing"] for p in recorded_patches] == [True, False]
+    assert recorded_patches[0]["max_autotune"] is True, "the user's options reach inductor"
+
+
+def test_an_explicit_freezing_option_wins(recorded_patches):
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"options": {"freezing": True}}, x, w)
+    _compile_with_backend(lambda x, w: F.linear(x, w), {"options": {"freezing": False}}, x, w)
+    assert [p["freezing"] for p in recorded_patches] == [True, False]
+
+
+def test_other_backends_and_modes_pass_through():
+    assert compile_backend.with_genfn_backend({"backend": "eager", "fullgraph": True}) == {"backend": "eager",
+                                                                                        "fullgraph": True}
+    kwargs = compile_backend.with_genfn_backend({"mode": "max-autotune-no-cudagraphs", "fullgraph": True})
+    assert "mode" not in kwargs and kwargs["fullgraph"] is True
+    assert kwargs["backend"].config.get("max_autotune") is True, "the mode's options are kept"
+
+
+# ------------------------------------------------------------------------------------------
+# OpenMP wait policy
+
+
+def test_the_policy_follows_the_load_at_import_and_only_when_nothing_is_chosen_and_torch_is_not_loaded():
+    quiet, busy = {}, {}
+    assert "genfn's choice" in wait_policy.apply_default(quiet, torch_loaded=False, load=0.1)
+    assert wait_policy.apply_default(busy, torch_loaded=False, load=wait_policy.BUSY_LOAD).startswith("OMP_WAIT_POLICY")
+    assert quiet == wait_policy.QUIET_POLICY and busy == wait_policy.BUSY_POLICY and quiet != busy
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"GENFN_WAIT_POLICY": "default"}):
+        env = dict(chosen)
+        assert "left to the environment" in wait_policy.apply_default(env, torch_loaded=False, load=0.0)
+        assert env == chosen
+    env = {}
+    assert "torch was imported before genfn" in wait_policy.apply_default(env, torch_loaded=True, load=0.0)
+    assert env == {}
+
+
+def test_other_load_counts_a_busy_process_and_not_this_one():
+    assert 0.0 <= wait_policy.other_load(0.05) <= os.cpu_count()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        samples = [wait_policy.other_load(0.2) for _ in range(3)]
+    finally:
+        busy.kill()
+        busy.wait(timeout=30)
+    assert max(samples) >= 0.3, samples  # the busy loop gets at least a share of a core
+    own = [wait_policy.other_load(0.0) for _ in range(3)]
+    assert all(load >= 0.0 for load in own)
+
+
+def test_import_genfn_sets_a_policy_in_a_fresh_process():
+    script = ("import os, genfn; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), '|', "
+              "genfn.wait_policy.wait_policy())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GENFN_WAIT_POLICY")}
+    fresh = subprocess.run([sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT)},
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    settings, policy = (part.strip() for part in fresh.stdout.split("|"))
+    assert "genfn's choice" in policy
+    assert settings in ("PASSIVE None", f"None {wait_policy.QUIET_POLICY['GOMP_SPINCOUNT']}"), settings
