@@ -2,6 +2,16 @@
 
     python benchmarks/gemv_kernels.py float32 [rows]
     python benchmarks/gemv_kernels.py bfloat16 [rows]
+    python benchmarks/gemv_kernels.py step [formats] [rows] [--against REV]
+
+``step``: every linear of one SmolLM2 decode step (30 x qkv [960, 576], o [576, 576], gate/up
+[3072, 576], down [576, 1536], and the head [49152, 576]; random weights, quantized heads in
+8 bits as ``genfn.models.quantized`` stores them) through ``genfn.kernels.linear``, eagerly, per
+format (default float32,bfloat16,q8_0,q4_1) and rows of x (default 1,8). ``--against REV``
+also builds the kernels' sources at git revision REV under another op namespace and times them
+in the same loop, interleaved, so the ratio survives a noisy machine; float formats also time
+``F.linear``. ``cpu`` is the best process CPU time of a step (all threads): on a shared machine,
+with ``--threads 1``, it leaves out the time the thread waited for a core.
 
 A chain of 30 layers of SmolLM2's fused gate/up [3072, 576] and down [576, 1536] projections
 (far larger than the caches) is run at batch 1 (or ``rows``) six ways: eager ``F.linear``; genfn's
@@ -19,6 +29,9 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
 
 LAYERS = 30
 
@@ -95,5 +108,117 @@ def main(dtype_name: str = "float32", rows: str = "1") -> None:
             print(f"  {name:32s} {median * 1e3:7.2f} ms  {weight_bytes / median / 1e9:5.1f} GB/s  max |diff| {diff:.1e}")
 
 
+STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def build_baseline(rev: str):
+    """The kernels' sources at ``rev``, built under the op namespace ``genfn_baseline``; its ops."""
+    import hashlib
+    import subprocess
+
+    from genfn import kernels
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [subprocess.run(["git", "show", f"{rev}:genfn/kernels/{s.name}"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout.replace("genfn_kernels", "genfn_baseline")
+             for s in kernels._SOURCES]
+    key = hashlib.sha256("".join(texts).encode()).hexdigest()[:12]
+    out_dir = kernels._cache_dir() / f"baseline-{key}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for source, text in zip(kernels._SOURCES, texts):
+        sources.append(out_dir / source.name)
+        sources[-1].write_text(text)
+    library = out_dir / "baseline.so"
+    if not library.exists():
+        ours = {str(s): str(b) for s, b in zip(kernels._SOURCES, sources)}
+        command = [ours.get(a, a) for a in kernels._compile_command(library)]
+        print(f"  building the kernels of {rev} ...", flush=True)
+        subprocess.run(command, check=True, timeout=900)
+    torch.ops.load_library(str(library))
+    return torch.ops.genfn_baseline
+
+
+def step_weights(fmt: str):
+    from genfn.models.quantized import HEAD_FORMAT
+    from genfn.quant import QuantizedWeight, quantize
+
+    torch.manual_seed(0)
+    out = []
+    for i, (n, k) in enumerate(STEP_SHAPES):
+        w = torch.randn(n, k) * 0.02
+        if fmt in ("float32", "bfloat16"):
+            out.append(w.to(getattr(torch, fmt)))
+        else:
+            head = i == len(STEP_SHAPES) - 1
+            out.append(QuantizedWeight.from_rows(quantize(w, HEAD_FORMAT.get(fmt, fmt) if head else fmt)))
+    return out
+
+
+def step_main(formats: str, rows: str, against: str | None, repeats: int) -> None:
+    import os
+
+    from genfn import kernels
+    from genfn.quant import QuantizedWeight
+
+    torch.set_grad_enabled(False)
+    baseline = build_baseline(against) if against else None
+    print(f"# step linears, threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}, {kernels.kernel_status()}")
+
+    def nbytes(w):
+        return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+
+    for fmt in formats.split(","):
+        weights = step_weights(fmt)
+        total = sum(map(nbytes, weights))
+        is_float = fmt in ("float32", "bfloat16")
+        dtype = getattr(torch, fmt) if is_float else torch.float32
+        for m in (int(r) for r in rows.split(",")):
+            xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
+            variants = {"genfn": lambda w: kernels.linear(xs[w.shape[1]], w)}
+            if is_float and m <= 8 and kernels.decode_linear_available():
+                # The kernel itself, also where genfn.kernels.linear would route these rows elsewhere.
+                variants = {"genfn": lambda w: torch.ops.genfn_kernels.decode_linear(xs[w.shape[1]], w)}
+            if baseline is not None:
+                if is_float:
+                    variants[f"genfn@{against}"] = lambda w: baseline.decode_linear(xs[w.shape[1]], w)
+                else:
+                    variants[f"genfn@{against}"] = lambda w: baseline.quant_linear(
+                        xs[w.shape[1]], w.codes, w.scales, w.mins, w.kind, w.out_features)
+            if is_float:
+                variants["F.linear"] = lambda w: F.linear(xs[w.shape[1]], w)
+            ref = {name: [fn(w) for w in weights[-3:]] for name, fn in variants.items()}
+            times = {name: [] for name in variants}
+            cpu_times = {name: [] for name in variants}
+            for _ in range(repeats):
+                for name, fn in variants.items():
+                    t, c = time.perf_counter(), time.process_time()
+                    for w in weights:
+                        fn(w)
+                    times[name].append(time.perf_counter() - t)
+                    cpu_times[name].append(time.process_time() - c)
+            for name in variants:
+                best, median = min(times[name]), sorted(times[name])[len(times[name]) // 2]
+                cpu = min(cpu_times[name])
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref[name], ref["genfn"]))
+                print(f"  {fmt:9s} rows {m}  {name:22s} best {best * 1e3:7.2f} ms  median {median * 1e3:7.2f} ms  "
+                      f"{total / best / 1e9:5.1f} GB/s ({total / 1e6:.0f} MB)  cpu {cpu * 1e3:7.2f} ms  max |diff| vs genfn {diff:.1e}",
+                      flush=True)
+    print(f"# load avg {os.getloadavg()[0]:.1f}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1:2] == ["step"]:
+        import argparse
+
+        ap = argparse.ArgumentParser(prog="gemv_kernels.py step")
+        ap.add_argument("formats", nargs="?", default="float32,bfloat16,q8_0,q4_1")
+        ap.add_argument("rows", nargs="?", default="1,8")
+        ap.add_argument("--against", default=None, help="git revision whose kernels to time beside these")
+        ap.add_argument("--threads", type=int, default=2)
+        ap.add_argument("--repeats", type=int, default=15, help="interleaved timed steps per variant (best is shown)")
+        a = ap.parse_args(sys.argv[2:])
+        torch.set_num_threads(a.threads)
+        step_main(a.formats, a.rows, a.against, a.repeats)
+    else:
+        main(*sys.argv[1:3])

@@ -50,8 +50,8 @@ def test_float32_matches_float64_reference(rows, out_features, in_features):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features", [(131, 576), (33, 40), (576, 1536)])
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("out_features,in_features", [(131, 576), (33, 40), (576, 1536), (7, 37), (5, 16)])
 def test_bfloat16_accumulates_in_float32_and_rounds_once(rows, out_features, in_features):
     torch.manual_seed(rows)
     x = torch.randn(rows, in_features).bfloat16()
@@ -74,7 +74,7 @@ def test_linear_routes_few_rows_to_the_kernel_and_the_rest_to_f_linear(monkeypat
     assert calls == [(2, 1, 32)]
     many = torch.randn(3, 3, 32)  # 9 rows: past the float32 limit of 8
     assert torch.equal(kernels.linear(many, w, b), F.linear(many, w, b))
-    bf16_rows = torch.randn(5, 32).bfloat16()  # past the bfloat16 limit of 4
+    bf16_rows = torch.randn(9, 32).bfloat16()  # past the bfloat16 limit of 8
     assert torch.equal(kernels.linear(bf16_rows, w.bfloat16()), F.linear(bf16_rows, w.bfloat16()))
     half = torch.randn(1, 32).half()  # no half kernel
     assert torch.equal(kernels.linear(half, w.half()), F.linear(half, w.half()))
@@ -133,3 +133,71 @@ def test_genfn_kernels_0_disables_the_kernel():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False disabled by GENFN_KERNELS=0"
+
+
+# ---------------------------------------------------------------------------------------------
+# A bfloat16 model: the kernel keeps what F.linear computes (float32 sums, one rounding)
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    from conftest import tiny_hf_model
+    from genfn.models.model import from_hf_state_dict
+
+    hf, config = tiny_hf_model(seed=3, intermediate_size=128, num_hidden_layers=3)
+    return from_hf_state_dict(config, hf.state_dict(), dtype=torch.bfloat16)
+
+
+BF16_PROMPTS = torch.tensor([[5, 17, 3, 88, 41, 9], [0, 0, 12, 7, 60, 33], [0, 0, 0, 1, 44, 90]])
+BF16_GENERATE = dict(attention_mask=(BF16_PROMPTS != 0).long(), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                     pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+
+
+def _without_kernel(monkeypatch):
+    monkeypatch.setattr(kernels, "_takes", lambda x, w: False)
+
+
+@needs_kernel
+def test_bfloat16_model_keeps_its_greedy_tokens_and_logits(bf16_model, monkeypatch):
+    import genfn
+
+    calls = []
+    op = kernels._decode_linear_op
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "_decode_linear_op", lambda x, w: calls.append(w.dtype) or op(x, w))
+        ours = genfn.generate(bf16_model, BF16_PROMPTS, **BF16_GENERATE)
+    assert calls and set(calls) == {torch.bfloat16}
+    with monkeypatch.context() as patch:
+        _without_kernel(patch)
+        plain = genfn.generate(bf16_model, BF16_PROMPTS, **BF16_GENERATE)
+    assert torch.equal(ours.sequences, plain.sequences)
+    a, b = torch.stack(ours.logits), torch.stack(plain.logits)
+    assert (a - b).abs().max() <= 0.02 * b.abs().max()
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_compiled_bfloat16_step_runs_the_kernel(bf16_model, monkeypatch):
+    import genfn
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled = genfn.generate(bf16_model, BF16_PROMPTS, cache_implementation="static", max_cache_len=32,
+                                  **BF16_GENERATE)
+    ops = {event.name for event in prof.events()}
+    assert "genfn_kernels::decode_linear" in ops
+    with monkeypatch.context() as patch:
+        _without_kernel(patch)
+        plain = genfn.generate(bf16_model, BF16_PROMPTS, **BF16_GENERATE)
+    # Inductor fuses the step's other bfloat16 ops (norms, rotary, softmax) with fewer roundings
+    # than eager, so a row may part from eager at a near tie; up to there tokens and logits agree.
+    width = BF16_PROMPTS.shape[1]
+    a, b = torch.stack(compiled.logits), torch.stack(plain.logits)  # [steps, rows, vocab]
+    for row in range(BF16_PROMPTS.shape[0]):
+        ours, theirs = compiled.sequences[row, width:], plain.sequences[row, width:]
+        differ = (ours != theirs).nonzero()
+        upto = int(differ[0]) if len(differ) else len(ours)
+        assert upto >= 4, f"row {row} parts from eager at new token {upto}"
+        assert (a[:upto + 1, row] - b[:upto + 1, row]).abs().max() <= 0.02 * b[:upto + 1, row].abs().max()
+        if upto < len(ours):  # a near tie in eager's own logits
+            step = b[upto, row]
+            assert step[theirs[upto]] - step[ours[upto]] <= 0.02 * step.abs().max()

@@ -40,9 +40,10 @@ _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 _logger = logging.getLogger(__name__)
 
-# Rows of x up to which the kernel beats the library GEMM (benchmarks/gemv_kernels.py): in
-# bfloat16, past 4 rows its widening FMAs, not memory, set the pace and oneDNN's AMX path wins.
-MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# Rows of x up to which the kernel beats the library GEMM (benchmarks/gemv_kernels.py step): in
+# bfloat16 with vdpbf16ps, CPU time per SmolLM2 step at 4/6/8 rows was 0.49/0.45/0.74 of
+# F.linear's (Zen 4, one thread); the widening kernel (CPUs without AVX512_BF16) 0.78/0.83/0.83.
+MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 
 _status = "not loaded yet"
 # None until the first call of decode_linear_available(); a plain global (not functools.cache)

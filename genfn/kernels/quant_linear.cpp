@@ -68,6 +68,11 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_activations(const floa
   }
 }
 
+// How far ahead of the block being summed its thread's stream is fetched. The tiles a thread
+// takes are contiguous, so this runs on into its next tile. Two blocks (0.5-1 KiB) left each
+// core short of misses in flight (~12 GB/s a core); a few KiB keeps DRAM busy.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32.
 template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
@@ -76,16 +81,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   constexpr int kChunks = chunks_of(kind);
   constexpr int64_t kBlockBytes = kChunks * 64;
   constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
+  // With one row of x, two dot-product chains keep vpdpbusd's latency hidden; from four rows
+  // the rows' chains are independent already, and a second chain each would spill registers.
+  constexpr bool kTwoChains = M < 4;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
-    __m512 acc[M], acc_min[M];
-    for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps();
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     const uint8_t* c = codes + t * nb * kBlockBytes;
     const uint16_t* sc = scales + t * nb * kTile;
     const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
     for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
-      // Two blocks ahead; the tiles a thread takes are contiguous, so this runs on into the next.
-      for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + 2 * kBlockBytes + 64 * j), _MM_HINT_T0);
+      for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + 64 * j), _MM_HINT_T0);
+      // Scales (and minimums): 32 bytes a block, a line every other block.
+      if (b % 2 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetchBytes / 8, _MM_HINT_T0);
+        if constexpr (kind == kQ4Min)
+          _mm_prefetch(reinterpret_cast<const char*>(mn + b * kTile) + kPrefetchBytes / 8, _MM_HINT_T0);
+      }
       __m512i w[8];
       if constexpr (kind == kQ8) {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(c + 64 * j);
@@ -102,26 +115,27 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
         mins_b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * kTile)));
       for (int m = 0; m < M; ++m) {
         const int32_t* xb = reinterpret_cast<const int32_t*>(a.codes.data() + m * K + b * kBlock);
-        // Two chains so consecutive vpdpbusd do not wait on each other.
         __m512i s0 = _mm512_set1_epi32(-kOffset * a.sum[m * nb + b]);
-        __m512i s1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
-          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xb[j + 1]));
+        if constexpr (kTwoChains) {
+          __m512i s1 = _mm512_setzero_si512();
+          for (int j = 0; j < 8; j += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
+            s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xb[j + 1]));
+          }
+          s0 = _mm512_add_epi32(s0, s1);
+        } else {
+          for (int j = 0; j < 8; ++j) s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xb[j]));
         }
         const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(a.scale[m * nb + b]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dx, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), dx, acc[m]);
         if constexpr (kind == kQ4Min)
-          acc_min[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc_min[m]);
+          acc[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc[m]);
       }
     }
     const int64_t n0 = t * kTile;
     const __mmask16 keep = n0 + kTile <= N ? static_cast<__mmask16>(0xFFFF)
                                            : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    for (int m = 0; m < M; ++m) {
-      const __m512 out = kind == kQ4Min ? _mm512_add_ps(acc[m], acc_min[m]) : acc[m];
-      _mm512_mask_storeu_ps(y + m * N + n0, keep, out);
-    }
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, acc[m]);
   }
 }
 
