@@ -85,11 +85,11 @@ def workloads(args, vocab):
     }
 
 
-def run_genfn_cb(model, prompts, new_tokens):
+def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512):
     from genfn.config.batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
-                                  max_batch_tokens=512)
+                                  max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                    record_timestamps=True, continuous_batching_config=cb, warmup=False)
@@ -195,6 +195,8 @@ def main():
     parser.add_argument("--engines", nargs="+",
                         default=["genfn-cb", "hf-cb", "genfn-static", "genfn-static-compiled", "llama.cpp"])
     parser.add_argument("--workloads", nargs="+", default=["mixed", "parallel"])
+    parser.add_argument("--max-batch-tokens", type=int, default=512,
+                        help="genfn-cb's token budget per forward (smaller: shorter prefill stalls, lower ITL)")
     args = parser.parse_args()
 
     import genfn
@@ -240,7 +242,7 @@ def main():
                     with torch.inference_mode():
                         if engine == "genfn-cb":
                             run_genfn_cb(model, small, 2)
-                            result = run_genfn_cb(model, prompts, args.new_tokens)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens)
                         elif engine == "hf-cb":
                             run_hf_cb(hf_model, small, 2)
                             result = run_hf_cb(hf_model, prompts, args.new_tokens)

@@ -30,6 +30,7 @@ from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState
 from genfn.cache.paged import PackedPlan
+from genfn.kernels.packed_gemm import pack_linear_weights
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 
@@ -114,6 +115,10 @@ class Engine:
         self.device = model.device
         self.compile_options = compile
         self._apply_packed = apply_packed
+        # The eager forward multiplies many rows by each weight: oneDNN's GEMM on weights packed
+        # once (genfn.kernels.packed_gemm); the compiled graph takes the plain tensors.
+        self.params = model.params if compile is not None else pack_linear_weights(
+            model.params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
         self._forwards: dict[int, Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
 
@@ -138,7 +143,7 @@ class Engine:
     def forward(self, inputs: BatchInputs, plan: PackedPlan | None = None) -> torch.Tensor:
         """Logits ``[R, V]`` of the batch; the cache is updated (donated and replaced)."""
         if plan is not None:
-            logits, self.cache = self._apply_packed(self.model.spec, self.model.params, inputs, self.cache, plan)
+            logits, self.cache = self._apply_packed(self.model.spec, self.params, inputs, self.cache, plan)
             return logits
         num_tokens = inputs.input_ids.shape[0]
         fn = self._forwards.get(num_tokens)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import planned_attention, write
-from genfn.kernels import linear
+from genfn.kernels.packed_gemm import packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.rope import rope_cos_sin
 
