@@ -2,6 +2,7 @@
 
     python benchmarks/batching.py                         # the issue's workloads, float32 + bfloat16
     python benchmarks/batching.py --requests 16 --new-tokens 16 --parallel 8 --dtypes float32   # quick
+    OMP_WAIT_POLICY=PASSIVE flock /tmp/genfn-bench.lock python benchmarks/batching.py   # on a shared machine
 
 Workloads (greedy, ``min_new_tokens = max_new_tokens`` so every request decodes the same count):
 
@@ -13,8 +14,17 @@ Engines:
 
     genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread)
     hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
-    genfn-static  genfn ``generate`` on the left-padded batch (static cache; eager unless
-                  ``--compile``): the padded static batch continuous batching must beat
+    genfn-static           genfn ``generate`` on the left-padded batch (static cache, eager)
+    genfn-static-compiled  the same, its decode step compiled (genfn's default CPU compile:
+                           max-autotune over frozen weights); warmed up on the same batch and
+                           cache size, so its compile stays out of the timing
+    llama.cpp-Q4_1         llama-cpp-python on the shipped GGUF, every sequence in one
+                           ``llama_decode`` per step (``benchmarks/llamacpp.py``); also
+                           llama.cpp-F32 (float32 runs) and llama.cpp-F16 (bfloat16 runs) when
+                           ``benchmarks/llamacpp.py make-variants`` has made those files
+
+The padded static batch is the one continuous batching must beat by 1.5x: the ratio is taken
+against the faster of the two genfn-static engines.
 
 Prints tokens/s (generated tokens / wall time), time to first token (from submission) and
 inter-token latency percentiles (p50, p90, p99), and writes them as JSON under
@@ -42,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -74,11 +85,11 @@ def workloads(args, vocab):
     }
 
 
-def run_genfn_cb(model, prompts, new_tokens):
+def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512):
     from genfn.config.batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
-                                  max_batch_tokens=512)
+                                  max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                    record_timestamps=True, continuous_batching_config=cb, warmup=False)
@@ -121,7 +132,9 @@ class _StepClock:
         pass
 
 
-def run_genfn_static(model, prompts, new_tokens, compile_step):
+def run_genfn_static(model, prompts, new_tokens, compile_step, cache_len):
+    """``cache_len``: the static cache's size, the same for the warm-up and the timed run, so a
+    compiled step is compiled once for both."""
     longest = max(len(p) for p in prompts)
     input_ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
@@ -129,12 +142,48 @@ def run_genfn_static(model, prompts, new_tokens, compile_step):
     start = time.perf_counter()
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, cache_implementation="static", disable_compile=not compile_step,
-                         pad_token_id=0, streamer=clock)
+                         max_cache_len=cache_len, pad_token_id=0, streamer=clock)
     wall = time.perf_counter() - start
     steps = clock.times[1:]  # the first put is the prompt
     generated = (out.shape[1] - longest) * len(prompts)
     itls = [b - a for a, b in zip(steps, steps[1:])] * len(prompts)
-    return summarize("genfn-static", wall, generated, [steps[0] - start] * len(prompts) if steps else [], itls)
+    name = "genfn-static-compiled" if compile_step else "genfn-static"
+    return summarize(name, wall, generated, [steps[0] - start] * len(prompts) if steps else [], itls)
+
+
+def llamacpp_files(dtype_name, path):
+    """``{engine name: GGUF path}``: the shipped file, and the float variant of ``dtype_name`` if made."""
+    from llamacpp import variant_dir
+
+    files = {"llama.cpp-Q4_1": path}
+    variant = {"float32": "F32", "bfloat16": "F16"}.get(dtype_name)
+    if variant is not None:
+        made = variant_dir() / f"{Path(path).name.split('.')[0]}.{variant}.gguf"
+        if made.exists():
+            files[f"llama.cpp-{variant}"] = str(made)
+    return files
+
+
+def run_llamacpp(runner, name, prompts, new_tokens):
+    """Greedy decoding of every prompt at once (one ``llama_decode`` per step, all sequences)."""
+    runner._clear()
+    start = time.perf_counter()
+    entries, last = [], []
+    for s, ids in enumerate(prompts):
+        for p, token in enumerate(ids):
+            entries.append((token, p, s, p == len(ids) - 1))
+        last.append(len(entries) - 1)
+    runner._decode(entries)
+    out = [[runner._argmax(i)] for i in last]
+    stamps = [time.perf_counter()]
+    for step in range(1, new_tokens):
+        runner._decode([(out[s][-1], len(ids) + step - 1, s, True) for s, ids in enumerate(prompts)])
+        for s in range(len(prompts)):
+            out[s].append(runner._argmax(s))
+        stamps.append(time.perf_counter())
+    wall = time.perf_counter() - start
+    itls = [b - a for a, b in zip(stamps, stamps[1:])] * len(prompts)
+    return summarize(name, wall, sum(map(len, out)), [stamps[0] - start] * len(prompts), itls)
 
 
 def main():
@@ -143,20 +192,26 @@ def main():
     parser.add_argument("--parallel", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--engines", nargs="+", default=["genfn-cb", "hf-cb", "genfn-static"])
+    parser.add_argument("--engines", nargs="+",
+                        default=["genfn-cb", "hf-cb", "genfn-static", "genfn-static-compiled", "llama.cpp"])
     parser.add_argument("--workloads", nargs="+", default=["mixed", "parallel"])
-    parser.add_argument("--compile", action="store_true", help="compile genfn's static batch step")
+    parser.add_argument("--max-batch-tokens", type=int, default=512,
+                        help="genfn-cb's token budget per forward (smaller: shorter prefill stalls, lower ITL)")
     args = parser.parse_args()
 
     import genfn
     from conftest import smollm2_path
+    from llamacpp import LlamaCpp
+    from llamacpp import available as llamacpp_available
 
     warnings.filterwarnings("ignore")
     path = smollm2_path()
     print(f"# continuous batching on SmolLM2-135M: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, device cpu")
-    report = {"args": vars(args), "runs": []}
+    load = os.getloadavg()
+    print(f"# load average (1/5/15 min) at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    report = {"args": vars(args), "load_average_start": load, "runs": []}
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         model = genfn.load(path, dtype=dtype)
@@ -169,40 +224,66 @@ def main():
         for workload, prompts in workloads(args, model.vocab_size).items():
             if workload not in args.workloads:
                 continue
-            # Warm-up at a small size, so first-call costs (kernel builds, allocations) stay out.
+            # Warm-up at a small size, so first-call costs (kernel builds, allocations) stay out;
+            # the static batch warms up on the batch itself (its compiled step keys on the shape).
             small = prompts[:2]
+            cache_len = max(map(len, prompts)) + args.new_tokens
+            runs = []
             for engine in args.engines:
+                if engine == "llama.cpp":
+                    if not llamacpp_available():
+                        print(f"# llama.cpp: llama-cpp-python is not installed, skipped")
+                        continue
+                    runs += [(name, gguf) for name, gguf in llamacpp_files(dtype_name, path).items()]
+                else:
+                    runs.append((engine, None))
+            for engine, gguf in runs:
                 try:
                     with torch.inference_mode():
                         if engine == "genfn-cb":
                             run_genfn_cb(model, small, 2)
-                            result = run_genfn_cb(model, prompts, args.new_tokens)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens)
                         elif engine == "hf-cb":
                             run_hf_cb(hf_model, small, 2)
                             result = run_hf_cb(hf_model, prompts, args.new_tokens)
+                        elif engine.startswith("genfn-static"):
+                            compiled = engine == "genfn-static-compiled"
+                            run_genfn_static(model, prompts, 2, compiled, cache_len)
+                            result = run_genfn_static(model, prompts, args.new_tokens, compiled, cache_len)
                         else:
-                            run_genfn_static(model, small, 2, args.compile)
-                            result = run_genfn_static(model, prompts, args.new_tokens, args.compile)
+                            runner = LlamaCpp(gguf, torch.get_num_threads(), len(prompts), cache_len)
+                            try:
+                                run_llamacpp(runner, engine, small, 2)
+                                result = run_llamacpp(runner, engine, prompts, args.new_tokens)
+                            finally:
+                                runner.close()
                 except Exception as exc:  # report and go on: one engine failing must not hide the others
                     result = {"engine": engine, "error": f"{type(exc).__name__}: {exc}"}
                 result.update(dtype=dtype_name, workload=workload, requests=len(prompts))
                 report["runs"].append(result)
                 if "error" in result:
-                    print(f"{dtype_name:9s} {workload:9s} {engine:13s} ERROR {result['error']}")
+                    print(f"{dtype_name:9s} {workload:9s} {engine:21s} ERROR {result['error']}")
                     continue
                 ttft, itl = result["ttft_s"], result["itl_s"]
                 fmt = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
-                print(f"{dtype_name:9s} {workload:9s} {engine:13s} {result['tokens_per_s']:8.1f} tok/s  "
+                print(f"{dtype_name:9s} {workload:9s} {engine:21s} {result['tokens_per_s']:8.1f} tok/s  "
                       f"TTFT p50/p90/p99 {fmt(ttft['p50'])}/{fmt(ttft['p90'])}/{fmt(ttft['p99'])} ms  "
-                      f"ITL p50/p90/p99 {fmt(itl['p50'])}/{fmt(itl['p90'])}/{fmt(itl['p99'])} ms")
+                      f"ITL p50/p90/p99 {fmt(itl['p50'])}/{fmt(itl['p90'])}/{fmt(itl['p99'])} ms", flush=True)
             by_engine = {r["engine"]: r for r in report["runs"]
                          if r.get("dtype") == dtype_name and r.get("workload") == workload and "error" not in r}
+            statics = [by_engine[e] for e in ("genfn-static", "genfn-static-compiled") if e in by_engine]
+            if statics:
+                by_engine["best genfn-static"] = max(statics, key=lambda r: r["tokens_per_s"])
             cb = by_engine.get("genfn-cb")
-            for other in ("hf-cb", "genfn-static"):
-                if cb and other in by_engine:
-                    print(f"{'':20s} genfn-cb / {other}: {cb['tokens_per_s'] / by_engine[other]['tokens_per_s']:.2f}x")
+            for other in by_engine:
+                if cb and other != "genfn-cb":
+                    ratio = cb["tokens_per_s"] / by_engine[other]["tokens_per_s"]
+                    print(f"{'':20s} genfn-cb / {other}: {ratio:.2f}x")
+                    report.setdefault("ratios", []).append(
+                        {"dtype": dtype_name, "workload": workload, "against": other, "genfn_cb_over": ratio})
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"batching-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.json"
+    report["load_average_end"] = os.getloadavg()
     out.write_text(json.dumps(report, indent=2))
     print(f"# wrote {out}")
 

@@ -17,7 +17,7 @@ from genfn.batching import scheduling as S
 from genfn.batching.hints import WorkloadHints, kv_bytes_per_block, resolve
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestStatus, make_request
-from genfn.cache.paged import init_paged_cache, paged_attention, write
+from genfn.cache.paged import PackedPlan, init_paged_cache, paged_attention, plan_attention, planned_attention, write
 from genfn.state.base import tree_flatten
 
 # ----------------------------------------------------------------------------------------------
@@ -207,6 +207,20 @@ def test_packed_varlen_attention_equals_dense_attention(dtype, window):
         expected = dense_attention(q[start:start + new], all_k[r], all_v[r], torch.arange(past, past + new), window)
         torch.testing.assert_close(out[start:start + new].double(), expected, atol=tol, rtol=tol)
         start += new
+    # The eager plan (decode rows together, prefill chunks alone, only their occupied blocks)
+    # computes the same attention; the padding tokens it leaves out get zeros.
+    decode, prefill, first = [], [], 0
+    for r, (past, new) in enumerate(requests):
+        blocks = -(-(past + new) // size)
+        if new == 1:
+            decode.append((first, r, blocks))
+        else:
+            prefill.append((first, new, r, blocks))
+        first += new
+    plan = PackedPlan(len(rows), tuple(decode), tuple(prefill))
+    planned = planned_attention(q, cache, 1, plan_attention(plan, table_tensor, torch.tensor(positions), size, window))
+    torch.testing.assert_close(planned[:first], out[:first], atol=tol, rtol=tol)
+    assert not planned[first:].any()
     # Layer 0 was never written: attending it gives zeros, the other layer is not read.
     zeros = paged_attention(q, cache, 0, table_tensor, torch.tensor(rows), torch.tensor(positions))
     assert not zeros.abs().sum()

@@ -30,10 +30,13 @@ from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.logprobs import raw_logprobs, top_logprobs, top_pairs
 from genfn.batching.requests import RequestState
+from genfn.cache.paged import PackedPlan
+from genfn.kernels.packed_gemm import pack_linear_weights
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "run_batch", "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "packed_plan", "run_batch",
+           "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +121,36 @@ class Engine:
         self.device = model.device
         self.compile_options = compile
         self._apply_packed = apply_packed
+        # The eager forward multiplies many rows by each weight: oneDNN's GEMM on weights packed
+        # once (genfn.kernels.packed_gemm); the compiled graph takes the plain tensors.
+        self.params = model.params if compile is not None else pack_linear_weights(
+            model.params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
         self._forwards: dict[int, Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
 
+    @property
+    def compiled(self) -> bool:
+        return self.compile_options is not None
+
     def padded_tokens(self, num_tokens: int) -> int:
-        """The padded token count a batch of ``num_tokens`` runs at (a power of two, at most T)."""
+        """The token count a batch of ``num_tokens`` runs at: compiled, a power of two (at most T),
+        so a handful of graphs serve every batch; eager, the count itself (padding is pure cost)."""
+        if not self.compiled:
+            return num_tokens
         return min(bucket(num_tokens, minimum=8), self.max_batch_tokens)
 
-    def forward(self, inputs: BatchInputs) -> torch.Tensor:
+    def plan(self, batch: S.ScheduledBatch) -> PackedPlan | None:
+        """The eager forward's ``PackedPlan`` of ``batch`` (``None`` when compiled: the compiled graph
+        takes static shapes only, and gathers the whole padded tables)."""
+        if self.compiled:
+            return None
+        return packed_plan(batch, self.cache.block_size, self.padded_tokens(batch.num_tokens))
+
+    def forward(self, inputs: BatchInputs, plan: PackedPlan | None = None) -> torch.Tensor:
         """Logits ``[R, V]`` of the batch; the cache is updated (donated and replaced)."""
+        if plan is not None:
+            logits, self.cache = self._apply_packed(self.model.spec, self.params, inputs, self.cache, plan)
+            return logits
         num_tokens = inputs.input_ids.shape[0]
         fn = self._forwards.get(num_tokens)
         if fn is None:
@@ -142,9 +166,12 @@ class Engine:
         return logits
 
     def warmup(self) -> None:
-        """Run (and so compile) the forward at every padded token count, on padding only."""
+        """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
+        at the smallest and largest count (first-call allocations and kernel builds)."""
         alloc_sink = self.cache.num_blocks
         sizes = sorted({self.padded_tokens(n) for n in range(1, self.max_batch_tokens + 1)})
+        if not self.compiled:
+            sizes = sorted({1, self.max_batch_tokens})
         for num_tokens in sizes:
             R, W = self.max_requests, self.table_width
             zeros = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -156,7 +183,7 @@ class Engine:
                 kv_lens=torch.zeros(R, dtype=torch.int64, device=self.device),
                 logits_index=torch.zeros(R, dtype=torch.int64, device=self.device),
                 samples=torch.zeros(R, dtype=torch.bool, device=self.device))
-            self.forward(inputs)
+            self.forward(inputs, None if self.compiled else PackedPlan(num_tokens))
 
     def batch_chain(self, requests: Mapping[Hashable, RequestState], batch: S.ScheduledBatch):
         """The merged chain, keys ``[R, 2]`` and sampling mask ``[R]`` of the batch's rows (cached
@@ -195,7 +222,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     """
     inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
-    logits = engine.forward(inputs)
+    logits = engine.forward(inputs, engine.plan(batch))
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     ctx = None
     if chain is not None or keys is not None:
@@ -219,6 +246,23 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
     return new_tokens, new_logprobs, new_top
+
+
+def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None) -> PackedPlan:
+    """Where each chunk of ``batch`` sits on the token axis (as ``build_batch_inputs`` lays it out),
+    how many blocks its row's keys span, and which rows sample."""
+    decode, prefill, sample_rows, first = [], [], [], 0
+    for row, chunk in enumerate(batch.chunks):
+        count = len(chunk.token_ids)
+        blocks = -(-chunk.end // block_size)
+        if count == 1:
+            decode.append((first, row, blocks))
+        else:
+            prefill.append((first, count, row, blocks))
+        if chunk.samples:
+            sample_rows.append(row)
+        first += count
+    return PackedPlan(first if num_tokens is None else num_tokens, tuple(decode), tuple(prefill), tuple(sample_rows))
 
 
 def stopped_by_string(request: RequestState, device=None) -> bool:

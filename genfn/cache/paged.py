@@ -15,16 +15,27 @@ and blind across requests.
 
 The write is in place (DESIGN principle 4: the cache is donated); the returned cache shares
 the buffers.
+
+``paged_attention`` gathers every query's whole padded table: one graph of static shapes, the
+compiled path. Eagerly, a ``PackedPlan`` (the batch's structure as host integers: which tokens
+are one-token decode chunks, where each prefill chunk sits, how many blocks each row's keys
+span) lets ``planned_attention`` gather each row's keys once per layer, only over the blocks
+they occupy (decode rows together, each prefill chunk alone), and run
+``scaled_dot_product_attention`` on them, as the dense model does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from genfn.cache.base import CacheBase
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["PagedKVCache", "init_paged_cache", "paged_attention", "write"]
+__all__ = ["PackedPlan", "PlannedAttention", "PagedKVCache", "init_paged_cache", "paged_attention",
+           "plan_attention", "planned_attention", "write"]
 
 
 @pytree_dataclass
@@ -161,3 +172,105 @@ def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window):
     weights = torch.softmax(scores, dim=-1)
     out = torch.einsum("thgs,thsd->thgd", weights, v.to(compute))
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPlan:
+    """The structure of a packed batch, in host integers (no tensor values are read to make it).
+
+    ``decode``: ``(token, row, blocks)`` of every one-token chunk; ``prefill``: ``(first_token,
+    num_tokens, row, blocks)`` of every longer chunk; ``blocks``: how many entries of the row's
+    block table its keys span after this step. ``sample_rows``: the rows whose logits are used.
+    """
+
+    num_tokens: int
+    decode: tuple[tuple[int, int, int], ...] = ()
+    prefill: tuple[tuple[int, int, int, int], ...] = ()
+    sample_rows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        covered = len(self.decode) + sum(n for _, n, _, _ in self.prefill)
+        if covered > self.num_tokens:
+            raise ValueError(f"the plan's chunks hold {covered} tokens, more than `num_tokens` ({self.num_tokens})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedAttention:
+    """The per-forward index tensors of a ``PackedPlan``, built once and used by every layer.
+
+    ``decode``: ``(token_index [Rd], tables [Rd * w], mask [Rd, 1, 1, w * block_size])`` or
+    ``None``; ``prefill``: ``(first_token, num_tokens, table [w], mask [n, w * block_size])`` per chunk.
+    """
+
+    num_tokens: int
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    prefill: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]
+
+
+def _visible(key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """``[Q, S]`` bool: key position ``s`` is seen by a query at ``query_positions[q]``."""
+    keys, queries = key_positions.view(1, -1), query_positions.view(-1, 1)
+    visible = keys <= queries
+    if sliding_window is not None:
+        visible = visible & (keys > queries - sliding_window)
+    return visible
+
+
+def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                   sliding_window: int | None = None) -> PlannedAttention:
+    """The index tensors and masks of ``plan`` (``block_tables [R, W]``, ``positions [T]`` of the batch)."""
+    device = block_tables.device
+    decode = None
+    if plan.decode:
+        tokens = torch.tensor([t for t, _, _ in plan.decode], dtype=torch.int64, device=device)
+        rows = torch.tensor([r for _, r, _ in plan.decode], dtype=torch.int64, device=device)
+        width = max(b for _, _, b in plan.decode)
+        tables = block_tables.index_select(0, rows)[:, :width].reshape(-1)
+        span = torch.arange(width * block_size, device=device)
+        mask = _visible(span, positions.index_select(0, tokens), sliding_window)
+        decode = (tokens, tables, mask.view(len(plan.decode), 1, 1, -1))
+    prefill = []
+    for first, count, row, width in plan.prefill:
+        span = torch.arange(width * block_size, device=device)
+        mask = _visible(span, positions[first:first + count], sliding_window)
+        prefill.append((first, count, block_tables[row, :width], mask))
+    return PlannedAttention(plan.num_tokens, decode, tuple(prefill))
+
+
+def _gather_keys(blocks: torch.Tensor, table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``blocks [NB + 1, Hkv, bs, D]`` at ``table [rows * w]`` -> ``[rows, Hkv, w * bs, D]``."""
+    picked = blocks.index_select(0, table)
+    _, heads, size, dim = picked.shape
+    return picked.view(rows, -1, heads, size, dim).transpose(1, 2).reshape(rows, heads, -1, dim)
+
+
+def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned: PlannedAttention) -> torch.Tensor:
+    """``paged_attention``'s result for the tokens of ``planned`` (``q [T, H, D]``; tokens outside the
+    plan, the padding, get zeros), reading only the blocks each row's keys occupy."""
+    num_tokens, num_heads, head_dim = q.shape
+    keys, values = cache.keys[layer], cache.values[layer]
+    kv_heads = keys.shape[1]
+    if num_heads % kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of the cache's kv heads ({kv_heads})")
+    groups = num_heads // kv_heads
+    out = None
+    if planned.decode is not None:
+        tokens, table, mask = planned.decode
+        rows = tokens.shape[0]
+        # One query per row: its ``groups`` heads that share a kv head are that head's queries.
+        qd = q.index_select(0, tokens).view(rows, kv_heads, groups, head_dim)
+        attn = F.scaled_dot_product_attention(qd, _gather_keys(keys, table, rows).to(q.dtype),
+                                              _gather_keys(values, table, rows).to(q.dtype), attn_mask=mask)
+        attn = attn.reshape(rows, num_heads, head_dim)
+        if rows == num_tokens and not planned.prefill:
+            return attn  # the plan lists chunks in token order: these are tokens 0 .. T - 1
+        out = q.new_zeros(num_tokens, num_heads, head_dim).index_copy_(0, tokens, attn)
+    if out is None:
+        out = q.new_zeros(num_tokens, num_heads, head_dim)
+    for first, count, table, mask in planned.prefill:
+        qc = q[first:first + count].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k = _gather_keys(keys, table, 1).to(q.dtype)
+        v = _gather_keys(values, table, 1).to(q.dtype)
+        attn = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=groups > 1)
+        out[first:first + count] = attn.squeeze(0).transpose(0, 1)
+    return out

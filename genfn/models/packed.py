@@ -22,8 +22,9 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from genfn.cache.paged import PagedKVCache, init_paged_cache, paged_attention, write
-from genfn.kernels import linear
+from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
+from genfn.cache.paged import planned_attention, write
+from genfn.kernels.packed_gemm import packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.rope import rope_cos_sin
 
@@ -90,12 +91,14 @@ def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visibl
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
 
 
-def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
-                 cache: PagedKVCache) -> tuple[torch.Tensor, PagedKVCache]:
+def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
+                 plan: PackedPlan | None = None) -> tuple[torch.Tensor, PagedKVCache]:
     """Run the packed tokens of ``inputs`` against the paged ``cache`` (donated).
 
     Returns ``(logits [R, V] float32, cache)``: row ``r``'s logits are those of its chunk's last
-    token (padding rows get the logits of token 0, to be ignored).
+    token (padding rows get the logits of token 0, to be ignored). With a ``plan`` (the eager
+    path), attention reads only the blocks each row occupies (``planned_attention``) and only
+    ``plan.sample_rows`` get logits (the other rows get zeros).
     """
     num_tokens = inputs.input_ids.shape[0]
     x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
@@ -104,8 +107,12 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
     kv_size = spec.num_kv_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
-    visible = None
-    if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
+    visible = planned = None
+    if plan is not None:
+        if plan.num_tokens != num_tokens:
+            raise ValueError(f"the plan is for {plan.num_tokens} tokens, the batch has {num_tokens}")
+        planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, spec.sliding_window)
+    elif num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
         visible = _slot_visibility(inputs, num_slots, cache.block_size, spec.sliding_window)
     for i, layer in enumerate(params["layers"]):
         h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -115,7 +122,9 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
         k = _rotate(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         cache = write(cache, i, inputs.slot_mapping, k, v)
-        if visible is not None:
+        if planned is not None:
+            attn = planned_attention(q, cache, i, planned)
+        elif visible is not None:
             attn = _attend_whole_cache(q, cache, i, visible)
         else:
             attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
@@ -125,6 +134,13 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs,
         gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, layer["w_down"])
     # The final norm is per token, so taking the sampling rows first computes the same values.
-    x = _rms_norm(x.index_select(0, inputs.logits_index), params["norm"], spec.rms_norm_eps)
-    logits = linear(x, params["lm_head"]).to(torch.float32)
+    if plan is None:
+        x = _rms_norm(x.index_select(0, inputs.logits_index), params["norm"], spec.rms_norm_eps)
+        return linear(x, params["lm_head"]).to(torch.float32), cache
+    num_rows = inputs.logits_index.shape[0]
+    logits = torch.zeros(num_rows, spec.vocab_size, dtype=torch.float32, device=x.device)
+    if plan.sample_rows:
+        rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=x.device)
+        x = _rms_norm(x.index_select(0, inputs.logits_index.index_select(0, rows)), params["norm"], spec.rms_norm_eps)
+        logits.index_copy_(0, rows, linear(x, params["lm_head"]).to(torch.float32))
     return logits, cache
