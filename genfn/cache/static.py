@@ -18,6 +18,8 @@ from genfn.state.base import pytree_dataclass
 
 __all__ = ["StaticCache", "init_static_cache"]
 
+_SPARE_SLOTS = 1
+
 
 @pytree_dataclass
 class StaticCache(CacheBase):
@@ -49,7 +51,8 @@ class StaticCache(CacheBase):
 
     @property
     def max_cache_len(self) -> int:
-        return self.keys.shape[3]
+        # One slot past the capacity is never written nor attended (see init_static_cache).
+        return self.keys.shape[3] - _SPARE_SLOTS
 
     def slots(self, num_new: int) -> torch.Tensor:
         """``[B, num_new]`` the slots each row's next ``num_new`` tokens go to."""
@@ -119,10 +122,15 @@ def init_static_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> StaticCache:
-    shape = (num_layers, batch_size, num_kv_heads, max_cache_len, head_dim)
+    # The buffers hold one slot past ``max_cache_len``. Attention reads a leading slice of a
+    # dynamic size (the span); were the slice ever the whole buffer it would be contiguous, and
+    # inductor guards on that: the last steps of every run that fills its cache recompiled the
+    # whole step (~1 min on SmolLM2). With the spare slot the slice is never the whole buffer.
+    slots = max_cache_len + _SPARE_SLOTS
+    shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
     return StaticCache(
         keys=torch.zeros(shape, dtype=dtype, device=device),
         values=torch.zeros(shape, dtype=dtype, device=device),
-        valid=torch.zeros(batch_size, max_cache_len, dtype=torch.bool, device=device),
+        valid=torch.zeros(batch_size, slots, dtype=torch.bool, device=device),
         length=torch.zeros(batch_size, dtype=torch.int64, device=device),
     )
