@@ -35,6 +35,18 @@ def test_ten_calls_compile_the_decode_step_once():
     assert kernel_calls == (2 * per_step + 1 if kernels.decode_linear_available() else 0)
 
 
+def test_a_run_that_fills_its_cache_compiles_the_step_once():
+    # max_cache_len defaults to prompt + new tokens: the attention span grows from 32 slots to the
+    # whole capacity (41) within the run. That edge once recompiled the step (a slice that is the
+    # whole buffer is contiguous, and inductor guards on it).
+    _, model = tiny_pair(eos_token_id=None)
+    ids = torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    before = _graphs()
+    out = genfn.generate(model, ids, max_new_tokens=20, cache_implementation="static")
+    assert _graphs() - before == 1
+    assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=20))
+
+
 def test_disable_compile_runs_eagerly():
     _, model = tiny_pair(eos_token_id=None)
     genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cache_implementation="static",
