@@ -32,12 +32,13 @@ MODEL = "tiny-llama"
 CONTEXT = 512
 
 
-def tiny_chat_model():
+def tiny_chat_model(context: int = None):
     """A tiny random Llama over SmolLM2's real tokenizer (and its chat template)."""
+    context = CONTEXT if context is None else context
     tokenizer = Tokenizer.from_gguf(smollm2_path())
     hf_model, config = tiny_hf_model(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                     max_position_embeddings=CONTEXT)
+                                     max_position_embeddings=context)
     return from_hf_state_dict(config, hf_model.state_dict(), tokenizer=tokenizer)
 
 
