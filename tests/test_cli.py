@@ -354,11 +354,10 @@ def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     assert streamer.tokens_at_first == 2  # the summary's rate starts after both
 
 
-def test_commands_run_the_embedded_models_own_blocks_unless_told_otherwise():
+def test_commands_load_the_float_copy_unless_told_otherwise():
     from genfn.default_model import command_quantize
 
-    assert command_quantize(None, None, "float32") == "gguf"          # the embedded Q4_1, as llama.cpp runs it
-    assert command_quantize("none", None, "float32") is None          # its float32 copy (transformers' numbers)
-    assert command_quantize(None, None, "bfloat16") is None           # a dtype asked for: every weight in it
-    assert command_quantize(None, "some/dir", "float32") is None      # a user's model loads as it is
+    assert command_quantize(None, None, "float32") is None            # transformers' numbers
+    assert command_quantize("none", None, "float32") is None
+    assert command_quantize("gguf", None, "float32") == "gguf"        # the file's own blocks
     assert command_quantize("q8_0", "some/dir", "float32") == "q8_0"

@@ -64,8 +64,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--quantize", choices=QUANTIZE, default=None,
                         help="quantized linears: 'gguf' keeps a GGUF file's own blocks, 'none' loads every weight in "
-                             "--dtype, the others quantize on load (default: 'gguf' for the embedded SmolLM2 at "
-                             "float32, as llama.cpp runs it; 'none' otherwise)")
+                             "--dtype, the others quantize on load (default: none)")
 
 
 
@@ -106,8 +105,7 @@ def _resolve_path(path: str | None) -> str:
 def _describe(path: str, args) -> str:
     quantize = resolve_quantize(args)
     if quantize == "gguf":
-        weights = "the GGUF file's own quantized blocks" + ("; --quantize none dequantizes them"
-                                                             if args.quantize is None else "")
+        weights = "the GGUF file's own quantized blocks"
     elif quantize:
         weights = f"quantized to {quantize} on load"
     elif str(path).endswith(".gguf"):

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=_DTYPES, default="float32")
     parser.add_argument("--quantize", choices=_QUANTIZE, default=None,
                         help="'gguf' keeps a GGUF file's quantized blocks, 'none' loads every weight in --dtype, the others "
-                             "quantize on load (default: 'gguf' for the embedded SmolLM2 at float32, 'none' otherwise)")
+                             "quantize on load (default: none)")
     batching = parser.add_argument_group("continuous batching")
     batching.add_argument("--num-blocks", type=_positive_int, default=None, help="KV cache blocks (default: sized "
                                                                                 "for the workload)")
