@@ -44,6 +44,18 @@ def tiny_pair(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides):
     return hf_model, from_hf_state_dict(config_dict, hf_model.state_dict())
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """torch on one thread for a module whose tests run a background loop (the batching manager,
+    a server): that thread and the test thread each get an OpenMP team, and on a small shared
+    machine two spinning teams slow a step twenty-fold. Opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """genfn's native SmolLM2 (float32), loaded once for the whole run."""

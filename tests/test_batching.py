@@ -29,14 +29,7 @@ from genfn.models.packed import init_packed_cache
 WAIT_S = 60  # the longest any single wait in these tests may take
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The loop thread and the test thread each get an OpenMP team; on a small shared machine two
-    spinning teams slow a step twenty-fold, so these tests run torch on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from conftest import tiny_pair
 from genfn.batching.manager import ContinuousBatchingManager
@@ -30,12 +29,7 @@ from genfn.serve.prometheus import render
 WAIT_S = 60  # the longest any single wait in these tests may take
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class _Clock:

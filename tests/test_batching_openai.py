@@ -27,13 +27,7 @@ EOS = 2  # the tiny model's EOS id
 VOCAB = 97
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The loop thread and the test thread would each spin an OpenMP team on a small shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -77,13 +77,7 @@ class ServerThread:
         assert not self.thread.is_alive(), "the test server did not stop"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The manager thread and the server share two cores with the test; one OpenMP team is enough."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

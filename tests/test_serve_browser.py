@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from conftest import smollm2_path, tiny_pair
 
@@ -33,14 +32,7 @@ WAIT_MS = 20_000  # the longest any single wait in the browser may take
 SYSTEM_PROMPT = "You answer in one short sentence."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """The batching loop and uvicorn share a small machine with the browser; one OpenMP team
-    keeps torch from spinning against them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
