@@ -146,6 +146,51 @@ def test_other_backends_and_modes_pass_through():
 
 
 # ------------------------------------------------------------------------------------------
+# the params tree the compiled step reads its weights from
+
+
+def _params_with_every_kind_of_node():
+    from genfn.quant.weight import QuantizedWeight
+
+    blocks = QuantizedWeight(torch.randn(4, 2), torch.randn(4), None, format="q4_1", out_features=4, in_features=8)
+    layer = {"norm": torch.randn(8), "w": blocks, 7: torch.randn(2)}  # an int key: not a literal dict key
+    return {"embed": torch.randn(3, 8), "layers": [layer, dict(layer, norm=torch.randn(8))],
+            "pair": (torch.randn(1), None), "inv_freq": torch.randn(4)}
+
+
+def test_the_params_module_rebuilds_its_tree_from_the_same_tensors():
+    import torch.utils._pytree as torch_pytree
+
+    from genfn.driver import ParamsModule
+
+    params = _params_with_every_kind_of_node()
+    rebuilt = ParamsModule(params).tree()
+    leaves, spec = torch_pytree.tree_flatten(params)
+    rebuilt_leaves, rebuilt_spec = torch_pytree.tree_flatten(rebuilt)
+    assert rebuilt_spec == spec
+    assert all(a is b for a, b in zip(rebuilt_leaves, leaves)), "the module's buffers are the params' own tensors"
+    assert rebuilt["layers"][1]["w"].format == "q4_1" and rebuilt["layers"][1]["w"].in_features == 8
+
+
+def test_the_params_tree_traces_under_dynamo_to_its_buffers():
+    from genfn.driver import ParamsModule
+
+    params = _params_with_every_kind_of_node()
+    weights = ParamsModule(params)
+
+    def read(x):
+        tree = weights.tree()
+        return x * tree["layers"][1]["norm"] + tree["layers"][0]["w"].scales.sum() + tree["pair"][0]
+
+    x = torch.randn(8)
+    torch._dynamo.reset()
+    compiled = torch.compile(read, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), read(x))
+    params["layers"][1]["norm"].mul_(2)  # the buffers are the params' tensors, read at call time
+    assert torch.equal(compiled(x), read(x))
+
+
+# ------------------------------------------------------------------------------------------
 # OpenMP wait policy
 
 
