@@ -46,9 +46,14 @@ class InductorFreezingWhereItPays(torch._TorchCompileInductorWrapper):
             patches["freezing"] = linears > 0 and not torch.is_grad_enabled()
             _logger.debug("inductor: %d library linears in the graph, freezing %s", linears,
                           "on" if patches["freezing"] else "off")
+        # INFO, so that a CLI user waiting on a first compile reads that the wait is a C++ build.
+        _logger.info("inductor: compiling the traced graph (%d ops): seconds from its on-disk cache, "
+                     "a minute or more of C++ build the first time", _graph_ops(model_))
+        hits_before = _cache_hits()
         start = time.perf_counter()
         compiled = super().__call__(model_, inputs_, config_patches=patches)
-        _logger.debug("inductor compiled the graph in %.1f s", time.perf_counter() - start)
+        _logger.info("inductor: %s in %.1f s", "loaded the compiled graph from its cache" if _cache_hits() > hits_before
+                     else "generated and built the graph's C++", time.perf_counter() - start)
         return compiled
 
     def __eq__(self, other):
@@ -56,6 +61,17 @@ class InductorFreezingWhereItPays(torch._TorchCompileInductorWrapper):
 
     def __hash__(self):
         return id(self)
+
+
+def _graph_ops(graph_module: torch.fx.GraphModule) -> int:
+    return sum(1 for node in graph_module.graph.nodes if node.op in ("call_function", "call_method", "call_module"))
+
+
+def _cache_hits() -> int:
+    """AOT autograd's and inductor's on-disk cache hits in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
 
 
 def with_genfn_backend(compile_options: dict) -> dict:

@@ -137,6 +137,17 @@ def test_an_explicit_freezing_option_wins(recorded_patches):
     assert [p["freezing"] for p in recorded_patches] == [True, False]
 
 
+def test_the_backend_says_when_inductor_starts_and_how_its_compile_went(recorded_patches, caplog):
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    with caplog.at_level("INFO", logger="genfn"):
+        _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"fullgraph": True}, x, w)
+    messages = [r.getMessage() for r in caplog.records if r.name == "genfn.compile_backend"]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("inductor: compiling the traced graph (") and "C++ build" in messages[0]
+    # The recorder stands in for inductor and reads no cache, so the compile counts as a build.
+    assert messages[1].startswith("inductor: generated and built the graph's C++ in "), messages[1]
+
+
 def test_other_backends_and_modes_pass_through():
     assert compile_backend.with_genfn_backend({"backend": "eager", "fullgraph": True}) == {"backend": "eager",
                                                                                         "fullgraph": True}
