@@ -28,6 +28,7 @@ from genfn import kernels
 from genfn.compile_backend import with_genfn_backend
 from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
+from genfn.quant.weight import QuantizedWeight
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
 
@@ -66,21 +67,28 @@ class ParamsModule(torch.nn.Module):
 
     def __init__(self, params):
         super().__init__()
-        leaves, treedef = torch_pytree.tree_flatten(params)
+        # Quantized weights stay the objects they are: their tensors feed genfn's own op, which
+        # freezing cannot improve, and building 121 of them inside the trace cost dynamo seconds.
+        leaves, treedef = torch_pytree.tree_flatten(params, is_leaf=lambda node: isinstance(node, QuantizedWeight))
+        kept = {}
         for i, leaf in enumerate(leaves):
-            self.register_buffer(f"p{i}", leaf, persistent=False)
-        self._build_tree = _literal_tree_builder(treedef)
+            if isinstance(leaf, QuantizedWeight):
+                kept[i] = leaf
+            else:
+                self.register_buffer(f"p{i}", leaf, persistent=False)
+        self._build_tree = _literal_tree_builder(treedef, kept)
 
     def tree(self):
         return self._build_tree(self)
 
 
-def _literal_tree_builder(treedef) -> Callable[[torch.nn.Module], Any]:
-    """``module -> tree of treedef's structure`` with leaf ``i`` read as ``module.p{i}``, written out
-    as one literal expression (dicts and lists as literals, other nodes through their registered
-    unflatten). Dynamo traces torch's generic ``tree_unflatten`` at milliseconds per node: for
-    SmolLM2 Q4_1's ~600-node params that was 40 % of tracing the decode step, paid again by every
-    process, where the literal costs it a few bytecodes per node."""
+def _literal_tree_builder(treedef, kept: dict[int, Any]) -> Callable[[torch.nn.Module], Any]:
+    """``module -> tree of treedef's structure`` with leaf ``i`` read as ``module.p{i}`` (or the
+    object ``kept[i]`` itself), written out as one literal expression (dicts and lists as literals,
+    other nodes through their registered unflatten). Dynamo traces torch's generic
+    ``tree_unflatten`` at milliseconds per node: for SmolLM2 Q4_1's ~600-node params that was 40 %
+    of tracing the decode step, paid again by every process, where the literal costs it a few
+    bytecodes per node."""
     bound: dict[str, Any] = {}
     leaf_index = iter(range(treedef.num_leaves))
 
@@ -91,7 +99,8 @@ def _literal_tree_builder(treedef) -> Callable[[torch.nn.Module], Any]:
 
     def literal(spec) -> str:
         if spec.is_leaf():
-            return f"module.p{next(leaf_index)}"
+            index = next(leaf_index)
+            return bind(kept[index]) if index in kept else f"module.p{index}"
         children = [literal(child) for child in spec.children()]
         if spec.type is list:
             return "[" + ", ".join(children) + "]"
