@@ -116,6 +116,11 @@ def child(fmt: str, new_tokens: int, freezing: str, options: dict) -> dict:
     phases["first_token_call_s"] = time.perf_counter() - t
     phases["first_token_since_start_s"] = time.perf_counter() - PROCESS_START
     phases["compile_breakdown"] = _compile_breakdown()
+    # CPU seconds, which a busy machine stretches less than wall time: this process's own (dynamo,
+    # AOT autograd, inductor) and its finished children's (g++ of the kernels and the wrapper).
+    import resource
+    phases["self_cpu_s"] = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 1)
+    phases["children_cpu_s"] = round(sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2]), 1)
     steady = []
     for _ in range(3):
         t = time.perf_counter()
@@ -209,6 +214,7 @@ def main() -> int:
             log(f"{fmt:8s} {phase}: first compiled token {r['first_token_since_start_s']:6.1f} s after start "
                 f"(import {r['import_s']:.1f}, load {r['load_s']:.1f}, kernels {r['kernels_s']:.1f}, "
                 f"generate {r['first_token_call_s']:.1f} of which steady {r['steady_call_s']:.2f}); "
+                f"cpu: own {r['self_cpu_s']} s, g++ and other children {r['children_cpu_s']} s; "
                 f"recompiles {r['recompiles']}, graphs {r['unique_graphs']}, breaks {r['graph_breaks']}; "
                 f"inductor {r['inductor']} aot {r['aot_autograd']}")
             for when, name, message in r["log"]:
