@@ -142,9 +142,9 @@ def child(fmt: str, new_tokens: int, freezing: str, options: dict) -> dict:
     return phases
 
 
-def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str, options: str) -> dict:
+def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str, options: str, genfn_root: Path) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), GENFN_KERNEL_CACHE=str(cache / "kernels"),
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
+               PYTHONPATH=str(genfn_root) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
     t = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", fmt, "--new-tokens", str(new_tokens),
                            "--freezing", freezing, "--options", options], env=env,
@@ -178,6 +178,8 @@ def main() -> int:
                     help="auto: genfn's per-graph choice; on/off: forced (an A/B of the compile times)")
     ap.add_argument("--options", default="",
                     help="inductor options over genfn's CPU ones, e.g. max_autotune=0,cpp_wrapper=1 (an A/B)")
+    ap.add_argument("--genfn-root", default=str(ROOT),
+                    help="checkout whose genfn the measured processes import (default this one): a before/after")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -194,7 +196,8 @@ def main() -> int:
 
     log(f"# genfn start-up benchmark  uptime: {os.popen('uptime').read().strip()}")
     log(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}  "
-        f"cpus {os.cpu_count()}  freezing {args.freezing}  options {_parse_options(args.options) or 'genfn default'}")
+        f"cpus {os.cpu_count()}  freezing {args.freezing}  options {_parse_options(args.options) or 'genfn default'}  "
+        f"genfn from {args.genfn_root}")
     rows = []
     for fmt in formats:
         if args.cache_dir:
@@ -206,7 +209,7 @@ def main() -> int:
             cache = Path(holder.name)
         runs = {}
         for phase in (("warm",) if args.warm_only else ("cold", "warm")):
-            runs[phase] = run_child(fmt, args.new_tokens, cache, args.freezing, args.options)
+            runs[phase] = run_child(fmt, args.new_tokens, cache, args.freezing, args.options, Path(args.genfn_root))
             r = runs[phase]
             if "error" in r:
                 log(f"{fmt:8s} {phase}: FAILED after {r['wall_s']:.0f} s: {r['error']}")

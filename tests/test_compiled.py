@@ -70,7 +70,8 @@ def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_tol
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     static = dict(cache_implementation="static")
-    assert _CPU_COMPILE_OPTIONS == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
+    assert _CPU_COMPILE_OPTIONS == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True,
+                                    "cpp_wrapper_build_separate": True}
     assert _compile_options(genfn.GenerationConfig(**static), cpu) == {"fullgraph": True,
                                                                        "options": _CPU_COMPILE_OPTIONS}
     # transformers' default mode is CUDA graphs ("reduce-overhead"): meaningless on a CPU, and
@@ -79,7 +80,8 @@ def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_tol
     assert _compile_options(default_cc, cpu)["options"] == _CPU_COMPILE_OPTIONS
     assert "mode" not in _compile_options(default_cc, cpu)
     assert "mode" not in _compile_options(default_cc, cuda) and "options" not in _compile_options(default_cc, cuda)
-    assert "cpp_wrapper" not in _compile_options(default_cc, cpu, whole_loop=True)["options"]
+    loop_options = _compile_options(default_cc, cpu, whole_loop=True)["options"]
+    assert "cpp_wrapper" not in loop_options and "cpp_wrapper_build_separate" not in loop_options
     chosen = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode="default"), **static)
     assert _compile_options(chosen, cpu)["mode"] == "default"
     with_options = genfn.GenerationConfig(compile_config=genfn.CompileConfig(mode=None, options={"freezing": True}),
