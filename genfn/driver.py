@@ -345,8 +345,9 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
 # bf16 b=1: 18.4 -> 16.6 ms/step, f32 b=8: 44.7 -> 43.6, interleaved in one process).
 # The wrapper is built apart from the kernels (``cpp_wrapper_build_separate``): one translation
 # unit of ~13,000 lines of shim calls at -O1 beside the kernels at -O3, where a single -O3 unit
-# was most of a cold compile (SmolLM2 Q4_1: g++ CPU 18 s split against minutes as one unit), with
-# steady ms/step unchanged (interleaved A/B: 7.06 vs 7.27). Where genfn's kernels take every linear
+# was most of a cold compile (SmolLM2 Q4_1, g++ CPU seconds: 10.6 wrapper + 7.3 kernels, in
+# parallel, against 104 as one unit), with steady ms/step unchanged (interleaved A/B: 7.06 vs 7.27
+# under load). Where genfn's kernels take every linear
 # (nothing to autotune) max-autotune and coordinate descent change no generated line: measured,
 # the compile reused the other's C++ byte for byte.
 _CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True,
