@@ -70,37 +70,45 @@ class ParamsModule(torch.nn.Module):
         # Quantized weights stay the objects they are: their tensors feed genfn's own op, which
         # freezing cannot improve, and building 121 of them inside the trace cost dynamo seconds.
         leaves, treedef = torch_pytree.tree_flatten(params, is_leaf=lambda node: isinstance(node, QuantizedWeight))
-        kept = {}
+        # They are reached as module attributes, never through the builder's own globals: dynamo
+        # names a tensor found there after the globals dict's id, which differs per process and
+        # made every later process miss AOT autograd's cache.
+        kept = set()
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, QuantizedWeight):
-                kept[i] = leaf
+                setattr(self, f"q{i}", leaf)
+                kept.add(i)
             else:
                 self.register_buffer(f"p{i}", leaf, persistent=False)
-        self._build_tree = _literal_tree_builder(treedef, kept)
+        self._build_tree, bound = _literal_tree_builder(treedef, kept)
+        for name, value in bound.items():
+            setattr(self, name, value)
 
     def tree(self):
         return self._build_tree(self)
 
 
-def _literal_tree_builder(treedef, kept: dict[int, Any]) -> Callable[[torch.nn.Module], Any]:
-    """``module -> tree of treedef's structure`` with leaf ``i`` read as ``module.p{i}`` (or the
-    object ``kept[i]`` itself), written out as one literal expression (dicts and lists as literals,
-    other nodes through their registered unflatten). Dynamo traces torch's generic
+def _literal_tree_builder(treedef, kept: set[int]) -> tuple[Callable[[torch.nn.Module], Any], dict[str, Any]]:
+    """``module -> tree of treedef's structure`` with leaf ``i`` read as ``module.p{i}`` (or
+    ``module.q{i}`` for ``i`` in ``kept``), written out as one literal expression: dicts and lists
+    as literals, other nodes through their registered unflatten, read as ``module._bound{k}`` from
+    the returned dict, which the caller sets on the module. Dynamo traces torch's generic
     ``tree_unflatten`` at milliseconds per node: for SmolLM2 Q4_1's ~600-node params that was 40 %
     of tracing the decode step, paid again by every process, where the literal costs it a few
-    bytecodes per node."""
+    bytecodes per node. Everything is read through the module, none through the builder's globals
+    (see ``ParamsModule``)."""
     bound: dict[str, Any] = {}
     leaf_index = iter(range(treedef.num_leaves))
 
     def bind(value) -> str:
         name = f"_bound{len(bound)}"
         bound[name] = value
-        return name
+        return f"module.{name}"
 
     def literal(spec) -> str:
         if spec.is_leaf():
             index = next(leaf_index)
-            return bind(kept[index]) if index in kept else f"module.p{index}"
+            return f"module.{'q' if index in kept else 'p'}{index}"
         children = [literal(child) for child in spec.children()]
         if spec.type is list:
             return "[" + ", ".join(children) + "]"
@@ -112,9 +120,9 @@ def _literal_tree_builder(treedef, kept: dict[int, Any]) -> Callable[[torch.nn.M
         return f"{bind(unflatten)}([{', '.join(children)}], {bind(spec.context)})"
 
     source = f"def build_tree(module):\n    return {literal(treedef)}\n"
-    namespace = dict(bound)
+    namespace: dict[str, Any] = {}
     exec(compile(source, "<genfn.driver params tree>", "exec"), namespace)
-    return namespace["build_tree"]
+    return namespace["build_tree"], bound
 
 
 def _split_leaves(state):

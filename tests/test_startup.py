@@ -201,6 +201,35 @@ def test_the_params_tree_traces_under_dynamo_to_its_buffers():
     assert torch.equal(compiled(x), read(x))
 
 
+_COMPILE_A_QUANTIZED_STEP = """
+import sys, torch, genfn
+sys.path.insert(0, "tests")
+from test_quantized import _tiny
+from genfn.models.quantized import quantize_params
+from torch._dynamo.utils import counters
+model = _tiny(seed=1)
+model.params = quantize_params(model.params, "q4_1")
+genfn.generate(model, torch.tensor([[5, 17, 3, 88]]), cache_implementation="static", max_cache_len=32,
+               max_new_tokens=3, do_sample=False, pad_token_id=0)
+print(dict(counters["aot_autograd"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_quantized_step_from_aot_autograds_cache(tmp_path):
+    # The params tree once reached quantized weights through an exec'd function's globals, which
+    # dynamo names by the dict's id: every process traced a differently named graph and missed.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _COMPILE_A_QUANTIZED_STEP], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        counts.append(done.stdout.strip().splitlines()[-1])
+    assert "autograd_cache_miss" in counts[0] and "autograd_cache_hit" not in counts[0], counts
+    assert "autograd_cache_hit" in counts[1] and "autograd_cache_miss" not in counts[1], counts
+
+
 # ------------------------------------------------------------------------------------------
 # OpenMP wait policy
 
