@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
+# Before torch: genfn chooses the OpenMP wait policy when it is imported first, as a user gets it.
+import genfn  # noqa: E402,F401
 
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
 
 LAYERS = 30
 
@@ -155,6 +157,14 @@ def step_weights(fmt: str):
     return out
 
 
+def _float_views(w) -> list:
+    """The tensors holding a weight's bytes, viewed as float32 (what a summing stream reads)."""
+    from genfn.quant import QuantizedWeight
+
+    parts = [w.codes, w.scales] + ([] if w.mins is None else [w.mins]) if isinstance(w, QuantizedWeight) else [w]
+    return [p.view(torch.float32) for p in parts]
+
+
 def step_main(formats: str, rows: str, against: str | None, repeats: int) -> None:
     import os
 
@@ -163,7 +173,8 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
 
     torch.set_grad_enabled(False)
     baseline = build_baseline(against) if against else None
-    print(f"# step linears, threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}, {kernels.kernel_status()}")
+    print(f"# step linears, threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}, "
+          f"wait policy {genfn.wait_policy.wait_policy()}, {kernels.kernel_status()}")
 
     def nbytes(w):
         return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
@@ -187,7 +198,13 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
                         xs[w.shape[1]], w.codes, w.scales, w.mins, w.kind, w.out_features)
             if is_float:
                 variants["F.linear"] = lambda w: F.linear(xs[w.shape[1]], w)
-            ref = {name: [fn(w) for w in weights[-3:]] for name, fn in variants.items()}
+            # The streaming ceiling: the same bytes read by tensor.sum() (float32 views of each
+            # weight's own tensors, one call per linear as the kernels make), and all of them as
+            # one buffer (the bandwidth with no per-call cost).
+            variants["sum() per weight"] = lambda w: [t.sum() for t in _float_views(w)]
+            flat = torch.ones(total // 4)
+            variants["sum() one buffer"] = lambda w: flat.sum() if w is weights[0] else None
+            ref = {name: [fn(w) for w in weights[-3:]] for name, fn in variants.items() if not name.startswith("sum")}
             times = {name: [] for name in variants}
             cpu_times = {name: [] for name in variants}
             for _ in range(repeats):
@@ -200,7 +217,8 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
             for name in variants:
                 best, median = min(times[name]), sorted(times[name])[len(times[name]) // 2]
                 cpu = min(cpu_times[name])
-                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref[name], ref["genfn"]))
+                diff = (max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref[name], ref["genfn"]))
+                        if name in ref else float("nan"))
                 print(f"  {fmt:9s} rows {m}  {name:22s} best {best * 1e3:7.2f} ms  median {median * 1e3:7.2f} ms  "
                       f"{total / best / 1e9:5.1f} GB/s ({total / 1e6:.0f} MB)  cpu {cpu * 1e3:7.2f} ms  max |diff| vs genfn {diff:.1e}",
                       flush=True)
