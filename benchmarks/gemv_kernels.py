@@ -165,7 +165,14 @@ def _float_views(w) -> list:
     return [p.view(torch.float32) for p in parts]
 
 
-def step_main(formats: str, rows: str, against: str | None, repeats: int) -> None:
+def _busy_wait(seconds: float) -> None:
+    """Keep this thread busy (as the step's other, serial work does) while the kernels' threads idle."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def step_main(formats: str, rows: str, against: str | None, repeats: int, gap_s: float = 0.0) -> None:
     import os
 
     from genfn import kernels
@@ -173,7 +180,7 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
 
     torch.set_grad_enabled(False)
     baseline = build_baseline(against) if against else None
-    print(f"# step linears, threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}, "
+    print(f"# step linears, threads {torch.get_num_threads()}, gap {gap_s * 1e6:.0f} us, load avg {os.getloadavg()[0]:.1f}, "
           f"wait policy {genfn.wait_policy.wait_policy()}, {kernels.kernel_status()}")
 
     def nbytes(w):
@@ -212,7 +219,9 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
                     t, c = time.perf_counter(), time.process_time()
                     for w in weights:
                         fn(w)
-                    times[name].append(time.perf_counter() - t)
+                        if gap_s:
+                            _busy_wait(gap_s)
+                    times[name].append(time.perf_counter() - t - gap_s * len(weights))
                     cpu_times[name].append(time.process_time() - c)
             for name in variants:
                 best, median = min(times[name]), sorted(times[name])[len(times[name]) // 2]
@@ -235,8 +244,11 @@ if __name__ == "__main__":
         ap.add_argument("--against", default=None, help="git revision whose kernels to time beside these")
         ap.add_argument("--threads", type=int, default=2)
         ap.add_argument("--repeats", type=int, default=15, help="interleaved timed steps per variant (best is shown)")
+        ap.add_argument("--gap-us", type=float, default=0.0,
+                        help="busy-wait this long on the calling thread after each linear, as the compiled step's "
+                             "other work does (subtracted from the times): the worker threads' wake-up then shows")
         a = ap.parse_args(sys.argv[2:])
         torch.set_num_threads(a.threads)
-        step_main(a.formats, a.rows, a.against, a.repeats)
+        step_main(a.formats, a.rows, a.against, a.repeats, a.gap_us * 1e-6)
     else:
         main(*sys.argv[1:3])
