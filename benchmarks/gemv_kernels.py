@@ -131,10 +131,6 @@ def build_baseline(rev: str):
     for source, text in zip(kernels._SOURCES, texts):
         sources.append(out_dir / source.name)
         sources[-1].write_text(text)
-    for header in getattr(kernels, "_HEADERS", ()):  # what the sources include, where rev has it
-        shown = subprocess.run(["git", "show", f"{rev}:genfn/kernels/{header.name}"], cwd=root, capture_output=True, text=True)
-        if shown.returncode == 0:
-            (out_dir / header.name).write_text(shown.stdout)
     library = out_dir / "baseline.so"
     if not library.exists():
         ours = {str(s): str(b) for s, b in zip(kernels._SOURCES, sources)}

@@ -36,8 +36,6 @@ from genfn.quant.weight import QuantizedWeight
 __all__ = ["linear", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp"))
-# Included by the sources: part of the build's cache key.
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("split.h",))
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 _logger = logging.getLogger(__name__)
@@ -90,7 +88,7 @@ def _build() -> Path:
     if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     key = hashlib.sha256()
-    for source in _SOURCES + _HEADERS:
+    for source in _SOURCES:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_compile_command(Path("out.so"))).encode())

@@ -14,8 +14,6 @@
 
 #include <immintrin.h>
 
-#include "split.h"
-
 #include <vector>
 
 namespace {
@@ -30,8 +28,6 @@ constexpr int kLanes = 16;
 // against 27.6 through L2; 4 rows 30.0 against 37.4; bfloat16 8 rows 24.2 against 33.7 (sum()
 // over the same bytes 38-45). 4 and 16 KiB ahead measured alike.
 constexpr int64_t kPrefetchBytes = 16384;
-// The least a thread claims at a time (split.h): an atomic exchange per ~32 KiB of weight.
-constexpr int64_t kChunkBytes = 32768;
 
 inline __m512 widen(__m256i halves) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
@@ -131,8 +127,7 @@ inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 
 // Rows [n, n + R) of w against the M rows of x ([M, K]); results to y[m * N + n + r]. `ahead`:
-// prefetch distance in bytes from the block's own bytes, negative for a stream walking down
-// (0: none).
+// prefetch distance in bytes from the block's own bytes (0: none).
 // Compiled for AVX512_BF16 so that Bfloat16Dot's intrinsics inline (the float instantiations use
 // none of it; the bfloat16 one runs only where the CPU has it).
 template <typename Dot, int M, int R, typename Out>
@@ -148,7 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
   constexpr int kLinesPerStep = (R * S * sizeof(Weight) + 63) / 64;
   int64_t k = 0;
   for (; k + S <= K; k += S) {
-    if (ahead != 0)
+    if (ahead > 0)
       for (int j = 0; j < kLinesPerStep; ++j) _mm_prefetch(fetch + k * R * sizeof(Weight) + 64 * j, _MM_HINT_T1);
     typename Dot::Chunk wv[R];
     for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k);
@@ -184,22 +179,16 @@ void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int6
   constexpr int R = rows_per_block<M>();
   const int64_t blocks = N / R;
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
-  const int64_t total = blocks * block_bytes;
-  const char* base = reinterpret_cast<const char*>(w);
-  // Row blocks from both ends of the weight (split.h): each thread one sequential stream.
-  genfn_split::from_both_ends(blocks, std::max<int64_t>(1, kChunkBytes / block_bytes),
-                              [&](int64_t b0, int64_t b1, bool from_back, bool first) {
-    if (first) {  // the stream's first window: nothing fetched it ahead
-      const int64_t begin = from_back ? std::max<int64_t>(0, b1 * block_bytes - kPrefetchBytes) : b0 * block_bytes;
-      const int64_t end = std::min(begin + kPrefetchBytes, total);
-      for (int64_t off = begin; off < end; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
-    }
-    // The window runs ahead in the direction of travel, never past the weight's ends.
-    for (int64_t i = 0; i < b1 - b0; ++i) {
-      const int64_t b = from_back ? b1 - 1 - i : b0 + i;
-      const bool inside = from_back ? b * block_bytes - kPrefetchBytes >= 0
-                                    : (b + 1) * block_bytes + kPrefetchBytes <= total;
-      row_block<Dot, M, R>(x, w, K, N, b * R, inside ? (from_back ? -kPrefetchBytes : kPrefetchBytes) : 0, y);
+  // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    // The first window of the stream: nothing fetched it ahead.
+    const char* start = reinterpret_cast<const char*>(w + b0 * R * K);
+    const int64_t length = (b1 - b0) * block_bytes;
+    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(start + off, _MM_HINT_T1);
+    // Blocks within a window of the end fetch nothing: past it lies another thread's share.
+    for (int64_t b = b0; b < b1; ++b) {
+      const bool ahead = (b - b0 + 1) * block_bytes + kPrefetchBytes <= length;
+      row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
     }
   });
   for (int64_t n = blocks * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);

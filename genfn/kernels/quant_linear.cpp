@@ -15,8 +15,6 @@
 
 #include <immintrin.h>
 
-#include "split.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -79,20 +77,11 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_activations(const floa
 constexpr int64_t kPrefetchBytes = 16384;
 // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
 constexpr int64_t kScalePrefetchBytes = kPrefetchBytes / 8;
-// The least a thread claims at a time (split.h): an atomic exchange per ~32 KiB of codes.
-constexpr int64_t kChunkBytes = 32768;
 
-// A thread's claim of tiles (split.h): [t0, t1) of `tiles`, walked downwards when from_back;
-// `first` where its stream starts.
-struct Claim {
-  int64_t t0, t1, tiles;
-  bool from_back, first;
-};
-
-// The claimed tiles against M rows of quantized x; y is [M, N] float32.
+// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32.
 template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
-    Claim claim, int64_t nb, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
+    int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
     const Activations& a, int64_t K, int64_t N, float* y) {
   constexpr int kChunks = chunks_of(kind);
   constexpr int64_t kBlockBytes = kChunks * 64;
@@ -101,39 +90,31 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   // the rows' chains are independent already, and a second chain each would spill registers.
   constexpr bool kTwoChains = M < 4;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const int64_t tile_bytes = nb * kBlockBytes;
-  // The window runs ahead in the direction of travel, never past the weight's ends.
-  const int64_t ahead = claim.from_back ? -kPrefetchBytes : kPrefetchBytes;
-  const int64_t scales_ahead = claim.from_back ? -kScalePrefetchBytes : kScalePrefetchBytes;
-  const int64_t codes_bytes = claim.tiles * tile_bytes;
-  if (claim.first) {  // the stream's first window: nothing fetched it ahead
-    const int64_t length = (claim.t1 - claim.t0) * tile_bytes;
-    const int64_t window = std::min(kPrefetchBytes, length), scale_window = std::min(kScalePrefetchBytes, length / 8);
-    const int64_t start = claim.from_back ? claim.t1 * tile_bytes - window : claim.t0 * tile_bytes;
-    const int64_t scale_start = claim.from_back ? claim.t1 * nb * kTile * 2 - scale_window : claim.t0 * nb * kTile * 2;
-    for (int64_t off = 0; off < window; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(codes) + start + off, _MM_HINT_T1);
-    for (int64_t off = 0; off < scale_window; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(scales) + scale_start + off, _MM_HINT_T1);
-      if constexpr (kind == kQ4Min) _mm_prefetch(reinterpret_cast<const char*>(mins) + scale_start + off, _MM_HINT_T1);
+  const uint8_t* codes_end = codes + t1 * nb * kBlockBytes;
+  {  // The first window of the stream: nothing fetched it ahead.
+    const int64_t length = (t1 - t0) * nb * kBlockBytes;
+    const char* start = reinterpret_cast<const char*>(codes + t0 * nb * kBlockBytes);
+    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(start + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < std::min(kScalePrefetchBytes, length / 8); off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + t0 * nb * kTile) + off, _MM_HINT_T1);
+      if constexpr (kind == kQ4Min) _mm_prefetch(reinterpret_cast<const char*>(mins + t0 * nb * kTile) + off, _MM_HINT_T1);
     }
   }
-  for (int64_t i = 0; i < claim.t1 - claim.t0; ++i) {
-    const int64_t t = claim.from_back ? claim.t1 - 1 - i : claim.t0 + i;
+  for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const uint8_t* c = codes + t * tile_bytes;
+    const uint8_t* c = codes + t * nb * kBlockBytes;
     const uint16_t* sc = scales + t * nb * kTile;
     const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
     for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
-      const int64_t fetch = (c - codes) + ahead;
-      if (fetch >= 0 && fetch + kBlockBytes <= codes_bytes) {
-        for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + ahead + 64 * j), _MM_HINT_T1);
+      // Nothing past the window's end: that is another thread's share.
+      if (c + kPrefetchBytes + kBlockBytes <= codes_end) {
+        for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + 64 * j), _MM_HINT_T1);
         // Scales (and minimums): 32 bytes a block, a line every other block.
         if (b % 2 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + scales_ahead, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kScalePrefetchBytes, _MM_HINT_T1);
           if constexpr (kind == kQ4Min)
-            _mm_prefetch(reinterpret_cast<const char*>(mn + b * kTile) + scales_ahead, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes, _MM_HINT_T1);
         }
       }
       __m512i w[8];
@@ -206,17 +187,17 @@ void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const 
 }
 
 template <int64_t kind>
-void dispatch_rows(int64_t M, Claim claim, int64_t nb, const uint8_t* codes, const uint16_t* scales,
+void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales,
                    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
   switch (M) {
-    case 1: return run_tiles<1, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 2: return run_tiles<2, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 3: return run_tiles<3, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 4: return run_tiles<4, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 5: return run_tiles<5, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 6: return run_tiles<6, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    case 7: return run_tiles<7, kind>(claim, nb, codes, scales, mins, a, K, N, y);
-    default: return run_tiles<8, kind>(claim, nb, codes, scales, mins, a, K, N, y);
+    case 1: return run_tiles<1, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 2: return run_tiles<2, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 3: return run_tiles<3, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 4: return run_tiles<4, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 5: return run_tiles<5, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 6: return run_tiles<6, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 7: return run_tiles<7, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    default: return run_tiles<8, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
   }
 }
 
@@ -264,14 +245,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                        reinterpret_cast<const c10::Half*>(mp), a, K, N, yp);
       continue;
     }
-    // Tiles from both ends of the weight (split.h): each thread one sequential stream.
-    const int64_t tile_bytes = nb * chunks_of(kind) * 64;
-    genfn_split::from_both_ends(tiles, std::max<int64_t>(1, kChunkBytes / tile_bytes),
-                                [&](int64_t t0, int64_t t1, bool from_back, bool first) {
-      const Claim claim{t0, t1, tiles, from_back, first};
-      if (kind == kQ4) dispatch_rows<kQ4>(rows, claim, nb, cp, sp, mp, a, K, N, yp);
-      else if (kind == kQ4Min) dispatch_rows<kQ4Min>(rows, claim, nb, cp, sp, mp, a, K, N, yp);
-      else dispatch_rows<kQ8>(rows, claim, nb, cp, sp, mp, a, K, N, yp);
+    // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+      if (kind == kQ4) dispatch_rows<kQ4>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+      else if (kind == kQ4Min) dispatch_rows<kQ4Min>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+      else dispatch_rows<kQ8>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
     });
   }
   return y.view(out_sizes).to(x.scalar_type());
