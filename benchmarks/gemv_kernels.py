@@ -2,7 +2,7 @@
 
     python benchmarks/gemv_kernels.py float32 [rows]
     python benchmarks/gemv_kernels.py bfloat16 [rows]
-    python benchmarks/gemv_kernels.py step [formats] [rows] [--against REV]
+    python benchmarks/gemv_kernels.py step [formats] [rows] [--against REV] [--gap-us US]
 
 ``step``: every linear of one SmolLM2 decode step (30 x qkv [960, 576], o [576, 576], gate/up
 [3072, 576], down [576, 1536], and the head [49152, 576]; random weights, quantized heads in
@@ -11,7 +11,12 @@ format (default float32,bfloat16,q8_0,q4_1) and rows of x (default 1,8). ``--aga
 also builds the kernels' sources at git revision REV under another op namespace and times them
 in the same loop, interleaved, so the ratio survives a noisy machine; float formats also time
 ``F.linear``. ``cpu`` is the best process CPU time of a step (all threads): on a shared machine,
-with ``--threads 1``, it leaves out the time the thread waited for a core.
+with ``--threads 1``, it leaves out the time the thread waited for a core. The streaming
+ceiling is printed beside them: ``tensor.sum()`` over the same bytes, once per weight (one call
+per linear, as the kernels make) and as one buffer (the read bandwidth with no per-call cost).
+genfn is imported before torch, so the OpenMP wait policy is the one ``import genfn`` chooses
+(printed). ``--gap-us`` busy-waits on the calling thread after each linear, as the compiled
+step's norms, attention and RoPE do, which is when a sleeping worker's wake-up shows.
 
 A chain of 30 layers of SmolLM2's fused gate/up [3072, 576] and down [576, 1536] projections
 (far larger than the caches) is run at batch 1 (or ``rows``) six ways: eager ``F.linear``; genfn's
