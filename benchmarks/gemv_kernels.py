@@ -2,7 +2,7 @@
 
     python benchmarks/gemv_kernels.py float32 [rows]
     python benchmarks/gemv_kernels.py bfloat16 [rows]
-    python benchmarks/gemv_kernels.py step [formats] [rows] [--against REV]
+    python benchmarks/gemv_kernels.py step [formats] [rows] [--against REV] [--gap-us US]
 
 ``step``: every linear of one SmolLM2 decode step (30 x qkv [960, 576], o [576, 576], gate/up
 [3072, 576], down [576, 1536], and the head [49152, 576]; random weights, quantized heads in
@@ -11,7 +11,12 @@ format (default float32,bfloat16,q8_0,q4_1) and rows of x (default 1,8). ``--aga
 also builds the kernels' sources at git revision REV under another op namespace and times them
 in the same loop, interleaved, so the ratio survives a noisy machine; float formats also time
 ``F.linear``. ``cpu`` is the best process CPU time of a step (all threads): on a shared machine,
-with ``--threads 1``, it leaves out the time the thread waited for a core.
+with ``--threads 1``, it leaves out the time the thread waited for a core. The streaming
+ceiling is printed beside them: ``tensor.sum()`` over the same bytes, once per weight (one call
+per linear, as the kernels make) and as one buffer (the read bandwidth with no per-call cost).
+genfn is imported before torch, so the OpenMP wait policy is the one ``import genfn`` chooses
+(printed). ``--gap-us`` busy-waits on the calling thread after each linear, as the compiled
+step's norms, attention and RoPE do, which is when a sleeping worker's wake-up shows.
 
 A chain of 30 layers of SmolLM2's fused gate/up [3072, 576] and down [576, 1536] projections
 (far larger than the caches) is run at batch 1 (or ``rows``) six ways: eager ``F.linear``; genfn's
@@ -25,13 +30,15 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
+# Before torch: genfn chooses the OpenMP wait policy when it is imported first, as a user gets it.
+import genfn  # noqa: E402,F401
 
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
 
 LAYERS = 30
 
@@ -155,7 +162,22 @@ def step_weights(fmt: str):
     return out
 
 
-def step_main(formats: str, rows: str, against: str | None, repeats: int) -> None:
+def _float_views(w) -> list:
+    """The tensors holding a weight's bytes, viewed as float32 (what a summing stream reads)."""
+    from genfn.quant import QuantizedWeight
+
+    parts = [w.codes, w.scales] + ([] if w.mins is None else [w.mins]) if isinstance(w, QuantizedWeight) else [w]
+    return [p.view(torch.float32) for p in parts]
+
+
+def _busy_wait(seconds: float) -> None:
+    """Keep this thread busy (as the step's other, serial work does) while the kernels' threads idle."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def step_main(formats: str, rows: str, against: str | None, repeats: int, gap_s: float = 0.0) -> None:
     import os
 
     from genfn import kernels
@@ -163,7 +185,8 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
 
     torch.set_grad_enabled(False)
     baseline = build_baseline(against) if against else None
-    print(f"# step linears, threads {torch.get_num_threads()}, load avg {os.getloadavg()[0]:.1f}, {kernels.kernel_status()}")
+    print(f"# step linears, threads {torch.get_num_threads()}, gap {gap_s * 1e6:.0f} us, load avg {os.getloadavg()[0]:.1f}, "
+          f"wait policy {genfn.wait_policy.wait_policy()}, {kernels.kernel_status()}")
 
     def nbytes(w):
         return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
@@ -187,7 +210,13 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
                         xs[w.shape[1]], w.codes, w.scales, w.mins, w.kind, w.out_features)
             if is_float:
                 variants["F.linear"] = lambda w: F.linear(xs[w.shape[1]], w)
-            ref = {name: [fn(w) for w in weights[-3:]] for name, fn in variants.items()}
+            # The streaming ceiling: the same bytes read by tensor.sum() (float32 views of each
+            # weight's own tensors, one call per linear as the kernels make), and all of them as
+            # one buffer (the bandwidth with no per-call cost).
+            variants["sum() per weight"] = lambda w: [t.sum() for t in _float_views(w)]
+            flat = torch.ones(total // 4)
+            variants["sum() one buffer"] = lambda w: flat.sum() if w is weights[0] else None
+            ref = {name: [fn(w) for w in weights[-3:]] for name, fn in variants.items() if not name.startswith("sum")}
             times = {name: [] for name in variants}
             cpu_times = {name: [] for name in variants}
             for _ in range(repeats):
@@ -195,12 +224,15 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int) -> Non
                     t, c = time.perf_counter(), time.process_time()
                     for w in weights:
                         fn(w)
-                    times[name].append(time.perf_counter() - t)
+                        if gap_s:
+                            _busy_wait(gap_s)
+                    times[name].append(time.perf_counter() - t - gap_s * len(weights))
                     cpu_times[name].append(time.process_time() - c)
             for name in variants:
                 best, median = min(times[name]), sorted(times[name])[len(times[name]) // 2]
                 cpu = min(cpu_times[name])
-                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref[name], ref["genfn"]))
+                diff = (max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref[name], ref["genfn"]))
+                        if name in ref else float("nan"))
                 print(f"  {fmt:9s} rows {m}  {name:22s} best {best * 1e3:7.2f} ms  median {median * 1e3:7.2f} ms  "
                       f"{total / best / 1e9:5.1f} GB/s ({total / 1e6:.0f} MB)  cpu {cpu * 1e3:7.2f} ms  max |diff| vs genfn {diff:.1e}",
                       flush=True)
@@ -217,8 +249,11 @@ if __name__ == "__main__":
         ap.add_argument("--against", default=None, help="git revision whose kernels to time beside these")
         ap.add_argument("--threads", type=int, default=2)
         ap.add_argument("--repeats", type=int, default=15, help="interleaved timed steps per variant (best is shown)")
+        ap.add_argument("--gap-us", type=float, default=0.0,
+                        help="busy-wait this long on the calling thread after each linear, as the compiled step's "
+                             "other work does (subtracted from the times): the worker threads' wake-up then shows")
         a = ap.parse_args(sys.argv[2:])
         torch.set_num_threads(a.threads)
-        step_main(a.formats, a.rows, a.against, a.repeats)
+        step_main(a.formats, a.rows, a.against, a.repeats, a.gap_us * 1e-6)
     else:
         main(*sys.argv[1:3])

@@ -15,6 +15,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -70,8 +71,19 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_activations(const floa
 
 // How far ahead of the block being summed its thread's stream is fetched. The tiles a thread
 // takes are contiguous, so this runs on into its next tile. Two blocks (0.5-1 KiB) left each
-// core short of misses in flight (~12 GB/s a core); a few KiB keeps DRAM busy.
-constexpr int64_t kPrefetchBytes = 4096;
+// core short of misses in flight (~12 GB/s a core). With one to three rows of x the kernel waits
+// on memory, and 4 KiB into L1 was capped by the core's L1 miss buffers: it fetches 16 KiB
+// ahead into L2 (`prefetcht1`, which Zen 4 keeps out of L1): one 180 MB q8_0 weight, 2 threads,
+// 1 row 28.9 GB/s against 32.4 (sum() 30.5). From four rows on it is bound by its arithmetic,
+// and there loads that wait on L2 cost more than the miss buffers: q4_1 8 rows, SmolLM2's step,
+// 10.6 GB/s through L2 against 11.7 at 4 KiB into L1, which it keeps.
+template <int M>
+constexpr int64_t prefetch_bytes() { return M < 4 ? 16384 : 4096; }
+template <int M>
+inline void prefetch(const void* p) {
+  if constexpr (M < 4) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 // Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32.
 template <int M, int64_t kind>
@@ -85,6 +97,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   // the rows' chains are independent already, and a second chain each would spill registers.
   constexpr bool kTwoChains = M < 4;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
+  constexpr int64_t kPrefetchBytes = prefetch_bytes<M>(), kScalePrefetchBytes = kPrefetchBytes / 8;
+  const uint8_t* codes_end = codes + t1 * nb * kBlockBytes;
+  {  // The first window of the stream: nothing fetched it ahead.
+    const int64_t length = (t1 - t0) * nb * kBlockBytes;
+    const char* start = reinterpret_cast<const char*>(codes + t0 * nb * kBlockBytes);
+    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) prefetch<M>(start + off);
+    for (int64_t off = 0; off < std::min(kScalePrefetchBytes, length / 8); off += 64) {
+      prefetch<M>(reinterpret_cast<const char*>(scales + t0 * nb * kTile) + off);
+      if constexpr (kind == kQ4Min) prefetch<M>(reinterpret_cast<const char*>(mins + t0 * nb * kTile) + off);
+    }
+  }
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -92,12 +116,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     const uint16_t* sc = scales + t * nb * kTile;
     const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
     for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
-      for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + 64 * j), _MM_HINT_T0);
-      // Scales (and minimums): 32 bytes a block, a line every other block.
-      if (b % 2 == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetchBytes / 8, _MM_HINT_T0);
-        if constexpr (kind == kQ4Min)
-          _mm_prefetch(reinterpret_cast<const char*>(mn + b * kTile) + kPrefetchBytes / 8, _MM_HINT_T0);
+      // Nothing past the window's end: that is another thread's share.
+      if (c + kPrefetchBytes + kBlockBytes <= codes_end) {
+        for (int j = 0; j < kChunks; ++j) prefetch<M>(c + kPrefetchBytes + 64 * j);
+        // Scales (and minimums): 32 bytes a block, a line every other block.
+        if (b % 2 == 0) {
+          prefetch<M>(reinterpret_cast<const char*>(sc + b * kTile) + kScalePrefetchBytes);
+          if constexpr (kind == kQ4Min) prefetch<M>(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes);
+        }
       }
       __m512i w[8];
       if constexpr (kind == kQ8) {
