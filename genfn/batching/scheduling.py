@@ -70,7 +70,7 @@ class SchedulerPolicy:
     ``prefill_tokens_while_decoding``: with chunked prefill, the prompt tokens a batch may carry
     while some request decodes (``None``: all the budget leaves). A forward's time grows with its
     tokens, so a full budget of prefill makes every decoding request wait that long for its
-    next token; a cap keeps the inter-token latency near a decode step's at the same throughput.
+    next token; a cap shortens those waits, at the price of admitting new requests later.
     """
 
     kind: str = "fifo"
