@@ -21,7 +21,11 @@ compiled path. Eagerly, a ``PackedPlan`` (the batch's structure as host integers
 are one-token decode chunks, where each prefill chunk sits, how many blocks each row's keys
 span) lets ``planned_attention`` gather each row's keys once per layer, only over the blocks
 they occupy (decode rows together, each prefill chunk alone), and run
-``scaled_dot_product_attention`` on them, as the dense model does.
+``scaled_dot_product_attention`` on them, as the dense model does. Where genfn's native kernels
+are built (``genfn/kernels/paged_attention.cpp``), the decode rows skip the gather: one op reads
+each row's keys and values where they lie in the blocks, and ``write`` stores by slot without
+``index_put``'s index tensors. At 32 decode rows of SmolLM2 the gather, its copies and SDPA's
+set-up took ~24 % of an eager step (torch profiler, float32, one thread); the op takes ~5 %.
 """
 
 from __future__ import annotations
