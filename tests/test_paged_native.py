@@ -76,6 +76,10 @@ def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
     gathered = planned_attention(q, cache, 1, plan_attention(plan, table, positions, size, native=False))
     torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
     assert not native[7:].any()  # padding
+    # Every token in the plan (no padding): the op's rows are the batch's tokens in order.
+    covered = PackedPlan(7, decode=((5, 1, 3), (6, 2, 1)), prefill=((0, 5, 0, 2),))
+    whole = planned_attention(q[:7], cache, 1, plan_attention(covered, table, positions[:7], size, native=True))
+    torch.testing.assert_close(whole, gathered[:7], atol=1e-5, rtol=1e-5)
     decode_only = PackedPlan(2, decode=((0, 1, 3), (1, 2, 1)))
     pos = torch.tensor([10, 0])
     alone = planned_attention(q[5:7], cache, 1, plan_attention(decode_only, table, pos, size, native=True))

@@ -228,7 +228,8 @@ class PlannedAttention:
     ``decode``: ``(token_index [Rd], tables [Rd * w], mask [Rd, 1, 1, w * block_size])`` or
     ``None``; ``prefill``: ``(first_token, num_tokens, table [w], mask [n, w * block_size])`` per chunk.
     ``native_decode``: instead of ``decode``, where the native op reads the blocks in place:
-    ``(token_index [Rd], tables [Rd, W], lengths [Rd])``.
+    ``(token_index [Rd], tables [Rd, W], lengths [Rd])``, one row per token (the decode tokens
+    and the tokens of short prefill chunks).
     """
 
     num_tokens: int
@@ -247,20 +248,33 @@ def _visible(key_positions: torch.Tensor, query_positions: torch.Tensor, sliding
     return visible
 
 
+# Prefill chunks up to this many tokens go to the native op with the decode rows (see plan_attention).
+NATIVE_PREFILL_TOKENS = 64
+
+
 def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
                    sliding_window: int | None = None, native: bool | None = None) -> PlannedAttention:
     """The index tensors and masks of ``plan`` (``block_tables [R, W]``, ``positions [T]`` of the batch).
 
-    ``native``: the decode rows go to the native paged op (``native_decode``: no mask, no gather);
-    ``None``: where the native kernels are built and the tables are on the CPU.
+    ``native``: the decode rows and prefill chunks of up to ``NATIVE_PREFILL_TOKENS`` go to the
+    native paged op (``native_decode``: no mask, no gather); ``None``: where the native kernels
+    are built and the tables are on the CPU.
     """
     if native is None:
         native = block_tables.device.type == "cpu" and _kernels_built()
     device = block_tables.device
     decode = native_decode = None
-    if plan.decode and native:
-        tokens = torch.tensor([t for t, _, _ in plan.decode], dtype=torch.int64, device=device)
-        rows = torch.tensor([r for _, r, _ in plan.decode], dtype=torch.int64, device=device)
+    # Short prefill chunks join the native op's rows, one row per token (its own length): a chunk
+    # of a few dozen tokens costs the op a few dozen short rows, while gathering its blocks and
+    # building a mask for SDPA costs more than that chunk's attention itself.
+    short = [chunk for chunk in plan.prefill if native and chunk[1] <= NATIVE_PREFILL_TOKENS]
+    if native and (plan.decode or short):
+        pairs = [(t, r) for t, r, _ in plan.decode]
+        for first, count, row, _ in short:
+            pairs += [(t, row) for t in range(first, first + count)]
+        pairs.sort()  # token order: a plan covering every token reads q and fills the output as is
+        tokens = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device)
+        rows = torch.tensor([r for _, r in pairs], dtype=torch.int64, device=device)
         native_decode = (tokens, block_tables.index_select(0, rows), positions.index_select(0, tokens) + 1)
     elif plan.decode:
         tokens = torch.tensor([t for t, _, _ in plan.decode], dtype=torch.int64, device=device)
@@ -272,6 +286,8 @@ def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torc
         decode = (tokens, tables, mask.view(len(plan.decode), 1, 1, -1))
     prefill = []
     for first, count, row, width in plan.prefill:
+        if native and count <= NATIVE_PREFILL_TOKENS:
+            continue
         span = torch.arange(width * block_size, device=device)
         mask = _visible(span, positions[first:first + count], sliding_window)
         prefill.append((first, count, block_tables[row, :width], mask))
