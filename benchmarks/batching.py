@@ -13,6 +13,8 @@ Workloads (greedy, ``min_new_tokens = max_new_tokens`` so every request decodes 
 Engines:
 
     genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread)
+    genfn-cb-uncapped  the same with the whole token budget open to prompt tokens while requests
+                  decode (genfn-cb's default gives them a quarter): what the split costs or saves
     hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
     genfn-static           genfn ``generate`` on the left-padded batch (static cache, eager)
     genfn-static-compiled  the same, its decode step compiled (genfn's default CPU compile:
@@ -21,14 +23,17 @@ Engines:
     llama.cpp-Q4_1         llama-cpp-python on the shipped GGUF, every sequence in one
                            ``llama_decode`` per step (``benchmarks/llamacpp.py``); also
                            llama.cpp-F32 (float32 runs) and llama.cpp-F16 (bfloat16 runs) when
-                           ``benchmarks/llamacpp.py make-variants`` has made those files
+                           ``benchmarks/llamacpp.py make-variants`` has made those files. The
+                           issue runs it on the parallel workload; ``--llamacpp-workloads``
+                           adds the mixed one
 
 The padded static batch is the one continuous batching must beat by 1.5x: the ratio is taken
 against the faster of the two genfn-static engines.
 
 Prints tokens/s (generated tokens / wall time), time to first token (from submission) and
 inter-token latency percentiles (p50, p90, p99), and writes them as JSON under
-``benchmarks/results/``. On a shared CPU, run with ``OMP_WAIT_POLICY=PASSIVE`` and compare ratios
+``benchmarks/results/`` (``--tag`` names the file). Each line also gives the engine's wall time
+including its warm-up (``total``), so a long run shows where its time goes. On a shared CPU, run with ``OMP_WAIT_POLICY=PASSIVE`` and compare ratios
 (see benchmarks/decode.py); the header prints the policy in effect.
 """
 
@@ -85,14 +90,15 @@ def workloads(args, vocab):
     }
 
 
-def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512):
+def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_tokens_while_decoding=None):
     from genfn.config.batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
                                   max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   record_timestamps=True, continuous_batching_config=cb, warmup=False)
+                                   record_timestamps=True, continuous_batching_config=cb, warmup=False,
+                                   prefill_tokens_while_decoding=prefill_tokens_while_decoding)
     wall = time.perf_counter() - start
     return _from_outputs("genfn-cb", results.values(), start, wall)
 
@@ -197,7 +203,14 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=["mixed", "parallel"])
     parser.add_argument("--max-batch-tokens", type=int, default=512,
                         help="genfn-cb's token budget per forward (smaller: shorter prefill stalls, lower ITL)")
+    parser.add_argument("--prefill-tokens-while-decoding", type=int, default=None,
+                        help="genfn-cb's prompt tokens per forward while requests decode (default: the manager's, "
+                             "a quarter of the budget)")
+    parser.add_argument("--llamacpp-workloads", nargs="+", default=["parallel"],
+                        help="the workloads llama.cpp runs (the issue compares it on the parallel one)")
+    parser.add_argument("--tag", default=None, help="appended to the JSON file's name (e.g. the branch)")
     args = parser.parse_args()
+    began = time.perf_counter()
 
     import genfn
     from conftest import smollm2_path
@@ -231,6 +244,8 @@ def main():
             runs = []
             for engine in args.engines:
                 if engine == "llama.cpp":
+                    if workload not in args.llamacpp_workloads:
+                        continue
                     if not llamacpp_available():
                         print(f"# llama.cpp: llama-cpp-python is not installed, skipped")
                         continue
@@ -238,11 +253,21 @@ def main():
                 else:
                     runs.append((engine, None))
             for engine, gguf in runs:
+                engine_began = time.perf_counter()
                 try:
                     with torch.inference_mode():
                         if engine == "genfn-cb":
-                            run_genfn_cb(model, small, 2)
-                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens)
+                            # Eight prompts, so oneDNN has met most of the run's row counts (its
+                            # first call at a new shape builds a kernel; the first engine to run
+                            # otherwise pays for them).
+                            run_genfn_cb(model, prompts[:8], 2)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
+                                                  args.prefill_tokens_while_decoding)
+                        elif engine == "genfn-cb-uncapped":
+                            run_genfn_cb(model, prompts[:8], 2)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
+                                                  args.max_batch_tokens)
+                            result["engine"] = engine
                         elif engine == "hf-cb":
                             run_hf_cb(hf_model, small, 2)
                             result = run_hf_cb(hf_model, prompts, args.new_tokens)
@@ -259,7 +284,8 @@ def main():
                                 runner.close()
                 except Exception as exc:  # report and go on: one engine failing must not hide the others
                     result = {"engine": engine, "error": f"{type(exc).__name__}: {exc}"}
-                result.update(dtype=dtype_name, workload=workload, requests=len(prompts))
+                result.update(dtype=dtype_name, workload=workload, requests=len(prompts),
+                              total_s=time.perf_counter() - engine_began)
                 report["runs"].append(result)
                 if "error" in result:
                     print(f"{dtype_name:9s} {workload:9s} {engine:21s} ERROR {result['error']}")
@@ -268,7 +294,8 @@ def main():
                 fmt = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
                 print(f"{dtype_name:9s} {workload:9s} {engine:21s} {result['tokens_per_s']:8.1f} tok/s  "
                       f"TTFT p50/p90/p99 {fmt(ttft['p50'])}/{fmt(ttft['p90'])}/{fmt(ttft['p99'])} ms  "
-                      f"ITL p50/p90/p99 {fmt(itl['p50'])}/{fmt(itl['p90'])}/{fmt(itl['p99'])} ms", flush=True)
+                      f"ITL p50/p90/p99 {fmt(itl['p50'])}/{fmt(itl['p90'])}/{fmt(itl['p99'])} ms  "
+                      f"total {result['total_s']:.0f} s", flush=True)
             by_engine = {r["engine"]: r for r in report["runs"]
                          if r.get("dtype") == dtype_name and r.get("workload") == workload and "error" not in r}
             statics = [by_engine[e] for e in ("genfn-static", "genfn-static-compiled") if e in by_engine]
@@ -282,8 +309,12 @@ def main():
                     report.setdefault("ratios", []).append(
                         {"dtype": dtype_name, "workload": workload, "against": other, "genfn_cb_over": ratio})
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"batching-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    out = RESULTS / f"batching-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}{tag}.json"
     report["load_average_end"] = os.getloadavg()
+    report["wall_s"] = time.perf_counter() - began
+    load = report["load_average_end"]
+    print(f"# whole run {report['wall_s'] / 60:.1f} min; load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     out.write_text(json.dumps(report, indent=2))
     print(f"# wrote {out}")
 

@@ -134,8 +134,9 @@ def test_engine_step_is_a_function_of_the_scheduler_state(tiny):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_greedy(model, prompts, limits, cb, **kwargs):
-    manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=kwargs.pop("chunked_prefill", True))
+def _check_greedy(model, prompts, limits, cb, prefill_tokens_while_decoding=None, **kwargs):
+    manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=kwargs.pop("chunked_prefill", True),
+                                        prefill_tokens_while_decoding=prefill_tokens_while_decoding)
     manager.start()
     try:
         ids = [manager.add_request(p, max_new_tokens=m, do_sample=False, **kwargs) for p, m in zip(prompts, limits)]
@@ -211,7 +212,9 @@ def test_smollm2_greedy_64_requests_equal_generate(smollm2):
     limits = [rng.randint(1, 6) for _ in prompts]
     cb = ContinuousBatchingConfig(page_size=16, num_blocks=40, max_batch_tokens=128, max_requests_per_batch=16,
                                   max_blocks_per_request=24)
-    stats = _check_greedy(smollm2, prompts, limits, cb)
+    # The whole budget open to prompts while others decode: admissions come fast enough to
+    # run the 40 blocks out (with the default cap they trickle in and nothing is preempted).
+    stats = _check_greedy(smollm2, prompts, limits, cb, prefill_tokens_while_decoding=128)
     assert stats["preempted"] > 0, stats
     assert stats["reused_tokens"] > 0, stats
 

@@ -76,8 +76,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                    warmup: bool = True, **kwargs) -> dict:
     """Run every prompt of ``inputs`` (lists of token ids) to its end with continuous batching.
 
-    ``kwargs``: generation settings for every request (``max_new_tokens``, ``do_sample``, ...) and
-    ``chunked_prefill``. Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``; a
+    ``kwargs``: generation settings for every request (``max_new_tokens``, ``do_sample``, ...),
+    ``chunked_prefill`` and ``prefill_tokens_while_decoding`` (the manager's). Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``; a
     request that failed is there with its status and error.
     """
     from tqdm.auto import tqdm
@@ -85,7 +85,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     inputs = [list(ids.reshape(-1).tolist()) if hasattr(ids, "reshape") else list(ids) for ids in inputs]
     if not inputs:
         return {}
-    manager_options = {k: kwargs.pop(k) for k in ("chunked_prefill",) if k in kwargs}
+    manager_options = {k: kwargs.pop(k) for k in ("chunked_prefill", "prefill_tokens_while_decoding") if k in kwargs}
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     cb = continuous_batching_config
     hints = _hints(model, inputs, generation_config, max_new_tokens,

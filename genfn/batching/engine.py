@@ -224,6 +224,10 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
     logits = engine.forward(inputs, engine.plan(batch))
     chain, keys, do_sample = engine.batch_chain(requests, batch)
+    if chain is None and keys is None:
+        # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
+        # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
+        logits = logits[:len(batch.chunks)]
     ctx = None
     if chain is not None or keys is not None:
         history = build_row_history(requests, batch, max_len=engine.max_len, num_rows=engine.max_requests,

@@ -67,6 +67,10 @@ class SchedulerPolicy:
     ``safety_margin``: the fraction of blocks below which (free ones counted) no prefill joins a
     batch that already has work, so running requests keep room to decode. ``max_blocks_per_request``:
     the block-table width the forward is compiled for (``None``: the whole cache).
+    ``prefill_tokens_while_decoding``: with chunked prefill, the prompt tokens a batch may carry
+    while some request decodes (``None``: all the budget leaves). A forward's time grows with its
+    tokens, so a full budget of prefill makes every decoding request wait that long for its
+    next token; a cap shortens those waits, at the price of admitting new requests later.
     """
 
     kind: str = "fifo"
@@ -75,6 +79,7 @@ class SchedulerPolicy:
     chunked_prefill: bool = True
     prefix_caching: bool = True
     max_blocks_per_request: int | None = None
+    prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -84,9 +89,9 @@ class SchedulerPolicy:
         if isinstance(self.safety_margin, bool) or not isinstance(self.safety_margin, (int, float)) \
                 or not 0.0 <= self.safety_margin <= 1.0:
             raise ValueError(f"`safety_margin` must be a number in [0, 1], got {self.safety_margin!r}")
-        for name in ("max_requests_per_batch", "max_blocks_per_request"):
+        for name in ("max_requests_per_batch", "max_blocks_per_request", "prefill_tokens_while_decoding"):
             value = getattr(self, name)
-            if value is None and name == "max_blocks_per_request":
+            if value is None and name != "max_requests_per_batch":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
@@ -364,10 +369,16 @@ def schedule(state: SchedulerState, token_budget: int,
     num_blocks = state.allocator.num_blocks
     in_margin = B.num_free_blocks(state.allocator) >= policy.safety_margin * num_blocks
     allocation_failed = False
+    prefill_left = None  # prompt tokens this batch may still take (None: no cap)
+    if policy.chunked_prefill and policy.prefill_tokens_while_decoding is not None and any(
+            state.requests[r].status == RequestStatus.DECODING for r in state.active):
+        prefill_left = policy.prefill_tokens_while_decoding
 
     def chunk_size(request: RequestState, start: int) -> int:
         """Tokens of ``request`` from ``start`` that fit the budgets left (0: none)."""
         count = min(request.num_tokens - start, tokens_left)
+        if prefill_left is not None and request.status != RequestStatus.DECODING:
+            count = min(count, prefill_left)
         if kv_left is not None:
             count = min(count, kv_left - start)
         if count <= 0 or (not policy.chunked_prefill and count < request.num_tokens - start):
@@ -405,6 +416,8 @@ def schedule(state: SchedulerState, token_budget: int,
         draft.alloc = grown
         draft.add_chunk(request, start, count)
         tokens_left -= count
+        if prefill_left is not None and request.status != RequestStatus.DECODING:
+            prefill_left -= count
         rows_left -= 1
         if kv_left is not None:
             kv_left -= start + count
@@ -444,6 +457,8 @@ def schedule(state: SchedulerState, token_budget: int,
         draft.requests[request_id] = request
         draft.add_chunk(request, reused, count)
         tokens_left -= count
+        if prefill_left is not None:
+            prefill_left -= count
         rows_left -= 1
         if kv_left is not None:
             kv_left -= reused + count

@@ -35,7 +35,8 @@ from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
+                                                                 "paged_attention.cpp"))
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 _logger = logging.getLogger(__name__)
@@ -121,6 +122,14 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     _register_quant_fake()
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_decode_attention")
+    def _(q, keys, values, tables, lengths, scale, sliding_window):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
+    def _(keys, values, layer, slots, k, v):
+        return None
 
 
 def _register_quant_fake() -> None:

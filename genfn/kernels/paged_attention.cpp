@@ -1,0 +1,277 @@
+// Decode attention straight from the paged KV cache, and the cache write that precedes it.
+//
+// A continuous-batching decode step has one query per request; its keys sit in the request's
+// blocks of the paged cache. Gathering those blocks into a dense [rows, heads, span, D] tensor and
+// calling scaled_dot_product_attention copies every key and value once per layer and pays the
+// library's per-call set-up, which together cost more than the attention arithmetic itself at a
+// few dozen rows. Here each (query, kv head) pair walks its block table and reads the keys and
+// values where they lie: scores for the kv head's query group, a softmax, the weighted values.
+// Arithmetic is float32 whatever the cache's dtype (bfloat16 is widened on load), as the
+// reference paged attention computes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline void narrow(float* p, float v) { *p = v; }
+inline void narrow(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
+
+constexpr int kLanes = 16;
+constexpr int64_t kMaxGroups = 8;   // query heads per kv head held in registers
+constexpr int64_t kMaxVectors = 8;  // head_dim / 16 held in registers (head_dim <= 128)
+
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_lanes(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * p(f) with a degree-6 polynomial on
+// f in [-ln2/2, ln2/2] (relative error ~2e-7, about float32's own); -inf and very negative give 0.
+inline __m512 exp_lanes(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, ln2_hi, x);
+  f = _mm512_fnmadd_ps(n, ln2_lo, f);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), f);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax of s[0 .. n) in place (n >= 1).
+inline void softmax(float* s, int64_t n) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(s + i));
+  float m = _mm512_reduce_max_ps(top);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  for (i = 0; i < n; i += kLanes) {
+    const __mmask16 k = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+    _mm512_mask_storeu_ps(s + i, k, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  for (i = 0; i < n; i += kLanes) {
+    const __mmask16 k = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
+  }
+}
+
+// One query row (its G heads that share kv head h) against its request's positions
+// first .. length - 1, head_dim = V * 16. keys/values point at the kv head's rows of block 0.
+template <typename T, int V>
+void attend_group(const T* q, const T* keys, const T* values, const int64_t* table, int64_t length,
+                  int64_t first, int64_t groups, int64_t block_size, int64_t block_stride, float scale, T* out,
+                  std::vector<float>& scores) {
+  constexpr int64_t D = V * kLanes;
+  const int64_t span = length - first;
+  scores.resize(groups * span);
+  __m512 qv[kMaxGroups][V];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < V; ++j) qv[g][j] = _mm512_mul_ps(load_lanes(q + g * D + j * kLanes), sv);
+  for (int64_t pos = first; pos < length;) {
+    const int64_t block = pos / block_size, stop = std::min(length, (block + 1) * block_size);
+    const T* k = keys + table[block] * block_stride + (pos - block * block_size) * D;
+    for (; pos < stop; ++pos, k += D) {
+      __m512 kv[V];
+      for (int j = 0; j < V; ++j) kv[j] = load_lanes(k + j * kLanes);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(qv[g][j], kv[j], dot);
+        scores[g * span + pos - first] = _mm512_reduce_add_ps(dot);
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) softmax(scores.data() + g * span, span);
+  __m512 acc[kMaxGroups][V];
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t pos = first; pos < length;) {
+    const int64_t block = pos / block_size, stop = std::min(length, (block + 1) * block_size);
+    const T* v = values + table[block] * block_stride + (pos - block * block_size) * D;
+    for (; pos < stop; ++pos, v += D) {
+      __m512 vv[V];
+      for (int j = 0; j < V; ++j) vv[j] = load_lanes(v + j * kLanes);
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * span + pos - first]);
+        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, vv[j], acc[g][j]);
+      }
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < V; ++j) {
+      _mm512_store_ps(lanes, acc[g][j]);
+      for (int l = 0; l < kLanes; ++l) narrow(out + g * D + j * kLanes + l, lanes[l]);
+    }
+}
+
+template <typename T, int V>
+void attend_rows(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op, int64_t rows,
+                 int64_t heads, int64_t kv_heads, int64_t block_size, int64_t width, double scale,
+                 int64_t sliding_window) {
+  constexpr int64_t D = V * kLanes;
+  const int64_t groups = heads / kv_heads;
+  const int64_t block_stride = kv_heads * block_size * D;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads;
+      const int64_t length = lp[r];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+      const int64_t offset = (r * heads + h * groups) * D;
+      attend_group<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, tp + r * width, length,
+                         first, groups, block_size, block_stride, static_cast<float>(scale), op + offset, scores);
+    }
+  });
+}
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                const at::Tensor& lengths, double scale, int64_t sliding_window, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), block_size = keys.size(2), width = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  switch (head_dim / kLanes) {
+#define GENFN_ATTEND(V) \
+  case V:               \
+    return attend_rows<T, V>(qp, kp, vp, tp, lp, op, rows, heads, kv_heads, block_size, width, scale, sliding_window);
+    GENFN_ATTEND(1)
+    GENFN_ATTEND(2)
+    GENFN_ATTEND(3)
+    GENFN_ATTEND(4)
+    GENFN_ATTEND(5)
+    GENFN_ATTEND(6)
+    GENFN_ATTEND(7)
+    GENFN_ATTEND(8)
+#undef GENFN_ATTEND
+  }
+}
+
+void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t num_blocks, int64_t block_size) {
+  const int64_t rows = tables.size(0), width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= width * block_size, "paged_decode_attention: length ", lp[r], " of row ", r,
+                " is outside 1..", width * block_size, " (table width x block size)");
+    const int64_t used = (lp[r] + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "paged_decode_attention: block ",
+                  tp[r * width + b], " of row ", r, " is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
+// q [N, H, D]; keys, values [num_blocks, Hkv, block_size, D] (one layer); tables [N, W] int64;
+// lengths [N] int64: query n attends positions 0 .. lengths[n] - 1 of its table (the last
+// sliding_window of them when sliding_window > 0). Returns [N, H, D] in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const at::Tensor& tables, const at::Tensor& lengths, double scale,
+                                  int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "paged_decode_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
+  TORCH_CHECK(q.size(2) == keys.size(3), "paged_decode_attention: q's head_dim ", q.size(2), " != the cache's ",
+              keys.size(3));
+  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
+              "paged_decode_attention: query heads (", q.size(1), ") must be a multiple of kv heads (", keys.size(1),
+              "), at most ", kMaxGroups, " per kv head");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxVectors,
+              "paged_decode_attention: head_dim must be a multiple of 16 up to 128, got ", q.size(2));
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0),
+              "paged_decode_attention: tables must be [N, W] and lengths [N] for N queries");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              "paged_decode_attention: tables and lengths must be int64");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "paged_decode_attention: q, keys and values must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor tc = tables.contiguous(), lc = lengths.contiguous();
+  check_tables(tc, lc, kc.size(0), kc.size(2));
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat)
+    attend_all<float>(qc, kc, vc, tc, lc, scale, sliding_window, out);
+  else
+    attend_all<c10::BFloat16>(qc, kc, vc, tc, lc, scale, sliding_window, out);
+  return out;
+}
+
+template <typename T>
+void write_rows(T* buffer, const T* rows, const int64_t* slots, int64_t count, int64_t sink_slot,
+                int64_t kv_heads, int64_t block_size, int64_t head_dim) {
+  const int64_t block_stride = kv_heads * block_size * head_dim;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t slot = slots[t] < 0 ? sink_slot : slots[t];
+    T* dst = buffer + (slot / block_size) * block_stride + (slot % block_size) * head_dim;
+    const T* src = rows + t * kv_heads * head_dim;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      std::copy(src + h * head_dim, src + (h + 1) * head_dim, dst + h * block_size * head_dim);
+  }
+}
+
+// keys, values [L, num_blocks, Hkv, block_size, D] (written in place at `layer`); slots [T] int64
+// (block * block_size + offset; negative: the last block, the sink); k, v [T, Hkv, D].
+void paged_write(at::Tensor& keys, at::Tensor& values, int64_t layer, const at::Tensor& slots, const at::Tensor& k,
+                 const at::Tensor& v) {
+  TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.is_contiguous() && values.is_contiguous(),
+              "paged_write: keys/values must be contiguous [layers, blocks, kv_heads, block_size, D]");
+  TORCH_CHECK(layer >= 0 && layer < keys.size(0), "paged_write: layer ", layer, " outside 0..", keys.size(0) - 1);
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == slots.size(0) && k.size(1) == keys.size(2) &&
+                  k.size(2) == keys.size(4),
+              "paged_write: k/v must be [T, kv_heads, D] matching the cache and slots [T]");
+  TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == keys.scalar_type() &&
+                  slots.scalar_type() == at::kLong,
+              "paged_write: k/v must have the cache's dtype and slots int64");
+  const int64_t blocks = keys.size(1), kv_heads = keys.size(2), block_size = keys.size(3), head_dim = keys.size(4);
+  const at::Tensor sc = slots.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < sc.size(0); ++t)
+    TORCH_CHECK(sp[t] < blocks * block_size, "paged_write: slot ", sp[t], " is outside the cache's ",
+                blocks * block_size, " slots");
+  const int64_t layer_stride = blocks * kv_heads * block_size * head_dim;
+  const int64_t sink_slot = (blocks - 1) * block_size;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "paged_write", [&] {
+    write_rows<scalar_t>(keys.data_ptr<scalar_t>() + layer * layer_stride, kc.data_ptr<scalar_t>(), sp, sc.size(0),
+                         sink_slot, kv_heads, block_size, head_dim);
+    write_rows<scalar_t>(values.data_ptr<scalar_t>() + layer * layer_stride, vc.data_ptr<scalar_t>(), sp,
+                         sc.size(0), sink_slot, kv_heads, block_size, head_dim);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
+        "int sliding_window) -> Tensor");
+  m.def("paged_write(Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, Tensor k, Tensor v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_write", &paged_write);
+}

@@ -1,0 +1,121 @@
+"""The native paged ops (genfn/kernels/paged_attention.cpp): decode attention read straight from
+the blocks and the slot write, against the reference paged attention and the index_put write."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from genfn import kernels
+from genfn.cache.paged import PackedPlan, init_paged_cache, paged_attention, plan_attention, planned_attention, write
+
+CAN_BUILD = (sys.platform == "linux" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+             and shutil.which(os.environ.get("CXX") or "c++") is not None
+             and os.environ.get("GENFN_KERNELS", "1") != "0")
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="the native paged ops need AVX-512 and a C++ compiler")
+
+
+def test_the_native_ops_load_wherever_the_kernels_build():
+    assert kernels.decode_linear_available() == CAN_BUILD, kernels.kernel_status()
+    if CAN_BUILD:
+        assert hasattr(torch.ops.genfn_kernels, "paged_decode_attention")
+        assert hasattr(torch.ops.genfn_kernels, "paged_write")
+
+
+def _filled_cache(dtype, gen, num_blocks=24, kv_heads=3, size=4, dim=64):
+    cache = init_paged_cache(2, num_blocks, kv_heads, size, dim, dtype=dtype)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
+    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    return cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_native_decode_attention_equals_the_reference(dtype, window):
+    """Rows of different lengths (one key, a partial block, whole blocks) over shuffled blocks,
+    tables padded with the sink: the native op equals ``paged_attention`` (float32 arithmetic)."""
+    gen = torch.Generator().manual_seed(1)
+    cache = _filled_cache(dtype, gen)
+    lengths = torch.tensor([1, 3, 4, 9, 17, 20])
+    width = 6
+    tables = torch.full((len(lengths), width), cache.sink_block)
+    for r, length in enumerate(lengths.tolist()):
+        used = -(-length // cache.block_size)
+        tables[r, :used] = torch.randperm(cache.num_blocks, generator=gen)[:used]
+    q = torch.randn(len(lengths), 9, 64, generator=gen).to(dtype)
+    out = torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lengths,
+                                                         64 ** -0.5, window or 0)
+    expected = paged_attention(q, cache, 1, tables, torch.arange(len(lengths)), lengths - 1, sliding_window=window)
+    assert out.dtype == dtype and out.shape == q.shape
+    # Both sum in float32; bfloat16 outputs differ by at most the last rounding.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
+    """Decode rows through the native op, a prefill chunk and padding through SDPA: the same
+    attention as the plan that gathers every decode row's blocks."""
+    gen = torch.Generator().manual_seed(2)
+    cache = _filled_cache(torch.float32, gen)
+    size = cache.block_size
+    # Row 0: a 5-token prefill chunk at positions 3..7; rows 1, 2: decode tokens at 10 and 0; 2 padding tokens.
+    table = torch.full((3, 6), cache.sink_block)
+    table[0, :2] = torch.tensor([7, 2])
+    table[1, :3] = torch.tensor([11, 0, 5])
+    table[2, :1] = torch.tensor([19])
+    positions = torch.tensor([3, 4, 5, 6, 7, 10, 0, 0, 0])
+    plan = PackedPlan(9, decode=((5, 1, 3), (6, 2, 1)), prefill=((0, 5, 0, 2),))
+    q = torch.randn(9, 9, 64, generator=gen)
+    native = planned_attention(q, cache, 1, plan_attention(plan, table, positions, size, native=True))
+    gathered = planned_attention(q, cache, 1, plan_attention(plan, table, positions, size, native=False))
+    torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
+    assert not native[7:].any()  # padding
+    # Every token in the plan (no padding): the op's rows are the batch's tokens in order.
+    covered = PackedPlan(7, decode=((5, 1, 3), (6, 2, 1)), prefill=((0, 5, 0, 2),))
+    whole = planned_attention(q[:7], cache, 1, plan_attention(covered, table, positions[:7], size, native=True))
+    torch.testing.assert_close(whole, gathered[:7], atol=1e-5, rtol=1e-5)
+    decode_only = PackedPlan(2, decode=((0, 1, 3), (1, 2, 1)))
+    pos = torch.tensor([10, 0])
+    alone = planned_attention(q[5:7], cache, 1, plan_attention(decode_only, table, pos, size, native=True))
+    torch.testing.assert_close(alone, gathered[5:7], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_write_equals_the_index_put_write(dtype):
+    gen = torch.Generator().manual_seed(3)
+    native = init_paged_cache(2, 5, 3, 4, 16, dtype=dtype)
+    reference = init_paged_cache(2, 5, 3, 4, 16, dtype=dtype)
+    slots = torch.tensor([9, 2, -1, 19, 0])
+    k = torch.randn(5, 3, 16, generator=gen).to(dtype)
+    v = torch.randn(5, 3, 16, generator=gen).to(dtype)
+    out = write(native, 1, slots, k, v)  # eager: the native op
+    assert out.keys.data_ptr() == native.keys.data_ptr()
+    placed = torch.where(slots < 0, native.sink_block * 4, slots)  # padding: the sink's first slot
+    blocks, offsets = placed.div(4, rounding_mode="floor"), placed % 4
+    index = (torch.tensor(1), blocks.view(-1, 1), torch.arange(3).view(1, 3), offsets.view(-1, 1))
+    reference.keys.index_put_(index, k)
+    reference.values.index_put_(index, v)
+    assert torch.equal(native.keys, reference.keys) and torch.equal(native.values, reference.values)
+    assert native.keys[0].abs().sum() == 0  # the other layer is untouched
+
+
+@needs_kernel
+def test_the_native_ops_refuse_out_of_range_blocks_and_slots():
+    cache = init_paged_cache(1, 3, 1, 4, 16)
+    q = torch.randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[0], cache.values[0], torch.tensor([[7]]),
+                                                       torch.tensor([2]), 0.25, 0)
+    with pytest.raises(RuntimeError, match="length"):
+        torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[0], cache.values[0], torch.tensor([[0]]),
+                                                       torch.tensor([5]), 0.25, 0)
+    with pytest.raises(RuntimeError, match="slot"):
+        torch.ops.genfn_kernels.paged_write(cache.keys, cache.values, 0, torch.tensor([16]), torch.randn(1, 1, 16),
+                                            torch.randn(1, 1, 16))
