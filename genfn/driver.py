@@ -30,6 +30,7 @@ from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
+from genfn.traced_unflatten import unflattener
 
 __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
            "NonFiniteLogitsError", "ParamsModule"]
@@ -70,9 +71,11 @@ class ParamsModule(torch.nn.Module):
         self._count = len(leaves)
         for i, leaf in enumerate(leaves):
             self.register_buffer(f"p{i}", leaf, persistent=False)
+        # Rebuilding through the treedef would cost a guard per treedef field read, every step.
+        self._unflatten = unflattener(self._treedef)
 
     def tree(self):
-        return torch_pytree.tree_unflatten([getattr(self, f"p{i}") for i in range(self._count)], self._treedef)
+        return self._unflatten([getattr(self, f"p{i}") for i in range(self._count)])
 
 
 def _split_leaves(state):
@@ -81,6 +84,13 @@ def _split_leaves(state):
     tensor_slots = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     constants = tuple((i, leaf) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor))
     return [leaves[i] for i in tensor_slots], (treedef, tensor_slots, constants)
+
+
+def _layout_unflattener(layout) -> Callable:
+    """``tensors -> state`` for ``layout``, as ``_join_leaves`` but without reading the treedef when
+    traced (see ``genfn.traced_unflatten``): inside a compiled step, what dynamo reads it guards."""
+    treedef, _, constants = layout
+    return unflattener(treedef, dict(constants))
 
 
 def _join_leaves(tensors, layout):
@@ -195,9 +205,10 @@ def _call_on_leaves(fn: Callable, state, *leading):
 
 def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
     value = functional(model)
+    join = _layout_unflattener(layout)
 
     def tensors_to_tensors(*flat):
-        new_tensors, _ = _split_leaves(step(value.with_params(weights.tree()), _join_leaves(flat, layout)))
+        new_tensors, _ = _split_leaves(step(value.with_params(weights.tree()), join(flat)))
         return tuple(new_tensors)
 
     return tensors_to_tensors
@@ -254,10 +265,11 @@ def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Calla
     from torch._higher_order_ops.while_loop import while_loop
 
     one_step = _step_on_leaves(step, model, weights, layout)
+    join = _layout_unflattener(layout)
 
     def whole_loop(num_steps, *flat):
         def keep_going(i, *carried):
-            return (i < num_steps) & ~_join_leaves(carried, layout).done.all()
+            return (i < num_steps) & ~join(carried).done.all()
 
         def advance(i, *carried):
             return (i + 1, *one_step(*[t.clone() for t in carried]))  # no in-place update of carried state
