@@ -41,7 +41,33 @@ PROMPT = "The history of the Roman Empire is long and complicated. It began when
 CHILD_TIMEOUT_S = 900
 
 
-def child(fmt: str, new_tokens: int, freezing: str) -> dict:
+def _compile_breakdown() -> list[dict]:
+    """Per dynamo frame compile: where its seconds went (dynamo trace, AOT autograd, inductor and its
+    code generation, autotuning, guards) and whether the on-disk caches answered."""
+    import torch._dynamo.utils
+
+    def seconds(value):
+        return None if value is None else round(value / 1e6, 2)
+
+    rows = []
+    for m in torch._dynamo.utils.get_compilation_metrics():
+        rows.append({
+            "frame": m.co_name, "entire_s": m.entire_frame_compile_time_s,
+            "dynamo_s": seconds(m.dynamo_cumulative_compile_time_us),
+            "aot_autograd_s": seconds(m.aot_autograd_cumulative_compile_time_us),
+            "inductor_s": seconds(m.inductor_cumulative_compile_time_us),
+            "code_gen_s": seconds(m.inductor_code_gen_cumulative_compile_time_us),
+            "autotune_s": seconds(m.compile_time_autotune_time_us),
+            "pre_grad_s": seconds(m.pre_grad_pass_time_us), "post_grad_s": seconds(m.post_grad_pass_time_us),
+            "guards": m.guard_count, "graph_ops": m.graph_op_count,
+            "fx_cache_hits": m.inductor_fx_local_cache_hit_count, "fx_cache_misses": m.inductor_fx_local_cache_miss_count,
+            "aot_cache_hits": m.aotautograd_local_cache_hit_count,
+            "aot_cache_misses": m.aotautograd_local_cache_miss_count,
+        })
+    return rows
+
+
+def child(fmt: str, new_tokens: int, freezing: str, options: dict) -> dict:
     """Runs in the measured process: phase times from process start, as a dict (printed as JSON)."""
     import logging
 
@@ -73,11 +99,12 @@ def child(fmt: str, new_tokens: int, freezing: str) -> dict:
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
 
     extra = {}
-    if freezing != "auto":
-        # genfn's CPU options with freezing forced, for an A/B against the per-graph choice.
+    if freezing != "auto" or options:
+        # genfn's CPU options with freezing forced or options overridden, for an A/B of the compile.
         from genfn.driver import _CPU_COMPILE_OPTIONS
+        forced = {} if freezing == "auto" else {"freezing": freezing == "on"}
         extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=None,
-                                                      options={**_CPU_COMPILE_OPTIONS, "freezing": freezing == "on"})
+                                                      options={**_CPU_COMPILE_OPTIONS, **options, **forced})
 
     def generate(n):
         with torch.no_grad():
@@ -88,6 +115,7 @@ def child(fmt: str, new_tokens: int, freezing: str) -> dict:
     first = generate(2)
     phases["first_token_call_s"] = time.perf_counter() - t
     phases["first_token_since_start_s"] = time.perf_counter() - PROCESS_START
+    phases["compile_breakdown"] = _compile_breakdown()
     steady = []
     for _ in range(3):
         t = time.perf_counter()
@@ -109,12 +137,12 @@ def child(fmt: str, new_tokens: int, freezing: str) -> dict:
     return phases
 
 
-def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str) -> dict:
+def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str, options: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), GENFN_KERNEL_CACHE=str(cache / "kernels"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
     t = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", fmt, "--new-tokens", str(new_tokens),
-                           "--freezing", freezing], env=env,
+                           "--freezing", freezing, "--options", options], env=env,
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     wall = time.perf_counter() - t
     if done.returncode != 0:
@@ -122,6 +150,16 @@ def run_child(fmt: str, new_tokens: int, cache: Path, freezing: str) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["wall_s"] = wall
     return result
+
+
+def _parse_options(text: str) -> dict:
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--options: {item!r} is not KEY=VALUE")
+        options[key] = {"0": False, "1": True, "false": False, "true": True}.get(value.lower(), value)
+    return options
 
 
 def main() -> int:
@@ -133,11 +171,13 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=None, help="cache directory to use (default: a fresh temporary one)")
     ap.add_argument("--freezing", default="auto", choices=("auto", "on", "off"),
                     help="auto: genfn's per-graph choice; on/off: forced (an A/B of the compile times)")
+    ap.add_argument("--options", default="",
+                    help="inductor options over genfn's CPU ones, e.g. max_autotune=0,cpp_wrapper=1 (an A/B)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.new_tokens, args.freezing)))
+        print(json.dumps(child(args.child, args.new_tokens, args.freezing, _parse_options(args.options))))
         return 0
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
@@ -149,7 +189,7 @@ def main() -> int:
 
     log(f"# genfn start-up benchmark  uptime: {os.popen('uptime').read().strip()}")
     log(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}  GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}  "
-        f"cpus {os.cpu_count()}  freezing {args.freezing}")
+        f"cpus {os.cpu_count()}  freezing {args.freezing}  options {_parse_options(args.options) or 'genfn default'}")
     rows = []
     for fmt in formats:
         if args.cache_dir:
@@ -161,7 +201,7 @@ def main() -> int:
             cache = Path(holder.name)
         runs = {}
         for phase in (("warm",) if args.warm_only else ("cold", "warm")):
-            runs[phase] = run_child(fmt, args.new_tokens, cache, args.freezing)
+            runs[phase] = run_child(fmt, args.new_tokens, cache, args.freezing, args.options)
             r = runs[phase]
             if "error" in r:
                 log(f"{fmt:8s} {phase}: FAILED after {r['wall_s']:.0f} s: {r['error']}")
@@ -173,6 +213,9 @@ def main() -> int:
                 f"inductor {r['inductor']} aot {r['aot_autograd']}")
             for when, name, message in r["log"]:
                 log(f"           {when:7.2f} s  {name}: {message}")
+            for frame in r.get("compile_breakdown", []):
+                log(f"           compile of {frame['frame']}: " + ", ".join(
+                    f"{key} {value}" for key, value in frame.items() if key != "frame" and value not in (None, 0)))
         if "cold" in runs and "warm" in runs and "tokens" in runs["cold"] and "tokens" in runs["warm"]:
             same = runs["cold"]["tokens"] == runs["warm"]["tokens"]
             log(f"{fmt:8s} cold and warm tokens {'equal' if same else 'DIFFER'}")

@@ -215,6 +215,41 @@ def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, at
     return mask.unsqueeze(1)
 
 
+def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor, mask: torch.Tensor, attend_len,
+                   attentions: list | None) -> torch.Tensor:
+    """Decoder layer ``i`` on the residual stream ``x [B, S, H]``: attention (writing the layer's
+    K, V at ``slots`` into the donated ``cache``), then the SwiGLU MLP. Returns the new ``x``;
+    appends the attention map to ``attentions`` when that is a list."""
+    batch, seq = x.shape[0], x.shape[1]
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    output_attentions = attentions is not None
+    h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+    qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
+    k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = v.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache.write_layer(i, slots, k, v)
+    keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+    if spec.num_query_groups > 1:
+        keys = keys.repeat_interleave(spec.num_query_groups, dim=1)
+        values = values.repeat_interleave(spec.num_query_groups, dim=1)
+    if output_attentions:
+        attn, weights = _eager_attention(q, keys, values, mask, spec.head_dim)
+        attentions.append(weights)
+    else:
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
+    x = x + linear(attn, layer["wo"])
+    h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+    gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+    x = x + linear(F.silu(gate) * up, layer["w_down"])
+    return x
+
+
 def apply(
     spec: LlamaSpec,
     params: Mapping[str, Any],
@@ -246,40 +281,16 @@ def apply(
             raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
                              f"got {num_layers!r}")
         layers = layers[:num_layers]
-    batch, seq = tokens.shape
     # slots [B, S]: rows fill their caches independently.
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = F.embedding(tokens, params["embed"])
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype)
-    q_size = spec.num_heads * spec.head_dim
-    kv_size = spec.num_kv_heads * spec.head_dim
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
     for i, layer in enumerate(layers):
-        h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
-        qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write_layer(i, slots, k, v)
-        keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-        if spec.num_query_groups > 1:
-            keys = keys.repeat_interleave(spec.num_query_groups, dim=1)
-            values = values.repeat_interleave(spec.num_query_groups, dim=1)
-        if output_attentions:
-            attn, weights = _eager_attention(q, keys, values, mask, spec.head_dim)
-            attentions.append(weights)
-        else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
-        x = x + linear(attn, layer["wo"])
-        h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
-        gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-        x = x + linear(F.silu(gate) * up, layer["w_down"])
+        x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions)
         if output_hidden_states:
             hidden_states.append(x)
     x = _rms_norm(x, params["norm"], spec.rms_norm_eps)
