@@ -15,6 +15,7 @@ shapes and dtypes), so later calls with the same shapes reuse them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import types
@@ -142,6 +143,12 @@ def _hashable(value):
     return value
 
 
+# Process-wide: dynamo keys what it learns about a frame (which ints and sizes varied, so that the
+# next compile makes them dynamic) by the code's file, line and name. Two models whose steps shared
+# a name would share it: after a tiny model, SmolLM2's spec ints compiled as symbols.
+_COMPILE_SERIAL = itertools.count()
+
+
 def _own_code(fn: Callable, serial: int) -> Callable:
     """``fn`` with a code object of its own. Dynamo keeps one cache (and one recompile budget, 8 by
     default) per code object; every compiled step is built from the same closure code, so without
@@ -166,7 +173,7 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
-        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), len(model.compiled_steps)),
+        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), next(_COMPILE_SERIAL)),
                            **with_genfn_backend(compile_options))
         fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn

@@ -245,7 +245,12 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # enable_gqa reads each K/V head in place for its query group (the CPU flash kernel takes
         # grouped heads natively, same values as repeating them): repeat_interleave copied the
         # layer's whole attended K and V, num_query_groups times over, every layer of every step.
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped)
+        # A branch, not enable_gqa=grouped: SDPA takes a Python bool, and where dynamo holds the
+        # spec's ints as symbols the comparison is a SymBool (a branch on it specializes).
+        if grouped:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     x = x + linear(attn, layer["wo"])
     h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
