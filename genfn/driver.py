@@ -15,6 +15,7 @@ shapes and dtypes), so later calls with the same shapes reuse them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import types
@@ -31,6 +32,7 @@ from genfn.models.functional import FunctionalModel
 from genfn.quant.weight import QuantizedWeight
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
+from genfn.traced_unflatten import unflattener
 
 __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
            "NonFiniteLogitsError", "ParamsModule"]
@@ -133,6 +135,13 @@ def _split_leaves(state):
     return [leaves[i] for i in tensor_slots], (treedef, tensor_slots, constants)
 
 
+def _layout_unflattener(layout) -> Callable:
+    """``tensors -> state`` for ``layout``, as ``_join_leaves`` but without reading the treedef when
+    traced (see ``genfn.traced_unflatten``): inside a compiled step, what dynamo reads it guards."""
+    treedef, _, constants = layout
+    return unflattener(treedef, dict(constants))
+
+
 def _join_leaves(tensors, layout):
     treedef, tensor_slots, constants = layout
     leaves: list = [None] * (len(tensor_slots) + len(constants))
@@ -182,6 +191,12 @@ def _hashable(value):
     return value
 
 
+# Process-wide: dynamo keys what it learns about a frame (which ints and sizes varied, so that the
+# next compile makes them dynamic) by the code's file, line and name. Two models whose steps shared
+# a name would share it: after a tiny model, SmolLM2's spec ints compiled as symbols.
+_COMPILE_SERIAL = itertools.count()
+
+
 def _own_code(fn: Callable, serial: int) -> Callable:
     """``fn`` with a code object of its own. Dynamo keeps one cache (and one recompile budget, 8 by
     default) per code object; every compiled step is built from the same closure code, so without
@@ -206,7 +221,7 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
-        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), len(model.compiled_steps)),
+        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), next(_COMPILE_SERIAL)),
                            **with_genfn_backend(compile_options))
         fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn
@@ -245,9 +260,10 @@ def _call_on_leaves(fn: Callable, state, *leading):
 
 def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
     value = functional(model)
+    join = _layout_unflattener(layout)
 
     def tensors_to_tensors(*flat):
-        new_tensors, _ = _split_leaves(step(value.with_params(weights.tree()), _join_leaves(flat, layout)))
+        new_tensors, _ = _split_leaves(step(value.with_params(weights.tree()), join(flat)))
         return tuple(new_tensors)
 
     return tensors_to_tensors
@@ -304,10 +320,11 @@ def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Calla
     from torch._higher_order_ops.while_loop import while_loop
 
     one_step = _step_on_leaves(step, model, weights, layout)
+    join = _layout_unflattener(layout)
 
     def whole_loop(num_steps, *flat):
         def keep_going(i, *carried):
-            return (i < num_steps) & ~_join_leaves(carried, layout).done.all()
+            return (i < num_steps) & ~join(carried).done.all()
 
         def advance(i, *carried):
             return (i + 1, *one_step(*[t.clone() for t in carried]))  # no in-place update of carried state

@@ -234,14 +234,23 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = cache.write_layer(i, slots, k, v)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-    if spec.num_query_groups > 1:
-        keys = keys.repeat_interleave(spec.num_query_groups, dim=1)
-        values = values.repeat_interleave(spec.num_query_groups, dim=1)
+    grouped = spec.num_query_groups > 1
     if output_attentions:
+        if grouped:
+            keys = keys.repeat_interleave(spec.num_query_groups, dim=1)
+            values = values.repeat_interleave(spec.num_query_groups, dim=1)
         attn, weights = _eager_attention(q, keys, values, mask, spec.head_dim)
         attentions.append(weights)
     else:
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # enable_gqa reads each K/V head in place for its query group (the CPU flash kernel takes
+        # grouped heads natively, same values as repeating them): repeat_interleave copied the
+        # layer's whole attended K and V, num_query_groups times over, every layer of every step.
+        # A branch, not enable_gqa=grouped: SDPA takes a Python bool, and where dynamo holds the
+        # spec's ints as symbols the comparison is a SymBool (a branch on it specializes).
+        if grouped:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     x = x + linear(attn, layer["wo"])
     h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
