@@ -71,9 +71,10 @@ def test_a_traced_rebuild_equals_the_eager_one_with_fewer_guards():
     def total(weights: ParamsModule, x):
         return sum((layer["w"] * x + layer["b"]).sum() for layer in weights.tree()["layers"])
 
+    leaves, treedef = torch_pytree.tree_flatten(params)  # all tensors: leaf i is buffer p{i}
+
     def total_by_walking(weights: ParamsModule, x):
-        tree = torch_pytree.tree_unflatten([getattr(weights, f"p{i}") for i in range(weights._count)],
-                                           weights._treedef)
+        tree = torch_pytree.tree_unflatten([getattr(weights, f"p{i}") for i in range(len(leaves))], treedef)
         return sum((layer["w"] * x + layer["b"]).sum() for layer in tree["layers"])
 
     x = torch.randn(8)
