@@ -48,7 +48,8 @@ def tiny_pair(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides):
 def one_intra_op_thread():
     """torch on one thread for a module whose tests run a background loop (the batching manager,
     a server): that thread and the test thread each get an OpenMP team, and on a small shared
-    machine two spinning teams slow a step twenty-fold. Opt in with
+    machine two spinning teams slow a step twenty-fold. Modules of tiny models opt in too: one
+    thread is fastest and steadiest for them. Opt in with
     ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -28,13 +28,7 @@ TINY = {
 _PAIRS: dict = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The models are tiny: one thread is fastest, and steady on a shared machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def pair(name):

@@ -15,12 +15,7 @@ RICH = dict(return_dict_in_generate=True, output_scores=True, output_logits=True
 MODES = {"greedy": dict(), "beam": dict(num_beams=3, num_return_sequences=2)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,7 @@ GROWING = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models on a shared machine: one thread is fastest and steady.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
