@@ -1,4 +1,4 @@
-"""The native paged ops (genfn/kernels/paged_attention.cpp): decode attention read straight from
+"""The native paged ops (genfn/kernels/decode_attention.cpp): decode attention read straight from
 the blocks and the slot write, against the reference paged attention and the index_put write."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ are one-token decode chunks, where each prefill chunk sits, how many blocks each
 span) lets ``planned_attention`` gather each row's keys once per layer, only over the blocks
 they occupy (decode rows together, each prefill chunk alone), and run
 ``scaled_dot_product_attention`` on them, as the dense model does. Where genfn's native kernels
-are built (``genfn/kernels/paged_attention.cpp``), the decode rows skip the gather: one op reads
+are built (``genfn/kernels/decode_attention.cpp``), the decode rows skip the gather: one op reads
 each row's keys and values where they lie in the blocks, and ``write`` stores by slot without
 ``index_put``'s index tensors. At 32 decode rows of SmolLM2 the gather, its copies and SDPA's
 set-up took ~24 % of an eager step (torch profiler, float32, one thread); the op takes ~5 %.
@@ -96,7 +96,7 @@ def _kernels_built() -> bool:
 
 
 def _native_ok(buffer: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether the native paged ops (``genfn/kernels/paged_attention.cpp``) serve this eager call:
+    """Whether the native paged ops (``genfn/kernels/decode_attention.cpp``) serve this eager call:
     built, a CPU float32/bfloat16 buffer, and nothing that autograd would have to differentiate."""
     return (buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.bfloat16)
             and buffer.is_contiguous()

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["linear", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
+__all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
-                                                                 "paged_attention.cpp"))
+                                                                 "decode_attention.cpp"))
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 _logger = logging.getLogger(__name__)
@@ -127,6 +127,10 @@ def _register_fake() -> None:
     def _(q, keys, values, tables, lengths, scale, sliding_window):
         return torch.empty_like(q)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
+    def _(q, keys, values, visible, scale):
+        return torch.empty_like(q)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
         return None
@@ -193,6 +197,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     y = _decode_linear_op(x, weight)
     return y if bias is None else y + bias
+
+
+def _takes_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    return (
+        seq == 1
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.dtype == keys.dtype == values.dtype
+        and q.device.type == keys.device.type == "cpu"
+        and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+        and mask.shape[0] == batch and mask.shape[3] <= keys.shape[2]
+        and head_dim % 16 == 0 and head_dim <= 128
+        and heads % kv_heads == 0 and heads // kv_heads <= 8
+        and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.stride(2) == values.stride(2)
+        and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
+        and decode_attention_available()
+    )
+
+
+def decode_attention_available() -> bool:
+    """Whether the native attention ops (``decode_attention.cpp``) are built and loaded."""
+    return decode_linear_available()
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for one
+    query per row (``q [B, H, 1, D]``, ``keys``/``values [B, Hkv, A, D]``, boolean ``mask
+    [B, 1, 1, A]``), read in place from the dense cache by the native kernel; ``None`` where the
+    kernel does not take these arguments (more queries, a dtype, no kernels built), so that the
+    caller runs the library attention."""
+    if not _takes_attention(q, keys, values, mask):
+        return None
+    batch, heads, _, head_dim = q.shape
+    out = getattr(torch.ops, _OP_NAMESPACE).dense_decode_attention(
+        q.reshape(batch, heads, head_dim), keys, values, mask.reshape(batch, mask.shape[3]), head_dim ** -0.5)
+    return out.view(batch, heads, 1, head_dim)
 
 
 def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
-from genfn.kernels import linear
+from genfn.kernels import decode_attention, linear
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
@@ -247,9 +247,11 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # layer's whole attended K and V, num_query_groups times over, every layer of every step.
         # A branch, not enable_gqa=grouped: SDPA takes a Python bool, and where dynamo holds the
         # spec's ints as symbols the comparison is a SymBool (a branch on it specializes).
-        if grouped:
+        # A decode step's single query per row takes the native kernel (genfn.kernels.decode_attention).
+        attn = decode_attention(q, keys, values, mask)
+        if attn is None and grouped:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        else:
+        elif attn is None:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     x = x + linear(attn, layer["wo"])
