@@ -222,10 +222,34 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
         fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), next(_COMPILE_SERIAL)),
-                           **with_genfn_backend(compile_options))
+                           **_without_weight_guards(with_genfn_backend(compile_options)))
         fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn
     return fn
+
+
+# How dynamo's guard entries name the compiled function's ParamsModule (the closure variable
+# ``weights`` of ``_step_on_leaves`` / ``_loop_on_leaves``) and what is reached through it.
+_WEIGHTS_SOURCE = "weights"
+
+
+def _keep_guard(entries) -> list[bool]:
+    """Dynamo's guards, less those on the weights: the ParamsModule is built for this compiled
+    function and closed over by it alone, and its tensors are never replaced, so checking their
+    shapes, strides and dtypes before every step can never fail. They were ~1,100 of a SmolLM2
+    step's ~1,450 guards (six per weight tensor), 0.45 ms of a 10 ms bfloat16 step."""
+    return [not (entry.name == _WEIGHTS_SOURCE or entry.name.startswith((_WEIGHTS_SOURCE + ".", _WEIGHTS_SOURCE + "[")))
+            for entry in entries]
+
+
+def _without_weight_guards(compile_options: dict) -> dict:
+    """``compile_options`` with ``_keep_guard`` as ``torch.compile``'s ``guard_filter_fn``, unless
+    the caller set a filter of their own."""
+    options = dict(compile_options)
+    inner = dict(options.get("options") or {})
+    inner.setdefault("guard_filter_fn", _keep_guard)
+    options["options"] = inner
+    return options
 
 
 def _announced_first_call(fn: Callable, what: str) -> Callable:
