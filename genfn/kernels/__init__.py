@@ -6,7 +6,8 @@ sequence), streaming the weight once from memory at close to the machine's read 
 a block-quantized ``genfn.quant.QuantizedWeight`` (``quant_linear.cpp``: AVX-512 VNNI integer
 dot products against the activation quantized to 8 bits). Both are ``torch.library`` ops with
 fake implementations, so they sit inside compiled steps like any aten op; ``linear`` picks one
-by the weight's type.
+by the weight's type. ``decode_attention`` is one query per row against the dense static cache
+(``decode_attention.cpp``, which also holds the paged cache's decode attention and write).
 
 The C++ source is compiled with the system C++ compiler the first time it is needed and cached
 under ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``), keyed by the source, torch's
