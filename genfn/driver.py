@@ -32,7 +32,7 @@ from genfn.models.functional import FunctionalModel
 from genfn.quant.weight import QuantizedWeight
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
-from genfn.traced_unflatten import unflattener
+from genfn.traced_unflatten import Bindings, tree_source, unflattener
 
 __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
            "NonFiniteLogitsError", "ParamsModule"]
@@ -92,39 +92,19 @@ class ParamsModule(torch.nn.Module):
 
 def _literal_tree_builder(treedef, kept: set[int]) -> tuple[Callable[[torch.nn.Module], Any], dict[str, Any]]:
     """``module -> tree of treedef's structure`` with leaf ``i`` read as ``module.p{i}`` (or
-    ``module.q{i}`` for ``i`` in ``kept``), written out as one literal expression: dicts and lists
-    as literals, other nodes through their registered unflatten, read as ``module._bound{k}`` from
-    the returned dict, which the caller sets on the module. Dynamo traces torch's generic
+    ``module.q{i}`` for ``i`` in ``kept``), written out as one literal expression
+    (``genfn.traced_unflatten.tree_source``); what is not a literal is read as an attribute of the
+    module, from the returned dict, which the caller sets on it. Dynamo traces torch's generic
     ``tree_unflatten`` at milliseconds per node: for SmolLM2 Q4_1's ~600-node params that was 40 %
     of tracing the decode step, paid again by every process, where the literal costs it a few
     bytecodes per node. Everything is read through the module, none through the builder's globals
     (see ``ParamsModule``)."""
-    bound: dict[str, Any] = {}
-    leaf_index = iter(range(treedef.num_leaves))
-
-    def bind(value) -> str:
-        name = f"_bound{len(bound)}"
-        bound[name] = value
-        return f"module.{name}"
-
-    def literal(spec) -> str:
-        if spec.is_leaf():
-            index = next(leaf_index)
-            return f"module.{'q' if index in kept else 'p'}{index}"
-        children = [literal(child) for child in spec.children()]
-        if spec.type is list:
-            return "[" + ", ".join(children) + "]"
-        if spec.type is tuple:
-            return "(" + "".join(child + ", " for child in children) + ")"
-        if spec.type is dict and all(type(key) is str for key in spec.context):
-            return "{" + ", ".join(f"{key!r}: {child}" for key, child in zip(spec.context, children)) + "}"
-        unflatten = torch_pytree.SUPPORTED_NODES[spec.type].unflatten_fn
-        return f"{bind(unflatten)}([{', '.join(children)}], {bind(spec.context)})"
-
-    source = f"def build_tree(module):\n    return {literal(treedef)}\n"
+    bindings = Bindings(holder="module")
+    leaf_exprs = [f"module.{'q' if i in kept else 'p'}{i}" for i in range(treedef.num_leaves)]
+    source = f"def build_tree(module):\n    return {tree_source(treedef, leaf_exprs, bindings)}\n"
     namespace: dict[str, Any] = {}
     exec(compile(source, "<genfn.driver params tree>", "exec"), namespace)
-    return namespace["build_tree"], bound
+    return namespace["build_tree"], bindings.names
 
 
 def _split_leaves(state):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.utils._pytree as torch_pytree
 
-__all__ = ["unflattener"]
+__all__ = ["Bindings", "tree_source", "unflattener"]
 
 _LITERAL_TYPES = (int, float, str, bool, type(None))
 
@@ -35,16 +35,20 @@ def _is_literal(value: Any) -> bool:
         return False
 
 
-class _Source:
-    """Accumulates the generated expression's globals (node types' unflatten functions, statics)."""
+class Bindings:
+    """Where generated code finds the values that are not literals (node types' unflatten functions,
+    non-literal statics): names in the generated function's globals, or, with ``holder``, attributes
+    of the object the function takes under that parameter name (``module._g0``), which the caller
+    sets from ``names``. Each distinct object is bound once."""
 
-    def __init__(self):
+    def __init__(self, holder: str | None = None):
+        self.holder = holder
         self.names: dict[str, Any] = {}
         self._ids: dict[int, str] = {}
         self._counter = itertools.count()
 
     def constant(self, value: Any) -> str:
-        """``value`` as source: a literal where it is one, else the name of a global holding it."""
+        """``value`` as source: a literal where it is one, else the name it is bound to."""
         if _is_literal(value):
             return repr(value)
         name = self._ids.get(id(value))
@@ -52,10 +56,17 @@ class _Source:
             name = f"_g{next(self._counter)}"
             self._ids[id(value)] = name
             self.names[name] = value
-        return name
+        return name if self.holder is None else f"{self.holder}.{name}"
 
 
-def _expression(spec: torch_pytree.TreeSpec, leaf_exprs: Sequence[str], position: list, source: _Source) -> str:
+def tree_source(treedef: torch_pytree.TreeSpec, leaf_exprs: Sequence[str], bindings: Bindings) -> str:
+    """One Python expression that builds ``treedef``'s tree with leaf ``i`` given by the source
+    ``leaf_exprs[i]``: dicts (literal keys), lists and tuples as literals, other nodes as calls of
+    their registered unflatten function (through ``bindings``)."""
+    return _expression(treedef, leaf_exprs, [0], bindings)
+
+
+def _expression(spec: torch_pytree.TreeSpec, leaf_exprs: Sequence[str], position: list, source: Bindings) -> str:
     if spec.is_leaf():
         expr = leaf_exprs[position[0]]
         position[0] += 1
@@ -79,11 +90,11 @@ def unflattener(treedef: torch_pytree.TreeSpec, constants: Mapping[int, Any] | N
     """``tensors -> tree``: ``torch_pytree.tree_unflatten(leaves, treedef)`` where leaf ``i`` is
     ``constants[i]`` for the positions ``constants`` names and the next of ``tensors`` otherwise."""
     constants = dict(constants or {})
-    source = _Source()
+    source = Bindings()
     tensor_index = itertools.count()
     leaf_exprs = [source.constant(constants[i]) if i in constants else f"tensors[{next(tensor_index)}]"
                   for i in range(treedef.num_leaves)]
-    body = _expression(treedef, leaf_exprs, [0], source)
+    body = tree_source(treedef, leaf_exprs, source)
     namespace = dict(source.names)
     exec(compile(f"def unflatten(tensors):\n    return {body}\n", "<genfn.traced_unflatten>", "exec"), namespace)
     return namespace["unflatten"]
