@@ -39,6 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import genfn  # noqa: E402
 
+from results_file import write_results  # noqa: E402
+
 PASSAGES = [
     "The town council met on Tuesday evening to discuss the new library. After a long debate, the members "
     "agreed that the library will open in the spring, once the repairs to the roof are finished. The old "
@@ -146,11 +148,7 @@ def main() -> None:
             text = model.tokenizer.decode(baseline[0][0, ids.shape[1]:], skip_special_tokens=True)
             results["sample_output"] = text
             print("# greedy output:", text.replace("\n", " ")[:300])
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"assisted-{datetime.date.today().isoformat()}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    print("# wrote", path)
+    print("# wrote", write_results("assisted", results, args.out, indent=2))
 
 
 if __name__ == "__main__":

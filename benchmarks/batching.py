@@ -45,15 +45,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
 import datetime
-import json
 import random
-import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from results_file import write_results  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -308,15 +308,11 @@ def main():
                     print(f"{'':20s} genfn-cb / {other}: {ratio:.2f}x")
                     report.setdefault("ratios", []).append(
                         {"dtype": dtype_name, "workload": workload, "against": other, "genfn_cb_over": ratio})
-    RESULTS.mkdir(exist_ok=True)
-    tag = f"-{args.tag}" if args.tag else ""
-    out = RESULTS / f"batching-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}{tag}.json"
     report["load_average_end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - began
     load = report["load_average_end"]
     print(f"# whole run {report['wall_s'] / 60:.1f} min; load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    out.write_text(json.dumps(report, indent=2))
-    print(f"# wrote {out}")
+    print(f"# wrote {write_results('batching', report, tag=args.tag, indent=2)}")
 
 
 if __name__ == "__main__":

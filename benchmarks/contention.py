@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_file import write_results  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire is long and complicated. It began when"
 CHILD_TIMEOUT_S = 600
@@ -166,9 +168,7 @@ def main() -> int:
     log(f"tokens equal across policies: {'yes' if not differ else 'NO, differ: ' + ', '.join(differ)}")
     from_genfn = [r["policy_in_effect"] for r in rows if r["policy"] == "genfn"]
     log(f"policy genfn chooses when nothing is set: {from_genfn[0] if from_genfn else '(genfn row not run)'}")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"contention-{time.strftime('%Y-%m-%d-%H%M')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "load_avg_end": os.getloadavg(), "rows": rows}, indent=1))
+    out = write_results("contention", {"args": vars(args), "load_avg_end": os.getloadavg(), "rows": rows}, args.out)
     log(f"# wrote {out}")
     return 0
 

@@ -398,11 +398,8 @@ def main(argv=None):
 
 
 def write_json(args, results, weight_mb, bandwidth):
-    import json
+    from results_file import write_results
 
-    out = Path(args.json) if args.json else (Path(__file__).parent / "results"
-                                              / time.strftime("decode-%Y-%m-%d-%H%M.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "args": vars(args), "torch": torch.__version__, "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_end": os.getloadavg()[0],
@@ -410,8 +407,7 @@ def write_json(args, results, weight_mb, bandwidth):
         "results": [{"engine": r.engine, "format": r.dtype, "batch": r.batch, "tok_s": r.tok_s,
                      "first_call_s": r.first_call_s, "times_s": r.times, "error": r.error} for r in results],
     }
-    out.write_text(json.dumps(payload, indent=1))
-    log(f"# wrote {out}")
+    log(f"# wrote {write_results('decode', payload, args.json)}")
 
 
 def second_process(args, engines, dtype, batch):

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import llamacpp  # noqa: E402
+
+from results_file import write_results  # noqa: E402
 from decode import GGUF_TYPE_OF, PROMPTS, batch_inputs  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
@@ -104,8 +104,7 @@ def main(argv=None) -> int:
               f"{r['agreement']:.1%} | {r['prefix_mean']:.1f} / {args.new_tokens} |")
     print(f"\n# {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens; text {rows['float32']['text_tokens']} tokens; "
           f"{time.perf_counter() - t0:.0f} s")
-    out = Path(args.json) if args.json else Path(__file__).parent / "results" / time.strftime("quality-%Y-%m-%d-%H%M.json")
-    out.write_text(json.dumps({"new_tokens": args.new_tokens, "prompts": len(PROMPTS), "rows": rows}, indent=1))
+    out = write_results("quality", {"new_tokens": args.new_tokens, "prompts": len(PROMPTS), "rows": rows}, args.json)
     print(f"# wrote {out}")
     return 0
 

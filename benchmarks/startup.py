@@ -35,6 +35,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from results_file import write_results  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("float32", "bfloat16", "q4_1")
 PROMPT = "The history of the Roman Empire is long and complicated. It began when"
@@ -241,9 +243,7 @@ def main() -> int:
         fmt_s = lambda r, key: f"{r[key]:.1f} s" if key in r else "—"  # noqa: E731
         log(f"| {row['format']} | {fmt_s(cold, 'first_token_since_start_s')} | "
             f"{fmt_s(warm, 'first_token_since_start_s')} | {fmt_s(warm, 'steady_call_s')} |")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"startup-{time.strftime('%Y-%m-%d-%H%M')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "load_avg": os.getloadavg(), "rows": rows}, indent=1))
+    out = write_results("startup", {"args": vars(args), "load_avg": os.getloadavg(), "rows": rows}, args.out)
     log(f"# wrote {out}")
     return 0
 
