@@ -272,6 +272,27 @@ def test_batch_inputs_index_the_blocks_the_scheduler_allocated():
     assert [bucket(n, 4) for n in (1, 4, 5, 17)] == [4, 4, 8, 32]
 
 
+def test_hints_for_a_model_context_let_one_request_use_all_of_it_without_more_blocks():
+    """A manager made without hints (the server's, generate_batch's defaults) takes
+    ``WorkloadHints.for_context(model.max_position_embeddings)``: one request may span SmolLM2's
+    8192 tokens, where the plain defaults stop it at 1024, and the block count stays the same."""
+    default, long = resolve(WorkloadHints()), resolve(WorkloadHints.for_context(8192))
+    assert WorkloadHints().longest_request == 1024
+    assert WorkloadHints.for_context(8192).longest_request == 8192
+    assert long.max_blocks_per_request == 8192 // long.block_size
+    assert long.num_blocks == default.num_blocks and long.block_size == default.block_size
+    assert WorkloadHints.for_context(None) == WorkloadHints() == WorkloadHints.for_context(512)
+
+
+def test_a_manager_without_hints_sizes_requests_to_the_model_context():
+    from conftest import tiny_pair
+    from genfn.batching.manager import ContinuousBatchingManager
+
+    _, model = tiny_pair()
+    manager = ContinuousBatchingManager(model)
+    assert manager.workload_hints == WorkloadHints.for_context(model.max_position_embeddings)
+
+
 def test_workload_hints_give_sizes_that_hold_the_workload():
     sizes = resolve(WorkloadHints(expected_prompt_len=100, expected_new_tokens=60, concurrent_requests=8))
     assert sizes.block_size == 16

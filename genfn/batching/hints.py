@@ -45,6 +45,17 @@ class WorkloadHints:
         if self.max_new_tokens is not None and self.max_new_tokens < self.expected_new_tokens:
             raise ValueError("`max_new_tokens` must be >= `expected_new_tokens`")
 
+    @classmethod
+    def for_context(cls, context: int | None) -> "WorkloadHints":
+        """The default hints, except that any one request may use a ``context``-token window
+        (the model's ``max_position_embeddings``): the defaults alone cap a request at 1024
+        tokens, which would refuse most of SmolLM2's 8192. The typical sizes, and so the block
+        count, stay the defaults'."""
+        defaults = cls()
+        if context is None or context <= defaults.longest_request:
+            return defaults
+        return cls(max_prompt_len=context - defaults.expected_new_tokens, max_new_tokens=defaults.expected_new_tokens)
+
     @property
     def longest_request(self) -> int:
         prompt = self.max_prompt_len or 2 * self.expected_prompt_len

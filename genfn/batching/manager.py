@@ -64,7 +64,8 @@ class ContinuousBatchingManager:
 
     ``generation_config``: the defaults every request starts from (a request's own keyword
     arguments win). ``continuous_batching_config``: sizes, scheduler, prefix sharing, compile;
-    ``workload_hints``: what the sizes left unset are picked for. ``chunked_prefill``: split a
+    ``workload_hints``: what the sizes left unset are picked for (``None``: the defaults, with any
+    one request allowed the model's whole context, ``WorkloadHints.for_context``). ``chunked_prefill``: split a
     prompt longer than the token budget across forwards (``None``: the config's ``chunked_prefill``).
     ``prefill_tokens_while_decoding``: the prompt tokens a forward carries while requests decode
     (``None``: a quarter of the token budget, at least 32; the token budget itself: no cap); see
@@ -87,7 +88,7 @@ class ContinuousBatchingManager:
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
-        self.workload_hints = workload_hints or WorkloadHints()
+        self.workload_hints = workload_hints or WorkloadHints.for_context(getattr(model, "max_position_embeddings", None))
         if chunked_prefill is not None and not isinstance(chunked_prefill, bool):
             raise TypeError(f"`chunked_prefill` must be a bool or None, got {type(chunked_prefill).__name__}")
         self.chunked_prefill = continuous_batching_config.chunked_prefill if chunked_prefill is None else chunked_prefill

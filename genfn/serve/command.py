@@ -103,19 +103,6 @@ def _batching_config(args):
     return ContinuousBatchingConfig(**options)
 
 
-def _serving_hints(model):
-    """Sizes for a server: any one request may use the model's whole context (the default hints
-    cap a request at 1024 tokens, which would refuse most of SmolLM2's 8192)."""
-    from genfn.batching.hints import WorkloadHints
-
-    context = model.max_position_embeddings
-    defaults = WorkloadHints()
-    if context is None or context <= defaults.longest_request:
-        return defaults
-    return WorkloadHints(max_prompt_len=context - defaults.expected_new_tokens,
-                         max_new_tokens=defaults.expected_new_tokens)
-
-
 def main(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -138,8 +125,7 @@ def main(args: argparse.Namespace) -> int:
     if model.tokenizer is None:
         _status("the model has no tokenizer; the server needs one to read and write text")
         return 1
-    manager = ContinuousBatchingManager(model, continuous_batching_config=_batching_config(args),
-                                        workload_hints=_serving_hints(model))
+    manager = ContinuousBatchingManager(model, continuous_batching_config=_batching_config(args))
     if args.compile:
         compiling = time.perf_counter()
         _status("compiling the batched forward for every padded size (first run: minutes) ...")
