@@ -12,9 +12,10 @@ Workloads (greedy, ``min_new_tokens = max_new_tokens`` so every request decodes 
 
 Engines:
 
-    genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread)
-    genfn-cb-uncapped  the same with the whole token budget open to prompt tokens while requests
-                  decode (genfn-cb's default gives them a quarter): what the split costs or saves
+    genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread;
+                  prompts take whatever of the token budget decoding leaves, its default)
+    genfn-cb-capped  the same with prompt tokens capped at a quarter of the budget while requests
+                  decode (the manager's default, for serving): what the cap costs or saves
     hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
     genfn-static           genfn ``generate`` on the left-padded batch (static cache, eager)
     genfn-static-compiled  the same, its decode step compiled (genfn's default CPU compile:
@@ -95,10 +96,10 @@ def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_token
 
     cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
                                   max_batch_tokens=max_batch_tokens)
+    cap = {} if prefill_tokens_while_decoding is None else {"prefill_tokens_while_decoding": prefill_tokens_while_decoding}
     start = time.perf_counter()
     results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   record_timestamps=True, continuous_batching_config=cb, warmup=False,
-                                   prefill_tokens_while_decoding=prefill_tokens_while_decoding)
+                                   record_timestamps=True, continuous_batching_config=cb, warmup=False, **cap)
     wall = time.perf_counter() - start
     return _from_outputs("genfn-cb", results.values(), start, wall)
 
@@ -204,8 +205,8 @@ def main():
     parser.add_argument("--max-batch-tokens", type=int, default=512,
                         help="genfn-cb's token budget per forward (smaller: shorter prefill stalls, lower ITL)")
     parser.add_argument("--prefill-tokens-while-decoding", type=int, default=None,
-                        help="genfn-cb's prompt tokens per forward while requests decode (default: the manager's, "
-                             "a quarter of the budget)")
+                        help="genfn-cb's prompt tokens per forward while requests decode (default: generate_batch's, "
+                             "the whole budget)")
     parser.add_argument("--llamacpp-workloads", nargs="+", default=["parallel"],
                         help="the workloads llama.cpp runs (the issue compares it on the parallel one)")
     parser.add_argument("--tag", default=None, help="appended to the JSON file's name (e.g. the branch)")
@@ -263,10 +264,10 @@ def main():
                             run_genfn_cb(model, prompts[:8], 2)
                             result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
                                                   args.prefill_tokens_while_decoding)
-                        elif engine == "genfn-cb-uncapped":
+                        elif engine == "genfn-cb-capped":
                             run_genfn_cb(model, prompts[:8], 2)
                             result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
-                                                  args.max_batch_tokens)
+                                                  max(32, args.max_batch_tokens // 4))
                             result["engine"] = engine
                         elif engine == "hf-cb":
                             run_hf_cb(hf_model, small, 2)

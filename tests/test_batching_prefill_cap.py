@@ -82,3 +82,37 @@ def test_the_manager_cap_changes_no_greedy_token(tiny_model):
         assert alone[0, len(prompt):].tolist() == generated
     with pytest.raises(ValueError, match="prefill_tokens_while_decoding"):
         tiny_model.generate_batch(prompts[:1], max_new_tokens=2, warmup=False, prefill_tokens_while_decoding=0)
+
+
+def test_generate_batch_opens_the_whole_budget_and_the_manager_caps_a_quarter(tiny_model):
+    """An offline batch is throughput-first (prompts take whatever decoding leaves of the budget,
+    as vLLM schedules); a manager made for serving caps prompt tokens at a quarter of it unless
+    told otherwise. ``"uncapped"`` names the first, an int any cap; anything else is refused."""
+    from genfn.batching.manager import UNCAPPED, ContinuousBatchingManager
+    from genfn.config.batching import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(max_batch_tokens=256)
+    serving = ContinuousBatchingManager(tiny_model, continuous_batching_config=config)
+    serving._build()
+    assert serving.scheduler.policy.prefill_tokens_while_decoding == 64
+    offline = ContinuousBatchingManager(tiny_model, continuous_batching_config=config,
+                                        prefill_tokens_while_decoding=UNCAPPED)
+    offline._build()
+    assert offline.scheduler.policy.prefill_tokens_while_decoding == 256
+    with pytest.raises(ValueError, match="prefill_tokens_while_decoding"):
+        ContinuousBatchingManager(tiny_model, prefill_tokens_while_decoding="none")
+
+    seen = {}
+    original = ContinuousBatchingManager.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        original(self, *args, **kwargs)
+
+    ContinuousBatchingManager.__init__ = spy
+    try:
+        results = tiny_model.generate_batch([[5, 6, 7]], max_new_tokens=2, warmup=False)
+    finally:
+        ContinuousBatchingManager.__init__ = original
+    assert seen["prefill_tokens_while_decoding"] == UNCAPPED
+    assert len(next(iter(results.values())).generated_tokens) == 2

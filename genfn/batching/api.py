@@ -12,7 +12,7 @@ import contextlib
 import logging
 
 from genfn.batching.hints import WorkloadHints
-from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.manager import UNCAPPED, ContinuousBatchingManager
 from genfn.batching.results import GenerationOutput
 
 __all__ = ["continuous_batching_context_manager", "destroy_cached_continuous_batching_manager", "generate_batch",
@@ -77,7 +77,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     """Run every prompt of ``inputs`` (lists of token ids) to its end with continuous batching.
 
     ``kwargs``: generation settings for every request (``max_new_tokens``, ``do_sample``, ...),
-    ``chunked_prefill`` and ``prefill_tokens_while_decoding`` (the manager's). Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``; a
+    ``chunked_prefill`` and ``prefill_tokens_while_decoding`` (the manager's; here ``"uncapped"`` unless
+    given). Returns ``{request_id: GenerationOutput}`` in the order of ``inputs``; a
     request that failed is there with its status and error.
     """
     from tqdm.auto import tqdm
@@ -86,6 +87,9 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     if not inputs:
         return {}
     manager_options = {k: kwargs.pop(k) for k in ("chunked_prefill", "prefill_tokens_while_decoding") if k in kwargs}
+    # An offline batch wants throughput: prompts fill whatever of the budget decoding leaves, as
+    # vLLM schedules (see ContinuousBatchingManager for what the serving cap trades).
+    manager_options.setdefault("prefill_tokens_while_decoding", UNCAPPED)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     cb = continuous_batching_config
     hints = _hints(model, inputs, generation_config, max_new_tokens,

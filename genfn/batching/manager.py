@@ -59,6 +59,10 @@ class _Record:
     last_token: float = -1.0  # when its latest token came (-1: none yet)
 
 
+# ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
+UNCAPPED = "uncapped"
+
+
 class ContinuousBatchingManager:
     """Requests in, results out, a background thread doing the batching in between.
 
@@ -68,10 +72,14 @@ class ContinuousBatchingManager:
     one request allowed the model's whole context, ``WorkloadHints.for_context``). ``chunked_prefill``: split a
     prompt longer than the token budget across forwards (``None``: the config's ``chunked_prefill``).
     ``prefill_tokens_while_decoding``: the prompt tokens a forward carries while requests decode
-    (``None``: a quarter of the token budget, at least 32; the token budget itself: no cap); see
-    ``SchedulerPolicy``. On 16 mixed requests x 32 tokens (float32, budget 512, interleaved runs)
-    the quarter cut the inter-token latency p90 from 1.2-1.3 s to 0.47-0.48 s at 0.95x the
-    uncapped throughput (benchmarks/batching.py: genfn-cb vs genfn-cb-uncapped).
+    (``None``: a quarter of the token budget, at least 32, for serving, where the tail of the
+    inter-token latency counts; ``"uncapped"``: the whole budget, vLLM's behaviour, what
+    ``generate_batch`` runs by default); see ``SchedulerPolicy``. On 16 mixed requests x 32 tokens
+    (float32, budget 512) the quarter cut the inter-token latency p90 from 1.2-1.3 s to 0.47 s at
+    0.95x the uncapped throughput; on the full 64 mixed requests x 128 tokens it cut p90 from 867
+    to 541 ms but cost 20 % of the throughput (106 vs 132 tok/s) and raised the time to first
+    token p50 from 15 to 24 s and the inter-token p50 from 257 to 375 ms (half the budget: 119
+    tok/s, p90 684 ms); benchmarks/batching.py's genfn-cb-capped against genfn-cb.
     ``metrics()`` is a snapshot of the engine's counters, safe to take from any thread.
     """
 
@@ -92,9 +100,9 @@ class ContinuousBatchingManager:
         if chunked_prefill is not None and not isinstance(chunked_prefill, bool):
             raise TypeError(f"`chunked_prefill` must be a bool or None, got {type(chunked_prefill).__name__}")
         self.chunked_prefill = continuous_batching_config.chunked_prefill if chunked_prefill is None else chunked_prefill
-        if prefill_tokens_while_decoding is not None and (isinstance(prefill_tokens_while_decoding, bool) or not isinstance(
+        if prefill_tokens_while_decoding not in (None, UNCAPPED) and (isinstance(prefill_tokens_while_decoding, bool) or not isinstance(
                 prefill_tokens_while_decoding, int) or prefill_tokens_while_decoding < 1):
-            raise ValueError(f"`prefill_tokens_while_decoding` must be an int >= 1 or None, got "
+            raise ValueError(f"`prefill_tokens_while_decoding` must be an int >= 1, {UNCAPPED!r} or None, got "
                              f"{prefill_tokens_while_decoding!r}")
         self.prefill_tokens_while_decoding = prefill_tokens_while_decoding
         self._inputs: queue.Queue = queue.Queue()
@@ -171,6 +179,8 @@ class ContinuousBatchingManager:
     def _prefill_cap(self, token_budget: int) -> int:
         # A quarter: with a forward's time about linear in its tokens (the GEMMs dominate), 64
         # decode rows plus 128 prompt tokens take ~3 decode steps' time instead of ~9 at 512.
+        if self.prefill_tokens_while_decoding == UNCAPPED:
+            return token_budget
         if self.prefill_tokens_while_decoding is not None:
             return self.prefill_tokens_while_decoding
         return max(32, token_budget // 4)
