@@ -64,8 +64,8 @@ inline __m512 exp_lanes(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax of s[0 .. n) in place (n >= 1).
-inline void softmax(float* s, int64_t n) {
+// s[i] = e^(s[i] - max(s)) in place over s[0 .. n) (n >= 1); returns their sum.
+inline float exponentiate(float* s, int64_t n) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(s + i));
@@ -79,8 +79,13 @@ inline void softmax(float* s, int64_t n) {
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
     _mm512_mask_storeu_ps(s + i, k, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  for (i = 0; i < n; i += kLanes) {
+  return _mm512_reduce_add_ps(total);
+}
+
+// Softmax of s[0 .. n) in place (n >= 1).
+inline void softmax(float* s, int64_t n) {
+  const __m512 inv = _mm512_set1_ps(1.f / exponentiate(s, n));
+  for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 k = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
   }
@@ -263,17 +268,7 @@ void attend_visible(const T* q, const T* keys, const T* values, const bool* visi
   float totals[kMaxGroups];
   for (int64_t g = 0; g < groups; ++g) {
     float* s = scores.data() + g * n;
-    float top = s[0];
-    for (int64_t i = 1; i < n; ++i) top = std::max(top, s[i]);
-    const __m512 tv = _mm512_set1_ps(top);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 k = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-      __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), tv));
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
-      _mm512_mask_storeu_ps(s + i, k, e);
-    }
-    totals[g] = _mm512_reduce_add_ps(total);
+    totals[g] = exponentiate(s, n);
     if constexpr (!std::is_same_v<T, float>)
       for (int64_t i = 0; i < n; ++i) s[i] = static_cast<float>(T(s[i]));
   }
