@@ -28,11 +28,16 @@ def test_ten_calls_compile_the_decode_step_once():
 
     with torch.profiler.profile() as profile:
         genfn.generate(model, ids, max_new_tokens=3, cache_implementation="static", max_cache_len=160)
-    kernel_calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::decode_linear")
-    # Two compiled steps of 4 linears per layer + the LM head; the eager prefill (22 rows) takes
-    # F.linear except for its LM head, which sees only the last position of each row.
-    per_step = 4 * model.spec.num_layers + 1
-    assert kernel_calls == (2 * per_step + 1 if kernels.decode_linear_available() else 0)
+
+    def calls(op):
+        return sum(e.count for e in profile.key_averages() if e.key == f"genfn_kernels::{op}")
+
+    # Two compiled steps, each layer in two native calls (genfn.kernels.decode_layer) and the LM
+    # head through the decode kernel; the eager prefill (22 rows) takes F.linear except for its LM
+    # head, which sees only the last position of each row.
+    built = kernels.decode_linear_available()
+    assert calls("decode_linear") == (2 + 1 if built else 0)
+    assert calls("decode_attention_input") == calls("decode_layer_output") == (2 * model.spec.num_layers if built else 0)
 
 
 def test_a_run_that_fills_its_cache_compiles_the_step_once():

@@ -8,6 +8,8 @@ dot products against the activation quantized to 8 bits). Both are ``torch.libra
 fake implementations, so they sit inside compiled steps like any aten op; ``linear`` picks one
 by the weight's type. ``decode_attention`` is one query per row against the dense static cache
 (``decode_attention.cpp``, which also holds the paged cache's decode attention and write).
+``genfn.kernels.decode_layer`` runs a Llama decoder layer's decode step in two calls around the
+cache write (``decode_layer.cpp``).
 
 The C++ source is compiled with the system C++ compiler the first time it is needed and cached
 under ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``), keyed by the source, torch's
@@ -37,7 +39,9 @@ from genfn.quant.weight import QuantizedWeight
 __all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
-                                                                 "decode_attention.cpp"))
+                                                                 "decode_attention.cpp", "decode_layer.cpp"))
+# Included by the sources: part of the build's key, not of the command line.
+_HEADERS = (Path(__file__).with_name("decode_kernels.h"),)
 _OP_NAMESPACE = "genfn_kernels"
 _BUILD_TIMEOUT_S = 600
 _logger = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ def _build() -> Path:
     if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_compile_command(Path("out.so"))).encode())
@@ -131,6 +135,14 @@ def _register_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
     def _(q, keys, values, visible, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")
+    def _(x, norm, wqkv, cos, sin, eps, heads, kv_heads):
+        return x.new_empty((x.shape[0], wqkv.shape[0]))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_layer_output")
+    def _(x, q, keys, values, visible, wo, mlp_norm, w_gate_up, w_down, eps, scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):

@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_kernels.h"
+
 namespace {
 
 inline void narrow(float* p, float v) { *p = v; }
@@ -412,6 +414,35 @@ void paged_write(at::Tensor& keys, at::Tensor& values, int64_t layer, const at::
 }
 
 }  // namespace
+
+namespace genfn_kernels {
+
+template <typename T>
+void attend_group(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
+                  int64_t slot_stride, int64_t groups, int64_t head_dim, float scale, T* out) {
+  thread_local std::vector<float> scores;
+  thread_local std::vector<int32_t> slots;
+  switch (head_dim / kLanes) {
+#define GENFN_GROUP(V) \
+  case V: return attend_visible<T, V>(q, keys, values, visible, span, slot_stride, groups, scale, out, scores, slots);
+    GENFN_GROUP(1)
+    GENFN_GROUP(2)
+    GENFN_GROUP(3)
+    GENFN_GROUP(4)
+    GENFN_GROUP(5)
+    GENFN_GROUP(6)
+    GENFN_GROUP(7)
+    GENFN_GROUP(8)
+#undef GENFN_GROUP
+  }
+}
+
+template void attend_group<float>(const float*, const float*, const float*, const bool*, int64_t, int64_t, int64_t,
+                                  int64_t, float, float*);
+template void attend_group<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                                          const bool*, int64_t, int64_t, int64_t, int64_t, float, c10::BFloat16*);
+
+}  // namespace genfn_kernels
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "

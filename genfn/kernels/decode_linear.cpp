@@ -16,6 +16,8 @@
 
 #include <vector>
 
+#include "decode_kernels.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;
@@ -174,24 +176,119 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
 template <int M>
 constexpr int rows_per_block() { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
 
+// Row blocks [b0, b1) of w against the M rows of x, as one sequential stream: the window ahead of
+// the block being summed is fetched into L2, and blocks within a window of b1 fetch nothing (past
+// it lies another thread's share).
+template <typename Dot, int M, typename Out>
+void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
+                   int64_t b0, int64_t b1) {
+  constexpr int R = rows_per_block<M>();
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  // The first window of the stream: nothing fetched it ahead.
+  const char* start = reinterpret_cast<const char*>(w + b0 * R * K);
+  const int64_t length = (b1 - b0) * block_bytes;
+  for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(start + off, _MM_HINT_T1);
+  for (int64_t b = b0; b < b1; ++b) {
+    const bool ahead = (b - b0 + 1) * block_bytes + kPrefetchBytes <= length;
+    row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
+  }
+}
+
 template <typename Dot, int M, typename Out>
 void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y) {
   constexpr int R = rows_per_block<M>();
   const int64_t blocks = N / R;
-  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    // The first window of the stream: nothing fetched it ahead.
-    const char* start = reinterpret_cast<const char*>(w + b0 * R * K);
-    const int64_t length = (b1 - b0) * block_bytes;
-    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(start + off, _MM_HINT_T1);
-    // Blocks within a window of the end fetch nothing: past it lies another thread's share.
-    for (int64_t b = b0; b < b1; ++b) {
-      const bool ahead = (b - b0 + 1) * block_bytes + kPrefetchBytes <= length;
-      row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
-    }
-  });
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { stream_blocks<Dot, M>(x, w, K, N, y, b0, b1); });
   for (int64_t n = blocks * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+}
+
+// Weight bytes a balanced share claims at a time: small enough that the last chunk of a run
+// costs little waiting, large enough that the claim (one compare-and-swap) is noise.
+constexpr int64_t kChunkBytes = 8192;
+
+inline bool claim_front(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = next;
+    end = std::min(last, next + chunk);
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(last) << 32) | static_cast<uint64_t>(end),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
+inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = std::max(next, last - chunk);
+    end = last;
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(begin) << 32) | static_cast<uint64_t>(next),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
+template <typename Dot, int M, typename Out>
+void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
+                   int64_t t, genfn_kernels::RowQueue& queue) {
+  constexpr int R = rows_per_block<M>();
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+  const int64_t T = queue.threads;
+  if (t < T) {
+    // The own run, front to back, fetched ahead as one stream up to the run's first end.
+    const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
+    const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
+    const char* base = reinterpret_cast<const char*>(w + start * R * K);
+    const int64_t length = (stop - start) * block_bytes;
+    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+    int64_t begin, end;
+    while (claim_front(queue.runs[t].bounds, chunk, begin, end))
+      for (int64_t b = begin; b < end; ++b) {
+        const bool ahead = (b - start + 1) * block_bytes + kPrefetchBytes <= length;
+        row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
+      }
+    for (int64_t step = 1; step < T; ++step) {
+      auto& other = queue.runs[(t + step) % T].bounds;
+      while (claim_back(other, chunk, begin, end))
+        for (int64_t b = begin; b < end; ++b) row_block<Dot, M, R>(x, w, K, N, b * R, 0, y);
+    }
+  }
+  if (t == 0)
+    for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+}
+
+template <typename Dot, typename Out>
+void dispatch_balanced(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K,
+                       int64_t N, Out* y, int64_t t, genfn_kernels::RowQueue& queue) {
+  switch (M) {
+    case 1: return balanced_rows<Dot, 1>(x, w, K, N, y, t, queue);
+    case 2: return balanced_rows<Dot, 2>(x, w, K, N, y, t, queue);
+    case 3: return balanced_rows<Dot, 3>(x, w, K, N, y, t, queue);
+    case 4: return balanced_rows<Dot, 4>(x, w, K, N, y, t, queue);
+    case 5: return balanced_rows<Dot, 5>(x, w, K, N, y, t, queue);
+    case 6: return balanced_rows<Dot, 6>(x, w, K, N, y, t, queue);
+    case 7: return balanced_rows<Dot, 7>(x, w, K, N, y, t, queue);
+    default: return balanced_rows<Dot, 8>(x, w, K, N, y, t, queue);
+  }
+}
+
+int64_t row_blocks(int64_t M, int64_t N) {
+  switch (M) {
+    case 1: return N / rows_per_block<1>();
+    case 2: return N / rows_per_block<2>();
+    case 3: return N / rows_per_block<3>();
+    case 4: return N / rows_per_block<4>();
+    case 5: return N / rows_per_block<5>();
+    case 6: return N / rows_per_block<6>();
+    case 7: return N / rows_per_block<7>();
+    default: return N / rows_per_block<8>();
+  }
 }
 
 template <typename Dot, typename Out>
@@ -251,6 +348,31 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace
+
+namespace genfn_kernels {
+
+bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
+
+void RowQueue::prepare(int64_t M, int64_t N, int64_t T) {
+  const int64_t blocks = row_blocks(M, N);
+  threads = std::min<int64_t>(T, kMaxThreads);
+  for (int64_t t = 0; t < threads; ++t) {
+    const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;
+    runs[t].bounds.store((end << 32) | next, std::memory_order_relaxed);
+  }
+}
+
+void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
+                     RowQueue& queue) {
+  dispatch_balanced<Float32Fma>(M, x, w, K, N, y, t, queue);
+}
+
+void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,
+                     c10::BFloat16* y, int64_t t, RowQueue& queue) {
+  dispatch_balanced<Bfloat16Dot>(M, x, w, K, N, y, t, queue);
+}
+
+}  // namespace genfn_kernels
 
 TORCH_LIBRARY(genfn_kernels, m) { m.def("decode_linear(Tensor x, Tensor weight) -> Tensor"); }
 

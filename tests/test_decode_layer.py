@@ -1,0 +1,172 @@
+"""A Llama decoder layer's decode step in two native calls (genfn/kernels/decode_layer.cpp,
+``genfn.kernels.decode_layer``): each call equals the model's op-by-op layer, the model's static
+cache decode takes it, and what it does not take falls back to the op-by-op layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfn.kernels import decode_layer
+from genfn.models import llama
+from genfn.models.rope import apply_rope
+from genfn.quant.weight import QuantizedWeight
+from test_paged_native import needs_kernel
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN = 9, 3, 64, 576, 1536
+EPS = 1e-5
+
+
+def _layer(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return {"attn_norm": 1 + w(HIDDEN, scale=0.1), "wqkv": w(qkv_rows, HIDDEN), "wo": w(HIDDEN, HEADS * HEAD_DIM),
+            "mlp_norm": 1 + w(HIDDEN, scale=0.1), "w_gate_up": w(2 * FFN, HIDDEN), "w_down": w(HIDDEN, FFN)}
+
+
+def _rope(batch, dtype, seed=1):
+    positions = torch.randint(0, 200, (batch, 1), generator=torch.Generator().manual_seed(seed))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)  # [B, 1, D]
+
+
+def _reference_input(x, layer, cos, sin):
+    """The op-by-op layer up to the cache write, rounding once per fused step as inductor does."""
+    batch = x.shape[0]
+    h = llama._rms_norm(x, layer["attn_norm"], EPS)
+    qkv = F.linear(h.float(), layer["wqkv"].float()).to(x.dtype)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2).float()
+    k = k.view(batch, 1, KV_HEADS, HEAD_DIM).transpose(1, 2).float()
+    q, k = apply_rope(q, cos.float(), sin.float()), apply_rope(k, cos.float(), sin.float())
+    return torch.cat([q.transpose(1, 2).reshape(batch, -1), k.transpose(1, 2).reshape(batch, -1),
+                      v.reshape(batch, -1).float()], dim=-1).to(x.dtype)
+
+
+def _reference_output(x, q, keys, values, mask, layer):
+    batch = x.shape[0]
+    attn = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys.float(), values.float(),
+                                          attn_mask=mask, enable_gqa=True).to(x.dtype)
+    o = F.linear(attn.reshape(batch, 1, -1).float(), layer["wo"].float()).to(x.dtype)
+    x1 = (x.float() + o.float()).to(x.dtype)
+    h = llama._rms_norm(x1, layer["mlp_norm"], EPS)
+    gate, up = F.linear(h.float(), layer["w_gate_up"].float()).to(x.dtype).chunk(2, dim=-1)
+    act = (F.silu(gate.float()) * up.float()).to(x.dtype)
+    down = F.linear(act.float(), layer["w_down"].float()).to(x.dtype)
+    return (x1.float() + down.float()).to(x.dtype)
+
+
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not decode_layer._BF16_DOT, reason="the bfloat16 layer needs AVX512_BF16 (this CPU has none)"))]
+# bfloat16: the reference rounds the attention's probabilities differently (SDPA on float32), so
+# an intermediate may land one bfloat16 step away, ~0.03 at the residual stream's magnitude.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_attention_input_equals_norm_projection_and_rope(dtype, batch):
+    layer = _layer(dtype)
+    x = torch.randn(batch, 1, HIDDEN, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cos, sin = _rope(batch, dtype)
+    out = decode_layer.attention_input(x, layer, cos, sin, EPS, HEADS, KV_HEADS)
+    expected = _reference_input(x, layer, cos, sin)
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, span", [(1, 1), (1, 100), (3, 57), (8, 200)])
+def test_layer_output_equals_attention_projection_and_mlp(dtype, batch, span):
+    """The cache sliced to the attended span (a strided view), a mask with holes (left padding)."""
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(dtype, seed=4)
+    x = torch.randn(batch, 1, HIDDEN, generator=gen).to(dtype)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    keys = torch.randn(batch, KV_HEADS, 256, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    values = torch.randn(batch, KV_HEADS, 256, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.7
+    mask[..., -1] = True
+    out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
+    expected = _reference_output(x, q, keys, values, mask, layer)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernel
+def test_bad_arguments_name_the_op_and_the_argument():
+    layer = _layer(torch.float32)
+    x = torch.randn(1, 1, HIDDEN)
+    cos, sin = _rope(1, torch.float32)
+    with pytest.raises(RuntimeError, match="decode_attention_input: wqkv must be"):
+        decode_layer.attention_input(x, {**layer, "wqkv": layer["wqkv"][:-1]}, cos, sin, EPS, HEADS, KV_HEADS)
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    keys = torch.randn(1, KV_HEADS, 8, HEAD_DIM)
+    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="decode_layer_output: visible must be a bool"):
+        decode_layer.layer_output(x, q, keys, keys, mask.float(), layer, EPS)
+    with pytest.raises(RuntimeError, match="decode_layer_output: x must be \\[M, hidden\\]"):
+        decode_layer.layer_output(torch.randn(9, 1, HIDDEN), q.expand(9, -1, -1), keys.expand(9, -1, -1, -1),
+                                  keys.expand(9, -1, -1, -1), mask.expand(9, -1, -1, -1), layer, EPS)
+
+
+@needs_kernel
+def test_what_the_native_layer_does_not_take_runs_op_by_op():
+    layer = _layer(torch.float32)
+    keys = torch.zeros(1, dtype=torch.float32)
+    x = torch.randn(2, 1, HIDDEN)
+    assert decode_layer.takes(x, layer, keys, HEAD_DIM)
+    assert not decode_layer.takes(torch.randn(2, 5, HIDDEN), layer, keys, HEAD_DIM)  # prefill
+    assert not decode_layer.takes(torch.randn(9, 1, HIDDEN), layer, keys, HEAD_DIM)  # past 8 rows
+    assert not decode_layer.takes(x, {**layer, "bqkv": torch.zeros(1)}, keys, HEAD_DIM)
+    assert not decode_layer.takes(x, layer, keys, 24)  # head_dim not a multiple of 16
+    assert not decode_layer.takes(x, layer, keys.bfloat16(), HEAD_DIM)  # cache in another dtype
+    quantized = QuantizedWeight.__new__(QuantizedWeight)
+    assert not decode_layer.takes(x, {**layer, "w_down": quantized}, keys, HEAD_DIM)
+    # Eager bfloat16 keeps transformers' op-by-op rounding; only a compiled step takes it natively.
+    bf16 = {name: w.bfloat16() for name, w in layer.items()}
+    assert not decode_layer.takes(x.bfloat16(), bf16, keys.bfloat16(), HEAD_DIM)
+    with torch.enable_grad():
+        assert not decode_layer.takes(x.requires_grad_(), layer, keys, HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_f32():
+    from conftest import tiny_pair
+
+    return tiny_pair(seed=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+
+
+PROMPTS = torch.tensor([[5, 17, 3, 88, 41, 9], [0, 0, 12, 7, 60, 33], [0, 0, 0, 1, 44, 90]])
+GENERATE = dict(attention_mask=(PROMPTS != 0).long(), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                pad_token_id=0, return_dict_in_generate=True, output_logits=True, cache_implementation="static",
+                max_cache_len=32, disable_compile=True)
+
+
+@needs_kernel
+def test_the_static_cache_decode_takes_the_native_layer_and_keeps_transformers_tokens(tiny_pair_f32, monkeypatch):
+    import genfn
+
+    hf, model = tiny_pair_f32
+    calls = []
+    takes = decode_layer.takes
+    monkeypatch.setattr(decode_layer, "takes", lambda *a: calls.append(takes(*a)) or calls[-1])
+    ours = genfn.generate(model, PROMPTS, **GENERATE)
+    assert calls and all(calls)  # every decode layer of every step
+    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    plain = genfn.generate(model, PROMPTS, **GENERATE)
+    assert torch.equal(ours.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-5, rtol=2e-5)
+    with torch.no_grad():
+        theirs = hf.generate(PROMPTS, attention_mask=GENERATE["attention_mask"], max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.sequences, theirs)
