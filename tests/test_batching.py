@@ -395,7 +395,10 @@ def test_an_error_in_the_loop_fails_the_requests_in_flight_wakes_waiters_and_res
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine, "forward", broken)
-    ids = [manager.add_request([4, 5, 6, i + 7], max_new_tokens=4) for i in range(5)]
+    # Paused while they arrive, so that all five are in flight when the loop fails (unpaused, a
+    # slow machine let the loop fail on the first before the last was added, which was refused).
+    with manager.pause():
+        ids = [manager.add_request([4, 5, 6, i + 7], max_new_tokens=4) for i in range(5)]
     waiter_results = []
     waiter = threading.Thread(target=lambda: waiter_results.append(manager.get_result("never-added", timeout=None)))
     waiter.start()
