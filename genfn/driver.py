@@ -15,6 +15,8 @@ shapes and dtypes), so later calls with the same shapes reuse them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -120,6 +122,11 @@ def _layout_unflattener(layout) -> Callable:
     traced (see ``genfn.traced_unflatten``): inside a compiled step, what dynamo reads it guards."""
     treedef, _, constants = layout
     return unflattener(treedef, dict(constants))
+
+
+# The generated rebuild of each layout the driver has returned states in: between compiled steps
+# it rebuilds a state in ~13 us where tree_unflatten walks the treedef in ~35.
+_join_code = functools.lru_cache(maxsize=64)(_layout_unflattener)
 
 
 def _join_leaves(tensors, layout):
@@ -260,7 +267,7 @@ def _call_on_leaves(fn: Callable, state, *leading):
     flat = [_with_canonical_strides(t) for t in flat]
     # Inference only (freezing, where the backend turns it on, needs grad disabled).
     with torch.no_grad():
-        return _join_leaves(fn(*leading, *flat), layout)
+        return _join_code(layout)(fn(*leading, *flat))
 
 
 def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
@@ -443,6 +450,20 @@ def run_loop(
     return state
 
 
+def _trusted_guards(trusted: bool):
+    """From a loop's second compiled step on, dynamo evaluates only the guards that tell its
+    compiled entries apart (``skip_guard_eval_unsafe``): the step is pure and returns a state of the
+    layout it was given, ``limit_attention`` changes only the attended span (a dynamic size) and
+    the driver keeps the leaves' strides canonical, so the checks the first step passed hold for
+    every later one. ~0.25 ms of a ~11 ms bfloat16 batch-1 step. The user's own stance is kept."""
+    if not trusted:
+        return contextlib.nullcontext()
+    current = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if current is None or current.stance != "default" or current.skip_guard_eval_unsafe:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True, force_backend=current.backend)
+
+
 class _HostView:
     """What the driver learns from a state between steps, in one host sync: whether every row is
     done, whether any row saw non-finite logits, and every row's length."""
@@ -525,8 +546,12 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
             if advance is None:
                 advance = (compiled_step(strategy.step, model, state, compile_options) if compile_options is not None
                            else eager_step(strategy.step, model))
+                stepped = advance(state)
+            else:
+                with _trusted_guards(compile_options is not None):
+                    stepped = advance(state)
             before = view.lengths
-            state, view = _observe(strategy, advance(state), stopping_criteria, trace)
+            state, view = _observe(strategy, stepped, stopping_criteria, trace)
             if streamer is not None:
                 _stream(streamer, state, before, view.lengths)
     except BaseException as error:
