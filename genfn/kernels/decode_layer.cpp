@@ -43,7 +43,7 @@ inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline T narrow(float v) { return static_cast<T>(v); }
 
-// [begin, end) of `count` items for thread t of T: even contiguous shares.
+// [begin, end) of `count` items for thread t of a team of T: even contiguous shares.
 inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t T) {
   return {count * t / T, count * (t + 1) / T};
 }
@@ -80,7 +80,7 @@ void attention_input(const T* x, const T* norm, const T* wqkv, const T* cos, con
   rows.prepare(M, N, threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t T_ = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
     // Every thread normalizes the few rows itself: cheaper than a barrier.
     thread_local std::vector<T> h;
     h.resize(M * E);
@@ -88,7 +88,7 @@ void attention_input(const T* x, const T* norm, const T* wqkv, const T* cos, con
     linear_balanced(M, h.data(), wqkv, E, N, qkv, t, rows);
 #pragma omp barrier
     const int64_t rotated = heads + kv_heads;  // q's heads, then k's
-    const auto [begin, end] = share(M * rotated, t, T_);
+    const auto [begin, end] = share(M * rotated, t, team);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / rotated, head = i % rotated;
       rotate(qkv + m * N + head * D, cos + m * D, sin + m * D, D);
@@ -119,9 +119,9 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
   down_rows.prepare(M, E, threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t T_ = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
     {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
-      const auto [begin, end] = share(M * heads, t, T_);
+      const auto [begin, end] = share(M * heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t m = i / heads, head = i % heads, kv = head / groups;
         attend_group(q + i * D, keys + m * key_row_stride + kv * key_head_stride,
@@ -141,7 +141,7 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
     linear_balanced(M, h.data(), w_gate_up, E, 2 * F, gate_up, t, gate_up_rows);
 #pragma omp barrier
     {
-      const auto [begin, end] = share(F, t, T_);
+      const auto [begin, end] = share(F, t, team);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t f = begin; f < end; ++f) {
           const float g = wide(gate_up[m * 2 * F + f]), u = wide(gate_up[m * 2 * F + F + f]);
@@ -152,7 +152,7 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
     linear_balanced(M, act, w_down, F, E, down, t, down_rows);
 #pragma omp barrier
     {
-      const auto [begin, end] = share(E, t, T_);
+      const auto [begin, end] = share(E, t, team);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t e = begin; e < end; ++e) out[m * E + e] = narrow<T>(wide(x1[m * E + e]) + wide(down[m * E + e]));
     }
