@@ -52,6 +52,29 @@ def test_a_run_that_fills_its_cache_compiles_the_step_once():
     assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=20))
 
 
+def test_a_loop_trusts_guards_only_where_checking_them_recompiles_nothing(monkeypatch):
+    """From a loop's second compiled step the driver asks dynamo for the differentiating guards only.
+    That is sound only if every guard it skips would have passed: the same run that grows its span
+    to the whole cache, with every guard checked, compiles once and gives the same tokens."""
+    import contextlib
+
+    import genfn.driver as driver
+
+    _, model = tiny_pair(eos_token_id=None, seed=3)
+    ids = torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(2))
+    trusted = []
+    real = driver._trusted_guards
+    monkeypatch.setattr(driver, "_trusted_guards", lambda flag: trusted.append(flag) or real(flag))
+    fast = genfn.generate(model, ids, max_new_tokens=20, cache_implementation="static")
+    assert len(trusted) == 18 and all(trusted)  # 19 compiled steps (init chose the first token): all but the first
+    monkeypatch.setattr(driver, "_trusted_guards", lambda flag: contextlib.nullcontext())
+    before = _graphs()
+    checked = genfn.generate(model, ids, max_new_tokens=20, cache_implementation="static")
+    assert _graphs() == before  # no guard failed: the compiled step was reused as it was
+    assert torch.equal(fast, checked)
+    assert torch.equal(fast, genfn.generate(model, ids, max_new_tokens=20))
+
+
 def test_disable_compile_runs_eagerly():
     _, model = tiny_pair(eos_token_id=None)
     genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cache_implementation="static",
