@@ -43,6 +43,8 @@ class StaticCache(CacheBase):
     def with_span(self, num_slots: int) -> "StaticCache":
         """This cache with attention limited to the first ``num_slots`` slots (rounded up to 16)."""
         num_slots = min(-(-num_slots // 16) * 16, self.max_cache_len)
+        if self.span is not None and self.span.shape[0] == num_slots:
+            return self  # the span moves every 16 slots: most steps keep it
         span = torch.empty(num_slots, dtype=torch.int8, device=self.keys.device)
         # One compiled step serves every span length; maybe_ (not mark_) lets dynamo specialize
         # the rare edge (span == T) with a guard instead of failing the compile.
