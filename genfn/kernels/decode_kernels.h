@@ -9,6 +9,9 @@
 
 namespace genfn_kernels {
 
+// The most rows of x the decode kernels take (genfn.kernels.MAX_DECODE_ROWS); more is a GEMM.
+constexpr int64_t kMaxDecodeRows = 8;
+
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
 
@@ -17,7 +20,7 @@ bool cpu_has_avx512_bf16();
 // finishes takes chunks from the back of another's run. On two cores the two halves of a
 // weight do not stream equally fast (perf: each thread waited ~10 % of a static split's time at
 // the barrier after each linear). prepare() before the parallel region, then every thread calls
-// linear_balanced with it once: y[M, N] = x[M, K] @ w[N, K].T (M <= 8), summed as decode_linear
+// linear_balanced with it once: y[M, N] = x[M, K] @ w[N, K].T (M <= kMaxDecodeRows), summed as decode_linear
 // sums it.
 struct RowQueue {
   static constexpr int kMaxThreads = 64;

@@ -22,7 +22,6 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -36,7 +35,7 @@ using genfn_kernels::attend_group;
 using genfn_kernels::linear_balanced;
 using genfn_kernels::RowQueue;
 
-constexpr int64_t kMaxRows = 8;
+using genfn_kernels::kMaxDecodeRows;
 
 inline float wide(float v) { return v; }
 inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -61,7 +60,7 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
   }
 }
 
-// RoPE in place on head `head` of row m of qkv: x * cos + rotate_half(x) * sin.
+// RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
 template <typename T>
 void rotate(T* x, const T* cos, const T* sin, int64_t D) {
   const int64_t half = D / 2;
@@ -160,8 +159,8 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
 }
 
 void check_rows(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, op, ": x must be [M, hidden] with 1 <= M <= ",
-              kMaxRows, ", got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxDecodeRows, op,
+              ": x must be [M, hidden] with 1 <= M <= ", kMaxDecodeRows, ", got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16()),
               op, ": float32, or bfloat16 on a CPU with AVX512_BF16; got ", x.scalar_type());
 }

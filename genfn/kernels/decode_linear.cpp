@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
+using genfn_kernels::kMaxDecodeRows;
 constexpr int kLanes = 16;
 
 // How far ahead of the bytes being summed each thread's stream is fetched, into L2 (Zen 4 keeps
@@ -173,8 +173,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
 // which streamed as fast as sum() (float32 31.2 GB/s against 26.4 for four rows at once; one
 // 226 MB weight, 2 threads, sum() 33.3). From two rows of x on, several weight rows give enough
 // independent accumulators to hide the multiply-add latency, within the 32 vector registers.
-template <int M>
-constexpr int rows_per_block() { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
+constexpr int rows_per_block(int64_t M) { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
+
+// The first window of a stream of `length` bytes from `start`, which nothing fetched ahead.
+inline void fetch_first_window(const void* start, int64_t length) {
+  const char* bytes = static_cast<const char*>(start);
+  for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T1);
+}
 
 // Row blocks [b0, b1) of w against the M rows of x, as one sequential stream: the window ahead of
 // the block being summed is fetched into L2, and blocks within a window of b1 fetch nothing (past
@@ -182,12 +187,10 @@ constexpr int rows_per_block() { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 :
 template <typename Dot, int M, typename Out>
 void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                    int64_t b0, int64_t b1) {
-  constexpr int R = rows_per_block<M>();
+  constexpr int R = rows_per_block(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
-  // The first window of the stream: nothing fetched it ahead.
-  const char* start = reinterpret_cast<const char*>(w + b0 * R * K);
   const int64_t length = (b1 - b0) * block_bytes;
-  for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(start + off, _MM_HINT_T1);
+  fetch_first_window(w + b0 * R * K, length);
   for (int64_t b = b0; b < b1; ++b) {
     const bool ahead = (b - b0 + 1) * block_bytes + kPrefetchBytes <= length;
     row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
@@ -196,7 +199,7 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
 
 template <typename Dot, int M, typename Out>
 void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y) {
-  constexpr int R = rows_per_block<M>();
+  constexpr int R = rows_per_block(M);
   const int64_t blocks = N / R;
   // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { stream_blocks<Dot, M>(x, w, K, N, y, b0, b1); });
@@ -236,7 +239,7 @@ inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin
 template <typename Dot, int M, typename Out>
 void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                    int64_t t, genfn_kernels::RowQueue& queue) {
-  constexpr int R = rows_per_block<M>();
+  constexpr int R = rows_per_block(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
   const int64_t T = queue.threads;
@@ -244,9 +247,8 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
     // The own run, front to back, fetched ahead as one stream up to the run's first end.
     const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
     const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
-    const char* base = reinterpret_cast<const char*>(w + start * R * K);
     const int64_t length = (stop - start) * block_bytes;
-    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+    fetch_first_window(w + start * R * K, length);
     int64_t begin, end;
     while (claim_front(queue.runs[t].bounds, chunk, begin, end))
       for (int64_t b = begin; b < end; ++b) {
@@ -275,19 +277,6 @@ void dispatch_balanced(int64_t M, const typename Dot::Input* x, const typename D
     case 6: return balanced_rows<Dot, 6>(x, w, K, N, y, t, queue);
     case 7: return balanced_rows<Dot, 7>(x, w, K, N, y, t, queue);
     default: return balanced_rows<Dot, 8>(x, w, K, N, y, t, queue);
-  }
-}
-
-int64_t row_blocks(int64_t M, int64_t N) {
-  switch (M) {
-    case 1: return N / rows_per_block<1>();
-    case 2: return N / rows_per_block<2>();
-    case 3: return N / rows_per_block<3>();
-    case 4: return N / rows_per_block<4>();
-    case 5: return N / rows_per_block<5>();
-    case 6: return N / rows_per_block<6>();
-    case 7: return N / rows_per_block<7>();
-    default: return N / rows_per_block<8>();
   }
 }
 
@@ -325,7 +314,7 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   const auto dtype = weight.scalar_type();
   const bool supported = (dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype &&
-                         M >= 1 && M <= kMaxRows && x.device().is_cpu() && weight.device().is_cpu();
+                         M >= 1 && M <= kMaxDecodeRows && x.device().is_cpu() && weight.device().is_cpu();
   if (!supported) return at::linear(x, weight);
   const at::Tensor w = weight.contiguous();
   const at::Tensor rows = x.contiguous();
@@ -354,7 +343,7 @@ namespace genfn_kernels {
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 
 void RowQueue::prepare(int64_t M, int64_t N, int64_t T) {
-  const int64_t blocks = row_blocks(M, N);
+  const int64_t blocks = N / rows_per_block(M);
   threads = std::min<int64_t>(T, kMaxThreads);
   for (int64_t t = 0; t < threads; ++t) {
     const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;
