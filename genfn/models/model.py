@@ -19,6 +19,7 @@ import torch
 
 from genfn.models import encoder_decoder, registry
 from genfn.models.functional import FunctionalModel
+from genfn.models.weight_arena import place_in_arena
 from genfn.models.seq2seq import EncoderOutput
 
 __all__ = ["Model", "EncoderDecoderModel", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
@@ -105,7 +106,7 @@ class Model:
                 else None
             return leaf.to(device=device, dtype=cast)
 
-        params = optree.tree_map(moved, self.params, none_is_leaf=True)
+        params = place_in_arena(optree.tree_map(moved, self.params, none_is_leaf=True))
         return Model(self.spec, params, self.apply_fn, self.init_cache_fn, tokenizer=self.tokenizer,
                      generation_config=self.generation_config, config=dict(self.config), source=self.source)
 
@@ -222,7 +223,14 @@ def _keeps_float32(leaf: torch.Tensor, params) -> bool:
 def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, tokenizer=None,
                        generation_config=None, source: str | None = None) -> Model:
     """A native ``Model`` from a Hugging Face config dict and state dict (any architecture in
-    ``genfn.models.registry``)."""
+    ``genfn.models.registry``), its weights in one huge-page arena (``genfn.models.weight_arena``)."""
+    model = _from_state_dict(config, state_dict, dtype=dtype, tokenizer=tokenizer,
+                             generation_config=generation_config, source=source)
+    model.params = place_in_arena(model.params)
+    return model
+
+
+def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, generation_config, source) -> Model:
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
@@ -269,13 +277,15 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True)
     else:
         ckpt = load_checkpoint(path, dtype=dtype)
-    model = from_hf_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
-                               generation_config=ckpt.generation_config, source=ckpt.source)
+    model = _from_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
+                             generation_config=ckpt.generation_config, source=ckpt.source)
     if quantize is not None:
         if isinstance(model, EncoderDecoderModel):
             raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "
                              f"unquantized (quantize=None)")
         model.params = quantize_params(model.params, quantize)
+    # Last, so the arena holds the weights the steps will read (a quantized model's codes, not floats).
+    model.params = place_in_arena(model.params)
     # Build (or find) the native kernels now, not in the middle of the first step.
     kernels.quant_linear_available()
     return model
