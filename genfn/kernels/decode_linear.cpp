@@ -28,8 +28,12 @@ constexpr int kLanes = 16;
 // next block. Fetched into L1 (`prefetcht0`) a block ahead, as this kernel first did, the core's
 // few L1 miss buffers capped each thread: 2 threads, one 226 MB weight, float32 8 rows 18.7 GB/s
 // against 27.6 through L2; 4 rows 30.0 against 37.4; bfloat16 8 rows 24.2 against 33.7 (sum()
-// over the same bytes 38-45). 4 and 16 KiB ahead measured alike.
-constexpr int64_t kPrefetchBytes = 16384;
+// over the same bytes 38-45). 4 and 16 KiB ahead measured alike. One row of x is the exception:
+// its stream is read at the pace the hardware prefetchers keep best alone (SmolLM2 batch 1, in one
+// process: float32 16.9 against 22.7 ms a token with 16 KiB fetched ahead, bfloat16 11.7 against
+// 12.6; on 4 KiB pages 17.0 against 18.8 and alike).
+template <int M>
+constexpr int64_t prefetch_window() { return M == 1 ? 0 : 16384; }
 
 inline __m512 widen(__m256i halves) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
@@ -175,10 +179,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
 // independent accumulators to hide the multiply-add latency, within the 32 vector registers.
 constexpr int rows_per_block(int64_t M) { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
 
-// The first window of a stream of `length` bytes from `start`, which nothing fetched ahead.
-inline void fetch_first_window(const void* start, int64_t length) {
+// The first `window` bytes of a stream of `length` bytes from `start`, which nothing fetched ahead.
+inline void fetch_first_window(const void* start, int64_t length, int64_t window) {
   const char* bytes = static_cast<const char*>(start);
-  for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < std::min(window, length); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T1);
 }
 
 // Row blocks [b0, b1) of w against the M rows of x, as one sequential stream: the window ahead of
@@ -190,10 +194,11 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t length = (b1 - b0) * block_bytes;
-  fetch_first_window(w + b0 * R * K, length);
+  constexpr int64_t window = prefetch_window<M>();
+  fetch_first_window(w + b0 * R * K, length, window);
   for (int64_t b = b0; b < b1; ++b) {
-    const bool ahead = (b - b0 + 1) * block_bytes + kPrefetchBytes <= length;
-    row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
+    const bool ahead = window > 0 && (b - b0 + 1) * block_bytes + window <= length;
+    row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
   }
 }
 
@@ -248,12 +253,13 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
     const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
     const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
     const int64_t length = (stop - start) * block_bytes;
-    fetch_first_window(w + start * R * K, length);
+    constexpr int64_t window = prefetch_window<M>();
+    fetch_first_window(w + start * R * K, length, window);
     int64_t begin, end;
     while (claim_front(queue.runs[t].bounds, chunk, begin, end))
       for (int64_t b = begin; b < end; ++b) {
-        const bool ahead = (b - start + 1) * block_bytes + kPrefetchBytes <= length;
-        row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? kPrefetchBytes : 0, y);
+        const bool ahead = window > 0 && (b - start + 1) * block_bytes + window <= length;
+        row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
       }
     for (int64_t step = 1; step < T; ++step) {
       auto& other = queue.runs[(t + step) % T].bounds;
