@@ -136,6 +136,16 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+def _huge_page_share(model) -> str:
+    """How much of the model's weight arena the kernel backed with huge pages (genfn.models.weight_arena)."""
+    from genfn.models.weight_arena import huge_page_bytes
+    from genfn.state.base import tree_flatten
+
+    first = next(t for t in tree_flatten(model.params)[0] if isinstance(t, torch.Tensor))
+    return (f"weights on huge pages: {huge_page_bytes(first) / 2 ** 20:.0f} of "
+            f"{first.untyped_storage().nbytes() / 2 ** 20:.0f} MiB")
+
+
 def batch_inputs(tokenizer, batch: int, pad_id: int, min_len: int | None = None):
     """Left-padded ids and mask for the first ``batch`` prompts (each repeated up to ``min_len`` tokens)."""
     rows = []
@@ -253,7 +263,7 @@ def main(argv=None):
             model = genfn.load(gguf_file, quantize="gguf")
         else:
             model = genfn.load(quantize=dname)
-        log(f"\n# loaded genfn {dname} in {time.perf_counter() - t_load:.1f} s")
+        log(f"\n# loaded genfn {dname} in {time.perf_counter() - t_load:.1f} s; {_huge_page_share(model)}")
         tok = model.tokenizer
         pad_id = 2
         hf = None
