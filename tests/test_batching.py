@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_pair
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
-from genfn.batching.engine import Engine, engine_step, packed_plan, run_batch
+from genfn.batching.engine import Engine, engine_step, packed_plan
 from genfn.batching.inputs import build_batch_inputs
 from genfn.batching.manager import ContinuousBatchingManager
 from genfn.batching.requests import RequestStatus, make_request

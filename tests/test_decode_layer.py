@@ -170,3 +170,99 @@ def test_the_static_cache_decode_takes_the_native_layer_and_keeps_transformers_t
         theirs = hf.generate(PROMPTS, attention_mask=GENERATE["attention_mask"], max_new_tokens=12, min_new_tokens=12,
                              do_sample=False, pad_token_id=0)
     assert torch.equal(ours.sequences, theirs)
+
+
+def _quantized_layer(fmt, seed=5):
+    from genfn.quant.blocks import quantize
+
+    layer = _layer(torch.float32, seed)
+    return {name: QuantizedWeight.from_rows(quantize(w, fmt)) if name in decode_layer._LINEARS else w
+            for name, w in layer.items()}
+
+
+def _quantized_reference(x, q, keys, values, mask, layer, cos, sin):
+    """The op-by-op quantized layer: the same quant_linear calls between float32 elementwise ops."""
+    from genfn.kernels import linear
+
+    batch = x.shape[0]
+    h = llama._rms_norm(x, layer["attn_norm"], EPS)
+    qkv = linear(h, layer["wqkv"])
+    qr, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    qr = apply_rope(qr.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2), cos, sin)
+    k = apply_rope(k.view(batch, 1, KV_HEADS, HEAD_DIM).transpose(1, 2), cos, sin)
+    qkv = torch.cat([qr.transpose(1, 2).reshape(batch, -1), k.transpose(1, 2).reshape(batch, -1),
+                     v.reshape(batch, -1)], dim=-1)
+    attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
+    x1 = x + linear(attn.reshape(batch, 1, -1), layer["wo"])
+    gate, up = linear(llama._rms_norm(x1, layer["mlp_norm"], EPS), layer["w_gate_up"]).chunk(2, dim=-1)
+    return qkv, x1 + linear(F.silu(gate) * up, layer["w_down"])
+
+
+needs_vnni = pytest.mark.skipif(not decode_layer._VNNI, reason="the quantized layer needs AVX512_VNNI")
+
+
+@needs_kernel
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("batch, span", [(1, 40), (3, 57), (8, 9)])
+def test_quantized_layer_equals_the_op_by_op_quantized_layer(fmt, batch, span):
+    gen = torch.Generator().manual_seed(6)
+    layer = _quantized_layer(fmt)
+    x = torch.randn(batch, 1, HIDDEN, generator=gen)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    keys = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen)[:, :, :span]
+    values = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen)[:, :, :span]
+    mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.8
+    mask[..., -1] = True
+    cos, sin = _rope(batch, torch.float32)
+    assert decode_layer.takes(x, layer, keys, HEAD_DIM)
+    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, HEADS, KV_HEADS)
+    out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
+    expected_qkv, expected_out = _quantized_reference(x, q, keys, values, mask, layer, cos, sin)
+    torch.testing.assert_close(qkv, expected_qkv, atol=1e-4, rtol=1e-4)
+    # Each linear quantizes its input to 8 bits, and float32 sums in another order can move one
+    # code of the MLP's inputs by a step (~0.03 of the input's scale): then every output moves a
+    # little. A wrong tile, scale or row moves outputs by their own magnitude (~3 here).
+    torch.testing.assert_close(out, expected_out, atol=5e-2, rtol=0)
+    assert (out - expected_out).abs().mean() < 2e-3
+
+
+@needs_kernel
+@needs_vnni
+def test_the_quantized_layer_takes_float32_activations_and_names_bad_weights():
+    layer = _quantized_layer("q4_1")
+    keys = torch.zeros(1)
+    x = torch.randn(1, 1, HIDDEN)
+    assert decode_layer.takes(x, layer, keys, HEAD_DIM)
+    assert not decode_layer.takes(x.bfloat16(), layer, keys.bfloat16(), HEAD_DIM)
+    assert not decode_layer.takes(x, {**layer, "wo": _layer(torch.float32)["wo"]}, keys, HEAD_DIM)  # mixed
+    cos, sin = _rope(1, torch.float32)
+    wqkv = layer["wqkv"]
+    with pytest.raises(RuntimeError, match="decode_attention_input_quant: wqkv's kind must be 0, 1 or 2"):
+        torch.ops.genfn_kernels.decode_attention_input_quant(x[:, 0], layer["attn_norm"], wqkv.codes, wqkv.scales,
+                                                              wqkv.mins, 7, cos[:, 0], sin[:, 0], EPS, HEADS, KV_HEADS)
+    q, cache = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, 8, HEAD_DIM)
+    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    short = {**layer, "w_down": _quantized_layer("q4_1")["wo"]}  # [576, 576] where [576, 1536] belongs
+    with pytest.raises(RuntimeError, match="decode_layer_output_quant: w_gate_up's codes must be"):
+        decode_layer.layer_output(x, q, cache, cache, mask, short, EPS)
+
+
+@needs_kernel
+@needs_vnni
+def test_a_quantized_static_cache_decode_takes_the_quantized_layer(tiny_pair_f32, monkeypatch):
+    import genfn
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair_f32
+    quantized = Model(model.spec, quantize_params(model.params, "q8_0"), model.apply_fn, model.init_cache_fn)
+    calls = []
+    takes = decode_layer.takes
+    monkeypatch.setattr(decode_layer, "takes", lambda *a: calls.append(takes(*a)) or calls[-1])
+    ours = genfn.generate(quantized, PROMPTS, **GENERATE)
+    assert calls and all(calls)
+    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    plain = genfn.generate(quantized, PROMPTS, **GENERATE)
+    # float32 sums in another order can move an activation's 8-bit code by one: close, not equal.
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-3, rtol=2e-3)

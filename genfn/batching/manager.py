@@ -31,7 +31,7 @@ import torch
 from genfn.batching.engine import Engine, run_batch, stopped_by_string
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
-from genfn.batching.requests import RequestState, RequestStatus, make_request
+from genfn.batching.requests import RequestStatus, make_request
 from genfn.batching.results import GenerationOutput, OutputRouter
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings

@@ -144,6 +144,15 @@ def _register_fake() -> None:
     def _(x, q, keys, values, visible, wo, mlp_norm, w_gate_up, w_down, eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input_quant")
+    def _(x, norm, codes, scales, mins, kind, cos, sin, eps, heads, kv_heads):
+        return x.new_empty((x.shape[0], (heads + 2 * kv_heads) * cos.shape[-1]))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_layer_output_quant")
+    def _(x, q, keys, values, visible, wo_codes, wo_scales, wo_mins, wo_kind, mlp_norm, gate_up_codes,
+          gate_up_scales, gate_up_mins, gate_up_kind, down_codes, down_scales, down_mins, down_kind, eps, scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
         return None

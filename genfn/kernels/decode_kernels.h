@@ -4,8 +4,10 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace genfn_kernels {
 
@@ -31,12 +33,70 @@ struct RowQueue {
   };
   Run runs[kMaxThreads];
   int64_t threads = 0;
-  void prepare(int64_t M, int64_t N, int64_t T);
+  void prepare(int64_t M, int64_t N, int64_t T);  // for linear_balanced
+  void prepare_blocks(int64_t blocks, int64_t T);  // any unit of work: even runs of `blocks`
 };
+
+// Claim up to `chunk` blocks from the front (own run) or the back (another's) of a run: [begin, end).
+inline bool claim_front(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = next;
+    end = std::min(last, next + chunk);
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(last) << 32) | static_cast<uint64_t>(end),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
+inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = std::max(next, last - chunk);
+    end = last;
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(begin) << 32) | static_cast<uint64_t>(next),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue);
 void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,
                      c10::BFloat16* y, int64_t t, RowQueue& queue);
+
+// A block-quantized weight in genfn/quant/weight.py's "tiles16" layout, as quant_linear reads it:
+// `tiles` tiles of 16 output rows, `blocks` blocks of 32 inputs each; `kind` 0 (Q4_0), 1 (with
+// minimums: Q4_1, int4) or 2 (8-bit).
+struct QuantWeight {
+  const uint8_t* codes;
+  const uint16_t* scales;  // float16
+  const uint16_t* mins;    // float16, kind 1 only
+  int64_t kind, tiles, blocks, out_features;
+};
+// Rows of x quantized to 8 bits per block of 32 (quant_linear.cpp): codes, block scales, block
+// code sums and scale * sum. resize() before the parallel region that fills it.
+struct QuantActivations {
+  std::vector<int8_t> codes;      // [M, K]
+  std::vector<float> scale;       // [M, K / 32]
+  std::vector<int32_t> sum;       // [M, K / 32]
+  std::vector<float> scaled_sum;  // [M, K / 32]
+  void resize(int64_t M, int64_t K);
+};
+// Whether the quantized shares can run (they need AVX512_VNNI).
+bool cpu_has_avx512_vnni();
+// Thread t of T quantizes its share of the M rows of x [M, K] into a; a barrier must follow
+// before any thread reads a.
+void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T);
+// Thread t's share of y[M, N] = x[M, K] @ dequantize(w).T from x quantized in a (M <=
+// kMaxDecodeRows), summed as quant_linear sums it: tiles shared out balanced as linear_balanced
+// shares rows (queue.prepare_blocks(w.tiles, T) before the region).
+void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
+                        RowQueue& queue);
 
 // One row's `groups` query heads q[groups, head_dim] that share a kv head, against that head's
 // keys/values (slot s at s * slot_stride) where visible[s], s < span: dense_decode_attention's

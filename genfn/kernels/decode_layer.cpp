@@ -17,11 +17,16 @@
 //   decode_attention_input: h = rms_norm(x) * w; qkv = h @ wqkv.T; RoPE on q and k.
 //   decode_layer_output:    a = attention(q, cache); x1 = x + a @ wo.T; h = rms_norm(x1) * w;
 //                           g, u = h @ w_gate_up.T; out = x1 + (silu(g) * u) @ w_down.T.
+//
+// The `_quant` forms take block-quantized weights with float32 activations: each linear is
+// quant_linear's, every thread quantizing the linear's input itself and summing an even run of
+// the weight's tiles.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -33,6 +38,7 @@ namespace {
 
 using genfn_kernels::attend_group;
 using genfn_kernels::linear_balanced;
+using genfn_kernels::QuantWeight;
 using genfn_kernels::RowQueue;
 
 using genfn_kernels::kMaxDecodeRows;
@@ -61,6 +67,44 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
 }
 
 // RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
+// e^x in 16 float32 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7
+// (truncation ~5e-9 relative, under float32's 6e-8), scaled by 2^n. Within 2 ulp of expf.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// act[f] = silu(gate[f]) * up[f] for f in [f0, f1): float32 16 lanes at a time (one std::exp an
+// element cost ~5 % of an 8-row step), bfloat16 an element at a time.
+inline void swiglu(const float* gate, const float* up, int64_t f0, int64_t f1, float* act) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t f = f0; f < f1; f += 16) {
+    const __mmask16 keep = f + 16 <= f1 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (f1 - f)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(keep, gate + f), u = _mm512_maskz_loadu_ps(keep, up + f);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(act + f, keep, _mm512_mul_ps(silu, u));
+  }
+}
+
+inline void swiglu(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t f0, int64_t f1, c10::BFloat16* act) {
+  for (int64_t f = f0; f < f1; ++f) {
+    const float g = wide(gate[f]), u = wide(up[f]);
+    act[f] = narrow<c10::BFloat16>(g / (1.f + std::exp(-g)) * u);
+  }
+}
+
 template <typename T>
 void rotate(T* x, const T* cos, const T* sin, int64_t D) {
   const int64_t half = D / 2;
@@ -71,12 +115,40 @@ void rotate(T* x, const T* cos, const T* sin, int64_t D) {
   }
 }
 
+// The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
+// then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
 template <typename T>
-void attention_input(const T* x, const T* norm, const T* wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
+struct DenseLinear {  // rows of T, shared out balanced
+  const T* w;
+  RowQueue rows;
+  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads); }
+  void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t) {
+    linear_balanced(M, x, w, K, N, y, t, rows);
+  }
+};
+
+// Tiles of quantized rows against float32 activations: the threads quantize x a share of rows
+// each, meet, and sum the tiles shared out balanced.
+struct QuantLinear {
+  QuantWeight w;
+  genfn_kernels::QuantActivations x8;
+  RowQueue tiles;
+  void prepare(int64_t M, int64_t, int64_t threads) {
+    x8.resize(M, w.blocks * 32);
+    tiles.prepare_blocks(w.tiles, threads);
+  }
+  void operator()(int64_t M, const float* x, int64_t K, int64_t, float* y, int64_t t, int64_t team) {
+    genfn_kernels::quantize_rows_share(x, M, K, x8, t, team);
+#pragma omp barrier
+    genfn_kernels::quant_linear_share(M, x8, K, w, y, t, tiles);
+  }
+};
+
+template <typename T, typename Linear>
+void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
                      int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv) {
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
-  RowQueue rows;
-  rows.prepare(M, N, threads);
+  wqkv.prepare(M, N, threads);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
@@ -84,7 +156,7 @@ void attention_input(const T* x, const T* norm, const T* wqkv, const T* cos, con
     thread_local std::vector<T> h;
     h.resize(M * E);
     rms_norm_rows(x, norm, M, E, eps, h.data());
-    linear_balanced(M, h.data(), wqkv, E, N, qkv, t, rows);
+    wqkv(M, h.data(), E, N, qkv, t, team);
 #pragma omp barrier
     const int64_t rotated = heads + kv_heads;  // q's heads, then k's
     const auto [begin, end] = share(M * rotated, t, team);
@@ -95,9 +167,9 @@ void attention_input(const T* x, const T* norm, const T* wqkv, const T* cos, con
   }
 }
 
-template <typename T>
-void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, const T* wo,
-                  const T* mlp_norm, const T* w_gate_up, const T* w_down, int64_t M, int64_t E, int64_t heads,
+template <typename T, typename Linear>
+void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, Linear& wo,
+                  const T* mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads,
                   int64_t kv_heads, int64_t D, int64_t span, int64_t key_row_stride, int64_t key_head_stride,
                   int64_t value_row_stride, int64_t value_head_stride, int64_t slot_stride, int64_t F, float eps,
                   float scale, T* out) {
@@ -112,14 +184,24 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
   T* act = gate_up + M * 2 * F;
   T* down = act + M * F;
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
-  RowQueue o_rows, gate_up_rows, down_rows;
-  o_rows.prepare(M, E, threads);
-  gate_up_rows.prepare(M, 2 * F, threads);
-  down_rows.prepare(M, E, threads);
+  wo.prepare(M, E, threads);
+  w_gate_up.prepare(M, 2 * F, threads);
+  w_down.prepare(M, E, threads);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
+    if ((M * kv_heads) % team == 0) {
+      // One task per (row, kv head) where they split evenly: each kv head's keys and values are
+      // read once for its whole query group (at 8 rows, a query head at a time read them three
+      // times over, ~12 % of a Q4_1 step).
+      const auto [begin, end] = share(M * kv_heads, t, team);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
+        attend_group(q + first * D, keys + m * key_row_stride + kv * key_head_stride,
+                     values + m * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
+                     groups, D, scale, attn + first * D);
+      }
+    } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
       const auto [begin, end] = share(M * heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t m = i / heads, head = i % heads, kv = head / groups;
@@ -129,7 +211,7 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
       }
     }
 #pragma omp barrier
-    linear_balanced(M, attn, wo, HD, E, o, t, o_rows);
+    wo(M, attn, HD, E, o, t, team);
 #pragma omp barrier
     // The residual after attention and the MLP's norm, by every thread for itself.
     thread_local std::vector<T> x1, h;
@@ -137,18 +219,14 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
     h.resize(M * E);
     for (int64_t i = 0; i < M * E; ++i) x1[i] = narrow<T>(wide(x[i]) + wide(o[i]));
     rms_norm_rows(x1.data(), mlp_norm, M, E, eps, h.data());
-    linear_balanced(M, h.data(), w_gate_up, E, 2 * F, gate_up, t, gate_up_rows);
+    w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
 #pragma omp barrier
     {
       const auto [begin, end] = share(F, t, team);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t f = begin; f < end; ++f) {
-          const float g = wide(gate_up[m * 2 * F + f]), u = wide(gate_up[m * 2 * F + F + f]);
-          act[m * F + f] = narrow<T>(g / (1.f + std::exp(-g)) * u);
-        }
+      for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
     }
 #pragma omp barrier
-    linear_balanced(M, act, w_down, F, E, down, t, down_rows);
+    w_down(M, act, F, E, down, t, team);
 #pragma omp barrier
     {
       const auto [begin, end] = share(E, t, team);
@@ -158,11 +236,17 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
   }
 }
 
-void check_rows(const at::Tensor& x, const char* op) {
+void check_rows(const at::Tensor& x, const char* op, bool quantized) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxDecodeRows, op,
               ": x must be [M, hidden] with 1 <= M <= ", kMaxDecodeRows, ", got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || (x.scalar_type() == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16()),
-              op, ": float32, or bfloat16 on a CPU with AVX512_BF16; got ", x.scalar_type());
+  if (quantized) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && genfn_kernels::cpu_has_avx512_vnni(), op,
+                ": float32 activations on a CPU with AVX512_VNNI; got ", x.scalar_type());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat ||
+                    (x.scalar_type() == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16()),
+                op, ": float32, or bfloat16 on a CPU with AVX512_BF16; got ", x.scalar_type());
+  }
 }
 
 void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows, int64_t cols, const char* op, const char* name) {
@@ -170,37 +254,83 @@ void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows, int64_
               name, " must be [", rows, ", ", cols, "] in ", x.scalar_type(), ", got ", w.sizes(), " ", w.scalar_type());
 }
 
-at::Tensor decode_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& wqkv,
-                                  const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
-                                  int64_t kv_heads) {
-  const char* op = "decode_attention_input";
-  check_rows(x, op);
-  const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1), N = (heads + 2 * kv_heads) * D;
+// A quantized weight of [rows, cols] as quant_linear takes it (codes [tiles, blocks, bytes] uint8,
+// float16 scales and, for kind 1, minimums), checked; the tensors must outlive the call.
+QuantWeight quant_weight(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                         int64_t kind, int64_t rows, int64_t cols, const char* op, const char* name) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": ", name, "'s kind must be 0, 1 or 2, got ", kind);
+  const int64_t tiles = (rows + 15) / 16, blocks = cols / 32, bytes = (kind == 2 ? 8 : 4) * 64;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == tiles &&
+                  codes.size(1) == blocks && codes.size(2) == bytes && cols % 32 == 0,
+              op, ": ", name, "'s codes must be contiguous uint8 [", tiles, ", ", blocks, ", ", bytes, "] for [", rows,
+              ", ", cols, "], got ", codes.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == tiles * blocks * 16,
+              op, ": ", name, "'s scales must be contiguous float16, ", tiles * blocks * 16, " of them");
+  const bool has_min = kind == 1;
+  TORCH_CHECK(!has_min || (mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                           mins->numel() == scales.numel()),
+              op, ": ", name, " of kind 1 needs float16 minimums shaped like its scales");
+  return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+          has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr, kind, tiles, blocks,
+          rows};
+}
+
+// What decode_attention_input checks of x, norm, cos and sin; returns head_dim.
+int64_t check_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& cos,
+                              const at::Tensor& sin, const char* op) {
+  const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               op, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes());
   TORCH_CHECK(norm.dim() == 1 && norm.size(0) == E && norm.scalar_type() == x.scalar_type(), op,
               ": norm must be [hidden] in x's dtype");
+  return D;
+}
+
+at::Tensor decode_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& wqkv,
+                                  const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
+                                  int64_t kv_heads) {
+  const char* op = "decode_attention_input";
+  check_rows(x, op, false);
+  const int64_t D = check_attention_input(x, norm, cos, sin, op);
+  const int64_t M = x.size(0), E = x.size(1), N = (heads + 2 * kv_heads) * D;
   check_weight(wqkv, x, N, E, op, "wqkv");
   const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), wc = wqkv.contiguous(), cc = cos.contiguous(),
                    sc = sin.contiguous();
   at::Tensor qkv = at::empty({M, N}, x.options());
+#define GENFN_ATTENTION_INPUT(T)                                                                                 \
+  {                                                                                                              \
+    DenseLinear<T> linear{wc.data_ptr<T>()};                                                                     \
+    attention_input(xc.data_ptr<T>(), nc.data_ptr<T>(), linear, cc.data_ptr<T>(), sc.data_ptr<T>(), M, E, N,    \
+                    heads, kv_heads, D, static_cast<float>(eps), qkv.data_ptr<T>());                             \
+  }
   if (x.scalar_type() == at::kFloat)
-    attention_input(xc.data_ptr<float>(), nc.data_ptr<float>(), wc.data_ptr<float>(), cc.data_ptr<float>(),
-                    sc.data_ptr<float>(), M, E, N, heads, kv_heads, D, static_cast<float>(eps), qkv.data_ptr<float>());
+    GENFN_ATTENTION_INPUT(float)
   else
-    attention_input(xc.data_ptr<c10::BFloat16>(), nc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(),
-                    cc.data_ptr<c10::BFloat16>(), sc.data_ptr<c10::BFloat16>(), M, E, N, heads, kv_heads, D,
-                    static_cast<float>(eps), qkv.data_ptr<c10::BFloat16>());
+    GENFN_ATTENTION_INPUT(c10::BFloat16)
+#undef GENFN_ATTENTION_INPUT
   return qkv;
 }
 
-at::Tensor decode_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
-                               const at::Tensor& values, const at::Tensor& visible, const at::Tensor& wo,
-                               const at::Tensor& mlp_norm, const at::Tensor& w_gate_up, const at::Tensor& w_down,
-                               double eps, double scale) {
-  const char* op = "decode_layer_output";
-  check_rows(x, op);
+at::Tensor decode_attention_input_quant(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& codes,
+                                        const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t kind,
+                                        const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
+                                        int64_t kv_heads) {
+  const char* op = "decode_attention_input_quant";
+  check_rows(x, op, true);
+  const int64_t D = check_attention_input(x, norm, cos, sin, op);
+  const int64_t M = x.size(0), E = x.size(1), N = (heads + 2 * kv_heads) * D;
+  QuantLinear linear{quant_weight(codes, scales, mins, kind, N, E, op, "wqkv")};
+  const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor qkv = at::empty({M, N}, x.options());
+  attention_input(xc.data_ptr<float>(), nc.data_ptr<float>(), linear, cc.data_ptr<float>(), sc.data_ptr<float>(), M,
+                  E, N, heads, kv_heads, D, static_cast<float>(eps), qkv.data_ptr<float>());
+  return qkv;
+}
+
+// What decode_layer_output checks of x, q, the cache, the mask and the MLP norm.
+void check_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                        const at::Tensor& visible, const at::Tensor& mlp_norm, const char* op) {
   const int64_t M = x.size(0), E = x.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(0) == M && q.scalar_type() == x.scalar_type(), op,
               ": q must be [M, heads, head_dim] in x's dtype, got ", q.sizes());
@@ -218,24 +348,62 @@ at::Tensor decode_layer_output(const at::Tensor& x, const at::Tensor& q, const a
               op, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(2), " slots");
   TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
               ": mlp_norm must be [hidden] in x's dtype");
-  const int64_t F = w_down.size(1);
-  check_weight(wo, x, E, heads * D, op, "wo");
+}
+
+template <typename T, typename Linear>
+at::Tensor run_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
+                            const at::Tensor& values, const at::Tensor& visible, Linear& wo,
+                            const at::Tensor& mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t F, double eps,
+                            double scale) {
+  const int64_t M = x.size(0), E = x.size(1);
+  const at::Tensor xc = x.contiguous(), qc = q.contiguous(), vis = visible.contiguous(), nc = mlp_norm.contiguous();
+  at::Tensor out = at::empty({M, E}, x.options());
+  layer_output(xc.data_ptr<T>(), qc.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), vis.data_ptr<bool>(), wo,
+               nc.data_ptr<T>(), w_gate_up, w_down, M, E, q.size(1), keys.size(1), q.size(2), vis.size(1),
+               keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), keys.stride(2), F,
+               static_cast<float>(eps), static_cast<float>(scale), out.data_ptr<T>());
+  return out;
+}
+
+at::Tensor decode_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
+                               const at::Tensor& values, const at::Tensor& visible, const at::Tensor& wo,
+                               const at::Tensor& mlp_norm, const at::Tensor& w_gate_up, const at::Tensor& w_down,
+                               double eps, double scale) {
+  const char* op = "decode_layer_output";
+  check_rows(x, op, false);
+  check_layer_output(x, q, keys, values, visible, mlp_norm, op);
+  const int64_t E = x.size(1), F = w_down.size(1);
+  check_weight(wo, x, E, q.size(1) * q.size(2), op, "wo");
   check_weight(w_gate_up, x, 2 * F, E, op, "w_gate_up");
   check_weight(w_down, x, E, F, op, "w_down");
-  const at::Tensor xc = x.contiguous(), qc = q.contiguous(), vis = visible.contiguous(), woc = wo.contiguous(),
-                   nc = mlp_norm.contiguous(), guc = w_gate_up.contiguous(), dc = w_down.contiguous();
-  at::Tensor out = at::empty({M, E}, x.options());
-#define GENFN_LAYER_OUTPUT(T)                                                                                     \
-  layer_output(xc.data_ptr<T>(), qc.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), vis.data_ptr<bool>(), \
-               woc.data_ptr<T>(), nc.data_ptr<T>(), guc.data_ptr<T>(), dc.data_ptr<T>(), M, E, heads, kv_heads, D, \
-               vis.size(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), keys.stride(2), F, \
-               static_cast<float>(eps), static_cast<float>(scale), out.data_ptr<T>())
-  if (x.scalar_type() == at::kFloat)
-    GENFN_LAYER_OUTPUT(float);
-  else
-    GENFN_LAYER_OUTPUT(c10::BFloat16);
-#undef GENFN_LAYER_OUTPUT
-  return out;
+  const at::Tensor woc = wo.contiguous(), guc = w_gate_up.contiguous(), dc = w_down.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    DenseLinear<float> o{woc.data_ptr<float>()}, gate_up{guc.data_ptr<float>()}, down{dc.data_ptr<float>()};
+    return run_layer_output<float>(x, q, keys, values, visible, o, mlp_norm, gate_up, down, F, eps, scale);
+  }
+  using B = c10::BFloat16;
+  DenseLinear<B> o{woc.data_ptr<B>()}, gate_up{guc.data_ptr<B>()}, down{dc.data_ptr<B>()};
+  return run_layer_output<B>(x, q, keys, values, visible, o, mlp_norm, gate_up, down, F, eps, scale);
+}
+
+at::Tensor decode_layer_output_quant(
+    const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& visible, const at::Tensor& wo_codes, const at::Tensor& wo_scales,
+    const c10::optional<at::Tensor>& wo_mins, int64_t wo_kind, const at::Tensor& mlp_norm,
+    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales, const c10::optional<at::Tensor>& gate_up_mins,
+    int64_t gate_up_kind, const at::Tensor& down_codes, const at::Tensor& down_scales,
+    const c10::optional<at::Tensor>& down_mins, int64_t down_kind, double eps, double scale) {
+  const char* op = "decode_layer_output_quant";
+  check_rows(x, op, true);
+  check_layer_output(x, q, keys, values, visible, mlp_norm, op);
+  const int64_t E = x.size(1);
+  TORCH_CHECK(down_codes.dim() == 3, op, ": w_down's codes must be [tiles, blocks, bytes]");
+  const int64_t F = down_codes.size(1) * 32;
+  QuantLinear o{quant_weight(wo_codes, wo_scales, wo_mins, wo_kind, E, q.size(1) * q.size(2), op, "wo")};
+  QuantLinear gate_up{quant_weight(gate_up_codes, gate_up_scales, gate_up_mins, gate_up_kind, 2 * F, E, op,
+                                   "w_gate_up")};
+  QuantLinear down{quant_weight(down_codes, down_scales, down_mins, down_kind, E, F, op, "w_down")};
+  return run_layer_output<float>(x, q, keys, values, visible, o, mlp_norm, gate_up, down, F, eps, scale);
 }
 
 }  // namespace
@@ -245,9 +413,17 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
         "int kv_heads) -> Tensor");
   m.def("decode_layer_output(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor wo, "
         "Tensor mlp_norm, Tensor w_gate_up, Tensor w_down, float eps, float scale) -> Tensor");
+  m.def("decode_attention_input_quant(Tensor x, Tensor norm, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "Tensor cos, Tensor sin, float eps, int heads, int kv_heads) -> Tensor");
+  m.def("decode_layer_output_quant(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, "
+        "Tensor wo_codes, Tensor wo_scales, Tensor? wo_mins, int wo_kind, Tensor mlp_norm, Tensor gate_up_codes, "
+        "Tensor gate_up_scales, Tensor? gate_up_mins, int gate_up_kind, Tensor down_codes, Tensor down_scales, "
+        "Tensor? down_mins, int down_kind, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("decode_attention_input", &decode_attention_input);
   m.impl("decode_layer_output", &decode_layer_output);
+  m.impl("decode_attention_input_quant", &decode_attention_input_quant);
+  m.impl("decode_layer_output_quant", &decode_layer_output_quant);
 }

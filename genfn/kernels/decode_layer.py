@@ -7,8 +7,11 @@ thread-pool dispatches and ten calls: at batch 1 on two cores that overhead was 
 bfloat16 step. The numbers are those of the op-by-op compiled layer (the same linear and
 attention kernels; elementwise work in float32, rounded where the model code rounds).
 
+Block-quantized layers (``QuantizedWeight`` linears, float32 activations) take the ``_quant``
+forms of both ops: the same layer around ``quant_linear``'s arithmetic.
+
 :func:`takes` says whether a layer's decode step can run here; the model code falls back to
-its op-by-op layer otherwise (prefill, quantized or biased weights, a dtype, grad, no kernels).
+its op-by-op layer otherwise (prefill, biased or mixed weights, a dtype, grad, no kernels).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from typing import Any, Mapping
 import torch
 
 from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status
+from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["takes", "attention_input", "layer_output"]
 
-_WEIGHTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+_NORMS = ("attn_norm", "mlp_norm")
+_LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
+_WEIGHTS = _NORMS + _LINEARS
 
 
 def _cpu_has(flag: str) -> bool:
@@ -33,17 +39,30 @@ def _cpu_has(flag: str) -> bool:
 
 
 # Read at import: a compiled step must not open files while it is traced. The bfloat16 layer
-# needs the CPU's vdpbf16ps.
+# needs the CPU's vdpbf16ps, the quantized one its vpdpbusd.
 _BF16_DOT = _cpu_has("avx512_bf16")
+_VNNI = _cpu_has("avx512_vnni")
+
+
+def _quantized(layer: Mapping[str, Any]) -> bool:
+    """Whether every linear of ``layer`` is a block-quantized weight the quantized form reads."""
+    return all(isinstance(layer.get(n), QuantizedWeight) and layer[n].layout == "tiles16"
+               and layer[n].device.type == "cpu" for n in _LINEARS)
 
 
 def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_dim: int) -> bool:
     """Whether ``layer``'s step on ``x [B, 1, hidden]`` (one token per row) runs natively: float32,
     or bfloat16 inside a compiled step on a CPU with AVX512_BF16; at most ``MAX_DECODE_ROWS`` rows; plain weights of
-    ``x``'s dtype and no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
+    ``x``'s dtype, or every linear block-quantized with float32 ``x`` on a CPU with AVX512_VNNI; no q/k/v bias; the
+    cache in ``x``'s dtype; nothing to differentiate."""
     dtype = x.dtype
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > MAX_DECODE_ROWS.get(dtype, 0) or x.device.type != "cpu":
         return False
+    if _quantized(layer):
+        return (dtype == torch.float32 and _VNNI and "bqkv" not in layer and keys.dtype == dtype
+                and not head_dim % 16 and head_dim <= 128
+                and all(isinstance(layer[n], torch.Tensor) and layer[n].dtype == dtype for n in _NORMS)
+                and not (torch.is_grad_enabled() and x.requires_grad) and decode_linear_available())
     if dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
@@ -70,9 +89,17 @@ def attention_input(x: torch.Tensor, layer: Mapping[str, Any], cos: torch.Tensor
     """``qkv [B, (heads + 2 kv_heads) * D]`` for ``x [B, 1, hidden]``: q and k rotated by
     ``cos, sin [B, 1, D]``."""
     batch = x.shape[0]
-    return _ops().decode_attention_input(
-        x.reshape(batch, x.shape[-1]), layer["attn_norm"], layer["wqkv"], cos.reshape(batch, cos.shape[-1]),
-        sin.reshape(batch, sin.shape[-1]), eps, heads, kv_heads)
+    rows, cos, sin = x.reshape(batch, x.shape[-1]), cos.reshape(batch, cos.shape[-1]), sin.reshape(batch, sin.shape[-1])
+    wqkv = layer["wqkv"]
+    if isinstance(wqkv, QuantizedWeight):
+        return _ops().decode_attention_input_quant(rows, layer["attn_norm"], *_parts(wqkv), cos, sin, eps, heads,
+                                                   kv_heads)
+    return _ops().decode_attention_input(rows, layer["attn_norm"], wqkv, cos, sin, eps, heads, kv_heads)
+
+
+def _parts(weight: QuantizedWeight) -> tuple:
+    """A quantized weight as the ``_quant`` ops take it: codes, scales, minimums (or None), kind."""
+    return weight.codes, weight.scales, weight.mins, weight.kind
 
 
 def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -81,7 +108,12 @@ def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: t
     [B, Hkv, A, D]`` where ``mask [B, 1, 1, A]`` is set, then the output projection, the MLP and
     both residual adds."""
     batch, hidden = x.shape[0], x.shape[-1]
-    out = _ops().decode_layer_output(
-        x.reshape(batch, hidden), q, keys, values, mask.reshape(batch, mask.shape[-1]), layer["wo"],
-        layer["mlp_norm"], layer["w_gate_up"], layer["w_down"], eps, q.shape[-1] ** -0.5)
+    rows, visible, scale = x.reshape(batch, hidden), mask.reshape(batch, mask.shape[-1]), q.shape[-1] ** -0.5
+    if isinstance(layer["wo"], QuantizedWeight):
+        out = _ops().decode_layer_output_quant(
+            rows, q, keys, values, visible, *_parts(layer["wo"]), layer["mlp_norm"], *_parts(layer["w_gate_up"]),
+            *_parts(layer["w_down"]), eps, scale)
+    else:
+        out = _ops().decode_layer_output(rows, q, keys, values, visible, layer["wo"], layer["mlp_norm"],
+                                         layer["w_gate_up"], layer["w_down"], eps, scale)
     return out.view(batch, 1, hidden)

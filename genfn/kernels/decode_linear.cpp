@@ -20,6 +20,8 @@
 
 namespace {
 
+using genfn_kernels::claim_back;
+using genfn_kernels::claim_front;
 using genfn_kernels::kMaxDecodeRows;
 constexpr int kLanes = 16;
 
@@ -215,32 +217,6 @@ void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int6
 // costs little waiting, large enough that the claim (one compare-and-swap) is noise.
 constexpr int64_t kChunkBytes = 8192;
 
-inline bool claim_front(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
-  uint64_t seen = run.load(std::memory_order_relaxed);
-  for (;;) {
-    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
-    if (next >= last) return false;
-    begin = next;
-    end = std::min(last, next + chunk);
-    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(last) << 32) | static_cast<uint64_t>(end),
-                                  std::memory_order_relaxed))
-      return true;
-  }
-}
-
-inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
-  uint64_t seen = run.load(std::memory_order_relaxed);
-  for (;;) {
-    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
-    if (next >= last) return false;
-    begin = std::max(next, last - chunk);
-    end = last;
-    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(begin) << 32) | static_cast<uint64_t>(next),
-                                  std::memory_order_relaxed))
-      return true;
-  }
-}
-
 template <typename Dot, int M, typename Out>
 void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                    int64_t t, genfn_kernels::RowQueue& queue) {
@@ -348,8 +324,9 @@ namespace genfn_kernels {
 
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 
-void RowQueue::prepare(int64_t M, int64_t N, int64_t T) {
-  const int64_t blocks = N / rows_per_block(M);
+void RowQueue::prepare(int64_t M, int64_t N, int64_t T) { prepare_blocks(N / rows_per_block(M), T); }
+
+void RowQueue::prepare_blocks(int64_t blocks, int64_t T) {
   threads = std::min<int64_t>(T, kMaxThreads);
   for (int64_t t = 0; t < threads; ++t) {
     const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;

@@ -20,30 +20,25 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_kernels.h"
+
 namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = genfn_kernels::kMaxDecodeRows;
 enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
 
 constexpr int chunks_of(int64_t kind) { return kind == kQ8 ? 8 : 4; }
 
-struct Activations {
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scale;   // [M, nb]
-  std::vector<int32_t> sum;   // [M, nb]
-  std::vector<float> scaled_sum;  // [M, nb]: scale * sum, what a minimum multiplies
-};
+// scaled_sum is scale * sum: what a minimum multiplies.
+using Activations = genfn_kernels::QuantActivations;
 
-__attribute__((target("avx512f,avx512bw"))) void quantize_activations(const float* x, int64_t M, int64_t K,
-                                                                       Activations& a) {
+// Rows [m0, m1) of x into a, sized for them already.
+__attribute__((target("avx512f,avx512bw"))) void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K,
+                                                                Activations& a) {
   const int64_t nb = K / kBlock;
-  a.codes.resize(M * K);
-  a.scale.resize(M * nb);
-  a.sum.resize(M * nb);
-  a.scaled_sum.resize(M * nb);
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + m * K + b * kBlock;
       const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
@@ -69,6 +64,11 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_activations(const floa
   }
 }
 
+void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) {
+  a.resize(M, K);
+  quantize_rows(x, 0, M, K, a);
+}
+
 // How far ahead of the block being summed its thread's stream is fetched. The tiles a thread
 // takes are contiguous, so this runs on into its next tile. Two blocks (0.5-1 KiB) left each
 // core short of misses in flight (~12 GB/s a core). With one to three rows of x the kernel waits
@@ -87,11 +87,12 @@ inline void prefetch(const void* p) {
   else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32.
+// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32. The stream is fetched ahead
+// up to tile `fetch_end` (past it lies another thread's share), its first window only if `first`.
 template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
-    int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins,
-    const Activations& a, int64_t K, int64_t N, float* y) {
+    int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes, const uint16_t* scales,
+    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
   constexpr int kChunks = chunks_of(kind);
   constexpr int64_t kBlockBytes = kChunks * 64;
   constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
@@ -101,8 +102,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
   constexpr int64_t kPrefetchBytes = prefetch_bytes<M>(), kScalePrefetchBytes = kPrefetchBytes / 8;
-  const uint8_t* codes_end = codes + t1 * nb * kBlockBytes;
-  if constexpr (kPrefetchBytes > 0) {  // The first window of the stream: nothing fetched it ahead.
+  const uint8_t* codes_end = codes + fetch_end * nb * kBlockBytes;
+  if (kPrefetchBytes > 0 && first) {  // The first window of the stream: nothing fetched it ahead.
     const int64_t length = (t1 - t0) * nb * kBlockBytes;
     const char* start = reinterpret_cast<const char*>(codes + t0 * nb * kBlockBytes);
     for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) prefetch<M>(start + off);
@@ -197,18 +198,31 @@ void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const 
 }
 
 template <int64_t kind>
-void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t nb, const uint8_t* codes, const uint16_t* scales,
-                   const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
+void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes,
+                   const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
   switch (M) {
-    case 1: return run_tiles<1, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 2: return run_tiles<2, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 3: return run_tiles<3, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 4: return run_tiles<4, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 5: return run_tiles<5, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 6: return run_tiles<6, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    case 7: return run_tiles<7, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
-    default: return run_tiles<8, kind>(t0, t1, nb, codes, scales, mins, a, K, N, y);
+    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
   }
+}
+
+void run_share(int64_t M, int64_t kind, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb,
+               const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K,
+               int64_t N, float* y) {
+  if (kind == kQ4) dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+  else if (kind == kQ4Min) dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+  else dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return yes;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -240,7 +254,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const uint8_t* cp = c.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
-  static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  const bool vnni = has_vnni();
   // Reused across calls: a decode step makes ~120 of them, each needing a few KiB. The worker
   // threads must read the calling thread's buffers, so the lambda captures this reference
   // (naming the thread_local inside it would reach each worker's own, empty, copy).
@@ -257,15 +271,50 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     }
     // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      if (kind == kQ4) dispatch_rows<kQ4>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
-      else if (kind == kQ4Min) dispatch_rows<kQ4Min>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
-      else dispatch_rows<kQ8>(rows, t0, t1, nb, cp, sp, mp, a, K, N, yp);
+      run_share(rows, kind, t0, t1, t1, true, nb, cp, sp, mp, a, K, N, yp);
     });
   }
   return y.view(out_sizes).to(x.scalar_type());
 }
 
 }  // namespace
+
+namespace genfn_kernels {
+
+bool cpu_has_avx512_vnni() { return has_vnni(); }
+
+void QuantActivations::resize(int64_t M, int64_t K) {
+  codes.resize(M * K);
+  scale.resize(M * (K / kBlock));
+  sum.resize(M * (K / kBlock));
+  scaled_sum.resize(M * (K / kBlock));
+}
+
+void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T) {
+  quantize_rows(x, M * t / T, M * (t + 1) / T, K, a);
+}
+
+void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
+                        RowQueue& queue) {
+  // ~8 KiB of codes a claim, as linear_balanced claims rows.
+  const int64_t tile_bytes = w.blocks * chunks_of(w.kind) * 64;
+  const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
+  const int64_t T = queue.threads;
+  if (t >= T) return;
+  const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
+  const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
+  int64_t begin, end;
+  // The own run front to back, fetched ahead as one stream up to its end.
+  while (claim_front(queue.runs[t].bounds, chunk, begin, end))
+    run_share(M, w.kind, begin, end, stop, begin == start, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
+  for (int64_t step = 1; step < T; ++step) {
+    auto& other = queue.runs[(t + step) % T].bounds;
+    while (claim_back(other, chunk, begin, end))
+      run_share(M, w.kind, begin, end, end, true, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
+  }
+}
+
+}  // namespace genfn_kernels
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features) -> Tensor");

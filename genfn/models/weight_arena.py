@@ -8,16 +8,18 @@ less time in every weight format (``benchmarks/huge_pages.py``). Linux backs ano
 huge pages only where a program asks (``transparent_hugepage`` set to ``madvise``, the common
 default), and only over 2 MiB-aligned ranges, which separate allocations of a few MB rarely span.
 
-``place_in_arena(params)`` copies every CPU tensor of a params pytree into one allocation, asks
-for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``) and returns the same
-pytree over views of it. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
+``place_in_arena(params)`` copies every CPU tensor of a params pytree into one fresh anonymous
+mapping, asks for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``) and
+returns the same pytree over views of it. The mapping is its own, not the allocator's: a large
+``torch.empty`` may be served from heap memory already written (after a compile, say), which
+huge pages no longer back. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
 strides are kept. Where the kernel never gives huge pages, on other systems, or with
 ``GENFN_HUGE_PAGES=0`` in the environment, the params come back unchanged.
 """
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
 import sys
 
@@ -31,14 +33,14 @@ __all__ = ["place_in_arena", "huge_pages_available", "huge_page_bytes"]
 HUGE_PAGE = 2 << 20
 # Each tensor starts on a cache line, where the kernels' vector loads want it.
 _ALIGN = 64
-_MADV_HUGEPAGE = 14
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def huge_pages_available() -> bool:
     """Whether asking for huge pages can help here: Linux with transparent huge pages not
     ``never``, and not switched off by ``GENFN_HUGE_PAGES=0``."""
-    if os.environ.get("GENFN_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    if (os.environ.get("GENFN_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux")
+            or not hasattr(mmap, "MADV_HUGEPAGE")):
         return False
     try:
         with open(_THP_MODE) as f:
@@ -74,12 +76,13 @@ def place_in_arena(params):
     for key, leaf in unique.items():
         offsets[key] = total
         total += -(-_span_elements(leaf) * leaf.element_size() // _ALIGN) * _ALIGN
-    # torch's large allocations are fresh, untouched mappings: advise before the copies fault them in.
-    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
-    base = buffer.data_ptr()
-    start = -(-base // HUGE_PAGE) * HUGE_PAGE
-    _advise_huge(start, (base + buffer.numel() - start) // HUGE_PAGE * HUGE_PAGE)
-    head = start - base
+    mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # before the copies fault the pages in
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused (an old kernel, a sandbox): ordinary pages, slower, never wrong
+        pass
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensors keep the mapping alive
+    head = -buffer.data_ptr() % HUGE_PAGE  # the weights from the first 2 MiB boundary on
     placed = {}
     for key, leaf in unique.items():
         nbytes = _span_elements(leaf) * leaf.element_size()
@@ -89,15 +92,6 @@ def place_in_arena(params):
         placed[key] = view
     out = [placed.get(_view_key(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return optree.tree_unflatten(treedef, out)
-
-
-def _advise_huge(address: int, length: int) -> None:
-    if length <= 0:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    # A refusal (an old kernel, a sandbox) leaves ordinary pages: slower, never wrong.
-    libc.madvise(address, length, _MADV_HUGEPAGE)
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
