@@ -141,9 +141,10 @@ def _huge_page_share(model) -> str:
     from genfn.models.weight_arena import huge_page_bytes
     from genfn.state.base import tree_flatten
 
-    first = next(t for t in tree_flatten(model.params)[0] if isinstance(t, torch.Tensor))
-    return (f"weights on huge pages: {huge_page_bytes(first) / 2 ** 20:.0f} of "
-            f"{first.untyped_storage().nbytes() / 2 ** 20:.0f} MiB")
+    tensors = {t.data_ptr(): t for t in tree_flatten(model.params)[0] if isinstance(t, torch.Tensor)}.values()
+    total = sum(t.untyped_storage().nbytes() for t in tensors)
+    return (f"weights on huge pages: {huge_page_bytes(next(iter(tensors))) / 2 ** 20:.0f} of "
+            f"{total / 2 ** 20:.0f} MiB")
 
 
 def batch_inputs(tokenizer, batch: int, pad_id: int, min_len: int | None = None):

@@ -44,11 +44,19 @@ def test_the_arena_keeps_every_value_dtype_shape_stride_and_tie():
         else:
             assert after == before or (after is None and before is None)
     assert placed["lm_head"] is placed["embed"]
-    storages = {t.untyped_storage().data_ptr() for t in flat_placed if isinstance(t, torch.Tensor)}
-    assert len(storages) == 1
+    _assert_packed_in_one_buffer(flat_placed)
     # The arena holds its own bytes: the originals may change or go.
     params["embed"].add_(1)
     assert not torch.equal(placed["embed"], params["embed"])
+
+
+def _assert_packed_in_one_buffer(leaves):
+    """Distinct tensors (each its own storage: no aliasing for torch.compile), side by side."""
+    tensors = {t.data_ptr(): t for t in leaves if isinstance(t, torch.Tensor)}.values()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] - spans[0][0] <= sum(end - start for start, end in spans) + 64 * len(spans)
 
 
 def test_quantized_weights_codes_and_scales_move_into_the_arena():
@@ -63,7 +71,7 @@ def test_quantized_weights_codes_and_scales_move_into_the_arena():
     assert placed["w"].format == "q4_1" and placed["w"].shape == quantized.shape
     for name in ("codes", "scales", "mins"):
         assert torch.equal(getattr(placed["w"], name), getattr(quantized, name))
-    assert placed["w"].codes.untyped_storage().data_ptr() == placed["norm"].untyped_storage().data_ptr()
+    _assert_packed_in_one_buffer([placed["w"].codes, placed["w"].scales, placed["w"].mins, placed["norm"]])
     assert torch.equal(placed["w"].dequantize(), quantized.dequantize())
 
 
@@ -104,7 +112,7 @@ def test_loaded_models_hold_their_weights_in_one_arena_and_generate_the_same_tok
     hf_model, model = tiny_pair()
     flat = [t for t in tree_flatten(model.params)[0] if isinstance(t, torch.Tensor)]
     if huge_pages_available():
-        assert len({t.untyped_storage().data_ptr() for t in flat}) == 1
+        _assert_packed_in_one_buffer(flat)
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         expected = hf_model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -112,5 +120,5 @@ def test_loaded_models_hold_their_weights_in_one_arena_and_generate_the_same_tok
     cast = model.to(torch.bfloat16)
     flat_cast = [t for t in tree_flatten(cast.params)[0] if isinstance(t, torch.Tensor)]
     if huge_pages_available():
-        assert len({t.untyped_storage().data_ptr() for t in flat_cast}) == 1
+        _assert_packed_in_one_buffer(flat_cast)
     assert cast.params["embed"].dtype == torch.bfloat16

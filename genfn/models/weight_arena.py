@@ -10,7 +10,8 @@ default), and only over 2 MiB-aligned ranges, which separate allocations of a fe
 
 ``place_in_arena(params)`` copies every CPU tensor of a params pytree into one fresh anonymous
 mapping, asks for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``) and
-returns the same pytree over views of it. The mapping is its own, not the allocator's: a large
+returns the same pytree over tensors placed in it, each with its own storage (inputs that share a
+storage are aliases to torch.compile, which its higher-order ops such as ``while_loop`` refuse). The mapping is its own, not the allocator's: a large
 ``torch.empty`` may be served from heap memory already written (after a compile, say), which
 huge pages no longer back. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
 strides are kept. Where the kernel never gives huge pages, on other systems, or with
@@ -68,7 +69,7 @@ def place_in_arena(params):
     unique: dict = {}
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not leaf.requires_grad \
-                and all(s >= 0 for s in leaf.stride()):
+                and leaf.numel() > 0 and all(s >= 0 for s in leaf.stride()):
             unique.setdefault(_view_key(leaf), leaf)
     if not unique:
         return params
@@ -81,12 +82,11 @@ def place_in_arena(params):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # refused (an old kernel, a sandbox): ordinary pages, slower, never wrong
         pass
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensors keep the mapping alive
-    head = -buffer.data_ptr() % HUGE_PAGE  # the weights from the first 2 MiB boundary on
+    head = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # from a 2 MiB boundary
     placed = {}
     for key, leaf in unique.items():
-        nbytes = _span_elements(leaf) * leaf.element_size()
-        flat = buffer[head + offsets[key]:head + offsets[key] + nbytes].view(leaf.dtype)
+        # Each tensor keeps the mapping alive.
+        flat = torch.frombuffer(mapping, dtype=leaf.dtype, count=_span_elements(leaf), offset=head + offsets[key])
         view = flat.as_strided(leaf.shape, leaf.stride())
         view.copy_(leaf)
         placed[key] = view
