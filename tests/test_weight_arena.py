@@ -75,6 +75,17 @@ def test_quantized_weights_codes_and_scales_move_into_the_arena():
     assert torch.equal(placed["w"].dequantize(), quantized.dequantize())
 
 
+def test_opaque_and_empty_tensors_stay_where_they_are():
+    params = {"w": torch.randn(64, 32), "empty": torch.zeros(0), "sparse": torch.eye(4).to_sparse()}
+    if torch.backends.mkldnn.is_available():
+        params["mkldnn"] = torch.randn(8, 8).to_mkldnn()
+    placed = place_in_arena(params)
+    for name in ("empty", "sparse", "mkldnn"):
+        if name in params:
+            assert placed[name] is params[name]
+    assert torch.equal(placed["w"], params["w"])
+
+
 def test_genfn_huge_pages_0_leaves_the_params_as_they_are(monkeypatch):
     monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
     params = _params()

@@ -57,6 +57,13 @@ def _span_elements(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
+def _movable(leaf) -> bool:
+    """A dense CPU tensor with bytes to move (an opaque layout, oneDNN's packed weights or a sparse
+    tensor, has none), nothing to differentiate, and non-negative strides."""
+    return (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type == "cpu"
+            and not leaf.requires_grad and leaf.numel() > 0 and all(s >= 0 for s in leaf.stride()))
+
+
 def _view_key(t: torch.Tensor):
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
@@ -68,8 +75,7 @@ def place_in_arena(params):
     leaves, treedef = optree.tree_flatten(params, none_is_leaf=True, namespace=NAMESPACE)
     unique: dict = {}
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not leaf.requires_grad \
-                and leaf.numel() > 0 and all(s >= 0 for s in leaf.stride()):
+        if _movable(leaf):
             unique.setdefault(_view_key(leaf), leaf)
     if not unique:
         return params
@@ -90,7 +96,7 @@ def place_in_arena(params):
         view = flat.as_strided(leaf.shape, leaf.stride())
         view.copy_(leaf)
         placed[key] = view
-    out = [placed.get(_view_key(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    out = [placed[_view_key(leaf)] if _movable(leaf) else leaf for leaf in leaves]
     return optree.tree_unflatten(treedef, out)
 
 
