@@ -64,6 +64,24 @@ inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin
   }
 }
 
+// Thread t's share of queue's work: its own run front to back, `chunk` blocks a claim, then chunks
+// from the back of the other threads' runs. own(begin, end, start, stop) sums a chunk [begin, end)
+// of the own run [start, stop) (a stream it may fetch ahead in up to stop); stolen(begin, end) one
+// taken from another's (past end lies that thread's stream).
+template <typename Own, typename Stolen>
+void run_balanced(RowQueue& queue, int64_t t, int64_t chunk, Own&& own, Stolen&& stolen) {
+  const int64_t T = queue.threads;
+  if (t >= T) return;
+  const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
+  const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
+  int64_t begin, end;
+  while (claim_front(queue.runs[t].bounds, chunk, begin, end)) own(begin, end, start, stop);
+  for (int64_t step = 1; step < T; ++step) {
+    auto& other = queue.runs[(t + step) % T].bounds;
+    while (claim_back(other, chunk, begin, end)) stolen(begin, end);
+  }
+}
+
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue);
 void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,

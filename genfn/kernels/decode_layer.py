@@ -58,23 +58,27 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     dtype = x.dtype
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > MAX_DECODE_ROWS.get(dtype, 0) or x.device.type != "cpu":
         return False
+    if "bqkv" in layer or keys.dtype != dtype or head_dim % 16 or head_dim > 128:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
     if _quantized(layer):
-        return (dtype == torch.float32 and _VNNI and "bqkv" not in layer and keys.dtype == dtype
-                and not head_dim % 16 and head_dim <= 128
-                and all(isinstance(layer[n], torch.Tensor) and layer[n].dtype == dtype for n in _NORMS)
-                and not (torch.is_grad_enabled() and x.requires_grad) and decode_linear_available())
-    if dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
+        if dtype != torch.float32 or not _VNNI:
+            return False
+        plain = _NORMS
+    elif dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
         return False
-    if "bqkv" in layer or keys.dtype != dtype or head_dim % 16 or head_dim > 128:
-        return False
-    for name in _WEIGHTS:
-        weight = layer.get(name)  # a QuantizedWeight is no Tensor: its layers run op by op
+    else:
+        plain = _WEIGHTS  # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op
+    for name in plain:
+        weight = layer.get(name)
         if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.device.type != "cpu":
             return False
-    if torch.is_grad_enabled() and (x.requires_grad or any(layer[n].requires_grad for n in _WEIGHTS)):
-        return False
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return False
     return decode_linear_available()
 
 

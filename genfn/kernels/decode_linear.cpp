@@ -20,8 +20,6 @@
 
 namespace {
 
-using genfn_kernels::claim_back;
-using genfn_kernels::claim_front;
 using genfn_kernels::kMaxDecodeRows;
 constexpr int kLanes = 16;
 
@@ -223,26 +221,21 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  const int64_t T = queue.threads;
-  if (t < T) {
-    // The own run, front to back, fetched ahead as one stream up to the run's first end.
-    const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
-    const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
-    const int64_t length = (stop - start) * block_bytes;
-    constexpr int64_t window = prefetch_window<M>();
-    fetch_first_window(w + start * R * K, length, window);
-    int64_t begin, end;
-    while (claim_front(queue.runs[t].bounds, chunk, begin, end))
-      for (int64_t b = begin; b < end; ++b) {
-        const bool ahead = window > 0 && (b - start + 1) * block_bytes + window <= length;
-        row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
-      }
-    for (int64_t step = 1; step < T; ++step) {
-      auto& other = queue.runs[(t + step) % T].bounds;
-      while (claim_back(other, chunk, begin, end))
+  constexpr int64_t window = prefetch_window<M>();
+  genfn_kernels::run_balanced(
+      queue, t, chunk,
+      [&](int64_t begin, int64_t end, int64_t start, int64_t stop) {
+        // The own run is one stream, fetched ahead up to its end.
+        const int64_t length = (stop - start) * block_bytes;
+        if (begin == start) fetch_first_window(w + start * R * K, length, window);
+        for (int64_t b = begin; b < end; ++b) {
+          const bool ahead = window > 0 && (b - start + 1) * block_bytes + window <= length;
+          row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
+        }
+      },
+      [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) row_block<Dot, M, R>(x, w, K, N, b * R, 0, y);
-    }
-  }
+      });
   if (t == 0)
     for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
 }

@@ -299,19 +299,14 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
   // ~8 KiB of codes a claim, as linear_balanced claims rows.
   const int64_t tile_bytes = w.blocks * chunks_of(w.kind) * 64;
   const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
-  const int64_t T = queue.threads;
-  if (t >= T) return;
-  const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
-  const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
-  int64_t begin, end;
-  // The own run front to back, fetched ahead as one stream up to its end.
-  while (claim_front(queue.runs[t].bounds, chunk, begin, end))
-    run_share(M, w.kind, begin, end, stop, begin == start, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
-  for (int64_t step = 1; step < T; ++step) {
-    auto& other = queue.runs[(t + step) % T].bounds;
-    while (claim_back(other, chunk, begin, end))
-      run_share(M, w.kind, begin, end, end, true, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
-  }
+  auto tiles = [&](int64_t begin, int64_t end, int64_t fetch_end, bool first) {
+    run_share(M, w.kind, begin, end, fetch_end, first, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
+  };
+  run_balanced(
+      queue, t, chunk,
+      // The own run is one stream, fetched ahead up to its end.
+      [&](int64_t begin, int64_t end, int64_t start, int64_t stop) { tiles(begin, end, stop, begin == start); },
+      [&](int64_t begin, int64_t end) { tiles(begin, end, end, true); });
 }
 
 }  // namespace genfn_kernels

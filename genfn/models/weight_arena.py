@@ -8,12 +8,12 @@ less time in every weight format (``benchmarks/huge_pages.py``). Linux backs ano
 huge pages only where a program asks (``transparent_hugepage`` set to ``madvise``, the common
 default), and only over 2 MiB-aligned ranges, which separate allocations of a few MB rarely span.
 
-``place_in_arena(params)`` copies every CPU tensor of a params pytree into one fresh anonymous
-mapping, asks for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``) and
-returns the same pytree over tensors placed in it, each with its own storage (inputs that share a
-storage are aliases to torch.compile, which its higher-order ops such as ``while_loop`` refuse). The mapping is its own, not the allocator's: a large
-``torch.empty`` may be served from heap memory already written (after a compile, say), which
-huge pages no longer back. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
+``place_in_arena(params)`` copies every dense CPU tensor of a params pytree into one fresh
+anonymous mapping, asks for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``)
+and returns the same pytree over tensors placed in it, each with its own storage (inputs that share
+a storage are aliases to torch.compile, which its higher-order ops such as ``while_loop`` refuse).
+The mapping is its own, not the allocator's: a large ``torch.empty`` may be served from heap memory
+already written (after a compile, say), which huge pages no longer back. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
 strides are kept. Where the kernel never gives huge pages, on other systems, or with
 ``GENFN_HUGE_PAGES=0`` in the environment, the params come back unchanged.
 """
@@ -51,9 +51,7 @@ def huge_pages_available() -> bool:
 
 
 def _span_elements(t: torch.Tensor) -> int:
-    """Elements from a tensor's first to one past its last (strides are non-negative)."""
-    if t.numel() == 0:
-        return 0
+    """Elements from a non-empty tensor's first to one past its last (strides are non-negative)."""
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
