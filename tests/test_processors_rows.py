@@ -561,3 +561,26 @@ def test_package_exports_everything_it_documents():
     for name in ("ProcessorBase", "ExternalLogitsProcessor", "RowSelect", "RowValue",
                  "build_logits_processors_for_rows"):
         assert name in P.__all__
+
+
+@pytest.mark.parametrize("ids", [(3,), (1, 5, 7), (5, 5, 2), ()])
+@pytest.mark.parametrize("with_rows", [False, True])
+@pytest.mark.parametrize("with_active", [False, True])
+def test_forbidding_ids_touches_only_the_forbidden_entries(ids, with_rows, with_active):
+    from genfn.processors.forcing import _forbid_ids
+
+    gen = torch.Generator().manual_seed(len(ids) + 2 * with_rows + 4 * with_active)
+    logits = torch.randn(6, 11, generator=gen)
+    before = logits.clone()
+    row_mask = torch.rand(6, len(ids), generator=gen) < 0.5 if with_rows else None
+    active = torch.rand(6, 1, generator=gen) < 0.5 if with_active else None
+    out = _forbid_ids(logits, ids, "eos_token_id", row_mask, active)
+    expected = logits.clone()
+    for b in range(6):
+        for j, token in enumerate(ids):
+            if (row_mask is None or row_mask[b, j]) and (active is None or active[b, 0]):
+                expected[b, token] = -math.inf
+    assert torch.equal(out, expected)
+    assert torch.equal(logits, before)  # pure: the input is not written
+    with pytest.raises(ValueError, match="eos_token_id"):
+        _forbid_ids(logits, (11,), "eos_token_id", None, None)

@@ -35,6 +35,7 @@ from genfn.batching.requests import RequestStatus, make_request
 from genfn.batching.results import GenerationOutput, OutputRouter
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
+from genfn.kernels import release_thread_pool
 
 __all__ = ["ContinuousBatchingManager"]
 
@@ -215,6 +216,9 @@ class ContinuousBatchingManager:
         self._router.open()
         if self.engine is None:
             self._build()
+        # Loading, packing and warm-up ran torch work on this thread: its OpenMP pool would slow
+        # every parallel region of the loop's (genfn/kernels/thread_pool.cpp).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="genfn-continuous-batching", daemon=True,
                                         kwargs={"inference_mode": torch.is_inference_mode_enabled()})
         self._thread.start()

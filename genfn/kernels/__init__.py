@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status", "MAX_DECODE_ROWS"]
+__all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status",
+           "release_thread_pool", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
-                                                                 "decode_attention.cpp", "decode_layer.cpp"))
+                                                                 "decode_attention.cpp", "decode_layer.cpp",
+                                                                 "token_ops.cpp", "thread_pool.cpp"))
 # Included by the sources: part of the build's key, not of the command line.
 _HEADERS = (Path(__file__).with_name("decode_kernels.h"),)
 _OP_NAMESPACE = "genfn_kernels"
@@ -191,6 +193,16 @@ def _load() -> bool:
         return False
     _status = f"loaded from {path}"
     return True
+
+
+def release_thread_pool() -> bool:
+    """Let the calling thread's idle OpenMP worker threads go (``thread_pool.cpp``): call it on a
+    thread that hands its torch work to another (continuous batching's caller, before it waits),
+    so that the working thread's pool is the process's only one. Returns whether a pool was
+    released (``False`` where the kernels are not built or the thread is inside a parallel region)."""
+    if not decode_linear_available():
+        return False
+    return bool(torch.ops.genfn_kernels.release_thread_pool())
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

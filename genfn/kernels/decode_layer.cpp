@@ -37,6 +37,7 @@
 namespace {
 
 using genfn_kernels::attend_group;
+using genfn_kernels::exp16;
 using genfn_kernels::linear_balanced;
 using genfn_kernels::QuantWeight;
 using genfn_kernels::RowQueue;
@@ -66,26 +67,6 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
   }
 }
 
-// RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
-// e^x in 16 float32 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7
-// (truncation ~5e-9 relative, under float32's 6e-8), scaled by 2^n. Within 2 ulp of expf.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // act[f] = silu(gate[f]) * up[f] for f in [f0, f1): float32 16 lanes at a time (one std::exp an
 // element cost ~5 % of an 8-row step), bfloat16 an element at a time.
 inline void swiglu(const float* gate, const float* up, int64_t f0, int64_t f1, float* act) {
@@ -105,6 +86,7 @@ inline void swiglu(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t f
   }
 }
 
+// RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
 template <typename T>
 void rotate(T* x, const T* cos, const T* sin, int64_t D) {
   const int64_t half = D / 2;

@@ -39,20 +39,45 @@ __all__ = [
 _I64 = torch.int64
 
 
-def _id_mask(ids: tuple[int, ...], logits: torch.Tensor, name: str, row_mask: torch.Tensor | None = None):
-    """``[1, V]`` (or ``[B, V]`` with a per-row ``row_mask [B, S]``) bool: the entries in ``ids``.
-
-    The ids are static, so the vocabulary check is plain Python at trace time.
-    """
-    vocab = logits.shape[-1]
+def _check_ids(ids: tuple[int, ...], vocab: int, name: str) -> None:
+    """The ids are static, so the vocabulary check is plain Python at trace time."""
     if ids and max(ids) >= vocab:
         raise ValueError(f"`{name}` holds token ids outside the vocabulary [0, {vocab}): "
                          f"{sorted(i for i in ids if i >= vocab)}")
+
+
+def _id_mask(ids: tuple[int, ...], logits: torch.Tensor, name: str, row_mask: torch.Tensor | None = None):
+    """``[1, V]`` (or ``[B, V]`` with a per-row ``row_mask [B, S]``) bool: the entries in ``ids``."""
+    vocab = logits.shape[-1]
+    _check_ids(ids, vocab, name)
     table = torch.tensor(ids, dtype=_I64, device=logits.device)
     if row_mask is None:
         return torch.isin(torch.arange(vocab, device=logits.device), table).unsqueeze(0)
     chosen = torch.where(row_mask.to(logits.device), table, vocab)
     return token_set_mask(chosen, vocab)
+
+
+def _forbid_ids(logits: torch.Tensor, ids: tuple[int, ...], name: str, row_mask: torch.Tensor | None,
+                active: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` with ``-inf`` at ``ids`` in the rows where ``active [B, 1]`` holds (every row when
+    ``None``) and, with a per-row ``row_mask [B, S]``, only at that row's ids.
+
+    Reads and writes only the ``S`` id columns: masking through a ``[B, V]`` mask cost a few ms a
+    step on a 32-row, 49152-token batch run eagerly; this is one copy of the logits.
+    """
+    _check_ids(ids, logits.shape[-1], name)
+    if not ids:
+        return logits
+    if len(set(ids)) != len(ids):  # a column listed twice: the mask form keeps the union
+        mask = _id_mask(ids, logits, name, row_mask)
+        return torch.where(mask if active is None else mask & active, -math.inf, logits)
+    table = torch.tensor(ids, dtype=_I64, device=logits.device)
+    forbid = None if row_mask is None else row_mask.to(logits.device)
+    if active is not None:
+        forbid = active if forbid is None else forbid & active
+    if forbid is None:
+        return logits.index_fill(-1, table, -math.inf)
+    return logits.index_copy(-1, table, torch.where(forbid, -math.inf, logits.index_select(-1, table)))
 
 
 def _only(mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -162,9 +187,8 @@ class MinLengthLogitsProcessor(TokenSetRows, ProcessorBase):
         object.__setattr__(self, "eos_token_id", as_id_list(self.eos_token_id, "eos_token_id"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        eos = _id_mask(self.eos_token_id, logits, "eos_token_id", self.eos_rows)
         active = _column(ctx.row_cur_len()) < per_row_column(self.min_length, _I64, logits.device)
-        return torch.where(eos & active, -math.inf, logits)
+        return _forbid_ids(logits, self.eos_token_id, "eos_token_id", self.eos_rows, active)
 
 
 @pytree_dataclass
@@ -194,8 +218,7 @@ class MinNewTokensLengthLogitsProcessor(TokenSetRows, ProcessorBase):
         skip = _column(ctx.row_prompt_len()) if skip is None else per_row_column(skip, _I64, logits.device)
         minimum = per_row_column(self.min_new_tokens, _I64, logits.device)
         active = _column(ctx.row_cur_len()) - skip < minimum
-        eos = _id_mask(self.eos_token_id, logits, "eos_token_id", self.eos_rows)
-        return torch.where(eos & active, -math.inf, logits)
+        return _forbid_ids(logits, self.eos_token_id, "eos_token_id", self.eos_rows, active)
 
 
 @pytree_dataclass
@@ -264,8 +287,7 @@ class SuppressTokensLogitsProcessor(TokenSetRows, ProcessorBase):
         object.__setattr__(self, "suppress_tokens", as_id_list(list(self.suppress_tokens), "suppress_tokens"))
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        mask = _id_mask(self.suppress_tokens, logits, "suppress_tokens", self.row_mask)
-        return logits.masked_fill(mask, -math.inf)
+        return _forbid_ids(logits, self.suppress_tokens, "suppress_tokens", self.row_mask)
 
 
 @pytree_dataclass
@@ -296,5 +318,4 @@ class SuppressTokensAtBeginLogitsProcessor(TokenSetRows, ProcessorBase):
         else:
             begin = per_row_column(self.begin_index, _I64, logits.device)
         active = _column(ctx.row_cur_len()) == begin
-        mask = _id_mask(self.begin_suppress_tokens, logits, "begin_suppress_tokens", self.row_mask)
-        return torch.where(mask & active, -math.inf, logits)
+        return _forbid_ids(logits, self.begin_suppress_tokens, "begin_suppress_tokens", self.row_mask, active)

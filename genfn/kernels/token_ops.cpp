@@ -1,0 +1,231 @@
+// The elementwise work between a packed forward's GEMMs, one call per step of the layer.
+//
+// Continuous batching runs its forward eagerly over tens to hundreds of tokens: the linears are
+// oneDNN GEMMs, and between them torch ran RMS norm as eight kernels (widen, square, mean, add,
+// rsqrt, scale, narrow, weight), RoPE as ten (split, negate, cat, four products, two sums, per q
+// and k), SwiGLU as a strided silu and a product. In a 32-token SmolLM2 bfloat16 step those ~250
+// small calls cost ~15 ms of ~85 (torch profiler), most of it dispatch and bfloat16 round trips.
+// Each op here is one pass over its rows, in float32, rounded once to the activation dtype where
+// the model code converts (the norm's `.to(dtype)` and each op's output), as the compiled step's
+// fused kernels round.
+//
+//   rms_norm(x, w):           w * to_T(x * rsqrt(mean(x^2) + eps))
+//   add_rms_norm(x, d, w):    s = to_T(x + d); (s, rms_norm(s, w))        the residual and the norm
+//   rope_qkv(qkv, cos, sin):  q, k rotated (rotate-half form), v copied: [T, heads, D] each
+//   silu_mul(gate_up):        silu(gate) * up, gate and up the two halves of the last dimension
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "decode_kernels.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 16 elements of T as float32 lanes, and back, rounding to nearest even as c10::BFloat16 does.
+inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) {
+  const __m256i halves = _mm256_maskz_loadu_epi16(keep, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(p, keep, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+// The value a store then a load of T gives: the rounding the model code's `.to(dtype)` makes.
+inline __m512 round_to(float*, __m512 v) { return v; }
+inline __m512 round_to(c10::BFloat16*, __m512 v) {
+  alignas(64) c10::BFloat16 tmp[kLanes];
+  store16(tmp, v, 0xFFFF);
+  return load16(tmp, 0xFFFF);
+}
+
+template <typename T>
+void norm_row(const T* x, const T* w, int64_t E, float eps, T* out) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t e = 0; e < E; e += kLanes) {
+    const __m512 v = load16(x + e, lanes_below(E - e));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(E) + eps));
+  for (int64_t e = 0; e < E; e += kLanes) {
+    const __mmask16 keep = lanes_below(E - e);
+    const __m512 normed = round_to(out, _mm512_mul_ps(load16(x + e, keep), r));
+    store16(out + e, _mm512_mul_ps(load16(w + e, keep), normed), keep);
+  }
+}
+
+template <typename T>
+void add_row(const T* x, const T* d, int64_t E, T* out) {
+  for (int64_t e = 0; e < E; e += kLanes) {
+    const __mmask16 keep = lanes_below(E - e);
+    store16(out + e, _mm512_add_ps(load16(x + e, keep), load16(d + e, keep)), keep);
+  }
+}
+
+// One head x[0 .. D) rotated into out: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+template <typename T>
+void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const __mmask16 keep = lanes_below(half - i);
+    const __m512 a = load16(x + i, keep), b = load16(x + half + i, keep);
+    store16(out + i, _mm512_fnmadd_ps(b, load16(sin + i, keep), _mm512_mul_ps(a, load16(cos + i, keep))), keep);
+    store16(out + half + i,
+            _mm512_fmadd_ps(a, load16(sin + half + i, keep), _mm512_mul_ps(b, load16(cos + half + i, keep))), keep);
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, int64_t F, T* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t f = 0; f < F; f += kLanes) {
+    const __mmask16 keep = lanes_below(F - f);
+    const __m512 g = load16(gate + f, keep);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, genfn_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16(out + f, _mm512_mul_ps(silu, load16(up + f, keep)), keep);
+  }
+}
+
+// Runs fn(T{}) for the tensor's element type (the ops check it is one of the two).
+template <typename Fn>
+void dispatch(at::ScalarType type, Fn&& fn) {
+  if (type == at::kFloat) fn(float{});
+  else fn(c10::BFloat16{});
+}
+
+// Rows per task: the parallel region costs ~10 us, a row of these a fraction of a microsecond.
+constexpr int64_t kGrainRows = 64;
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op, ": `", name,
+              "` must be a contiguous 2-D CPU tensor, got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": `", name,
+              "` must be float32 or bfloat16, got ", x.scalar_type());
+}
+
+void check_norm_weight(const at::Tensor& w, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              op, ": `weight` must be a contiguous [", x.size(1), "] tensor of x's dtype, got ", w.sizes(), " ",
+              w.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm", "x");
+  check_norm_weight(weight, x, "rms_norm");
+  at::Tensor out = at::empty_like(x);
+  const int64_t E = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + t * E, wp, E, static_cast<float>(eps), op + t * E);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, "add_rms_norm", "x");
+  check_rows(delta, "add_rms_norm", "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm: `delta` must match x's shape and dtype, got ", delta.sizes(), " against ", x.sizes());
+  check_norm_weight(weight, x, "add_rms_norm");
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  const int64_t E = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *dp = delta.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t *sp = sum.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        add_row(xp + t * E, dp + t * E, E, sp + t * E);
+        norm_row(sp + t * E, wp, E, static_cast<float>(eps), op + t * E);
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// qkv [T, (heads + 2 kv_heads) D]; cos, sin [T, D] of qkv's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "rope_qkv", "qkv");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "rope_qkv: qkv's ", qkv.size(1), " columns are not (heads + 2 kv_heads) = ", heads + 2 * kv_heads,
+              " heads of one size");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(D % 2 == 0, "rope_qkv: head_dim must be even, got ", D);
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->dim() == 2 && table->size(0) == T && table->size(1) == D && table->is_contiguous() &&
+                    table->scalar_type() == qkv.scalar_type(),
+                "rope_qkv: cos and sin must be contiguous [", T, ", ", D, "] of qkv's dtype, got ", table->sizes());
+  at::Tensor q = at::empty({T, heads, D}, qkv.options());
+  at::Tensor k = at::empty({T, kv_heads, D}, qkv.options());
+  at::Tensor v = at::empty({T, kv_heads, D}, qkv.options());
+  const int64_t width = qkv.size(1);
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *xp = qkv.data_ptr<scalar_t>(), *cp = cos.data_ptr<scalar_t>(), *sp = sin.data_ptr<scalar_t>();
+    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kGrainRows, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = xp + t * width;
+        for (int64_t h = 0; h < heads; ++h) rotate_head(row + h * D, cp + t * D, sp + t * D, D, qp + (t * heads + h) * D);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          rotate_head(row + (heads + h) * D, cp + t * D, sp + t * D, D, kp + (t * kv_heads + h) * D);
+        std::copy(row + (heads + kv_heads) * D, row + width, vp + t * kv_heads * D);
+      }
+    });
+  });
+  return {q, k, v};
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul", "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up's last dimension must be even, got ", gate_up.size(1));
+  const int64_t T = gate_up.size(0), F = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({T, F}, gate_up.options());
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kGrainRows / 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * 2 * F, gp + t * 2 * F + F, F, op + t * F);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_qkv", &rope_qkv);
+  m.impl("silu_mul", &silu_mul);
+}
