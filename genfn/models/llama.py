@@ -324,12 +324,19 @@ def apply(
         x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions)
         if output_hidden_states:
             hidden_states.append(x)
+    if logits_to_keep and not output_hidden_states:
+        x = x[:, -logits_to_keep:]  # the norm is per token: only the kept positions need it
     x = _rms_norm(x, params["norm"], spec.rms_norm_eps)
     if output_hidden_states:
         hidden_states[-1] = x  # transformers reports the final-norm output as the last hidden state
-    if logits_to_keep:
-        x = x[:, -logits_to_keep:]
-    logits = linear(x, params["lm_head"]).to(torch.float32)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+    # As rows of one matrix: torch multiplied a 3-D slice (strided across the batch) by the
+    # broadcast weight as a batched matmul, copying the 56 MB LM head once per row (1.3 s of a
+    # 1.7 s prefill of 32 x 30 tokens).
+    batch, kept = x.shape[:2]
+    logits = linear(x.reshape(batch * kept, x.shape[-1]), params["lm_head"]).to(torch.float32)
+    logits = logits.reshape(batch, kept, -1)
     if output_hidden_states or output_attentions:
         return ModelOutput(logits, cache,
                            tuple(hidden_states) if hidden_states is not None else None,
