@@ -3,6 +3,7 @@ steps they replace (genfn.models.packed._TorchLayerOps), and the thread-pool rel
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -106,3 +107,19 @@ def test_a_thread_lets_its_pool_go_and_torch_still_runs_after():
     assert released == [True, True]
     assert kernels.release_thread_pool() is True
     assert torch.equal(x @ x, expected)
+
+
+def test_max_logsumexp_is_torch_argmax_and_logsumexp():
+    gen = torch.Generator().manual_seed(5)
+    logits = 8 * torch.randn(7, 49157, generator=gen)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first maximum
+    logits[2, 3000:] = -math.inf                          # -inf entries
+    logits[3] = -math.inf                                 # a row of -inf only
+    logits[4, 77] = math.nan                              # a NaN wins, as in torch.argmax
+    logits[5, 9] = math.inf
+    logits[6, -1] = logits[6].max() + 3                   # the maximum in the last, partial lane block
+    ids, lse = torch.ops.genfn_kernels.max_logsumexp(logits)
+    assert torch.equal(ids, torch.argmax(logits, dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5, equal_nan=True)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.genfn_kernels.max_logsumexp(logits.double())

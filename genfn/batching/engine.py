@@ -28,7 +28,7 @@ import torch
 from genfn import random as grandom
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
-from genfn.batching.logprobs import raw_logprobs, top_logprobs, top_pairs
+from genfn.batching.logprobs import chosen_logprobs, max_logsumexp, raw_logprobs, top_logprobs, top_pairs
 from genfn.batching.requests import RequestState
 from genfn.cache.paged import PackedPlan
 from genfn.kernels.packed_gemm import pack_linear_weights
@@ -90,13 +90,12 @@ def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: Logit
     ``generate``'s step does for one request.
     """
     scores = logits if chain is None else chain(logits, ctx)
-    chosen = torch.argmax(scores, dim=-1)
+    chosen, logsumexp = max_logsumexp(scores)
     if keys is not None:
         counter = ctx.row_cur_len() - ctx.row_prompt_len()
         sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
         chosen = torch.where(do_sample, sampled, chosen)
-    logprobs = raw_logprobs(logits).gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return chosen, logprobs
+    return chosen, chosen_logprobs(logits, chosen, logsumexp if chain is None else None)
 
 
 class Engine:

@@ -10,12 +10,39 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["raw_logprobs", "top_logprobs", "top_pairs"]
+from genfn.kernels import decode_linear_available
+
+__all__ = ["chosen_logprobs", "max_logsumexp", "native_pick", "raw_logprobs", "top_logprobs", "top_pairs"]
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """``[R, V]`` float32 log-softmax of the model's logits."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def native_pick(scores: torch.Tensor) -> bool:
+    """Whether :func:`max_logsumexp` reads ``scores`` in one native pass (``token_ops.cpp``)."""
+    return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and scores.shape[-1] > 0 and scores.is_contiguous() and decode_linear_available())
+
+
+def max_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure: each row's ``argmax`` (the first maximum, as ``torch.argmax``) and ``logsumexp``,
+    ``([R] int64, [R] float32)``."""
+    if native_pick(scores):
+        return torch.ops.genfn_kernels.max_logsumexp(scores)
+    return torch.argmax(scores, dim=-1), torch.logsumexp(scores.float(), dim=-1)
+
+
+def chosen_logprobs(logits: torch.Tensor, chosen: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure: ``raw_logprobs(logits)`` at each row's ``chosen`` token, ``[R]``; ``logsumexp``: the
+    rows' logsumexp when already known."""
+    logits = logits.float()
+    if logsumexp is None:
+        if not native_pick(logits):
+            return raw_logprobs(logits).gather(1, chosen.unsqueeze(1)).squeeze(1)
+        _, logsumexp = max_logsumexp(logits)
+    return logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - logsumexp
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

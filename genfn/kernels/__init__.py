@@ -159,6 +159,32 @@ def _register_fake() -> None:
     def _(keys, values, layer, slots, k, v):
         return None
 
+    _register_token_ops_fake()
+
+
+def _register_token_ops_fake() -> None:
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::add_rms_norm")
+    def _(x, delta, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::rope_qkv")
+    def _(qkv, cos, sin, heads, kv_heads):
+        head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+        return (qkv.new_empty((qkv.shape[0], heads, head_dim)), qkv.new_empty((qkv.shape[0], kv_heads, head_dim)),
+                qkv.new_empty((qkv.shape[0], kv_heads, head_dim)))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::max_logsumexp")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64), logits.new_empty((logits.shape[0],))
+
 
 def _register_quant_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")

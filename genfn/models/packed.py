@@ -190,10 +190,11 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
                                 spec.rms_norm_eps)
         mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
     # The final norm is per token, so taking the sampling rows first computes the same values.
-    if plan is None:
+    num_rows = inputs.logits_index.shape[0]
+    every_row = plan is None or len(plan.sample_rows) == num_rows  # a decode step: no zero rows to fill
+    if every_row:
         index = inputs.logits_index
     else:
-        num_rows = inputs.logits_index.shape[0]
         logits = torch.zeros(num_rows, spec.vocab_size, dtype=torch.float32, device=x.device)
         if not plan.sample_rows:
             return logits, cache
@@ -205,6 +206,6 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     else:
         _, h = ops.add_rms_norm(x, mlp_out.index_select(0, index), params["norm"], spec.rms_norm_eps)
     chosen = linear(h, params["lm_head"]).to(torch.float32)
-    if plan is None:
+    if every_row:
         return chosen, cache
     return logits.index_copy_(0, rows, chosen), cache
