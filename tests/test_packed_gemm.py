@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear, packing_available
+from genfn.kernels.packed_gemm import (PackedWeight, bf16_gemm_available, pack_linear_weights, packed_linear,
+                                       packing_available)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
 
@@ -40,3 +41,41 @@ def test_pack_linear_weights_replaces_only_the_named_weights():
         # 1-d and integer tensors are not GEMM weights: left as they are.
         assert packed_layer["norm"] is layer["norm"] and packed_layer["ints"] is layer["ints"]
     assert isinstance(params["lm_head"], torch.Tensor) and isinstance(params["layers"][0]["wqkv"], torch.Tensor)
+
+
+needs_bf16_gemm = pytest.mark.skipif(not bf16_gemm_available(), reason="genfn's bfloat16 GEMM needs AVX512_BF16")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (50, 37), (1, 2)])
+def test_genfn_bf16_gemm_sums_in_float32_and_rounds_once(rows, out_features, in_features):
+    """Odd inner sizes, a partial last panel of 48 columns and row counts around the blocks of 8:
+    the float32 result equals a float64 reference to float32 rounding, the bfloat16 one is it rounded."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = torch.ops.genfn_kernels.pack_bf16_gemm_weight(weight)
+    exact = x.double() @ weight.double().t()
+    got = torch.ops.genfn_kernels.bf16_gemm(x, packed, out_features, None, True)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    with_bias = torch.ops.genfn_kernels.bf16_gemm(x, packed, out_features, bias, False)
+    assert with_bias.dtype == torch.bfloat16
+    torch.testing.assert_close(with_bias.float(), (exact + bias.double()).float().bfloat16().float(),
+                               rtol=2 ** -7, atol=1e-5)
+
+
+@needs_bf16_gemm
+def test_bfloat16_weights_pack_for_genfn_s_gemm_and_refuse_a_wrong_packing():
+    weight = torch.randn(100, 64).bfloat16()
+    packed = PackedWeight(weight)
+    assert packed.kind == "genfn"
+    x = torch.randn(20, 64).bfloat16()
+    out = packed_linear(x, packed, out_float32=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x.float(), weight.float()), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="packing"):
+        torch.ops.genfn_kernels.bf16_gemm(torch.randn(4, 62).bfloat16(), packed.packed, 100, None, True)
+    assert PackedWeight(torch.randn(5, 4)).kind == "onednn"

@@ -41,7 +41,8 @@ __all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linea
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
                                                                  "decode_attention.cpp", "decode_layer.cpp",
-                                                                 "token_ops.cpp", "thread_pool.cpp"))
+                                                                 "token_ops.cpp", "thread_pool.cpp",
+                                                                 "bf16_gemm.cpp"))
 # Included by the sources: part of the build's key, not of the command line.
 _HEADERS = (Path(__file__).with_name("decode_kernels.h"),)
 _OP_NAMESPACE = "genfn_kernels"

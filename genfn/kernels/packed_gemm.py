@@ -1,17 +1,22 @@
-"""Linear layers on weights packed once for oneDNN's GEMM: the eager steps of continuous batching.
+"""Linear layers on weights packed once for a GEMM: the eager steps of continuous batching.
 
 A continuous-batching step multiplies tens to hundreds of token rows by every weight, where
-``F.linear`` is a GEMM, not a GEMV. In float32 the library GEMM behind ``F.linear`` (MKL) reads
-the weight in its plain layout at every call; oneDNN's, given the weight reordered once into its
-blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does for frozen
-weights), ran 1.4x (512 rows) to 3x (the 49152-row LM head at 32 rows) faster on the 2-core
-Zen 4 machine; bfloat16 gains 10-30 % (``F.linear`` already calls oneDNN there, unpacked).
+``F.linear`` is a GEMM, not a GEMV, and a weight laid out for the GEMM's inner loop once beats
+re-reading the plain layout at every call.
+
+- bfloat16 on CPUs with AVX512_BF16: genfn's own kernel (``bf16_gemm.cpp``: panels of 48 output
+  columns, k-pairs interleaved for ``vdpbf16ps``, 8 x 48 float32 accumulators). Against oneDNN's
+  GEMM on its own packed weight, interleaved on the 2-core Zen 4 (``python benchmarks/gemm.py``):
+  1.1-1.4x at 16-64 rows for SmolLM2's layer shapes, alike at 512 rows.
+- float32 (and bfloat16 without AVX512_BF16): oneDNN's GEMM on the weight reordered into its
+  blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does for frozen
+  weights): 1.4x (512 rows) to 3x (the 49152-row LM head at 32 rows) MKL's ``F.linear`` here.
 
 ``pack_linear_weights(params)`` returns the parameter tree with each linear weight replaced by a
 ``PackedWeight`` (the plain weight is kept: at a few rows genfn's decode kernel, which streams it,
 is faster); ``packed_linear(x, weight, bias)`` runs either kind. The packed object is opaque to
-``torch.compile``: it is for eager forwards only. Where oneDNN is missing or refuses the packing,
-the weights stay plain and nothing changes.
+``torch.compile``: it is for eager forwards only. Where neither packing is available the weights
+stay plain and nothing changes.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from typing import Any
 
 import torch
 
-from genfn.kernels import MAX_DECODE_ROWS, linear
+from genfn.kernels import MAX_DECODE_ROWS, decode_linear_available, linear
 
-__all__ = ["PackedWeight", "pack_linear_weights", "packed_linear", "packing_available"]
+__all__ = ["PackedWeight", "bf16_gemm_available", "pack_linear_weights", "packed_linear", "packing_available"]
 
 # The batch size oneDNN is told to expect when it picks the packed layout (a hint only: any row
 # count runs on it): a decode step of a few dozen requests.
@@ -32,13 +37,19 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedWeight:
-    """A ``[out, in]`` weight in oneDNN's blocked GEMM layout, with the plain weight beside it."""
+    """An ``[out, in]`` weight packed for a GEMM (``kind``: ``"genfn"``, genfn's bfloat16 kernel,
+    or ``"onednn"``), with the plain weight beside it."""
 
-    __slots__ = ("weight", "packed")
+    __slots__ = ("weight", "packed", "kind")
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _EXPECTED_ROWS)
+        if weight.dtype == torch.bfloat16 and bf16_gemm_available():
+            self.kind = "genfn"
+            self.packed = torch.ops.genfn_kernels.pack_bf16_gemm_weight(weight)
+        else:
+            self.kind = "onednn"
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _EXPECTED_ROWS)
 
     @property
     def shape(self) -> torch.Size:
@@ -50,6 +61,7 @@ class PackedWeight:
 
 
 _works: bool | None = None
+_bf16_works: bool | None = None
 
 
 def packing_available() -> bool:
@@ -59,25 +71,53 @@ def packing_available() -> bool:
         try:
             weight = torch.randn(24, 16)
             x = torch.randn(5, 16)
-            out = torch.ops.mkldnn._linear_pointwise(x, PackedWeight(weight).packed, None, "none", [], "")
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _EXPECTED_ROWS)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             _works = bool(torch.allclose(out, torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-4))
         except (AttributeError, RuntimeError, NotImplementedError):
             _works = False
     return _works
 
 
-def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a plain, quantized or ``PackedWeight`` weight (``x [N, in]``)."""
+def bf16_gemm_available() -> bool:
+    """Whether genfn's bfloat16 GEMM is built and runs here (it needs AVX512_BF16)."""
+    global _bf16_works
+    if _bf16_works is None:
+        _bf16_works = False
+        if decode_linear_available():
+            try:
+                weight = torch.randn(50, 7).bfloat16()
+                x = torch.randn(3, 7).bfloat16()
+                packed = torch.ops.genfn_kernels.pack_bf16_gemm_weight(weight)
+                out = torch.ops.genfn_kernels.bf16_gemm(x, packed, 50, None, True)
+                _bf16_works = bool(torch.allclose(out, x.float() @ weight.float().t(), atol=1e-3, rtol=1e-3))
+            except RuntimeError:  # a CPU without AVX512_BF16
+                pass
+    return _bf16_works
+
+
+def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
+                  out_float32: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a plain, quantized or ``PackedWeight`` weight (``x [N, in]``);
+    ``out_float32``: the result in float32 (genfn's bfloat16 GEMM writes it so directly)."""
     if not isinstance(weight, PackedWeight):
-        return linear(x, weight, bias)
-    if x.shape[0] <= MAX_DECODE_ROWS.get(weight.dtype, 0):
-        return linear(x, weight.weight, bias)  # genfn's decode kernel, where it is built
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
+        y = linear(x, weight, bias)
+    elif x.shape[0] <= MAX_DECODE_ROWS.get(weight.dtype, 0):
+        y = linear(x, weight.weight, bias)  # genfn's decode kernel, where it is built
+    elif weight.kind == "genfn" and x.dtype == torch.bfloat16:
+        return torch.ops.genfn_kernels.bf16_gemm(x, weight.packed, weight.shape[0], bias, out_float32)
+    elif weight.kind == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
+    else:  # activations of another dtype than the packed weight's
+        y = linear(x, weight.weight, bias)
+    return y.to(torch.float32) if out_float32 else y
 
 
 def _packable(value) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dim() == 2 and value.device.type == "cpu"
-            and value.dtype in _DTYPES)
+    if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.device.type == "cpu"
+            and value.dtype in _DTYPES):
+        return False
+    return (value.dtype == torch.bfloat16 and bf16_gemm_available()) or packing_available()
 
 
 def pack_linear_weights(params: Mapping[str, Any], names: Iterable[str], layer_names: Iterable[str]) -> dict:
@@ -85,8 +125,6 @@ def pack_linear_weights(params: Mapping[str, Any], names: Iterable[str], layer_n
     (``layer_names``) packed; a shallow copy (the other leaves are shared). Unchanged where
     packing is unavailable."""
     out = dict(params)
-    if not packing_available():
-        return out
     for name in names:
         if _packable(out.get(name)):
             out[name] = PackedWeight(out[name])

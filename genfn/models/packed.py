@@ -205,7 +205,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         h = ops.rms_norm(x, params["norm"], spec.rms_norm_eps)
     else:
         _, h = ops.add_rms_norm(x, mlp_out.index_select(0, index), params["norm"], spec.rms_norm_eps)
-    chosen = linear(h, params["lm_head"]).to(torch.float32)
+    chosen = linear(h, params["lm_head"], out_float32=True)
     if every_row:
         return chosen, cache
     return logits.index_copy_(0, rows, chosen), cache
