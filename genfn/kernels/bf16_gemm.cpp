@@ -45,21 +45,13 @@ at::Tensor pack_bf16_gemm_weight(const at::Tensor& weight) {
   return packed;
 }
 
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 template <typename Out>
 inline void store_lanes(Out* y, __m512 v, __mmask16 keep);
 template <>
 inline void store_lanes<float>(float* y, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(y, keep, v); }
 template <>
 inline void store_lanes<c10::BFloat16>(c10::BFloat16* y, __m512 v, __mmask16 keep) {
-  _mm256_mask_storeu_epi16(y, keep, to_bf16(v));
+  _mm256_mask_storeu_epi16(y, keep, genfn_kernels::round_to_bfloat16(v));
 }
 
 // Rows [0, R) of x (row stride K, K2 pairs read as 32-bit words) against one packed panel;

@@ -43,8 +43,7 @@ constexpr int64_t kMaxVectors = 8;  // head_dim / 16 held in registers (head_dim
 
 inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_lanes(const c10::BFloat16* p) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  return genfn_kernels::widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // e^x for x <= 0 (scores minus their maximum): 2^n * p(f) with a degree-6 polynomial on

@@ -35,9 +35,7 @@ constexpr int kLanes = 16;
 template <int M>
 constexpr int64_t prefetch_window() { return M == 1 ? 0 : 16384; }
 
-inline __m512 widen(__m256i halves) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
+inline __m512 widen(__m256i halves) { return genfn_kernels::widen_bfloat16(halves); }
 
 // The three ways of multiplying a chunk of a weight row by the same chunk of a row of x and
 // adding the products to float32 lanes. `Step` inputs per chunk; `Weight` what is stored; `Input`

@@ -40,16 +40,11 @@ inline __mmask16 lanes_below(int64_t n) {
 // 16 elements of T as float32 lanes, and back, rounding to nearest even as c10::BFloat16 does.
 inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) {
-  const __m256i halves = _mm256_maskz_loadu_epi16(keep, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  return genfn_kernels::widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p));
 }
 inline void store16(float* p, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(p, keep, v); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  _mm256_mask_storeu_epi16(p, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  _mm256_mask_storeu_epi16(p, keep, genfn_kernels::round_to_bfloat16(v));
 }
 // The value a store then a load of T gives: the rounding the model code's `.to(dtype)` makes.
 inline __m512 round_to(float*, __m512 v) { return v; }
