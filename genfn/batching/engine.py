@@ -28,7 +28,8 @@ import torch
 from genfn import random as grandom
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
-from genfn.batching.logprobs import chosen_logprobs, max_logsumexp, raw_logprobs, top_logprobs, top_pairs
+from genfn.batching.logprobs import (chosen_logprobs, max_logsumexp, native_pick, raw_logprobs, top_logprobs,
+                                     top_pairs)
 from genfn.batching.requests import RequestState
 from genfn.cache.paged import PackedPlan
 from genfn.kernels.packed_gemm import pack_linear_weights
@@ -90,7 +91,11 @@ def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: Logit
     ``generate``'s step does for one request.
     """
     scores = logits if chain is None else chain(logits, ctx)
-    chosen, logsumexp = max_logsumexp(scores)
+    logsumexp = None
+    if chain is None or native_pick(scores):  # the native pass gives the argmax of the scores at no extra cost
+        chosen, logsumexp = max_logsumexp(scores)
+    else:
+        chosen = torch.argmax(scores, dim=-1)
     if keys is not None:
         counter = ctx.row_cur_len() - ctx.row_prompt_len()
         sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)

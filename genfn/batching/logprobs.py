@@ -41,7 +41,7 @@ def chosen_logprobs(logits: torch.Tensor, chosen: torch.Tensor, logsumexp: torch
     if logsumexp is None:
         if not native_pick(logits):
             return raw_logprobs(logits).gather(1, chosen.unsqueeze(1)).squeeze(1)
-        _, logsumexp = max_logsumexp(logits)
+        _, logsumexp = torch.ops.genfn_kernels.max_logsumexp(logits)
     return logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - logsumexp
 
 

@@ -45,15 +45,6 @@ at::Tensor pack_bf16_gemm_weight(const at::Tensor& weight) {
   return packed;
 }
 
-template <typename Out>
-inline void store_lanes(Out* y, __m512 v, __mmask16 keep);
-template <>
-inline void store_lanes<float>(float* y, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(y, keep, v); }
-template <>
-inline void store_lanes<c10::BFloat16>(c10::BFloat16* y, __m512 v, __mmask16 keep) {
-  _mm256_mask_storeu_epi16(y, keep, genfn_kernels::round_to_bfloat16(v));
-}
-
 // Rows [0, R) of x (row stride K, K2 pairs read as 32-bit words) against one packed panel;
 // writes columns [n0, n0 + width) of y (row stride N).
 // `ahead` (or null): the next panel, fetched into L2 a step at a time while this one is summed, so
@@ -83,10 +74,9 @@ __attribute__((target("avx512bw,avx512bf16"))) void micro_kernel(const uint32_t*
   for (int v = 0; v < 3; ++v) {
     const int64_t c = v * 16;
     if (c >= width) break;
-    const __mmask16 keep = width - c >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                           : static_cast<__mmask16>((1u << (width - c)) - 1);
+    const __mmask16 keep = genfn_kernels::lanes_below(width - c);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + c) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) store_lanes<Out>(y + r * N + c, _mm512_add_ps(acc[r][v], b), keep);
+    for (int r = 0; r < R; ++r) genfn_kernels::store16(y + r * N + c, _mm512_add_ps(acc[r][v], b), keep);
   }
 }
 

@@ -27,6 +27,17 @@ inline __m256i round_to_bfloat16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
+// The first n of 16 lanes (all 16 from n >= 16).
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The kept lanes of 16 elements of T as float32, and back (bfloat16 rounded as above).
+inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) { return widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p)); }
+inline void store16(float* p, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(p, keep, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) { _mm256_mask_storeu_epi16(p, keep, round_to_bfloat16(v)); }
+
 // e^x in 16 float32 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7
 // (truncation ~5e-9 relative, under float32's 6e-8), scaled by 2^n. Within 2 ulp of expf.
 inline __m512 exp16(__m512 x) {

@@ -72,7 +72,7 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
 inline void swiglu(const float* gate, const float* up, int64_t f0, int64_t f1, float* act) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t f = f0; f < f1; f += 16) {
-    const __mmask16 keep = f + 16 <= f1 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (f1 - f)) - 1);
+    const __mmask16 keep = genfn_kernels::lanes_below(f1 - f);
     const __m512 g = _mm512_maskz_loadu_ps(keep, gate + f), u = _mm512_maskz_loadu_ps(keep, up + f);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
     _mm512_mask_storeu_ps(act + f, keep, _mm512_mul_ps(silu, u));
@@ -258,24 +258,29 @@ QuantWeight quant_weight(const at::Tensor& codes, const at::Tensor& scales, cons
 }
 
 // What decode_attention_input checks of x, norm, cos and sin; returns head_dim.
-int64_t check_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& cos,
-                              const at::Tensor& sin, const char* op) {
+// The sizes of an attention_input call, after checking x (check_rows), norm, cos and sin.
+struct AttentionInputSizes {
+  int64_t M, E, N, D;
+};
+
+AttentionInputSizes check_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& cos,
+                                          const at::Tensor& sin, int64_t heads, int64_t kv_heads, const char* op,
+                                          bool quantized) {
+  check_rows(x, op, quantized);
   const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               op, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes());
   TORCH_CHECK(norm.dim() == 1 && norm.size(0) == E && norm.scalar_type() == x.scalar_type(), op,
               ": norm must be [hidden] in x's dtype");
-  return D;
+  return {M, E, (heads + 2 * kv_heads) * D, D};
 }
 
 at::Tensor decode_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& wqkv,
                                   const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
                                   int64_t kv_heads) {
   const char* op = "decode_attention_input";
-  check_rows(x, op, false);
-  const int64_t D = check_attention_input(x, norm, cos, sin, op);
-  const int64_t M = x.size(0), E = x.size(1), N = (heads + 2 * kv_heads) * D;
+  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, false);
   check_weight(wqkv, x, N, E, op, "wqkv");
   const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), wc = wqkv.contiguous(), cc = cos.contiguous(),
                    sc = sin.contiguous();
@@ -299,9 +304,7 @@ at::Tensor decode_attention_input_quant(const at::Tensor& x, const at::Tensor& n
                                         const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
                                         int64_t kv_heads) {
   const char* op = "decode_attention_input_quant";
-  check_rows(x, op, true);
-  const int64_t D = check_attention_input(x, norm, cos, sin, op);
-  const int64_t M = x.size(0), E = x.size(1), N = (heads + 2 * kv_heads) * D;
+  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, true);
   QuantLinear linear{quant_weight(codes, scales, mins, kind, N, E, op, "wqkv")};
   const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor qkv = at::empty({M, N}, x.options());

@@ -7,7 +7,7 @@ re-reading the plain layout at every call.
 - bfloat16 on CPUs with AVX512_BF16: genfn's own kernel (``bf16_gemm.cpp``: panels of 48 output
   columns, k-pairs interleaved for ``vdpbf16ps``, 8 x 48 float32 accumulators). Against oneDNN's
   GEMM on its own packed weight, interleaved on the 2-core Zen 4 (``python benchmarks/gemm.py``):
-  1.1-1.4x at 16-64 rows for SmolLM2's layer shapes, alike at 512 rows.
+  1.1-1.9x at 16-64 rows for SmolLM2's five linear shapes, alike at 512 rows (the LM head 0.93x).
 - float32 (and bfloat16 without AVX512_BF16): oneDNN's GEMM on the weight reordered into its
   blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does for frozen
   weights): 1.4x (512 rows) to 3x (the 49152-row LM head at 32 rows) MKL's ``F.linear`` here.
@@ -100,16 +100,14 @@ def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
                   out_float32: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a plain, quantized or ``PackedWeight`` weight (``x [N, in]``);
     ``out_float32``: the result in float32 (genfn's bfloat16 GEMM writes it so directly)."""
-    if not isinstance(weight, PackedWeight):
-        y = linear(x, weight, bias)
-    elif x.shape[0] <= MAX_DECODE_ROWS.get(weight.dtype, 0):
-        y = linear(x, weight.weight, bias)  # genfn's decode kernel, where it is built
-    elif weight.kind == "genfn" and x.dtype == torch.bfloat16:
+    # A few rows take genfn's decode kernel on the plain weight, where it is built.
+    gemm = isinstance(weight, PackedWeight) and x.shape[0] > MAX_DECODE_ROWS.get(weight.dtype, 0)
+    if gemm and weight.kind == "genfn" and x.dtype == torch.bfloat16:
         return torch.ops.genfn_kernels.bf16_gemm(x, weight.packed, weight.shape[0], bias, out_float32)
-    elif weight.kind == "onednn":
+    if gemm and weight.kind == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.packed, bias, "none", [], "")
-    else:  # activations of another dtype than the packed weight's
-        y = linear(x, weight.weight, bias)
+    else:  # a plain weight, few rows, or activations of another dtype than the packed weight's
+        y = linear(x, weight.weight if isinstance(weight, PackedWeight) else weight, bias)
     return y.to(torch.float32) if out_float32 else y
 
 

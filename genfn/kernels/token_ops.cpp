@@ -31,27 +31,16 @@
 
 namespace {
 
+using genfn_kernels::lanes_below;
+using genfn_kernels::load16;
+using genfn_kernels::store16;
+
 constexpr int64_t kLanes = 16;
 
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// 16 elements of T as float32 lanes, and back, rounding to nearest even as c10::BFloat16 does.
-inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) {
-  return genfn_kernels::widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p));
-}
-inline void store16(float* p, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(p, keep, v); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) {
-  _mm256_mask_storeu_epi16(p, keep, genfn_kernels::round_to_bfloat16(v));
-}
 // The value a store then a load of T gives: the rounding the model code's `.to(dtype)` makes.
 inline __m512 round_to(float*, __m512 v) { return v; }
 inline __m512 round_to(c10::BFloat16*, __m512 v) {
-  alignas(64) c10::BFloat16 tmp[kLanes];
-  store16(tmp, v, 0xFFFF);
-  return load16(tmp, 0xFFFF);
+  return genfn_kernels::widen_bfloat16(genfn_kernels::round_to_bfloat16(v));
 }
 
 template <typename T>
