@@ -11,6 +11,7 @@ from genfn import wait_policy as _wait_policy
 _wait_policy.apply_default()
 
 from genfn import random  # noqa: E402
+from genfn._version import package_version as _package_version  # noqa: E402
 from genfn.config import (
     CompileConfig,
     ContinuousBatchingConfig,
@@ -78,6 +79,8 @@ from genfn.streamers import (
     TextIteratorStreamer,
     TextStreamer,
 )
+
+__version__ = _package_version()
 
 __all__ = [
     "random", "generate", "load", "save", "from_module", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",

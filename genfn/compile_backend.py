@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from genfn.torch_compat import inductor_wrapper_base
+
 __all__ = ["InductorFreezingWhereItPays", "library_linears", "with_genfn_backend"]
 
 _logger = logging.getLogger(__name__)
@@ -32,7 +34,11 @@ def library_linears(graph_module: torch.fx.GraphModule) -> int:
     return sum(1 for node in graph_module.graph.nodes if node.op == "call_function" and node.target in _LIBRARY_LINEARS)
 
 
-class InductorFreezingWhereItPays(torch._TorchCompileInductorWrapper):
+# torch's inductor backend object (private: genfn.torch_compat checks it is there).
+_InductorWrapper = inductor_wrapper_base() or object
+
+
+class InductorFreezingWhereItPays(_InductorWrapper):
     """``torch.compile``'s own inductor backend, with ``freezing`` decided per graph (module docstring)."""
 
     def __init__(self, mode, options, dynamic=None):
@@ -77,9 +83,9 @@ def _cache_hits() -> int:
 def with_genfn_backend(compile_options: dict) -> dict:
     """``torch.compile`` kwargs with the inductor backend (named or implied) replaced by
     :class:`InductorFreezingWhereItPays` carrying the same ``mode``, ``options`` and ``dynamic``;
-    any other backend is left as it is."""
+    any other backend, or every backend on a torch without inductor's wrapper class, is left as it is."""
     options = dict(compile_options)
-    if options.get("backend", "inductor") != "inductor":
+    if options.get("backend", "inductor") != "inductor" or _InductorWrapper is object:
         return options
     options["backend"] = InductorFreezingWhereItPays(options.pop("mode", None), options.pop("options", None),
                                                      options.get("dynamic"))

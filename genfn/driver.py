@@ -34,6 +34,8 @@ from genfn.models.functional import FunctionalModel
 from genfn.quant.weight import QuantizedWeight
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
+from genfn.torch_compat import dynamic_dims, trusted_guards
+from genfn.torch_compat import while_loop as torch_while_loop
 from genfn.traced_unflatten import Bindings, tree_source, unflattener
 
 __all__ = ["run", "run_loop", "compiled_step", "compiled_loop", "eager_step", "limit_attention", "functional",
@@ -142,7 +144,7 @@ def _join_leaves(tensors, layout):
 def _static_shape(tensor: torch.Tensor) -> tuple:
     """The shape with dims marked dynamic (``maybe_mark_dynamic``) replaced by None: those sizes
     vary from call to call under one compiled function, so they must not key the cache."""
-    dynamic = getattr(tensor, "_dynamo_weak_dynamic_indices", set()) | getattr(tensor, "_dynamo_dynamic_indices", set())
+    dynamic = dynamic_dims(tensor)
     return tuple(None if dim in dynamic else size for dim, size in enumerate(tensor.shape))
 
 
@@ -330,8 +332,7 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
 
 
 def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
-    from torch._higher_order_ops.while_loop import while_loop
-
+    while_loop = torch_while_loop()
     one_step = _step_on_leaves(step, model, weights, layout)
     join = _layout_unflattener(layout)
 
@@ -457,12 +458,7 @@ def _trusted_guards(trusted: bool):
     layout it was given, ``limit_attention`` changes only the attended span (a dynamic size) and
     the driver keeps the leaves' strides canonical, so the checks the first step passed hold for
     every later one. ~0.15 ms of a ~12 ms bfloat16 batch-1 step. The user's own stance is kept."""
-    if not trusted:
-        return contextlib.nullcontext()
-    current = getattr(torch._dynamo.eval_frame, "_stance", None)
-    if current is None or current.stance != "default" or current.skip_guard_eval_unsafe:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True, force_backend=current.backend)
+    return trusted_guards() if trusted else contextlib.nullcontext()
 
 
 class _HostView:

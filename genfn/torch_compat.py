@@ -1,0 +1,110 @@
+"""The private torch internals genfn's driver relies on, behind one module.
+
+genfn is tested on torch 2.13 (``TESTED_TORCH``). Three things it uses are not public API and may
+move between releases:
+
+- ``tensor._dynamo_weak_dynamic_indices`` / ``_dynamo_dynamic_indices``: which dims
+  ``torch._dynamo.maybe_mark_dynamic`` marked, so that those sizes do not key the driver's cache
+  of compiled steps. Without them every size keys it: correct, but a new attended span compiles
+  again.
+- ``torch._dynamo.eval_frame._stance``: the stance in effect, so that the driver's
+  ``skip_guard_eval_unsafe`` keeps the user's own stance. Without it the driver evaluates every
+  guard (about 0.15 ms a step slower, same tokens).
+- ``torch._TorchCompileInductorWrapper``: the inductor backend ``torch.compile`` builds, which
+  ``genfn.compile_backend`` subclasses to decide ``freezing`` per graph. Without it the step
+  compiles with plain ``backend="inductor"`` (a later process may miss inductor's caches).
+
+Each accessor falls back to public API when the internal is missing and says so once, in one
+line on the ``genfn.torch_compat`` logger; an untested torch version is noted the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+__all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
+           "while_loop"]
+
+# The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
+TESTED_TORCH = ("2.13",)
+
+_logger = logging.getLogger(__name__)
+_noted: set[str] = set()
+
+
+def _note_once(what: str, fallback: str) -> None:
+    if what not in _noted:
+        _noted.add(what)
+        _logger.warning("torch %s lacks %s (genfn is tested on torch %s): %s", torch.__version__, what,
+                        "/".join(TESTED_TORCH), fallback)
+
+
+def torch_is_tested(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the torch in use) is a release genfn's tests run on.
+
+    >>> torch_is_tested("2.13.0+cpu"), torch_is_tested("2.12.1")
+    (True, False)
+    """
+    release = ".".join((version or torch.__version__).split("+")[0].split(".")[:2])
+    return release in TESTED_TORCH
+
+
+def dynamic_dims(tensor: torch.Tensor) -> set[int]:
+    """The dims of ``tensor`` marked dynamic for dynamo (``maybe_mark_dynamic`` or ``mark_dynamic``)."""
+    if not _marks_readable():
+        return set()
+    return set(getattr(tensor, "_dynamo_weak_dynamic_indices", ())) | set(getattr(tensor, "_dynamo_dynamic_indices", ()))
+
+
+@functools.cache
+def _marks_readable() -> bool:
+    """Whether ``maybe_mark_dynamic`` still leaves its mark where ``dynamic_dims`` reads it."""
+    probe = torch.empty(2)
+    torch._dynamo.maybe_mark_dynamic(probe, 0)
+    if 0 in getattr(probe, "_dynamo_weak_dynamic_indices", ()):
+        return True
+    _note_once("tensor._dynamo_weak_dynamic_indices", "every size keys the cache of compiled steps")
+    return False
+
+
+def trusted_guards() -> contextlib.AbstractContextManager:
+    """A context in which dynamo checks only the guards that tell compiled entries apart
+    (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), keeping the user's stance; a
+    null context when the user set a stance of their own or the stance cannot be read."""
+    try:
+        current = torch._dynamo.eval_frame._stance
+        set_stance = torch.compiler.set_stance
+    except AttributeError:
+        _note_once("torch._dynamo.eval_frame._stance", "every guard is evaluated before each compiled step")
+        return contextlib.nullcontext()
+    if current.stance != "default" or current.skip_guard_eval_unsafe:
+        return contextlib.nullcontext()
+    return set_stance("default", skip_guard_eval_unsafe=True, force_backend=current.backend)
+
+
+def inductor_wrapper_base() -> type | None:
+    """``torch._TorchCompileInductorWrapper`` (the backend object ``torch.compile`` builds for
+    inductor), or None when this torch has no such class."""
+    base = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if base is None:
+        _note_once("torch._TorchCompileInductorWrapper", "steps compile with plain backend='inductor'")
+    return base
+
+
+def while_loop():
+    """torch's ``while_loop`` higher-order op (public as ``torch.while_loop`` from 2.13 on)."""
+    public = getattr(torch, "while_loop", None)
+    if public is not None:
+        return public
+    from torch._higher_order_ops.while_loop import while_loop as private
+
+    return private
+
+
+if not torch_is_tested():
+    _logger.warning("genfn is tested on torch %s; this is torch %s (pip install torch==2.13.0)",
+                    "/".join(TESTED_TORCH), torch.__version__)
