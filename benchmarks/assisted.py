@@ -30,16 +30,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import datetime
 import json
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import genfn  # noqa: E402
 
-from results_file import write_results  # noqa: E402
+from genfn.bench.results import write_results  # noqa: E402
 
 PASSAGES = [
     "The town council met on Tuesday evening to discuss the new library. After a long debate, the members "

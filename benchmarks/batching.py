@@ -47,20 +47,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import datetime
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from results_file import write_results  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from genfn.bench.results import write_results  # noqa: E402
 
 
 def percentiles(values):
@@ -214,12 +207,12 @@ def main():
     began = time.perf_counter()
 
     import genfn
-    from conftest import smollm2_path
-    from llamacpp import LlamaCpp
-    from llamacpp import available as llamacpp_available
+    from genfn.bench.llamacpp import LlamaCpp
+    from genfn.bench.llamacpp import available as llamacpp_available
+    from genfn.default_model import default_model_path
 
     warnings.filterwarnings("ignore")
-    path = smollm2_path()
+    path = default_model_path()
     print(f"# continuous batching on SmolLM2-135M: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, device cpu")

@@ -19,7 +19,7 @@ import torch
 
 import genfn
 from genfn import kernels
-from genfn.generation import _CPU_COMPILE_OPTIONS
+from genfn.driver import _CPU_COMPILE_OPTIONS
 
 PROMPT = "The history of the Roman Empire is long and complicated. It began when"
 
@@ -63,4 +63,6 @@ def main(dtype_name: str = "bfloat16", batch: str = "1") -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        raise SystemExit(print(__doc__))
     main(*sys.argv[1:3])

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_file import write_results  # noqa: E402
+from genfn.bench.results import write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The history of the Roman Empire is long and complicated. It began when"

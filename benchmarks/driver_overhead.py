@@ -16,20 +16,18 @@ import collections
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from decode import batch_inputs  # noqa: E402
+from genfn.bench.decode import batch_inputs  # noqa: E402
 from step_profile import load  # noqa: E402
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit(__doc__)
+    if not argv or {"-h", "--help"} & set(argv):
+        raise SystemExit(print(__doc__))
     dname, batch = argv[0], int(argv[1]) if len(argv) > 1 else 1
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     import genfn

@@ -22,14 +22,12 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from results_file import write_results  # noqa: E402
+from genfn.bench.results import write_results  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 # SmolLM2-135M: [out, in] of wqkv, wo, w_gate_up, w_down and the LM head.

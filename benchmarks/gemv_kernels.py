@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's genfn
 # Before torch: genfn chooses the OpenMP wait policy when it is imported first, as a user gets it.
 import genfn  # noqa: E402,F401
 
@@ -240,6 +239,8 @@ def step_main(formats: str, rows: str, against: str | None, repeats: int, gap_s:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        raise SystemExit(print(__doc__))
     if sys.argv[1:2] == ["step"]:
         import argparse
 

@@ -20,13 +20,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from decode import batch_inputs  # noqa: E402
+from genfn.bench.decode import batch_inputs  # noqa: E402
 from step_profile import load  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "12"))

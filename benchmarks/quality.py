@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-import llamacpp  # noqa: E402
+from genfn.bench import llamacpp  # noqa: E402
 
-from results_file import write_results  # noqa: E402
-from decode import GGUF_TYPE_OF, PROMPTS, batch_inputs  # noqa: E402
+from genfn.bench.results import write_results  # noqa: E402
+from genfn.bench.decode import GGUF_TYPE_OF, PROMPTS, batch_inputs  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity.txt"
 FORMATS = ("float32", "bfloat16", "q8_0", "q4_0", "q4_1", "int8", "int4")

@@ -35,7 +35,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from results_file import write_results  # noqa: E402
+from genfn.bench.results import write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("float32", "bfloat16", "q4_1")

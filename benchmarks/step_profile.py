@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
-from decode import GGUF_TYPE_OF, FLOAT_FORMATS, batch_inputs  # noqa: E402
-import llamacpp  # noqa: E402
+from genfn.bench.decode import GGUF_TYPE_OF, FLOAT_FORMATS, batch_inputs  # noqa: E402
+from genfn.bench import llamacpp  # noqa: E402
 
 _LINEAR_OPS = ("genfn_kernels::decode_linear", "genfn_kernels::quant_linear")
 

@@ -1,7 +1,9 @@
-"""``genfn bench``: run ``benchmarks/decode.py`` and plot its tokens/s per configuration.
+"""``genfn bench``: run the decode benchmark (``python -m genfn.bench``) and plot its tokens/s per configuration.
 
 The benchmark writes its JSON (``results``: one entry per engine, weight format and batch size);
-this command writes a PNG bar chart beside it (the same name, ``.png``): one group of bars per
+it runs from an installed wheel as from a checkout, under OpenMP's default wait policy
+(``GENFN_WAIT_POLICY=default`` unless set, as the published tables were measured). This command
+writes a PNG bar chart beside it (the same name, ``.png``): one group of bars per
 format and batch size, one bar per engine. ``--plot JSON`` only draws an existing result file.
 The plot needs matplotlib, part of the ``bench`` extra.
 """
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from genfn.cli.common import GENFN_DIR, UserError
+from genfn.cli.common import UserError
 from genfn.cli.status import Status
 
 __all__ = ["add_arguments", "main", "plot_results", "decode_script"]
@@ -25,20 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the quick subset: float32, batch 1, 32 tokens, one repeat (a few minutes)")
     parser.add_argument("--json", default=None, metavar="PATH",
-                        help="where the benchmark writes its JSON (default benchmarks/results/decode-<time>.json)")
+                        help="where the benchmark writes its JSON (default: benchmarks/results/ in a checkout, "
+                             "else ./genfn-bench-results/; $GENFN_BENCH_RESULTS overrides)")
     parser.add_argument("--plot", default=None, metavar="JSON", help="only plot this existing result file")
     parser.add_argument("--script", default=None, metavar="PATH",
-                        help="the benchmark to run (default: benchmarks/decode.py of this checkout)")
+                        help="a benchmark script to run instead of python -m genfn.bench")
     parser.add_argument("extra", nargs=argparse.REMAINDER,
-                        help="after `--`: options for benchmarks/decode.py (e.g. -- --dtypes q4_1 --batches 1)")
+                        help="after `--`: options for the benchmark (python -m genfn.bench --help; e.g. -- --dtypes q4_1 --batches 1)")
 
 
-def decode_script(path: str | None) -> str:
-    script = path or os.path.join(os.path.dirname(GENFN_DIR), "benchmarks", "decode.py")
-    if not os.path.isfile(script):
-        raise UserError(f"benchmark script not found: {script} (genfn bench runs from a source checkout; "
-                        f"pass --script PATH)")
-    return script
+def decode_script(path: str | None) -> list[str]:
+    """The command line that runs the benchmark: ``path`` when given, else the packaged one."""
+    if path is None:
+        return [sys.executable, "-m", "genfn.bench"]
+    if not os.path.isfile(path):
+        raise UserError(f"benchmark script not found: {path}")
+    return [sys.executable, path]
 
 
 def _pyplot():
@@ -104,13 +108,15 @@ def main(args, status: Status) -> int:
         status.line(f"plotted {plot_results(args.plot)}")
         return 0
     _pyplot()  # a missing matplotlib is said now, not after minutes of benchmarking
-    script = decode_script(args.script)
-    json_path = args.json or os.path.join(os.path.dirname(script), "results",
-                                          time.strftime("decode-%Y-%m-%d-%H%M%S.json"))
+    from genfn.bench.results import results_dir
+
+    runner = decode_script(args.script)
+    json_path = args.json or str(results_dir() / time.strftime("decode-%Y-%m-%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    command = [sys.executable, script, "--json", json_path, *(["--quick"] if args.quick else []), *extra]
+    command = [*runner, "--json", json_path, *(["--quick"] if args.quick else []), *extra]
     status.line(f"running {' '.join(command[1:])}")
-    done = subprocess.run(command)
+    done = subprocess.run(command, env={"GENFN_WAIT_POLICY": "default", **os.environ})
     if done.returncode != 0:
         status.line(f"error: the benchmark exited with status {done.returncode}", always=True)
         return done.returncode
