@@ -116,10 +116,11 @@ def _describe(path: str, args) -> str:
 
 
 def _prepare_kernels(status: Status) -> None:
-    """Build or find the native kernels as a phase of its own: a first build takes 20-80 s."""
+    """Build or find the native kernels as a phase of its own; only a real build says how long it takes."""
     from genfn import kernels
 
-    status.begin("preparing the native decode kernels (a first build takes 20-80 s)")
+    status.begin("building the native decode kernels (once; about a minute of g++, then cached)"
+                 if kernels.needs_build() else "loading the native decode kernels")
     start = time.perf_counter()
     available = kernels.quant_linear_available()
     elapsed = time.perf_counter() - start

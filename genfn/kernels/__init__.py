@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status",
-           "release_thread_pool", "MAX_DECODE_ROWS"]
+           "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
                                                                  "decode_attention.cpp", "decode_layer.cpp",
@@ -92,26 +92,39 @@ def _compile_command(output: Path) -> list[str]:
     ]
 
 
-def _build() -> Path:
-    """Path of the compiled library, compiling it if this source/torch/flags has no build yet."""
-    if shutil.which(_compiler()) is None:
-        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+def _library_path() -> Path:
+    """Where the library built from these sources, this torch and these flags is cached."""
     key = hashlib.sha256()
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_compile_command(Path("out.so"))).encode())
-    cache = _cache_dir()
+    return _cache_dir() / f"decode_linear-{key.hexdigest()[:16]}.so"
+
+
+def needs_build() -> bool:
+    """Whether using the kernels would first compile them (no cached build for these sources,
+    torch and flags; ``False`` when they are turned off or already loaded)."""
+    if _available is not None or os.environ.get("GENFN_KERNELS", "1") == "0":
+        return False
+    return not _library_path().exists()
+
+
+def _build() -> Path:
+    """Path of the compiled library, compiling it if this source/torch/flags has no build yet."""
+    if shutil.which(_compiler()) is None:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    target = _library_path()
+    cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"decode_linear-{key.hexdigest()[:16]}.so"
     if target.exists():  # built: no need to queue behind another process's build of other sources
         return target
     # One process builds; the others wait on the lock and then find the library.
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            # Say so: the first build takes 20-80 s of g++ and would otherwise look like a hang.
-            _logger.info("building the native kernels into %s (first use, ~20-80 s)", cache)
+            # Say so: the one-time build is about a minute of g++ and would otherwise look like a hang.
+            _logger.info("building the native kernels into %s (once; about a minute of g++, then cached)", cache)
             start = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
