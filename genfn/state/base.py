@@ -48,7 +48,22 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     """Make ``cls`` a frozen dataclass and a pytree node (optree + torch pytree).
 
     Leaves flatten in field-declaration order; ``None`` leaves are kept as ``None`` children
-    (optree treats them as empty subtrees), so optional buffers cost nothing.
+    (optree treats them as empty subtrees), so optional buffers cost nothing. A
+    :func:`static_field` is part of the structure, not a leaf; ``replace`` returns a new value.
+
+    >>> import torch
+    >>> @pytree_dataclass
+    ... class Counter:
+    ...     count: torch.Tensor
+    ...     step: int = static_field(default=1)
+    >>> c = Counter(torch.tensor([0, 5]))
+    >>> leaves, treedef = tree_flatten(c)
+    >>> leaves
+    [tensor([0, 5])]
+    >>> tree_unflatten(treedef, [torch.tensor([1, 6])]).count
+    tensor([1, 6])
+    >>> c.replace(count=c.count + c.step).count, c.count
+    (tensor([1, 6]), tensor([0, 5]))
     """
     cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
     fields = dataclasses.fields(cls)
