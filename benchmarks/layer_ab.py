@@ -145,6 +145,8 @@ def layers_ab(dname: str) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        raise SystemExit(print(__doc__))
     if len(argv) < 2 or argv[0] not in ("step", "layers"):
         raise SystemExit(__doc__)
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))

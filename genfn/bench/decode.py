@@ -168,6 +168,17 @@ def batch_inputs(tokenizer, batch: int, pad_id: int, min_len: int | None = None)
     return input_ids, mask
 
 
+def _pad_id(model) -> int:
+    """The padding id of a model given with --model: its own, else its (first) EOS, else 0."""
+    config = model.generation_config
+    for value in (config.pad_token_id, config.eos_token_id):
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def first_mismatch(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> str:
     if a.shape != b.shape:
         return f"shapes differ {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -181,6 +192,9 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m genfn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file or a transformers directory (default: the embedded SmolLM2); quantized "
+                         "formats and llama.cpp need a GGUF file")
     ap.add_argument("--quick", action="store_true", help="float32, batch 1, 32 tokens, 1 repeat, no hf-compiled")
     ap.add_argument("--dtypes", default="float32,bfloat16,q8_0,q4_1",
                     help="weight formats: float32, bfloat16, q8_0, q4_0, q4_1 (the shipped file's), int8, int4")
@@ -209,6 +223,10 @@ def main(argv=None):
         if args.engines == ap.get_default("engines"):
             args.engines = "hf,genfn,genfn-compiled"
 
+    gguf_only = [d for d in args.dtypes.split(",") if d.strip() in GGUF_TYPE_OF and d.strip() not in FLOAT_FORMATS]
+    if args.model and not args.model.endswith(".gguf") and gguf_only:
+        ap.error(f"--dtypes {','.join(gguf_only)} read a GGUF file's blocks; --model {args.model} is not one "
+                 f"(int8/int4 quantize any model on load)")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     import genfn
@@ -248,7 +266,8 @@ def main(argv=None):
     log(f"# read bandwidth over 512 MiB, best of 7: tensor.sum() {sum_rate:.1f} GB/s, torch.mv {mv_rate:.1f} GB/s; "
         f"the roofline uses the larger")
 
-    path = default_model_path()
+    path = args.model or default_model_path()
+    is_gguf = path.endswith(".gguf")
     results: list[Result] = []
     latency_rows = []
     roofline: dict[str, float] = {}  # format -> batch-1 bandwidth roofline, tok/s
@@ -259,17 +278,17 @@ def main(argv=None):
         is_float = dname in FLOAT_FORMATS
         dtype = getattr(torch, dname) if is_float else torch.float32
         gguf_type = GGUF_TYPE_OF.get(dname)
-        gguf_file = llamacpp.variant_path(path, gguf_type) if gguf_type is not None else None
+        gguf_file = llamacpp.variant_path(path, gguf_type) if gguf_type is not None and is_gguf else None
         t_load = time.perf_counter()
         if is_float:
-            model = genfn.load(dtype=dtype)
+            model = genfn.load(path, dtype=dtype)
         elif gguf_type is not None:
             model = genfn.load(gguf_file, quantize="gguf")
         else:
-            model = genfn.load(quantize=dname)
+            model = genfn.load(path, quantize=dname)
         log(f"\n# loaded genfn {dname} in {time.perf_counter() - t_load:.1f} s; {_huge_page_share(model)}")
         tok = model.tokenizer
-        pad_id = 2
+        pad_id = 2 if args.model is None else _pad_id(model)
         hf = None
         runner = None
         format_engines = [e for e in engines if is_float or not e.startswith("hf")]
@@ -281,6 +300,8 @@ def main(argv=None):
         if any(e.startswith("hf") for e in format_engines):
             with contextlib.redirect_stderr(open(os.devnull, "w")):
                 hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=dtype) if is_gguf else \
+                    AutoModelForCausalLM.from_pretrained(path,
                                                           dtype=dtype)
             hf.eval()
         wbytes = weight_bytes_per_token(model)

@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] != ["make-variants"]:
         print(__doc__)
-        return 2
+        return 0 if {"-h", "--help"} & set(args) else 2
     from genfn.default_model import default_model_path
 
     for ggml_type in ("F32", "F16", "Q8_0", "Q4_0"):

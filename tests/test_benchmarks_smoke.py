@@ -1,0 +1,105 @@
+"""Every benchmark runs: each script in benchmarks/ answers --help from the package it imports
+(no sys.path edits), and the packaged decode benchmark (python -m genfn.bench, the one genfn bench
+runs) measures a tiny random model end to end, eager engines only (a compiled run takes minutes).
+The full runs are the scripts' own business: they take minutes to hours on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cli_support import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p for p in (REPO / "benchmarks").glob("*.py"))
+RUN_TIMEOUT_S = 300
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_do_not_edit_sys_path(script):
+    assert "sys.path" not in script.read_text(encoding="utf-8"), f"{script.name} edits sys.path"
+
+
+def test_every_script_answers_help():
+    # One interpreter runs each script as `python benchmarks/NAME.py --help` would (its folder first
+    # on sys.path, __name__ == "__main__"), so torch is imported once for all of them.
+    runner = textwrap.dedent("""\
+        import contextlib, io, runpy, sys
+        failures = []
+        sys.path.insert(0, sys.argv[1])
+        for script in sys.argv[2:]:
+            sys.argv = [script, "--help"]
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    runpy.run_path(script, run_name="__main__")
+                code = 0
+            except SystemExit as exit:
+                code = exit.code or 0
+            except Exception as err:
+                code = f"{type(err).__name__}: {err}"
+            if code != 0 or not out.getvalue().strip():
+                failures.append(f"{script}: exit {code!r}, printed {len(out.getvalue())} characters")
+        print("\\n".join(failures))
+        """)
+    done = subprocess.run([sys.executable, "-c", runner, str(REPO / "benchmarks"), *map(str, SCRIPTS)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("bench_model"))
+
+
+@pytest.mark.slow
+def test_genfn_bench_measures_a_tiny_model_and_plots_it(tiny_model_dir, tmp_path):
+    out = tmp_path / "decode.json"
+    done = subprocess.run([sys.executable, "-m", "genfn", "bench", "--quick", "--json", str(out), "--",
+                           "--model", str(tiny_model_dir), "--engines", "genfn,hf", "--new-tokens", "4",
+                           "--no-second-process", "--no-latency"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "tokens genfn vs hf: equal" in done.stdout  # float32 greedy: transformers' tokens
+    results = json.loads(out.read_text())["results"]
+    assert {(r["engine"], r["format"], r["batch"]) for r in results} == {("genfn", "float32", 1), ("hf", "float32", 1)}
+    assert all(r["error"] is None and r["tok_s"] > 0 for r in results)
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quantized_formats_need_a_gguf_file(tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "genfn.bench", "--model", str(tiny_model_dir), "--dtypes", "q4_1"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=REPO)
+    assert done.returncode == 2
+    assert "--dtypes q4_1 read a GGUF file's blocks" in done.stderr
+
+
+def test_results_go_to_the_checkout_or_the_working_directory(tmp_path, monkeypatch):
+    from genfn.bench import results
+
+    monkeypatch.delenv("GENFN_BENCH_RESULTS", raising=False)
+    assert results.results_dir() == REPO / "benchmarks" / "results"  # this checkout
+    monkeypatch.setenv("GENFN_BENCH_RESULTS", str(tmp_path / "mine"))
+    written = results.write_results("decode", {"results": []}, tag="t")
+    assert written.parent == tmp_path / "mine" and written.name.endswith("-t.json")
+    assert json.loads(written.read_text()) == {"results": []}
+
+
+def test_importing_genfn_does_not_import_the_peers():
+    code = "import sys, genfn, genfn.bench; print(sorted(m for m in ('transformers', 'llama_cpp', 'matplotlib') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env=_env(), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
