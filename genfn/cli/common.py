@@ -119,7 +119,7 @@ def _prepare_kernels(status: Status) -> None:
     """Build or find the native kernels as a phase of its own; only a real build says how long it takes."""
     from genfn import kernels
 
-    status.begin("building the native decode kernels (once; about a minute of g++, then cached)"
+    status.begin("building the native decode kernels (once; about a minute of g++ on an idle machine, then cached)"
                  if kernels.needs_build() else "loading the native decode kernels")
     start = time.perf_counter()
     available = kernels.quant_linear_available()

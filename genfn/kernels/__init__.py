@@ -124,7 +124,8 @@ def _build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
             # Say so: the one-time build is about a minute of g++ and would otherwise look like a hang.
-            _logger.info("building the native kernels into %s (once; about a minute of g++, then cached)", cache)
+            _logger.info("building the native kernels into %s (once; about a minute of g++ on an idle machine, "
+                         "then cached)", cache)
             start = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
