@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import logging
 import sys
 import time
 import warnings
@@ -168,6 +169,15 @@ def batch_inputs(tokenizer, batch: int, pad_id: int, min_len: int | None = None)
     return input_ids, mask
 
 
+def _show_kernel_builds() -> None:
+    """Print genfn.kernels' status (a first build of the native kernels takes minutes) in the log."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("# %(name)s: %(message)s"))
+    kernels_logger = logging.getLogger("genfn.kernels")
+    kernels_logger.addHandler(handler)
+    kernels_logger.setLevel(logging.INFO)
+
+
 def _pad_id(model) -> int:
     """The padding id of a model given with --model: its own, else its (first) EOS, else 0."""
     config = model.generation_config
@@ -228,6 +238,7 @@ def main(argv=None):
         ap.error(f"--dtypes {','.join(gguf_only)} read a GGUF file's blocks; --model {args.model} is not one "
                  f"(int8/int4 quantize any model on load)")
     warnings.filterwarnings("ignore")
+    _show_kernel_builds()
     torch.set_num_threads(args.threads)
     import genfn
     import genfn.quant
