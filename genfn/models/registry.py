@@ -19,6 +19,10 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "genfn.models.llama",
     "MistralForCausalLM": "genfn.models.llama",
     "Qwen2ForCausalLM": "genfn.models.llama",
+    "Qwen3ForCausalLM": "genfn.models.llama",
+    "SmolLM3ForCausalLM": "genfn.models.llama",
+    "Olmo2ForCausalLM": "genfn.models.llama",
+    "Phi3ForCausalLM": "genfn.models.llama",
 }
 
 # config.json ``model_type`` -> architecture, for configs that name no architecture.
@@ -26,6 +30,10 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
