@@ -8,7 +8,8 @@ dequantization kernels (`gguf.quants.dequantize`), so every quantization it know
 
 llama.cpp's converter permutes the rows of the Q and K projections of llama-family models (to
 turn Hugging Face's "rotate half" RoPE layout into GPT-J's interleaved layout); we undo it.
-Qwen2 files are converted without that permutation (llama.cpp runs them with NeoX RoPE).
+Qwen2, Qwen3, OLMo 2 and Phi-3 files are converted without that permutation (llama.cpp runs them
+with NeoX RoPE); SmolLM3's are permuted as Llama's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "S
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
+# llama.cpp runs SmolLM3 with every fourth layer unrotated and writes no key for it.
+_SMOLLM3_NO_ROPE_INTERVAL = 4
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -221,9 +228,10 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
     if vocab_size is None and "token_embd.weight" in gguf.tensors:
         vocab_size = gguf.tensors["token_embd.weight"].shape[0]
     rope_theta = float(get("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(md, arch)
+    rope_scaling = _rope_scaling(md, arch) if arch != "phi3" else _longrope_scaling(gguf, arch)
+    head_dim = head_dim or hidden // heads
 
-    return {
+    config = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": vocab_size,
@@ -232,7 +240,7 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": get("block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": head_dim or hidden // heads,
+        "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": rope_theta,
@@ -247,6 +255,33 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
         "_name_or_path": md.get("general.name"),
     }
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = int(get("no_rope_layer_interval", _SMOLLM3_NO_ROPE_INTERVAL))
+    if arch == "phi3":
+        rotary = get("rope.dimension_count")
+        if rotary is not None and int(rotary) != head_dim:
+            config["partial_rotary_factor"] = int(rotary) / head_dim
+        config["sliding_window"] = get("attention.sliding_window")
+        if rope_scaling is not None:
+            config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    return config
+
+
+def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE: llama.cpp keeps the per-frequency factors as two tensors."""
+    if "rope_factors_long.weight" not in gguf.tensors:
+        return None
+    md = gguf.metadata
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": gguf.tensor("rope_factors_long.weight").tolist(),
+        "short_factor": gguf.tensor("rope_factors_short.weight").tolist(),
+        "original_max_position_embeddings": int(md.get(f"{arch}.rope.scaling.original_context_length")
+                                                or md.get(f"{arch}.context_length")),
+    }
+    if f"{arch}.rope.scaling.attn_factor" in md:
+        scaling["attention_factor"] = float(md[f"{arch}.rope.scaling.attn_factor"])
+    return scaling
 
 
 def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -286,17 +321,26 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Present in some files but not model parameters: llama.cpp's precomputed RoPE tables.
-_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+# Where an architecture names a block tensor otherwise (Phi-3's ffn_up holds gate and up, fused).
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Present in some files but not model parameters: llama.cpp's precomputed RoPE tables (Phi-3's
+# LongRoPE factors are read into the config).
+_IGNORED = re.compile(r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name of architecture ``arch``, or None if it has none."""
     if m := _BLOCK.match(gguf_name):
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}" if part in _BLOCK_NAMES else None
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     stem, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
 
@@ -323,8 +367,9 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
                 keep_blocks: bool = False) -> dict[str, torch.Tensor | RowBlocks]:
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
+    arch = gguf.metadata["general.architecture"]
     for name in gguf.tensors:
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
             if name == "rope_freqs.weight":
                 warnings.warn(

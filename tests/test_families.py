@@ -1,0 +1,231 @@
+"""The Llama-shaped families (Qwen3, SmolLM3, OLMo 2, Phi-3/Phi-4-mini, YaRN and LongRoPE scaling)
+against transformers on tiny random configs: logits at every position of a padded prefill and of
+each cached step, greedy and beam tokens over 32 steps, GGUF files written with llama.cpp's names,
+and ``genfn.save`` directories transformers loads."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import genfn
+from conftest import tiny_pair
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# head_dim 16 (64 / 4): LongRoPE takes 8 factors per list.
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+             "long_factor": [2.0 + 0.3 * i for i in range(8)]}
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "qwen3_tied_mqa": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "smollm3": ("SmolLM3ForCausalLM", dict(num_hidden_layers=4)),  # layer 3 attends without RoPE
+    "olmo2": ("Olmo2ForCausalLM", {}),
+    "phi3_window": ("Phi3ForCausalLM", dict(sliding_window=5)),  # prompts and runs longer than the window
+    "phi4_mini": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),
+    # original context 8: the prefill runs on the short factors, the cached steps past it on the long.
+    "phi3_longrope": ("Phi3ForCausalLM", dict(max_position_embeddings=64, original_max_position_embeddings=8,
+                                              rope_parameters=_LONGROPE)),
+    "llama_yarn": ("LlamaForCausalLM", dict(max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
+}
+_PAIRS: dict = {}
+
+
+def pair(name):
+    if name not in _PAIRS:
+        arch, overrides = FAMILIES[name]
+        _PAIRS[name] = tiny_pair(arch, **overrides)
+    return _PAIRS[name]
+
+
+def padded_prompts(batch=3, length=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    return ids * mask, mask
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prefill_and_every_cached_step_match_transformers(name):
+    hf, gm = pair(name)
+    ids, mask = padded_prompts()
+    batch = ids.shape[0]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        logits, cache = gm.apply(ids, positions, gm.init_cache(batch, 32), mask)
+        real = mask.bool()
+        assert (ref.logits[real] - logits[real]).abs().max() < 1e-4
+        hf_cache, hf_mask, pos = ref.past_key_values, mask, positions[:, -1]
+        for _ in range(8):
+            nxt = torch.randint(3, 97, (batch, 1))
+            hf_mask = torch.cat([hf_mask, torch.ones(batch, 1, dtype=torch.long)], 1)
+            pos = pos + 1
+            out = hf(input_ids=nxt, attention_mask=hf_mask, past_key_values=hf_cache, use_cache=True,
+                     position_ids=pos[:, None])
+            hf_cache = out.past_key_values
+            logits, cache = gm.apply(nxt, pos[:, None], cache)
+            assert (out.logits - logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_and_beam_tokens_equal_transformers_over_32_steps(name):
+    hf, gm = pair(name)
+    ids, mask = padded_prompts(seed=1)
+    settings = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        greedy = hf.generate(ids, attention_mask=mask, **settings)
+        beams = hf.generate(ids, attention_mask=mask, num_beams=3, **settings)
+    assert greedy.shape[1] == ids.shape[1] + 32
+    assert torch.equal(genfn.generate(gm, ids, attention_mask=mask, disable_compile=True, **settings), greedy)
+    assert torch.equal(genfn.generate(gm, ids, attention_mask=mask, num_beams=3, disable_compile=True, **settings),
+                       beams)
+
+
+# ---- GGUF, as llama.cpp's converter writes each family ---------------------------------------
+
+_GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
+              "Phi3ForCausalLM": "phi3"}
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _gguf_name(arch: str, hf_name: str) -> str:
+    stem, kind = hf_name.rsplit(".", 1)
+    if not stem.startswith("model.layers."):
+        return f"{_GGUF_NAMES[stem]}.{kind}"
+    _, _, layer, part = stem.split(".", 3)
+    if part == "post_attention_layernorm":  # OLMo 2's norm after attention; the others' before the MLP
+        part_name = "post_attention_norm" if arch == "olmo2" else "ffn_norm"
+    else:
+        part_name = _GGUF_NAMES[part]
+    return f"blk.{layer}.{part_name}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
+    """``hf``'s weights and settings as llama.cpp's converter writes them (F32; ``quantize`` names
+    as Q8_0)."""
+    cfg = hf.config
+    arch = _GGUF_ARCH[type(hf).__name__]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if arch == "phi3":
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
+        if cfg.rope_parameters.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+            w.add_tensor("rope_factors_long.weight", np.asarray(cfg.rope_parameters["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(cfg.rope_parameters["short_factor"], np.float32))
+    for name, tensor in hf.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        g = _gguf_name(arch, name)
+        a = tensor.numpy().astype(np.float32)
+        if arch == "smollm3" and ".attn_q." in g:
+            a = _llama_cpp_permute(a, cfg.num_attention_heads)
+        elif arch == "smollm3" and ".attn_k." in g:
+            a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+        if g in quantize:
+            w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_GGUF_FAMILIES = ["qwen3", "qwen3_tied_mqa", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope"]
+
+
+def _logits(model, ids, mask):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model.apply(ids, positions, model.init_cache(ids.shape[0], 32), mask)[0][mask.bool()]
+
+
+@pytest.mark.parametrize("name", _GGUF_FAMILIES)
+def test_gguf_with_llama_cpp_names_gives_the_safetensors_logits(name, tmp_path):
+    hf, gm = pair(name)
+    from_gguf = genfn.load(write_family_gguf(tmp_path / f"{name}.gguf", hf))
+    assert from_gguf.spec == gm.spec
+    ids, mask = padded_prompts(seed=2)
+    assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi4_mini"])
+def test_gguf_q8_0_blocks_run_through_the_quantized_kernel(name, tmp_path):
+    hf, gm = pair(name)
+    names = [g for g in (_gguf_name(_GGUF_ARCH[type(hf).__name__], n) for n in hf.state_dict())
+             if g.endswith(".weight") and g.split(".")[-2] in ("attn_q", "attn_k", "attn_v", "attn_qkv",
+                                                                "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    path = write_family_gguf(tmp_path / f"{name}.gguf", hf, quantize=frozenset(names))
+    blocks = genfn.load(path, quantize="gguf")
+    assert type(blocks.params["layers"][0]["wo"]).__name__ == "QuantizedWeight"
+    ids, mask = padded_prompts(seed=3)
+    expanded = genfn.load(path)  # the same blocks dequantized: the kernel must agree with them
+    assert (_logits(blocks, ids, mask) - _logits(expanded, ids, mask)).abs().max() < 1e-3
+    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
+    assert genfn.generate(blocks, ids, attention_mask=mask, **settings).shape == (3, ids.shape[1] + 8)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
+                                  "llama_yarn"])
+def test_saved_directory_loads_in_transformers_with_the_same_logits(name, tmp_path):
+    hf, gm = pair(name)
+    directory = genfn.save(gm, tmp_path / name)
+    back = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    ids, mask = padded_prompts(seed=4)
+    with torch.no_grad():
+        theirs = back(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    assert (theirs - _logits(gm, ids, mask)).abs().max() < 1e-4
+    reloaded = genfn.load(directory)
+    assert reloaded.spec == gm.spec
+
+
+def test_a_family_genfn_lacks_names_the_native_ones_and_from_module():
+    from genfn.models.model import from_hf_state_dict
+
+    with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM.*Qwen3ForCausalLM.*Olmo2ForCausalLM.*"
+                                         r"Phi3ForCausalLM.*from_module"):
+        from_hf_state_dict({"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 10}, {})
+
+
+def test_sliding_windows_on_some_layers_only_are_refused_clearly():
+    from genfn.models import llama
+
+    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "use_sliding_window": True, "sliding_window": 4}
+    with pytest.raises(ValueError, match="use_sliding_window.*from_module"):
+        llama.spec_from_config(config)
