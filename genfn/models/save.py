@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genfn.models import registry
+from genfn.models import llama_variants, registry
 from genfn.models.adapter import ModuleSpec
 from genfn.models.llama import LlamaSpec
 
@@ -40,18 +40,21 @@ def llama_state_dict(spec: LlamaSpec, params) -> dict[str, torch.Tensor]:
     q_rows = spec.num_heads * spec.head_dim
     kv_rows = spec.num_kv_heads * spec.head_dim
     state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _plain(params["embed"])}
+    fused = spec.architecture in llama_variants.FUSED_ARCHITECTURES  # Phi-3 keeps genfn's fused layout
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
-        gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
-        state.update({
-            p + "input_layernorm.weight": _plain(layer["attn_norm"]),
-            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": _plain(layer["wo"]),
-            p + "post_attention_layernorm.weight": _plain(layer["mlp_norm"]),
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": _plain(layer["w_down"]),
-        })
+        if fused:
+            state.update({p + "self_attn.qkv_proj.weight": _plain(layer["wqkv"]),
+                          p + "mlp.gate_up_proj.weight": _plain(layer["w_gate_up"])})
+        else:
+            q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
+            gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
+            state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                          p + "self_attn.v_proj.weight": v, p + "mlp.gate_proj.weight": gate,
+                          p + "mlp.up_proj.weight": up})
+        state.update({p + "self_attn.o_proj.weight": _plain(layer["wo"]),
+                      p + "mlp.down_proj.weight": _plain(layer["w_down"])})
+        state.update({name: _plain(t) for name, t in llama_variants.norm_state(spec, layer, p).items()})
         if spec.attention_bias:
             qb, kb, vb = _plain(layer["bqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
             state.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
@@ -79,6 +82,12 @@ def _llama_config(spec: LlamaSpec, config: dict[str, Any], dtype: torch.dtype) -
     })
     out["rope_parameters"] = {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {"rope_type": "default"})}
     out["rope_scaling"] = spec.rope_scaling
+    if spec.rotary_dim is not None:  # Phi-4-mini: transformers 5 reads it from rope_parameters
+        out["partial_rotary_factor"] = out["rope_parameters"]["partial_rotary_factor"] = spec.rotary_dim / spec.head_dim
+    if spec.rope_layers is not None:
+        out["no_rope_layers"] = [int(flag) for flag in spec.rope_layers]
+    if spec.original_context:
+        out["original_max_position_embeddings"] = spec.original_context
     if spec.sliding_window is not None:
         out["sliding_window"] = spec.sliding_window
         if spec.architecture == "Qwen2ForCausalLM":
