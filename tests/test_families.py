@@ -232,3 +232,30 @@ def test_sliding_windows_on_some_layers_only_are_refused_clearly():
               "num_hidden_layers": 2, "num_attention_heads": 2, "use_sliding_window": True, "sliding_window": 4}
     with pytest.raises(ValueError, match="use_sliding_window.*from_module"):
         llama.spec_from_config(config)
+
+
+# ---- continuous batching: the packed forward serves the variants -----------------------------
+
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "llama_yarn"])
+def test_generate_batch_equals_generate(name):
+    import random
+
+    from genfn.config import ContinuousBatchingConfig
+
+    _, gm = pair(name)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(1, 14))] for _ in range(6)]
+    # Small blocks and a small token budget: prompts are chunked and requests decode side by side.
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=48, max_batch_tokens=16, max_requests_per_batch=4)
+    results = gm.generate_batch(prompts, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                continuous_batching_config=cb)
+    for out, prompt in zip(results.values(), prompts):
+        alone = genfn.generate(gm, torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               disable_compile=True)
+        assert out.generated_tokens == alone[0, len(prompt):].tolist()
+
+
+def test_continuous_batching_refuses_longrope_clearly():
+    _, gm = pair("phi3_longrope")
+    with pytest.raises(ValueError, match="LongRoPE.*genfn.generate"):
+        gm.generate_batch([[5, 6, 7]], max_new_tokens=2, do_sample=False)
