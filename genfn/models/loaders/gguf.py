@@ -205,7 +205,8 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (a model transformers can load runs through "
+            "genfn.from_module(module))"
         )
     hf_arch, model_type, _ = SUPPORTED_ARCHITECTURES[arch]
 
