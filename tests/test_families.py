@@ -259,3 +259,20 @@ def test_continuous_batching_refuses_longrope_clearly():
     _, gm = pair("phi3_longrope")
     with pytest.raises(ValueError, match="LongRoPE.*genfn.generate"):
         gm.generate_batch([[5, 6, 7]], max_new_tokens=2, do_sample=False)
+
+
+# ---- compiled equals eager, across the families ----------------------------------------------
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_across_families():
+    """One compiled static-cache run per family (a few minutes in all on a shared 2-core machine):
+    greedy tokens of the compiled step equal the eager ones over a window-crossing run."""
+    ids, mask = padded_prompts(seed=5)
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                    cache_implementation="static", max_cache_len=32)
+    for name in ("qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini"):
+        _, gm = pair(name)
+        eager = genfn.generate(gm, ids, attention_mask=mask, disable_compile=True, **settings)
+        compiled = genfn.generate(gm, ids, attention_mask=mask, **settings)
+        assert torch.equal(compiled, eager), name
+        assert len(gm.compiled_steps) == 1, name
