@@ -32,13 +32,42 @@ FAMILIES = {
     "llama_yarn": ("LlamaForCausalLM", dict(max_position_embeddings=128, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
 }
+# Gemma: 4 layers, sliding and global alternating, a window of 4 (prompts of 9), an attention
+# scale of its own; Gemma 2 soft-caps scores and logits (small caps, so they bite), Gemma 3 has
+# per-head q/k norms and its global layers' RoPE scaled linearly over their own base.
+_GEMMA = dict(num_hidden_layers=4, head_dim=16, sliding_window=4, query_pre_attn_scalar=24)
+FAMILIES.update({
+    "gemma2": ("Gemma2ForCausalLM", dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(_GEMMA, sliding_window_pattern=2, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma3_untied": ("Gemma3ForCausalLM", dict(_GEMMA, tie_word_embeddings=False, num_key_value_heads=1,
+                                                final_logit_softcapping=3.0)),
+})
 _PAIRS: dict = {}
+
+
+def _gemma_pair(arch, overrides):
+    """Gemma's tiny pair: Gemma 3's text config class, and transformers' eager attention (its SDPA
+    path drops the soft-capping Gemma 2 applies)."""
+    from genfn.models.model import from_hf_state_dict
+
+    config_class = transformers.Gemma2Config if arch == "Gemma2ForCausalLM" else transformers.Gemma3TextConfig
+    torch.manual_seed(0)
+    settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = config_class(**{**settings, **overrides})
+    config._attn_implementation = "eager"
+    hf = getattr(transformers, arch)(config).eval()
+    config_dict = config.to_dict()
+    config_dict["architectures"] = [arch]
+    return hf, from_hf_state_dict(config_dict, hf.state_dict())
 
 
 def pair(name):
     if name not in _PAIRS:
         arch, overrides = FAMILIES[name]
-        _PAIRS[name] = tiny_pair(arch, **overrides)
+        _PAIRS[name] = _gemma_pair(arch, overrides) if arch.startswith("Gemma") else tiny_pair(arch, **overrides)
     return _PAIRS[name]
 
 

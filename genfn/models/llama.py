@@ -30,7 +30,7 @@ from genfn.models.rope import rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput", "mtp_head"]
+           "init_cache", "ModelOutput", "mtp_head", "attention_mask"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -221,6 +221,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
+    return attention_mask(cache, slots, attend_len, spec.sliding_window)
+
+
+def attention_mask(cache: StaticCache, slots: torch.Tensor, attend_len: int, sliding_window: int | None) -> torch.Tensor:
     """Boolean ``[B, 1, S, attend_len]``: row ``b``'s query ``i`` (at slot ``slots[b, i]``) may see slot ``j``.
 
     The sliding window spans the row's last ``sliding_window`` real tokens, as in transformers
@@ -231,11 +235,11 @@ def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, at
     j = torch.arange(attend_len, device=slots.device).view(1, 1, attend_len)
     query_slots = slots.unsqueeze(2)  # [B, S, 1]
     causal = j <= query_slots  # [B, S, A]
-    if spec.sliding_window is not None:
+    if sliding_window is not None:
         if cache.rows_have_holes:
-            causal = causal & (real_tokens_back(cache.valid, slots, attend_len) < spec.sliding_window)
+            causal = causal & (real_tokens_back(cache.valid, slots, attend_len) < sliding_window)
         else:
-            causal = causal & (j > query_slots - spec.sliding_window)
+            causal = causal & (j > query_slots - sliding_window)
     valid = cache.valid[:, :attend_len]  # [B, A]
     mask = causal & valid.unsqueeze(1)
     # A padding query would see nothing and its softmax would be NaN; letting every query see

@@ -120,7 +120,9 @@ def _variant_qkv(spec: LlamaSpec, layer: Mapping[str, Any], i: int, qkv: torch.T
 def check_packed_spec(spec: LlamaSpec) -> None:
     """Refuse what the packed forward cannot give a request's own tokens for: LongRoPE switches its
     frequencies on the furthest position of the whole forward, so a request's rotation would depend
-    on the other requests in the batch."""
+    on the other requests in the batch. Gemma's layers (genfn.models.gemma) have no packed forward yet."""
+    if not isinstance(spec, LlamaSpec):
+        raise ValueError(f"continuous batching has no packed forward for {spec.architecture} yet: use genfn.generate")
     if spec.original_context:
         raise ValueError(f"continuous batching does not run LongRoPE models ({spec.architecture} with "
                          "rope_type 'longrope'): use genfn.generate")

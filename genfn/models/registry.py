@@ -23,6 +23,8 @@ ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "genfn.models.llama",
     "Olmo2ForCausalLM": "genfn.models.llama",
     "Phi3ForCausalLM": "genfn.models.llama",
+    "Gemma2ForCausalLM": "genfn.models.gemma",
+    "Gemma3ForCausalLM": "genfn.models.gemma",
 }
 
 # config.json ``model_type`` -> architecture, for configs that name no architecture.
@@ -34,6 +36,8 @@ MODEL_TYPES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

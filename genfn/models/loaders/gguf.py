@@ -42,7 +42,11 @@ SUPPORTED_ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# llama.cpp's converter stores Gemma's norm weights plus one (Gemma multiplies by 1 + w).
+_NORM_SHIFTED = frozenset({"gemma2", "gemma3"})
 # llama.cpp runs SmolLM3 with every fourth layer unrotated and writes no key for it.
 _SMOLLM3_NO_ROPE_INTERVAL = 4
 
@@ -256,6 +260,8 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
         "_name_or_path": md.get("general.name"),
     }
+    if arch in _NORM_SHIFTED:
+        config.update(_gemma_fields(gguf, arch, head_dim, hidden // heads))
     if arch == "smollm3":
         config["no_rope_layer_interval"] = int(get("no_rope_layer_interval", _SMOLLM3_NO_ROPE_INTERVAL))
     if arch == "phi3":
@@ -266,6 +272,27 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         if rope_scaling is not None:
             config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
     return config
+
+
+def _gemma_fields(gguf: GGUFFile, arch: str, head_dim: int, hidden_per_head: int) -> dict[str, Any]:
+    """Gemma's settings; llama.cpp fixes the layer pattern (every 2nd / 6th layer global), Gemma 3's
+    local RoPE base (10000) and the attention scale (head_dim, hidden_size / heads for the 27B
+    models) rather than storing them."""
+    md = gguf.metadata
+    layers = int(md[f"{arch}.block_count"])
+    pattern = 2 if arch == "gemma2" else 6
+    big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
+    fields = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": md.get(f"{arch}.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": hidden_per_head if big else head_dim,
+        "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        fields["rope_local_base_freq"] = 10000.0
+    return fields
 
 
 def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -329,7 +356,9 @@ _BLOCK_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Where an architecture names a block tensor otherwise (Phi-3's ffn_up holds gate and up, fused).
-_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
 # Present in some files but not model parameters: llama.cpp's precomputed RoPE tables (Phi-3's
 # LongRoPE factors are read into the config).
 _IGNORED = re.compile(r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
@@ -382,6 +411,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
                 unknown.append(name)
             continue
         t = _tensor(gguf, name, keep_blocks, dtype)
+        if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
+            t = (t.float() - 1.0).to(dtype)
         heads = None
         if permuted and ".self_attn.q_proj." in hf_name:
             heads = config["num_attention_heads"]
