@@ -41,6 +41,13 @@ FAMILIES.update({
     "gemma3": ("Gemma3ForCausalLM", dict(_GEMMA, sliding_window_pattern=2, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # As llama.cpp fixes them: attention scaled by head_dim, Gemma 3's global layer every 6th.
+    "gemma2_llama_cpp": ("Gemma2ForCausalLM", dict(_GEMMA, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                                                   final_logit_softcapping=3.0)),
+    "gemma3_llama_cpp": ("Gemma3ForCausalLM", dict(_GEMMA, query_pre_attn_scalar=16, num_hidden_layers=6,
+                                                   rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "gemma3_untied": ("Gemma3ForCausalLM", dict(_GEMMA, tie_word_embeddings=False, num_key_value_heads=1,
                                                 final_logit_softcapping=3.0)),
 })
@@ -120,14 +127,14 @@ def test_greedy_and_beam_tokens_equal_transformers_over_32_steps(name):
 # ---- GGUF, as llama.cpp's converter writes each family ---------------------------------------
 
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
-              "Phi3ForCausalLM": "phi3"}
+              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _GGUF_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "pre_feedforward_layernorm": "ffn_norm",
 }
 
 
@@ -136,8 +143,8 @@ def _gguf_name(arch: str, hf_name: str) -> str:
     if not stem.startswith("model.layers."):
         return f"{_GGUF_NAMES[stem]}.{kind}"
     _, _, layer, part = stem.split(".", 3)
-    if part == "post_attention_layernorm":  # OLMo 2's norm after attention; the others' before the MLP
-        part_name = "post_attention_norm" if arch == "olmo2" else "ffn_norm"
+    if part == "post_attention_layernorm":  # OLMo 2's and Gemma's norm after attention; the others' before the MLP
+        part_name = "post_attention_norm" if arch in ("olmo2", "gemma2", "gemma3") else "ffn_norm"
     else:
         part_name = _GGUF_NAMES[part]
     return f"blk.{layer}.{part_name}.{kind}"
@@ -161,23 +168,34 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     if arch == "phi3":
-        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         if cfg.sliding_window is not None:
             w.add_sliding_window(cfg.sliding_window)
         if cfg.rope_parameters.get("rope_type") == "longrope":
             w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
             w.add_tensor("rope_factors_long.weight", np.asarray(cfg.rope_parameters["long_factor"], np.float32))
             w.add_tensor("rope_factors_short.weight", np.asarray(cfg.rope_parameters["short_factor"], np.float32))
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        else:
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
     for name, tensor in hf.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         g = _gguf_name(arch, name)
         a = tensor.numpy().astype(np.float32)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp stores Gemma's (1 + w) norms shifted
         if arch == "smollm3" and ".attn_q." in g:
             a = _llama_cpp_permute(a, cfg.num_attention_heads)
         elif arch == "smollm3" and ".attn_k." in g:
@@ -194,7 +212,8 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
     return path
 
 
-_GGUF_FAMILIES = ["qwen3", "qwen3_tied_mqa", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope"]
+_GGUF_FAMILIES = ["qwen3", "qwen3_tied_mqa", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
+                  "gemma2_llama_cpp", "gemma3_llama_cpp"]
 
 
 def _logits(model, ids, mask):
@@ -208,13 +227,14 @@ def test_gguf_with_llama_cpp_names_gives_the_safetensors_logits(name, tmp_path):
     hf, gm = pair(name)
     from_gguf = genfn.load(write_family_gguf(tmp_path / f"{name}.gguf", hf))
     switches = ("architecture", "qk_norm", "rope_layers", "post_norms", "rotary_dim", "sliding_window",
-                "original_context", "tie_word_embeddings", "num_kv_heads", "head_dim")
-    assert [getattr(from_gguf.spec, k) for k in switches] == [getattr(gm.spec, k) for k in switches]
+                "original_context", "tie_word_embeddings", "num_kv_heads", "head_dim", "sliding_layers",
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta")
+    assert [getattr(from_gguf.spec, k, None) for k in switches] == [getattr(gm.spec, k, None) for k in switches]
     ids, mask = padded_prompts(seed=2)
     assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi4_mini"])
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi4_mini", "gemma3_llama_cpp"])
 def test_gguf_q8_0_blocks_run_through_the_quantized_kernel(name, tmp_path):
     hf, gm = pair(name)
     names = [g for g in (_gguf_name(_GGUF_ARCH[type(hf).__name__], n) for n in hf.state_dict())
@@ -232,11 +252,12 @@ def test_gguf_q8_0_blocks_run_through_the_quantized_kernel(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
-                                  "llama_yarn"])
+                                  "llama_yarn", "gemma2", "gemma3", "gemma3_untied"])
 def test_saved_directory_loads_in_transformers_with_the_same_logits(name, tmp_path):
     hf, gm = pair(name)
     directory = genfn.save(gm, tmp_path / name)
-    back = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
     assert type(back) is type(hf)
     ids, mask = padded_prompts(seed=4)
     with torch.no_grad():

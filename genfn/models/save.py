@@ -107,7 +107,8 @@ def _gemma_config(spec: gemma.GemmaSpec, config: dict[str, Any], dtype: torch.dt
         "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
         "attention_bias": spec.attention_bias, "sliding_window": spec.sliding_window,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in spec.sliding_layers],
-        "query_pre_attn_scalar": spec.query_pre_attn_scalar,
+        "query_pre_attn_scalar": int(spec.query_pre_attn_scalar) if spec.query_pre_attn_scalar.is_integer()
+        else spec.query_pre_attn_scalar,
         "attn_logit_softcapping": spec.attn_logit_softcapping,
         "final_logit_softcapping": spec.final_logit_softcapping,
         "hidden_activation": "gelu_pytorch_tanh", "dtype": _DTYPE_NAMES.get(dtype, "float32"),
