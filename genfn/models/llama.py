@@ -25,6 +25,7 @@ from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, linear
 from genfn.models import llama_variants as variants
 from genfn.models.loaders.checks import check_tensors
+from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
 from genfn.models.rope import rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
@@ -64,12 +65,16 @@ class LlamaSpec:
     rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first rotary_dim dims of a head rotate
     rope_attention_factor: float = 1.0  # YaRN's and LongRoPE's scale of cos and sin
     original_context: int = 0  # LongRoPE: past this many positions a forward uses the long factors
+    num_experts: int = 0  # mixture of experts (genfn.models.moe): every layer's MLP is E experts
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
 
     @property
     def is_plain_llama(self) -> bool:
         """Whether every layer is Llama's own (the native decode layer computes exactly that)."""
         return (self.qk_norm is None and self.rope_layers is None and not self.post_norms
-                and self.rotary_dim is None)
+                and self.rotary_dim is None and not self.num_experts)
 
     @property
     def rope_scaling(self) -> dict | None:
@@ -170,9 +175,7 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
             "wqkv": variants.fused(state_dict, p + "self_attn.qkv_proj.weight", get,
                                    lambda: cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
             "wo": cat_rows([get(p + "self_attn.o_proj.weight")]),
-            "w_gate_up": variants.fused(state_dict, p + "mlp.gate_up_proj.weight", get,
-                                        lambda: cat_rows([get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
-            "w_down": cat_rows([get(p + "mlp.down_proj.weight")]),
+            **variants.mlp_params(spec, p, state_dict, get),
             **variants.norm_params(spec, p, get),
         }
         if spec.attention_bias:
@@ -298,13 +301,17 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     if spec.post_norms:
         x = x + _rms_norm(linear(attn, layer["wo"]), layer["post_attn_norm"], spec.rms_norm_eps)
-        gate, up = linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
-        return x + _rms_norm(linear(F.silu(gate) * up, layer["w_down"]), layer["post_mlp_norm"], spec.rms_norm_eps)
+        return x + _rms_norm(_mlp(spec, layer, x), layer["post_mlp_norm"], spec.rms_norm_eps)
     x = x + linear(attn, layer["wo"])
-    h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+    return x + _mlp(spec, layer, _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps))
+
+
+def _mlp(spec: LlamaSpec, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU, or (a mixture-of-experts spec) the routed experts' SwiGLUs."""
+    if spec.num_experts:
+        return moe_mlp(spec, layer, h)
     gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-    x = x + linear(F.silu(gate) * up, layer["w_down"])
-    return x
+    return linear(F.silu(gate) * up, layer["w_down"])
 
 
 def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,

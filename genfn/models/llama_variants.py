@@ -20,11 +20,15 @@ from typing import Any, Callable, Mapping
 from genfn.models.rope import attention_factor
 from genfn.quant.blocks import cat_rows
 
-__all__ = ["VARIANT_MODEL_TYPES", "variant_fields", "norm_params", "fused", "norm_state", "FUSED_ARCHITECTURES"]
+__all__ = ["VARIANT_MODEL_TYPES", "variant_fields", "norm_params", "fused", "norm_state", "FUSED_ARCHITECTURES",
+           "mlp_params"]
 
 # config.json model_type -> architecture, for the variants.
 VARIANT_MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -78,11 +82,48 @@ def variant_fields(arch: str, config: Mapping[str, Any], head_dim: int, num_laye
             fields["rope_layers"] = None
     elif arch == "Olmo2ForCausalLM":
         fields.update(qk_norm="projection", post_norms=True, sliding_window=None)
+    elif arch == "Qwen3MoeForCausalLM":
+        _refuse_sliding_layers(arch, config)
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(f"{arch} with dense layers among the experts (mlp_only_layers, decoder_sparse_step) "
+                             "is not supported natively; load it through transformers with genfn.from_module(module)")
+        fields.update(qk_norm="head", sliding_window=None, **_experts(config, "num_experts", config.get(
+            "norm_topk_prob", False), config.get("moe_intermediate_size")))
+    elif arch == "MixtralForCausalLM":
+        fields.update(_experts(config, "num_local_experts", True, config.get("intermediate_size")))
+    elif arch == "OlmoeForCausalLM":
+        if config.get("clip_qkv") is not None:
+            raise ValueError(f"{arch} with clip_qkv is not supported natively; load it through transformers with "
+                             "genfn.from_module(module)")
+        fields.update(qk_norm="projection", sliding_window=None, **_experts(
+            config, "num_experts", config.get("norm_topk_prob", False), config.get("intermediate_size")))
     elif arch == "Phi3ForCausalLM":
         partial = config.get("partial_rotary_factor", _rope_parameters(config).get("partial_rotary_factor", 1.0))
         if partial is not None and float(partial) != 1.0:
             fields["rotary_dim"] = int(head_dim * float(partial))
     return fields
+
+
+def _experts(config: Mapping[str, Any], count_key: str, normalize: bool, intermediate) -> dict[str, Any]:
+    # transformers 5 writes every family's expert count as num_local_experts; checkpoints say num_experts.
+    count = config.get(count_key, config.get("num_local_experts", config.get("num_experts")))
+    try:
+        return dict(num_experts=int(count), experts_per_token=int(config["num_experts_per_tok"]),
+                    norm_topk_prob=bool(normalize), moe_intermediate_size=int(intermediate))
+    except (KeyError, TypeError):
+        raise ValueError(f"a mixture-of-experts config needs {count_key}, num_experts_per_tok and the experts' "
+                         "intermediate size") from None
+
+
+def mlp_params(spec: Any, prefix: str, state_dict: Mapping[str, Any], get: Callable[[str], Any]) -> dict[str, Any]:
+    """A layer's MLP weights: ``w_gate_up``/``w_down``, or a mixture of experts' router and stacked experts."""
+    if spec.num_experts:
+        return {"router": get(prefix + "mlp.gate.weight"),
+                "experts_gate_up": get(prefix + "mlp.experts.gate_up_proj"),
+                "experts_down": get(prefix + "mlp.experts.down_proj")}
+    return {"w_gate_up": fused(state_dict, prefix + "mlp.gate_up_proj.weight", get,
+                               lambda: cat_rows([get(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
+            "w_down": cat_rows([get(prefix + "mlp.down_proj.weight")])}
 
 
 def complete_rope_scaling(config: Mapping[str, Any], rope_scaling: dict | None) -> dict | None:

@@ -27,6 +27,7 @@ from genfn.cache.paged import planned_attention, write
 from genfn.kernels import decode_linear_available
 from genfn.kernels.packed_gemm import packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
 __all__ = ["apply_packed", "init_packed_cache"]
@@ -231,7 +232,10 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             x = h = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
         else:
             x, h = ops.add_rms_norm(x, attn_out, layer["mlp_norm"], spec.rms_norm_eps)
-        mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+        if spec.num_experts:
+            mlp_out = moe_mlp(spec, layer, h)
+        else:
+            mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
         if spec.post_norms:
             mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
     # The final norm is per token, so taking the sampling rows first computes the same values.

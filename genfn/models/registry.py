@@ -23,6 +23,9 @@ ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "genfn.models.llama",
     "Olmo2ForCausalLM": "genfn.models.llama",
     "Phi3ForCausalLM": "genfn.models.llama",
+    "Qwen3MoeForCausalLM": "genfn.models.llama",
+    "MixtralForCausalLM": "genfn.models.llama",
+    "OlmoeForCausalLM": "genfn.models.llama",
     "Gemma2ForCausalLM": "genfn.models.gemma",
     "Gemma3ForCausalLM": "genfn.models.gemma",
 }
@@ -36,6 +39,9 @@ MODEL_TYPES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

@@ -45,15 +45,21 @@ def llama_state_dict(spec: LlamaSpec, params) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         if fused:
             state.update({p + "self_attn.qkv_proj.weight": _plain(layer["wqkv"]),
-                          p + "mlp.gate_up_proj.weight": _plain(layer["w_gate_up"])})
+                          p + "mlp.gate_up_proj.weight": _plain(layer["w_gate_up"]),
+                          p + "mlp.down_proj.weight": _plain(layer["w_down"])})
         else:
             q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
-            gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
             state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                          p + "self_attn.v_proj.weight": v, p + "mlp.gate_proj.weight": gate,
-                          p + "mlp.up_proj.weight": up})
-        state.update({p + "self_attn.o_proj.weight": _plain(layer["wo"]),
-                      p + "mlp.down_proj.weight": _plain(layer["w_down"])})
+                          p + "self_attn.v_proj.weight": v})
+        if spec.num_experts:
+            state.update({p + "mlp.gate.weight": _plain(layer["router"]),
+                          p + "mlp.experts.gate_up_proj": _plain(layer["experts_gate_up"]),
+                          p + "mlp.experts.down_proj": _plain(layer["experts_down"])})
+        elif not fused:
+            gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
+            state.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                          p + "mlp.down_proj.weight": _plain(layer["w_down"])})
+        state[p + "self_attn.o_proj.weight"] = _plain(layer["wo"])
         state.update({name: _plain(t) for name, t in llama_variants.norm_state(spec, layer, p).items()})
         if spec.attention_bias:
             qb, kb, vb = _plain(layer["bqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
@@ -88,6 +94,12 @@ def _llama_config(spec: LlamaSpec, config: dict[str, Any], dtype: torch.dtype) -
         out["no_rope_layers"] = [int(flag) for flag in spec.rope_layers]
     if spec.original_context:
         out["original_max_position_embeddings"] = spec.original_context
+    if spec.num_experts:
+        count = "num_local_experts" if spec.architecture == "MixtralForCausalLM" else "num_experts"
+        out.update({count: spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                    "norm_topk_prob": spec.norm_topk_prob})
+        if spec.architecture == "Qwen3MoeForCausalLM":
+            out["moe_intermediate_size"] = spec.moe_intermediate_size
     if spec.sliding_window is not None:
         out["sliding_window"] = spec.sliding_window
         if spec.architecture == "Qwen2ForCausalLM":
