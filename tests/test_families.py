@@ -51,6 +51,13 @@ FAMILIES.update({
     "gemma3_untied": ("Gemma3ForCausalLM", dict(_GEMMA, tie_word_embeddings=False, num_key_value_heads=1,
                                                 final_logit_softcapping=3.0)),
 })
+# Mixtures of experts: 4 experts, 2 chosen per token.
+FAMILIES.update({
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True)),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5)),
+    "olmoe": ("OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+})
 _PAIRS: dict = {}
 
 
@@ -127,7 +134,8 @@ def test_greedy_and_beam_tokens_equal_transformers_over_32_steps(name):
 # ---- GGUF, as llama.cpp's converter writes each family ---------------------------------------
 
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
-              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+              "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama", "OlmoeForCausalLM": "olmoe"}
 _GGUF_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -135,6 +143,7 @@ _GGUF_NAMES = {
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_feedforward_layernorm": "post_ffw_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
 
 
@@ -181,6 +190,14 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
             w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
             w.add_tensor("rope_factors_long.weight", np.asarray(cfg.rope_parameters["long_factor"], np.float32))
             w.add_tensor("rope_factors_short.weight", np.asarray(cfg.rope_parameters["short_factor"], np.float32))
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "sliding_window", None) is not None:
+            w.add_sliding_window(cfg.sliding_window)
     if arch.startswith("gemma"):
         w.add_sliding_window(cfg.sliding_window)
         if arch == "gemma2":
@@ -192,13 +209,22 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
     for name, tensor in hf.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
+        if ".mlp.experts." in name:  # llama.cpp stacks each projection's experts: [E, rows, cols]
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                gate, up = np.split(tensor.numpy().astype(np.float32), 2, axis=1)
+                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", tensor.numpy().astype(np.float32))
+            continue
         g = _gguf_name(arch, name)
         a = tensor.numpy().astype(np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0  # llama.cpp stores Gemma's (1 + w) norms shifted
-        if arch == "smollm3" and ".attn_q." in g:
+        if arch in ("smollm3", "llama") and ".attn_q." in g:
             a = _llama_cpp_permute(a, cfg.num_attention_heads)
-        elif arch == "smollm3" and ".attn_k." in g:
+        elif arch in ("smollm3", "llama") and ".attn_k." in g:
             a = _llama_cpp_permute(a, cfg.num_key_value_heads)
         if g in quantize:
             w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
@@ -213,7 +239,7 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
 
 
 _GGUF_FAMILIES = ["qwen3", "qwen3_tied_mqa", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
-                  "gemma2_llama_cpp", "gemma3_llama_cpp"]
+                  "gemma2_llama_cpp", "gemma3_llama_cpp", "qwen3_moe", "mixtral", "olmoe"]
 
 
 def _logits(model, ids, mask):
@@ -228,7 +254,8 @@ def test_gguf_with_llama_cpp_names_gives_the_safetensors_logits(name, tmp_path):
     from_gguf = genfn.load(write_family_gguf(tmp_path / f"{name}.gguf", hf))
     switches = ("architecture", "qk_norm", "rope_layers", "post_norms", "rotary_dim", "sliding_window",
                 "original_context", "tie_word_embeddings", "num_kv_heads", "head_dim", "sliding_layers",
-                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta")
+                "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta",
+                "num_experts", "experts_per_token", "norm_topk_prob", "moe_intermediate_size")
     assert [getattr(from_gguf.spec, k, None) for k in switches] == [getattr(gm.spec, k, None) for k in switches]
     ids, mask = padded_prompts(seed=2)
     assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
@@ -252,7 +279,7 @@ def test_gguf_q8_0_blocks_run_through_the_quantized_kernel(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
-                                  "llama_yarn", "gemma2", "gemma3", "gemma3_untied"])
+                                  "llama_yarn", "gemma2", "gemma3", "gemma3_untied", "qwen3_moe", "mixtral", "olmoe"])
 def test_saved_directory_loads_in_transformers_with_the_same_logits(name, tmp_path):
     hf, gm = pair(name)
     directory = genfn.save(gm, tmp_path / name)
@@ -286,7 +313,8 @@ def test_sliding_windows_on_some_layers_only_are_refused_clearly():
 
 # ---- continuous batching: the packed forward serves the variants -----------------------------
 
-@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "llama_yarn"])
+@pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "llama_yarn", "qwen3_moe",
+                                  "mixtral"])
 def test_generate_batch_equals_generate(name):
     import random
 
@@ -320,9 +348,71 @@ def test_compiled_decode_equals_eager_across_families():
     ids, mask = padded_prompts(seed=5)
     settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                     cache_implementation="static", max_cache_len=32)
-    for name in ("qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini"):
+    for name in ("qwen3", "smollm3", "olmo2", "phi3_window", "phi4_mini", "gemma2", "gemma3", "qwen3_moe"):
         _, gm = pair(name)
         eager = genfn.generate(gm, ids, attention_mask=mask, disable_compile=True, **settings)
         compiled = genfn.generate(gm, ids, attention_mask=mask, **settings)
         assert torch.equal(compiled, eager), name
         assert len(gm.compiled_steps) == 1, name
+
+
+# ---- mixture of experts: the decode kernel reads only the chosen experts ---------------------
+
+def test_moe_decode_kernel_reads_only_the_chosen_experts():
+    """Unchosen experts hold NaN (any read of them would poison the output); the kernel's byte count
+    is k experts' three projections per row; the values are the dense formulation's."""
+    from genfn import kernels
+    from genfn.models.moe import moe_mlp, native_moe_takes
+
+    if not kernels.decode_linear_available():
+        pytest.skip(f"native kernels unavailable: {kernels.kernel_status()}")
+    torch.manual_seed(0)
+    hidden, inter, num_experts, top_k = 64, 48, 8, 2
+    gate_up = torch.randn(num_experts, 2 * inter, hidden) / 8
+    down = torch.randn(num_experts, hidden, inter) / 8
+    x = torch.randn(1, hidden)
+    experts = torch.tensor([[5, 2]])
+    weights = torch.tensor([[0.7, 0.3]])
+    poisoned_gate_up, poisoned_down = gate_up.clone(), down.clone()
+    unchosen = [e for e in range(num_experts) if e not in (5, 2)]
+    poisoned_gate_up[unchosen] = float("nan")
+    poisoned_down[unchosen] = float("nan")
+    out, bytes_read = torch.ops.genfn_kernels.moe_decode(x, experts, weights, poisoned_gate_up, poisoned_down)
+    assert torch.isfinite(out).all()
+    assert int(bytes_read) == top_k * 3 * inter * hidden * 4  # batch 1: k of the 8 experts, once each
+    expected = sum(w * F_silu_mlp(x[0], gate_up[e], down[e]) for e, w in ((5, 0.7), (2, 0.3)))
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+    # Two rows choosing overlapping experts read each chosen (row, expert) pair once.
+    _, two_rows = torch.ops.genfn_kernels.moe_decode(x.repeat(2, 1), torch.tensor([[5, 2], [2, 7]]),
+                                                     weights.repeat(2, 1), gate_up, down)
+    assert int(two_rows) == 4 * 3 * inter * hidden * 4
+    assert native_moe_takes(x, gate_up)
+
+    class Spec:
+        experts_per_token, norm_topk_prob = top_k, True
+
+    layer = {"router": torch.randn(num_experts, hidden), "experts_gate_up": gate_up, "experts_down": down}
+    with torch.no_grad():
+        native = moe_mlp(Spec, layer, x.view(1, 1, hidden))
+        dense = moe_mlp(Spec, layer, x.repeat(16, 1).view(1, 16, hidden))[:, :1]  # 16 rows: the dense path
+    torch.testing.assert_close(native, dense, rtol=1e-5, atol=1e-5)
+
+
+def F_silu_mlp(x, gate_up, down):
+    gate, up = (gate_up @ x).chunk(2)
+    return down @ (torch.nn.functional.silu(gate) * up)
+
+
+def test_a_moe_decode_step_at_batch_1_calls_the_kernel_once_per_layer():
+    from genfn import kernels
+
+    if not kernels.decode_linear_available():
+        pytest.skip(f"native kernels unavailable: {kernels.kernel_status()}")
+    _, gm = pair("qwen3_moe")
+    ids = torch.randint(3, 97, (1, 5))
+    with torch.no_grad():
+        _, cache = gm.apply(ids, torch.arange(5)[None], gm.init_cache(1, 16))
+        with torch.profiler.profile() as profile:
+            gm.apply(torch.tensor([[7]]), torch.tensor([[5]]), cache)
+    calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::moe_decode")
+    assert calls == gm.spec.num_layers

@@ -42,9 +42,14 @@ SUPPORTED_ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# Whether llama.cpp renormalizes the chosen experts' weights, where the file does not say
+# (``{arch}.expert_weights_norm``): Mixtral (a llama file with experts) and Qwen3-MoE do, OLMoE not.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
 # llama.cpp's converter stores Gemma's norm weights plus one (Gemma multiplies by 1 + w).
 _NORM_SHIFTED = frozenset({"gemma2", "gemma3"})
 # llama.cpp runs SmolLM3 with every fourth layer unrotated and writes no key for it.
@@ -260,6 +265,18 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
         "_name_or_path": md.get("general.name"),
     }
+    experts = get("expert_count")
+    if experts:
+        if arch not in _EXPERT_WEIGHTS_NORM:
+            raise CheckpointError(f"{path}: GGUF architecture {arch!r} with experts is not supported")
+        if arch == "llama":
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                          sliding_window=get("attention.sliding_window"))
+        config.update(num_experts=int(experts), num_experts_per_tok=int(get("expert_used_count", required=True)),
+                      norm_topk_prob=bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch])),
+                      moe_intermediate_size=int(get("expert_feed_forward_length") or config["intermediate_size"]))
+        if arch == "llama":  # Mixtral's experts are its MLP: their size is intermediate_size
+            config["intermediate_size"] = config["moe_intermediate_size"]
     if arch in _NORM_SHIFTED:
         config.update(_gemma_fields(gguf, arch, head_dim, hidden // heads))
     if arch == "smollm3":
@@ -354,6 +371,11 @@ _BLOCK_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    # One stacked [E, rows, cols] tensor per projection; gate and up are fused after reading.
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Where an architecture names a block tensor otherwise (Phi-3's ffn_up holds gate and up, fused).
 _ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
@@ -427,6 +449,20 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
             + ", ".join(unknown[:8])
         )
+    return _stacked_experts(state_dict, gguf.path)
+
+
+def _stacked_experts(state_dict: dict[str, Any], path: str) -> dict[str, Any]:
+    """llama.cpp's per-projection expert stacks as transformers 5 names them: gate and up fused
+    along the rows (``experts.gate_up_proj [E, 2I, H]``), ``experts.down_proj [E, H, I]``."""
+    for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_proj.weight")]:
+        stem = name[: -len("gate_proj.weight")]
+        up = state_dict.pop(stem + "up_proj.weight", None)
+        down = state_dict.pop(stem + "down_proj.weight", None)
+        if up is None or down is None:
+            raise CheckpointError(f"{path}: {stem} has gate experts but no up or down experts")
+        state_dict[stem + "gate_up_proj"] = torch.cat([state_dict.pop(name), up], dim=1)
+        state_dict[stem + "down_proj"] = down
     return state_dict
 
 
