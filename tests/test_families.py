@@ -131,6 +131,16 @@ def test_greedy_and_beam_tokens_equal_transformers_over_32_steps(name):
                        beams)
 
 
+@pytest.mark.parametrize("name", ["phi3_window", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("cache", ["dynamic", "offloaded_static"])
+def test_other_caches_give_the_static_caches_tokens(name, cache):
+    _, gm = pair(name)
+    ids, mask = padded_prompts(seed=6)
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
+    static = genfn.generate(gm, ids, attention_mask=mask, cache_implementation="static", **settings)
+    assert torch.equal(genfn.generate(gm, ids, attention_mask=mask, cache_implementation=cache, **settings), static)
+
+
 # ---- GGUF, as llama.cpp's converter writes each family ---------------------------------------
 
 _GGUF_ARCH = {"Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2",
