@@ -343,9 +343,11 @@ def test_generate_batch_equals_generate(name):
         assert out.generated_tokens == alone[0, len(prompt):].tolist()
 
 
-def test_continuous_batching_refuses_longrope_clearly():
-    _, gm = pair("phi3_longrope")
-    with pytest.raises(ValueError, match="LongRoPE.*genfn.generate"):
+@pytest.mark.parametrize("name, message", [("phi3_longrope", "LongRoPE.*genfn.generate"),
+                                           ("gemma3", "no packed forward for Gemma3ForCausalLM.*genfn.generate")])
+def test_continuous_batching_refuses_what_it_cannot_run_clearly(name, message):
+    _, gm = pair(name)
+    with pytest.raises(ValueError, match=message):
         gm.generate_batch([[5, 6, 7]], max_new_tokens=2, do_sample=False)
 
 
