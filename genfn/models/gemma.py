@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache
 from genfn.kernels import linear
-from genfn.models.llama import ModelOutput, attention_mask, init_cache
+from genfn.models.llama import ModelOutput, init_cache
+from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
@@ -268,7 +269,7 @@ def _decoder_layer(spec: GemmaSpec, layer, i: int, x, rope, cache: StaticCache, 
 
 
 def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, positions: torch.Tensor,
-          cache: StaticCache, attention_mask_: torch.Tensor | None = None, *, logits_to_keep: int = 0,
+          cache: StaticCache, attention_mask: torch.Tensor | None = None, *, logits_to_keep: int = 0,
           attend_len: int | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for Gemma 2 / Gemma 3 text."""
@@ -278,9 +279,9 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
             raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
                              f"got {num_layers!r}")
         layers = layers[:num_layers]
-    cache, slots, attend_len = begin_forward(cache, tokens, attention_mask_, attend_len)
-    masks = {False: attention_mask(cache, slots, attend_len, None),
-             True: attention_mask(cache, slots, attend_len, spec.sliding_window)}
+    cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
+    masks = {False: slot_mask(cache, slots, attend_len, None),
+             True: slot_mask(cache, slots, attend_len, spec.sliding_window)}
     x = F.embedding(tokens, params["embed"])
     x = x * torch.tensor(math.sqrt(spec.hidden_size), dtype=x.dtype)  # rounded to the dtype, as transformers
     rope = {False: rope_cos_sin(params["inv_freq"], positions, x.dtype),
