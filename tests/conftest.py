@@ -22,8 +22,7 @@ def tiny_hf_model(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides):
     """A tiny random transformers model and the config dict genfn loads it from."""
     import transformers
 
-    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-                  "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))  # LlamaConfig, Qwen3Config, ...
     settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -220,7 +220,7 @@ def test_tiny_model_prompt_from_argument_file_or_stdin(tiny_model_dir, tmp_path)
     lines = result.stderr.splitlines()
     assert all(line.startswith("genfn: ") for line in lines) and "\r" not in result.stderr, result.stderr
     assert any(line.startswith(f"genfn: loading {tiny_model_dir.name} (float32; unquantized)") for line in lines), lines
-    assert any(line.startswith(f"genfn: loaded {tiny_model_dir} (") for line in lines), lines
+    assert any(line.startswith(f"genfn: loaded {tiny_model_dir} as LlamaForCausalLM (native) (") for line in lines), lines
     assert re.match(r"genfn: \d+ tokens? in ", lines[-1]), lines
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The capital of France is", encoding="utf-8")

@@ -156,8 +156,20 @@ def load_model(args, status: Status):
     except OSError as err:
         status.close()
         raise UserError(f"cannot read model {args.model}: {err.strerror or err}") from None
-    status.end(f"loaded {path}")
+    status.end(f"loaded {path} as {family_of(model)}")
     return model
+
+
+def family_of(model) -> str:
+    """The family ``genfn.load`` picked, for the status line: the native architecture, or the
+    module transformers built (wrapped by ``genfn.from_module``)."""
+    from genfn.models.adapter import ModuleSpec
+
+    spec = model.spec
+    architecture = getattr(spec, "architecture", type(spec).__name__)
+    if isinstance(spec, ModuleSpec):
+        return f"{architecture} (transformers' module, through genfn.from_module)"
+    return f"{architecture} (native)"
 
 
 def require_tokenizer(model, chat: bool = False, without_chat: str = "run without --chat"):

@@ -42,7 +42,7 @@ __all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linea
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
                                                                  "decode_attention.cpp", "decode_layer.cpp",
                                                                  "token_ops.cpp", "thread_pool.cpp",
-                                                                 "bf16_gemm.cpp"))
+                                                                 "bf16_gemm.cpp", "moe_decode.cpp"))
 # Included by the sources: part of the build's key, not of the command line.
 _HEADERS = (Path(__file__).with_name("decode_kernels.h"),)
 _OP_NAMESPACE = "genfn_kernels"
@@ -175,6 +175,10 @@ def _register_fake() -> None:
         return None
 
     _register_token_ops_fake()
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode")
+    def _(x, experts, weights, gate_up, down):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
 
 
 def _register_token_ops_fake() -> None:

@@ -2,7 +2,8 @@
 
 Covers transformers' ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM``:
 grouped-query attention, rotary embeddings, RMSNorm, SwiGLU, optional q/k/v bias (Qwen2),
-optional sliding window (Mistral), tied or untied embeddings.
+optional sliding window (Mistral), tied or untied embeddings; and, through the spec's variant
+fields (``genfn.models.llama_variants``), Qwen3, SmolLM3, OLMo 2 and Phi-3/Phi-4-mini.
 
 Parameters are a plain dict pytree. The q/k/v projections are stored fused as one ``wqkv``
 matrix and gate/up as one ``w_gate_up``: one weight stream per block instead of three or two,
@@ -22,15 +23,20 @@ import torch.nn.functional as F
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, linear
+from genfn.models import llama_variants as variants
 from genfn.models.loaders.checks import check_tensors
-from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
+from genfn.models.moe import moe_mlp
+from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
+from genfn.models.rope import rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput", "mtp_head"]
+           "init_cache", "ModelOutput", "mtp_head", "attention_mask"]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           *variants.VARIANT_MODEL_TYPES.values())
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                **variants.VARIANT_MODEL_TYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,23 @@ class LlamaSpec:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None
+    # The variants' switches (genfn.models.llama_variants); the defaults are plain Llama.
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "projection": over all heads (OLMo 2)
+    rope_layers: tuple[bool, ...] | None = None  # False for a layer that skips RoPE (SmolLM3)
+    post_norms: bool = False  # OLMo 2: norms on the attention's and the MLP's outputs, none on inputs
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first rotary_dim dims of a head rotate
+    rope_attention_factor: float = 1.0  # YaRN's and LongRoPE's scale of cos and sin
+    original_context: int = 0  # LongRoPE: past this many positions a forward uses the long factors
+    num_experts: int = 0  # mixture of experts (genfn.models.moe): every layer's MLP is E experts
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """Whether every layer is Llama's own (the native decode layer computes exactly that)."""
+        return (self.qk_norm is None and self.rope_layers is None and not self.post_norms
+                and self.rotary_dim is None and not self.num_experts)
 
     @property
     def rope_scaling(self) -> dict | None:
@@ -109,6 +132,10 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
         sliding_window = None
     if arch == "LlamaForCausalLM":
         sliding_window = None
+    rope_scaling = variants.complete_rope_scaling(config, rope_scaling)
+    extra = variants.variant_fields(arch, config, spec_fields["head_dim"], spec_fields["num_layers"], rope_scaling)
+    if "sliding_window" in extra:
+        sliding_window = extra.pop("sliding_window")
     spec = LlamaSpec(
         **spec_fields,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -118,6 +145,7 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
         sliding_window=None if sliding_window is None else int(sliding_window),
+        **extra,
     )
     if spec.num_heads % spec.num_kv_heads:
         raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
@@ -144,12 +172,11 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         layer = {
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "wqkv": cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            "wqkv": variants.fused(state_dict, p + "self_attn.qkv_proj.weight", get,
+                                   lambda: cat_rows([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
             "wo": cat_rows([get(p + "self_attn.o_proj.weight")]),
-            "mlp_norm": get(p + "post_attention_layernorm.weight"),
-            "w_gate_up": cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            "w_down": cat_rows([get(p + "mlp.down_proj.weight")]),
+            **variants.mlp_params(spec, p, state_dict, get),
+            **variants.norm_params(spec, p, get),
         }
         if spec.attention_bias:
             layer["bqkv"] = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
@@ -158,13 +185,18 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     if isinstance(embed, RowBlocks):
         embed = dequantize(embed).to(dtype or torch.float32)
-    return {
+    rotary_dim = spec.rotary_dim or spec.head_dim
+    params = {
         "embed": embed,
         "layers": layers,
         "norm": get("model.norm.weight"),
         "lm_head": lm_head,
-        "inv_freq": inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling),
+        "inv_freq": inverse_frequencies(rotary_dim, spec.rope_theta, spec.rope_scaling),
     }
+    long_inv_freq = long_inverse_frequencies(rotary_dim, spec.rope_theta, spec.rope_scaling)
+    if long_inv_freq is not None:
+        params["long_inv_freq"] = long_inv_freq
+    return params
 
 
 def init_cache(spec: LlamaSpec, batch_size: int, max_cache_len: int, dtype=torch.float32, device=None) -> StaticCache:
@@ -192,6 +224,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
+    return attention_mask(cache, slots, attend_len, spec.sliding_window)
+
+
+def attention_mask(cache: StaticCache, slots: torch.Tensor, attend_len: int, sliding_window: int | None) -> torch.Tensor:
     """Boolean ``[B, 1, S, attend_len]``: row ``b``'s query ``i`` (at slot ``slots[b, i]``) may see slot ``j``.
 
     The sliding window spans the row's last ``sliding_window`` real tokens, as in transformers
@@ -202,11 +238,11 @@ def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, at
     j = torch.arange(attend_len, device=slots.device).view(1, 1, attend_len)
     query_slots = slots.unsqueeze(2)  # [B, S, 1]
     causal = j <= query_slots  # [B, S, A]
-    if spec.sliding_window is not None:
+    if sliding_window is not None:
         if cache.rows_have_holes:
-            causal = causal & (real_tokens_back(cache.valid, slots, attend_len) < spec.sliding_window)
+            causal = causal & (real_tokens_back(cache.valid, slots, attend_len) < sliding_window)
         else:
-            causal = causal & (j > query_slots - spec.sliding_window)
+            causal = causal & (j > query_slots - sliding_window)
     valid = cache.valid[:, :attend_len]  # [B, A]
     mask = causal & valid.unsqueeze(1)
     # A padding query would see nothing and its softmax would be NaN; letting every query see
@@ -225,16 +261,22 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
     output_attentions = attentions is not None
-    if (seq == 1 and not output_attentions and type(cache) is StaticCache
+    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.is_plain_llama
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
-    h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+    h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
-    k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    if spec.qk_norm == "projection":
+        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q = q.view(batch, seq, spec.num_heads, spec.head_dim)
+    k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm == "head":
+        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if spec.rope_layers is None or spec.rope_layers[i]:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = cache.write_layer(i, slots, k, v)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
     grouped = spec.num_query_groups > 1
@@ -257,11 +299,19 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         elif attn is None:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
+    if spec.post_norms:
+        x = x + _rms_norm(linear(attn, layer["wo"]), layer["post_attn_norm"], spec.rms_norm_eps)
+        return x + _rms_norm(_mlp(spec, layer, x), layer["post_mlp_norm"], spec.rms_norm_eps)
     x = x + linear(attn, layer["wo"])
-    h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
+    return x + _mlp(spec, layer, _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps))
+
+
+def _mlp(spec: LlamaSpec, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU, or (a mixture-of-experts spec) the routed experts' SwiGLUs."""
+    if spec.num_experts:
+        return moe_mlp(spec, layer, h)
     gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-    x = x + linear(F.silu(gate) * up, layer["w_down"])
-    return x
+    return linear(F.silu(gate) * up, layer["w_down"])
 
 
 def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
@@ -317,7 +367,8 @@ def apply(
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = F.embedding(tokens, params["embed"])
-    cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype)
+    cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor,
+                            params.get("long_inv_freq"), spec.original_context)
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
     for i, layer in enumerate(layers):

@@ -217,7 +217,8 @@ def _check_dtype(dtype: Any) -> torch.dtype:
 def _keeps_float32(leaf: torch.Tensor, params) -> bool:
     """Whether ``leaf`` is a float32 table a native family keeps at full precision whatever the
     weights' dtype (the rotary inverse frequencies)."""
-    return isinstance(params, dict) and params.get("inv_freq") is leaf
+    return isinstance(params, dict) and any(params.get(name) is leaf
+                                            for name in ("inv_freq", "long_inv_freq", "local_inv_freq"))
 
 
 def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, tokenizer=None,

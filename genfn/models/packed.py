@@ -27,6 +27,7 @@ from genfn.cache.paged import planned_attention, write
 from genfn.kernels import decode_linear_available
 from genfn.kernels.packed_gemm import packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
 __all__ = ["apply_packed", "init_packed_cache"]
@@ -35,12 +36,17 @@ __all__ = ["apply_packed", "init_packed_cache"]
 def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
                       device=None) -> PagedKVCache:
     """A paged cache shaped for ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
+    check_packed_spec(spec)
     return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
                             dtype=dtype, device=device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, D]``: transformers' rotate-half form."""
+    """RoPE on ``x [T, H, D]`` with ``cos, sin [T, R]``: transformers' rotate-half form (on the first
+    ``R`` dimensions only when ``R < D``: partial rotary)."""
+    if cos.shape[-1] != x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat((_rotate(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
@@ -93,6 +99,34 @@ class _NativeLayerOps:
     @staticmethod
     def silu_mul(gate_up):
         return torch.ops.genfn_kernels.silu_mul(gate_up)
+
+
+def _variant_qkv(spec: LlamaSpec, layer: Mapping[str, Any], i: int, qkv: torch.Tensor, cos, sin):
+    """``rope_qkv`` for the Llama variants (``genfn.models.llama_variants``): q/k norms, layers
+    without RoPE, partial rotary; as ``llama._decoder_layer`` computes them."""
+    num_tokens, head_dim = qkv.shape[0], spec.head_dim
+    q_size, kv_size = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if spec.qk_norm == "projection":
+        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q = q.reshape(num_tokens, spec.num_heads, head_dim)
+    k = k.reshape(num_tokens, spec.num_kv_heads, head_dim)
+    if spec.qk_norm == "head":
+        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+    if spec.rope_layers is None or spec.rope_layers[i]:
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return q, k, v.reshape(num_tokens, spec.num_kv_heads, head_dim)
+
+
+def check_packed_spec(spec: LlamaSpec) -> None:
+    """Refuse what the packed forward cannot give a request's own tokens for: LongRoPE switches its
+    frequencies on the furthest position of the whole forward, so a request's rotation would depend
+    on the other requests in the batch. Gemma's layers (genfn.models.gemma) have no packed forward yet."""
+    if not isinstance(spec, LlamaSpec):
+        raise ValueError(f"continuous batching has no packed forward for {spec.architecture} yet: use genfn.generate")
+    if spec.original_context:
+        raise ValueError(f"continuous batching does not run LongRoPE models ({spec.architecture} with "
+                         "rope_type 'longrope'): use genfn.generate")
 
 
 def _native_layer_ops(x: torch.Tensor, norm: torch.Tensor) -> bool:
@@ -157,9 +191,10 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     path), attention reads only the blocks each row occupies (``planned_attention``) and only
     ``plan.sample_rows`` get logits (the other rows get zeros).
     """
+    check_packed_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
-    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
+    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)  # [T, R]
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
@@ -170,14 +205,20 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, spec.sliding_window)
     elif num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
         visible = _slot_visibility(inputs, num_slots, cache.block_size, spec.sliding_window)
-    ops = _NativeLayerOps if plan is not None and _native_layer_ops(x, params["norm"]) else _TorchLayerOps
+    plain = spec.is_plain_llama
+    ops = _NativeLayerOps if plan is not None and plain and _native_layer_ops(x, params["norm"]) else _TorchLayerOps
     mlp_out = None  # the previous layer's MLP output, added to x in the next norm's call
     for i, layer in enumerate(params["layers"]):
-        if mlp_out is None:
+        if not plain:
+            x = x if mlp_out is None else x + mlp_out
+            h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+            q, k, v = _variant_qkv(spec, layer, i, linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin)
+        elif mlp_out is None:
             h = ops.rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
+            q, k, v = ops.rope_qkv(linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, spec)
         else:
             x, h = ops.add_rms_norm(x, mlp_out, layer["attn_norm"], spec.rms_norm_eps)
-        q, k, v = ops.rope_qkv(linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, spec)
+            q, k, v = ops.rope_qkv(linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, spec)
         cache = write(cache, i, inputs.slot_mapping, k, v)
         if planned is not None:
             attn = planned_attention(q, cache, i, planned)
@@ -186,9 +227,17 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         else:
             attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
                                    sliding_window=spec.sliding_window)
-        x, h = ops.add_rms_norm(x, linear(attn.reshape(num_tokens, q_size), layer["wo"]), layer["mlp_norm"],
-                                spec.rms_norm_eps)
-        mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+        attn_out = linear(attn.reshape(num_tokens, q_size), layer["wo"])
+        if spec.post_norms:  # OLMo 2: the norms sit on the outputs
+            x = h = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
+        else:
+            x, h = ops.add_rms_norm(x, attn_out, layer["mlp_norm"], spec.rms_norm_eps)
+        if spec.num_experts:
+            mlp_out = moe_mlp(spec, layer, h)
+        else:
+            mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+        if spec.post_norms:
+            mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
     # The final norm is per token, so taking the sampling rows first computes the same values.
     num_rows = inputs.logits_index.shape[0]
     every_row = plan is None or len(plan.sample_rows) == num_rows  # a decode step: no zero rows to fill

@@ -55,7 +55,8 @@ def quantize_params(params: dict, fmt: str) -> dict:
     for i, layer in enumerate(params["layers"]):
         layer = dict(layer)
         for key in LINEAR_PARAMS:
-            layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
+            if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down: its experts stay float
+                layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
     head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
     out = dict(params, layers=layers, lm_head=head)

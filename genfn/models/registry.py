@@ -19,6 +19,15 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "genfn.models.llama",
     "MistralForCausalLM": "genfn.models.llama",
     "Qwen2ForCausalLM": "genfn.models.llama",
+    "Qwen3ForCausalLM": "genfn.models.llama",
+    "SmolLM3ForCausalLM": "genfn.models.llama",
+    "Olmo2ForCausalLM": "genfn.models.llama",
+    "Phi3ForCausalLM": "genfn.models.llama",
+    "Qwen3MoeForCausalLM": "genfn.models.llama",
+    "MixtralForCausalLM": "genfn.models.llama",
+    "OlmoeForCausalLM": "genfn.models.llama",
+    "Gemma2ForCausalLM": "genfn.models.gemma",
+    "Gemma3ForCausalLM": "genfn.models.gemma",
 }
 
 # config.json ``model_type`` -> architecture, for configs that name no architecture.
@@ -26,6 +35,15 @@ MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genfn.models import registry
+from genfn.models import gemma, llama_variants, registry
 from genfn.models.adapter import ModuleSpec
 from genfn.models.llama import LlamaSpec
 
@@ -40,18 +40,27 @@ def llama_state_dict(spec: LlamaSpec, params) -> dict[str, torch.Tensor]:
     q_rows = spec.num_heads * spec.head_dim
     kv_rows = spec.num_kv_heads * spec.head_dim
     state: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _plain(params["embed"])}
+    fused = spec.architecture in llama_variants.FUSED_ARCHITECTURES  # Phi-3 keeps genfn's fused layout
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}."
-        q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
-        gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
-        state.update({
-            p + "input_layernorm.weight": _plain(layer["attn_norm"]),
-            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": _plain(layer["wo"]),
-            p + "post_attention_layernorm.weight": _plain(layer["mlp_norm"]),
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-            p + "mlp.down_proj.weight": _plain(layer["w_down"]),
-        })
+        if fused:
+            state.update({p + "self_attn.qkv_proj.weight": _plain(layer["wqkv"]),
+                          p + "mlp.gate_up_proj.weight": _plain(layer["w_gate_up"]),
+                          p + "mlp.down_proj.weight": _plain(layer["w_down"])})
+        else:
+            q, k, v = _plain(layer["wqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
+            state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                          p + "self_attn.v_proj.weight": v})
+        if spec.num_experts:
+            state.update({p + "mlp.gate.weight": _plain(layer["router"]),
+                          p + "mlp.experts.gate_up_proj": _plain(layer["experts_gate_up"]),
+                          p + "mlp.experts.down_proj": _plain(layer["experts_down"])})
+        elif not fused:
+            gate, up = _plain(layer["w_gate_up"]).split([spec.intermediate_size, spec.intermediate_size], dim=0)
+            state.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                          p + "mlp.down_proj.weight": _plain(layer["w_down"])})
+        state[p + "self_attn.o_proj.weight"] = _plain(layer["wo"])
+        state.update({name: _plain(t) for name, t in llama_variants.norm_state(spec, layer, p).items()})
         if spec.attention_bias:
             qb, kb, vb = _plain(layer["bqkv"]).split([q_rows, kv_rows, kv_rows], dim=0)
             state.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
@@ -79,10 +88,45 @@ def _llama_config(spec: LlamaSpec, config: dict[str, Any], dtype: torch.dtype) -
     })
     out["rope_parameters"] = {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {"rope_type": "default"})}
     out["rope_scaling"] = spec.rope_scaling
+    if spec.rotary_dim is not None:  # Phi-4-mini: transformers 5 reads it from rope_parameters
+        out["partial_rotary_factor"] = out["rope_parameters"]["partial_rotary_factor"] = spec.rotary_dim / spec.head_dim
+    if spec.rope_layers is not None:
+        out["no_rope_layers"] = [int(flag) for flag in spec.rope_layers]
+    if spec.original_context:
+        out["original_max_position_embeddings"] = spec.original_context
+    if spec.num_experts:
+        count = "num_local_experts" if spec.architecture == "MixtralForCausalLM" else "num_experts"
+        out.update({count: spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                    "norm_topk_prob": spec.norm_topk_prob})
+        if spec.architecture == "Qwen3MoeForCausalLM":
+            out["moe_intermediate_size"] = spec.moe_intermediate_size
     if spec.sliding_window is not None:
         out["sliding_window"] = spec.sliding_window
         if spec.architecture == "Qwen2ForCausalLM":
             out["use_sliding_window"] = True
+    return out
+
+
+def _gemma_config(spec: gemma.GemmaSpec, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    gemma3 = spec.architecture == "Gemma3ForCausalLM"
+    out = {k: v for k, v in config.items() if v is not None and k not in ("rope_scaling", "rope_theta")}
+    global_rope = {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {"rope_type": "default"})}
+    out.update({
+        "architectures": [spec.architecture], "model_type": "gemma3_text" if gemma3 else "gemma2",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps,
+        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.attention_bias, "sliding_window": spec.sliding_window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in spec.sliding_layers],
+        "query_pre_attn_scalar": int(spec.query_pre_attn_scalar) if spec.query_pre_attn_scalar.is_integer()
+        else spec.query_pre_attn_scalar,
+        "attn_logit_softcapping": spec.attn_logit_softcapping,
+        "final_logit_softcapping": spec.final_logit_softcapping,
+        "hidden_activation": "gelu_pytorch_tanh", "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "rope_parameters": {"full_attention": global_rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": spec.local_rope_theta}} if gemma3 else global_rope,
+    })
     return out
 
 
@@ -119,6 +163,12 @@ def save(model, directory: str | os.PathLike) -> str:
                   metadata={"format": "pt"})
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(_llama_config(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
+    elif isinstance(spec, gemma.GemmaSpec):
+        state = gemma.state_dict_of(spec, model.params, _plain)
+        save_file({name: t.detach().contiguous().clone() for name, t in state.items()},
+                  os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(_gemma_config(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
     else:
         raise TypeError(f"genfn.save supports native Llama-family models and wrapped modules; got a model with "
                         f"spec {type(spec).__name__}")

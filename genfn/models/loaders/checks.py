@@ -43,6 +43,8 @@ def _dims(config: Any) -> dict[str, Any]:
         head_dim=int(get("head_dim", default=hidden // heads)),
         tied=bool(get("tie_word_embeddings", default=False)),
         bias=bool(get("attention_bias", default=False)),
+        # OLMo 2 norms the whole q/k projection, Qwen3 each head.
+        qk_norm_whole=get("qk_norm") == "projection" or get("model_type") == "olmo2",
     )
 
 
@@ -69,8 +71,11 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.bias": (q_rows,),
             p + "self_attn.k_proj.bias": (kv_rows,),
             p + "self_attn.v_proj.bias": (kv_rows,),
-            p + "self_attn.q_norm.weight": (d["head_dim"],),
-            p + "self_attn.k_norm.weight": (d["head_dim"],),
+            p + "self_attn.q_norm.weight": (q_rows,) if d["qk_norm_whole"] else (d["head_dim"],),
+            p + "self_attn.k_norm.weight": (kv_rows,) if d["qk_norm_whole"] else (d["head_dim"],),
+            p + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, d["hidden"]),
+            p + "mlp.gate_up_proj.weight": (2 * d["intermediate"], d["hidden"]),
+            p + "post_feedforward_layernorm.weight": (d["hidden"],),
             p + "mlp.gate_proj.weight": (d["intermediate"], d["hidden"]),
             p + "mlp.up_proj.weight": (d["intermediate"], d["hidden"]),
             p + "mlp.down_proj.weight": (d["hidden"], d["intermediate"]),
@@ -149,7 +154,9 @@ def _explain(name: str, config: Any) -> str:
     if "embed_tokens" in name or "lm_head" in name:
         keys = ("vocab", "hidden")
     elif "q_norm" in name or "k_norm" in name:
-        keys = ("head_dim",)
+        keys = ("heads", "kv_heads", "head_dim") if d["qk_norm_whole"] else ("head_dim",)
+    elif "qkv_proj" in name:
+        keys = ("heads", "kv_heads", "head_dim", "hidden")
     elif "q_proj" in name or "o_proj" in name:
         keys = ("heads", "head_dim", "hidden")
     elif "k_proj" in name or "v_proj" in name:

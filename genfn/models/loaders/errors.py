@@ -20,7 +20,7 @@ class CheckpointError(ValueError):
 
 # model_type values whose parameter names follow LlamaForCausalLM (Qwen3 adds q_norm/k_norm,
 # which are extra names and do not break the check).
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"})
 
 
 def expected_tensor_names(config: dict) -> list[str] | None:
@@ -36,12 +36,24 @@ def expected_tensor_names(config: dict) -> list[str] | None:
         names.append("lm_head.weight")
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(f"{p}self_attn.{proj}.weight")
+        fused = config.get("model_type") == "phi3"  # q/k/v and gate/up stored as one matrix each
+        projections = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+        names += [f"{p}self_attn.{proj}.weight" for proj in projections]
         if config.get("attention_bias"):
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
-        names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        mlp = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+        names += [f"{p}mlp.{proj}.weight" for proj in mlp]
+        names += _norm_names(config.get("model_type"), p)
+    return names
+
+
+def _norm_names(model_type: str | None, p: str) -> list[str]:
+    if model_type == "olmo2":  # norms after attention and MLP, over the whole q/k projections
+        return [f"{p}post_attention_layernorm.weight", f"{p}post_feedforward_layernorm.weight",
+                f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+    names = [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+    if model_type == "qwen3":
+        names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
     return names
 
 

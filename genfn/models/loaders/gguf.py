@@ -8,7 +8,8 @@ dequantization kernels (`gguf.quants.dequantize`), so every quantization it know
 
 llama.cpp's converter permutes the rows of the Q and K projections of llama-family models (to
 turn Hugging Face's "rotate half" RoPE layout into GPT-J's interleaved layout); we undo it.
-Qwen2 files are converted without that permutation (llama.cpp runs them with NeoX RoPE).
+Qwen2, Qwen3, OLMo 2 and Phi-3 files are converted without that permutation (llama.cpp runs them
+with NeoX RoPE); SmolLM3's are permuted as Llama's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,22 @@ __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "S
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# Whether llama.cpp renormalizes the chosen experts' weights, where the file does not say
+# (``{arch}.expert_weights_norm``): Mixtral (a llama file with experts) and Qwen3-MoE do, OLMoE not.
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
+# llama.cpp's converter stores Gemma's norm weights plus one (Gemma multiplies by 1 + w).
+_NORM_SHIFTED = frozenset({"gemma2", "gemma3"})
+# llama.cpp runs SmolLM3 with every fourth layer unrotated and writes no key for it.
+_SMOLLM3_NO_ROPE_INTERVAL = 4
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -198,7 +214,8 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: GGUF architecture {arch!r} is not supported; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))} (a model transformers can load runs through "
+            "genfn.from_module(module))"
         )
     hf_arch, model_type, _ = SUPPORTED_ARCHITECTURES[arch]
 
@@ -221,9 +238,10 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
     if vocab_size is None and "token_embd.weight" in gguf.tensors:
         vocab_size = gguf.tensors["token_embd.weight"].shape[0]
     rope_theta = float(get("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(md, arch)
+    rope_scaling = _rope_scaling(md, arch) if arch != "phi3" else _longrope_scaling(gguf, arch)
+    head_dim = head_dim or hidden // heads
 
-    return {
+    config = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": vocab_size,
@@ -232,7 +250,7 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": get("block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": head_dim or hidden // heads,
+        "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": rope_theta,
@@ -247,6 +265,68 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
         "_name_or_path": md.get("general.name"),
     }
+    experts = get("expert_count")
+    if experts:
+        if arch not in _EXPERT_WEIGHTS_NORM:
+            raise CheckpointError(f"{path}: GGUF architecture {arch!r} with experts is not supported")
+        if arch == "llama":
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                          sliding_window=get("attention.sliding_window"))
+        config.update(num_experts=int(experts), num_experts_per_tok=int(get("expert_used_count", required=True)),
+                      norm_topk_prob=bool(get("expert_weights_norm", _EXPERT_WEIGHTS_NORM[arch])),
+                      moe_intermediate_size=int(get("expert_feed_forward_length") or config["intermediate_size"]))
+        if arch == "llama":  # Mixtral's experts are its MLP: their size is intermediate_size
+            config["intermediate_size"] = config["moe_intermediate_size"]
+    if arch in _NORM_SHIFTED:
+        config.update(_gemma_fields(gguf, arch, head_dim, hidden // heads))
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = int(get("no_rope_layer_interval", _SMOLLM3_NO_ROPE_INTERVAL))
+    if arch == "phi3":
+        rotary = get("rope.dimension_count")
+        if rotary is not None and int(rotary) != head_dim:
+            config["partial_rotary_factor"] = int(rotary) / head_dim
+        config["sliding_window"] = get("attention.sliding_window")
+        if rope_scaling is not None:
+            config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    return config
+
+
+def _gemma_fields(gguf: GGUFFile, arch: str, head_dim: int, hidden_per_head: int) -> dict[str, Any]:
+    """Gemma's settings; llama.cpp fixes the layer pattern (every 2nd / 6th layer global), Gemma 3's
+    local RoPE base (10000) and the attention scale (head_dim, hidden_size / heads for the 27B
+    models) rather than storing them."""
+    md = gguf.metadata
+    layers = int(md[f"{arch}.block_count"])
+    pattern = 2 if arch == "gemma2" else 6
+    big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
+    fields = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": md.get(f"{arch}.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": hidden_per_head if big else head_dim,
+        "attn_logit_softcapping": md.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        fields["rope_local_base_freq"] = 10000.0
+    return fields
+
+
+def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE: llama.cpp keeps the per-frequency factors as two tensors."""
+    if "rope_factors_long.weight" not in gguf.tensors:
+        return None
+    md = gguf.metadata
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": gguf.tensor("rope_factors_long.weight").tolist(),
+        "short_factor": gguf.tensor("rope_factors_short.weight").tolist(),
+        "original_max_position_embeddings": int(md.get(f"{arch}.rope.scaling.original_context_length")
+                                                or md.get(f"{arch}.context_length")),
+    }
+    if f"{arch}.rope.scaling.attn_factor" in md:
+        scaling["attention_factor"] = float(md[f"{arch}.rope.scaling.attn_factor"])
+    return scaling
 
 
 def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -286,17 +366,33 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    # One stacked [E, rows, cols] tensor per projection; gate and up are fused after reading.
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
-# Present in some files but not model parameters: llama.cpp's precomputed RoPE tables.
-_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+# Where an architecture names a block tensor otherwise (Phi-3's ffn_up holds gate and up, fused).
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# Present in some files but not model parameters: llama.cpp's precomputed RoPE tables (Phi-3's
+# LongRoPE factors are read into the config).
+_IGNORED = re.compile(r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name of architecture ``arch``, or None if it has none."""
     if m := _BLOCK.match(gguf_name):
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}" if part in _BLOCK_NAMES else None
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     stem, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
 
@@ -323,8 +419,9 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
                 keep_blocks: bool = False) -> dict[str, torch.Tensor | RowBlocks]:
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
+    arch = gguf.metadata["general.architecture"]
     for name in gguf.tensors:
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
             if name == "rope_freqs.weight":
                 warnings.warn(
@@ -336,6 +433,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
                 unknown.append(name)
             continue
         t = _tensor(gguf, name, keep_blocks, dtype)
+        if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
+            t = (t.float() - 1.0).to(dtype)
         heads = None
         if permuted and ".self_attn.q_proj." in hf_name:
             heads = config["num_attention_heads"]
@@ -350,6 +449,20 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
             + ", ".join(unknown[:8])
         )
+    return _stacked_experts(state_dict, gguf.path)
+
+
+def _stacked_experts(state_dict: dict[str, Any], path: str) -> dict[str, Any]:
+    """llama.cpp's per-projection expert stacks as transformers 5 names them: gate and up fused
+    along the rows (``experts.gate_up_proj [E, 2I, H]``), ``experts.down_proj [E, H, I]``."""
+    for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_proj.weight")]:
+        stem = name[: -len("gate_proj.weight")]
+        up = state_dict.pop(stem + "up_proj.weight", None)
+        down = state_dict.pop(stem + "down_proj.weight", None)
+        if up is None or down is None:
+            raise CheckpointError(f"{path}: {stem} has gate experts but no up or down experts")
+        state_dict[stem + "gate_up_proj"] = torch.cat([state_dict.pop(name), up], dim=1)
+        state_dict[stem + "down_proj"] = down
     return state_dict
 
 
