@@ -12,7 +12,14 @@ from genfn.processors.base import ProcessorBase
 from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass
 
-__all__ = ["InfNanRemoveLogitsProcessor", "LogitNormalization"]
+__all__ = ["InfNanRemoveLogitsProcessor", "LogitNormalization", "nonfinite_rows"]
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[...]`` bool: rows of ``logits [..., V]`` holding a NaN or an infinity. The one finiteness
+    check of raw logits: every strategy and continuous batching record it (the driver raises
+    ``NonFiniteLogitsError``; the batching manager fails that request alone)."""
+    return ~torch.isfinite(logits).all(dim=-1)
 
 
 @pytree_dataclass
