@@ -29,6 +29,7 @@ from genfn.models.save import save
 from genfn.outputs import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput, GenerateDecoderOnlyOutput,
                            GenerateEncoderDecoderOutput)
 from genfn.processors import (
+    ClassifierFreeGuidanceLogitsProcessor,
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
     EpsilonLogitsWarper,
@@ -56,6 +57,7 @@ from genfn.processors import (
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
     WatermarkDetector,
     WatermarkLogitsProcessor,
 )
@@ -92,7 +94,8 @@ __all__ = [
     # streamers
     "BaseStreamer", "TextStreamer", "TextIteratorStreamer", "AsyncTextIteratorStreamer", "GenerationError",
     # logits processors
-    "LogitsProcessor", "ProcessorChain", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+    "LogitsProcessor", "ProcessorChain", "ClassifierFreeGuidanceLogitsProcessor",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
     "MinPLogitsWarper", "TopHLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
     "RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "ExponentialDecayLengthPenalty",
     "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor", "SequenceBiasLogitsProcessor",
