@@ -30,6 +30,7 @@ from genfn.models.save import save
 from genfn.outputs import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput, GenerateDecoderOnlyOutput,
                            GenerateEncoderDecoderOutput)
 from genfn.processors import (
+    ClassifierFreeGuidanceLogitsProcessor,
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
     EpsilonLogitsWarper,
@@ -57,6 +58,7 @@ from genfn.processors import (
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
     WatermarkDetector,
     WatermarkLogitsProcessor,
 )
@@ -95,7 +97,8 @@ __all__ = [
     # streamers
     "BaseStreamer", "TextStreamer", "TextIteratorStreamer", "AsyncTextIteratorStreamer", "GenerationError",
     # logits processors
-    "LogitsProcessor", "ProcessorChain", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+    "LogitsProcessor", "ProcessorChain", "ClassifierFreeGuidanceLogitsProcessor",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
     "MinPLogitsWarper", "TopHLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
     "RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "ExponentialDecayLengthPenalty",
     "NoRepeatNGramLogitsProcessor", "EncoderNoRepeatNGramLogitsProcessor", "SequenceBiasLogitsProcessor",

@@ -371,7 +371,15 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
 
     def run(state, num_steps: int):
         steps = torch.tensor(num_steps, dtype=torch.int64, device=state.done.device)
-        return _call_on_leaves(fn, state, steps)
+        try:
+            return _call_on_leaves(fn, state, steps)
+        except _TRACE_ERRORS as traced:
+            # while_loop traces its body even when run eagerly, and reports whatever the step raised
+            # as its own "higher order operator" error: one eager step on the same state (tracing
+            # touched no real buffer) raises the step's exception itself, type and message.
+            with torch.no_grad():
+                eager_step(step, model)(state)
+            raise traced
 
     return run
 

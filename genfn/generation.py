@@ -237,6 +237,15 @@ def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer
                          f"combined with {', '.join(needs_host)}")
 
 
+def _tokenizer_size(tokenizer) -> int | None:
+    """``len(tokenizer)`` when it has one (None for a tokenizer-like object without it)."""
+    try:
+        size = len(tokenizer) if tokenizer is not None else None
+    except TypeError:
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
                     logits_processor=None, prefix_allowed_tokens_fn=None, tokenizer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, assistant_model=None, assistant_tokenizer=None, **kwargs):
@@ -247,6 +256,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` give classifier-free guidance
     (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
     """
+    inputs.check_model(model)
     input_ids = inputs.as_input_ids(input_ids)
     encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
     if isinstance(kwargs.get("decoder_start_token_id"), torch.Tensor):
@@ -346,6 +356,7 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
         stop_strings=stop_strings,
         guidance=guidance,
         encoder=encoder,
+        tokenizer_size=_tokenizer_size(tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)),
     )
     if mode is GenerationMode.ASSISTED_GENERATION:
         if encoder_decoder:

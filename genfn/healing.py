@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from genfn.inputs import check_tokenizer
+
 __all__ = ["heal_tokens", "token_extensions"]
 
 _HEAL_BIAS = 10.0
@@ -67,6 +69,12 @@ def heal_tokens(model, input_ids: torch.Tensor, tokenizer: Any, attention_mask: 
                          "argument of `generate`.")
     from genfn.config import GenerationConfig
 
+    check_tokenizer(tokenizer, "token_healing",
+                    ("get_vocab", "convert_ids_to_tokens", "decode", "encode"))
+    missing = [a for a in ("bos_token_id", "pad_token_id", "eos_token_id") if not hasattr(tokenizer, a)]
+    if missing:
+        raise TypeError(f"token_healing needs a tokenizer with {', '.join(missing)} attributes (None where unset); "
+                        f"{type(tokenizer).__name__} has none")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     bos_id, pad_id = tokenizer.bos_token_id, tokenizer.pad_token_id

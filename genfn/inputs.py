@@ -30,6 +30,9 @@ __all__ = [
     "check_allocation",
     "kv_cache_nbytes",
     "check_generation_memory",
+    "check_logits_shape",
+    "check_model",
+    "check_tokenizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -163,10 +166,19 @@ def attention_mask_for(input_ids: torch.Tensor, attention_mask: Any, pad_token_i
         return torch.ones_like(input_ids)
     if isinstance(attention_mask, (list, tuple)):
         attention_mask = torch.tensor(attention_mask)
+    elif not isinstance(attention_mask, torch.Tensor) and type(attention_mask).__module__ == "numpy":
+        attention_mask = torch.as_tensor(attention_mask)
     if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor of 0/1, got {type(attention_mask).__name__}")
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise ValueError(f"attention_mask must have an integer or bool dtype (values 0/1), got {attention_mask.dtype}")
+        raise TypeError(f"attention_mask must be a torch.Tensor (or numpy array) of 0/1, got "
+                        f"{type(attention_mask).__name__}")
+    if attention_mask.dtype.is_complex:
+        raise ValueError(f"attention_mask must have an integer, bool or float dtype (values 0/1), got "
+                         f"{attention_mask.dtype}")
+    if attention_mask.dtype.is_floating_point:
+        # transformers accepts a float mask of 0.0/1.0 (tokenizers return one when asked for floats).
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            values = sorted(set(torch.unique(attention_mask).tolist()) - {0.0, 1.0})[:5]
+            raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got other values {values}")
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {list(attention_mask.shape)} must equal input_ids shape "
                          f"{list(input_ids.shape)}")
@@ -187,6 +199,70 @@ def check_left_padding(mask: torch.Tensor, what: str) -> None:
     if not_left:
         raise ValueError(f"{what}: row(s) {not_left[:8]} have padding after a real token (right padding); genfn, like "
                          f"transformers for decoder-only models, needs left padding (tokenizer padding_side='left')")
+
+
+# ---- models and tokenizers --------------------------------------------------------------------
+
+def check_model(model: Any, name: str = "model") -> None:
+    """``model`` must be a genfn model (``genfn.load``, ``genfn.from_module``, ``genfn.Model``): a
+    value with ``apply``, ``init_cache``, ``vocab_size`` and ``generation_config``."""
+    if model is None or isinstance(model, (str, os.PathLike)):
+        hint = (f"; load it first: genfn.load({str(model)!r})" if isinstance(model, (str, os.PathLike))
+                else "")
+        raise TypeError(f"{name} must be a genfn model (genfn.load(path), genfn.from_module(nn_module)), got "
+                        f"{type(model).__name__} {model!r}{hint}"[:400])
+    if isinstance(model, torch.nn.Module) and not hasattr(model, "init_cache"):
+        raise TypeError(f"{name} is a torch.nn.Module ({type(model).__name__}); wrap it first: "
+                        f"genfn.from_module(module)")
+    missing = [attr for attr in ("apply", "init_cache", "vocab_size", "generation_config") if not hasattr(model, attr)]
+    if missing:
+        raise TypeError(f"{name} must be a genfn model (genfn.load(path), genfn.from_module(nn_module)); "
+                        f"{type(model).__name__} has no {', '.join(missing)}")
+    vocab = getattr(model, "vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise TypeError(f"{name}.vocab_size must be an int >= 1, got {vocab!r}")
+
+
+def check_tokenizer(tokenizer: Any, purpose: str, methods: Sequence[str]) -> None:
+    """``tokenizer`` must offer ``methods`` (callables) for ``purpose`` (``stop_strings``,
+    ``token_healing``), and its ``get_vocab()`` must map token strings to int ids."""
+    missing = [m for m in methods if not callable(getattr(tokenizer, m, None))]
+    if missing:
+        raise TypeError(f"{purpose} needs a tokenizer (genfn's, or a transformers tokenizer) with "
+                        f"{', '.join(m + '()' for m in methods)}; {type(tokenizer).__name__} has no "
+                        f"{', '.join(m + '()' for m in missing)}")
+    if "get_vocab" in methods:
+        vocab = tokenizer.get_vocab()
+        if not isinstance(vocab, dict) or not vocab or not all(
+                isinstance(t, str) and _is_int(i) for t, i in vocab.items()):
+            raise TypeError(f"{purpose}: tokenizer.get_vocab() must return a non-empty dict of token string -> int "
+                            f"id, got {type(vocab).__name__}"
+                            + (f" with an entry {next(iter(vocab.items()))!r}" if isinstance(vocab, dict) and vocab
+                               else ""))
+
+
+# ---- the model's output -----------------------------------------------------------------------
+
+def check_logits_shape(logits: torch.Tensor, rows: int, vocab_size: int, tokenizer_size: int | None = None) -> None:
+    """The prefill's logits ``[rows, ..., V]`` must have one row per prompt row and one column per
+    vocabulary entry: a model whose head is narrower than its vocabulary (or than its tokenizer)
+    would otherwise decode from the wrong columns without complaint. Checked once per call, on the
+    prefill (every later step runs the same model on the same shapes)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        raise ValueError(f"the model must return logits [batch, ..., vocab]; got "
+                         f"{type(logits).__name__} {list(getattr(logits, 'shape', []))}")
+    if logits.shape[0] != rows:
+        raise ValueError(f"the model returned logits for {logits.shape[0]} rows, but the batch has {rows} rows "
+                         f"(logits shape {list(logits.shape)}); its apply must keep the batch dimension")
+    if logits.shape[-1] != vocab_size:
+        raise ValueError(f"the model returned logits with {logits.shape[-1]} columns, but its vocabulary "
+                         f"(vocab_size) has {vocab_size} entries; the output head and the config disagree")
+    if tokenizer_size is not None and tokenizer_size > logits.shape[-1]:
+        # Not an error: transformers runs such pairs (tokens added without resizing the embeddings),
+        # and they decode correctly until the prompt holds one of the extra ids (check_token_range).
+        logger.warning("the tokenizer has %d tokens, more than the model's %d logits columns: the model can never "
+                       "produce the last %d; check that the tokenizer belongs to this model", tokenizer_size,
+                       logits.shape[-1], tokenizer_size - logits.shape[-1])
 
 
 # ---- lengths and memory ------------------------------------------------------------------------

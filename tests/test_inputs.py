@@ -102,6 +102,7 @@ IDS = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]])
     torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]),
     torch.tensor([[False, False, True, True], [True, True, True, True]]),
     torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.int32),
+    torch.tensor([[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]),
     [[0, 0, 1, 1], [1, 1, 1, 1]],
 ])
 def test_a_left_padded_mask_passes(mask):
@@ -110,7 +111,8 @@ def test_a_left_padded_mask_passes(mask):
 
 
 @pytest.mark.parametrize("mask,error,match", [
-    (torch.tensor([[0.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ValueError, "float32"),
+    # A float mask of 0.0/1.0 passes (transformers accepts it); other values do not.
+    (torch.tensor([[0.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ValueError, r"only 0 .* and 1 .*\[0.5\]"),
     (torch.tensor([[0, 0, 2, 1], [1, 1, 1, 1]]), ValueError, r"only 0 .* and 1 .*\[2\]"),
     (torch.tensor([[0, 0, 1, 1], [1, 1, 1, -1]]), ValueError, r"\[-1\]"),
     (torch.tensor([[0, 1, 1], [1, 1, 1]]), ValueError, "shape"),
@@ -201,7 +203,7 @@ def tiny():
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(input_ids=[[5, 6.0]]), TypeError, "input_ids"),
-    (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[0.5, 1.0]])), ValueError, "float"),
+    (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[0.5, 1.0]])), ValueError, r"only 0 \(padding\) and 1 .*\[0.5\]"),
     (dict(input_ids=torch.tensor([[5, 6]]), attention_mask=torch.tensor([[1, 0]])), ValueError, "left padding"),
     (dict(input_ids=torch.tensor([[5, 0]]), pad_token_id=0), ValueError, "inferred from pad_token_id=0"),
     (dict(input_ids=torch.tensor([[5, 6]]), pad_token_id=97), ValueError, "pad_token_id=97"),

@@ -26,18 +26,20 @@ from typing import Any
 import torch
 
 from genfn import random as grandom
+from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.logprobs import (chosen_logprobs, max_logsumexp, native_pick, raw_logprobs, top_logprobs,
                                      top_pairs)
-from genfn.batching.requests import RequestState
+from genfn.batching.requests import RequestState, RequestStatus
 from genfn.cache.paged import PackedPlan
 from genfn.kernels.packed_gemm import pack_linear_weights
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
+from genfn.processors.numerics import nonfinite_rows
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "packed_plan", "run_batch",
-           "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "fail_nonfinite", "nonfinite_error", "orphaned_blocks", "packed_plan",
+           "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,15 @@ class RequestSettings:
 
     ``chain``: the request's processors as a one-row per-row chain (``None``: none apply);
     ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``;
-    ``top_logprobs``: how many most likely tokens to report per generated token.
+    ``top_logprobs``: how many most likely tokens to report per generated token; ``check_finite``:
+    fail the request when its raw logits hold NaN/inf (off under ``remove_invalid_values``).
     """
 
     chain: ProcessorChain | None = None
     key: torch.Tensor | None = None
     stop_strings: Any = None
     top_logprobs: int = 0
+    check_finite: bool = True
 
     @property
     def do_sample(self) -> bool:
@@ -169,6 +173,13 @@ class Engine:
         logits, self.cache = fn(self.model.params, inputs, self.cache)
         return logits
 
+    def clear_blocks(self, blocks) -> None:
+        """Zero the keys and values of ``blocks`` (in place, between steps)."""
+        if blocks:
+            index = torch.tensor(list(blocks), dtype=torch.int64, device=self.cache.keys.device)
+            self.cache.keys.index_fill_(1, index, 0)
+            self.cache.values.index_fill_(1, index, 0)
+
     def warmup(self) -> None:
         """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
         at the smallest and largest count (first-call allocations and kernel builds)."""
@@ -217,12 +228,14 @@ class Engine:
 
 
 def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocator, batch: S.ScheduledBatch
-              ) -> tuple[dict[Hashable, int], dict[Hashable, float], dict[Hashable, list[tuple[int, float]]]]:
+              ) -> tuple[dict[Hashable, int], dict[Hashable, float], dict[Hashable, list[tuple[int, float]]],
+                         frozenset]:
     """Forward ``batch`` (scheduled into ``allocator``) and choose each sampling row's token.
 
     ``requests``: the scheduler's requests after ``schedule``. Returns ``(new_tokens, logprobs,
-    top_logprobs)`` keyed by request id, for the chunks that sample (``top_logprobs``: only the
-    requests that asked for some, their ``(token_id, logprob)`` pairs, most likely first).
+    top_logprobs, nonfinite)`` keyed by request id, for the chunks that sample (``top_logprobs``:
+    only the requests that asked for some, their ``(token_id, logprob)`` pairs, most likely first;
+    ``nonfinite``: the requests whose raw logits held NaN/inf, which the caller fails, alone).
     """
     inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
@@ -243,17 +256,42 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     top_ids = top_values = None
     if top_k:
         top_ids, top_values = top_logprobs(raw_logprobs(logits), top_k)
-    chosen, logprobs = chosen.tolist(), logprobs.tolist()  # the one host sync of a step
+    bad_rows = nonfinite_rows(logits)
+    chosen, logprobs, bad_rows = chosen.tolist(), logprobs.tolist(), bad_rows.tolist()  # the step's host sync
     if top_k:  # already computed by now: no further wait
         top_ids, top_values = top_ids.tolist(), top_values.tolist()
-    new_tokens, new_logprobs, new_top = {}, {}, {}
+    new_tokens, new_logprobs, new_top, nonfinite = {}, {}, {}, set()
     for row, chunk in enumerate(batch.chunks):
-        if chunk.samples:
+        if chunk.samples and bad_rows[row] and settings_of(requests[chunk.request_id]).check_finite:
+            nonfinite.add(chunk.request_id)
+        elif chunk.samples:
             new_tokens[chunk.request_id] = chosen[row]
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
-    return new_tokens, new_logprobs, new_top
+    return new_tokens, new_logprobs, new_top, frozenset(nonfinite)
+
+
+def fail_nonfinite(engine: Engine, state: S.SchedulerState, request_id: Hashable
+                   ) -> tuple[S.SchedulerState, RequestState | None]:
+    """End a request whose logits were NaN/inf, FAILED. Its keys/values may be non-finite too: its
+    blocks leave the prefix cache, and those no other request holds are zeroed, because a later
+    request handed one of them reads its stale slots masked out, and ``0 * NaN`` is NaN."""
+    orphaned = orphaned_blocks(state.allocator, request_id)
+    state, ended = S.finish(state, request_id, RequestStatus.FAILED, nonfinite_error(request_id), keep_cached=False)
+    engine.clear_blocks(orphaned)
+    return state, ended
+
+
+def orphaned_blocks(alloc: B.BlockAllocator, request_id: Hashable) -> list[int]:
+    """The request's blocks no other request holds (freed when it ends)."""
+    return [b for b in B.block_table(alloc, request_id) if alloc.refs[b] == 1]
+
+
+def nonfinite_error(request_id: Hashable) -> str:
+    """The error a request fails with when the model gave it NaN or infinite logits."""
+    return (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {request_id!r}; pass "
+            f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
 
 
 def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None) -> PackedPlan:
@@ -290,7 +328,11 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     state, batch = S.schedule(state, token_budget or engine.max_batch_tokens)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted)
-    new_tokens, logprobs, top = run_batch(engine, state.requests, state.allocator, batch)
+    new_tokens, logprobs, top, nonfinite = run_batch(engine, state.requests, state.allocator, batch)
+    failed = list(batch.failed)
+    for request_id in nonfinite:
+        state, ended = fail_nonfinite(engine, state, request_id)
+        failed.append(ended)
     state, finished = S.apply_step(state, batch, new_tokens)
     finished = list(finished)
     for request_id in new_tokens:
@@ -298,5 +340,5 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
         if request is not None and stopped_by_string(request):
             state, ended = S.finish(state, request_id)
             finished.append(ended)
-    return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=batch.failed,
+    return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top)

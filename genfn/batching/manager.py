@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-from genfn.batching.engine import Engine, run_batch, stopped_by_string
+from genfn.batching.engine import Engine, nonfinite_error, orphaned_blocks, run_batch, stopped_by_string
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
 from genfn.batching.requests import RequestStatus, make_request
@@ -497,7 +497,16 @@ class ContinuousBatchingManager:
             if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
                 reused += chunk.start
         self.stats["reused_tokens"] += reused
-        new_tokens, logprobs, tops = run_batch(self.engine, state.requests, state.allocator, batch)
+        new_tokens, logprobs, tops, nonfinite = run_batch(self.engine, state.requests, state.allocator, batch)
+        for request_id in nonfinite:
+            # Only the request the model gave NaN/inf logits fails; the batch goes on without it.
+            # As engine.fail_nonfinite: out of the prefix cache, its own blocks zeroed.
+            orphaned = orphaned_blocks(self.scheduler.state.allocator, request_id)
+            ended = self.scheduler.finish_request(request_id, RequestStatus.FAILED, nonfinite_error(request_id),
+                                                  keep_cached=False)
+            self.engine.clear_blocks(orphaned)
+            if ended is not None:
+                self._end(request_id, RequestStatus.FAILED, ended.generated_ids, ended.error)
         finished = list(self.scheduler.update_batch(batch, new_tokens))
         by_string = set()
         now = time.perf_counter()

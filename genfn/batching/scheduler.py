@@ -77,10 +77,11 @@ class Scheduler:
         return S.has_pending(self._state)
 
     def finish_request(self, request_id: Hashable, status: RequestStatus = RequestStatus.FINISHED,
-                       error: str | None = None) -> RequestState | None:
-        """End a request and release its blocks; returns it (``None`` if it had ended already)."""
+                       error: str | None = None, keep_cached: bool = True) -> RequestState | None:
+        """End a request and release its blocks (``keep_cached=False``: none stays in the prefix
+        cache); returns it (``None`` if it had ended already)."""
         with self._lock:
-            self._state, request = S.finish(self._state, request_id, status, error)
+            self._state, request = S.finish(self._state, request_id, status, error, keep_cached)
         return request
 
     def get_active_request_static_outputs(self, request_id: Hashable) -> list[int]:

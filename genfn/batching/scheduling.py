@@ -225,11 +225,12 @@ def add_request(state: SchedulerState, request: RequestState) -> SchedulerState:
     )
 
 
-def _remove(state: SchedulerState, request_id: Hashable) -> SchedulerState:
+def _remove(state: SchedulerState, request_id: Hashable, keep_cached: bool = True) -> SchedulerState:
     requests = dict(state.requests)
     del requests[request_id]
     return state.replace(
-        allocator=B.free_request(state.allocator, request_id, keep_cached=state.policy.prefix_caching),
+        allocator=B.free_request(state.allocator, request_id,
+                                 keep_cached=keep_cached and state.policy.prefix_caching),
         requests=MappingProxyType(requests),
         waiting=tuple(r for r in state.waiting if r != request_id),
         active=tuple(r for r in state.active if r != request_id),
@@ -238,8 +239,10 @@ def _remove(state: SchedulerState, request_id: Hashable) -> SchedulerState:
 
 
 def finish(state: SchedulerState, request_id: Hashable, status: RequestStatus = RequestStatus.FINISHED,
-           error: str | None = None) -> tuple[SchedulerState, RequestState | None]:
+           error: str | None = None, keep_cached: bool = True) -> tuple[SchedulerState, RequestState | None]:
     """End a request (FINISHED by default; FAILED with ``error``), releasing its blocks.
+    ``keep_cached=False``: none of its blocks stays in the prefix cache (their content is not to be
+    reused: a request whose keys/values went NaN).
 
     Returns the ended request, or ``None`` if the scheduler did not hold it (ended already)."""
     if status < RequestStatus.FINISHED:
@@ -247,7 +250,7 @@ def finish(state: SchedulerState, request_id: Hashable, status: RequestStatus = 
     request = state.requests.get(request_id)
     if request is None:
         return state, None
-    return _remove(state, request_id), request.replace(status=status, error=error)
+    return _remove(state, request_id, keep_cached), request.replace(status=status, error=error)
 
 
 def mark_cancelled(state: SchedulerState, request_id: Hashable) -> SchedulerState:

@@ -153,5 +153,6 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         key=_key(seed, key) if config.do_sample else None,
         stop_strings=stop_strings,
         top_logprobs=top_logprobs,
+        check_finite=not bool(config.remove_invalid_values),
     )
     return ResolvedRequest(settings, max(max_length - prompt_len, 1), eos_ids)

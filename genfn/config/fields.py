@@ -223,7 +223,11 @@ _NESTED_CONFIGS: Mapping[str, tuple[tuple[type, ...], Callable[[Mapping[str, Any
 
 
 def coerce_field(name: str, value: Any) -> Any:
-    """Build nested config objects from dicts or foreign config objects, naming the field on error."""
+    """Build nested config objects from dicts or foreign config objects, naming the field on error.
+    A numpy scalar (``np.int64(8)``, ``np.float32(0.7)``, ``np.bool_``) becomes the Python value it
+    holds, as transformers' users pass them: the config then serializes and compares as plain JSON."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()
     if name not in _NESTED_CONFIGS or value is None:
         return value
     classes, from_dict = _NESTED_CONFIGS[name]

@@ -174,7 +174,9 @@ def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visibl
     kv_heads = keys.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)
     k = keys.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
-    v = values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute)
+    # Every query reads every slot, its weight 0 where masked; but 0 * NaN is NaN, so one request's
+    # non-finite values (or a freed block's stale ones) would reach every row of the batch.
+    v = torch.nan_to_num(values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute), 0.0, 0.0, 0.0)
     qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(compute)
     scores = torch.einsum("thgd,hsd->thgs", qg, k) * head_dim ** -0.5
     scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, -1), float("-inf"))

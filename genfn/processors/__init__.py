@@ -19,7 +19,8 @@ from genfn.processors.forcing import (
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
-from genfn.processors.guidance import guidance_combine
+from genfn.processors.guidance import (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor,
+                                       guidance_combine)
 from genfn.processors.ngrams import EncoderNoRepeatNGramLogitsProcessor, NoRepeatNGramLogitsProcessor
 from genfn.processors.numerics import InfNanRemoveLogitsProcessor, LogitNormalization
 from genfn.processors.openai_sampling import LogitBiasLogitsProcessor, PresenceFrequencyPenaltyLogitsProcessor
@@ -66,6 +67,8 @@ __all__ = [
     "RowValue",
     "RowSelect",
     "guidance_combine",
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
     # warpers
     "TemperatureLogitsWarper",
     "TopKLogitsWarper",

@@ -17,6 +17,9 @@ processor from one processor (or ``None``: the kind is off) per row.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +40,8 @@ __all__ = [
     "as_id_list",
     "check_vocab",
     "per_row_column",
+    "accepts_transformers_arguments",
+    "uses_keywords",
 ]
 
 
@@ -240,3 +245,51 @@ def _flatten_ids(ids: Any):
             yield from _flatten_ids(v)
     elif ids is not None:
         yield ids
+
+
+def accepts_transformers_arguments(is_transformers_call: Callable[[tuple, dict], bool],
+                                   build: Callable[..., Any],
+                                   readback: Callable[..., dict] | None = None):
+    """Class decorator (outside ``@pytree_dataclass``): the processor also takes transformers'
+    constructor arguments. ``is_transformers_call(args, kwargs)`` tells the two forms apart;
+    ``build(cls, *args, **kwargs)`` makes the instance the genfn way (``create``/``from_config``);
+    ``readback(*args, **kwargs)`` gives the public attributes transformers' object would expose
+    (``sequence_bias``, ``bad_word_ids``...), set on the instance as built. The dataclass form
+    (fields, what ``replace`` and the pytree machinery use) is unchanged."""
+    def wrap(cls):
+        field_init = cls.__init__
+        field_names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+        field_signature = inspect.signature(field_init)
+
+        def binds_fields(args: tuple, kwargs: dict) -> bool:
+            try:
+                field_signature.bind(None, *args, **kwargs)
+            except TypeError:
+                return False
+            return True
+
+        def __init__(self, *args, **kwargs):
+            if not is_transformers_call(args, kwargs) and binds_fields(args, kwargs):
+                field_init(self, *args, **kwargs)
+                return
+            built = build(cls, *args, **kwargs)
+            for name in field_names:
+                object.__setattr__(self, name, getattr(built, name))
+            for name, value in (readback(*args, **kwargs) if readback is not None else {}).items():
+                object.__setattr__(self, name, value)
+
+        __init__.__doc__ = field_init.__doc__
+        cls.__init__ = __init__
+        return cls
+    return wrap
+
+
+def uses_keywords(*names: str, first_type: type | tuple[type, ...] | None = None):
+    """An ``is_transformers_call`` predicate: a keyword among ``names``, or a first positional
+    argument of ``first_type``."""
+    def check(args: tuple, kwargs: dict) -> bool:
+        if any(name in kwargs for name in names):
+            return True
+        return first_type is not None and bool(args) and isinstance(args[0], first_type)
+    return check

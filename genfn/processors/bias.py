@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from genfn.processors.base import ProcessorBase, as_id_list, check_vocab, tail_tokens
+from genfn.processors.base import (ProcessorBase, accepts_transformers_arguments, as_id_list, check_vocab, tail_tokens,
+                                   uses_keywords)
 from genfn.processors.context import LogitsContext
 from genfn.processors.rowvalues import evolve, same_value, set_row
 from genfn.state.base import pytree_dataclass
@@ -70,6 +71,9 @@ def _layout(sequences: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], li
     return singles, list(by_length.values())
 
 
+@accepts_transformers_arguments(uses_keywords("sequence_bias", first_type=(list, dict)),
+                                lambda cls, sequence_bias: cls.create(sequence_bias),
+                                lambda sequence_bias: {"sequence_bias": _normalize_sequence_bias(sequence_bias)})
 @pytree_dataclass
 class SequenceBiasLogitsProcessor(ProcessorBase):
     """Add ``bias`` to the last token of a sequence whenever the tokens before it were just generated.
@@ -193,6 +197,18 @@ class SequenceBiasLogitsProcessor(ProcessorBase):
         return logits + bias
 
 
+def _bad_words_readback(bad_words_ids, eos_token_id=None) -> dict:
+    """transformers' public attributes of a NoBadWordsLogitsProcessor: the bad words as given, and
+    the ``-inf`` biases of those that are not a one-token EOS."""
+    eos = as_id_list(eos_token_id, "eos_token_id")
+    kept = [list(ids) for ids in bad_words_ids if all(list(ids) != [e] for e in eos)]
+    return {"bad_word_ids": [list(ids) for ids in bad_words_ids],
+            "sequence_bias": {tuple(ids): float("-inf") for ids in kept}}
+
+
+@accepts_transformers_arguments(uses_keywords("bad_words_ids", first_type=list),
+                                lambda cls, bad_words_ids, eos_token_id=None: cls.create(bad_words_ids, eos_token_id),
+                                _bad_words_readback)
 @pytree_dataclass
 class NoBadWordsLogitsProcessor(SequenceBiasLogitsProcessor):
     """Forbid (``-inf``) the last token of any bad-word sequence whose prefix was just generated.

@@ -80,7 +80,9 @@ class ExternalLogitsProcessor(ProcessorBase):
         if out.shape != logits.shape:
             raise TypeError(f"the logits processor {_describe(fn)} returned scores shaped {tuple(out.shape)}, "
                             f"expected {tuple(logits.shape)}")
-        return out
+        # A new tensor built from slices or a transpose may be a strided view, and may come back in
+        # another float dtype: the chain hands on contiguous scores of the logits' dtype.
+        return out.to(logits.dtype).contiguous()
 
 
 def is_genfn_processor(p: Any) -> bool:

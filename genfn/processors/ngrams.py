@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.processors.base import ProcessorBase, token_set_mask
+from genfn.processors.base import ProcessorBase, accepts_transformers_arguments, token_set_mask, uses_keywords
 from genfn.processors.context import LogitsContext
 from genfn.processors.rowvalues import RowValue, evolve
 from genfn.state.base import pytree_dataclass, static_field
@@ -116,6 +116,10 @@ class NoRepeatNGramLogitsProcessor(_NGramRows, ProcessorBase):
         return logits.masked_fill(banned, -float("inf"))
 
 
+@accepts_transformers_arguments(
+    uses_keywords("encoder_ngram_size"),
+    lambda cls, encoder_ngram_size, encoder_input_ids: cls(encoder_ngram_size, encoder_input_ids),
+    lambda encoder_ngram_size, encoder_input_ids: {"batch_size": encoder_input_ids.reshape(-1, encoder_input_ids.shape[-1]).shape[0]})
 @pytree_dataclass
 class EncoderNoRepeatNGramLogitsProcessor(_NGramRows, ProcessorBase):
     """Forbid completing any n-gram that occurs in the encoder input (used to stop a summarizer

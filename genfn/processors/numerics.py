@@ -12,7 +12,19 @@ from genfn.processors.base import ProcessorBase
 from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass
 
-__all__ = ["InfNanRemoveLogitsProcessor", "LogitNormalization"]
+__all__ = ["InfNanRemoveLogitsProcessor", "LogitNormalization", "nonfinite_rows"]
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[...]`` bool: rows of ``logits [..., V]`` holding a NaN or an infinity. The one finiteness
+    check of raw logits: every strategy and continuous batching record it (the driver raises
+    ``NonFiniteLogitsError``; the batching manager fails that request alone).
+
+    A row's sum is NaN or infinite exactly when the row holds a NaN or an infinity (``inf - inf``
+    is NaN), or when its finite values add up past float32's range (~3e38, logits no model makes):
+    one reduction, where ``isfinite(logits).all(-1)`` writes a ``[B, V]`` mask first, ~30x slower
+    on a 49152-token vocabulary (measured side by side on one thread)."""
+    return ~torch.isfinite(logits.sum(dim=-1))
 
 
 @pytree_dataclass

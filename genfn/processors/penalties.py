@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, as_id_list, filled_tokens, per_row_column
+from genfn.processors.base import (ProcessorBase, accepts_transformers_arguments, as_id_list, filled_tokens, per_row_column,
+                                   uses_keywords)
 from genfn.processors.context import LogitsContext
 from genfn.processors.forcing import TokenSetRows
 from genfn.processors.rowvalues import RowValue
@@ -114,6 +115,13 @@ class EncoderRepetitionPenaltyLogitsProcessor(ProcessorBase):
         return _rescale_at(logits, ids, inv, inv)
 
 
+@accepts_transformers_arguments(
+    uses_keywords("exponential_decay_length_penalty", "input_ids_seq_length", first_type=(tuple, list)),
+    lambda cls, exponential_decay_length_penalty, eos_token_id, input_ids_seq_length: cls.from_config(
+        exponential_decay_length_penalty, eos_token_id, input_ids_seq_length),
+    lambda exponential_decay_length_penalty, eos_token_id, input_ids_seq_length: {
+        "regulation_start": int(exponential_decay_length_penalty[0]) + int(input_ids_seq_length),
+        "regulation_factor": float(exponential_decay_length_penalty[1])})
 @pytree_dataclass
 class ExponentialDecayLengthPenalty(TokenSetRows, ProcessorBase):
     """After ``start_index`` generated tokens, raise the EOS logits by ``|x| * (factor**i - 1)``

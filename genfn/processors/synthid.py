@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase
+from genfn.processors.base import ProcessorBase, accepts_transformers_arguments, uses_keywords
 from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass, static_field
 
@@ -67,6 +67,10 @@ class SynthIDTextWatermarkState:
     num_calls: torch.Tensor  # [B] int64: steps each row processed so far (rows may join a batch later)
 
 
+@accepts_transformers_arguments(
+    uses_keywords("sampling_table_size", "sampling_table_seed", "device", first_type=int),
+    lambda cls, *args, **kwargs: cls.create(*args, **kwargs),
+    lambda *args, **kwargs: {"device": kwargs.get("device", args[5] if len(args) > 5 else None), "state": None})
 @pytree_dataclass
 class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
     """Stateful SynthID processor. Build with :meth:`create`; ``keys`` and ``sampling_table`` are
@@ -129,8 +133,11 @@ class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
         batch, vocab = logits.shape
         if self.debug_mode:
             logits = torch.ones_like(logits)
-        # The first call keeps the zero context; later calls shift in the newest token.
-        shifted = torch.cat([state.context, ctx.last_token().unsqueeze(1)], dim=1)[:, 1:]
+        # The first call keeps the zero context; later calls shift in the newest token. transformers
+        # makes that first call with an empty ``input_ids`` (a static width: no token to read).
+        newest = (ctx.last_token() if ctx.tokens.shape[1] else
+                  torch.zeros(batch, dtype=torch.int64, device=logits.device))
+        shifted = torch.cat([state.context, newest.to(state.context.device).unsqueeze(1)], dim=1)[:, 1:]
         num_calls = state.num_calls.reshape(-1, 1).expand(batch, 1)  # a 0-d count (older states) broadcasts
         context = torch.where(num_calls > 0, shifted, state.context)
         num_calls = num_calls + 1

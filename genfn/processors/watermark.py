@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, per_row_column, tail_tokens, token_set_mask
+from genfn.processors.base import (ProcessorBase, accepts_transformers_arguments, per_row_column, tail_tokens,
+                                   token_set_mask, uses_keywords)
 from genfn.processors.context import LogitsContext
 from genfn.processors.rowvalues import RowValue
 from genfn.state.base import pytree_dataclass, static_field
@@ -97,6 +98,11 @@ def _selfhash_seeds(window: torch.Tensor, table: torch.Tensor, hashing_key: int)
     return (hashing_key * a * b).min(dim=-1).values
 
 
+@accepts_transformers_arguments(
+    uses_keywords("device", "greenlist_ratio", "hashing_key"),
+    lambda cls, *args, **kwargs: cls.create(*args, **kwargs),
+    lambda vocab_size, device=None, greenlist_ratio=0.25, bias=2.0, hashing_key=15485863, *rest, **kwargs: {
+        "hash_key": hashing_key, "table_size": _TABLE_SIZE})
 @pytree_dataclass
 class WatermarkLogitsProcessor(ProcessorBase):
     """Add ``bias`` to the logits of a pseudo-random "green" fraction of the vocabulary.

@@ -42,6 +42,8 @@ class BeamOptions:
     output_logits: bool = False
     output_attentions: bool = False
     output_hidden_states: bool = False
+    # Record prompts whose raw logits hold NaN/inf (the driver raises); off under remove_invalid_values.
+    check_finite: bool = True
 
     @property
     def beams_to_keep(self) -> int:
@@ -80,6 +82,7 @@ class BeamState:
     hidden_states: tuple | None  # per layer (+ embeddings) [B * K, 1, hidden] of the latest step
     prefill_attentions: tuple | None  # the prefill's, passed through unchanged so shapes stay fixed
     prefill_hidden_states: tuple | None
+    nonfinite: torch.Tensor  # [B] bool: a beam of the prompt saw NaN or inf logits at some step
     options: BeamOptions = static_field()
     # The logits-processor chain (a pytree: kinds static, numbers leaves), as in DecodeState.
     processors: Any = None

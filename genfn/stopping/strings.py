@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from genfn.state.base import pytree_dataclass, static_field
+from genfn.inputs import check_tokenizer
 
 __all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode", "stop_string_in_new_tokens"]
 
@@ -106,7 +107,12 @@ def _clean_vocabulary(tokenizer: Any, vocab: dict, mode: str | None) -> list[tup
             return token
         pieces = prefix_tokens + [token]
         text = decoder.decode(pieces) if decoder is not None else " ".join(pieces)
-        return text[text.index(_STATIC_PREFIX) + len(_STATIC_PREFIX):]
+        start = text.find(_STATIC_PREFIX)
+        if start < 0:
+            raise ValueError(f"stop_strings: the tokenizer's decoder ({type(decoder).__name__}) does not reproduce "
+                             f"plain text ({_STATIC_PREFIX!r} came back as {text!r}), so the stop strings cannot be "
+                             f"matched against its tokens")
+        return text[start + len(_STATIC_PREFIX):]
 
     out = []
     for token, index in vocab.items():
@@ -213,6 +219,7 @@ class StopStringMatcher:
         stop_strings = tuple(stop_strings)
         if not stop_strings or not all(isinstance(s, str) for s in stop_strings):
             raise ValueError(f"`stop_strings` must be a string or a non-empty list of strings, got {stop_strings!r}")
+        check_tokenizer(tokenizer, "stop_strings", ("get_vocab",))
         mode = stop_string_matching_mode(tokenizer)
         stops = stop_strings if mode is None else tuple(s.encode("utf-8") for s in stop_strings)
         vocab = tokenizer.get_vocab()

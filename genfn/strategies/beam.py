@@ -26,8 +26,10 @@ from __future__ import annotations
 import torch
 
 from genfn import random as grandom
+from genfn.inputs import check_logits_shape
 from genfn.outputs import GenerateBeamDecoderOnlyOutput
 from genfn.processors.context import LogitsContext
+from genfn.processors.numerics import nonfinite_rows
 from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.state.beam import BeamOptions, BeamState
 from genfn.strategies.request import GenerationRequest, StepTrace
@@ -69,6 +71,7 @@ def options_for(request: GenerationRequest) -> BeamOptions:
         output_logits=request.output_logits,
         output_attentions=request.output_attentions,
         output_hidden_states=request.output_hidden_states,
+        check_finite=not bool(config.remove_invalid_values),
     )
 
 
@@ -96,6 +99,7 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
     logits, cache, attentions, hidden_states = model_forward(
         model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
         attentions=opts.output_attentions, hidden_states=opts.output_hidden_states)
+    check_logits_shape(logits, rows, model.vocab_size, request.tokenizer_size)
 
     running_sequences = torch.full((batch, num_beams, width), opts.fill_token_id, dtype=torch.int64, device=device)
     running_sequences[:, :, :prompt_len] = input_ids.view(batch, num_beams, prompt_len)
@@ -127,6 +131,7 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
         hidden_states=step_hidden,
         prefill_attentions=attentions,
         prefill_hidden_states=hidden_states,
+        nonfinite=torch.zeros(batch, dtype=torch.bool, device=device),
         options=opts,
         processors=request.processors,
     )
@@ -178,6 +183,10 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
     keep = opts.beams_to_keep
     cur_len, prompt_len = state.cur_len, state.prompt_len
 
+    nonfinite = state.nonfinite
+    if opts.check_finite:
+        nonfinite = nonfinite | nonfinite_rows(logits).view(batch, num_beams).any(dim=1)
+
     # 1. Candidate scores: processed log-probs plus the running score of their beam.
     log_probs = torch.log_softmax(logits, dim=-1)
     if state.processors is not None:
@@ -185,7 +194,7 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
         ctx = LogitsContext(tokens=state.running_sequences.view(rows, width), cur_len=cur_len.expand(rows),
                             prompt_len=prompt_len.expand(rows))
         log_probs = state.processors(log_probs, ctx)
-    accumulated = (log_probs.view(batch, num_beams, vocab) + state.running_scores.unsqueeze(-1)).view(batch, -1)
+    accumulated = (log_probs.reshape(batch, num_beams, vocab) + state.running_scores.unsqueeze(-1)).view(batch, -1)
 
     # 2. The K2 candidates to consider, best first.
     if opts.do_sample:
@@ -267,6 +276,7 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
         cur_len=cur_len,
         positions=positions,
         done=~unfinished,
+        nonfinite=nonfinite,
         cache=cache,
         scores=log_probs if opts.output_scores else None,
         logits=logits if opts.output_logits else None,

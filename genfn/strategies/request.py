@@ -35,6 +35,7 @@ class GenerationRequest:
     stop_strings: Any = None  # genfn.stopping.StopStringMatcher, checked inside the step
     guidance: Any = None  # genfn.strategies.guidance.GuidanceSpec when guidance_scale != 1
     encoder: Any = None  # genfn.strategies.encoder_decoder.EncoderInputs for an encoder-decoder model
+    tokenizer_size: int | None = None  # len(tokenizer) when one is known: checked against the logits' width
 
     @property
     def batch_size(self) -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from genfn import random as grandom
+from genfn.inputs import check_logits_shape
 from genfn.processors.context import LogitsContext
 from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.decode import DecodeOptions, DecodeState
 from genfn.processors.guidance import guidance_combine
+from genfn.processors.numerics import nonfinite_rows
 from genfn.stopping import eos_emitted
 from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.strategies.guidance import guidance_init, guidance_step
@@ -108,6 +110,7 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
     logits, cache, attentions, hidden_states = model_forward(
         model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
         attentions=request.output_attentions, hidden_states=request.output_hidden_states)
+    check_logits_shape(logits, batch, model.vocab_size, request.tokenizer_size)
     step_attentions, step_hidden = step_placeholders(attentions, hidden_states)
     processors = request.processors
     state = DecodeState(
@@ -184,7 +187,7 @@ def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits:
     scores = logits
     nonfinite = state.nonfinite
     if opts.check_finite:
-        nonfinite = nonfinite | ~torch.isfinite(logits).all(dim=-1)
+        nonfinite = nonfinite | nonfinite_rows(logits)
     if opts.guidance_scale is not None:
         # CFG heads the processor chain, as in transformers.
         scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)

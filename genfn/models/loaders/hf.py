@@ -42,12 +42,17 @@ _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_
 
 
 def read_json(path: str, what: str = "JSON file") -> Any:
-    """Parse a JSON file, turning a syntax error into a CheckpointError that names the file."""
+    """Parse a JSON file that must hold an object, turning a syntax error or another top-level
+    value (a list, a string) into a CheckpointError that names the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object ({{\"key\": value, ...}}), got a "
+                              f"{type(value).__name__}")
+    return value
 
 
 def _tensor_files(directory: str) -> dict[str, list[str] | None]:
@@ -140,6 +145,11 @@ def normalize_config(config: dict, state_dict: dict[str, torch.Tensor], source: 
     missing = [k for k in _REQUIRED_CONFIG_KEYS if config.get(k) is None]
     if missing:
         raise CheckpointError(f"{source}: config.json lacks {', '.join(missing)}")
+    for key in _REQUIRED_CONFIG_KEYS + ("num_key_value_heads", "head_dim", "intermediate_size"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{source}: config.json's {key} must be an int >= 1, got "
+                                  f"{type(value).__name__} {value!r}"[:300])
     model_type = config.get("model_type")
     if not config.get("architectures") and model_type in _ARCHITECTURES:
         config["architectures"] = [_ARCHITECTURES[model_type]]

@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from genfn.outputs import GenerateDecoderOnlyOutput
+from genfn.processors.numerics import nonfinite_rows
 from genfn.state.base import pytree_dataclass, static_field
 from genfn.stopping import eos_emitted
 from genfn.strategies import sample
@@ -242,7 +243,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
         target_hidden = torch.where(state.done.reshape(batch, 1, 1), state.target_hidden, hidden.gather(1, last_kept))
     nonfinite = state.nonfinite
     if opts.check_finite:
-        nonfinite = nonfinite | (~torch.isfinite(logits).all(dim=-1) & kept).any(dim=1)
+        nonfinite = nonfinite | (nonfinite_rows(logits) & kept).any(dim=1)
     # Columns after the kept tokens get padding: what plain decoding appends to a finished row.
     written = torch.where(kept, verified.tokens, opts.pad_token_id)
     state.tokens.scatter_(1, state.cur_len.unsqueeze(1) + block, written)
