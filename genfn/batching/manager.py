@@ -28,7 +28,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-from genfn.batching.engine import Engine, run_batch, stopped_by_string
+from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
 from genfn.batching.requests import RequestStatus, make_request
@@ -94,6 +94,7 @@ class ContinuousBatchingManager:
         if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
             raise TypeError(f"`continuous_batching_config` must be a ContinuousBatchingConfig, got "
                             f"{type(continuous_batching_config).__name__}")
+        self._family = require_packed_forward(model)  # refuse a model batching cannot run, up front
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
@@ -160,13 +161,11 @@ class ContinuousBatchingManager:
         return None
 
     def _build(self) -> None:
-        from genfn.models.packed import init_packed_cache
-
         cb = self.continuous_batching_config
         sizes = self._sizes()
         width = sizes.max_blocks_per_request
-        cache = init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size, dtype=self.model.dtype,
-                                  device=self.model.device)
+        cache = self._family.init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size,
+                                               dtype=self.model.dtype, device=self.model.device)
         self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
                              max_requests=sizes.max_requests_per_batch, table_width=width,
                              compile=self._compile_options())
@@ -402,6 +401,11 @@ class ContinuousBatchingManager:
         (``call_soon_threadsafe``); the handler is removed when the request ends."""
         self._router.register(request_id, callback, asyncio.get_running_loop())
 
+    def remove_result_handler(self, request_id: Hashable) -> None:
+        """Nobody listens to the request any more: drop its outputs (the request itself runs on
+        until it ends or is cancelled)."""
+        self._router.ignore(request_id)
+
     # -- the loop (background thread only) -------------------------------------------------------
 
     def _run(self, inference_mode: bool) -> None:
@@ -480,35 +484,42 @@ class ContinuousBatchingManager:
                 self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule_batch(self.engine.max_batch_tokens)
-        for request in batch.failed:
+        engine = self.engine
+        scheduled_at = time.perf_counter()
+        outcome = self.scheduler.advance(lambda state: engine_step(engine, state, engine.max_batch_tokens))
+        for request in outcome.cancelled:
+            self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
+        for request in outcome.failed:
             self._end(request.request_id, RequestStatus.FAILED, request.generated_ids, request.error)
-        if not batch.chunks:
+        if not outcome.batch.chunks:
             self._wake.wait(0.001)  # blocks are held by requests in flight; look again shortly
             return
-        state = self.scheduler.state
+        self._record(outcome, scheduled_at)
+        for request in outcome.finished:
+            stopped = request.request_id in outcome.by_stop_string or request.generated_ids[-1] in request.eos_token_ids
+            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
+                      finish_reason="stop" if stopped else "length")
+
+    def _record(self, outcome, scheduled_at: float) -> None:
+        """Keep the step's logprobs and timings on the requests' records, stream the tokens of the
+        requests still running, and count the step in the metrics."""
         now = time.perf_counter()
-        self.stats.update(steps=1, tokens=batch.num_tokens, preempted=len(batch.preempted))
-        reused = 0
-        for chunk in batch.chunks:
+        self.stats.update(steps=1, tokens=outcome.num_tokens, preempted=len(outcome.preempted))
+        self.stats["reused_tokens"] += outcome.reused_tokens
+        for chunk in outcome.batch.chunks:
             record = self._records.get(chunk.request_id)
             if record is not None and record.started < 0:
-                record.started = now
-            if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
-                reused += chunk.start
-        self.stats["reused_tokens"] += reused
-        new_tokens, logprobs, tops = run_batch(self.engine, state.requests, state.allocator, batch)
-        finished = list(self.scheduler.update_batch(batch, new_tokens))
-        by_string = set()
-        now = time.perf_counter()
+                record.started = scheduled_at
+        ended = {request.request_id for request in outcome.finished}
+        running = self.scheduler.state.requests
         first_latencies, inter_latencies, prompt_tokens = [], [], 0
-        for request_id, token in new_tokens.items():
+        for request_id in outcome.new_tokens:
             record = self._records.get(request_id)
             if record is None:
                 continue
-            record.logprobs.append(logprobs[request_id])
+            record.logprobs.append(outcome.logprobs[request_id])
             if record.top_logprobs:
-                record.tops.append(tops[request_id])
+                record.tops.append(outcome.top_logprobs[request_id])
             if record.record_timestamps:
                 record.timestamps.append(now)
             if record.last_token < 0:
@@ -517,21 +528,11 @@ class ContinuousBatchingManager:
             else:
                 inter_latencies.append(now - record.last_token)
             record.last_token = now
-            request = self.scheduler.state.requests.get(request_id)
-            if request is not None and stopped_by_string(request, self.engine.device):
-                ended = self.scheduler.finish_request(request_id)
-                if ended is not None:
-                    finished.append(ended)
-                    by_string.add(request_id)
-            elif request is not None and record.streaming:
-                self._router.deliver(self._output(request_id, RequestStatus.DECODING, request.generated_ids))
+            if record.streaming and request_id not in ended and request_id in running:
+                self._router.deliver(self._output(request_id, RequestStatus.DECODING,
+                                                  running[request_id].generated_ids))
         self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
-                                  prompt_tokens, reused)
-        for request in finished:
-            stopped = (request.request_id in by_string or request.generated_ids[-1] in request.eos_token_ids
-                       or stopped_by_string(request, self.engine.device))
-            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
-                      finish_reason="stop" if stopped else "length")
+                                  prompt_tokens, outcome.reused_tokens)
 
     # -- endings ---------------------------------------------------------------------------------
 

@@ -68,11 +68,21 @@ class OutputRouter:
         with self._cond:
             self._handlers[request_id] = (callback, loop)
 
+    def ignore(self, request_id: Hashable) -> None:
+        """Drop the request's outputs from now on (its listener left), up to and including its last."""
+        with self._cond:
+            self._handlers[request_id] = (None, None)
+            queue = self._by_request.pop(request_id, None)
+            if queue:
+                self._order = collections.deque(rid for rid in self._order if rid != request_id)
+
     def deliver(self, output: GenerationOutput) -> None:
         with self._cond:
             entry = self._handlers.get(output.request_id)
             if entry is not None and output.is_finished():
                 del self._handlers[output.request_id]
+            if entry is not None and entry[0] is None:
+                return
             if entry is None:
                 self._by_request.setdefault(output.request_id, collections.deque()).append(output)
                 self._order.append(output.request_id)
