@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from genfn import random as grandom
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState

@@ -23,7 +23,7 @@ import torch
 from genfn import random as grandom
 from genfn.kernels import decode_linear_available
 
-__all__ = ["TokenChoice", "choose_tokens", "chosen_logprobs", "max_logsumexp", "native_pick", "raw_logprobs",
+__all__ = ["TokenChoice", "choose_tokens", "pick_tokens", "chosen_logprobs", "max_logsumexp", "native_pick", "raw_logprobs",
            "top_logprobs", "top_pairs"]
 
 
@@ -78,6 +78,16 @@ def top_pairs(ids: list[int], values: list[float], k: int) -> list[tuple[int, fl
     return list(zip(ids[:k], values[:k]))
 
 
+def pick_tokens(scores: torch.Tensor, keys: torch.Tensor | None = None,
+                counter: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure: ``argmax(scores [N, V])`` per row, or with ``keys [N, 2]`` the keyed sample
+    ``argmax(scores + gumbel(keys, counter [N]))``: the draw every sampling row of every strategy
+    makes (the drafters of assisted generation call it at ``counter + i`` for their i-th draft)."""
+    if keys is None:
+        return torch.argmax(scores, dim=-1)
+    return torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
+
+
 def choose_tokens(logits: torch.Tensor, processors=None, ctx=None, *, keys: torch.Tensor | None = None,
                   sample_mask: torch.Tensor | None = None, processor_state=None, logprobs: bool = False,
                   top_k: int = 0) -> TokenChoice:
@@ -103,8 +113,7 @@ def choose_tokens(logits: torch.Tensor, processors=None, ctx=None, *, keys: torc
         else:
             tokens = torch.argmax(scores, dim=-1)
     if keys is not None:
-        counter = ctx.row_cur_len() - ctx.row_prompt_len()
-        sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
+        sampled = pick_tokens(scores, keys, ctx.row_cur_len() - ctx.row_prompt_len())
         tokens = sampled if sample_mask is None else torch.where(sample_mask, sampled, tokens)
     chosen = top_ids = top_values = None
     if logprobs:
