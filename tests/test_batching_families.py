@@ -1,11 +1,11 @@
 """Continuous batching as a capability of a model family (``genfn.models.registry.PACKED_FORWARDS``).
 
 For each family that declares a packed forward (Llama, Mistral with a sliding window shorter than
-the prompts, Qwen2 with its q/k/v bias): greedy requests equal ``generate`` request by request and
-seeded sampled requests equal ``generate`` with the same key, in one batch that chunks prompts,
-is preempted by a tiny block budget and shares a system prompt's blocks. A model whose family
-declares none is refused when the manager is built, naming the model and what runs it.
-Every wait has a timeout."""
+the prompts, Qwen2 with its q/k/v bias, and a transformers GPT-2 wrapped by ``from_module``):
+greedy requests equal ``generate`` request by request and seeded sampled requests equal
+``generate`` with the same key, in one batch that chunks prompts, is preempted by a tiny block
+budget and shares a system prompt's blocks. An encoder-decoder model is refused when the manager
+is built, naming the model and what runs it. Every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -31,11 +31,25 @@ FAMILIES = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {"sliding_window": 8},
     "Qwen2ForCausalLM": {},
+    "GPT2LMHeadModel": {},  # wrapped with genfn.from_module
 }
+
+
+def _wrapped_gpt2():
+    import transformers
+
+    import genfn
+
+    config = transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1,
+                                     eos_token_id=2, initializer_range=0.3)
+    torch.manual_seed(4)
+    return genfn.from_module(transformers.GPT2LMHeadModel(config).eval())
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_model(request):
+    if request.param == "GPT2LMHeadModel":
+        return _wrapped_gpt2()
     return tiny_pair(request.param, seed=4, **FAMILIES[request.param])[1]
 
 
@@ -90,16 +104,12 @@ def test_each_family_batches_greedy_and_seeded_requests_as_generate(family_model
         assert out.generated_tokens == expected, f"request {i} ({settings})"
 
 
-def test_a_model_without_a_packed_forward_is_refused_when_the_manager_is_built():
-    import transformers
+def test_an_encoder_decoder_model_is_refused_when_the_manager_is_built(tmp_path_factory):
+    from test_encoder_decoder import pair
 
-    import genfn
-
-    config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    torch.manual_seed(0)
-    wrapped = genfn.from_module(transformers.GPT2LMHeadModel(config).eval())
-    assert packed_forward(wrapped) is None and "genfn.models.llama" in PACKED_FORWARDS
-    with pytest.raises(ValueError, match=r"continuous batching cannot run Model\(.*genfn\.generate"):
-        ContinuousBatchingManager(wrapped)
+    model = pair("bart", tmp_path_factory)[1]
+    assert packed_forward(model) is None and "genfn.models.adapter" in PACKED_FORWARDS
+    with pytest.raises(ValueError, match=r"continuous batching cannot run .*encoder-decoder.*genfn\.generate"):
+        ContinuousBatchingManager(model)
     with pytest.raises(ValueError, match="continuous batching cannot run"):
-        wrapped.generate_batch([[5, 6, 7]], max_new_tokens=2)
+        model.generate_batch([[5, 6, 7]], max_new_tokens=2)

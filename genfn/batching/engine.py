@@ -96,7 +96,8 @@ def require_packed_forward(model):
         why = "its family declares no packed forward over the paged cache (genfn.models.registry.PACKED_FORWARDS)"
     families = ", ".join(sorted(PACKED_FORWARDS))
     raise ValueError(f"continuous batching cannot run {model!r}: {why}. Run it with genfn.generate (a static "
-                     f"batch), or load a model of a family that has one ({families}: Llama, Mistral, Qwen2)")
+                     f"batch), or load a decoder-only model: a native family with a packed forward or any "
+                     f"module through genfn.from_module ({families})")
 
 
 class Engine:

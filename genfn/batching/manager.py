@@ -154,6 +154,8 @@ class ContinuousBatchingManager:
 
     def _compile_options(self) -> dict | None:
         cb = self.continuous_batching_config
+        if not getattr(self._family, "COMPILES", True):
+            return None
         if cb.varlen_compile_config is not None:
             return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
         if cb.default_compile_level > 0 or self.model.device.type == "cuda":

@@ -10,7 +10,8 @@ the module (keyed by the module that defines the family's spec class) with
 ``apply_packed(spec, params, inputs, cache, plan=None) -> (logits [R, V], cache)`` over the paged
 cache (``genfn.batching.inputs.BatchInputs``, ``genfn.cache.paged``), ``init_packed_cache(spec,
 num_blocks, block_size, dtype=, device=)`` and ``pack_params(params)`` (the eager forward's weights,
-e.g. prepacked for the GEMM; return ``params`` when nothing is to be done).
+e.g. prepacked for the GEMM; return ``params`` when nothing is to be done); ``COMPILES = False``
+when the forward must run eagerly (the batching manager then never compiles it).
 ``packed_forward(model)`` finds it; the batching manager refuses a model whose family has none.
 """
 
@@ -40,6 +41,7 @@ MODEL_TYPES: dict[str, str] = {
 # The module of a family's spec class -> the module holding its packed forward over the paged cache.
 PACKED_FORWARDS: dict[str, str] = {
     "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias)
+    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: tokens paged, prefixes recomputed
 }
 
 
