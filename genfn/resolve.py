@@ -101,13 +101,16 @@ def resolve_request(model, input_ids, generation_config: GenerationConfig | None
                     tokenizer=None, negative_prompt_ids=None, negative_prompt_attention_mask=None,
                     assistant_model=None, heal=None, paged: bool = False, length_cap: int | None = None,
                     check_config: Callable[[GenerationConfig], None] | None = None,
-                    caller: str = "generate()") -> ResolvedCall:
+                    expand_rows: bool = True, caller: str = "generate()") -> ResolvedCall:
     """Resolve one call into a ``GenerationRequest`` and its mode.
 
     ``heal``: ``heal_tokens``' ``generate`` (token healing runs one greedy step of it). ``paged``:
     the cache is continuous batching's paged one, so the static-cache sizes are not checked.
     ``length_cap``: the most tokens a request may hold, which caps a default ``max_length``.
     ``check_config``: the caller's refusals, run on the merged config before anything is built.
+    ``expand_rows=False``: the ``num_return_sequences`` sequences of a prompt are the caller's own
+    requests (continuous batching): the prompt rows are not repeated, but ``keys`` holds every
+    sequence's key, row ``j`` the key ``generate`` gives the prompt's ``j``-th sequence.
     """
     kwargs = dict(kwargs or {})
     input_ids = inputs.as_input_ids(input_ids)
@@ -153,7 +156,8 @@ def resolve_request(model, input_ids, generation_config: GenerationConfig | None
     # per beam / returned sample; the processors and the strategies see the expanded rows.
     num_beams = int(config.num_beams or 1)
     expand = max(num_beams, int(config.num_return_sequences or 1))
-    if expand > 1:
+    key_rows = input_ids.shape[0] * expand // num_beams
+    if expand > 1 and expand_rows:
         input_ids = input_ids.repeat_interleave(expand, dim=0)
         attention_mask = attention_mask.repeat_interleave(expand, dim=0)
 
@@ -205,7 +209,7 @@ def resolve_request(model, input_ids, generation_config: GenerationConfig | None
         # The step's chain: every number a [B] tensor leaf, so new values never recompile.
         processors=processors.per_row(batch, input_ids.device) if len(processors) else None,
         # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
-        keys=row_keys(key, batch // num_beams) if config.do_sample else None,
+        keys=row_keys(key, key_rows) if config.do_sample else None,
         output_scores=return_dict and bool(config.output_scores),
         output_logits=return_dict and bool(config.output_logits),
         output_attentions=return_dict and bool(config.output_attentions),

@@ -32,32 +32,23 @@ from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
 from genfn.batching.requests import RequestStatus, make_request
-from genfn.batching.results import GenerationOutput, OutputRouter
+from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
 from genfn.kernels import release_thread_pool
 
-__all__ = ["ContinuousBatchingManager"]
+__all__ = ["ContinuousBatchingManager", "sequence_ids"]
 
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
 
 
-@dataclasses.dataclass
-class _Record:
-    """What the shell keeps of a live request beyond the scheduler's state."""
-
-    prompt_ids: list[int]
-    streaming: bool
-    record_timestamps: bool
-    created_time: float
-    top_logprobs: int = 0  # how many pairs per token the request asked for
-    logprobs: list = dataclasses.field(default_factory=list)
-    tops: list = dataclasses.field(default_factory=list)
-    timestamps: list = dataclasses.field(default_factory=list)
-    started: float = -1.0
-    last_token: float = -1.0  # when its latest token came (-1: none yet)
+def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:
+    """The ids of a request's ``count`` sequences: its own, then ``"<id>.1"``, ``"<id>.2"``, ... for a
+    string id (``(id, j)`` for another)."""
+    return [request_id] + [f"{request_id}.{j}" if isinstance(request_id, str) else (request_id, j)
+                           for j in range(1, count)]
 
 
 # ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
@@ -113,8 +104,9 @@ class ContinuousBatchingManager:
         self._metrics = MetricsRecorder()
         self._wake = threading.Event()
         self._router = OutputRouter()
-        self._records: dict[Hashable, _Record] = {}
+        self._records: dict[Hashable, RequestRecord] = {}
         self._live: set = set()  # requests added and not yet ended
+        self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
         self._gate = threading.Lock()
@@ -291,10 +283,19 @@ class ContinuousBatchingManager:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
-                    top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> Hashable:
-        """Queue a request; returns its id. ``logit_processor_kwargs``: any ``GenerationConfig``
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
+                    **settings) -> Hashable:
+        """Queue a request; returns its id. ``settings``: see :meth:`add_sequences`. With
+        ``num_return_sequences=n`` its sequences are the requests ``sequence_ids(request_id, n)``."""
+        return self.add_sequences(input_ids, request_id, max_new_tokens, streaming, record_timestamps, eos_token_id,
+                                  **settings)[0]
+
+    def add_sequences(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
+                      streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
+                      top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                      logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> list[Hashable]:
+        """Queue a request; returns the ids of its sequences (``num_return_sequences``, default 1:
+        the request's own id, then ``sequence_ids``'). ``logit_processor_kwargs``: any ``GenerationConfig``
         setting for this request alone (``do_sample``, ``temperature``, ``repetition_penalty``,
         ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``,
         and ``tokenizer=`` for ``stop_strings`` (default: the model's).
@@ -321,29 +322,39 @@ class ContinuousBatchingManager:
                                     tokenizer=tokenizer,
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        state = make_request(request_id, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
-                             {"genfn": resolved.settings})
-        record = _Record(list(state.prompt_ids), bool(streaming), bool(record_timestamps), time.perf_counter(),
-                         resolved.settings.top_logprobs)
+        ids = sequence_ids(request_id, len(resolved.sequences))
+        states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
+                  for rid, seq in zip(ids, resolved.sequences)]
+        now = time.perf_counter()
         with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            self._live.add(request_id)
-            self._records[request_id] = record
+            taken = [rid for rid in ids if rid in self._live]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in flight")
+            for state in states:
+                self._live.add(state.request_id)
+                self._records[state.request_id] = RequestRecord(list(state.prompt_ids), bool(streaming),
+                                                                bool(record_timestamps), now,
+                                                                resolved.settings.top_logprobs)
+            if len(states) > 1:
+                # The other sequences join once the first has prefilled the prompt: its blocks are
+                # then in the prefix cache, and they compute only the prompt's last partial block.
+                self._held[request_id] = states[1:]
         with self._gate:
             refused = self._closing or (self._stop_mode is not None and self.is_running())
             if not refused:
-                self._inputs.put(state)
+                self._inputs.put(states[0])
         if refused:
             self._end(request_id, RequestStatus.FAILED, (), "the continuous batching manager is stopping or "
                                                             "stopped; start() it before adding requests")
         self._wake.set()
-        return request_id
+        return ids
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[Hashable]:
-        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
-                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for ids in inputs]
+        """Queue every prompt of ``inputs``; returns the ids of all their sequences, in order."""
+        return [rid for ids in inputs for rid in self.add_sequences(
+            ids, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
+            **logit_processor_kwargs)]
 
     def cancel_request(self, request_id: Hashable) -> None:
         """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
@@ -516,6 +527,10 @@ class ContinuousBatchingManager:
         running = self.scheduler.state.requests
         first_latencies, inter_latencies, prompt_tokens = [], [], 0
         for request_id in outcome.new_tokens:
+            with self._lock:
+                held = self._held.pop(request_id, ())
+            for sequence in held:
+                self.scheduler.add_waiting_request(sequence)
             record = self._records.get(request_id)
             if record is None:
                 continue
@@ -540,14 +555,7 @@ class ContinuousBatchingManager:
 
     def _output(self, request_id, status, generated, error=None, ended: float = -1.0,
                 finish_reason: str | None = None) -> GenerationOutput:
-        record = self._records[request_id]
-        count = len(generated)
-        return GenerationOutput(
-            request_id=request_id, prompt_ids=list(record.prompt_ids), generated_tokens=list(generated),
-            logprobs=list(record.logprobs[:count]), error=error, status=status, created_time=record.created_time,
-            lifespan=(record.started, ended), timestamps=list(record.timestamps[:count]) if record.record_timestamps
-            else None, top_logprobs=[list(pairs) for pairs in record.tops[:count]] if record.top_logprobs else None,
-            finish_reason=finish_reason)
+        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason)
 
     def _end(self, request_id, status: RequestStatus, generated, error: str | None = None,
              finish_reason: str | None = None) -> None:
@@ -558,8 +566,11 @@ class ContinuousBatchingManager:
             self._live.discard(request_id)
             output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason)
             del self._records[request_id]
+            held = self._held.pop(request_id, ())
         self._metrics.record_end(status)
         self._router.deliver(output)
+        for sequence in held:  # it ended before its first token: so do its other sequences
+            self._end(sequence.request_id, status, (), error)
 
     def _fail_queued(self, message: str) -> None:
         while True:

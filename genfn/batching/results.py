@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 from genfn.batching.requests import RequestStatus
 
-__all__ = ["GenerationOutput", "OutputRouter"]
+__all__ = ["GenerationOutput", "OutputRouter", "RequestRecord"]
 
 
 @dataclasses.dataclass
@@ -52,6 +52,33 @@ class GenerationOutput:
     def is_finished(self) -> bool:
         """The request ended: finished, failed or cancelled."""
         return self.status >= RequestStatus.FINISHED
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """What the manager keeps of a live request beyond the scheduler's state: what its outputs
+    report besides the tokens."""
+
+    prompt_ids: list[int]
+    streaming: bool
+    record_timestamps: bool
+    created_time: float
+    top_logprobs: int = 0  # how many pairs per token the request asked for
+    logprobs: list = dataclasses.field(default_factory=list)
+    tops: list = dataclasses.field(default_factory=list)
+    timestamps: list = dataclasses.field(default_factory=list)
+    started: float = -1.0
+    last_token: float = -1.0  # when its latest token came (-1: none yet)
+
+    def output(self, request_id: Hashable, status: RequestStatus, generated, error: str | None = None,
+               ended: float = -1.0, finish_reason: str | None = None) -> GenerationOutput:
+        count = len(generated)
+        return GenerationOutput(
+            request_id=request_id, prompt_ids=list(self.prompt_ids), generated_tokens=list(generated),
+            logprobs=list(self.logprobs[:count]), error=error, status=status, created_time=self.created_time,
+            lifespan=(self.started, ended), timestamps=list(self.timestamps[:count]) if self.record_timestamps
+            else None, top_logprobs=[list(pairs) for pairs in self.tops[:count]] if self.top_logprobs else None,
+            finish_reason=finish_reason)
 
 
 class OutputRouter:

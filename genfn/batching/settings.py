@@ -30,16 +30,20 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 # Settings that need a model-level feature continuous batching does not run (another forward per
 # token, several sequences per request, or the processor's own state across steps).
-_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "guidance_scale": None, "token_healing": False,
+_UNSUPPORTED = {"num_beams": 1, "guidance_scale": None, "token_healing": False,
                 "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
                 "prompt_lookup_num_tokens": None}
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest:
+    """A request's settings; ``sequences``: the settings of each of its ``num_return_sequences``
+    sequences (the first is ``settings``), which differ only in their keys."""
+
     settings: RequestSettings
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
+    sequences: tuple[RequestSettings, ...] = ()
 
 
 def _top_logprobs(value) -> int:
@@ -81,15 +85,16 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     request = resolve_request(model, prompt, generation_config, kwargs, key=key,
                               attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
                               tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
-                              length_cap=max_len, check_config=_refuse_unsupported, caller="add_request()").request
+                              length_cap=max_len, check_config=_refuse_unsupported, expand_rows=False,
+                              caller="add_request()").request
     chain = request.processors
     if chain is not None and chain.stateful:
         raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
                          "continuous batching")
-    settings = RequestSettings(
-        chain=chain,
-        key=request.keys[0] if request.keys is not None else None,
-        stop_strings=request.stop_strings,
-        top_logprobs=top_logprobs,
-    )
-    return ResolvedRequest(settings, max(request.max_length - request.prompt_len, 1), request.eos_token_ids)
+    # Sequence j of a request samples with the key generate gives the prompt's j-th returned row.
+    count = int(request.config.num_return_sequences or 1)
+    sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
+                                      stop_strings=request.stop_strings, top_logprobs=top_logprobs)
+                      for j in range(count))
+    return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
+                           sequences)
