@@ -23,7 +23,7 @@ from genfn.batching.api import (
     init_continuous_batching,
 )
 from genfn.batching.engine import Engine, RequestSettings, engine_step
-from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.manager import ContinuousBatchingManager, sequence_ids
 from genfn.batching.metrics import EngineMetrics, Histogram
 from genfn.batching.results import GenerationOutput
 from genfn.batching.scheduling import (
@@ -74,4 +74,5 @@ __all__ = [
     "make_scheduler",
     "resolve",
     "schedule",
+    "sequence_ids",
 ]
