@@ -26,6 +26,7 @@ from genfn.models.functional import FunctionalModel
 from genfn.models.adapter import from_module
 from genfn.models.loading import load
 from genfn.models.model import EncoderDecoderModel, Model
+from genfn.model_methods import attach_model_methods
 from genfn.models.save import save
 from genfn.outputs import (GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput, GenerateDecoderOnlyOutput,
                            GenerateEncoderDecoderOutput)
@@ -83,6 +84,8 @@ from genfn.streamers import (
 )
 
 __version__ = _package_version()
+
+attach_model_methods(Model)  # model.generate, model.generate_batch, ...: the public API's, not models/'
 
 __all__ = [
     "random", "generate", "load", "save", "from_module", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",

@@ -14,18 +14,14 @@ from typing import Callable, Sequence
 import torch
 
 from genfn import driver
-from genfn import inputs
-from genfn import random as grandom
 from genfn.custom_generate import load_custom_generate
-from genfn.config import GenerationConfig, GenerationMode, resolve_generation_config, resolve_lengths
-from genfn.processors.chain import build_logits_processors
+from genfn.resolve import resolve_request
+from genfn.config import GenerationConfig, GenerationMode
 from genfn.strategies import beam as beam_strategy
 from genfn.strategies import encoder_decoder as encdec_strategy
 from genfn.strategies.assisted.build import assisted_strategy
 from genfn.strategies import sample as sample_strategy
-from genfn.healing import heal_tokens
-from genfn.stopping import call_user_criteria, stop_string_criteria
-from genfn.strategies.guidance import make_guidance_spec
+from genfn.stopping import call_user_criteria
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 from genfn.streamers import close_stream
@@ -39,17 +35,6 @@ STRATEGIES = {
     GenerationMode.BEAM_SEARCH: beam_strategy.BEAM,
     GenerationMode.BEAM_SAMPLE: beam_strategy.BEAM,
 }
-
-
-def _row_keys(key, batch_size: int) -> torch.Tensor:
-    if key is None:
-        # No key given: draw one from torch's global generator, so `torch.manual_seed` governs it
-        # the way transformers users expect. Pass a key for reproducibility independent of it.
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        key = grandom.key(seed)
-    elif isinstance(key, int) and not isinstance(key, bool):
-        key = grandom.key(key)
-    return grandom.as_row_keys(key, batch_size)
 
 
 class _EndOnce:
@@ -237,127 +222,31 @@ def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer
                          f"combined with {', '.join(needs_host)}")
 
 
-def _tokenizer_size(tokenizer) -> int | None:
-    """``len(tokenizer)`` when it has one (None for a tokenizer-like object without it)."""
-    try:
-        size = len(tokenizer) if tokenizer is not None else None
-    except TypeError:
-        return None
-    return size if isinstance(size, int) and size > 0 else None
-
-
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
                     logits_processor=None, prefix_allowed_tokens_fn=None, tokenizer=None, negative_prompt_ids=None,
                     negative_prompt_attention_mask=None, assistant_model=None, assistant_tokenizer=None, **kwargs):
-    """Validate and resolve a call into a ``GenerationRequest`` and the strategy module that runs it.
+    """Resolve a call (``genfn.resolve.resolve_request``) into a ``GenerationRequest`` and the
+    strategy that runs it.
 
     ``tokenizer`` is needed for ``stop_strings`` and ``token_healing`` (as in transformers), and with
     ``assistant_tokenizer`` for an ``assistant_model`` whose tokenizer differs (universal assisted generation);
     ``negative_prompt_ids`` / ``negative_prompt_attention_mask`` give classifier-free guidance
     (``guidance_scale``) its unconditional prompt (default: each prompt row's last token).
     """
-    inputs.check_model(model)
-    input_ids = inputs.as_input_ids(input_ids)
-    encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
-    if isinstance(kwargs.get("decoder_start_token_id"), torch.Tensor):
-        kwargs = {**kwargs, "decoder_start_token_id": kwargs["decoder_start_token_id"].reshape(-1).tolist()}
-    config, unused = resolve_generation_config(model.generation_config, generation_config, kwargs)
-    if encoder_decoder:
-        # transformers routes the decoder_-prefixed kwargs (and encoder_outputs) to the model.
-        decoder_kwargs, encoder_outputs, unused = encdec_strategy.split_model_kwargs(unused)
-    if unused:
-        raise ValueError(f"generate() got arguments that are neither generation settings nor used by the model: "
-                         f"{sorted(unused)}")
-    mode = config.get_generation_mode(assistant_model)
+    resolved = resolve_request(model, input_ids, generation_config, kwargs, key=key, attention_mask=attention_mask,
+                               logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                               tokenizer=tokenizer, negative_prompt_ids=negative_prompt_ids,
+                               negative_prompt_attention_mask=negative_prompt_attention_mask,
+                               assistant_model=assistant_model, heal=generate)
+    request, mode = resolved.request, resolved.mode
+    encoder_decoder = request.encoder is not None
     if mode not in STRATEGIES and mode is not GenerationMode.ASSISTED_GENERATION:
         raise ValueError(f"generation mode {mode.value!r} is not supported; supported: "
                          f"{[m.value for m in STRATEGIES]}")
-    inputs.check_token_range(input_ids, model.vocab_size)
-    inputs.check_special_tokens(config, model.vocab_size)
-    eos_ids = inputs.eos_token_ids(config.eos_token_id)
-    pad_id = inputs.resolve_pad_token_id(config.pad_token_id, eos_ids)
-    encoder = None
-    if encoder_decoder:
-        # From here on input_ids are the decoder's prompt; the encoder's side travels in the request.
-        encoder, input_ids, attention_mask = encdec_strategy.prepare_inputs(
-            config, input_ids, attention_mask, decoder_kwargs, encoder_outputs, config.pad_token_id, eos_ids)
-        inputs.check_token_range(input_ids, model.vocab_size)
-        inputs.check_prompt_fits(encoder.input_ids.shape[1], model.max_position_embeddings)
-        unsupported = [name for name, on in (("token_healing", config.token_healing),
-                                             ("guidance_scale", config.guidance_scale not in (None, 1)))
-                       if on]
-        if unsupported:
-            raise ValueError(f"{', '.join(unsupported)} are not supported with encoder-decoder models")
-    else:
-        attention_mask = inputs.attention_mask_for(input_ids, attention_mask, config.pad_token_id, eos_ids)
-    if config.token_healing:
-        # Imperative preprocessing, like transformers' heal_tokens: rewrite each prompt's tail.
-        input_ids, attention_mask = heal_tokens(model, input_ids, tokenizer, attention_mask, generate=generate)
-    # transformers' _expand_inputs_for_generation: every prompt row repeated (consecutively) once
-    # per beam / returned sample; the processors and the strategies see the expanded rows.
-    num_beams = int(config.num_beams or 1)
-    expand = max(num_beams, int(config.num_return_sequences or 1))
-    if expand > 1:
-        input_ids = input_ids.repeat_interleave(expand, dim=0)
-        attention_mask = attention_mask.repeat_interleave(expand, dim=0)
-
-    batch, prompt_len = input_ids.shape
-    max_pos = model.max_position_embeddings
-    inputs.check_prompt_fits(prompt_len, max_pos)
-    max_length, min_length = resolve_lengths(config, prompt_len, max_pos)
-    inputs.warn_beyond_context(max_length, max_pos)
-    max_cache_len = config.max_cache_len if config.max_cache_len is not None else max_length
-    if prompt_len >= max_cache_len:
-        raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room in max_cache_len={max_cache_len}")
-    if max_length > max_cache_len:
-        raise ValueError(f"max_length={max_length} (prompt {prompt_len} + new tokens) exceeds "
-                         f"max_cache_len={max_cache_len}; raise max_cache_len or lower max_new_tokens")
-    inputs.check_generation_memory(model, batch, max_cache_len, config.cache_implementation)
-
-    processors = build_logits_processors(
-        config, prompt_len=prompt_len, max_length=max_length, min_length=min_length, eos_token_ids=list(eos_ids),
-        num_beams=num_beams, encoder_input_ids=None if encoder is None else encoder.input_ids,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, user_processors=logits_processor,
-        attention_mask=attention_mask, vocab_size=model.vocab_size, device=input_ids.device)
-    requires = dict(processors.requires)
-    requires.pop("token_healing", None)  # done above
-    guidance = None
-    if "guidance_scale" in requires:
-        guidance = make_guidance_spec(requires.pop("guidance_scale"), negative_prompt_ids,
-                                      negative_prompt_attention_mask, batch, expand, model.vocab_size)
-    if requires:
-        raise ValueError(f"these settings need model-level support that generate does not provide yet: "
-                         f"{sorted(requires)}")
-    stop_strings = None
-    if config.stop_strings is not None:
-        stop_strings = stop_string_criteria(tokenizer, config.stop_strings, input_ids.device)
     beam = STRATEGIES.get(mode) is beam_strategy.BEAM
-    if beam and (guidance is not None or stop_strings is not None):
+    if beam and (request.guidance is not None or request.stop_strings is not None):
         raise ValueError("stop_strings and guidance_scale are supported for greedy search and sampling "
                          "(num_beams=1); not with beam search yet")
-    return_dict = bool(config.return_dict_in_generate)
-    request = GenerationRequest(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        config=config,
-        max_length=max_length,
-        min_length=min_length,
-        max_cache_len=max_cache_len,
-        eos_token_ids=eos_ids,
-        pad_token_id=pad_id,
-        # The step's chain: every number a [B] tensor leaf, so new values never recompile.
-        processors=processors.per_row(batch, input_ids.device) if len(processors) else None,
-        # One key per sampled row; beam sampling draws per prompt (over all its beams' candidates).
-        keys=_row_keys(key, batch // num_beams) if config.do_sample else None,
-        output_scores=return_dict and bool(config.output_scores),
-        output_logits=return_dict and bool(config.output_logits),
-        output_attentions=return_dict and bool(config.output_attentions),
-        output_hidden_states=return_dict and bool(config.output_hidden_states),
-        stop_strings=stop_strings,
-        guidance=guidance,
-        encoder=encoder,
-        tokenizer_size=_tokenizer_size(tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)),
-    )
     if mode is GenerationMode.ASSISTED_GENERATION:
         if encoder_decoder:
             raise ValueError("assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) "

@@ -100,18 +100,20 @@ _SPECIAL_TOKENS = ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_star
 
 
 def eos_token_ids(value: Any) -> tuple[int, ...]:
-    """``eos_token_id`` (None, an id, a list of ids or a tensor) as a tuple of ids."""
+    """``eos_token_id`` (None, an id, a list of ids or a tensor) as a tuple of ids; a negative id
+    means none (transformers' ``eos_token_id=-1``: never stop early), so it is dropped. The one EOS
+    normaliser: ``generate``, continuous batching, the server and the CLI read EOS ids through it."""
     if value is None:
         return ()
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"eos_token_id must hold integer token ids, got a tensor of dtype {value.dtype}")
-        return tuple(int(v) for v in value.reshape(-1).tolist())
+        return tuple(int(v) for v in value.reshape(-1).tolist() if v >= 0)
     values = value if isinstance(value, (list, tuple)) else [value]
     for v in values:
         if not _is_int(v):
             raise TypeError(f"eos_token_id must be an int or a list of ints, got {value!r}")
-    return tuple(int(v) for v in values)
+    return tuple(int(v) for v in values if v >= 0)
 
 
 def check_special_tokens(config: Any, vocab_size: int) -> None:

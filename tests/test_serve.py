@@ -495,29 +495,33 @@ class FailingManager:
         self.model = model
         self.generation_config = model.generation_config
         self.scheduler = None
-        self._outputs = []
-        self._cond = threading.Condition()
+        self._handlers = {}
 
     def is_running(self):
         return True
 
     def add_request(self, prompt, request_id, max_new_tokens, streaming=False, **settings):
-        with self._cond:
-            self._outputs.append(GenerationOutput(request_id, list(prompt), [42], [-0.5],
-                                                  status=RequestStatus.DECODING))
-            self._outputs.append(GenerationOutput(request_id, list(prompt), [42], [-0.5], error="the GPU caught fire",
-                                                  status=RequestStatus.FAILED))
-            self._cond.notify_all()
+        self._deliver(GenerationOutput(request_id, list(prompt), [42], [-0.5], status=RequestStatus.DECODING))
+        self._deliver(GenerationOutput(request_id, list(prompt), [42], [-0.5], error="the GPU caught fire",
+                                       status=RequestStatus.FAILED))
         return request_id
 
     def cancel_request(self, request_id):
         pass
 
-    def get_result(self, request_id=None, timeout=None):
-        with self._cond:
-            if not self._outputs:
-                self._cond.wait(timeout)
-            return self._outputs.pop(0) if self._outputs else None
+    @property
+    def max_request_tokens(self):
+        return self.model.max_position_embeddings
+
+    def register_result_handler(self, request_id, callback):
+        self._handlers[request_id] = (callback, asyncio.get_running_loop())
+
+    def remove_result_handler(self, request_id):
+        self._handlers.pop(request_id, None)
+
+    def _deliver(self, output):
+        callback, loop = self._handlers[output.request_id]
+        loop.call_soon_threadsafe(callback, output)
 
 
 def test_an_error_during_a_stream_is_an_sse_error_event(model):

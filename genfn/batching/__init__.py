@@ -6,7 +6,8 @@ transformers' ``Scheduler`` classes over them; ``inputs``: the index tensors of 
 forward; ``hints``: ``WorkloadHints`` to default sizes; ``engine``: the step (packed forward,
 per-request processors and sampling); ``settings``: a request's own generation settings;
 ``manager`` / ``results`` / ``api``: the thread, its outputs and transformers' entry points;
-``metrics``: ``EngineMetrics`` snapshots; ``logprobs``: the reported log-probabilities. The key/value tensors and the attention
+``metrics``: ``EngineMetrics`` snapshots. The token choice and its log-probabilities are
+``genfn.strategies.token_choice`` (``generate``'s too). The key/value tensors and the attention
 over a packed batch are ``genfn.cache.paged``.
 """
 
@@ -22,7 +23,7 @@ from genfn.batching.api import (
     init_continuous_batching,
 )
 from genfn.batching.engine import Engine, RequestSettings, engine_step
-from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.manager import ContinuousBatchingManager, sequence_ids
 from genfn.batching.metrics import EngineMetrics, Histogram
 from genfn.batching.results import GenerationOutput
 from genfn.batching.scheduling import (
@@ -73,4 +74,5 @@ __all__ = [
     "make_scheduler",
     "resolve",
     "schedule",
+    "sequence_ids",
 ]

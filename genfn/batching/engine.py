@@ -5,7 +5,7 @@
 compiled so far (one per padded token count). ``engine_step(engine, state, budget)`` is the
 whole step as a function of the ``SchedulerState``: it returns the next state and a
 ``StepOutcome`` (tokens chosen, requests finished / failed / preempted). The manager thread
-runs the same pieces (``run_batch``) through the locked ``Scheduler``.
+runs this very step on its locked ``Scheduler``'s state (``Scheduler.advance``).
 
 Each request carries its own ``RequestSettings`` (in ``RequestState.settings["genfn"]``): its
 logits-processor chain with per-row values (every ``GenerationConfig`` processor setting of that
@@ -25,21 +25,19 @@ from typing import Any
 
 import torch
 
-from genfn import random as grandom
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
-from genfn.batching.logprobs import (chosen_logprobs, max_logsumexp, native_pick, raw_logprobs, top_logprobs,
-                                     top_pairs)
 from genfn.batching.requests import RequestState, RequestStatus
 from genfn.cache.paged import PackedPlan
-from genfn.kernels.packed_gemm import pack_linear_weights
+from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 from genfn.processors.numerics import nonfinite_rows
+from genfn.strategies.token_choice import choose_tokens, top_pairs
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "fail_nonfinite", "nonfinite_error", "orphaned_blocks", "packed_plan",
-           "run_batch", "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "engine_step", "fail_nonfinite", "nonfinite_error",
+           "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +71,10 @@ def settings_of(request: RequestState) -> RequestSettings:
 @dataclasses.dataclass(frozen=True)
 class StepOutcome:
     """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled
-    (``top_logprobs``: of those that asked), the requests it finished (EOS, length, stop string),
-    failed and preempted."""
+    (``top_logprobs``: of those that asked), the requests it finished (EOS, length, stop string;
+    ``by_stop_string``: the ids of those whose text ends with a stop string), failed, preempted
+    and cancelled; ``batch``: what it scheduled; ``reused_tokens``: prompt tokens its chunks took
+    from the prefix cache instead of computing them."""
 
     new_tokens: Mapping[Hashable, int]
     logprobs: Mapping[Hashable, float]
@@ -83,28 +83,26 @@ class StepOutcome:
     preempted: tuple[Hashable, ...] = ()
     num_tokens: int = 0
     top_logprobs: Mapping[Hashable, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    by_stop_string: frozenset = frozenset()
+    cancelled: tuple[RequestState, ...] = ()
+    batch: S.ScheduledBatch | None = None
+    reused_tokens: int = 0
 
 
-def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: LogitsContext | None,
-                  keys: torch.Tensor | None, do_sample: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure: each row's next token ``[R]`` and its log-probability under the model's raw
-    distribution (``log_softmax(logits)``, before the processors; see ``batching.logprobs``).
-
-    ``keys [R, 2]`` and ``do_sample [R]`` (both or neither): rows that sample take
-    ``argmax(scores + gumbel(key, generated count))``, the others ``argmax(scores)``, exactly as
-    ``generate``'s step does for one request.
-    """
-    scores = logits if chain is None else chain(logits, ctx)
-    logsumexp = None
-    if chain is None or native_pick(scores):  # the native pass gives the argmax of the scores at no extra cost
-        chosen, logsumexp = max_logsumexp(scores)
+def require_packed_forward(model):
+    """The packed forward of ``model``'s family (``genfn.models.registry.packed_forward``); a
+    ValueError naming the model and what runs it otherwise."""
+    family = packed_forward(model)
+    if family is not None:
+        return family
+    if getattr(model, "is_encoder_decoder", False):
+        why = "an encoder-decoder model has no packed decoder forward over the paged cache"
     else:
-        chosen = torch.argmax(scores, dim=-1)
-    if keys is not None:
-        counter = ctx.row_cur_len() - ctx.row_prompt_len()
-        sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
-        chosen = torch.where(do_sample, sampled, chosen)
-    return chosen, chosen_logprobs(logits, chosen, logsumexp if chain is None else None)
+        why = "its family declares no packed forward over the paged cache (genfn.models.registry.PACKED_FORWARDS)"
+    families = ", ".join(sorted(PACKED_FORWARDS))
+    raise ValueError(f"continuous batching cannot run {model!r}: {why}. Run it with genfn.generate (a static "
+                     f"batch), or load a decoder-only model: a native family with a packed forward or any "
+                     f"module through genfn.from_module ({families})")
 
 
 class Engine:
@@ -118,8 +116,7 @@ class Engine:
 
     def __init__(self, model, cache, *, max_batch_tokens: int, max_requests: int, table_width: int,
                  compile: dict | None = None):
-        from genfn.models.packed import apply_packed
-
+        family = require_packed_forward(model)
         self.model = model
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
@@ -128,11 +125,8 @@ class Engine:
         self.max_len = table_width * cache.block_size
         self.device = model.device
         self.compile_options = compile
-        self._apply_packed = apply_packed
-        # The eager forward multiplies many rows by each weight: oneDNN's GEMM on weights packed
-        # once (genfn.kernels.packed_gemm); the compiled graph takes the plain tensors.
-        self.params = model.params if compile is not None else pack_linear_weights(
-            model.params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
+        self._apply_packed = family.apply_packed
+        self.params = model.params if compile is not None else family.pack_params(model.params)
         self._forwards: dict[int, Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
 
@@ -250,15 +244,13 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
         history = build_row_history(requests, batch, max_len=engine.max_len, num_rows=engine.max_requests,
                                     device=engine.device)
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
-    chosen, logprobs = choose_tokens(logits, chain, ctx, keys, do_sample)
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
-    top_k = max(wanted, default=0)
-    top_ids = top_values = None
-    if top_k:
-        top_ids, top_values = top_logprobs(raw_logprobs(logits), top_k)
+    choice = choose_tokens(logits, chain, ctx, keys=keys, sample_mask=do_sample, logprobs=True,
+                           top_k=max(wanted, default=0))
+    chosen, logprobs, top_ids, top_values = choice.tokens, choice.logprobs, choice.top_ids, choice.top_logprobs
     bad_rows = nonfinite_rows(logits)
     chosen, logprobs, bad_rows = chosen.tolist(), logprobs.tolist(), bad_rows.tolist()  # the step's host sync
-    if top_k:  # already computed by now: no further wait
+    if top_ids is not None:  # already computed by now: no further wait
         top_ids, top_values = top_ids.tolist(), top_values.tolist()
     new_tokens, new_logprobs, new_top, nonfinite = {}, {}, {}, set()
     for row, chunk in enumerate(batch.chunks):
@@ -323,22 +315,34 @@ def stopped_by_string(request: RequestState, device=None) -> bool:
 
 def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | None = None
                 ) -> tuple[S.SchedulerState, StepOutcome]:
-    """One step as a function of the scheduler's state (the cache is the engine's, donated)."""
+    """One step as a function of the scheduler's state (the cache is the engine's, donated):
+    schedule, forward, choose tokens, apply them, end the requests a stop string stopped.
+    The batching manager's loop runs exactly this step."""
     state, cancelled = S.clear_cancelled(state)
     state, batch = S.schedule(state, token_budget or engine.max_batch_tokens)
     if not batch.chunks:
-        return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted)
+        return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,
+                                  batch=batch)
+    reused = sum(chunk.start for chunk in batch.chunks
+                 if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
     new_tokens, logprobs, top, nonfinite = run_batch(engine, state.requests, state.allocator, batch)
     failed = list(batch.failed)
     for request_id in nonfinite:
         state, ended = fail_nonfinite(engine, state, request_id)
         failed.append(ended)
     state, finished = S.apply_step(state, batch, new_tokens)
+    ended = {request.request_id for request in finished}
+    # Each request that got a token is matched against its stop strings once: a finished one to
+    # report why it stopped, a running one to end it.
+    by_string = {request.request_id for request in finished if stopped_by_string(request, engine.device)}
     finished = list(finished)
     for request_id in new_tokens:
         request = state.requests.get(request_id)
-        if request is not None and stopped_by_string(request):
-            state, ended = S.finish(state, request_id)
-            finished.append(ended)
+        if request_id not in ended and request is not None and stopped_by_string(request, engine.device):
+            state, stopped = S.finish(state, request_id)
+            finished.append(stopped)
+            by_string.add(request_id)
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
-                              preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top)
+                              preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
+                              by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,
+                              reused_tokens=reused)

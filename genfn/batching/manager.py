@@ -28,36 +28,27 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-from genfn.batching.engine import Engine, nonfinite_error, orphaned_blocks, run_batch, stopped_by_string
+from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
 from genfn.batching.requests import RequestStatus, make_request
-from genfn.batching.results import GenerationOutput, OutputRouter
+from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
 from genfn.kernels import release_thread_pool
 
-__all__ = ["ContinuousBatchingManager"]
+__all__ = ["ContinuousBatchingManager", "sequence_ids"]
 
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
 
 
-@dataclasses.dataclass
-class _Record:
-    """What the shell keeps of a live request beyond the scheduler's state."""
-
-    prompt_ids: list[int]
-    streaming: bool
-    record_timestamps: bool
-    created_time: float
-    top_logprobs: int = 0  # how many pairs per token the request asked for
-    logprobs: list = dataclasses.field(default_factory=list)
-    tops: list = dataclasses.field(default_factory=list)
-    timestamps: list = dataclasses.field(default_factory=list)
-    started: float = -1.0
-    last_token: float = -1.0  # when its latest token came (-1: none yet)
+def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:
+    """The ids of a request's ``count`` sequences: its own, then ``"<id>.1"``, ``"<id>.2"``, ... for a
+    string id (``(id, j)`` for another)."""
+    return [request_id] + [f"{request_id}.{j}" if isinstance(request_id, str) else (request_id, j)
+                           for j in range(1, count)]
 
 
 # ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
@@ -94,6 +85,7 @@ class ContinuousBatchingManager:
         if not isinstance(continuous_batching_config, ContinuousBatchingConfig):
             raise TypeError(f"`continuous_batching_config` must be a ContinuousBatchingConfig, got "
                             f"{type(continuous_batching_config).__name__}")
+        self._family = require_packed_forward(model)  # refuse a model batching cannot run, up front
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
@@ -112,8 +104,9 @@ class ContinuousBatchingManager:
         self._metrics = MetricsRecorder()
         self._wake = threading.Event()
         self._router = OutputRouter()
-        self._records: dict[Hashable, _Record] = {}
+        self._records: dict[Hashable, RequestRecord] = {}
         self._live: set = set()  # requests added and not yet ended
+        self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
         self._gate = threading.Lock()
@@ -153,6 +146,8 @@ class ContinuousBatchingManager:
 
     def _compile_options(self) -> dict | None:
         cb = self.continuous_batching_config
+        if not getattr(self._family, "COMPILES", True):
+            return None
         if cb.varlen_compile_config is not None:
             return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
         if cb.default_compile_level > 0 or self.model.device.type == "cuda":
@@ -160,13 +155,11 @@ class ContinuousBatchingManager:
         return None
 
     def _build(self) -> None:
-        from genfn.models.packed import init_packed_cache
-
         cb = self.continuous_batching_config
         sizes = self._sizes()
         width = sizes.max_blocks_per_request
-        cache = init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size, dtype=self.model.dtype,
-                                  device=self.model.device)
+        cache = self._family.init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size,
+                                               dtype=self.model.dtype, device=self.model.device)
         self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
                              max_requests=sizes.max_requests_per_batch, table_width=width,
                              compile=self._compile_options())
@@ -290,10 +283,19 @@ class ContinuousBatchingManager:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
-                    top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> Hashable:
-        """Queue a request; returns its id. ``logit_processor_kwargs``: any ``GenerationConfig``
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
+                    **settings) -> Hashable:
+        """Queue a request; returns its id. ``settings``: see :meth:`add_sequences`. With
+        ``num_return_sequences=n`` its sequences are the requests ``sequence_ids(request_id, n)``."""
+        return self.add_sequences(input_ids, request_id, max_new_tokens, streaming, record_timestamps, eos_token_id,
+                                  **settings)[0]
+
+    def add_sequences(self, input_ids, request_id: Hashable | None = None, max_new_tokens: int | None = None,
+                      streaming: bool = False, record_timestamps: bool = False, eos_token_id=None, *,
+                      top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                      logit_bias: dict[int, float] | None = None, **logit_processor_kwargs) -> list[Hashable]:
+        """Queue a request; returns the ids of its sequences (``num_return_sequences``, default 1:
+        the request's own id, then ``sequence_ids``'). ``logit_processor_kwargs``: any ``GenerationConfig``
         setting for this request alone (``do_sample``, ``temperature``, ``repetition_penalty``,
         ``no_repeat_ngram_size``, ``min_new_tokens``, ``stop_strings``, ...), plus ``seed=`` or ``key=``,
         and ``tokenizer=`` for ``stop_strings`` (default: the model's).
@@ -320,29 +322,39 @@ class ContinuousBatchingManager:
                                     tokenizer=tokenizer,
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        state = make_request(request_id, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
-                             {"genfn": resolved.settings})
-        record = _Record(list(state.prompt_ids), bool(streaming), bool(record_timestamps), time.perf_counter(),
-                         resolved.settings.top_logprobs)
+        ids = sequence_ids(request_id, len(resolved.sequences))
+        states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
+                  for rid, seq in zip(ids, resolved.sequences)]
+        now = time.perf_counter()
         with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            self._live.add(request_id)
-            self._records[request_id] = record
+            taken = [rid for rid in ids if rid in self._live]
+            if taken:
+                raise ValueError(f"request id {taken[0]!r} is already in flight")
+            for state in states:
+                self._live.add(state.request_id)
+                self._records[state.request_id] = RequestRecord(list(state.prompt_ids), bool(streaming),
+                                                                bool(record_timestamps), now,
+                                                                resolved.settings.top_logprobs)
+            if len(states) > 1:
+                # The other sequences join once the first has prefilled the prompt: its blocks are
+                # then in the prefix cache, and they compute only the prompt's last partial block.
+                self._held[request_id] = states[1:]
         with self._gate:
             refused = self._closing or (self._stop_mode is not None and self.is_running())
             if not refused:
-                self._inputs.put(state)
+                self._inputs.put(states[0])
         if refused:
             self._end(request_id, RequestStatus.FAILED, (), "the continuous batching manager is stopping or "
                                                             "stopped; start() it before adding requests")
         self._wake.set()
-        return request_id
+        return ids
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[Hashable]:
-        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
-                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for ids in inputs]
+        """Queue every prompt of ``inputs``; returns the ids of all their sequences, in order."""
+        return [rid for ids in inputs for rid in self.add_sequences(
+            ids, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
+            **logit_processor_kwargs)]
 
     def cancel_request(self, request_id: Hashable) -> None:
         """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
@@ -401,6 +413,11 @@ class ContinuousBatchingManager:
         """Deliver the request's outputs to ``callback`` on the calling thread's running asyncio loop
         (``call_soon_threadsafe``); the handler is removed when the request ends."""
         self._router.register(request_id, callback, asyncio.get_running_loop())
+
+    def remove_result_handler(self, request_id: Hashable) -> None:
+        """Nobody listens to the request any more: drop its outputs (the request itself runs on
+        until it ends or is cancelled)."""
+        self._router.ignore(request_id)
 
     # -- the loop (background thread only) -------------------------------------------------------
 
@@ -480,44 +497,46 @@ class ContinuousBatchingManager:
                 self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule_batch(self.engine.max_batch_tokens)
-        for request in batch.failed:
+        engine = self.engine
+        scheduled_at = time.perf_counter()
+        outcome = self.scheduler.advance(lambda state: engine_step(engine, state, engine.max_batch_tokens))
+        for request in outcome.cancelled:
+            self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
+        for request in outcome.failed:
             self._end(request.request_id, RequestStatus.FAILED, request.generated_ids, request.error)
-        if not batch.chunks:
+        if not outcome.batch.chunks:
             self._wake.wait(0.001)  # blocks are held by requests in flight; look again shortly
             return
-        state = self.scheduler.state
+        self._record(outcome, scheduled_at)
+        for request in outcome.finished:
+            stopped = request.request_id in outcome.by_stop_string or request.generated_ids[-1] in request.eos_token_ids
+            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
+                      finish_reason="stop" if stopped else "length")
+
+    def _record(self, outcome, scheduled_at: float) -> None:
+        """Keep the step's logprobs and timings on the requests' records, stream the tokens of the
+        requests still running, and count the step in the metrics."""
         now = time.perf_counter()
-        self.stats.update(steps=1, tokens=batch.num_tokens, preempted=len(batch.preempted))
-        reused = 0
-        for chunk in batch.chunks:
+        self.stats.update(steps=1, tokens=outcome.num_tokens, preempted=len(outcome.preempted))
+        self.stats["reused_tokens"] += outcome.reused_tokens
+        for chunk in outcome.batch.chunks:
             record = self._records.get(chunk.request_id)
             if record is not None and record.started < 0:
-                record.started = now
-            if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused:
-                reused += chunk.start
-        self.stats["reused_tokens"] += reused
-        new_tokens, logprobs, tops, nonfinite = run_batch(self.engine, state.requests, state.allocator, batch)
-        for request_id in nonfinite:
-            # Only the request the model gave NaN/inf logits fails; the batch goes on without it.
-            # As engine.fail_nonfinite: out of the prefix cache, its own blocks zeroed.
-            orphaned = orphaned_blocks(self.scheduler.state.allocator, request_id)
-            ended = self.scheduler.finish_request(request_id, RequestStatus.FAILED, nonfinite_error(request_id),
-                                                  keep_cached=False)
-            self.engine.clear_blocks(orphaned)
-            if ended is not None:
-                self._end(request_id, RequestStatus.FAILED, ended.generated_ids, ended.error)
-        finished = list(self.scheduler.update_batch(batch, new_tokens))
-        by_string = set()
-        now = time.perf_counter()
+                record.started = scheduled_at
+        ended = {request.request_id for request in outcome.finished}
+        running = self.scheduler.state.requests
         first_latencies, inter_latencies, prompt_tokens = [], [], 0
-        for request_id, token in new_tokens.items():
+        for request_id in outcome.new_tokens:
+            with self._lock:
+                held = self._held.pop(request_id, ())
+            for sequence in held:
+                self.scheduler.add_waiting_request(sequence)
             record = self._records.get(request_id)
             if record is None:
                 continue
-            record.logprobs.append(logprobs[request_id])
+            record.logprobs.append(outcome.logprobs[request_id])
             if record.top_logprobs:
-                record.tops.append(tops[request_id])
+                record.tops.append(outcome.top_logprobs[request_id])
             if record.record_timestamps:
                 record.timestamps.append(now)
             if record.last_token < 0:
@@ -526,34 +545,17 @@ class ContinuousBatchingManager:
             else:
                 inter_latencies.append(now - record.last_token)
             record.last_token = now
-            request = self.scheduler.state.requests.get(request_id)
-            if request is not None and stopped_by_string(request, self.engine.device):
-                ended = self.scheduler.finish_request(request_id)
-                if ended is not None:
-                    finished.append(ended)
-                    by_string.add(request_id)
-            elif request is not None and record.streaming:
-                self._router.deliver(self._output(request_id, RequestStatus.DECODING, request.generated_ids))
+            if record.streaming and request_id not in ended and request_id in running:
+                self._router.deliver(self._output(request_id, RequestStatus.DECODING,
+                                                  running[request_id].generated_ids))
         self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
-                                  prompt_tokens, reused)
-        for request in finished:
-            stopped = (request.request_id in by_string or request.generated_ids[-1] in request.eos_token_ids
-                       or stopped_by_string(request, self.engine.device))
-            self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
-                      finish_reason="stop" if stopped else "length")
+                                  prompt_tokens, outcome.reused_tokens)
 
     # -- endings ---------------------------------------------------------------------------------
 
     def _output(self, request_id, status, generated, error=None, ended: float = -1.0,
                 finish_reason: str | None = None) -> GenerationOutput:
-        record = self._records[request_id]
-        count = len(generated)
-        return GenerationOutput(
-            request_id=request_id, prompt_ids=list(record.prompt_ids), generated_tokens=list(generated),
-            logprobs=list(record.logprobs[:count]), error=error, status=status, created_time=record.created_time,
-            lifespan=(record.started, ended), timestamps=list(record.timestamps[:count]) if record.record_timestamps
-            else None, top_logprobs=[list(pairs) for pairs in record.tops[:count]] if record.top_logprobs else None,
-            finish_reason=finish_reason)
+        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason)
 
     def _end(self, request_id, status: RequestStatus, generated, error: str | None = None,
              finish_reason: str | None = None) -> None:
@@ -564,8 +566,11 @@ class ContinuousBatchingManager:
             self._live.discard(request_id)
             output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason)
             del self._records[request_id]
+            held = self._held.pop(request_id, ())
         self._metrics.record_end(status)
         self._router.deliver(output)
+        for sequence in held:  # it ended before its first token: so do its other sequences
+            self._end(sequence.request_id, status, (), error)
 
     def _fail_queued(self, message: str) -> None:
         while True:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 from genfn.batching.requests import RequestStatus
 
-__all__ = ["GenerationOutput", "OutputRouter"]
+__all__ = ["GenerationOutput", "OutputRouter", "RequestRecord"]
 
 
 @dataclasses.dataclass
@@ -54,6 +54,33 @@ class GenerationOutput:
         return self.status >= RequestStatus.FINISHED
 
 
+@dataclasses.dataclass
+class RequestRecord:
+    """What the manager keeps of a live request beyond the scheduler's state: what its outputs
+    report besides the tokens."""
+
+    prompt_ids: list[int]
+    streaming: bool
+    record_timestamps: bool
+    created_time: float
+    top_logprobs: int = 0  # how many pairs per token the request asked for
+    logprobs: list = dataclasses.field(default_factory=list)
+    tops: list = dataclasses.field(default_factory=list)
+    timestamps: list = dataclasses.field(default_factory=list)
+    started: float = -1.0
+    last_token: float = -1.0  # when its latest token came (-1: none yet)
+
+    def output(self, request_id: Hashable, status: RequestStatus, generated, error: str | None = None,
+               ended: float = -1.0, finish_reason: str | None = None) -> GenerationOutput:
+        count = len(generated)
+        return GenerationOutput(
+            request_id=request_id, prompt_ids=list(self.prompt_ids), generated_tokens=list(generated),
+            logprobs=list(self.logprobs[:count]), error=error, status=status, created_time=self.created_time,
+            lifespan=(self.started, ended), timestamps=list(self.timestamps[:count]) if self.record_timestamps
+            else None, top_logprobs=[list(pairs) for pairs in self.tops[:count]] if self.top_logprobs else None,
+            finish_reason=finish_reason)
+
+
 class OutputRouter:
     """Outputs to registered handlers or to per-request stores that ``take`` waits on."""
 
@@ -68,11 +95,21 @@ class OutputRouter:
         with self._cond:
             self._handlers[request_id] = (callback, loop)
 
+    def ignore(self, request_id: Hashable) -> None:
+        """Drop the request's outputs from now on (its listener left), up to and including its last."""
+        with self._cond:
+            self._handlers[request_id] = (None, None)
+            queue = self._by_request.pop(request_id, None)
+            if queue:
+                self._order = collections.deque(rid for rid in self._order if rid != request_id)
+
     def deliver(self, output: GenerationOutput) -> None:
         with self._cond:
             entry = self._handlers.get(output.request_id)
             if entry is not None and output.is_finished():
                 del self._handlers[output.request_id]
+            if entry is not None and entry[0] is None:
+                return
             if entry is None:
                 self._by_request.setdefault(output.request_id, collections.deque()).append(output)
                 self._order.append(output.request_id)

@@ -11,7 +11,8 @@ default, as transformers); ``PrefillFirstScheduler`` finishes split prefills fir
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from genfn.batching import scheduling as S
 from genfn.batching.requests import RequestState, RequestStatus
@@ -72,6 +73,13 @@ class Scheduler:
         with self._lock:
             self._state, finished = S.apply_step(self._state, batch, new_tokens)
         return finished
+
+    def advance(self, step: Callable[[S.SchedulerState], tuple[S.SchedulerState, Any]]) -> Any:
+        """Run ``step`` (a pure ``state -> (state, outcome)`` transition, such as the engine's step)
+        on the state under the lock; returns its outcome."""
+        with self._lock:
+            self._state, outcome = step(self._state)
+        return outcome
 
     def has_pending_requests(self) -> bool:
         return S.has_pending(self._state)

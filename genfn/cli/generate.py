@@ -145,10 +145,9 @@ def finish_reason(new_tokens: list[int], text: str, max_new_tokens: int, eos_ids
 
 
 def eos_ids(model) -> set:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None and model.tokenizer is not None:
-        eos = model.tokenizer.eos_token_id
-    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    from genfn.resolve import stop_token_ids
+
+    return set(stop_token_ids(model.generation_config, model.tokenizer))
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool, system: str | None):

@@ -2,7 +2,9 @@
 
 A ``Model`` bundles what a checkpoint brings: the spec, the params, the pure ``apply`` function,
 the tokenizer and the generation defaults. Its methods are thin: ``model.apply(...)`` is
-``apply_fn(spec, params, ...)`` and ``model.generate(...)`` is ``genfn.generate(model, ...)``.
+``apply_fn(spec, params, ...)``. ``model.generate(...)`` (``genfn.generate(model, ...)``) and the
+continuous-batching methods are attached by the public API (``genfn.model_methods``): a model
+imports nothing above ``genfn.models``.
 The only thing a Model keeps besides its value is the table of compiled steps, which belongs to
 the model because the compiled code closes over its weights.
 """
@@ -123,40 +125,6 @@ class Model:
 
         return make_cache(implementation, self.spec, batch_size, max_cache_len, dtype=self.dtype,
                           device=self.device, cache_config=cache_config)
-
-    def generate(self, input_ids=None, generation_config=None, **kwargs):
-        from genfn.generation import generate
-
-        return generate(self, input_ids, generation_config, **kwargs)
-
-    # Continuous batching (transformers' ContinuousMixin); imported on use so models/ does not
-    # depend on the batching package.
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None,
-                                 **manager_options):
-        from genfn.batching.api import init_continuous_batching
-
-        return init_continuous_batching(self, generation_config, continuous_batching_config, workload_hints,
-                                        **manager_options)
-
-    def continuous_batching_context_manager(self, generation_config=None, block=True, timeout=None,
-                                            continuous_batching_config=None, persistent_manager=False, warmup=True,
-                                            workload_hints=None, **manager_options):
-        from genfn.batching.api import continuous_batching_context_manager
-
-        return continuous_batching_context_manager(self, generation_config, block, timeout, continuous_batching_config,
-                                                   persistent_manager, warmup, workload_hints, **manager_options)
-
-    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, record_timestamps=False,
-                       progress_bar=False, persistent_manager=False, warmup=True, **kwargs):
-        from genfn.batching.api import generate_batch
-
-        return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
-                              progress_bar, persistent_manager, warmup, **kwargs)
-
-    def destroy_cached_continuous_batching_manager(self) -> None:
-        from genfn.batching.api import destroy_cached_continuous_batching_manager
-
-        destroy_cached_continuous_batching_manager(self)
 
     def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits=False):
         from genfn.scores import compute_transition_scores

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import planned_attention, write
 from genfn.kernels import decode_linear_available
-from genfn.kernels.packed_gemm import packed_linear as linear
+from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
-__all__ = ["apply_packed", "init_packed_cache"]
+__all__ = ["apply_packed", "init_packed_cache", "pack_params"]
 
 
 def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
@@ -39,6 +39,12 @@ def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=t
     check_packed_spec(spec)
     return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
                             dtype=dtype, device=device)
+
+
+def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The eager forward's weights: the linears packed once for oneDNN's GEMM (many rows times each
+    weight; ``genfn.kernels.packed_gemm``). The compiled graph takes the plain tensors."""
+    return pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

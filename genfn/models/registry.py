@@ -4,6 +4,15 @@ A family is a module with ``spec_from_config(config)``, ``params_from_state_dict
 dtype)``, ``apply`` and ``init_cache``. Adding a native family is one entry in ``ARCHITECTURES``
 (and, for configs without ``architectures``, one in ``MODEL_TYPES``). Architectures with no entry
 load through transformers and ``genfn.from_module`` instead.
+
+A family that runs in continuous batching declares its *packed forward* in ``PACKED_FORWARDS``:
+the module (keyed by the module that defines the family's spec class) with
+``apply_packed(spec, params, inputs, cache, plan=None) -> (logits [R, V], cache)`` over the paged
+cache (``genfn.batching.inputs.BatchInputs``, ``genfn.cache.paged``), ``init_packed_cache(spec,
+num_blocks, block_size, dtype=, device=)`` and ``pack_params(params)`` (the eager forward's weights,
+e.g. prepacked for the GEMM; return ``params`` when nothing is to be done); ``COMPILES = False``
+when the forward must run eagerly (the batching manager then never compiles it).
+``packed_forward(model)`` finds it; the batching manager refuses a model whose family has none.
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ import importlib
 from types import ModuleType
 from typing import Any, Mapping
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "architecture_of", "native_family", "family_or_none"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "PACKED_FORWARDS", "architecture_of", "native_family", "family_or_none",
+           "packed_forward"]
 
 # Hugging Face architecture name -> the genfn module implementing it.
 ARCHITECTURES: dict[str, str] = {
@@ -45,6 +55,18 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+
+# The module of a family's spec class -> the module holding its packed forward over the paged cache.
+PACKED_FORWARDS: dict[str, str] = {
+    "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias)
+    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: tokens paged, prefixes recomputed
+}
+
+
+def packed_forward(model) -> ModuleType | None:
+    """The packed-forward module of ``model``'s family (see the module docstring), or None."""
+    name = PACKED_FORWARDS.get(type(getattr(model, "spec", None)).__module__)
+    return None if name is None else importlib.import_module(name)
 
 
 def architecture_of(config: Mapping[str, Any]) -> str | None:

@@ -24,6 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from genfn.resolve import stop_token_ids
 from genfn.serve.bridge import OutputPump
 from genfn.serve.errors import APIError, bad_request
 from genfn.serve.params import MAX_CHOICES, SamplingParams, defaults_from_config, parse_chat, parse_completion
@@ -108,7 +109,7 @@ class _Service:
         config = getattr(manager, "generation_config", None) or getattr(model, "generation_config", None)
         self.defaults = dict(defaults_from_config(config) if generation_defaults is None else generation_defaults)
         self.vocab_size = model.vocab_size
-        self.eos_token_ids = _eos_ids(config, tokenizer)
+        self.eos_token_ids = set(stop_token_ids(config, tokenizer))
         self.pump = OutputPump(manager)
         self.drain = Drain()
         self.drain_timeout = drain_timeout
@@ -162,23 +163,9 @@ class _Service:
             raise APIError(f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            status=404, param="model", code="model_not_found")
 
-    def _context_limit(self) -> int:
-        """The most tokens (prompt + completion) one request may hold: the model's context or the
-        cache's per-request limit, whichever is smaller."""
-        limits = []
-        max_pos = self.manager.model.max_position_embeddings
-        if max_pos is not None:
-            limits.append(max_pos)
-        scheduler = getattr(self.manager, "scheduler", None)
-        if scheduler is not None:
-            allocator = scheduler.state.allocator
-            width = scheduler.policy.max_blocks_per_request or allocator.num_blocks
-            limits.append(min(width, allocator.num_blocks) * allocator.block_size)
-        return min(limits) if limits else 2**31
-
     def _max_new_tokens(self, params: SamplingParams, prompt_len: int, prompt_param: str,
                         tokens_param: str) -> int:
-        limit = self._context_limit()
+        limit = self.manager.max_request_tokens
         if prompt_len >= limit:
             raise APIError(f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len} "
                            f"tokens. Shorten the prompt.", status=400, param=prompt_param,
@@ -262,14 +249,3 @@ class _Service:
             return [ids(prompt)]
         raise bad_request("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list "
                                     "of token-id lists", code="invalid_type")
-
-
-def _eos_ids(config, tokenizer) -> set[int]:
-    found = set()
-    eos = getattr(config, "eos_token_id", None) if config is not None else None
-    for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        if isinstance(value, int) and value >= 0:
-            found.add(value)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        found.add(tokenizer.eos_token_id)
-    return found

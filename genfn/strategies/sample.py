@@ -2,14 +2,14 @@
 
 ``init`` prefills the prompt and picks the first token; ``step`` feeds the newest token and picks
 the next; ``finish`` trims the buffers. ``init`` and ``step`` share ``_choose_next``, so the first
-token goes through exactly the same processors, sampling and stopping as every later one.
+token goes through exactly the same processors, sampling and stopping as every later one; the token
+itself is ``genfn.strategies.token_choice.choose_tokens``, the one choice continuous batching makes too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from genfn import random as grandom
 from genfn.inputs import check_logits_shape
 from genfn.processors.context import LogitsContext
 from genfn.outputs import GenerateDecoderOnlyOutput
@@ -20,6 +20,7 @@ from genfn.stopping import eos_emitted
 from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.strategies.guidance import guidance_init, guidance_step
 from genfn.strategies.request import GenerationRequest, StepTrace
+from genfn.strategies.token_choice import choose_tokens
 
 __all__ = ["SAMPLE", "init", "step", "finish", "collect", "prefill_positions", "options_for", "model_forward",
            "step_placeholders", "collect_model_outputs", "append_tokens", "newest_input"]
@@ -191,20 +192,9 @@ def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits:
     if opts.guidance_scale is not None:
         # CFG heads the processor chain, as in transformers.
         scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)
-    processors, processor_state = state.processors, state.processor_state
-    if processors is not None:
-        if processor_state is not None:
-            scores, processor_state = processors.apply(scores, ctx, processor_state)
-        else:
-            scores = processors(scores, ctx)
-    if opts.do_sample:
-        # The noise counter is the number of tokens this row generated so far: independent of
-        # the row's left padding and of when it joined the batch.
-        counter = state.cur_len - state.prompt_len
-        noise = grandom.gumbel(state.keys, counter, scores.shape[-1])
-        next_tokens = torch.argmax(scores + noise, dim=-1)
-    else:
-        next_tokens = torch.argmax(scores, dim=-1)
+    keys = state.keys if opts.do_sample else None
+    choice = choose_tokens(scores, state.processors, ctx, keys=keys, processor_state=state.processor_state)
+    scores, processor_state, next_tokens = choice.scores, choice.processor_state, choice.tokens
     next_tokens = torch.where(state.done, opts.pad_token_id, next_tokens)
     cur_len = append_tokens(state.tokens, state.cur_len, next_tokens)
     done = state.done | eos_emitted(next_tokens, opts.eos_token_ids) | (cur_len >= state.max_length)

@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from genfn import random as grandom
 from genfn.strategies.assisted.drafter import Draft, DraftInput
 from genfn.strategies.assisted.verify import Verified, draft_keys
 from genfn.strategies.request import GenerationRequest
+from genfn.strategies.token_choice import pick_tokens
 
 __all__ = ["BlockDrafter"]
 
@@ -63,10 +63,9 @@ class BlockDrafter:
         if view.keys is not None:
             counters = view.counter.unsqueeze(1) + torch.arange(k, device=logits.device)
             keys = draft_keys(view.keys).unsqueeze(1).expand(batch, k, 2).reshape(batch * k, 2)
-            noise = grandom.gumbel(keys, counters.reshape(-1), logits.shape[-1]).reshape(logits.shape)
-            tokens = (logits + noise).argmax(dim=-1)
+            tokens = pick_tokens(logits.reshape(batch * k, -1), keys, counters.reshape(-1)).view(batch, k)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = pick_tokens(logits)
         return Draft(tokens=tokens, num_valid=view.budget, logits=logits), state, cache
 
     def commit(self, state: None, verified: Verified, view: DraftInput) -> None:

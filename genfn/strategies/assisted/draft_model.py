@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from genfn import random as grandom
 from genfn.state.base import pytree_dataclass
 from genfn.strategies.assisted.drafter import Draft, DraftInput, check_rows_independent
 from genfn.strategies.assisted.schedule import ConfidenceState, confident_length, init_confidence, update_confidence
 from genfn.strategies.assisted.verify import Verified, draft_keys
 from genfn.strategies.request import GenerationRequest
 from genfn.strategies.sample import prefill_positions
+from genfn.strategies.token_choice import pick_tokens
 
 __all__ = ["DraftModelDrafter", "DraftModelState"]
 
@@ -97,11 +97,7 @@ class DraftModelDrafter:
         keys = draft_keys(view.keys) if sampled else None
         tokens, all_logits, probs = [], [], []
         for i in range(k):
-            if sampled:
-                noise = grandom.gumbel(keys, view.counter + i, logits.shape[-1])
-                token = (logits + noise).argmax(dim=-1)
-            else:
-                token = logits.argmax(dim=-1)
+            token = pick_tokens(logits, keys, view.counter + i)
             tokens.append(token)
             all_logits.append(logits)
             probs.append(logits.softmax(dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from genfn import random as grandom
 from genfn.strategies.assisted.drafter import Draft, DraftInput
 from genfn.strategies.assisted.verify import Verified, draft_keys
 from genfn.strategies.request import GenerationRequest
+from genfn.strategies.token_choice import pick_tokens
 
 __all__ = ["EarlyExitDrafter"]
 
@@ -63,10 +63,7 @@ class EarlyExitDrafter:
             logits, cache = model.apply(token.unsqueeze(1), (position + i).unsqueeze(1), cache,
                                         num_layers=self.num_layers)
             logits = logits[:, -1]
-            if sampled:
-                token = (logits + grandom.gumbel(keys, view.counter + i, logits.shape[-1])).argmax(dim=-1)
-            else:
-                token = logits.argmax(dim=-1)
+            token = pick_tokens(logits, keys, view.counter + i)
             tokens.append(token)
             all_logits.append(logits)
         draft = Draft(tokens=torch.stack(tokens, dim=1), num_valid=view.budget, logits=torch.stack(all_logits, dim=1))

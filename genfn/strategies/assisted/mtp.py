@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from genfn import random as grandom
 from genfn.models.llama import mtp_head
 from genfn.strategies.assisted.drafter import Draft, DraftInput
 from genfn.strategies.assisted.verify import Verified, draft_keys
 from genfn.strategies.request import GenerationRequest
+from genfn.strategies.token_choice import pick_tokens
 
 __all__ = ["MTPDrafter", "num_mtp_heads"]
 
@@ -60,10 +60,7 @@ class MTPDrafter:
         tokens, all_logits = [], []
         for i in range(self.num_tokens):
             logits, hidden = mtp_head(model.spec, model.params, i, hidden, token)
-            if keys is not None:
-                token = (logits + grandom.gumbel(keys, view.counter + i, logits.shape[-1])).argmax(dim=-1)
-            else:
-                token = logits.argmax(dim=-1)
+            token = pick_tokens(logits, keys, view.counter + i)
             tokens.append(token)
             all_logits.append(logits)
         draft = Draft(tokens=torch.stack(tokens, dim=1), num_valid=view.budget, logits=torch.stack(all_logits, dim=1))
