@@ -57,12 +57,12 @@ def sampling_settings(args, defaults: dict | None = None) -> dict:
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
              "min_p": getattr(args, "min_p", None)}
     sampling = {k: v for k, v in flags.items() if v is not None}
-    check_settings({**sampling, "do_sample": True})
+    if sampling.get("temperature") == 0 and args.do_sample:
+        raise UserError("--do-sample with --temperature 0 contradict each other (temperature 0 is greedy)")
+    check_settings({**{k: v for k, v in sampling.items() if v != 0 or k != "temperature"}, "do_sample": True})
     do_sample = args.do_sample or any(v for k, v in sampling.items() if k != "temperature") \
         or (sampling.get("temperature") or 0) > 0
     if sampling.get("temperature") == 0:
-        if args.do_sample:
-            raise UserError("--do-sample with --temperature 0 contradict each other (temperature 0 is greedy)")
         do_sample = False
     elif defaults and not args.do_sample and not sampling:
         do_sample = (defaults.get("temperature") or 0) > 0 or "temperature" not in defaults
