@@ -88,6 +88,8 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     for name in ("top_k", "seed"):
         if name in record:
             settings[name] = _number(record[name], name, line, integer=True)
+    given = {k: v for k, v in settings.items() if k != "seed" and not (k == "temperature" and v == 0)}
+    check_settings({**given, "do_sample": True}, where=f"input line {line}: ")  # every value, sampled or not
     samples = settings.get("temperature", 0) > 0 or "top_p" in settings or settings.get("top_k", 0) > 0
     if "do_sample" in record:
         if not isinstance(record["do_sample"], bool):
