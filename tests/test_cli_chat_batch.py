@@ -277,3 +277,23 @@ def test_sigkill_mid_run_then_rerun_keeps_every_result_exactly_once(chat_dir, tm
     after = _outputs(out)
     assert sorted(r["id"] for r in after) == sorted(f"r{i}" for i in range(count))
     assert after[:len(before)] == before
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 50}),  # the model sets none: chat defaults
+    (["--sampling-defaults", "temperature=0.3"], {"do_sample": True, "temperature": 0.3, "top_p": 0.95, "top_k": 50}),
+    (["--sampling-defaults", "none"], {"do_sample": False}),
+    (["--temperature", "0"], {"do_sample": False}),
+    (["--top-k", "3"], {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 3}),
+])
+def test_chat_samples_with_the_servers_defaults(chat_dir, monkeypatch, capsys, flags, expected):
+    settings = []
+    real_generate = genfn.generate
+
+    def recording_generate(model, input_ids, **kwargs):
+        settings.append({k: kwargs[k] for k in ("do_sample", "temperature", "top_p", "top_k") if k in kwargs})
+        return real_generate(model, input_ids, **kwargs)
+
+    monkeypatch.setattr(genfn, "generate", recording_generate)
+    code, _, _ = _chat(monkeypatch, capsys, "hello\n", "--model", str(chat_dir), "--max-new-tokens", "2", *flags)
+    assert code == 0 and settings == [expected]
