@@ -87,6 +87,9 @@ def validation_error(errors) -> APIError:
                    else f"We could not parse the JSON body of your request: {error.get('msg', '')}")
         return APIError(message, status=400, param=None, code="invalid_json")
     if code == "unknown_parameter":
+        where = param_path(loc[:-1])
+        name = str(loc[-1]) if loc else "?"
+        param = f"{where}.{name}" if where else name
         return APIError(f"Unrecognized request argument supplied: {param}", status=400, param=param, code=code)
     if code == "missing_required_parameter":
         return APIError(f"Missing required parameter: '{param}'", status=400, param=param, code=code)

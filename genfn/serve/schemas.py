@@ -184,7 +184,8 @@ class _Generation(_Body):
     # vLLM's extensions, which the web page and many clients send.
     top_k: _strict(int, ge=-1) | None = Field(default=None, description="0 or -1: no top-k filter")
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
+    # Bounded so that it fits the engine's float32 tables (the engine fails on 1e308 with a RuntimeError).
+    repetition_penalty: Annotated[Number, Field(gt=0, le=1e4)] | None = None
 
     @field_validator("stop")
     @classmethod
