@@ -181,6 +181,14 @@ def test_malformed_utf8_is_a_400(server, raw):
     assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
 
 
+def test_a_body_is_json_whatever_its_content_type(server):
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):  # curl -d sends the first
+        headers = {"content-type": content_type} if content_type else {}
+        response = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=WAIT_S)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
 def test_openapi_schema_and_docs(server):
     with httpx.Client(base_url=server.url, timeout=WAIT_S) as http:
         schema = http.get("/openapi.json").json()

@@ -1,4 +1,6 @@
-"""``BodyLimit``: an ASGI middleware that refuses a request body over a size with OpenAI's 413.
+"""What the server takes of a request body: ``BodyLimit``, an ASGI middleware that refuses a body
+over a size with OpenAI's 413, and reads every POST body as JSON whatever its ``Content-Type``
+says (``curl -d`` declares form encoding; the API takes nothing but JSON).
 
 A declared ``Content-Length`` over the limit is refused before a byte of the body is read; a
 body sent without one (chunked) is counted as it arrives and refused the moment it passes the
@@ -34,6 +36,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or () if k != b"content-type"]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None:
             try:
