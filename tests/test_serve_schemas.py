@@ -31,7 +31,7 @@ def _refused(body, chat=True):
         (parse_chat if chat else parse_completion)(body, {}, VOCAB)
     error = refused.value
     assert error.status == 400 and set(error.body()["error"]) == {"message", "type", "param", "code"}
-    assert error.message and error.type == "invalid_request_error"
+    assert error.message and error.type == "invalid_request_error" and "{{" not in error.message
     return error
 
 
@@ -58,6 +58,8 @@ def _refused(body, chat=True):
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour", "unknown_parameter"),
     ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content",
+     "invalid_type"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "invalid_value"),
     ({"temperature": float("nan")}, "temperature", "invalid_value"),
     ({"temperature": True}, "temperature", "invalid_type"),

@@ -31,7 +31,8 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 def refuse(param: str, message: str, code: str = "invalid_value") -> PydanticCustomError:
     """A validation error naming ``param`` (relative to the model that raises it) and OpenAI's ``code``."""
-    return PydanticCustomError(code, message.replace("{", "{{").replace("}", "}}"), {"param": param})
+    # pydantic fills ``{name}`` from the context; the message goes in as a value, so braces in it stay.
+    return PydanticCustomError(code, "{message}", {"param": param, "message": message})
 
 
 def _strict(kind, **limits):
