@@ -228,6 +228,19 @@ def test_a_request_during_shutdown_is_a_503(model):
 # ---- the openai client ---------------------------------------------------------------------------------
 
 
+def test_requests_that_leave_sampling_out_get_the_chat_defaults(server, client, model):
+    from genfn.serve.defaults import CHAT_DEFAULTS
+
+    assert model.generation_config.temperature is None  # the model sets no sampling defaults of its own
+    card = httpx.get(server.url + "/v1/models", timeout=WAIT_S).json()["data"][0]
+    assert card["sampling_defaults"] == CHAT_DEFAULTS
+    request = dict(model=MODEL, prompt="Defaults", max_tokens=6, seed=11)
+    implicit = client.completions.create(**request).choices[0].text
+    explicit = client.completions.create(**request, temperature=0.7, top_p=0.95, extra_body={"top_k": 50})
+    assert implicit == explicit.choices[0].text
+    assert implicit != client.completions.create(**request, temperature=0).choices[0].text
+
+
 def test_fields_clients_send_are_accepted(client):
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=3, temperature=0,
