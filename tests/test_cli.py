@@ -186,16 +186,63 @@ def test_status_phase_ticks_in_place_on_a_terminal(monkeypatch):
     (["generate", "hi", "--num-beams", "0"], ["--num-beams", "positive integer"]),
     (["generate", "hi", "--no-such-flag"], ["--no-such-flag"]),
     (["frobnicate"], ["frobnicate"]),
-    (["generate", "hi", "--top-p", "0.5"], ["--do-sample"]),
+    (["generate", "hi", "--temprature", "0.5"], ["--temprature", "did you mean --temperature?"]),
+    (["chat", "--max-new-token", "5", "--sampling-default", "none", "--top_p", "1"], ["did you mean --top-p?"]),
+    (["generate", "hi", "--temperature", "-1"], ["--temperature", ">= 0.0"]),
+    (["generate", "hi", "--top-p", "1.5"], ["--top-p", "[0.0, 1.0]"]),
+    (["generate", "hi", "--top-k", "-3"], ["--top-k", ">= 0"]),
+    (["generate", "hi", "--min-p", "2"], ["--min-p"]),
+    (["generate", "hi", "--repetition-penalty", "0"], ["--repetition-penalty"]),
+    (["generate", "hi", "--do-sample", "--temperature", "0"], ["--do-sample", "greedy"]),
+    (["chat", "--sampling-defaults", "heat=1"], ["--sampling-defaults", "heat"]),
+    (["batch", "in.jsonl", "out.jsonl", "--skipbad"], ["did you mean --skip-bad?"]),
     (["generate", "hi", "--stop", ""], ["--stop"]),
     (["generate", "hi", "--prompt-file", "p.txt"], ["not both"]),
     (["generate", "--file", "/nonexistent/prompt.txt"], ["prompt file not found", "/nonexistent/prompt.txt"]),
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], ["model not found", "/nonexistent/model.gguf"]),
 ])
-def test_user_errors_are_one_line_and_status_2(args, words, capsys):
+def test_user_errors_are_one_line_and_status_2(args, words, capsys, monkeypatch):
+    from genfn.cli import batch, chat, generate
+
+    def no_loading(*_):
+        raise AssertionError("a bad flag must be refused before the model loads")
+
+    if "--model" not in args:
+        for command in (batch, chat, generate):
+            monkeypatch.setattr(command, "load_model", no_loading)
     code = cli.main(args)
     captured = capsys.readouterr()
     assert_user_error(subprocess.CompletedProcess(args, code, captured.out, captured.err), *words)
+
+
+def _flags(**given):
+    import argparse
+
+    values = dict(temperature=None, top_p=None, top_k=None, min_p=None, do_sample=False, repetition_penalty=None,
+                  stop=None, max_new_tokens=8)
+    return argparse.Namespace(**{**values, **given})
+
+
+@pytest.mark.parametrize("given, defaults, expected", [
+    ({}, None, {"do_sample": False}),
+    ({"temperature": 0.5}, None, {"do_sample": True, "temperature": 0.5}),  # implies sampling, as llama.cpp
+    ({"top_k": 5}, None, {"do_sample": True, "top_k": 5}),
+    ({"min_p": 0.1}, None, {"do_sample": True, "min_p": 0.1}),
+    ({"temperature": 0.0}, None, {"do_sample": False}),
+    ({"do_sample": True}, None, {"do_sample": True}),
+    ({}, {"temperature": 0.7, "top_p": 0.95, "top_k": 50}, {"do_sample": True, "temperature": 0.7, "top_p": 0.95,
+                                                           "top_k": 50}),
+    ({"temperature": 0.2}, {"temperature": 0.7, "top_p": 0.95}, {"do_sample": True, "temperature": 0.2,
+                                                                  "top_p": 0.95}),
+    ({"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95}, {"do_sample": False}),
+    ({}, {"temperature": 0.0}, {"do_sample": False}),
+    ({}, {"temperature": 0.6, "repetition_penalty": 1.1}, {"do_sample": True, "temperature": 0.6,
+                                                           "repetition_penalty": 1.1}),
+])
+def test_sampling_flags_and_defaults(given, defaults, expected):
+    from genfn.cli.generate import sampling_settings
+
+    assert sampling_settings(_flags(**given), defaults) == {"max_new_tokens": 8, **expected}
 
 
 def test_user_errors_as_a_subprocess_leave_no_traceback():
@@ -234,8 +281,8 @@ def test_tiny_model_prompt_from_argument_file_or_stdin(tiny_model_dir, tmp_path)
 
 def test_settings_refused_by_generate_are_one_line(tiny_model_dir, tmp_path):
     model = str(tiny_model_dir)
-    assert_user_error(run_cli("generate", "hi", "--model", model, "--do-sample", "--temperature", "-1"), "temperature")
-    assert_user_error(run_cli("generate", "hi", "--model", model, "--do-sample", "--top-p", "1.5"), "top_p")
+    assert_user_error(run_cli("generate", "hi", "--model", model, "--do-sample", "--temperature", "-1"), "--temperature")
+    assert_user_error(run_cli("generate", "hi", "--model", model, "--do-sample", "--top-p", "1.5"), "--top-p")
     assert_user_error(run_cli("generate", "hi", "--model", model, "--chat"), "chat template")
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")

@@ -179,3 +179,121 @@ def test_batch_bad_lines_name_the_line(lines, words, tmp_path, capsys):
 def test_batch_missing_input_file(tmp_path, capsys):
     assert cli.main(["batch", str(tmp_path / "none.jsonl"), str(tmp_path / "out.jsonl")]) == 2
     assert "input file not found" in capsys.readouterr().err
+
+
+def test_bad_settings_refuse_the_file_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from genfn.cli import batch
+
+    monkeypatch.setattr(batch, "load_model", lambda *_: pytest.fail("the model must not load for a bad file"))
+    for line, words in (('{"prompt": "hi", "temperature": -1}', ["input line 2", "'temperature'", ">= 0.0"]),
+                        ('{"prompt": "hi", "top_p": 1.5}', ["input line 2", "'top_p'"]),
+                        ('{"prompt": "hi", "top_k": -4, "do_sample": true}', ["input line 2", "'top_k'"]),
+                        ('{"prompt": "hi", "repetition_penalty": 0}', ["input line 2", "'repetition_penalty'"])):
+        source = tmp_path / "in.jsonl"
+        source.write_text('{"prompt": "fine"}\n' + line + "\n")
+        assert cli.main(["batch", str(source), str(tmp_path / "out.jsonl"), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(word in err for word in words), err
+
+
+def test_batch_skip_bad_runs_the_good_lines_in_order_and_lists_the_bad(chat_dir, tmp_path, capsys):
+    lines = ['{"id": "a", "prompt": "The capital of France is", "max_tokens": 9}',
+             '{"id": "b", "prompt": "hi", "temperature": -1}',
+             '{"id": "c", "prompt": "Say", "max_tokens": 1}',
+             'not json',
+             '{"id": "d", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}',
+             '{"id": "e", "prompt": "Paris", "max_tokens": 2}']
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["batch", str(source), str(out), "--model", str(chat_dir), "--ordered", "--skip-bad"]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "skipped: input line 2" in err and "skipped: input line 4" in err and "2 bad input lines skipped" in err
+    assert [r["id"] for r in _outputs(out)] == ["a", "c", "d", "e"]  # input order, though "a" finishes last
+    assert cli.main(args) == 1  # a rerun has nothing left but still reports the bad lines
+    err = capsys.readouterr().err
+    assert "nothing to do" in err and "2 bad input lines skipped" in err
+    assert [r["id"] for r in _outputs(out)] == ["a", "c", "d", "e"]
+    assert cli.main(["batch", str(source), str(tmp_path / "other.jsonl"), "--model", str(chat_dir)]) == 2
+    assert "input line 2" in capsys.readouterr().err  # without --skip-bad the file is refused
+
+
+def test_ordered_writer_waits_for_earlier_results_and_skips_failures(tmp_path):
+    from genfn.cli.batch import ResultWriter
+
+    path = tmp_path / "out.jsonl"
+    with open(path, "ab") as f:
+        writer = ResultWriter(f, ["a", "b", "c", "d"])
+        writer.add("c", {"id": "c"})
+        writer.add("b", {"id": "b"})
+        assert path.read_text() == ""
+        writer.add("a", {"id": "a"})
+        assert [r["id"] for r in _outputs(path)] == ["a", "b", "c"]
+        writer.fail("d")
+        assert writer.next == 4
+
+
+def test_sigkill_mid_run_then_rerun_keeps_every_result_exactly_once(chat_dir, tmp_path):
+    """``genfn batch`` killed with SIGKILL while it writes: the file holds whole lines (at most a
+    last one cut short), and the rerun ends with every request's result exactly once, the ones
+    written before the kill unchanged."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cli_support import REPO, WAIT
+
+    count = 48
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Say hi {i}", "max_tokens": 40}) + "\n"
+                              for i in range(count)))
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "genfn.cli", "batch", str(source), str(out), "--model", str(chat_dir),
+               "--max-requests", "1", "-q"]
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
+            assert process.poll() is None, process.stderr.read().decode()
+            assert time.monotonic() < deadline, "no results were written"
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+        process.wait(WAIT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(WAIT)
+    data = out.read_bytes()
+    whole = data[:data.rfind(b"\n") + 1]
+    before = [json.loads(line) for line in whole.decode().splitlines()]  # every whole line parses
+    assert 3 <= len(before) < count, "the run must be killed part way"
+    assert len({r["id"] for r in before}) == len(before)
+    rerun = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=WAIT)
+    assert rerun.returncode == 0, rerun.stderr
+    after = _outputs(out)
+    assert sorted(r["id"] for r in after) == sorted(f"r{i}" for i in range(count))
+    assert after[:len(before)] == before
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 50}),  # the model sets none: chat defaults
+    (["--sampling-defaults", "temperature=0.3"], {"do_sample": True, "temperature": 0.3, "top_p": 0.95, "top_k": 50}),
+    (["--sampling-defaults", "none"], {"do_sample": False}),
+    (["--temperature", "0"], {"do_sample": False}),
+    (["--top-k", "3"], {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 3}),
+])
+def test_chat_samples_with_the_servers_defaults(chat_dir, monkeypatch, capsys, flags, expected):
+    settings = []
+    real_generate = genfn.generate
+
+    def recording_generate(model, input_ids, **kwargs):
+        settings.append({k: kwargs[k] for k in ("do_sample", "temperature", "top_p", "top_k") if k in kwargs})
+        return real_generate(model, input_ids, **kwargs)
+
+    monkeypatch.setattr(genfn, "generate", recording_generate)
+    code, _, _ = _chat(monkeypatch, capsys, "hello\n", "--model", str(chat_dir), "--max-new-tokens", "2", *flags)
+    assert code == 0 and settings == [expected]

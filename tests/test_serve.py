@@ -348,7 +348,7 @@ BAD_REQUESTS = [
      "invalid_type"),
     ("unknown field", "/v1/chat/completions", {**_CHAT, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
     ("n of zero", "/v1/chat/completions", {**_CHAT, "n": 0}, 400, "n", "invalid_value"),
-    ("stop of numbers", "/v1/chat/completions", {**_CHAT, "stop": [1]}, 400, "stop", "invalid_type"),
+    ("stop of numbers", "/v1/chat/completions", {**_CHAT, "stop": [1]}, 400, "stop[0]", "invalid_type"),
     ("logit_bias outside the vocabulary", "/v1/chat/completions", {**_CHAT, "logit_bias": {"99999999": 1}}, 400,
      "logit_bias", "invalid_value"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {**_CHAT, "top_logprobs": 2}, 400, "top_logprobs",

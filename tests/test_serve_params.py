@@ -87,7 +87,7 @@ def test_chat_messages_are_normalised():
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "other": 1}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "other": 1}}, "stream_options.other"),
     ({"prompt": "x", "model": 5}, "model"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
 ])

@@ -11,6 +11,7 @@ tracebacks or warning source lines.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -63,12 +64,32 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no status lines on stderr")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     wanted = _command_of(argv)
+    parser.commands = {}
     for name, (module, help_text) in _COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
+        parser.commands[name] = sub
         if name == "serve" and wanted != "serve":
             continue  # its options come from genfn.serve, imported only for `genfn serve`
         module.add_arguments(sub)
     return parser
+
+
+def _unknown_arguments(extras: list[str], parser: argparse.ArgumentParser, command: str | None) -> str:
+    """The error for arguments no option takes, suggesting the closest option for each flag."""
+    sub = getattr(parser, "commands", {}).get(command)
+    options = sorted({*parser._option_string_actions, *(sub._option_string_actions if sub is not None else ())})
+    hints = []
+    for word in extras:
+        if not word.startswith("-"):
+            continue
+        close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{word.split('=', 1)[0]}: did you mean {close[0]}?")
+    where = f"genfn {command}" if command else "genfn"
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if hints:
+        text += " (" + "; ".join(hints) + ")"
+    return f"{text} (see `{where} --help`)"
 
 
 def _show_warning(verbose: bool):
@@ -85,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     handler = StderrLines(status)
     saved = (warnings.showwarning, logger.level, logger.propagate)
     try:
-        args = _parser(argv).parse_args(argv)
+        parser = _parser(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            raise UserError(_unknown_arguments(extras, parser, getattr(args, "command", None)))
         status.quiet = args.quiet
         handler.verbose = args.verbose
         logger.addHandler(handler)

@@ -4,9 +4,15 @@ Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, ren
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``repetition_penalty``, ``seed``, ``stop`` and ``do_sample`` (a positive
 ``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false). Each finished
-request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``), so a run
-that stops part way loses nothing: run the same command again and the ids already in OUTPUT are
-skipped. A line without ``id`` is known by its line number (``line-7``).
+request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``) as one whole
+line, flushed and fsync'd, so a run that stops part way (even SIGKILL) loses nothing it reported:
+run the same command again and the ids already in OUTPUT are skipped, and a last line cut short is
+dropped and written again. ``--ordered`` writes the results in input order (a result waits for
+the ones before it). A line without ``id`` is known by its line number (``line-7``).
+
+Every line is read and its settings checked (by ``GenerationConfig``'s own rules) before the model
+loads: a bad line refuses the file, naming the line, or with ``--skip-bad`` is skipped and listed
+at the end (exit status 1).
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ import time
 
 from genfn.cli.common import (UserError, add_model_arguments, load_model, positive_int, read_text_file,
                               require_tokenizer)
-from genfn.cli.generate import eos_ids, finish_reason
+from genfn.cli.generate import check_settings, eos_ids, finish_reason
 from genfn.cli.status import Status, watch_compiles
 
-__all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest"]
+__all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest", "ResultWriter"]
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "seed", "stop", "do_sample"}
@@ -37,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for lines without max_tokens (default 128)")
     parser.add_argument("--max-requests", type=positive_int, default=None,
                         help="requests decoded together at most (default: sized from the inputs)")
+    parser.add_argument("--ordered", action="store_true",
+                        help="write the results in input order (default: as they finish)")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip input lines with bad JSON or settings and list them at the end (default: a bad "
+                             "line refuses the file)")
 
 
 class BatchRequest:
@@ -77,6 +88,8 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     for name in ("top_k", "seed"):
         if name in record:
             settings[name] = _number(record[name], name, line, integer=True)
+    given = {k: v for k, v in settings.items() if k != "seed" and not (k == "temperature" and v == 0)}
+    check_settings({**given, "do_sample": True}, where=f"input line {line}: ")  # every value, sampled or not
     samples = settings.get("temperature", 0) > 0 or "top_p" in settings or settings.get("top_k", 0) > 0
     if "do_sample" in record:
         if not isinstance(record["do_sample"], bool):
@@ -88,6 +101,7 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
         for name in ("temperature", "top_p", "top_k", "min_p"):
             settings.pop(name, None)
     settings["do_sample"] = samples
+    check_settings({k: v for k, v in settings.items() if k != "seed"}, where=f"input line {line}: ")
     stop = record.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -97,48 +111,60 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     return max_new, settings, stop
 
 
-def read_requests(text: str, default_max: int) -> list[BatchRequest]:
+def read_requests(text: str, default_max: int, skip_bad: bool = False,
+                  bad: list | None = None) -> list[BatchRequest]:
     """Every input line as a request (not yet encoded); a UserError naming the line number for a
-    bad one. Runs before the model loads, so a bad file fails at once."""
+    bad one, or with ``skip_bad`` the line left out and ``(line, why)`` added to ``bad``. Runs
+    before the model loads, so a bad file fails at once."""
     requests, seen = [], {}
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise UserError(f"input line {number} is not valid JSON: {err.msg} (column {err.colno})") from None
-        if not isinstance(record, dict):
-            raise UserError(f"input line {number} must be a JSON object, got {type(record).__name__}")
-        unknown = sorted(set(record) - _FIELDS)
-        if unknown:
-            raise UserError(f"input line {number}: unknown field(s) {', '.join(unknown)}; the fields are "
-                            f"{', '.join(sorted(_FIELDS))}")
-        request_id = record.get("id", f"line-{number}")
-        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            raise UserError(f"input line {number}: 'id' must be a string or an integer")
-        request_id = str(request_id)
-        if request_id in seen:
-            raise UserError(f"input line {number}: id {request_id!r} is also on line {seen[request_id]}")
-        seen[request_id] = number
-        if ("prompt" in record) == ("messages" in record):
-            raise UserError(f"input line {number} needs exactly one of 'prompt' (text) or 'messages' (a chat)")
-        if "prompt" in record:
-            prompt = record["prompt"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise UserError(f"input line {number}: 'prompt' must be non-empty text")
-        else:
-            prompt = record["messages"]
-            if (not isinstance(prompt, list) or not prompt
-                    or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                               and isinstance(m.get("content"), str) for m in prompt)):
-                raise UserError(f"input line {number}: 'messages' must be a list of {{\"role\", \"content\"}} "
-                                f"objects")
-        max_new, settings, stop = _settings(record, number, default_max)
-        requests.append(BatchRequest(request_id, number, prompt, max_new, settings, stop))
+            requests.append(_read_line(number, raw, seen, default_max))
+        except UserError as err:
+            if not skip_bad:
+                raise
+            if bad is not None:
+                bad.append((number, str(err)))
     if not requests:
-        raise UserError("the input file holds no requests")
+        raise UserError("the input file holds no requests" + (" that could be read" if bad else ""))
     return requests
+
+
+def _read_line(number: int, raw: str, seen: dict, default_max: int) -> BatchRequest:
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise UserError(f"input line {number} is not valid JSON: {err.msg} (column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"input line {number} must be a JSON object, got {type(record).__name__}")
+    unknown = sorted(set(record) - _FIELDS)
+    if unknown:
+        raise UserError(f"input line {number}: unknown field(s) {', '.join(unknown)}; the fields are "
+                        f"{', '.join(sorted(_FIELDS))}")
+    request_id = record.get("id", f"line-{number}")
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        raise UserError(f"input line {number}: 'id' must be a string or an integer")
+    request_id = str(request_id)
+    if request_id in seen:
+        raise UserError(f"input line {number}: id {request_id!r} is also on line {seen[request_id]}")
+    if ("prompt" in record) == ("messages" in record):
+        raise UserError(f"input line {number} needs exactly one of 'prompt' (text) or 'messages' (a chat)")
+    if "prompt" in record:
+        prompt = record["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f"input line {number}: 'prompt' must be non-empty text")
+    else:
+        prompt = record["messages"]
+        if (not isinstance(prompt, list) or not prompt
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                           and isinstance(m.get("content"), str) for m in prompt)):
+            raise UserError(f"input line {number}: 'messages' must be a list of {{\"role\", \"content\"}} "
+                            f"objects")
+    max_new, settings, stop = _settings(record, number, default_max)
+    seen[request_id] = number
+    return BatchRequest(request_id, number, prompt, max_new, settings, stop)
 
 
 def read_done_ids(path: str) -> set[str]:
@@ -165,13 +191,55 @@ def read_done_ids(path: str) -> set[str]:
     return done
 
 
+class ResultWriter:
+    """Appends each result to OUTPUT as one whole line, flushed and fsync'd before the next (a
+    killed run leaves whole lines and at most one cut-short last line, which the rerun drops).
+    With ``order`` (request ids in input order) a result waits until those before it are written
+    or known to have failed."""
+
+    def __init__(self, file, order: list[str] | None = None):
+        self.file = file
+        self.order = order
+        self.next = 0
+        self.held: dict[str, bytes] = {}
+        self.failed: set[str] = set()
+
+    def add(self, request_id: str, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        if self.order is None:
+            self._write(line)
+        else:
+            self.held[request_id] = line
+            self._release()
+
+    def fail(self, request_id: str) -> None:
+        self.failed.add(request_id)
+        if self.order is not None:
+            self._release()
+
+    def _release(self) -> None:
+        while self.next < len(self.order):
+            request_id = self.order[self.next]
+            if request_id in self.held:
+                self._write(self.held.pop(request_id))
+            elif request_id not in self.failed:
+                return
+            self.next += 1
+
+    def _write(self, line: bytes) -> None:
+        self.file.write(line)  # one write of a whole line to a file opened for appending
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+
 def main(args, status: Status) -> int:
     from tqdm.auto import tqdm
 
     from genfn.batching import WorkloadHints, continuous_batching_context_manager
     from genfn.config import ContinuousBatchingConfig
 
-    requests = read_requests(read_text_file(args.input, "input file"), args.max_new_tokens)
+    bad: list[tuple[int, str]] = []
+    requests = read_requests(read_text_file(args.input, "input file"), args.max_new_tokens, args.skip_bad, bad)
     if os.path.isdir(args.output):
         raise UserError(f"output is a directory: {args.output}")
     done = read_done_ids(args.output)
@@ -180,11 +248,21 @@ def main(args, status: Status) -> int:
         status.line(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests are already in {args.output}")
     if not todo:
         status.line("nothing to do")
-        return 0
+        return _report_bad(status, bad)
     model = load_model(args, status)
     tokenizer = require_tokenizer(model)
+    usable = []
     for r in todo:
-        r.encode(tokenizer)
+        try:
+            r.encode(tokenizer)
+            usable.append(r)
+        except UserError as err:
+            if not args.skip_bad:
+                raise
+            bad.append((r.line, str(err)))
+    todo = usable
+    if not todo:
+        return _report_bad(status, bad)
     lengths = [len(r.ids) for r in todo]
     longest_new = max(r.max_new_tokens for r in todo)
     hints = WorkloadHints(expected_prompt_len=max(1, sum(lengths) // len(lengths)), expected_new_tokens=longest_new,
@@ -197,17 +275,23 @@ def main(args, status: Status) -> int:
     with watch_compiles(status), \
             continuous_batching_context_manager(model, continuous_batching_config=config, workload_hints=hints,
                                                 block=True) as manager, \
-            open(args.output, "a", encoding="utf-8") as out, \
+            open(args.output, "ab") as out, \
             tqdm(total=len(todo), desc="requests", unit="req", file=sys.stderr, disable=status.quiet,
                  mininterval=0.5 if status.live else 5.0, dynamic_ncols=True) as bar:
+        writer = ResultWriter(out, [r.request_id for r in todo] if args.ordered else None)
+        pending = set()
         for r in todo:
             try:
                 manager.add_request(r.ids, request_id=r.request_id, max_new_tokens=r.max_new_tokens, **r.settings)
+                pending.add(r.request_id)
             except (ValueError, TypeError) as err:
-                raise UserError(f"input line {r.line}: {err}") from None
-        pending = set(by_id)
+                if not args.skip_bad:
+                    raise UserError(f"input line {r.line}: {err}") from None
+                bad.append((r.line, f"input line {r.line}: {err}"))
+                writer.fail(r.request_id)
+                bar.update(1)
         try:
-            _collect(manager, pending, by_id, tokenizer, eos, out, bar, failed, written)
+            _collect(manager, pending, by_id, tokenizer, eos, writer, bar, failed, written)
         except KeyboardInterrupt:
             manager.stop(block=True, timeout=30, hard_stop=True)  # not "after the requests in flight"
             status.line(f"interrupted: {len(written)} results written to {args.output}; run the same command "
@@ -221,10 +305,21 @@ def main(args, status: Status) -> int:
     for r, error in failed:
         status.line(f"error: input line {r.line} (id {r.request_id!r}) failed: {error}; rerun to retry it",
                     always=True)
-    return 1 if failed else 0
+    return max(1 if failed else 0, _report_bad(status, bad))
 
 
-def _collect(manager, pending: set, by_id: dict, tokenizer, eos, out, bar, failed: list, written: list) -> None:
+def _report_bad(status: Status, bad: list[tuple[int, str]]) -> int:
+    """List the lines ``--skip-bad`` skipped; exit status 1 if there were any."""
+    for _, why in sorted(bad):
+        status.line(f"skipped: {why}", always=True)
+    if bad:
+        status.line(f"{len(bad)} bad input line{'s' if len(bad) != 1 else ''} skipped: fix them and rerun to run them",
+                    always=True)
+    return 1 if bad else 0
+
+
+def _collect(manager, pending: set, by_id: dict, tokenizer, eos, writer: ResultWriter, bar, failed: list,
+             written: list) -> None:
     """Write each request's result as it finishes (failures go to ``failed``, not to the file, so a
     rerun retries them); ``written`` gets each written result's token count."""
     while pending:
@@ -240,11 +335,10 @@ def _collect(manager, pending: set, by_id: dict, tokenizer, eos, out, bar, faile
         r = by_id[result.request_id]
         if result.error is not None or result.status.name != "FINISHED":
             failed.append((r, result.error or result.status.name.lower()))
+            writer.fail(r.request_id)
             continue
         new = list(result.generated_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True)
-        out.write(json.dumps({"id": r.request_id, "text": text, "tokens": new,
-                              "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)},
-                             ensure_ascii=False) + "\n")
-        out.flush()
+        writer.add(r.request_id, {"id": r.request_id, "text": text, "tokens": new,
+                                  "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)})
         written.append(len(new))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from genfn.cli.common import UserError, add_model_arguments, load_model, require_tokenizer, summary
+from genfn.cli.common import (UserError, add_model_arguments, load_model, require_tokenizer, sampling_defaults_flag,
+                              summary)
 from genfn.cli.generate import StatusStreamer, add_sampling_arguments, run_generation, sampling_settings
 from genfn.cli.status import Status, watch_compiles
 
@@ -22,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_sampling_arguments(parser)
     parser.set_defaults(max_new_tokens=256)
+    parser.add_argument("--sampling-defaults", type=sampling_defaults_flag, default="auto", metavar="SPEC",
+                        help="the sampling settings no flag sets: 'auto' (the model's generation_config.json, else "
+                             "temperature 0.7, top-p 0.95, top-k 50; as genfn serve), 'none' (greedy unless a "
+                             "flag samples), or key=value pairs over auto, e.g. temperature=0.5,top_p=0.9")
     parser.add_argument("--max-cache-len", type=int, default=None,
                         help=f"with --compile: the static cache's length, one compiled step for every turn "
                              f"(default {_DEFAULT_CACHE_LEN})")
@@ -40,11 +45,18 @@ def _read_line(interactive: bool) -> str | None:
 
 
 def main(args, status: Status) -> int:
-    settings = sampling_settings(args)
+    from genfn.serve.defaults import sampling_defaults
+
+    sampling_settings(args)  # the flags, checked before the model loads
     if args.compile and args.max_cache_len is None:
         args.max_cache_len = _DEFAULT_CACHE_LEN
     args.num_beams = 1
     model = load_model(args, status)
+    defaults = sampling_defaults(model.generation_config, args.sampling_defaults)
+    settings = sampling_settings(args, defaults)
+    if settings["do_sample"]:
+        shown = ", ".join(f"{k} {settings[k]}" for k in ("temperature", "top_p", "top_k", "min_p") if k in settings)
+        status.line(f"sampling ({shown or 'the model defaults'}; --temperature 0 is greedy)")
     tokenizer = require_tokenizer(model, chat=True, without_chat="genfn chat needs one (genfn generate does not)")
     interactive = bool(sys.stdin is not None and sys.stdin.isatty())
     if interactive:

@@ -12,7 +12,7 @@ import time
 from genfn.cli.status import Status, format_seconds
 
 __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_int", "integer", "number",
-           "add_model_arguments", "load_model", "require_tokenizer", "read_text_file", "summary", "StderrLines",
+           "add_model_arguments", "sampling_defaults_flag", "load_model", "require_tokenizer", "read_text_file", "summary", "StderrLines",
            "GENFN_DIR"]
 
 USER_ERROR = 2
@@ -55,6 +55,16 @@ def number(text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def sampling_defaults_flag(text: str):
+    """``--sampling-defaults``: ``auto``, ``none`` or ``key=value,...`` (see ``genfn.serve.defaults``)."""
+    from genfn.serve.defaults import parse_sampling_defaults
+
+    try:
+        return parse_sampling_defaults(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,16 +11,20 @@ from genfn.cli.common import (UserError, add_model_arguments, integer, load_mode
                               read_text_file, require_tokenizer, summary)
 from genfn.cli.status import Status, watch_compiles
 
-__all__ = ["add_arguments", "main", "add_sampling_arguments", "sampling_settings", "StatusStreamer",
-           "finish_reason"]
+__all__ = ["add_arguments", "main", "add_sampling_arguments", "sampling_settings", "check_settings",
+           "StatusStreamer", "finish_reason"]
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=number, default=None)
-    parser.add_argument("--top-p", type=number, default=None)
-    parser.add_argument("--top-k", type=integer, default=None)
+    parser.add_argument("--do-sample", action="store_true",
+                        help="sample instead of greedy decoding (implied by --temperature > 0, --top-p, --top-k, "
+                             "--min-p)")
+    parser.add_argument("--temperature", type=number, default=None, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=number, default=None, help="nucleus sampling: keep this much probability")
+    parser.add_argument("--top-k", type=integer, default=None, help="keep the k most likely tokens (0: all)")
+    parser.add_argument("--min-p", type=number, default=None,
+                        help="drop tokens less likely than this fraction of the most likely one")
     parser.add_argument("--repetition-penalty", type=number, default=None,
                         help="divide the logits of tokens already present by this (> 1 repeats less)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -45,20 +49,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object (prompt, text, tokens, finish_reason, timings) instead of text")
 
 
-def sampling_settings(args) -> dict:
-    """``generate`` keyword arguments of the sampling flags; a UserError for contradictory ones."""
-    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
-                if v is not None}
-    if sampling and not args.do_sample:
-        raise UserError("--temperature/--top-p/--top-k need --do-sample")
-    settings = dict(sampling, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
-    if args.repetition_penalty is not None:
-        settings["repetition_penalty"] = args.repetition_penalty
+def sampling_settings(args, defaults: dict | None = None) -> dict:
+    """``generate`` keyword arguments of the sampling flags, checked (a UserError naming the flag)
+    before any model loads. A sampling flag implies sampling (as llama.cpp's do); ``--temperature 0``
+    is greedy. ``defaults`` (``genfn chat``'s sampling defaults) fill the sampling settings no flag
+    sets, and sample when no flag says otherwise."""
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "min_p": getattr(args, "min_p", None)}
+    sampling = {k: v for k, v in flags.items() if v is not None}
+    if sampling.get("temperature") == 0 and args.do_sample:
+        raise UserError("--do-sample with --temperature 0 contradict each other (temperature 0 is greedy)")
+    check_settings({**{k: v for k, v in sampling.items() if v != 0 or k != "temperature"}, "do_sample": True})
+    do_sample = args.do_sample or any(v for k, v in sampling.items() if k != "temperature") \
+        or (sampling.get("temperature") or 0) > 0
+    if sampling.get("temperature") == 0:
+        do_sample = False
+    elif defaults and not args.do_sample and not sampling:
+        do_sample = (defaults.get("temperature") or 0) > 0 or "temperature" not in defaults
+    if do_sample and defaults:
+        sampling = {**{k: defaults[k] for k in flags if defaults.get(k) is not None}, **sampling}
+    if not do_sample:
+        sampling = {}
+    settings = dict(sampling, max_new_tokens=args.max_new_tokens, do_sample=do_sample)
+    penalty = args.repetition_penalty
+    if penalty is None and defaults and defaults.get("repetition_penalty") not in (None, 1.0):
+        penalty = defaults["repetition_penalty"]
+    if penalty is not None:
+        settings["repetition_penalty"] = penalty
     if args.stop:
         if any(not text for text in args.stop):
             raise UserError("--stop needs a non-empty text")
         settings["stop_strings"] = list(args.stop)
+    check_settings(settings)
     return settings
+
+
+def check_settings(settings: dict, where: str = "") -> None:
+    """``GenerationConfig``'s own checks of ``settings`` (one set of rules for the library and the
+    CLI), as a UserError naming the flag."""
+    from genfn.config import GenerationConfig
+
+    checked = {k: v for k, v in settings.items() if k != "stop_strings"}
+    try:
+        GenerationConfig(**checked)
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        for name in checked:
+            text = text.replace(f"`{name}`", f"--{name.replace('_', '-')}" if not where else f"'{name}'")
+        raise UserError(f"{where}{text}") from None
 
 
 def read_prompt(args) -> str:

@@ -1,5 +1,5 @@
 """``genfn serve``: the OpenAI-compatible server of ``genfn.serve``, imported only when asked for,
-so every other command works without the ``serve`` extra (starlette, uvicorn)."""
+so every other command works without the ``serve`` extra (fastapi, uvicorn)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from genfn.cli.common import UserError
 __all__ = ["server_command", "add_arguments", "main", "SERVE_EXTRA_HINT"]
 
 SERVE_EXTRA_HINT = "pip install 'genfn[serve]'"
-_SERVE_DEPENDENCIES = ("starlette", "uvicorn")
+_SERVE_DEPENDENCIES = ("fastapi", "starlette", "uvicorn")
 
 
 def _missing(name: str) -> bool:

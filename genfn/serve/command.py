@@ -54,6 +54,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _sampling_defaults(text: str):
+    from genfn.serve.defaults import parse_sampling_defaults
+
+    try:
+        return parse_sampling_defaults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="a GGUF file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -61,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000, help="0 picks a free port")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32")
+    parser.add_argument("--sampling-defaults", type=_sampling_defaults, default="auto", metavar="SPEC",
+                        help="the sampling settings a request leaves out: 'auto' (the model's generation_config.json, "
+                             "else temperature 0.7, top-p 0.95, top-k 50), 'none' (OpenAI's: temperature 1, top-p 1), "
+                             "or key=value pairs over auto, e.g. temperature=0.5,top_p=0.9")
     parser.add_argument("--quantize", choices=_QUANTIZE, default=None,
                         help="'gguf' keeps a GGUF file's quantized blocks, 'none' loads every weight in --dtype, the others "
                              "quantize on load (default: none)")
@@ -105,9 +118,10 @@ def _batching_config(args):
 
 def main(args: argparse.Namespace) -> int:
     try:
+        import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
-        _status("the server needs starlette and uvicorn: pip install 'genfn[serve]'")
+        _status("the server needs fastapi and uvicorn: pip install 'genfn[serve]'")
         return 2
     import torch
 
@@ -133,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
         _status(f"compiled in {time.perf_counter() - compiling:.1f} s")
     manager.start()
     name = args.model_name or _model_name(args.model)
-    app = create_app(manager, model.tokenizer, model_name=name, drain_timeout=args.drain_timeout)
+    app = create_app(manager, model.tokenizer, model_name=name, drain_timeout=args.drain_timeout,
+                     sampling=args.sampling_defaults)
     _status(f"loaded {name} in {time.perf_counter() - started:.1f} s")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.drain_timeout + 5)

@@ -23,6 +23,7 @@ from genfn.serve.errors import APIError
 from genfn.serve.params import SamplingParams, manager_settings
 from genfn.serve.runs import Run
 from genfn.serve.sse import SSEResponse, sse_data, sse_done, sse_error
+from genfn.serve.tools import ToolCallText, ToolMode, parse_tool_calls
 
 __all__ = ["Job"]
 
@@ -33,8 +34,10 @@ class Job:
     """One generation request: its choices (``n`` per prompt), run and turned into OpenAI's JSON."""
 
     def __init__(self, service, prefix: str, kind: str, params: SamplingParams,
-                 prompts: list[list[int]], limits: list[int], chat: bool):
+                 prompts: list[list[int]], limits: list[int], chat: bool, tools: ToolMode | None = None,
+                 constraint: dict | None = None):
         self.service = service
+        self.tools = tools
         self.params = params
         self.chat = chat
         self.kind = kind
@@ -45,9 +48,11 @@ class Job:
         self.prompts = [prompt for prompt in prompts for _ in range(n)]
         self.limits = [limit for limit in limits for _ in range(n)]
         self.settings = [manager_settings(params, self.limits[c], c % n) for c in range(len(self.prompts))]
-        if params.stop:  # the manager matches stop strings on this tokenizer's text, as the response cuts it
-            for settings in self.settings:
+        for settings in self.settings:
+            if params.stop:  # the manager matches stop strings on this tokenizer's text, as the response cuts it
                 settings["tokenizer"] = service.tokenizer
+            if constraint:
+                settings.update(constraint)
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.texts = [ChoiceText(service.tokenizer, params.stop, limit, service.eos_token_ids) for limit in self.limits]
         self.run = Run(service.manager, service.pump, service.drain, prefix)
@@ -113,8 +118,13 @@ class Job:
             logprobs = self._logprobs(output, list(output.generated_tokens), 0, 0)
             reason = self.texts[index].finish_reason
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": reason})
+                message = {"role": "assistant", "content": text, "refusal": None}
+                calls = []
+                if self.tools is not None:
+                    message["content"], calls = parse_tool_calls(text, self.tools)
+                if calls:
+                    message["tool_calls"], reason = calls, "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return JSONResponse({**self._base(self.kind), "choices": choices, "usage": self._usage(completion_tokens)})
@@ -133,9 +143,21 @@ class Job:
             chunk["usage"] = None
         return chunk
 
+    def _tool_chunks(self, index: int, calls: list[dict]) -> list[dict]:
+        chunks = []
+        for position, call in enumerate(calls):
+            delta = {"tool_calls": [{"index": position, **call}]}
+            chunk = {**self._base("chat.completion.chunk"),
+                     "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            if self.params.include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
     async def _stream(self):
         completion_tokens = 0
         offsets = [0] * len(self.prompts)  # characters sent per choice (legacy logprobs' text_offset)
+        held = [ToolCallText(self.tools) if self.tools is not None else None for _ in self.prompts]
         try:
             if self.chat:
                 for index in range(len(self.prompts)):
@@ -151,12 +173,21 @@ class Job:
                     completion_tokens += len(output.generated_tokens)
                 else:
                     text, ids = texts.advance(output.generated_tokens)
+                calls, reason = [], texts.finish_reason
+                if held[index] is not None:
+                    text = held[index].feed(text)
+                    if output.is_finished():
+                        rest, calls = held[index].finish()
+                        text += rest
+                        reason = "tool_calls" if calls else reason
                 logprobs = self._logprobs(output, ids, start, offsets[index]) if ids else None
                 offsets[index] += len(text)
                 if text or logprobs is not None:
                     yield sse_data(self._chunk(index, text, logprobs, None))
+                for chunk in self._tool_chunks(index, calls):
+                    yield sse_data(chunk)
                 if output.is_finished():
-                    yield sse_data(self._chunk(index, None, None, texts.finish_reason))
+                    yield sse_data(self._chunk(index, None, None, reason))
             if self.params.include_usage:
                 yield sse_data({**self._base("chat.completion.chunk" if self.chat else "text_completion"),
                                 "choices": [], "usage": self._usage(completion_tokens)})

@@ -4,6 +4,11 @@
 (each with its own seed); ``Run.next`` waits for the next output of any choice, bounded by the
 server's drain deadline; ``Run.cancel`` cancels the choices that have not ended (a client that
 left, a server that is shutting down), which frees their cache blocks.
+
+A request's outputs are cumulative (each holds every token so far), so a run keeps only the
+latest undelivered output per choice: a client that reads slowly holds the server's memory to one
+output per choice, however far the generation runs ahead (the socket's own flow control holds
+back the response writer).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class Run:
         self.request_ids: list[str] = []
         self._index: dict[str, int] = {}
         self.open: set[str] = set()  # requests that have not ended
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._latest: dict[str, object] = {}  # per choice, its newest output not yet taken (insertion order)
+        self._arrived = asyncio.Event()
         self._adding = threading.Lock()
         self._added: list[str] = []
         self._abandoned = False
@@ -66,7 +72,7 @@ class Run:
         tag = uuid.uuid4().hex[:12]
         self.request_ids = [f"{self.prefix}-{tag}-{i}" for i in range(len(prompts))]
         self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
-        self.pump.subscribe(self.request_ids, self._queue.put_nowait)
+        self.pump.subscribe(self.request_ids, self.deliver)
         self.open = set(self.request_ids)
         try:
             await asyncio.to_thread(self._add_all, prompts, settings, streaming)
@@ -82,6 +88,16 @@ class Run:
                 self.manager.add_request(prompt, request_id=request_id, streaming=streaming, **kwargs)
                 self._added.append(request_id)
 
+    def deliver(self, output) -> None:
+        """Called on the event loop with each output: it replaces the choice's undelivered one."""
+        self._latest[output.request_id] = output
+        self._arrived.set()
+
+    @property
+    def backlog(self) -> int:
+        """Outputs held for the handler (at most one per choice)."""
+        return len(self._latest)
+
     def index(self, request_id: str) -> int:
         return self._index[request_id]
 
@@ -90,10 +106,15 @@ class Run:
         while True:
             if self.drain.expired():
                 raise shutting_down()
-            try:
-                output = await asyncio.wait_for(self._queue.get(), _WAIT_SLICE_S)
-            except asyncio.TimeoutError:
+            if not self._latest:
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), _WAIT_SLICE_S)
+                except asyncio.TimeoutError:
+                    pass
                 continue
+            request_id = next(iter(self._latest))
+            output = self._latest.pop(request_id)
             if output.is_finished():
                 self.open.discard(output.request_id)
             return output

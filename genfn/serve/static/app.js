@@ -37,8 +37,9 @@
   const NUMERIC_SETTINGS = [
     { key: "temperature", label: "Temperature", integer: false },
     { key: "top_p", label: "Top p", integer: false },
-    // OpenAI has no top_k; genfn takes it as an extra field, and 0 means "no top-k filter".
-    { key: "top_k", label: "Top k", integer: true, omitWhenZero: true },
+    // OpenAI has no top_k; genfn takes it as an extra field, and 0 means "no top-k filter" (sent, so
+    // that the server's default top-k does not apply instead).
+    { key: "top_k", label: "Top k", integer: true },
     { key: "max_tokens", label: "Max tokens", integer: true },
     { key: "seed", label: "Seed", integer: true },
   ];
@@ -134,7 +135,22 @@
     if (!saved || typeof saved !== "object") return;
     if (typeof saved.system === "string") ui.system.value = saved.system;
     for (const { key } of NUMERIC_SETTINGS) {
-      if (typeof saved[key] === "string") $(key).value = saved[key];
+      if (typeof saved[key] === "string") {
+        $(key).value = saved[key];
+        chosenSettings.add(key);
+      }
+    }
+  }
+
+  // The server's sampling defaults (the model's generation config, else its chat defaults) fill the
+  // settings this browser has not chosen, so the page, the API and `genfn chat` sample alike.
+  const chosenSettings = new Set();
+
+  function applyServerDefaults(defaults) {
+    if (!defaults || typeof defaults !== "object") return;
+    for (const key of ["temperature", "top_p", "top_k"]) {
+      const value = defaults[key];
+      if (typeof value === "number" && Number.isFinite(value) && !chosenSettings.has(key)) $(key).value = String(value);
     }
   }
 
@@ -345,6 +361,7 @@
       const body = await response.json();
       const first = body && Array.isArray(body.data) ? body.data[0] : null;
       chat.model = first ? first.id : null;
+      if (first) applyServerDefaults(first.sampling_defaults);
       ui.modelName.textContent = chat.model || "no model loaded";
       if (chat.model) document.title = `${chat.model} · genfn chat`;
     } catch {
