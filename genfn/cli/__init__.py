@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.propagate = False
         warnings.showwarning = _show_warning(args.verbose)
         module, _ = _COMMANDS[args.command]
+        if getattr(args, "tp", 1) > 1:
+            from genfn.distributed import run_command
+
+            return run_command(args.tp, argv, lambda rank: module.main(args, status if rank == 0 else Status(quiet=True)))
         return module.main(args, status)
     except UserError as err:
         status.close()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, linear
+from genfn.models import tensor_parallel
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
@@ -52,6 +53,7 @@ class LlamaSpec:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None
+    tensor_shard: tensor_parallel.TensorShard | None = None  # this rank's slice (genfn.models.tensor_parallel)
 
     @property
     def rope_scaling(self) -> dict | None:
@@ -225,7 +227,9 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
     output_attentions = attentions is not None
-    if (seq == 1 and not output_attentions and type(cache) is StaticCache
+    # Under tensor parallelism the row-parallel outputs are summed over ranks before each residual
+    # add, which the fused native layer does inside one call: the op-by-op path has the seams.
+    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.tensor_shard is None
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -257,10 +261,10 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         elif attn is None:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
-    x = x + linear(attn, layer["wo"])
+    x = x + tensor_parallel.reduced(spec, linear(attn, layer["wo"]))
     h = _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps)
     gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-    x = x + linear(F.silu(gate) * up, layer["w_down"])
+    x = x + tensor_parallel.reduced(spec, linear(F.silu(gate) * up, layer["w_down"]))
     return x
 
 
@@ -316,7 +320,7 @@ def apply(
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
-    x = F.embedding(tokens, params["embed"])
+    x = tensor_parallel.embedding(spec, tokens, params["embed"])
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype)
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
@@ -335,7 +339,7 @@ def apply(
     # broadcast weight as a batched matmul, copying the 56 MB LM head once per row (1.3 s of a
     # 1.7 s prefill of 32 x 30 tokens).
     batch, kept = x.shape[:2]
-    logits = linear(x.reshape(batch * kept, x.shape[-1]), params["lm_head"]).to(torch.float32)
+    logits = tensor_parallel.gathered_logits(spec, x.reshape(batch * kept, x.shape[-1]), params["lm_head"])
     logits = logits.reshape(batch, kept, -1)
     if output_hidden_states or output_attentions:
         return ModelOutput(logits, cache,
@@ -354,10 +358,10 @@ def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: tor
     hidden [B, H])``; the hidden state feeds head ``index + 1``.
     """
     head = params["mtp"][index]
-    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    embedded = _rms_norm(tensor_parallel.embedding(spec, token, params["embed"]), head["enorm"], spec.rms_norm_eps)
     mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
                    head["eh_proj"])
-    logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    logits = tensor_parallel.gathered_logits(spec, _rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"])
     return logits, mixed
 
 
