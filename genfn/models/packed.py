@@ -26,6 +26,7 @@ from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_
 from genfn.cache.paged import planned_attention, write
 from genfn.kernels import decode_linear_available
 from genfn.kernels.packed_gemm import packed_linear as linear
+from genfn.models import tensor_parallel
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.rope import rope_cos_sin
 
@@ -158,7 +159,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     ``plan.sample_rows`` get logits (the other rows get zeros).
     """
     num_tokens = inputs.input_ids.shape[0]
-    x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
+    x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"])  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
@@ -186,9 +187,9 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         else:
             attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
                                    sliding_window=spec.sliding_window)
-        x, h = ops.add_rms_norm(x, linear(attn.reshape(num_tokens, q_size), layer["wo"]), layer["mlp_norm"],
-                                spec.rms_norm_eps)
-        mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+        attn_out = tensor_parallel.reduced(spec, linear(attn.reshape(num_tokens, q_size), layer["wo"]))
+        x, h = ops.add_rms_norm(x, attn_out, layer["mlp_norm"], spec.rms_norm_eps)
+        mlp_out = tensor_parallel.reduced(spec, linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"]))
     # The final norm is per token, so taking the sampling rows first computes the same values.
     num_rows = inputs.logits_index.shape[0]
     every_row = plan is None or len(plan.sample_rows) == num_rows  # a decode step: no zero rows to fill
@@ -205,7 +206,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         h = ops.rms_norm(x, params["norm"], spec.rms_norm_eps)
     else:
         _, h = ops.add_rms_norm(x, mlp_out.index_select(0, index), params["norm"], spec.rms_norm_eps)
-    chosen = linear(h, params["lm_head"], out_float32=True)
+    chosen = tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
     if every_row:
         return chosen, cache
     return logits.index_copy_(0, rows, chosen), cache

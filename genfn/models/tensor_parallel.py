@@ -29,7 +29,6 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from genfn.kernels import linear
 from genfn.quant.blocks import BLOCK, RowBlocks
 
 __all__ = ["TensorShard", "current_shard", "shard_spec", "shard_state_dict", "shard_params", "embedding",
@@ -202,10 +201,9 @@ def embedding(spec, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return reduced(spec, rows)
 
 
-def gathered_logits(spec, hidden: torch.Tensor, head: Any) -> torch.Tensor:
-    """``linear(hidden [N, H], head)`` as float32 ``[N, vocab]``, with ``head`` split by vocabulary
-    rows: each rank computes its rows' logits and every rank gathers all of them."""
-    logits = linear(hidden, head).to(torch.float32)
+def gathered_logits(spec, logits: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's logits ``[N, vocab]`` from this rank's ``[N, rows]`` (its slice of
+    the LM head's rows): every rank gathers every rank's slice."""
     shard = spec.tensor_shard
     if shard is None:
         return logits
@@ -215,6 +213,6 @@ def gathered_logits(spec, hidden: torch.Tensor, head: Any) -> torch.Tensor:
         logits = F.pad(logits, (0, per - (stop - start)))
     funcol = _functional()
     gathered = funcol.wait_tensor(funcol.all_gather_single(logits.contiguous(), 0, shard.group_name))
-    rows = hidden.shape[0]
+    rows = logits.shape[0]
     whole = gathered.view(shard.world_size, rows, per).permute(1, 0, 2).reshape(rows, shard.world_size * per)
     return whole[:, :spec.vocab_size]
