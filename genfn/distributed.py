@@ -171,15 +171,15 @@ def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = No
     return shard
 
 
-def report_failure(error: BaseException) -> None:
-    """Tell the other ranks (through the store) that this rank raised ``error``, so their error names it."""
+def report_failure(message: str) -> None:
+    """Tell the other ranks (through the store) what failed, so that their errors name the rank
+    (``message`` starts with ``rank N``); the first report stands."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
     with contextlib.suppress(Exception):
-        store = dist.distributed_c10d._get_default_store()
-        store.set(_FAILED, f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
+        dist.distributed_c10d._get_default_store().compare_set(_FAILED, "", message)
 
 
 def shutdown(wait_children: float = 30.0) -> None:
@@ -235,18 +235,30 @@ def explain(error: BaseException) -> str:
     rank's exit status, else this rank's own error."""
     import torch.distributed as dist
 
-    with contextlib.suppress(Exception):
-        store = dist.distributed_c10d._get_default_store()
-        if store.check([_FAILED]):
-            return store.get(_FAILED).decode()
-    for rank, child in enumerate(_state.get("children", ()), start=1):
+    rank = dist.get_rank() if dist.is_initialized() else None
+    for other, child in enumerate(_state.get("children", ()), start=1):
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = child.wait(timeout=2.0)
             if code:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                return f"rank {rank} {how}"
-    rank = dist.get_rank() if dist.is_initialized() else "?"
+                return f"rank {other} {how}"
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_FAILED]):
+            message = store.get(_FAILED).decode()
+            if not message.startswith(f"rank {rank}:"):
+                return message
+        silent = _silent_ranks(store, dist.get_world_size(), rank)
+        if silent:
+            return f"rank {', '.join(map(str, silent))} stopped (its heartbeat ended: killed, hung or stopped)"
     return f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def _silent_ranks(store, world: int, rank: int, seconds: float = 3.0) -> list[int]:
+    """The other ranks whose heartbeat does not move for ``seconds``."""
+    before = {r: store.add(_BEAT.format(r), 0) for r in range(world) if r != rank}
+    time.sleep(seconds)
+    return [r for r, count in before.items() if store.add(_BEAT.format(r), 0) == count]
 
 
 def run_command(world_size: int, argv: list[str], command) -> int:
@@ -265,8 +277,9 @@ def run_command(world_size: int, argv: list[str], command) -> int:
     except Exception as err:
         if type(err).__name__ == "UserError":  # the same mistake on every rank: the command line reports it
             raise
-        report_failure(err)
-        print(f"genfn: error: tensor-parallel {explain(err)}", file=sys.stderr, flush=True)
+        message = explain(err)
+        report_failure(message)
+        print(f"genfn: error: tensor-parallel {message}", file=sys.stderr, flush=True)
         return 1
     finally:
         shutdown()
