@@ -140,3 +140,25 @@ def test_a_cut_through_a_block_is_refused():
     blocks = quantize(torch.randn(4, 64), "q8_0")
     with pytest.raises(ValueError, match="splits only between its blocks"):
         _narrow(blocks, 1, 0, 48, name="w")
+
+
+@pytest.fixture(scope="module")
+def slow_results():
+    return run_ranks([("smollm2", "smollm2_check", {}),
+                      ("compiled", "arch_check", dict(arch="LlamaForCausalLM", compiled=True))], timeout=1800)
+
+
+@pytest.mark.slow
+def test_smollm2_tokens_equal_one_process(slow_results):
+    for rank, result in enumerate(_result(slow_results, "smollm2")):
+        whole, sharded = result["greedy"]
+        assert sharded == whole, f"rank {rank}: TP=2 {sharded} != TP=1 {whole}"
+    assert [r["kv_heads"] for r in slow_results["smollm2"]] == [2, 1]  # 3 KV heads over 2 ranks
+
+
+@pytest.mark.slow
+def test_compiled_step_on_every_rank(slow_results):
+    for rank, result in enumerate(_result(slow_results, "compiled")):
+        for mode in ("greedy", "sampled"):
+            whole, sharded = result[mode]
+            assert sharded == whole, f"compiled {mode} on rank {rank}: TP=2 {sharded} != TP=1 {whole}"

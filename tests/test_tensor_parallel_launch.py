@@ -4,6 +4,7 @@ in the middle of a generation (the other exits with an error naming it, and no p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,6 +119,32 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tiny_dir):
         assert "genfn: error: tensor-parallel rank 1 was killed by signal 9" in stderr.decode(), stderr.decode()
         assert not any(_alive(pid) for pid in ranks + _children(run.pid))
     finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_watchdog(tiny_dir):
+    """SIGSTOP: the rank is alive but silent (as if hung); rank 0's collective waits, and its
+    watchdog names the rank after the heartbeat timeout (30 s) instead of hanging."""
+    run = subprocess.Popen([sys.executable, "-m", "genfn", "generate", PROMPT, "--model", tiny_dir,
+                            "--max-new-tokens", "8000", "--tp", "2", "-q"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    streamed = threading.Event()
+    threading.Thread(target=lambda: run.stdout.read(1) and streamed.set(), daemon=True).start()
+    ranks = []
+    try:
+        assert streamed.wait(WAIT), "rank 0 streamed nothing"
+        ranks = [pid for pid in _children(run.pid) if _alive(pid)]
+        os.kill(ranks[0], signal.SIGSTOP)
+        _, stderr = run.communicate(timeout=90)
+        assert run.returncode == 1
+        assert "rank 1 stopped responding" in stderr.decode(), stderr.decode()
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if run.poll() is None:
             run.kill()
             run.wait(timeout=10)
