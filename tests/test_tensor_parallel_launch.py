@@ -148,3 +148,30 @@ def test_a_stopped_rank_is_named_by_the_watchdog(tiny_dir):
         if run.poll() is None:
             run.kill()
             run.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_rank_0_ends_every_rank(tiny_dir):
+    run = subprocess.Popen([sys.executable, "-m", "genfn", "generate", PROMPT, "--model", tiny_dir,
+                            "--max-new-tokens", "8000", "--tp", "2", "-q"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    streamed = threading.Event()
+    threading.Thread(target=lambda: run.stdout.read(1) and streamed.set(), daemon=True).start()
+    ranks = []
+    try:
+        assert streamed.wait(WAIT), "rank 0 streamed nothing"
+        ranks = [pid for pid in _children(run.pid) if _alive(pid)]
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=60)
+        assert run.returncode == 130, stderr.decode()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(_alive(pid) for pid in ranks)
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=10)
