@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cli_support import REPO, WAIT, build_tiny_model, run_cli
+from cli_support import REPO, WAIT, assert_user_error, build_tiny_model, run_cli
 
 PROMPT = "The capital of France is"
 
@@ -48,6 +48,11 @@ def test_tp_spawns_its_ranks_and_prints_once(tiny_dir, one_process_tokens):
     result = run_cli("generate", PROMPT, "--model", tiny_dir, "--max-new-tokens", "12", "--json", "-q", "--tp", "2")
     assert _tokens(result) == one_process_tokens
     assert result.stdout.count("\n") == 1  # rank 1 printed nothing
+
+
+def test_tp_refuses_what_the_ranks_cannot_share():
+    assert_user_error(run_cli("chat", "--tp", "2"), "--tp", "genfn chat")
+    assert_user_error(run_cli("generate", "-", "--tp", "2", stdin="hello"), "--tp", "standard input")
 
 
 def _free_port() -> int:
