@@ -7,7 +7,7 @@ TP=2, and what the all-reduces of a step cost, in one run.
 
 Two gloo ranks are spawned, each with one intra-op thread. Rounds alternate, side by side:
 ``tp1``: rank 0 alone decodes with the whole model (the fused native decode layer) while rank 1
-waits; ``tp1-2threads``: the same with two threads (the same cores TP=2 uses); ``tp1-op-by-op``:
+waits; ``tp1-2threads`` (``--two-threads``): the same with two threads; ``tp1-op-by-op``:
 rank 0 alone with a one-rank tensor-parallel shard (the op-by-op layer TP takes, collectives over
 a group of one); ``tp2``: both ranks decode their halves. Then the collectives of a decode step
 alone: one all-reduce of a hidden vector per row-parallel linear (2 per layer) plus the embedding's,
@@ -98,7 +98,7 @@ def rank_main(rank: int, port: int, args, results) -> None:
         whole = genfn.load(args.model, **options)
         one_rank = genfn.load(args.model, **options, tensor_shard=TensorShard(0, 1, solo.group_name))
         report["tp1_param_mib"] = _param_mib(whole)
-    runs = {"tp1": [], "tp1-2threads": [], "tp1-op-by-op": [], "tp2": []}
+    runs = {"tp1": [], **({"tp1-2threads": []} if args.two_threads else {}), "tp1-op-by-op": [], "tp2": []}
     tokens = {}
     modes = [False] + ([True] if args.compile else [])
     for compiled in modes:
@@ -109,9 +109,10 @@ def rank_main(rank: int, port: int, args, results) -> None:
             rows = {}
             if rank == 0:
                 rows["tp1"] = _decode_seconds(whole, ids, args.new_tokens, compiled)
-                torch.set_num_threads(2)
-                rows["tp1-2threads"] = _decode_seconds(whole, ids, args.new_tokens, compiled)
-                torch.set_num_threads(1)
+                if args.two_threads:
+                    torch.set_num_threads(2)
+                    rows["tp1-2threads"] = _decode_seconds(whole, ids, args.new_tokens, compiled)
+                    torch.set_num_threads(1)
                 rows["tp1-op-by-op"] = _decode_seconds(one_rank, ids, args.new_tokens, compiled)
             dist.barrier()
             rows["tp2"] = _decode_seconds(sharded, ids, args.new_tokens, compiled)
@@ -126,8 +127,9 @@ def rank_main(rank: int, port: int, args, results) -> None:
     report["collectives_per_step"] = 2 * spec.num_layers + 2
     report["hidden_all_reduce_ms"] = _collective_ms(shard.group_name, spec.hidden_size, args.calls)
     report["logits_all_reduce_ms"] = _collective_ms(shard.group_name, spec.vocab_size, max(50, args.calls // 10))
-    hidden, logits = report["hidden_all_reduce_ms"]["functional"], report["logits_all_reduce_ms"]["functional"]
-    report["collectives_ms_per_step"] = (2 * spec.num_layers + 1) * hidden + logits
+    report["collectives_ms_per_step"] = {  # eager steps use dist.all_reduce, compiled ones the functional form
+        kind: (2 * spec.num_layers + 1) * report["hidden_all_reduce_ms"][kind] + report["logits_all_reduce_ms"][kind]
+        for kind in ("dist.all_reduce", "functional")}
     results.put(report)
     shutdown()
 
@@ -140,6 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=500, help="all-reduces timed per size")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--two-threads", action="store_true",
+                        help="also TP=1 with two threads while rank 1 waits (very slow on a loaded machine)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import torch.multiprocessing as mp
@@ -169,8 +173,8 @@ def main() -> None:
           f"(rank 0 also holds the TP=1 models)")
     for what in ("hidden_all_reduce_ms", "logits_all_reduce_ms"):
         print(f"  {what}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r0[what].items()))
-    print(f"  {r0['collectives_per_step']} all-reduces per decode step: {r0['collectives_ms_per_step']:.2f} ms "
-          f"of collectives per token")
+    print(f"  {r0['collectives_per_step']} all-reduces per decode step: " + ", ".join(
+        f"{v:.1f} ms per token with {k}" for k, v in r0["collectives_ms_per_step"].items()))
     print(f"results: {write_results('tp', {'args': vars(args), 'ranks': reports}, args.out)}")
 
 
