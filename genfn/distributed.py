@@ -41,6 +41,7 @@ DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait (a first compile on a b
 HEARTBEAT_TIMEOUT = 30.0  # seconds without a beat before a rank is declared gone
 _BEAT = "genfn/beat/{}"
 _FAILED = "genfn/failed"
+_FINISHED = "genfn/finished"
 
 
 class TensorParallelError(RuntimeError):
@@ -190,6 +191,15 @@ def shutdown(wait_children: float = 30.0) -> None:
     if watchdog is not None:
         watchdog.stop()
     if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            # Rank 0 hosts the store: it waits (briefly) until every rank has stopped its watchdog,
+            # which would otherwise take the store's closing for rank 0's death.
+            store = dist.distributed_c10d._get_default_store()
+            store.add(_FINISHED, 1)
+            deadline = time.monotonic() + 10.0
+            while (dist.get_rank() == 0 and store.add(_FINISHED, 0) < dist.get_world_size()
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     deadline = time.monotonic() + wait_children
