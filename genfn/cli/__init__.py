@@ -117,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.propagate = False
         warnings.showwarning = _show_warning(args.verbose)
         module, _ = _COMMANDS[args.command]
+        if getattr(args, "tp", 1) > 1:
+            from genfn.distributed import run_command
+
+            if args.command != "generate":  # the others need rank 0's inputs/schedule broadcast (not yet)
+                raise UserError(f"--tp is supported by `genfn generate` so far, not by `genfn {args.command}`")
+            if "-" in (args.prompt_file, args.prompt) or (args.prompt is None and args.prompt_file is None):
+                raise UserError("--tp reads the prompt from the command line or --file on every rank, "
+                                "not from standard input")
+
+            return run_command(args.tp, argv, lambda rank: module.main(args, status if rank == 0 else Status(quiet=True)))
         return module.main(args, status)
     except UserError as err:
         status.close()

@@ -75,6 +75,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZE, default=None,
                         help="quantized linears: 'gguf' keeps a GGUF file's own blocks, 'none' loads every weight in "
                              "--dtype, the others quantize on load (default: none)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                        help="tensor parallelism over N ranks (spawned here, or the ranks of `torchrun "
+                             "--nproc-per-node N -m genfn ...`); see docs/guides/distributed.md")
 
 
 
@@ -153,6 +156,10 @@ def load_model(args, status: Status):
     path = _resolve_path(args.model)
     status.begin(_describe(path, args))
     try:
+        if getattr(args, "tp", 1) > 1:  # this rank's slice of the weights (genfn.distributed started the ranks)
+            from genfn.models.tensor_parallel import current_shard
+
+            options["tensor_shard"] = current_shard()
         model = genfn.load(args.model, dtype=getattr(torch, args.dtype), **options)
     except FileNotFoundError as err:
         status.close()

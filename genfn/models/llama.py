@@ -24,6 +24,7 @@ from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, linear
 from genfn.models import llama_variants as variants
+from genfn.models import tensor_parallel
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
@@ -69,6 +70,7 @@ class LlamaSpec:
     experts_per_token: int = 0
     norm_topk_prob: bool = False
     moe_intermediate_size: int = 0
+    tensor_shard: tensor_parallel.TensorShard | None = None  # this rank's slice (genfn.models.tensor_parallel)
 
     @property
     def is_plain_llama(self) -> bool:
@@ -261,7 +263,10 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
     output_attentions = attentions is not None
-    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.is_plain_llama
+    # Under tensor parallelism the row-parallel outputs are summed over ranks before each residual
+    # add, which the fused native layer does inside one call: the op-by-op path has the seams.
+    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.tensor_shard is None
+            and spec.is_plain_llama
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -300,9 +305,10 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     if spec.post_norms:
-        x = x + _rms_norm(linear(attn, layer["wo"]), layer["post_attn_norm"], spec.rms_norm_eps)
+        attn_out = tensor_parallel.reduced(spec, linear(attn, layer["wo"]))
+        x = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
         return x + _rms_norm(_mlp(spec, layer, x), layer["post_mlp_norm"], spec.rms_norm_eps)
-    x = x + linear(attn, layer["wo"])
+    x = x + tensor_parallel.reduced(spec, linear(attn, layer["wo"]))
     return x + _mlp(spec, layer, _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps))
 
 
@@ -311,7 +317,7 @@ def _mlp(spec: LlamaSpec, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Te
     if spec.num_experts:
         return moe_mlp(spec, layer, h)
     gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, layer["w_down"])
+    return tensor_parallel.reduced(spec, linear(F.silu(gate) * up, layer["w_down"]))
 
 
 def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
@@ -366,7 +372,7 @@ def apply(
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
-    x = F.embedding(tokens, params["embed"])
+    x = tensor_parallel.embedding(spec, tokens, params["embed"])
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor,
                             params.get("long_inv_freq"), spec.original_context)
     hidden_states = [x] if output_hidden_states else None
@@ -387,6 +393,7 @@ def apply(
     # 1.7 s prefill of 32 x 30 tokens).
     batch, kept = x.shape[:2]
     logits = linear(x.reshape(batch * kept, x.shape[-1]), params["lm_head"]).to(torch.float32)
+    logits = tensor_parallel.gathered_logits(spec, logits)
     logits = logits.reshape(batch, kept, -1)
     if output_hidden_states or output_attentions:
         return ModelOutput(logits, cache,
@@ -405,10 +412,11 @@ def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: tor
     hidden [B, H])``; the hidden state feeds head ``index + 1``.
     """
     head = params["mtp"][index]
-    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    embedded = _rms_norm(tensor_parallel.embedding(spec, token, params["embed"]), head["enorm"], spec.rms_norm_eps)
     mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
                    head["eh_proj"])
     logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    logits = tensor_parallel.gathered_logits(spec, logits)
     return logits, mixed
 
 

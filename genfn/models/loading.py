@@ -18,21 +18,24 @@ from genfn.models.adapter import from_module
 __all__ = ["load"]
 
 
-def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None) -> native.Model:
+def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None,
+         tensor_shard=None) -> native.Model:
     """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2).
 
     Architectures genfn implements natively (``genfn.models.registry.ARCHITECTURES``) load into
     its own pure functions; others load through transformers as wrapped modules. Hub ids are not
-    downloaded: pass a local directory. ``quantize`` (native families only): see ``genfn.models.model.load``.
+    downloaded: pass a local directory. ``quantize`` and ``tensor_shard`` (native families only): see
+    ``genfn.models.model.load``.
     """
     if path is not None:
         native.refuse_hub_id(path)
         if _needs_transformers(path):
-            if quantize is not None:
-                raise ValueError(f"quantize={quantize!r} needs a native architecture "
+            if quantize is not None or tensor_shard is not None:
+                option = f"quantize={quantize!r}" if quantize is not None else "tensor parallelism"
+                raise ValueError(f"{option} needs a native architecture "
                                  f"({', '.join(registry.ARCHITECTURES)}); {os.fspath(path)} loads through transformers")
             return _load_with_transformers(os.fspath(path), native._check_dtype(dtype))
-    return native.load(path, dtype=dtype, quantize=quantize)
+    return native.load(path, dtype=dtype, quantize=quantize, tensor_shard=tensor_shard)
 
 
 def _needs_transformers(path) -> bool:

@@ -190,25 +190,35 @@ def _keeps_float32(leaf: torch.Tensor, params) -> bool:
 
 
 def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, tokenizer=None,
-                       generation_config=None, source: str | None = None) -> Model:
+                       generation_config=None, source: str | None = None, tensor_shard=None) -> Model:
     """A native ``Model`` from a Hugging Face config dict and state dict (any architecture in
-    ``genfn.models.registry``), its weights in one huge-page arena (``genfn.models.weight_arena``)."""
+    ``genfn.models.registry``), its weights in one huge-page arena (``genfn.models.weight_arena``).
+    ``tensor_shard``: keep only this rank's slice (see ``load``)."""
     model = _from_state_dict(config, state_dict, dtype=dtype, tokenizer=tokenizer,
-                             generation_config=generation_config, source=source)
+                             generation_config=generation_config, source=source, tensor_shard=tensor_shard)
     model.params = place_in_arena(model.params)
     return model
 
 
-def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, generation_config, source) -> Model:
+def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, generation_config, source,
+                     tensor_shard=None) -> Model:
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
     if encoder_decoder.is_encoder_decoder_config(config):
+        if tensor_shard is not None:
+            raise ValueError("tensor parallelism supports the decoder-only native families "
+                             f"({', '.join(registry.ARCHITECTURES)}); this is an encoder-decoder model")
         return EncoderDecoderModel(**encoder_decoder.family_parts(config, state_dict, dtype), tokenizer=tokenizer,
                                    generation_config=generation_config, config=dict(config), source=source)
     family = registry.native_family(config)
     spec = family.spec_from_config(config)
-    params = family.params_from_state_dict(spec, state_dict, dtype=dtype)
+    if tensor_shard is not None:  # this rank's slice only (genfn.models.tensor_parallel)
+        from genfn.models.tensor_parallel import shard_params
+
+        spec, params = shard_params(family, spec, state_dict, tensor_shard, dtype=dtype)
+    else:
+        params = family.params_from_state_dict(spec, state_dict, dtype=dtype)
     if isinstance(generation_config, dict):
         generation_config = GenerationConfig.from_dict(generation_config)
     if generation_config is None:
@@ -217,8 +227,12 @@ def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, genera
                  generation_config=generation_config, config=dict(config), source=source)
 
 
-def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None) -> Model:
+def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None,
+         tensor_shard=None) -> Model:
     """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2).
+
+    ``tensor_shard`` (a ``genfn.models.tensor_parallel.TensorShard``): keep only this rank's slice
+    of the weights, for tensor parallelism over a torch.distributed process group.
 
     ``quantize``: None (default) loads every weight as ``dtype``; ``"gguf"`` keeps a GGUF file's
     own Q8_0/Q4_0/Q4_1 blocks bit for bit; ``"q8_0" | "q4_0" | "q4_1" | "int8" | "int4"``
@@ -247,7 +261,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     else:
         ckpt = load_checkpoint(path, dtype=dtype)
     model = _from_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
-                             generation_config=ckpt.generation_config, source=ckpt.source)
+                             generation_config=ckpt.generation_config, source=ckpt.source, tensor_shard=tensor_shard)
+    del ckpt  # the whole checkpoint's tensors go; a rank keeps its slices
     if quantize is not None:
         if isinstance(model, EncoderDecoderModel):
             raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "

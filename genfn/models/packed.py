@@ -26,6 +26,7 @@ from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_
 from genfn.cache.paged import planned_attention, write
 from genfn.kernels import decode_linear_available
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
+from genfn.models import tensor_parallel
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
@@ -201,7 +202,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     """
     check_packed_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
-    x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
+    x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"])  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)  # [T, R]
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
@@ -235,7 +236,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         else:
             attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
                                    sliding_window=spec.sliding_window)
-        attn_out = linear(attn.reshape(num_tokens, q_size), layer["wo"])
+        attn_out = tensor_parallel.reduced(spec, linear(attn.reshape(num_tokens, q_size), layer["wo"]))
         if spec.post_norms:  # OLMo 2: the norms sit on the outputs
             x = h = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
         else:
@@ -244,6 +245,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             mlp_out = moe_mlp(spec, layer, h)
         else:
             mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+            mlp_out = tensor_parallel.reduced(spec, mlp_out)
         if spec.post_norms:
             mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
     # The final norm is per token, so taking the sampling rows first computes the same values.
@@ -262,7 +264,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         h = ops.rms_norm(x, params["norm"], spec.rms_norm_eps)
     else:
         _, h = ops.add_rms_norm(x, mlp_out.index_select(0, index), params["norm"], spec.rms_norm_eps)
-    chosen = linear(h, params["lm_head"], out_float32=True)
+    chosen = tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
     if every_row:
         return chosen, cache
     return logits.index_copy_(0, rows, chosen), cache

@@ -1,0 +1,233 @@
+"""Tensor parallelism for the native decoder families: one model split over the ranks of a
+``torch.distributed`` process group (Megatron's layout).
+
+Each rank holds a slice of every layer: q/k/v and gate/up split by output rows (column-parallel:
+a rank computes its own attention heads and its own part of the MLP), o and down split by input
+columns (row-parallel: each rank's product is a partial sum of the layer's output, and one
+all-reduce adds them before the residual add), the embedding and LM head split by vocabulary rows
+(each token's embedding comes from the rank that holds its row; each rank computes the logits of
+its rows and one all-reduce assembles the whole vocabulary's on every rank, so processors and
+token choice run unchanged and every rank picks the same token). The KV cache holds the rank's
+heads only. Norms and rotary tables are replicated.
+
+Heads go to the ranks in whole key/value groups, as evenly as they divide: a model with 3 KV
+heads over 2 ranks gives one rank 2 groups and the other 1 (SmolLM2-135M has 3). A model with
+fewer KV heads than ranks is refused (its heads would have to be replicated).
+
+A family supports tensor parallelism by keeping a ``tensor_shard`` field (None: one process) in
+its spec and calling ``embedding``, ``reduced`` and ``gathered_logits`` where its forward meets
+a split; ``shard_params`` here builds a rank's spec and params from a Hugging Face state dict.
+Inside a ``torch.compile``d step the collectives are torch's traceable functional collectives;
+in the eager loop, the cheaper in-place ``dist.all_reduce``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from genfn.quant.blocks import BLOCK, RowBlocks
+
+__all__ = ["TensorShard", "current_shard", "shard_spec", "shard_state_dict", "shard_params", "embedding",
+           "reduced", "gathered_logits", "vocab_range", "head_range"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShard:
+    """Which slice of the model this process holds: its ``rank`` of ``world_size`` in the process
+    group named ``group_name`` (static: it is part of the spec that keys compiled steps)."""
+
+    rank: int
+    world_size: int
+    group_name: str
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+
+def current_shard(group=None) -> TensorShard:
+    """The ``TensorShard`` of this process in ``group`` (default: the world of the initialized
+    process group); a clear error when torch.distributed has not been initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tensor parallelism needs an initialized torch.distributed process group: launch with "
+                           "`torchrun --nproc-per-node N ...` or call genfn.distributed.init_tensor_parallel()")
+    group = group if group is not None else dist.group.WORLD
+    return TensorShard(dist.get_rank(group), dist.get_world_size(group), group.group_name)
+
+
+def _split(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``total`` (a multiple of ``unit``) is cut into
+    ``parts`` contiguous pieces of whole units, as evenly as they divide."""
+    units = total // unit
+    return (units * index // parts) * unit, (units * (index + 1) // parts) * unit
+
+
+def head_range(spec, shard: TensorShard) -> tuple[int, int]:
+    """The KV heads ``[start, stop)`` this rank holds (its query heads are their groups)."""
+    if spec.num_kv_heads < shard.world_size:
+        raise ValueError(f"tensor parallelism over {shard.world_size} ranks needs at least that many key/value "
+                         f"heads (num_key_value_heads={spec.num_kv_heads}); use --tp <= {spec.num_kv_heads}")
+    return _split(spec.num_kv_heads, shard.world_size, shard.rank)
+
+
+def _intermediate_unit(spec, world_size: int) -> int:
+    # The down projection is cut along its inputs: whole quantization groups (64 for int4) when
+    # the size allows, so a quantized matrix splits between its blocks.
+    for unit in (64, BLOCK):
+        if spec.intermediate_size % unit == 0 and spec.intermediate_size // unit >= world_size:
+            return unit
+    return 1
+
+
+def vocab_range(vocab_size: int, shard: TensorShard) -> tuple[int, int]:
+    """The vocabulary rows ``[start, stop)`` of this rank's embedding and LM head: equal slices of
+    ``ceil(vocab / world)`` rows (the last may be shorter), so the gathered logits need no reordering."""
+    per = -(-vocab_size // shard.world_size)
+    start = min(vocab_size, per * shard.rank)
+    return start, min(vocab_size, start + per)
+
+
+def shard_spec(spec, shard: TensorShard):
+    """The spec of this rank's slice: its heads, its part of the MLP, ``tensor_shard`` set.
+    ``vocab_size`` stays the whole vocabulary (the gathered logits have it)."""
+    if not hasattr(spec, "tensor_shard"):
+        raise ValueError(f"{type(spec).__name__} has no tensor-parallel support (no tensor_shard field)")
+    if not getattr(spec, "is_plain_llama", True):
+        # q/k norms over a whole projection, experts and post-norms are not split yet.
+        raise ValueError("tensor parallelism runs the Llama family's plain layers (Llama, Mistral, Qwen2); this model's "
+                         "variant (q/k norms, layers without RoPE, post-norms, partial rotary or experts) runs on one "
+                         "process (drop --tp)")
+    kv_start, kv_stop = head_range(spec, shard)
+    groups = spec.num_heads // spec.num_kv_heads
+    unit = _intermediate_unit(spec, shard.world_size)
+    i_start, i_stop = _split(spec.intermediate_size, shard.world_size, shard.rank, unit)
+    if i_stop <= i_start:
+        raise ValueError(f"intermediate_size={spec.intermediate_size} is too small to split over {shard.world_size} ranks")
+    return dataclasses.replace(spec, num_heads=(kv_stop - kv_start) * groups, num_kv_heads=kv_stop - kv_start,
+                               intermediate_size=i_stop - i_start, tensor_shard=shard)
+
+
+def _narrow(tensor, dim: int, start: int, stop: int, name: str):
+    """Rows (``dim=0``) or input columns (``dim=1``) ``[start, stop)`` of a float tensor or of
+    ``RowBlocks`` (whole blocks: a quantized matrix is split between its blocks, never inside one)."""
+    if not isinstance(tensor, RowBlocks):
+        return tensor.narrow(dim, start, stop - start).contiguous()
+    if dim == 0:
+        return tensor.map_rows(lambda part: part[start:stop])
+    group = tensor.group_size
+    if start % group or stop % group:
+        raise ValueError(f"{name}: a {tensor.format} matrix splits only between its blocks of {group} inputs; "
+                         f"columns [{start}, {stop}) cut a block (pick a --tp that divides the layer into whole blocks)")
+    mins = None if tensor.mins is None else tensor.mins[:, start // group:stop // group].contiguous()
+    return RowBlocks(tensor.format, tensor.codes[:, start // BLOCK:stop // BLOCK].contiguous(),
+                     tensor.scales[:, start // group:stop // group].contiguous(), mins)
+
+
+def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
+    """name -> ``(dim, start, stop)`` of the slice this rank keeps, or None for a replicated tensor."""
+    kv_start, _ = head_range(spec, shard)
+    groups = spec.num_heads // spec.num_kv_heads
+    d = spec.head_dim
+    q = (kv_start * groups * d, (kv_start * groups + local.num_heads) * d)
+    kv = (kv_start * d, (kv_start + local.num_kv_heads) * d)
+    mlp = _split(spec.intermediate_size, shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
+    vocab = vocab_range(spec.vocab_size, shard)
+    rules = {"self_attn.q_proj": (0, *q), "self_attn.k_proj": (0, *kv), "self_attn.v_proj": (0, *kv),
+             "self_attn.o_proj": (1, *q), "mlp.gate_proj": (0, *mlp), "mlp.up_proj": (0, *mlp),
+             "mlp.down_proj": (1, *mlp), "embed_tokens": (0, *vocab), "lm_head": (0, *vocab)}
+
+    def plan(name: str):
+        stem, _, kind = name.rpartition(".")
+        for key, (dim, start, stop) in rules.items():
+            if stem.endswith(key):
+                return None if (kind == "bias" and dim == 1) else (0 if kind == "bias" else dim, start, stop)
+        return None
+    return plan
+
+
+def shard_state_dict(spec, state_dict: Mapping[str, Any], shard: TensorShard) -> dict[str, Any]:
+    """This rank's slices of a Hugging Face state dict (float tensors or ``RowBlocks``), under the
+    same names; replicated tensors (norms) are kept whole. ``spec`` is the whole model's."""
+    plan = _plan(spec, shard_spec(spec, shard), shard)
+    out = {}
+    for name, tensor in state_dict.items():
+        cut = plan(name)
+        out[name] = tensor if cut is None else _narrow(tensor, *cut, name=name)
+    return out
+
+
+def shard_params(family, spec, state_dict: Mapping[str, Any], shard: TensorShard, dtype=None, *,
+                 sliced: bool = False):
+    """``(local spec, params)`` of this rank from the whole model's ``spec`` and its state dict
+    (``sliced=True``: a state dict that already holds only this rank's slices)."""
+    local = shard_spec(spec, shard)
+    if not sliced:
+        state_dict = shard_state_dict(spec, state_dict, shard)
+    start, stop = vocab_range(spec.vocab_size, shard)
+    # The family builds params against its rows of the vocabulary; the spec the forward sees keeps
+    # the whole vocabulary, which the gathered logits have.
+    params = family.params_from_state_dict(dataclasses.replace(local, vocab_size=stop - start), state_dict, dtype=dtype)
+    return local, params
+
+
+# ---------------------------------------------------------------------------------------------
+# The collectives a sharded forward calls (each a no-op for a spec without a tensor_shard)
+
+
+def _functional():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a row-parallel linear's partial output (one all-reduce).
+
+    Inside a compiled step: torch's traceable functional all-reduce. Eagerly: ``dist.all_reduce``
+    in place on ``partial`` (the caller's own fresh output), which cost a third of the functional
+    one's time per call here (0.40 vs 1.16 ms for SmolLM2's hidden vector, benchmarks/tp.py)."""
+    shard = spec.tensor_shard
+    if shard is None:
+        return partial
+    if torch.compiler.is_compiling():
+        funcol = _functional()
+        return funcol.wait_tensor(funcol.all_reduce(partial, "sum", shard.group_name))
+    import torch.distributed as dist
+
+    partial = partial.contiguous()  # gloo reduces dense buffers only
+    dist.all_reduce(partial, group=dist.distributed_c10d._resolve_process_group(shard.group_name))
+    return partial
+
+
+def embedding(spec, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``F.embedding`` over a vocabulary split by rows: each rank looks up the tokens it holds
+    (zeros for the others) and one all-reduce assembles the rows (adding zeros is exact)."""
+    shard = spec.tensor_shard
+    if shard is None:
+        return F.embedding(tokens, table)
+    start, stop = vocab_range(spec.vocab_size, shard)
+    local = tokens - start
+    mine = (local >= 0) & (local < stop - start)
+    rows = F.embedding(local.clamp(0, stop - start - 1), table) * mine.unsqueeze(-1).to(table.dtype)
+    return reduced(spec, rows)
+
+
+def gathered_logits(spec, logits: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's logits ``[N, vocab]`` from this rank's ``[N, rows]`` (its slice of
+    the LM head's rows), on every rank.
+
+    Each rank places its slice at its offset in zeros and one all-reduce sums them: each logit is
+    one rank's value plus zeros, exactly that value. (An all-gather moves fewer bytes, but
+    inductor's C++ wrapper, which the compiled CPU step uses, cannot call it in torch 2.13.)
+    """
+    shard = spec.tensor_shard
+    if shard is None:
+        return logits
+    start, stop = vocab_range(spec.vocab_size, shard)
+    return reduced(spec, F.pad(logits, (start, spec.vocab_size - stop)))
