@@ -54,7 +54,7 @@ def test_cli_streams_the_greedy_continuation(smollm2, monkeypatch, capsys):
     lines = captured.err.splitlines()
     assert any("native decode kernels" in line for line in lines), lines
     assert any(line.startswith("genfn: loading ") for line in lines), lines
-    assert any(re.fullmatch(r"genfn: loaded \S+ \([\d.]+ s\)", line) for line in lines), lines
+    assert any(re.fullmatch(r"genfn: loaded \S+ as .+ \(native\) \([\d.]+ s\)", line) for line in lines), lines
     assert re.fullmatch(rf"genfn: {len(expected)} tokens in [\d.]+ s, [\d.]+ tok/s after the first; "
                         r"first token after [\d.]+ s", lines[-1]), lines[-1]
     assert "\r" not in captured.err  # stderr is not a terminal: plain lines, no ticker
