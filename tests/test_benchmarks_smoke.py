@@ -103,3 +103,16 @@ def test_importing_genfn_does_not_import_the_peers():
                           env=_env(), cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_genfn_bench_runs_under_openmps_default_unless_the_user_chose(monkeypatch):
+    from genfn import wait_policy
+    from genfn.cli.bench import benchmark_environment
+
+    monkeypatch.delenv("GENFN_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(wait_policy, "_outcome", "OMP_WAIT_POLICY=PASSIVE (genfn's choice: other load 1.00 cores >= 0.5)")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what import genfn set in this process
+    env = benchmark_environment()
+    assert "OMP_WAIT_POLICY" not in env and env["GENFN_WAIT_POLICY"] == "default"
+    monkeypatch.setattr(wait_policy, "_outcome", "left to the environment (OMP_WAIT_POLICY=PASSIVE)")
+    assert benchmark_environment()["OMP_WAIT_POLICY"] == "PASSIVE"  # the user's own choice is kept

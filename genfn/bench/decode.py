@@ -289,7 +289,9 @@ def main(argv=None):
         is_float = dname in FLOAT_FORMATS
         dtype = getattr(torch, dname) if is_float else torch.float32
         gguf_type = GGUF_TYPE_OF.get(dname)
-        gguf_file = llamacpp.variant_path(path, gguf_type) if gguf_type is not None and is_gguf else None
+        # A float format's GGUF variant is llama.cpp's input only: made (minutes, once) when it runs.
+        wants_file = gguf_type is not None and is_gguf and (not is_float or "llama.cpp" in engines)
+        gguf_file = llamacpp.variant_path(path, gguf_type) if wants_file else None
         t_load = time.perf_counter()
         if is_float:
             model = genfn.load(path, dtype=dtype)
