@@ -30,6 +30,7 @@ from .checks import (
     real_check,
 )
 from .compile import CompileConfig
+from .response_format import check_response_format
 from .watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig, watermarking_config_from_dict
 
 __all__ = [
@@ -104,6 +105,8 @@ FIELD_SPECS: tuple[_Field, ...] = (
     _Field("sequence_bias", "logits", check_sequence_bias),
     _Field("token_healing", "logits", check_bool),
     _Field("guidance_scale", "logits", real_check()),
+    # structured outputs (genfn): a JSON schema, regex, grammar or choice list the output must match
+    _Field("response_format", "logits", check_response_format),
     _Field(
         "watermarking_config",
         "logits",
