@@ -24,7 +24,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ConstraintSpec", "parse_response_format", "check_response_format", "CONSTRAINT_KINDS"]
+__all__ = ["ConstraintSpec", "parse_response_format", "check_response_format", "per_row_formats",
+           "CONSTRAINT_KINDS"]
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "ebnf", "choice")
 _TYPES = ("text", "json_object", "json_schema", "regex", "grammar", "choice")
@@ -152,5 +153,23 @@ def parse_response_format(value: Any, name: str = "response_format") -> Constrai
 
 
 def check_response_format(name: str, value: Any) -> None:
-    """The GenerationConfig field check (shape only; the grammar engine checks the content)."""
+    """The GenerationConfig field check (shape only; the grammar engine checks the content): one
+    value for every row, or a list with one per prompt (None for a free row)."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            parse_response_format(item, f"{name}[{i}]")
+        return
     parse_response_format(value, name)
+
+
+def per_row_formats(value: Any, batch_size: int, repeat: int = 1) -> list[Any]:
+    """``response_format`` as one value per row: a single value for all ``batch_size`` prompts, or
+    a list with one per prompt; each repeated ``repeat`` times (beams, returned sequences)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch_size:
+            raise ValueError(f"response_format has {len(value)} entries for {batch_size} prompts; give one value for "
+                             "every prompt, or a single value for all")
+        values = list(value)
+    else:
+        values = [value] * batch_size
+    return [v for v in values for _ in range(repeat)]

@@ -13,6 +13,7 @@ from genfn import random as grandom
 from genfn.processors.context import LogitsContext
 from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.state.decode import DecodeOptions, DecodeState
+from genfn.processors.grammar import apply_token_bitmask
 from genfn.processors.guidance import guidance_combine
 from genfn.stopping import eos_emitted
 from genfn.strategies.base import OUTPUT_KINDS, Strategy
@@ -130,6 +131,7 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
         hidden_states=step_hidden,
         prefill_attentions=attentions,
         prefill_hidden_states=hidden_states,
+        grammar_mask=request.grammar_mask,
     )
     unconditional = None
     if request.guidance is not None:
@@ -188,6 +190,9 @@ def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits:
     if opts.guidance_scale is not None:
         # CFG heads the processor chain, as in transformers.
         scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)
+    if state.grammar_mask is not None:
+        # The grammar first, so that top-k/top-p and the other processors choose among allowed tokens.
+        scores = apply_token_bitmask(scores, state.grammar_mask)
     processors, processor_state = state.processors, state.processor_state
     if processors is not None:
         if processor_state is not None:

@@ -21,10 +21,6 @@ __all__ = ["tokenizer_tables", "compile_grammar", "VERSION"]
 
 VERSION = getattr(xgr, "__version__", "unknown")
 
-# As many tokens as one speculative step can append and then reject.
-_MAX_ROLLBACK = 64
-
-
 @dataclasses.dataclass(frozen=True)
 class Tables:
     compiler: Any  # xgr.GrammarCompiler (holds the TokenizerInfo)
@@ -63,7 +59,7 @@ class XGrammarGrammar:
         return self.tables.eos_token_id
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled, max_rollback_tokens=_MAX_ROLLBACK))
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
 
 
 class XGrammarMatcher:
