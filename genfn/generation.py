@@ -30,6 +30,7 @@ from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 from genfn.streamers import close_stream
 from genfn.config.response_format import parse_response_format, per_row_formats
+from genfn.structured.beams import BeamGrammarRows
 from genfn.structured.rows import constraint_for_rows
 
 __all__ = ["generate"]
@@ -251,12 +252,15 @@ def _grammar_rows(model, tokenizer, config, num_prompts: int, expand: int, promp
     formats = per_row_formats(config.response_format, num_prompts, expand)
     if all(parse_response_format(f) is None for f in formats):
         return None
-    if encoder_decoder or STRATEGIES.get(mode) is not sample_strategy.SAMPLE:
-        raise ValueError(f"response_format is supported with greedy search and sampling (num_beams=1, no assistant) "
-                         f"on decoder-only models; this call's mode is {mode.value!r}")
+    if encoder_decoder or mode not in STRATEGIES:
+        raise ValueError(f"response_format is supported with greedy search, sampling and beam search on decoder-only "
+                         f"models; this call's mode is {mode.value!r}")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    return constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
+    rows = constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
                                eos_token_ids=eos_ids, device=device)
+    if rows is not None and STRATEGIES[mode] is beam_strategy.BEAM:
+        return BeamGrammarRows.from_rows(rows, prompt_len)
+    return rows
 
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,

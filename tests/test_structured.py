@@ -157,3 +157,19 @@ def test_xgrammar_accepts_what_llguidance_generated(model, tokenizer, prompts):
         assert allowed_tokens(row, VOCAB)[token]
         assert matcher.accept(token)
     assert tokens[-1] == 2 and matcher.can_terminate()
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["beam_search", "beam_sample"])
+def test_beam_search_follows_the_grammar(model, tokenizer, prompts, do_sample):
+    ids, mask = prompts["input_ids"][:2], prompts["attention_mask"][:2]
+    out = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=40, num_beams=3, num_return_sequences=2,
+                         do_sample=do_sample, key=5, tokenizer=tokenizer,
+                         response_format=[JSON_FORMAT, {"type": "regex", "pattern": REGEX}])
+    width = ids.shape[1]
+    for row in range(out.shape[0]):
+        tokens = [t for t in out[row, width:].tolist()]
+        if row < 2:
+            value = json.loads(_replay(tokenizer, JSON_FORMAT, tokens))
+            assert set(value) == {"ok", "n", "color"}
+        else:
+            assert re.fullmatch(REGEX, _replay(tokenizer, {"regex": REGEX}, tokens))
