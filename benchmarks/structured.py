@@ -84,8 +84,8 @@ def bench_engines(tokenizer) -> dict:
     results: dict = {"engines": {}}
     for engine in engines:
         start = time.perf_counter()
-        structured.compile(Tokenizer.from_gguf(default_model_path()), {"regex": "a"}, vocab_size=VOCAB, engine=engine)
-        tables_s = time.perf_counter() - start  # a fresh tokenizer: tables + a trivial grammar
+        structured.compile(tokenizer, {"regex": "a"}, vocab_size=VOCAB, engine=engine)
+        tables_s = time.perf_counter() - start  # the engine's tokenizer tables (+ a trivial grammar)
         per_schema = []
         for i, (what, schema) in enumerate(SCHEMAS):
             start = time.perf_counter()
@@ -126,25 +126,33 @@ def bench_decode(batches: list[int], repeats: int, max_new: int) -> dict:
     import genfn
 
     model = genfn.load(default_model_path())
+    engines = structured.available_engines()
     results = {}
     for batch in batches:
         ids, mask, formats = _prompts(model.tokenizer, batch)
-        genfn.generate(model, ids, attention_mask=mask, max_new_tokens=4, response_format=formats)  # warm-up
-        constrained, free = [], []
+        settings = dict(attention_mask=mask, max_new_tokens=max_new)
+        steps = {}
+        for engine in engines:  # warm-up: compiles the grammars, and learns each engine's step count
+            out = genfn.generate(model, ids, response_format=formats, grammar_engine=engine, **settings)
+            steps[engine] = out.shape[1] - ids.shape[1]
+        timings = {name: [] for name in [*engines, *(f"free/{e}" for e in engines)]}
         for _ in range(repeats):
-            start = time.perf_counter()
-            out = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=max_new, response_format=formats)
-            seconds = time.perf_counter() - start
-            steps = out.shape[1] - ids.shape[1]
-            constrained.append(seconds / steps)
-            start = time.perf_counter()
-            plain = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps)
-            free.append((time.perf_counter() - start) / (plain.shape[1] - ids.shape[1]))
-        c, f = min(constrained), min(free)
-        results[batch] = {"constrained_ms_per_step": c * 1e3, "free_ms_per_step": f * 1e3, "ratio": c / f,
-                          "steps": steps}
-        print(f"decode batch {batch:2d}: constrained {c * 1e3:7.2f} ms/step, unconstrained {f * 1e3:7.2f} ms/step, "
-              f"ratio {c / f:.3f} ({steps} steps, best of {repeats}, interleaved)")
+            for engine in engines:
+                start = time.perf_counter()
+                out = genfn.generate(model, ids, response_format=formats, grammar_engine=engine, **settings)
+                timings[engine].append((time.perf_counter() - start) / (out.shape[1] - ids.shape[1]))
+                # The same prompts unconstrained, decoding the same number of steps.
+                n = steps[engine]
+                start = time.perf_counter()
+                plain = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n)
+                timings[f"free/{engine}"].append((time.perf_counter() - start) / (plain.shape[1] - ids.shape[1]))
+        results[batch] = {}
+        for engine in engines:
+            c, f = min(timings[engine]), min(timings[f"free/{engine}"])
+            results[batch][engine] = {"constrained_ms_per_step": c * 1e3, "free_ms_per_step": f * 1e3,
+                                      "ratio": c / f, "steps": steps[engine]}
+            print(f"decode batch {batch:2d} {engine:11s}: constrained {c * 1e3:7.2f} ms/step, unconstrained "
+                  f"{f * 1e3:7.2f} ms/step, ratio {c / f:.3f} ({steps[engine]} steps, best of {repeats}, interleaved)")
     return results
 
 

@@ -257,7 +257,7 @@ def _grammar_rows(model, tokenizer, config, num_prompts: int, expand: int, promp
                          f"models; this call's mode is {mode.value!r}")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     rows = constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
-                               eos_token_ids=eos_ids, device=device)
+                               eos_token_ids=eos_ids, device=device, engine=config.grammar_engine)
     if rows is not None and STRATEGIES[mode] is beam_strategy.BEAM:
         return BeamGrammarRows.from_rows(rows, prompt_len)
     return rows

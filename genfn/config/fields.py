@@ -107,6 +107,8 @@ FIELD_SPECS: tuple[_Field, ...] = (
     _Field("guidance_scale", "logits", real_check()),
     # structured outputs (genfn): a JSON schema, regex, grammar or choice list the output must match
     _Field("response_format", "logits", check_response_format),
+    # which grammar engine compiles it (None: genfn.structured.DEFAULT_ENGINE, llguidance)
+    _Field("grammar_engine", "logits", choice_check(("llguidance", "xgrammar"))),
     _Field(
         "watermarking_config",
         "logits",

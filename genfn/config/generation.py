@@ -103,6 +103,7 @@ class GenerationConfig:
     token_healing: bool | None
     guidance_scale: float | None
     response_format: dict[str, Any] | None
+    grammar_engine: str | None
     watermarking_config: BaseWatermarkingConfig | None
     # outputs
     num_return_sequences: int | None
