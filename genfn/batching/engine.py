@@ -35,9 +35,11 @@ from genfn.cache.paged import PackedPlan
 from genfn.kernels.packed_gemm import pack_linear_weights
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
+from genfn.processors.grammar import FREE_ROW, apply_token_bitmask
+from genfn.structured import bitmask_width
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "packed_plan", "run_batch",
-           "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "choose_tokens", "engine_step", "grammar_mask", "packed_plan",
+           "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,16 @@ class RequestSettings:
 
     ``chain``: the request's processors as a one-row per-row chain (``None``: none apply);
     ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``;
-    ``top_logprobs``: how many most likely tokens to report per generated token.
+    ``top_logprobs``: how many most likely tokens to report per generated token; ``grammar``:
+    the request's structured-output matcher (synced to its generated tokens before every mask).
     """
 
     chain: ProcessorChain | None = None
     key: torch.Tensor | None = None
     stop_strings: Any = None
     top_logprobs: int = 0
+    # response_format: a one-row genfn.structured.rows.GrammarRows (host-side matcher), or None
+    grammar: Any = None
 
     @property
     def do_sample(self) -> bool:
@@ -82,17 +87,21 @@ class StepOutcome:
 
 
 def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: LogitsContext | None,
-                  keys: torch.Tensor | None, do_sample: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  keys: torch.Tensor | None, do_sample: torch.Tensor | None,
+                  grammar_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure: each row's next token ``[R]`` and its log-probability under the model's raw
     distribution (``log_softmax(logits)``, before the processors; see ``batching.logprobs``).
 
     ``keys [R, 2]`` and ``do_sample [R]`` (both or neither): rows that sample take
     ``argmax(scores + gumbel(key, generated count))``, the others ``argmax(scores)``, exactly as
-    ``generate``'s step does for one request.
+    ``generate``'s step does for one request. ``grammar_mask [R, ceil(V / 32)]`` (structured
+    outputs; all ones for a free row) rules out tokens before the processors, as in ``generate``.
     """
-    scores = logits if chain is None else chain(logits, ctx)
+    plain = chain is None and grammar_mask is None
+    scores = logits if grammar_mask is None else apply_token_bitmask(logits, grammar_mask)
+    scores = scores if chain is None else chain(scores, ctx)
     logsumexp = None
-    if chain is None or native_pick(scores):  # the native pass gives the argmax of the scores at no extra cost
+    if plain or native_pick(scores):  # the native pass gives the argmax of the scores at no extra cost
         chosen, logsumexp = max_logsumexp(scores)
     else:
         chosen = torch.argmax(scores, dim=-1)
@@ -100,7 +109,7 @@ def choose_tokens(logits: torch.Tensor, chain: ProcessorChain | None, ctx: Logit
         counter = ctx.row_cur_len() - ctx.row_prompt_len()
         sampled = torch.argmax(scores + grandom.gumbel(keys, counter, scores.shape[-1]), dim=-1)
         chosen = torch.where(do_sample, sampled, chosen)
-    return chosen, chosen_logprobs(logits, chosen, logsumexp if chain is None else None)
+    return chosen, chosen_logprobs(logits, chosen, logsumexp if plain else None)
 
 
 class Engine:
@@ -237,7 +246,8 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
         history = build_row_history(requests, batch, max_len=engine.max_len, num_rows=engine.max_requests,
                                     device=engine.device)
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
-    chosen, logprobs = choose_tokens(logits, chain, ctx, keys, do_sample)
+    chosen, logprobs = choose_tokens(logits, chain, ctx, keys, do_sample,
+                                     grammar_mask(requests, batch, logits.shape, engine.device))
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
     top_k = max(wanted, default=0)
     top_ids = top_values = None
@@ -254,6 +264,25 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
     return new_tokens, new_logprobs, new_top
+
+
+def grammar_mask(requests: Mapping[Hashable, RequestState], batch: S.ScheduledBatch, logits_shape, device
+                 ) -> torch.Tensor | None:
+    """The ``[rows, ceil(V / 32)]`` int32 mask of the batch's sampling rows whose request has a
+    ``response_format`` (others all ones), or None when none has. Each matcher is first synced to its
+    request's generated tokens, so preemption and recomputation never desynchronize it."""
+    constrained = [(row, chunk) for row, chunk in enumerate(batch.chunks)
+                   if chunk.samples and settings_of(requests[chunk.request_id]).grammar is not None]
+    if not constrained:
+        return None
+    mask = torch.full((logits_shape[0], bitmask_width(logits_shape[1])), FREE_ROW, dtype=torch.int32)
+    for row, chunk in constrained:
+        request = requests[chunk.request_id]
+        rows = settings_of(request).grammar
+        rows.sync(0, request.generated_ids)
+        if not rows.finished[0]:
+            rows.fill_row(0, mask[row])
+    return mask.to(device)
 
 
 def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None) -> PackedPlan:

@@ -26,6 +26,7 @@ from genfn.batching.engine import RequestSettings
 from genfn.config import GenerationConfig, resolve_generation_config, resolve_lengths
 from genfn.processors.chain import build_logits_processors
 from genfn.processors.openai_sampling import openai_processors
+from genfn.structured.rows import constraint_for_rows
 
 __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 
@@ -148,10 +149,18 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     if config.stop_strings is not None:
         stop_strings = _stop_matcher(tokenizer if tokenizer is not None else model.tokenizer, config.stop_strings,
                                      model.device)
+    grammar = None
+    if config.response_format is not None:
+        if isinstance(config.response_format, (list, tuple)):
+            raise ValueError("a request's response_format is one value (a dict), not a list")
+        grammar = constraint_for_rows(tokenizer if tokenizer is not None else getattr(model, "tokenizer", None),
+                                      [config.response_format], vocab_size=model.vocab_size, start=[prompt_len],
+                                      eos_token_ids=eos_ids, engine=config.grammar_engine)
     settings = RequestSettings(
         chain=chain.per_row(1, model.device) if len(chain) else None,
         key=_key(seed, key) if config.do_sample else None,
         stop_strings=stop_strings,
         top_logprobs=top_logprobs,
+        grammar=grammar,
     )
     return ResolvedRequest(settings, max(max_length - prompt_len, 1), eos_ids)

@@ -48,7 +48,8 @@ class GrammarRows:
         self.matchers = list(matchers)
         self.vocab_size = int(vocab_size)
         self.width = bitmask_width(vocab_size)
-        self.consumed = [int(s) for s in start]
+        self.start = [int(s) for s in start]
+        self.consumed = list(self.start)
         batch = len(self.matchers)
         if eos_token_ids and isinstance(next(iter(eos_token_ids)), (list, tuple)):
             self.eos = [tuple(int(t) for t in ids) for ids in eos_token_ids]
@@ -116,6 +117,18 @@ class GrammarRows:
                                        f"({matcher.error() or 'not in the mask'}); a logits processor or a forced "
                                        "token overrode the grammar mask")
         self.consumed[b] += len(tokens)
+
+    def sync(self, b: int, generated: Sequence[int]) -> None:
+        """Bring row ``b``'s matcher to exactly ``generated`` (the row's generated tokens, its source
+        of truth): accept what it has not seen, roll back what was dropped. Continuous batching calls
+        this before each mask, so a preempted, recomputed or trimmed request never desynchronizes."""
+        seen = self.consumed[b] - self.start[b]
+        if len(generated) < seen:
+            self.matchers[b].rollback(seen - len(generated))
+            self.consumed[b] = self.start[b] + len(generated)
+            self.finished[b] = False
+        elif len(generated) > seen:
+            self.accept(b, list(generated[seen:]))
 
     def new_tokens(self, state, lengths: Sequence[int]) -> list[list[int]]:
         """Each row's tokens from its consumed length up to ``lengths`` (read from ``state.tokens``)."""
