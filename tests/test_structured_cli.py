@@ -45,3 +45,20 @@ def test_bad_constraints_are_one_line_errors(tiny_model_dir, tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
     assert cli.main(["generate", "x", "--model", str(tiny_model_dir), "--regex", "(ab"]) == 2
     assert "regex cannot be compiled" in capsys.readouterr().err
+
+
+def test_batch_jsonl_response_format(tiny_model_dir, tmp_path, capsys):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"id": "digits", "prompt": "The capital of", "max_tokens": 12,
+              "response_format": {"type": "regex", "pattern": "[0-9]{4}"}},
+             {"id": "choice", "prompt": "Say", "max_tokens": 12,
+              "response_format": {"type": "choice", "choices": ["hi", "everyone"]}},
+             {"id": "free", "prompt": "Say hi", "max_tokens": 4}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main(["batch", str(source), str(out), "--model", str(tiny_model_dir), "--quiet"]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert re.fullmatch("[0-9]{4}", rows["digits"]["text"])
+    assert rows["choice"]["text"] in ("hi", "everyone")
+    source.write_text(json.dumps({"prompt": "x", "response_format": {"type": "regex"}}) + "\n")
+    assert cli.main(["batch", str(source), str(tmp_path / "o2.jsonl"), "--model", str(tiny_model_dir)]) == 2
+    assert "input line 1" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 
 Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty``, ``seed``, ``stop`` and ``do_sample`` (a positive
-``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false). Each finished
+``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``do_sample`` (a positive
+``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false) and
+``response_format`` (structured output: ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it). Each finished
 request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``), so a run
 that stops part way loses nothing: run the same command again and the ids already in OUTPUT are
 skipped. A line without ``id`` is known by its line number (``line-7``).
@@ -21,11 +23,12 @@ from genfn.cli.common import (UserError, add_model_arguments, load_model, positi
                               require_tokenizer)
 from genfn.cli.generate import eos_ids, finish_reason
 from genfn.cli.status import Status, watch_compiles
+from genfn.config.response_format import check_response_format
 
 __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest"]
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
-           "repetition_penalty", "seed", "stop", "do_sample"}
+           "repetition_penalty", "seed", "stop", "do_sample", "response_format"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -94,6 +97,12 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
         if not isinstance(stop, list) or not stop or not all(isinstance(s, str) and s for s in stop):
             raise UserError(f"input line {line}: 'stop' must be a non-empty string or list of them")
         settings["stop_strings"] = stop
+    if record.get("response_format") is not None:
+        try:
+            check_response_format("response_format", record["response_format"])
+        except (ValueError, TypeError) as err:
+            raise UserError(f"input line {line}: {err}") from None
+        settings["response_format"] = record["response_format"]
     return max_new, settings, stop
 
 
