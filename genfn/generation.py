@@ -32,6 +32,7 @@ from genfn.streamers import close_stream
 from genfn.config.response_format import parse_response_format, per_row_formats
 from genfn.structured.beams import BeamGrammarRows
 from genfn.structured.rows import constraint_for_rows
+from genfn.structured.speculative import SpeculativeGrammarRows
 
 __all__ = ["generate"]
 
@@ -252,12 +253,16 @@ def _grammar_rows(model, tokenizer, config, num_prompts: int, expand: int, promp
     formats = per_row_formats(config.response_format, num_prompts, expand)
     if all(parse_response_format(f) is None for f in formats):
         return None
-    if encoder_decoder or mode not in STRATEGIES:
-        raise ValueError(f"response_format is supported with greedy search, sampling and beam search on decoder-only "
-                         f"models; this call's mode is {mode.value!r}")
+    speculative = mode is GenerationMode.ASSISTED_GENERATION
+    if encoder_decoder or not (mode in STRATEGIES or (speculative and config.prompt_lookup_num_tokens is not None)):
+        raise ValueError(f"response_format is supported with greedy search, sampling, beam search and prompt-lookup "
+                         f"speculation (prompt_lookup_num_tokens) on decoder-only models; this call's mode is "
+                         f"{mode.value!r}")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     rows = constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
                                eos_token_ids=eos_ids, device=device, engine=config.grammar_engine)
+    if rows is not None and speculative:
+        return SpeculativeGrammarRows.from_rows(rows)
     if rows is not None and STRATEGIES[mode] is beam_strategy.BEAM:
         return BeamGrammarRows.from_rows(rows, prompt_len)
     return rows

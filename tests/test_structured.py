@@ -173,3 +173,20 @@ def test_beam_search_follows_the_grammar(model, tokenizer, prompts, do_sample):
             assert set(value) == {"ok", "n", "color"}
         else:
             assert re.fullmatch(REGEX, _replay(tokenizer, {"regex": REGEX}, tokens))
+
+
+@pytest.mark.parametrize("fmt", [JSON_FORMAT, {"type": "regex", "pattern": r"([0-9]{3}-){2,4}[a-z]{2}"}],
+                         ids=["json", "regex"])
+def test_prompt_lookup_under_a_grammar_equals_plain_greedy(model, tokenizer, fmt):
+    # Prompts full of grammar-shaped n-grams, so prompt lookup drafts (and the grammar cuts) plenty.
+    texts = ['{"ok": true, "n": 12, "color": "red"} {"ok": false, "n": 7, "color": "green"} {"ok": ',
+             "123-456-789-000-ab 123-456-789-xy 12"]
+    batch = tokenizer(texts, padding_side="left")
+    settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=30, tokenizer=tokenizer,
+                    response_format=fmt)
+    plain = genfn.generate(model, batch["input_ids"], **settings)
+    out = genfn.generate(model, batch["input_ids"], prompt_lookup_num_tokens=4, return_dict_in_generate=True,
+                         **settings)
+    assert torch.equal(out.sequences, plain[:, :out.sequences.shape[1]])
+    assert out.sequences.shape[1] == plain.shape[1]
+    assert int(out.acceptance["total_accepted"]) > 0  # drafts did pass the grammar and the target

@@ -152,6 +152,10 @@ class GrammarRows:
 
         Returns ``state`` with ``grammar_mask`` replaced (and ``done`` set for a row whose grammar
         is complete when the request has no EOS id to end it with)."""
+        return self.take_new_tokens(state, lengths).replace(grammar_mask=self.mask())
+
+    def take_new_tokens(self, state, lengths: Sequence[int]):
+        """Accept every row's new tokens; ``state`` with ``done`` set for rows that ended here."""
         done = state.done.reshape(-1).tolist()
         for b, tokens in enumerate(self.new_tokens(state, lengths)):
             if tokens:
@@ -167,7 +171,7 @@ class GrammarRows:
             ended_rows = torch.zeros_like(state.done.reshape(-1))
             ended_rows[ended] = True
             state = state.replace(done=state.done | ended_rows.reshape(state.done.shape))
-        return state.replace(grammar_mask=self.mask())
+        return state
 
 
 def constraint_for_rows(tokenizer, formats: Sequence[Any], *, vocab_size: int, start: Sequence[int], eos_token_ids,
