@@ -190,3 +190,15 @@ def test_prompt_lookup_under_a_grammar_equals_plain_greedy(model, tokenizer, fmt
     assert torch.equal(out.sequences, plain[:, :out.sequences.shape[1]])
     assert out.sequences.shape[1] == plain.shape[1]
     assert int(out.acceptance["total_accepted"]) > 0  # drafts did pass the grammar and the target
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_under_grammars(model, tokenizer, prompts):
+    """The mask is a tensor leaf of the compiled step: one graph serves constrained and free rows."""
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    settings = dict(attention_mask=mask, max_new_tokens=24, tokenizer=tokenizer, cache_implementation="static",
+                    response_format=[JSON_FORMAT, {"type": "regex", "pattern": REGEX}, None])
+    eager = genfn.generate(model, ids, disable_compile=True, **settings)
+    compiled = genfn.generate(model, ids, **settings)
+    assert torch.equal(compiled, eager)
+    json.loads(_replay(tokenizer, JSON_FORMAT, compiled[0, ids.shape[1]:].tolist()))
