@@ -35,6 +35,7 @@ from .watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig, wat
 
 __all__ = [
     "GENERATION_CONFIG_FIELDS",
+    "GENFN_ONLY_FIELDS",
     "DEPRECATED_FIELDS",
     "DEFAULT_GENERATION_PARAMS",
     "METADATA_FIELDS",
@@ -154,6 +155,8 @@ FIELD_SPECS: tuple[_Field, ...] = (
 )
 
 GENERATION_CONFIG_FIELDS: tuple[str, ...] = tuple(spec.name for spec in FIELD_SPECS)
+# The fields genfn adds to transformers' set (structured outputs); every other field is transformers'.
+GENFN_ONLY_FIELDS: tuple[str, ...] = ("response_format", "grammar_engine")
 FIELD_SET = frozenset(GENERATION_CONFIG_FIELDS)
 
 # transformers v5 still carries these, but only for modes it moved to the Hub (or, for

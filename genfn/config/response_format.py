@@ -157,9 +157,9 @@ def check_response_format(name: str, value: Any) -> None:
     value for every row, or a list with one per prompt (None for a free row)."""
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            parse_response_format(item, f"{name}[{i}]")
+            parse_response_format(item, f"`{name}`[{i}]")
         return
-    parse_response_format(value, name)
+    parse_response_format(value, f"`{name}`")
 
 
 def per_row_formats(value: Any, batch_size: int, repeat: int = 1) -> list[Any]:
