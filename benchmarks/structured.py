@@ -2,6 +2,7 @@
 
     python benchmarks/structured.py                 # engines + decode at batch 1 and 16
     python benchmarks/structured.py --skip-decode   # engines only (no model load)
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/structured.py --skip-engines   # on a busy machine
 
 1. Engines (llguidance, xgrammar when installed), per JSON schema of ``tests/structured_schemas.py``:
    the first compile (the engine's tokenizer tables are built once before, and reported apart),
@@ -159,6 +160,7 @@ def bench_decode(batches: list[int], repeats: int, max_new: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-engines", action="store_true")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -167,7 +169,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; engines: {structured.available_engines()}; "
           f"the machine may be shared: compare ratios within this run")
     tokenizer = Tokenizer.from_gguf(default_model_path())
-    payload = bench_engines(tokenizer)
+    payload = {} if args.skip_engines else bench_engines(tokenizer)
     if not args.skip_decode:
         payload["decode"] = bench_decode([int(b) for b in args.batches.split(",")], args.repeats, args.max_new_tokens)
     print("wrote", write_results("structured", payload, args.out))

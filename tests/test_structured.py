@@ -123,7 +123,7 @@ def test_lark_and_ebnf_grammars(model, tokenizer):
     ({"type": "grammar", "grammar": "start: undefined_rule"}, "grammar"),
     ({"type": "grammar", "syntax": "ebnf", "grammar": 'root ::= "a" |('}, "EBNF"),
     ({"type": "json_schema"}, "json_schema"),
-    ({"type": "xml"}, r"response_format\['type'\]"),
+    ({"type": "xml"}, r"response_format`\['type'\]"),
     ({"type": "choice", "choices": []}, "choices"),
 ])
 def test_bad_formats_are_value_errors_naming_the_fault(model, tokenizer, fmt, message):

@@ -19,9 +19,10 @@ The matcher lives on the host; the mask it fills enters a pure decode step as a 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from genfn.config.response_format import ConstraintSpec, parse_response_format
 
@@ -52,13 +53,28 @@ class Matcher(Protocol):
     def fork(self) -> "Matcher": ...
 
 
-class Grammar(Protocol):
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: its spec, the engine's tokenizer tables (``vocab_size``, ``eos_token_id``:
+    the token the engine's masks use for "end"), the engine's compiled form, and how a matcher is
+    started from it."""
+
     spec: ConstraintSpec
     engine: str
-    vocab_size: int
-    eos_token_id: int  # the token the engine's masks use for "end"
+    tables: Any
+    compiled: Any
+    start: Callable[["Grammar"], Matcher]
 
-    def matcher(self) -> Matcher: ...
+    @property
+    def vocab_size(self) -> int:
+        return self.tables.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tables.eos_token_id
+
+    def matcher(self) -> Matcher:
+        return self.start(self)
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -17,7 +17,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from genfn.config.response_format import ConstraintSpec
-from genfn.structured import GrammarError
+from genfn.structured import Grammar, GrammarError
 
 __all__ = ["tokenizer_tables", "compile_grammar", "VERSION"]
 
@@ -105,23 +105,8 @@ def _error(spec: ConstraintSpec, message: str) -> GrammarError:
     return GrammarError(f"response_format: {what} cannot be compiled: {message}")
 
 
-@dataclasses.dataclass(frozen=True)
-class LLGuidanceGrammar:
-    spec: ConstraintSpec
-    tables: Tables
-    grammar: str
-    engine: str = "llguidance"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tables.vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.tables.eos_token_id
-
-    def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(LLMatcher(self.tables.tokenizer, self.grammar, log_level=0))
+def _start(grammar: Grammar) -> LLGuidanceMatcher:
+    return LLGuidanceMatcher(LLMatcher(grammar.tables.tokenizer, grammar.compiled, log_level=0))
 
 
 class LLGuidanceMatcher:
@@ -157,7 +142,7 @@ class LLGuidanceMatcher:
         return LLGuidanceMatcher(self.inner.deep_copy())
 
 
-def compile_grammar(tables: Tables, spec: ConstraintSpec) -> LLGuidanceGrammar:
+def compile_grammar(tables: Tables, spec: ConstraintSpec) -> Grammar:
     try:
         grammar = _lark_for(spec)
     except GrammarError:
@@ -167,4 +152,4 @@ def compile_grammar(tables: Tables, spec: ConstraintSpec) -> LLGuidanceGrammar:
     message = LLMatcher.validate_grammar(grammar, tables.tokenizer)
     if message and not message.startswith("WARNING"):
         raise _error(spec, message)
-    return LLGuidanceGrammar(spec, tables, grammar)
+    return Grammar(spec, "llguidance", tables, grammar, _start)

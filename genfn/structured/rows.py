@@ -22,11 +22,16 @@ import torch
 from genfn.processors.grammar import FREE_ROW
 from genfn.structured import Grammar, Matcher, bitmask_width
 
-__all__ = ["GrammarRows", "GrammarViolation", "constraint_for_rows"]
+__all__ = ["GrammarRows", "GrammarViolation", "constraint_for_rows", "mask_allows"]
 
 
 class GrammarViolation(RuntimeError):
     """A row produced a token its grammar does not allow (a processor forced it past the mask)."""
+
+
+def mask_allows(row: torch.Tensor, token: int) -> bool:
+    """Whether the host mask ``row`` ([W] int32) allows ``token``."""
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:

@@ -15,13 +15,9 @@ from __future__ import annotations
 import torch
 
 from genfn.processors.grammar import FREE_ROW
-from genfn.structured.rows import GrammarRows
+from genfn.structured.rows import GrammarRows, mask_allows
 
 __all__ = ["SpeculativeGrammarRows"]
-
-
-def _allowed(row: torch.Tensor, token: int) -> bool:
-    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 class SpeculativeGrammarRows(GrammarRows):
@@ -50,7 +46,7 @@ class SpeculativeGrammarRows(GrammarRows):
             if i == len(drafts):
                 break
             token = drafts[i]
-            if not _allowed(masks[i], token):
+            if not mask_allows(masks[i], token):
                 usable = i
                 break
             if token in self.eos[b]:

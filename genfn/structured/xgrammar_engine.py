@@ -15,7 +15,7 @@ from typing import Any
 import xgrammar as xgr
 
 from genfn.config.response_format import ConstraintSpec
-from genfn.structured import GrammarError
+from genfn.structured import Grammar, GrammarError
 
 __all__ = ["tokenizer_tables", "compile_grammar", "VERSION"]
 
@@ -43,23 +43,8 @@ def tokenizer_tables(tokenizer, vocab_size: int) -> Tables:
     return Tables(xgr.GrammarCompiler(info, cache_enabled=False), vocab_size, -1 if eos is None else int(eos))
 
 
-@dataclasses.dataclass(frozen=True)
-class XGrammarGrammar:
-    spec: ConstraintSpec
-    tables: Tables
-    compiled: Any  # xgr.CompiledGrammar
-    engine: str = "xgrammar"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tables.vocab_size
-
-    @property
-    def eos_token_id(self) -> int:
-        return self.tables.eos_token_id
-
-    def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
+def _start(grammar: Grammar) -> XGrammarMatcher:
+    return XGrammarMatcher(xgr.GrammarMatcher(grammar.compiled))
 
 
 class XGrammarMatcher:
@@ -97,7 +82,7 @@ class XGrammarMatcher:
         return XGrammarMatcher(self.inner.fork())
 
 
-def compile_grammar(tables: Tables, spec: ConstraintSpec) -> XGrammarGrammar:
+def compile_grammar(tables: Tables, spec: ConstraintSpec) -> Grammar:
     compiler = tables.compiler
     try:
         if spec.kind == "json_schema":
@@ -120,4 +105,4 @@ def compile_grammar(tables: Tables, spec: ConstraintSpec) -> XGrammarGrammar:
     except Exception as error:  # xgrammar raises RuntimeError/ValueError with its parser's message
         raise GrammarError(f"response_format ({spec.kind}) cannot be compiled by xgrammar: "
                            f"{str(error).strip()[:500]}") from None
-    return XGrammarGrammar(spec, tables, compiled)
+    return Grammar(spec, "xgrammar", tables, compiled, _start)
