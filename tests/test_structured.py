@@ -212,3 +212,12 @@ def test_gumbel_noise_is_finite_where_the_top_uniform_bucket_rounds_to_one():
     keys = grandom.as_row_keys(grandom.key(11), 24)
     noise = grandom.gumbel(keys, torch.full((24,), 3), VOCAB)
     assert torch.isfinite(noise).all()
+
+
+def test_generate_with_the_xgrammar_engine(model, tokenizer):
+    pytest.importorskip("xgrammar")
+    ids = torch.tensor([tokenizer.encode("A phone number:", add_special_tokens=False)])
+    out = genfn.generate(model, ids, max_new_tokens=16, tokenizer=tokenizer, grammar_engine="xgrammar",
+                         response_format={"type": "regex", "pattern": REGEX})
+    new = out[0, ids.shape[1]:].tolist()
+    assert new[-1] == 2 and re.fullmatch(REGEX, tokenizer.decode(new[:-1]))
