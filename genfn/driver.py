@@ -539,7 +539,7 @@ def _observe(strategy, state, stopping_criteria: Callable | None, trace):
 
 def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_criteria: Callable | None = None,
         compile_options: dict | None = None, max_time: float | None = None, start_time: float | None = None,
-        trace=None):
+        trace=None, constraint=None):
     """Drive ``strategy`` from ``state`` (what ``strategy.init`` returned) for at most ``num_steps``
     steps, or until every row is done; returns the last state.
 
@@ -547,11 +547,15 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
     None runs it eagerly. ``stopping_criteria(input_ids, scores) -> [B] bool`` runs between steps.
     ``trace`` collects per-step outputs through ``strategy.collect``. Whatever happens, the
     streamer is closed: ended after success, failed with the error otherwise.
+    ``constraint`` (structured outputs, a ``genfn.structured.rows.GrammarRows``) sees every row's
+    new tokens between steps and returns the state with the next step's grammar mask.
     """
     start_time = time.monotonic() if start_time is None else start_time
     trace = StepTrace() if trace is None else trace
     try:
         state, view = _observe(strategy, state, stopping_criteria, trace)
+        if constraint is not None:
+            state = constraint.advance(state, view.lengths)
         if streamer is not None:
             # ``init`` chose each row's first token.
             streamer.put(state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1).cpu())
@@ -571,6 +575,10 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
                     stepped = advance(state)
             before = view.lengths
             state, view = _observe(strategy, stepped, stopping_criteria, trace)
+            if constraint is not None:
+                state = constraint.advance(state, view.lengths)
+                if not view.all_done and bool(state.done.all()):
+                    view = _HostView(state)
             if streamer is not None:
                 _stream(streamer, state, before, view.lengths)
     except BaseException as error:

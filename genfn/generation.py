@@ -7,6 +7,7 @@ decision about tokens is made inside a strategy's pure step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Sequence
@@ -25,6 +26,10 @@ from genfn.stopping import call_user_criteria
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 from genfn.streamers import close_stream
+from genfn.config.response_format import parse_response_format, per_row_formats
+from genfn.structured.beams import BeamGrammarRows
+from genfn.structured.rows import constraint_for_rows
+from genfn.structured.speculative import SpeculativeGrammarRows
 
 __all__ = ["generate"]
 
@@ -145,6 +150,9 @@ def generate(
                                          and callable(getattr(streamer.streamer, "end", None))):
             raise TypeError(f"streamer must have put(tokens) and end() methods (a genfn or transformers streamer); got "
                             f"{type(streamer.streamer).__name__}")
+        if request.grammar is not None and strategy is not chosen:
+            raise ValueError(f"response_format is applied by genfn's own strategies; the {strategy.name!r} strategy "
+                             "given as strategy=/custom_generate= does not read the grammar mask")
         if compile_loop:
             _check_compile_loop(request, strategy, streamer, criteria)
         if streamer is not None:
@@ -162,7 +170,7 @@ def generate(
         else:
             state = driver.run(strategy, model, state, num_steps=num_steps, streamer=streamer, stopping_criteria=criteria,
                                compile_options=compile_options, max_time=config.max_time, start_time=start_time,
-                               trace=trace)
+                               trace=trace, constraint=request.grammar)
         result = strategy.finish(state, trace, request)
     except BaseException as error:
         if streamer is not None:
@@ -215,11 +223,35 @@ def _check_compile_loop(request: GenerationRequest, strategy: Strategy, streamer
             request.output_scores or request.output_logits or request.output_attentions
             or request.output_hidden_states),
         "prefix_allowed_tokens_fn": request.processors is not None and not request.processors.compile_safe,
+        "response_format": request.grammar is not None,
     }
     needs_host = [name for name, present in blockers.items() if present]
     if needs_host:
         raise ValueError(f"compile_loop runs the loop without returning to Python between steps; it cannot be "
                          f"combined with {', '.join(needs_host)}")
+
+
+def _grammar_rows(model, tokenizer, config, num_prompts: int, expand: int, prompt_len: int, eos_ids, device, mode,
+                  encoder_decoder: bool):
+    """The host-side matchers of ``config.response_format`` (one per expanded row), or None."""
+    if config.response_format is None:
+        return None
+    formats = per_row_formats(config.response_format, num_prompts, expand)
+    if all(parse_response_format(f) is None for f in formats):
+        return None
+    speculative = mode is GenerationMode.ASSISTED_GENERATION
+    if encoder_decoder or not (mode in STRATEGIES or (speculative and config.prompt_lookup_num_tokens is not None)):
+        raise ValueError(f"response_format is supported with greedy search, sampling, beam search and prompt-lookup "
+                         f"speculation (prompt_lookup_num_tokens) on decoder-only models; this call's mode is "
+                         f"{mode.value!r}")
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    rows = constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
+                               eos_token_ids=eos_ids, device=device, engine=config.grammar_engine)
+    if rows is not None and speculative:
+        return SpeculativeGrammarRows.from_rows(rows)
+    if rows is not None and STRATEGIES[mode] is beam_strategy.BEAM:
+        return BeamGrammarRows.from_rows(rows, prompt_len)
+    return rows
 
 
 def prepare_request(model, input_ids, generation_config=None, *, key=None, attention_mask=None,
@@ -247,6 +279,13 @@ def prepare_request(model, input_ids, generation_config=None, *, key=None, atten
     if beam and (request.guidance is not None or request.stop_strings is not None):
         raise ValueError("stop_strings and guidance_scale are supported for greedy search and sampling "
                          "(num_beams=1); not with beam search yet")
+    config = request.config
+    batch, prompt_len = request.input_ids.shape
+    expand = max(int(config.num_beams or 1), int(config.num_return_sequences or 1))
+    grammar = _grammar_rows(model, tokenizer, config, batch // expand, expand, prompt_len, request.eos_token_ids,
+                            request.input_ids.device, mode, encoder_decoder)
+    if grammar is not None:
+        request = dataclasses.replace(request, grammar=grammar, grammar_mask=grammar.mask())
     if mode is GenerationMode.ASSISTED_GENERATION:
         if encoder_decoder:
             raise ValueError("assisted generation (assistant_model, prompt_lookup_num_tokens, assistant_early_exit) "

@@ -171,5 +171,7 @@ def gumbel(keys: torch.Tensor, counter: torch.Tensor, size: int) -> torch.Tensor
     and vectorized compiled ``log`` kernels vanish in the rounding: eager and compiled draw the
     same noise bit for bit.
     """
-    u = uniform(keys, counter, size).to(torch.float64)
+    # The top bucket's centre, 1 - 2**-25, rounds to 1.0 in float32, where the noise would be +inf
+    # (and -inf + inf = NaN would pick a token a mask or top-k had ruled out): it is kept just below 1.
+    u = uniform(keys, counter, size).to(torch.float64).clamp(max=1.0 - 2.0**-25)
     return (-torch.log(-torch.log(u))).to(torch.float32)

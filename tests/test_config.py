@@ -35,6 +35,7 @@ from genfn.config import (
     DEFAULT_GENERATION_PARAMS,
     DEPRECATED_FIELDS,
     GENERATION_CONFIG_FIELDS,
+    GENFN_ONLY_FIELDS,
     VALID_CACHE_IMPLEMENTATIONS,
     CompileConfig,
     ContinuousBatchingConfig,
@@ -135,7 +136,9 @@ def logged_flags(handler: _Records) -> set[str]:
 
 
 def ours_data(config: GenerationConfig) -> dict:
-    return json.loads(config.to_json_string(use_diff=False, ignore_metadata=True))
+    """genfn's full JSON, without its own fields (structured outputs) when unset."""
+    data = json.loads(config.to_json_string(use_diff=False, ignore_metadata=True))
+    return {k: v for k, v in data.items() if not (k in GENFN_ONLY_FIELDS and v is None)}
 
 
 def theirs_data(config: TGenerationConfig) -> dict:
@@ -184,7 +187,7 @@ def test_config_package_imports_neither_transformers_nor_torch():
 def test_field_names_equal_transformers_minus_listed_deprecated():
     theirs = set(TGenerationConfig().to_dict()) - METADATA
     assert set(DEPRECATED_FIELDS) == EXPECTED_OMITTED
-    assert set(GENERATION_CONFIG_FIELDS) == theirs - EXPECTED_OMITTED
+    assert set(GENERATION_CONFIG_FIELDS) == (theirs - EXPECTED_OMITTED) | set(GENFN_ONLY_FIELDS)
     assert len(GENERATION_CONFIG_FIELDS) == len(set(GENERATION_CONFIG_FIELDS))
 
 
@@ -253,7 +256,8 @@ def test_unset_config_equals_transformers_unset_config():
     theirs = TGenerationConfig().to_dict()
     assert set(ours) == set(GENERATION_CONFIG_FIELDS)
     for name in GENERATION_CONFIG_FIELDS:
-        assert ours[name] is None and theirs[name] is None, name
+        assert ours[name] is None and theirs.get(name) is None, name
+    assert set(GENERATION_CONFIG_FIELDS) - set(theirs) == set(GENFN_ONLY_FIELDS)
 
 
 def test_defaults_table_equals_transformers():
@@ -941,6 +945,14 @@ FIELD_CASES = {
     "target_lookbehind": int_case(0),
     "assistant_ensemble_weight": real_case(0.0, 1.0, low_open=True, high_open=True),
     "speculation_type": choice_case(("dflash",)),
+    "response_format": (
+        st.sampled_from([None, {"type": "text"}, {"type": "json_object"}, {"type": "regex", "pattern": "a+"},
+                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                         {"type": "choice", "choices": ["a", "b"]}, {"json": {"type": "integer"}}]),
+        st.one_of(INTS, TEXT, st.just({"type": "xml"}), st.just({"type": "regex"}),
+                  st.just({"type": "choice", "choices": []})),
+    ),
+    "grammar_engine": choice_case(("llguidance", "xgrammar")),
     "compile_config": (COMPILE_VALID, COMPILE_INVALID),
     "disable_compile": bool_case(),
     "prefill_chunk_size": int_case(1),
@@ -953,7 +965,8 @@ EXTRA_CASES = {
 ALL_CASES = {**FIELD_CASES, **EXTRA_CASES}
 # compile_config: genfn accepts a dict (transformers wants a CompileConfig object), so it is left
 # out where transformers is the oracle.
-PARITY_FIELDS = sorted(set(FIELD_CASES) - {"compile_config"})
+# response_format / grammar_engine are genfn's own fields: transformers keeps them as free attributes.
+PARITY_FIELDS = sorted(set(FIELD_CASES) - {"compile_config"} - set(GENFN_ONLY_FIELDS))
 
 
 def test_fuzz_table_covers_every_field():

@@ -33,11 +33,13 @@ from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
+from genfn.processors.grammar import FREE_ROW
 from genfn.processors.numerics import nonfinite_rows
 from genfn.strategies.token_choice import choose_tokens, top_pairs
+from genfn.structured import bitmask_width
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "engine_step", "fail_nonfinite", "nonfinite_error",
-           "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "engine_step", "fail_nonfinite", "grammar_mask",
+           "nonfinite_error", "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +49,9 @@ class RequestSettings:
     ``chain``: the request's processors as a one-row per-row chain (``None``: none apply);
     ``key``: its sampling key ``[2]`` (``None``: greedy); ``stop_strings``: a matcher or ``None``;
     ``top_logprobs``: how many most likely tokens to report per generated token; ``check_finite``:
-    fail the request when its raw logits hold NaN/inf (off under ``remove_invalid_values``).
+    fail the request when its raw logits hold NaN/inf (off under ``remove_invalid_values``);
+    ``grammar``: the request's structured-output matcher (synced to its generated tokens before
+    every mask).
     """
 
     chain: ProcessorChain | None = None
@@ -55,6 +59,8 @@ class RequestSettings:
     stop_strings: Any = None
     top_logprobs: int = 0
     check_finite: bool = True
+    # response_format: a one-row genfn.structured.rows.GrammarRows (host-side matcher), or None
+    grammar: Any = None
 
     @property
     def do_sample(self) -> bool:
@@ -246,7 +252,8 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
     choice = choose_tokens(logits, chain, ctx, keys=keys, sample_mask=do_sample, logprobs=True,
-                           top_k=max(wanted, default=0))
+                           top_k=max(wanted, default=0),
+                           grammar_mask=grammar_mask(requests, batch, logits.shape, engine.device))
     chosen, logprobs, top_ids, top_values = choice.tokens, choice.logprobs, choice.top_ids, choice.top_logprobs
     bad_rows = nonfinite_rows(logits)
     chosen, logprobs, bad_rows = chosen.tolist(), logprobs.tolist(), bad_rows.tolist()  # the step's host sync
@@ -284,6 +291,25 @@ def nonfinite_error(request_id: Hashable) -> str:
     """The error a request fails with when the model gave it NaN or infinite logits."""
     return (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {request_id!r}; pass "
             f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
+
+
+def grammar_mask(requests: Mapping[Hashable, RequestState], batch: S.ScheduledBatch, logits_shape, device
+                 ) -> torch.Tensor | None:
+    """The ``[rows, ceil(V / 32)]`` int32 mask of the batch's sampling rows whose request has a
+    ``response_format`` (others all ones), or None when none has. Each matcher is first synced to its
+    request's generated tokens, so preemption and recomputation never desynchronize it."""
+    constrained = [(row, chunk) for row, chunk in enumerate(batch.chunks)
+                   if chunk.samples and settings_of(requests[chunk.request_id]).grammar is not None]
+    if not constrained:
+        return None
+    mask = torch.full((logits_shape[0], bitmask_width(logits_shape[1])), FREE_ROW, dtype=torch.int32)
+    for row, chunk in constrained:
+        request = requests[chunk.request_id]
+        rows = settings_of(request).grammar
+        rows.sync(0, request.generated_ids)
+        if not rows.finished[0]:
+            rows.fill_row(0, mask[row])
+    return mask.to(device)
 
 
 def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None) -> PackedPlan:

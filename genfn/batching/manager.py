@@ -305,7 +305,8 @@ class ContinuousBatchingManager:
         occurrences in this request's generated tokens); ``logit_bias`` adds a bias in [-100, 100]
         to token ids; ``top_logprobs`` (0..20) most likely tokens are reported per generated token
         (``GenerationOutput.top_logprobs``). All are per request: requests with different values
-        share a batch."""
+        share a batch. ``response_format`` (structured outputs, as ``generate`` takes it) constrains
+        this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here."""
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if isinstance(input_ids, torch.Tensor):

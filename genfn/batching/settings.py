@@ -23,6 +23,7 @@ from genfn.batching.engine import RequestSettings
 from genfn.config import GenerationConfig
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
+from genfn.structured.rows import constraint_for_rows
 
 __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 
@@ -91,11 +92,24 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     if chain is not None and chain.stateful:
         raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
                          "continuous batching")
+    config = request.config
+    if config.response_format is not None and isinstance(config.response_format, (list, tuple)):
+        raise ValueError("a request's response_format is one value (a dict), not a list")
+
+    def grammar():
+        # Each sequence gets a matcher of its own: a matcher follows one sequence's tokens.
+        if config.response_format is None:
+            return None
+        return constraint_for_rows(tokenizer if tokenizer is not None else getattr(model, "tokenizer", None),
+                                   [config.response_format], vocab_size=model.vocab_size,
+                                   start=[request.prompt_len], eos_token_ids=request.eos_token_ids,
+                                   engine=config.grammar_engine)
+
     # Sequence j of a request samples with the key generate gives the prompt's j-th returned row.
-    count = int(request.config.num_return_sequences or 1)
+    count = int(config.num_return_sequences or 1)
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
-                                      check_finite=not bool(request.config.remove_invalid_values))
+                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar())
                       for j in range(count))
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
                            sequences)

@@ -2,8 +2,10 @@
 
 Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty``, ``seed``, ``stop`` and ``do_sample`` (a positive
-``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false). Each finished
+``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``do_sample`` (a positive
+``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false) and
+``response_format`` (structured output: ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it). Each finished
 request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``) as one whole
 line, flushed and fsync'd, so a run that stops part way (even SIGKILL) loses nothing it reported:
 run the same command again and the ids already in OUTPUT are skipped, and a last line cut short is
@@ -27,11 +29,12 @@ from genfn.cli.common import (UserError, add_model_arguments, load_model, positi
                               require_tokenizer)
 from genfn.cli.generate import check_settings, eos_ids, finish_reason
 from genfn.cli.status import Status, watch_compiles
+from genfn.config.response_format import check_response_format
 
 __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest", "ResultWriter"]
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
-           "repetition_penalty", "seed", "stop", "do_sample"}
+           "repetition_penalty", "seed", "stop", "do_sample", "response_format"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -108,6 +111,12 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
         if not isinstance(stop, list) or not stop or not all(isinstance(s, str) and s for s in stop):
             raise UserError(f"input line {line}: 'stop' must be a non-empty string or list of them")
         settings["stop_strings"] = stop
+    if record.get("response_format") is not None:
+        try:
+            check_response_format("response_format", record["response_format"])
+        except (ValueError, TypeError) as err:
+            raise UserError(f"input line {line}: {err}") from None
+        settings["response_format"] = record["response_format"]
     return max_new, settings, stop
 
 

@@ -12,7 +12,7 @@ from genfn.cli.common import (UserError, add_model_arguments, integer, load_mode
 from genfn.cli.status import Status, watch_compiles
 
 __all__ = ["add_arguments", "main", "add_sampling_arguments", "sampling_settings", "check_settings",
-           "StatusStreamer", "finish_reason"]
+           "StatusStreamer", "finish_reason", "response_format"]
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                           "(the text is printed at the end)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (prompt, text, tokens, finish_reason, timings) instead of text")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="FILE",
+                            help="constrain the output to JSON matching the JSON schema in FILE")
+    constraint.add_argument("--regex", default=None, metavar="PATTERN", help="constrain the output to match PATTERN")
+    constraint.add_argument("--grammar", default=None, metavar="FILE",
+                            help="constrain the output to the grammar in FILE (Lark; GBNF/EBNF when FILE ends in "
+                                 ".gbnf or .ebnf)")
+
+
+def response_format(args) -> dict | None:
+    """The ``response_format`` of --json-schema / --regex / --grammar, or None."""
+    if getattr(args, "json_schema", None):
+        text = read_text_file(args.json_schema, "the JSON schema file")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"--json-schema {args.json_schema} is not valid JSON: {err}") from None
+        return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    if getattr(args, "regex", None) is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if getattr(args, "grammar", None):
+        syntax = "ebnf" if args.grammar.endswith((".gbnf", ".ebnf")) else "lark"
+        return {"type": "grammar", "syntax": syntax, "grammar": read_text_file(args.grammar, "the grammar file")}
+    return None
 
 
 def sampling_settings(args, defaults: dict | None = None) -> dict:
@@ -203,7 +227,7 @@ def run_generation(model, input_ids, settings: dict, args, streamer: StatusStrea
     extra = {"cache_implementation": "static"} if args.compile else {}
     if getattr(args, "max_cache_len", None):
         extra["max_cache_len"] = args.max_cache_len
-    if "stop_strings" in settings:
+    if "stop_strings" in settings or "response_format" in settings:
         extra["tokenizer"] = model.tokenizer
     if args.num_beams > 1:
         extra["num_beams"] = args.num_beams
@@ -221,6 +245,9 @@ def main(args, status: Status) -> int:
         args.chat = True
     prompt = read_prompt(args)
     settings = sampling_settings(args)
+    constraint = response_format(args)
+    if constraint is not None:
+        settings["response_format"] = constraint
     if args.num_beams > 1 and args.do_sample:
         raise UserError("--num-beams with --do-sample (beam sampling) is not offered by the CLI; pick one")
     load_start = time.perf_counter()

@@ -30,10 +30,12 @@ from .checks import (
     real_check,
 )
 from .compile import CompileConfig
+from .response_format import check_response_format
 from .watermarking import SynthIDTextWatermarkingConfig, WatermarkingConfig, watermarking_config_from_dict
 
 __all__ = [
     "GENERATION_CONFIG_FIELDS",
+    "GENFN_ONLY_FIELDS",
     "DEPRECATED_FIELDS",
     "DEFAULT_GENERATION_PARAMS",
     "METADATA_FIELDS",
@@ -104,6 +106,10 @@ FIELD_SPECS: tuple[_Field, ...] = (
     _Field("sequence_bias", "logits", check_sequence_bias),
     _Field("token_healing", "logits", check_bool),
     _Field("guidance_scale", "logits", real_check()),
+    # structured outputs (genfn): a JSON schema, regex, grammar or choice list the output must match
+    _Field("response_format", "logits", check_response_format),
+    # which grammar engine compiles it (None: genfn.structured.DEFAULT_ENGINE, llguidance)
+    _Field("grammar_engine", "logits", choice_check(("llguidance", "xgrammar"))),
     _Field(
         "watermarking_config",
         "logits",
@@ -149,6 +155,8 @@ FIELD_SPECS: tuple[_Field, ...] = (
 )
 
 GENERATION_CONFIG_FIELDS: tuple[str, ...] = tuple(spec.name for spec in FIELD_SPECS)
+# The fields genfn adds to transformers' set (structured outputs); every other field is transformers'.
+GENFN_ONLY_FIELDS: tuple[str, ...] = ("response_format", "grammar_engine")
 FIELD_SET = frozenset(GENERATION_CONFIG_FIELDS)
 
 # transformers v5 still carries these, but only for modes it moved to the Hub (or, for

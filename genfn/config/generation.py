@@ -102,6 +102,8 @@ class GenerationConfig:
     sequence_bias: dict[tuple[int, ...], float] | list[list[Any]] | None
     token_healing: bool | None
     guidance_scale: float | None
+    response_format: dict[str, Any] | None
+    grammar_engine: str | None
     watermarking_config: BaseWatermarkingConfig | None
     # outputs
     num_return_sequences: int | None

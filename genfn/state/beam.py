@@ -86,6 +86,9 @@ class BeamState:
     options: BeamOptions = static_field()
     # The logits-processor chain (a pytree: kinds static, numbers leaves), as in DecodeState.
     processors: Any = None
+    # Structured outputs: [B * K, ceil(V / 32)] int32, each beam row's allowed next tokens
+    # (genfn.structured.beams.BeamGrammarRows fills it between steps, following the beams).
+    grammar_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

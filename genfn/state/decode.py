@@ -74,6 +74,9 @@ class DecodeState:
     prefill_hidden_states: tuple | None = None
     # Classifier-free guidance: the unconditional branch (genfn.strategies.guidance.GuidanceState).
     guidance: Any = None
+    # Structured outputs: [B, ceil(V / 32)] int32, the tokens each row's grammar allows next (all
+    # ones for a free row); filled on the host between steps (genfn.structured.rows.GrammarRows).
+    grammar_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

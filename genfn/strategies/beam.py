@@ -30,6 +30,7 @@ from genfn.inputs import check_logits_shape
 from genfn.outputs import GenerateBeamDecoderOnlyOutput
 from genfn.processors.context import LogitsContext
 from genfn.processors.numerics import nonfinite_rows
+from genfn.processors.grammar import apply_token_bitmask
 from genfn.strategies.base import OUTPUT_KINDS, Strategy
 from genfn.state.beam import BeamOptions, BeamState
 from genfn.strategies.request import GenerationRequest, StepTrace
@@ -134,6 +135,7 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
         nonfinite=torch.zeros(batch, dtype=torch.bool, device=device),
         options=opts,
         processors=request.processors,
+        grammar_mask=request.grammar_mask,
     )
     return _beam_step(state, logits[:, -1])
 
@@ -189,6 +191,10 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
 
     # 1. Candidate scores: processed log-probs plus the running score of their beam.
     log_probs = torch.log_softmax(logits, dim=-1)
+    if state.grammar_mask is not None:
+        # A token the beam's grammar forbids scores -inf: never a candidate while an allowed one is
+        # left (the host treats a beam with a -inf score as dead).
+        log_probs = apply_token_bitmask(log_probs, state.grammar_mask)
     if state.processors is not None:
         # Beams move in lockstep: every row of the context has the same lengths.
         ctx = LogitsContext(tokens=state.running_sequences.view(rows, width), cur_len=cur_len.expand(rows),

@@ -36,6 +36,10 @@ class GenerationRequest:
     guidance: Any = None  # genfn.strategies.guidance.GuidanceSpec when guidance_scale != 1
     encoder: Any = None  # genfn.strategies.encoder_decoder.EncoderInputs for an encoder-decoder model
     tokenizer_size: int | None = None  # len(tokenizer) when one is known: checked against the logits' width
+    # Structured outputs: the host-side matchers (genfn.structured.rows.GrammarRows) and the first
+    # token's [B, ceil(V / 32)] int32 mask, or None when no row is constrained.
+    grammar: Any = None
+    grammar_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

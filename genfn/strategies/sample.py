@@ -134,6 +134,7 @@ def init(model, request: GenerationRequest, cache=None) -> DecodeState:
         hidden_states=step_hidden,
         prefill_attentions=attentions,
         prefill_hidden_states=hidden_states,
+        grammar_mask=request.grammar_mask,
     )
     unconditional = None
     if request.guidance is not None:
@@ -193,7 +194,8 @@ def _choose_next(state: DecodeState, logits: torch.Tensor, unconditional_logits:
         # CFG heads the processor chain, as in transformers.
         scores = guidance_combine(scores, unconditional_logits, opts.guidance_scale)
     keys = state.keys if opts.do_sample else None
-    choice = choose_tokens(scores, state.processors, ctx, keys=keys, processor_state=state.processor_state)
+    choice = choose_tokens(scores, state.processors, ctx, keys=keys, processor_state=state.processor_state,
+                           grammar_mask=state.grammar_mask)
     scores, processor_state, next_tokens = choice.scores, choice.processor_state, choice.tokens
     next_tokens = torch.where(state.done, opts.pad_token_id, next_tokens)
     cur_len = append_tokens(state.tokens, state.cur_len, next_tokens)

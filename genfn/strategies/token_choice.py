@@ -22,6 +22,7 @@ import torch
 
 from genfn import random as grandom
 from genfn.kernels import decode_linear_available
+from genfn.processors.grammar import apply_token_bitmask
 
 __all__ = ["TokenChoice", "choose_tokens", "pick_tokens", "chosen_logprobs", "max_logsumexp", "native_pick", "raw_logprobs",
            "top_logprobs", "top_pairs"]
@@ -90,15 +91,18 @@ def pick_tokens(scores: torch.Tensor, keys: torch.Tensor | None = None,
 
 def choose_tokens(logits: torch.Tensor, processors=None, ctx=None, *, keys: torch.Tensor | None = None,
                   sample_mask: torch.Tensor | None = None, processor_state=None, logprobs: bool = False,
-                  top_k: int = 0) -> TokenChoice:
+                  top_k: int = 0, grammar_mask: torch.Tensor | None = None) -> TokenChoice:
     """Pure: each row's next token from ``logits [R, V]`` (see the module's docstring).
 
     ``processors``: a ``ProcessorChain`` (or None) run with ``ctx`` (a ``LogitsContext``, also
     needed when ``keys`` are given: the noise counter is ``cur_len - prompt_len``);
     ``processor_state``: a stateful chain's state (returned updated). ``keys [R, 2]``: the rows'
     sampling keys; ``sample_mask [R]`` bool: which rows sample (None: all, when keys are given).
+    ``grammar_mask [R, ceil(V / 32)]`` int32 (structured outputs; all ones for a free row) rules
+    tokens out before the processors, so top-k/top-p choose among allowed tokens.
     """
-    scores = logits
+    scores = logits if grammar_mask is None else apply_token_bitmask(logits, grammar_mask)
+    processed = processors is not None or grammar_mask is not None
     if processors is not None:
         if processor_state is not None:
             scores, processor_state = processors.apply(scores, ctx, processor_state)
@@ -107,7 +111,7 @@ def choose_tokens(logits: torch.Tensor, processors=None, ctx=None, *, keys: torc
     logsumexp = None
     tokens = None
     if keys is None or sample_mask is not None:
-        if logprobs and (processors is None or native_pick(scores)):
+        if logprobs and (not processed or native_pick(scores)):
             # One native pass gives the argmax (and, unprocessed, the logsumexp the logprobs need).
             tokens, logsumexp = max_logsumexp(scores)
         else:
@@ -117,7 +121,7 @@ def choose_tokens(logits: torch.Tensor, processors=None, ctx=None, *, keys: torc
         tokens = sampled if sample_mask is None else torch.where(sample_mask, sampled, tokens)
     chosen = top_ids = top_values = None
     if logprobs:
-        chosen = chosen_logprobs(logits, tokens, logsumexp if processors is None else None)
+        chosen = chosen_logprobs(logits, tokens, None if processed else logsumexp)
     if top_k:
         top_ids, top_values = top_logprobs(raw_logprobs(logits), top_k)
     return TokenChoice(tokens, scores, processor_state, chosen, top_ids, top_values)

@@ -31,6 +31,7 @@ import torch
 
 from genfn.outputs import GenerateDecoderOnlyOutput
 from genfn.processors.numerics import nonfinite_rows
+from genfn.processors.grammar import apply_token_bitmask
 from genfn.state.base import pytree_dataclass, static_field
 from genfn.stopping import eos_emitted
 from genfn.strategies import sample
@@ -137,6 +138,12 @@ class SpeculativeState:
     options: SpeculativeOptions = static_field()
     drafter: Any = static_field()
     processors: Any = None
+    # Structured outputs: the drafts proposed at the end of the previous step (a Draft), which the
+    # host checked against each row's grammar between steps (clipping num_valid), and the masks
+    # [B, k + 1, ceil(V / 32)] int32 of the block's k + 1 positions along the drafts. None unless
+    # the request has a response_format (genfn.structured.speculative).
+    pending: Any = None
+    grammar_mask: torch.Tensor | None = None
 
 
 def _widen(tokens: torch.Tensor, extra: int, pad_token_id: int) -> torch.Tensor:
@@ -167,7 +174,7 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
     weight = None
     if ensemble_weight is not None:
         weight = torch.full((batch,), float(ensemble_weight), dtype=torch.float32, device=device)
-    return SpeculativeState(
+    state = SpeculativeState(
         tokens=_widen(plain.tokens, drafter.num_tokens + 1, options.pad_token_id),
         cur_len=plain.cur_len,
         prompt_len=plain.prompt_len,
@@ -187,6 +194,14 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         drafter=drafter,
         processors=plain.processors,
     )
+    if request.grammar is None:
+        return state
+    # Under a grammar the drafts are proposed at the end of a step, so the host can check them
+    # against the matchers (and fill the block's masks) before the next step verifies them.
+    _, draft, drafter_state, cache = _propose(model, state)
+    width = plain.grammar_mask.shape[-1]
+    masks = torch.full((batch, drafter.num_tokens + 1, width), -1, dtype=torch.int32, device=device)
+    return state.replace(pending=draft, drafter_state=drafter_state, cache=cache, grammar_mask=masks)
 
 
 def _needs_target_hidden(drafter) -> bool:
@@ -202,16 +217,37 @@ def row_budget(state: SpeculativeState, k: int) -> torch.Tensor:
     return torch.where(state.done, 0, budget)
 
 
+def _draft_input(state: SpeculativeState) -> DraftInput:
+    counter = state.cur_len - state.prompt_len  # tokens each row generated so far (the noise counter)
+    return DraftInput(tokens=state.tokens, cur_len=state.cur_len, budget=row_budget(state, state.drafter.num_tokens),
+                      keys=state.keys, counter=counter, first_column=state.first_column,
+                      target_hidden=state.target_hidden)
+
+
+def _propose(model, state: SpeculativeState):
+    """``(view, draft, drafter_state, cache)``: the drafter's block for ``state``."""
+    view = _draft_input(state)
+    draft, drafter_state, cache = state.drafter.draft(model, state.drafter_state, view, state.cache)
+    return view, draft, drafter_state, cache
+
+
 def step(model, state: SpeculativeState) -> SpeculativeState:
     """One speculative round for every row (pure; donates ``state``)."""
+    if state.pending is None:
+        return _verify(model, state, *_propose(model, state))
+    # Structured outputs: verify the drafts the host checked against the grammars, then propose the next.
+    verified = _verify(model, state, _draft_input(state), state.pending, state.drafter_state, state.cache)
+    _, draft, drafter_state, cache = _propose(model, verified)
+    return verified.replace(pending=draft, drafter_state=drafter_state, cache=cache)
+
+
+def _verify(model, state: SpeculativeState, view: DraftInput, draft, drafter_state, cache) -> SpeculativeState:
+    """Verify ``draft`` (proposed for ``state`` as ``view``) with one target forward and keep what agrees."""
     opts, drafter = state.options, state.drafter
     k = drafter.num_tokens
     batch = state.tokens.shape[0]
     device = state.tokens.device
-    counter = state.cur_len - state.prompt_len  # tokens each row generated so far (the noise counter)
-    view = DraftInput(tokens=state.tokens, cur_len=state.cur_len, budget=row_budget(state, k), keys=state.keys,
-                      counter=counter, first_column=state.first_column, target_hidden=state.target_hidden)
-    draft, drafter_state, cache = drafter.draft(model, state.drafter_state, view, state.cache)
+    counter = view.counter
     num_valid = torch.minimum(draft.num_valid, view.budget)
 
     newest = sample.newest_input(state)  # [B, 1]
@@ -225,7 +261,9 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
         logits, cache, hidden = out.logits, out.cache, out.hidden_states[-1]
     else:
         logits, cache = model.apply(fed, positions, cache)
-    scores = process_block(state.processors, logits, state.tokens, state.cur_len, state.prompt_len, draft.tokens)
+    # The grammar rules out tokens before the processors (the raw logits stay for the finiteness check).
+    allowed = logits if state.grammar_mask is None else apply_token_bitmask(logits, state.grammar_mask)
+    scores = process_block(state.processors, allowed, state.tokens, state.cur_len, state.prompt_len, draft.tokens)
     weight = state.ensemble_weight
     if opts.do_sample:
         verified = verify_sampling(draft.tokens, num_valid, scores, state.keys, counter, draft.logits, weight)
