@@ -16,7 +16,9 @@ from tests.structured_schemas import REGEXES, SCHEMAS
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-pytestmark = pytest.mark.slow
+# Seconds on a quiet machine; on a shared 2-core one whose OpenMP threads spin against other
+# processes a test took up to 21 minutes (all four: 47), hence the generous per-test timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_NEW = 96
 
