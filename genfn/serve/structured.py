@@ -6,9 +6,11 @@ returns ``None`` for free text, else the ``add_request`` settings that constrain
 ``{"response_format": {"type": "json_object"}}``, ``{"response_format": {"type": "json_schema",
 "json_schema": {...}}}``, or for a required tool call a JSON schema of the call object
 (``{"name": <one of the tools>, "arguments": <its parameters>}``). The grammar-constrained logits
-processor (``genfn.processors``, the ``structured`` extra) reads that setting; until the engine
-declares it (``response_format`` in ``GenerationConfig``'s fields), a request that needs a
-constraint is refused with a 400 instead of being answered unconstrained.
+processor (``genfn.structured``, the ``structured`` extra) reads that setting per request; a spec
+that cannot be compiled is refused by ``add_request`` with a ValueError naming the schema path (a
+400). Should the engine not declare the setting (``response_format`` among ``GenerationConfig``'s
+fields), a request that needs a constraint is refused with a 400 instead of being answered
+unconstrained.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ __all__ = ["constraint_for", "engine_constrains"]
 
 def engine_constrains() -> bool:
     """Whether the engine takes a ``response_format`` setting per request."""
-    from genfn.config.fields import GENERATION_CONFIG_FIELDS
+    from genfn.config.fields import GENERATION_CONFIG_FIELDS, GENFN_ONLY_FIELDS
 
-    return "response_format" in GENERATION_CONFIG_FIELDS
+    return "response_format" in GENERATION_CONFIG_FIELDS + GENFN_ONLY_FIELDS
 
 
 def _tool_call_schema(mode: ToolMode) -> dict:
