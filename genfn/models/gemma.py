@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache
 from genfn.kernels import linear
-from genfn.models.llama import ModelOutput, init_cache
+from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
@@ -146,12 +146,7 @@ _NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_laye
 
 def params_from_state_dict(spec: GemmaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
     """genfn's params pytree from Hugging Face parameter names (q/k/v and gate/up fused, as Llama's)."""
-    def get(name: str) -> torch.Tensor:
-        try:
-            tensor = state_dict[name]
-        except KeyError:
-            raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
+    get = tensor_getter(state_dict, dtype)
 
     layers = []
     for i in range(spec.num_layers):

@@ -155,6 +155,19 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
     return spec
 
 
+def tensor_getter(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None):
+    """``get(name)``: the checkpoint's tensor ``name`` in ``dtype`` (quantized blocks stay blocks), or
+    a ValueError naming the missing tensor."""
+    def get(name: str) -> torch.Tensor:
+        try:
+            tensor = state_dict[name]
+        except KeyError:
+            raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
+        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
+
+    return get
+
+
 def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None):
     """genfn's params pytree from Hugging Face parameter names (fusing q/k/v and gate/up).
 
@@ -163,12 +176,7 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     the blocks; ``genfn.models.quantized`` turns them into the kernel's layout)."""
     check_tensors(state_dict, spec, "state dict")  # shapes and dtypes against the spec, naming the tensor
 
-    def get(name: str) -> torch.Tensor:
-        try:
-            tensor = state_dict[name]
-        except KeyError:
-            raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
+    get = tensor_getter(state_dict, dtype)
 
     layers = []
     for i in range(spec.num_layers):

@@ -20,23 +20,10 @@ from safetensors import SafetensorError, safe_open
 from . import LoadedCheckpoint
 from .checks import FLOAT_DTYPES, check_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
+from genfn.models.registry import MODEL_TYPES
 
 __all__ = ["load_hf_checkpoint", "read_json", "normalize_config", "load_safetensors"]
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
 _ENCODER_DECODER_MODEL_TYPES = ("t5", "mt5", "bart")
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -151,8 +138,8 @@ def normalize_config(config: dict, state_dict: dict[str, torch.Tensor], source: 
             raise CheckpointError(f"{source}: config.json's {key} must be an int >= 1, got "
                                   f"{type(value).__name__} {value!r}"[:300])
     model_type = config.get("model_type")
-    if not config.get("architectures") and model_type in _ARCHITECTURES:
-        config["architectures"] = [_ARCHITECTURES[model_type]]
+    if not config.get("architectures") and model_type in MODEL_TYPES:
+        config["architectures"] = [MODEL_TYPES[model_type]]
     config.setdefault("architectures", [])
     if config.get("num_key_value_heads") is None:
         config["num_key_value_heads"] = config["num_attention_heads"]
