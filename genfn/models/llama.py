@@ -25,6 +25,7 @@ from genfn.kernels import decode_attention, decode_layer, linear
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
+from genfn.quant.kquants import KQuantWeight
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput", "mtp_head"]
@@ -138,7 +139,7 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
+        return tensor if dtype is None or isinstance(tensor, (RowBlocks, KQuantWeight)) else tensor.to(dtype)
 
     layers = []
     for i in range(spec.num_layers):
@@ -158,6 +159,8 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     if isinstance(embed, RowBlocks):
         embed = dequantize(embed).to(dtype or torch.float32)
+    elif isinstance(embed, KQuantWeight):
+        embed = embed.dequantize().to(dtype or torch.float32)
     return {
         "embed": embed,
         "layers": layers,
