@@ -211,7 +211,7 @@ def _dequantized(params):
         return value.dequantize() if isinstance(value, (KQuantWeight, RowStack)) else value
 
     layers = [{k: dense(v) for k, v in layer.items()} for layer in params["layers"]]
-    return {**params, "lm_head": dense(params["lm_head"]), "layers": layers}
+    return {**params, "embed": dense(params["embed"]), "lm_head": dense(params["lm_head"]), "layers": layers}
 
 
 def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
@@ -220,6 +220,11 @@ def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(
     assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k", "q6_k"]
     assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k" and layer["w_down"].format == "q6_k"
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
+    # The embedding table stays in the file's Q4_K; a lookup dequantizes only its rows.
+    table = model.params["embed"]
+    assert isinstance(table, KQuantWeight) and table.format == "q4_k"
+    tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
+    assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
     # The down projection's bytes are the file's.
     from genfn.models.loaders.gguf import read_gguf
 

@@ -38,7 +38,7 @@ from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status",
+__all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status",
            "release_thread_pool", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
@@ -364,3 +364,14 @@ def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
     from genfn.kernels.kquant import kquant_linear as native
 
     return native(x, weight)
+
+
+def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+    """``F.embedding(tokens, table)`` as ``dtype``; a ``KQuantWeight`` table (a GGUF file's quantized
+    embedding, kept as stored) is read row by row: the looked-up rows' blocks gathered and
+    dequantized, never the whole table."""
+    if isinstance(table, KQuantWeight):
+        from genfn.quant.kquants import dequantize_k
+
+        return dequantize_k(table.data[tokens], table.format).to(dtype)
+    return F.embedding(tokens, table)

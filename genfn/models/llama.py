@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
-from genfn.kernels import decode_attention, decode_layer, linear
+from genfn.kernels import decode_attention, decode_layer, embedding, linear
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
@@ -159,8 +159,7 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     if isinstance(embed, RowBlocks):
         embed = dequantize(embed).to(dtype or torch.float32)
-    elif isinstance(embed, KQuantWeight):
-        embed = embed.dequantize().to(dtype or torch.float32)
+    # A K-quant table stays as stored (genfn.kernels.embedding dequantizes the rows it looks up).
     return {
         "embed": embed,
         "layers": layers,
@@ -319,7 +318,7 @@ def apply(
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
-    x = F.embedding(tokens, params["embed"])
+    x = embedding(tokens, params["embed"], params["norm"].dtype)
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype)
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
@@ -357,7 +356,7 @@ def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: tor
     hidden [B, H])``; the hidden state feeds head ``index + 1``.
     """
     head = params["mtp"][index]
-    embedded = _rms_norm(F.embedding(token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    embedded = _rms_norm(embedding(token, params["embed"], params["norm"].dtype), head["enorm"], spec.rms_norm_eps)
     mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
                    head["eh_proj"])
     logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)

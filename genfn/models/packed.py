@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import planned_attention, write
-from genfn.kernels import decode_linear_available
+from genfn.kernels import decode_linear_available, embedding
 from genfn.kernels.packed_gemm import packed_linear as linear
 from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.rope import rope_cos_sin
@@ -158,7 +158,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     ``plan.sample_rows`` get logits (the other rows get zeros).
     """
     num_tokens = inputs.input_ids.shape[0]
-    x = F.embedding(inputs.input_ids, params["embed"])  # [T, hidden]
+    x = embedding(inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype)  # [T, D]
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
