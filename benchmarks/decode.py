@@ -4,6 +4,8 @@
     python benchmarks/decode.py --quick              # float32, batch 1, 32 tokens, no transformers compile
     python benchmarks/decode.py --dtypes bfloat16 --batches 1 --new-tokens 64
     python benchmarks/decode.py --dtypes float32,bfloat16,q8_0,q4_1 --engines genfn-compiled,llama.cpp
+    python benchmarks/decode.py --model FILE.gguf     # any GGUF file or HF directory (benchmarks/model_bench.py):
+                                                      # batch 1/8/32, pp512, load time, peak RSS, roofline share
 
 ``--dtypes`` names weight formats: ``float32``/``bfloat16``, or a quantized one. ``q4_1`` is the
 shipped GGUF file's own blocks (``genfn.load(quantize="gguf")``); ``q8_0``/``q4_0`` are files
@@ -58,6 +60,7 @@ import torch
 # This checkout's genfn (not another installed one), and benchmarks/llamacpp.py beside this file.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import llamacpp  # noqa: E402
+import model_bench  # noqa: E402
 
 PROMPTS = [
     "The history of the Roman Empire is long and complicated. It began when Augustus became the first "
@@ -197,7 +200,14 @@ def main(argv=None):
     ap.add_argument("--no-latency", action="store_true", help="skip the max_cache_len 4096 vs 256 latency check")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--latency-dtypes", default=None, help="dtypes for the latency check (default: the first)")
+    model_bench.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.model is not None:  # one model file's decode/prefill/load/memory against llama.cpp
+        if args.batches == ap.get_default("batches"):
+            args.batches = "1,8,32"
+        if args.new_tokens == ap.get_default("new_tokens"):
+            args.new_tokens = 64
+        return model_bench.from_decode_args(args)
     if args.quick:
         args.dtypes = "float32" if args.dtypes == ap.get_default("dtypes") else args.dtypes
         args.batches = "1" if args.batches == ap.get_default("batches") else args.batches
