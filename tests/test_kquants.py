@@ -247,3 +247,15 @@ def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(
     plain = genfn.generate(model, prompt, **kw)
     native_logits, plain_logits = torch.stack(native.logits), torch.stack(plain.logits)
     assert (native_logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()
+
+
+@needs_native
+@pytest.mark.slow
+def test_compiled_step_runs_the_k_quant_kernel_and_embedding_lookup(kquant_file):
+    model = genfn.load(kquant_file, quantize="gguf")
+    prompt = torch.tensor([[5, 17, 3, 88], [9, 250, 7, 1]])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    compiled = genfn.generate(model, prompt, cache_implementation="static", max_cache_len=32, **kw)
+    eager = genfn.generate(model, prompt, disable_compile=True, **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
