@@ -27,6 +27,8 @@
 #include <vector>
 
 #define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
+#define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
 #define GENFN_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace {
@@ -41,35 +43,16 @@ Isa detect_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
   return kNone;
 }
 const Isa kBestIsa = detect_isa();
 Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
 
-inline float half_to_float(uint16_t h) {
-  // Exact float16 -> float32 without F16C (the scalar parts run on any x86-64).
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FFu, bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      int e = -1;
-      do { ++e; mantissa <<= 1; } while ((mantissa & 0x400u) == 0);
-      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// Both ISA paths have F16C; a plain call from them would cross into baseline (SSE) code.
+__attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-inline uint16_t load_u16(const uint8_t* p) {
+__attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
@@ -129,7 +112,7 @@ void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, bool nib
 
 // The 8 six-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): scales in bytes 0-7 of sc,
 // mins in bytes 0-7 of mn.
-inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
+__attribute__((always_inline)) inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
   uint32_t u[3];
   std::memcpy(u, p, 12);
   const uint32_t sc_low = u[0] & 0x3F3F3F3Fu, mn_low = u[1] & 0x3F3F3F3Fu;
@@ -142,7 +125,7 @@ inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512
 
-GENFN_AVX512 inline __m512i pair_scales512(__m128i scales16, int a, int b) {
+GENFN_AVX512_INLINE inline __m512i pair_scales512(__m128i scales16, int a, int b) {
   // 32 int16 lanes: lanes 0-15 hold scale a, lanes 16-31 scale b (of 8 or 16 int16 in scales16).
   const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(a))),
                                            _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
@@ -160,16 +143,16 @@ struct Q6Index {
 };
 constexpr Q6Index kQ6Index;
 
-GENFN_AVX512 inline __m512i q6_scales512(__m256i scales16, int quarter) {
+GENFN_AVX512_INLINE inline __m512i q6_scales512(__m256i scales16, int quarter) {
   return _mm512_permutexvar_epi16(_mm512_load_si512(kQ6Index.lanes[quarter]), _mm512_castsi256_si512(scales16));
 }
 
-GENFN_AVX512 inline __m512i dot512(__m512i w, const int8_t* x, __m512i scales) {
+GENFN_AVX512_INLINE inline __m512i dot512(__m512i w, const int8_t* x, __m512i scales) {
   return _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(x)), scales);
 }
 
-GENFN_AVX512 inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
-GENFN_AVX512 inline float reduce256(__m256 v) {
+GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
+GENFN_AVX512_INLINE inline float reduce256(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
@@ -274,18 +257,18 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
 // ---------------------------------------------------------------------------------------------
 // AVX2
 
-GENFN_AVX2 inline __m256i dot256(__m256i w, const int8_t* x, int16_t scale) {
+GENFN_AVX2_INLINE inline __m256i dot256(__m256i w, const int8_t* x, int16_t scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
                            _mm256_set1_epi16(scale));
 }
-GENFN_AVX2 inline __m256i dot256_pair(__m256i w, const int8_t* x, int16_t first, int16_t second) {
+GENFN_AVX2_INLINE inline __m256i dot256_pair(__m256i w, const int8_t* x, int16_t first, int16_t second) {
   const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first));
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), scales);
 }
-GENFN_AVX2 inline __m256i q6_bits(__m256i high, int shift, __m256i three) {
+GENFN_AVX2_INLINE inline __m256i q6_bits(__m256i high, int shift, __m256i three) {
   return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, shift), three), 4);
 }
-GENFN_AVX2 inline float reduce256_avx2(__m256 v) {
+GENFN_AVX2_INLINE inline float reduce256_avx2(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
@@ -400,7 +383,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   TORCH_CHECK(format >= kQ4K && format <= kQ6K, "kquant_linear: format must be 0 (q4_k), 1 (q5_k) or 2 (q6_k), got ",
               format);
   const Isa isa = active_isa();
-  TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2 and FMA (or AVX-512); "
+  TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "
               "this CPU has neither. Load the model without quantize='gguf' to dequantize its weights instead.");
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "kquant_linear: CPU tensors only");
   TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.size(0) == out_features,
