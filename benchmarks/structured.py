@@ -20,14 +20,10 @@ may be shared: compare ratios from one run, not absolute times across runs.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.results_file import write_results  # noqa: E402
 from genfn import structured  # noqa: E402

@@ -21,12 +21,9 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
@@ -148,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from results_file import write_results
+    from genfn.bench.results import write_results
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,7 +31,7 @@ from genfn import kernels
 from genfn.compile_backend import with_genfn_backend
 from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
-from genfn.quant.weight import QuantizedWeight
+from genfn.quant import QUANTIZED_TYPES
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
 from genfn.torch_compat import dynamic_dims, trusted_guards
@@ -75,13 +75,13 @@ class ParamsModule(torch.nn.Module):
         super().__init__()
         # Quantized weights stay the objects they are: their tensors feed genfn's own op, which
         # freezing cannot improve, and building 121 of them inside the trace cost dynamo seconds.
-        leaves, treedef = torch_pytree.tree_flatten(params, is_leaf=lambda node: isinstance(node, QuantizedWeight))
+        leaves, treedef = torch_pytree.tree_flatten(params, is_leaf=lambda node: isinstance(node, QUANTIZED_TYPES))
         # They are reached as module attributes, never through the builder's own globals: dynamo
         # names a tensor found there after the globals dict's id, which differs per process and
         # made every later process miss AOT autograd's cache.
         kept = set()
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, QuantizedWeight):
+            if isinstance(leaf, QUANTIZED_TYPES):
                 setattr(self, f"q{i}", leaf)
                 kept.add(i)
             else:

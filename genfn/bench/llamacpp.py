@@ -118,6 +118,10 @@ class LlamaCpp:
         _quiet(lc)
         lc.llama_backend_init()
         params = lc.llama_model_default_params()
+        if os.environ.get("GENFN_LLAMA_REPACK", "1") == "0" and hasattr(params, "use_extra_bufts"):
+            # llama-bench's --repack 0: no repacked/AMX weight buffers (their AMX path crashed on
+            # some VMs during decode).
+            params.use_extra_bufts = False
         load = getattr(lc, "llama_model_load_from_file", None) or lc.llama_load_model_from_file
         self.model = load(path.encode(), params)
         if not self.model:

@@ -34,10 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from genfn.quant.kquants import KQuantWeight
+from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["linear", "decode_attention", "decode_linear_available", "quant_linear_available", "kernel_status",
-           "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
+__all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available",
+           "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
                                                                  "decode_attention.cpp", "decode_layer.cpp",
@@ -74,7 +76,8 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def _compile_command(output: Path) -> list[str]:
+def _compile_command(output: Path, sources=_SOURCES,
+                     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")) -> list[str]:
     from torch.utils import cpp_extension
 
     compiler = _compiler()
@@ -82,9 +85,9 @@ def _compile_command(output: Path) -> list[str]:
     lib_dirs = cpp_extension.library_paths()
     return [
         compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
-        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp",
+        *isa_flags, "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *includes, *map(str, _SOURCES), "-o", str(output),
+        *includes, *map(str, sources), "-o", str(output),
         *[f"-L{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu",
         # Resolve OpenMP and torch's libraries to the ones this torch ships, so the kernel's
         # parallel regions run on torch's thread pool rather than a second OpenMP runtime.
@@ -92,14 +95,18 @@ def _compile_command(output: Path) -> list[str]:
     ]
 
 
-def _library_path() -> Path:
-    """Where the library built from these sources, this torch and these flags is cached."""
+def _command(output: Path, sources, isa_flags) -> list[str]:
+    return _compile_command(output, sources) if isa_flags is None else _compile_command(output, sources, isa_flags)
+
+
+def _library_path(stem: str = "decode_linear", sources=_SOURCES, headers=_HEADERS, isa_flags=None) -> Path:
+    """Where the library ``stem`` built from these sources, this torch and these flags is cached."""
     key = hashlib.sha256()
-    for source in (*_SOURCES, *_HEADERS):
+    for source in (*sources, *headers):
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
-    key.update(" ".join(_compile_command(Path("out.so"))).encode())
-    return _cache_dir() / f"decode_linear-{key.hexdigest()[:16]}.so"
+    key.update(" ".join(_command(Path("out.so"), sources, isa_flags)).encode())
+    return _cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
 def needs_build() -> bool:
@@ -110,11 +117,12 @@ def needs_build() -> bool:
     return not _library_path().exists()
 
 
-def _build() -> Path:
-    """Path of the compiled library, compiling it if this source/torch/flags has no build yet."""
+def _build(stem: str = "decode_linear", sources=_SOURCES, headers=_HEADERS, isa_flags=None) -> Path:
+    """Path of the compiled library ``stem`` of ``sources``, compiling it if this source/torch/flags
+    has no build yet (``isa_flags`` None: the AVX-512 flags of the decode kernels)."""
     if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    target = _library_path()
+    target = _library_path(stem, sources, headers, isa_flags)
     cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
     if target.exists():  # built: no need to queue behind another process's build of other sources
@@ -128,11 +136,11 @@ def _build() -> Path:
                          "then cached)", cache)
             start = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
-            done = subprocess.run(_compile_command(partial), capture_output=True, text=True,
+            done = subprocess.run(_command(partial, sources, isa_flags), capture_output=True, text=True,
                                   timeout=_BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 partial.unlink(missing_ok=True)
-                raise RuntimeError(f"compiling {', '.join(s.name for s in _SOURCES)} failed:\n{done.stderr[-2000:]}")
+                raise RuntimeError(f"compiling {', '.join(s.name for s in sources)} failed:\n{done.stderr[-2000:]}")
             partial.replace(target)
             _logger.info("built the native kernels in %.1f s", time.perf_counter() - start)
     return target
@@ -268,9 +276,16 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the decode kernel when ``x`` has only a few rows;
-    a ``QuantizedWeight`` always takes the quantized kernel."""
+    a ``QuantizedWeight`` always takes the quantized kernel, a ``KQuantWeight`` the K-quant one
+    (``kquant.py``), a ``RowStack`` each part's own."""
     if isinstance(weight, QuantizedWeight):
         y = quantized_linear(x, weight)
+        return y if bias is None else y + bias
+    if isinstance(weight, KQuantWeight):
+        y = kquant_linear(x, weight)
+        return y if bias is None else y + bias
+    if isinstance(weight, RowStack):  # parts in different formats: each through its own kernel
+        y = torch.cat([linear(x, part) for part in weight.parts], dim=-1)
         return y if bias is None else y + bias
     if not _takes(x, weight):
         return F.linear(x, weight, bias)
@@ -362,3 +377,21 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     quant_linear_available()
     return getattr(torch.ops, _OP_NAMESPACE).quant_linear(x, weight.codes, weight.scales, weight.mins,
                                                           weight.kind, weight.out_features)
+
+
+def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
+    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs to 8 bits (see kquant_linear.cpp)."""
+    from genfn.kernels.kquant import kquant_linear as native
+
+    return native(x, weight)
+
+
+def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+    """``F.embedding(tokens, table)`` as ``dtype``; a ``KQuantWeight`` table (a GGUF file's quantized
+    embedding, kept as stored) is read row by row: the looked-up rows' blocks gathered and
+    dequantized, never the whole table."""
+    if isinstance(table, KQuantWeight):
+        from genfn.quant.kquants import dequantize_k
+
+        return dequantize_k(table.data[tokens], table.format).to(dtype)
+    return F.embedding(tokens, table)

@@ -7,7 +7,8 @@
 // block adds d_w * d_x * sum in float32. Minimums (Q4_1) and code offsets (8 for Q4_0, 128 for
 // the 8-bit formats) fold into the activation block sums:
 //   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
-// The weight is streamed once per call for up to 8 rows of x; more rows take several passes.
+// The weight is streamed once per call: more than 8 rows of x run in groups of 8 over a few tiles
+// at a time while those are in L1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -258,22 +259,44 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   // Reused across calls: a decode step makes ~120 of them, each needing a few KiB. The worker
   // threads must read the calling thread's buffers, so the lambda captures this reference
   // (naming the thread_local inside it would reach each worker's own, empty, copy).
-  thread_local Activations buffers;
-  Activations& a = buffers;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, M - m0);
-    quantize_activations(xf.data_ptr<float>() + m0 * K, rows, K, a);
-    float* yp = y.data_ptr<float>() + m0 * N;
-    if (!vnni) {
-      run_tiles_scalar(rows, kind, tiles, nb, cp, reinterpret_cast<const c10::Half*>(sp),
-                       reinterpret_cast<const c10::Half*>(mp), a, K, N, yp);
-      continue;
-    }
+  // Groups of up to kMaxRows rows of x, each quantized once, in buffers reused across calls (a
+  // decode step makes ~120 calls, each needing a few KiB). The worker threads must read the
+  // calling thread's buffers, so the lambda captures this reference (naming the thread_local
+  // inside it would reach each worker's own, empty, copy).
+  thread_local std::vector<Activations> buffers;
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
+  if (static_cast<int64_t>(buffers.size()) < groups) buffers.resize(groups);
+  std::vector<Activations>& acts = buffers;
+  for (int64_t g = 0; g < groups; ++g)
+    quantize_activations(xf.data_ptr<float>() + g * kMaxRows * K, std::min(kMaxRows, M - g * kMaxRows), K, acts[g]);
+  float* yp = y.data_ptr<float>();
+  if (!vnni) {
+    for (int64_t g = 0; g < groups; ++g)
+      run_tiles_scalar(std::min(kMaxRows, M - g * kMaxRows), kind, tiles, nb, cp,
+                       reinterpret_cast<const c10::Half*>(sp), reinterpret_cast<const c10::Half*>(mp), acts[g], K, N,
+                       yp + g * kMaxRows * N);
+    return y.view(out_sizes).to(x.scalar_type());
+  }
+  if (groups == 1) {
     // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      run_share(rows, kind, t0, t1, t1, true, nb, cp, sp, mp, a, K, N, yp);
+      run_share(M, kind, t0, t1, t1, true, nb, cp, sp, mp, acts[0], K, N, yp);
     });
+    return y.view(out_sizes).to(x.scalar_type());
   }
+  // More rows than one pass takes (a speculative verification of 9 positions, a small batch):
+  // every group of rows runs over a few tiles while they are in L1, so the weight still streams
+  // from memory once, as for one row (it streamed once per group).
+  const int64_t tile_bytes = nb * chunks_of(kind) * 64;
+  const int64_t span = std::max<int64_t>(1, 32768 / tile_bytes);
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t tb = t0; tb < t1; tb += span) {
+      const int64_t te = std::min(t1, tb + span);
+      for (int64_t g = 0; g < groups; ++g)
+        run_share(std::min(kMaxRows, M - g * kMaxRows), kind, tb, te, g == 0 ? t1 : te, g == 0 && tb == t0, nb, cp,
+                  sp, mp, acts[g], K, N, yp + g * kMaxRows * N);
+    }
+  });
   return y.view(out_sizes).to(x.scalar_type());
 }
 

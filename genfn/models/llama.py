@@ -30,6 +30,7 @@ from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
 from genfn.models.rope import rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
+from genfn.quant.kquants import KQuantWeight
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput", "mtp_head", "attention_mask"]
@@ -163,7 +164,7 @@ def tensor_getter(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | N
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None or isinstance(tensor, RowBlocks) else tensor.to(dtype)
+        return tensor if dtype is None or isinstance(tensor, (RowBlocks, KQuantWeight)) else tensor.to(dtype)
 
     return get
 
@@ -195,6 +196,7 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     if isinstance(embed, RowBlocks):
         embed = dequantize(embed).to(dtype or torch.float32)
+    # A K-quant table stays as stored (genfn.kernels.embedding dequantizes the rows it looks up).
     rotary_dim = spec.rotary_dim or spec.head_dim
     params = {
         "embed": embed,
@@ -380,7 +382,7 @@ def apply(
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
 
-    x = tensor_parallel.embedding(spec, tokens, params["embed"])
+    x = tensor_parallel.embedding(spec, tokens, params["embed"], params["norm"].dtype)
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor,
                             params.get("long_inv_freq"), spec.original_context)
     hidden_states = [x] if output_hidden_states else None
@@ -420,7 +422,8 @@ def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: tor
     hidden [B, H])``; the hidden state feeds head ``index + 1``.
     """
     head = params["mtp"][index]
-    embedded = _rms_norm(tensor_parallel.embedding(spec, token, params["embed"]), head["enorm"], spec.rms_norm_eps)
+    embedded = tensor_parallel.embedding(spec, token, params["embed"], params["norm"].dtype)
+    embedded = _rms_norm(embedded, head["enorm"], spec.rms_norm_eps)
     mixed = linear(torch.cat([embedded, _rms_norm(hidden, head["hnorm"], spec.rms_norm_eps)], dim=-1),
                    head["eh_proj"])
     logits = linear(_rms_norm(mixed, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)

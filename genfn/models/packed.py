@@ -202,7 +202,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     """
     check_packed_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
-    x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"])  # [T, hidden]
+    x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)  # [T, R]
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size

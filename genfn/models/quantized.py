@@ -1,7 +1,8 @@
 """Turning a model's linear weights into ``QuantizedWeight``s: ``genfn.load(path, quantize=...)``.
 
 ``quantize="gguf"`` keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (the loader hands them over as
-``RowBlocks``; they are only rearranged into the kernel's tiles); ``"q8_0" | "q4_0" | "q4_1" |
+``RowBlocks``; they are only rearranged into the kernel's tiles) and its Q4_K/Q5_K/Q6_K blocks as
+stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
 matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
 float, and the embedding lookup reads float rows (for a tied head, the head's own values).
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
+from genfn.quant.kquants import KQuantWeight
+from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
@@ -38,6 +41,10 @@ def check_quantize(quantize: str | None) -> str | None:
 def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
     if isinstance(weight, RowBlocks):
         return QuantizedWeight.from_rows(weight)
+    if isinstance(weight, KQuantWeight):  # a GGUF file's K-quant blocks: the kernel reads them as stored
+        return weight
+    if isinstance(weight, RowStack):
+        return weight.map_parts(lambda part: _quantized(part, fmt, name, kept_float))
     if fmt == "gguf":  # a float matrix in the file stays float
         return weight
     group = 64 if fmt == "int4" else BLOCK

@@ -29,6 +29,8 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from genfn import kernels
+
 from genfn.quant.blocks import BLOCK, RowBlocks
 
 __all__ = ["TensorShard", "current_shard", "shard_spec", "shard_state_dict", "shard_params", "embedding",
@@ -205,12 +207,13 @@ def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
     return partial
 
 
-def embedding(spec, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``F.embedding`` over a vocabulary split by rows: each rank looks up the tokens it holds
-    (zeros for the others) and one all-reduce assembles the rows (adding zeros is exact)."""
+def embedding(spec, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+    """``genfn.kernels.embedding`` (a quantized table read row by row), over a vocabulary split by
+    rows: each rank looks up the tokens it holds (zeros for the others) and one all-reduce
+    assembles the rows (adding zeros is exact)."""
     shard = spec.tensor_shard
     if shard is None:
-        return F.embedding(tokens, table)
+        return kernels.embedding(tokens, table, dtype)
     start, stop = vocab_range(spec.vocab_size, shard)
     local = tokens - start
     mine = (local >= 0) & (local < stop - start)

@@ -1,4 +1,5 @@
-"""Weight-only block quantization: GGUF's Q8_0/Q4_0/Q4_1 and channel/group-wise int8/int4.
+"""Weight-only block quantization: GGUF's Q8_0/Q4_0/Q4_1, its K-quants Q4_K/Q5_K/Q6_K (kquants.py,
+kept as the file stores them) and channel/group-wise int8/int4.
 
 ``RowBlocks`` (blocks.py) is the loading-time form, rows as stored; ``QuantizedWeight``
 (weight.py) the runtime pytree in the kernel's tile layout, which ``genfn.kernels.linear``
@@ -7,8 +8,14 @@ plain torch.
 """
 
 from genfn.quant.blocks import FORMATS, GGUF_FORMATS, RowBlocks, cat_rows, dequantize, from_gguf_bytes, quantize
+from genfn.quant.kquants import GGUF_K_FORMATS, K_FORMATS, KQuantWeight, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.reference import quantize_activations, reference_linear
+from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
+# The weight types the native quantized kernels take (kept whole as pytree nodes by the driver).
+QUANTIZED_TYPES = (QuantizedWeight, KQuantWeight)
+
 __all__ = ["FORMATS", "GGUF_FORMATS", "RowBlocks", "QuantizedWeight", "cat_rows", "dequantize", "from_gguf_bytes",
-           "quantize", "quantize_activations", "reference_linear"]
+           "quantize", "quantize_activations", "reference_linear", "KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS",
+           "dequantize_k", "quantize_k", "reference_linear_k", "RowStack", "QUANTIZED_TYPES"]

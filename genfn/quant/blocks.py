@@ -25,6 +25,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from genfn.quant.kquants import KQuantWeight, cat_k
+from genfn.quant.stack import RowStack
+
 __all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "BLOCK", "quantize", "dequantize", "from_gguf_bytes",
            "cat_rows"]
 
@@ -81,6 +84,8 @@ def cat_rows(parts: list) -> "RowBlocks | torch.Tensor":
     """
     if len(parts) == 1:
         return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
+    if any(isinstance(p, KQuantWeight) for p in parts):
+        return _stack_k(parts)
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0).contiguous()
     formats = {p.format if isinstance(p, RowBlocks) else None for p in parts}
@@ -89,6 +94,23 @@ def cat_rows(parts: list) -> "RowBlocks | torch.Tensor":
         return torch.cat([dequantize(p) if isinstance(p, RowBlocks) else p.float() for p in parts], 0).contiguous()
     mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
     return RowBlocks(parts[0].format, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def _stack_k(parts: list):
+    """Parts among which some are K-quant blocks: runs of one K format (and width) are concatenated
+    as they are; a mix stays a ``RowStack`` of its runs, each kept in its own format (dequantizing
+    a K-quant run to fuse it would cost 7x its memory and its native kernel)."""
+    runs: list[list] = []
+    for part in parts:
+        last = runs[-1][-1] if runs else None
+        same = (isinstance(part, KQuantWeight) and isinstance(last, KQuantWeight) and part.format == last.format
+                and part.in_features == last.in_features)
+        if same:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_rows(run) for run in runs]
+    return merged[0] if len(merged) == 1 else RowStack(tuple(merged))
 
 
 # ---------------------------------------------------------------------------------------------

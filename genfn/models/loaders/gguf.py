@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
+from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 
 from . import LoadedCheckpoint
 from .checks import check_gguf_tensors
@@ -412,7 +413,17 @@ def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype) ->
     type_name = GGMLQuantizationType(info.ggml_type).name
     if keep_blocks and type_name in GGUF_FORMATS and len(info.shape) == 2:
         return from_gguf_bytes(gguf.raw(name), type_name, info.shape)
+    if keep_blocks and type_name in GGUF_K_FORMATS and len(info.shape) == 2:
+        return KQuantWeight.from_bytes(_mapped(gguf.raw(name)), GGUF_K_FORMATS[type_name], info.shape)
     return torch.from_numpy(gguf.tensor(name)).to(dtype)
+
+
+def _mapped(raw: np.ndarray) -> torch.Tensor:
+    """A tensor over the file mapping's own bytes (no copy). The mapping is read-only, which torch
+    cannot mark: nothing in genfn writes a weight in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
 
 
 def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
@@ -442,7 +453,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             heads = config["num_key_value_heads"]
         if heads is not None:
             # The permutation moves whole rows, so quantized rows move with their blocks intact.
-            t = t.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(t, RowBlocks) else unpermute_qk(t, heads)
+            t = (t.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(t, (RowBlocks, KQuantWeight))
+                 else unpermute_qk(t, heads))
         state_dict[hf_name] = t
     if unknown:
         raise CheckpointError(
@@ -474,7 +486,8 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring).
 
     `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
-    rows unpermuted like the float ones) instead of dequantizing them."""
+    rows unpermuted like the float ones) and Q4_K/Q5_K/Q6_K ones as `genfn.quant.KQuantWeight`
+    over the file's mapped bytes, instead of dequantizing them."""
     check_dtype(dtype)
     path = os.fspath(path)
     if not os.path.isfile(path):

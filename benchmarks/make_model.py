@@ -1,0 +1,193 @@
+"""Random-weight Llama models in real shapes, written as GGUF in every format genfn keeps.
+
+    python benchmarks/make_model.py --shape 1b --formats q4_0,q4_k_m,q8_0,bf16
+    python benchmarks/make_model.py --shape 0.5b --formats all --out /tmp/models
+
+Decode speed does not depend on the weights' values, only on their shapes and formats, so a
+model with random weights (normal, std 0.02; norms 1) and a real vocabulary measures what a
+trained one of the same shape would. Shapes (dense Llama, SwiGLU, tied embeddings, SmolLM2's
+49,152-token vocabulary and tokenizer, copied from the shipped SmolLM2 file):
+
+    0.5b  24 layers, hidden 1024, FFN 4096, 16/8 heads of 64
+    1b    Llama-3.2-1B's layers: 16, hidden 2048, FFN 8192, 32/8 heads of 64
+    3b    Llama-3.2-3B's layers: 28, hidden 3072, FFN 8192, 24/8 heads of 128
+
+Formats: f32, f16, bf16 (every matrix in that type), q8_0, q4_0, q4_1 (every linear; the tied
+embedding/output matrix in Q6_K for the 4-bit ones and Q8_0 for q8_0, as ``llama-quantize``
+keeps the output matrix), q4_k, q6_k (all linears and the embedding), and q4_k_m, llama.cpp's
+Q4_K_M mix: Q4_K everywhere except the v and down projections of the first and last eighth of
+the layers and of every third layer between (Q6_K) and the output matrix (Q6_K). Norms are F32.
+Blocks are written with genfn's round-to-nearest quantizers (``genfn.quant.quantize`` and
+``quantize_k``), not llama.cpp's searching ones: same layout, same bytes per weight.
+Files go to ``--out`` (default ``$GENFN_BENCH_DIR`` or ``~/.cache/genfn/models``) as
+``llama-<shape>-<format>.gguf``; an existing file is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAPES = {
+    "0.5b": dict(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=8, head_dim=64),
+    "1b": dict(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
+    "3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, head_dim=128),
+}
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m")
+_FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "bf16": 32}
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("GENFN_BENCH_DIR") or Path.home() / ".cache" / "genfn" / "models")
+
+
+def model_path(shape: str, fmt: str, out: Path | None = None) -> Path:
+    return (out or model_dir()) / f"llama-{shape}-{fmt}.gguf"
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose v/down projections Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(fmt: str, part: str, layer: int | None, layers: int) -> str:
+    """The ggml type of a matrix (``part``: GGUF name stem, e.g. ``attn_v`` or ``token_embd``)."""
+    if fmt in ("f32", "f16", "bf16", "q4_k", "q6_k"):
+        return fmt.upper()
+    if part == "token_embd":  # tied: it is the output matrix too
+        return "Q8_0" if fmt == "q8_0" else "Q6_K"
+    if fmt == "q4_k_m":
+        return "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else "Q4_K"
+    return fmt.upper()
+
+
+def encode(values: torch.Tensor, ggml_type: str) -> tuple[np.ndarray, object]:
+    """(array, raw_dtype) for ``GGUFWriter.add_tensor``: the matrix stored as ``ggml_type``."""
+    import gguf
+
+    from genfn.quant.blocks import quantize
+    from genfn.quant.kquants import quantize_k
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    if ggml_type == "F32":
+        return values.float().numpy(), None
+    if ggml_type == "F16":
+        return values.half().numpy(), None
+    if ggml_type == "BF16":
+        return values.bfloat16().view(torch.int16).numpy().view(np.uint16).reshape(values.shape).view(np.uint8).reshape(
+            values.shape[0], -1), qtype
+    if ggml_type in ("Q4_K", "Q5_K", "Q6_K"):
+        return quantize_k(values, ggml_type.lower()).data.numpy(), qtype
+    blocks = quantize(values, ggml_type.lower())
+    n, nb = blocks.codes.shape[:2]
+    parts = [blocks.scales.reshape(n, nb, 1).view(torch.uint8)]
+    if blocks.mins is not None:
+        parts.append(blocks.mins.reshape(n, nb, 1).view(torch.uint8))
+    parts.append(blocks.codes)
+    return torch.cat(parts, dim=-1).reshape(n, -1).numpy(), qtype
+
+
+def _tokenizer_fields(writer) -> None:
+    """SmolLM2's tokenizer (vocabulary, merges, special ids, chat template) from the shipped file."""
+    import gguf
+
+    from genfn.default_model import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+
+
+def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
+    import gguf
+
+    s = SHAPES[shape]
+    vocab = 49152
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(partial), "llama")
+    writer.add_name(f"random llama {shape} ({fmt})")
+    writer.add_file_type(_FILE_TYPE[fmt])
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(8192)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_dimension_count(s["head_dim"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_vocab_size(vocab)
+    _tokenizer_fields(writer)
+    generator = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=generator) * 0.02
+
+    def add(name: str, part: str, layer: int | None, rows: int, cols: int) -> None:
+        array, raw = encode(matrix(rows, cols), tensor_type(fmt, part, layer, s["layers"]))
+        writer.add_tensor(name, array, raw_dtype=raw)
+
+    hidden, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
+    add("token_embd.weight", "token_embd", None, vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(s["layers"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for part, rows, cols in (("attn_q", s["heads"] * s["head_dim"], hidden), ("attn_k", kv, hidden),
+                                 ("attn_v", kv, hidden), ("attn_output", hidden, s["heads"] * s["head_dim"]),
+                                 ("ffn_gate", s["ffn"], hidden), ("ffn_up", s["ffn"], hidden),
+                                 ("ffn_down", hidden, s["ffn"])):
+            add(f"blk.{i}.{part}.weight", part, i, rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, path)
+
+
+def ensure(shape: str, fmt: str, out: Path | None = None) -> Path:
+    """The file of ``shape`` in ``fmt``, made on first use."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}; got {shape!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    path = model_path(shape, fmt, out)
+    if not path.exists():
+        make(shape, fmt, path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--formats", default="q4_0,q4_k_m,q8_0,bf16", help=f"comma list of {', '.join(FORMATS)}, or all")
+    ap.add_argument("--out", default=None, help="directory (default $GENFN_BENCH_DIR or ~/.cache/genfn/models)")
+    args = ap.parse_args(argv)
+    formats = FORMATS if args.formats == "all" else [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        ap.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    for fmt in formats:
+        t = time.perf_counter()
+        path = ensure(args.shape, fmt, Path(args.out) if args.out else None)
+        print(f"{args.shape} {fmt}: {path} ({path.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Decode, prefill, load time and memory of one model file, genfn against llama.cpp (and ik_llama.cpp).
+
+    python benchmarks/model_bench.py --model ~/.cache/genfn/models/llama-1b-q4_0.gguf
+    python benchmarks/model_bench.py --model A.gguf,B.gguf --batches 1 --model-engines genfn,llama.cpp
+    python benchmarks/model_bench.py --model F.gguf --llama-bench ~/ik_llama.cpp/build/bin/llama-bench
+
+``--model`` takes GGUF files (``benchmarks/make_model.py`` writes random-weight ones in real
+shapes) or Hugging Face directories. Each (file, engine) runs in a fresh child process, so its
+load time and peak RSS are its own; engines alternate per repeat, so machine noise hits them
+alike. Engines:
+
+    genfn           genfn eager: ``genfn.load(file, quantize="gguf")`` for quantized files (their
+                    blocks as stored), bfloat16 for F16/BF16 files, float32 for F32 ones
+    genfn-compiled  the same model, ``cache_implementation="static"`` (the step compiled)
+    llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
+    llama-bench     ``--llama-bench PATH``: a ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's;
+                    extra flags with ``--llama-bench-args``, e.g. ``"-rtr 1"``), tg and pp512
+
+Per engine: tok/s of greedy decoding at each batch (random prompts of 16 tokens, ``--new-tokens``
+new ones each, best of ``--repeats``), prefill tok/s of one ``--prefill``-token prompt, load
+seconds, peak RSS; per file: its size, the bytes of matrices a batch-1 token reads, and the
+roofline (those bytes / the read bandwidth measured here) with each engine's share of it.
+Results go to ``--json`` (default ``benchmarks/results/model-<time>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+PROMPT_LEN = 16
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _gguf_kind(path: str) -> str:
+    """"quantized", "bfloat16" or "float32": how genfn loads the file."""
+    from gguf import GGMLQuantizationType
+
+    from genfn.models.loaders.gguf import read_gguf
+
+    types = {GGMLQuantizationType(info.ggml_type).name for info in read_gguf(path).tensors.values()
+             if len(info.shape) == 2}
+    if types - {"F32", "F16", "BF16"}:
+        return "quantized"
+    return "float32" if types == {"F32"} else "bfloat16"
+
+
+def child(args) -> dict:
+    """One engine on one file, in this process: load, decode per batch, prefill."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out: dict = {"engine": args.engine, "model": args.model, "rss_before_mb": _rss_mb()}
+    gen = torch.Generator().manual_seed(0)
+    t = time.perf_counter()
+    if args.engine == "llama.cpp":
+        from genfn.bench import llamacpp
+
+        runner = llamacpp.LlamaCpp(args.model, args.threads, max(args.batches),
+                                   max(PROMPT_LEN + args.new_tokens + 8, args.prefill + 8))
+        vocab = runner.n_vocab
+    else:
+        import genfn
+
+        is_gguf = args.model.endswith(".gguf")
+        kind = _gguf_kind(args.model) if is_gguf else "float32"
+        model = (genfn.load(args.model, quantize="gguf") if kind == "quantized"
+                 else genfn.load(args.model, dtype=getattr(torch, kind)))
+        vocab = model.spec.vocab_size
+    out["load_s"] = time.perf_counter() - t
+    out["rss_after_load_mb"] = _rss_mb()
+
+    def prompts(batch: int, length: int) -> torch.Tensor:
+        return torch.randint(100, vocab - 100, (batch, length), generator=gen)
+
+    def run(ids: torch.Tensor, new_tokens: int):
+        if args.engine == "llama.cpp":
+            return runner.generate(ids.tolist(), new_tokens)
+        extra = {"cache_implementation": "static", "max_cache_len": ids.shape[1] + new_tokens + 8} \
+            if args.engine == "genfn-compiled" else {}
+        with torch.no_grad():
+            return genfn.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  pad_token_id=0, **extra)
+
+    out["decode_tok_s"], out["first_call_s"] = {}, {}
+    for batch in args.batches:
+        ids = prompts(batch, PROMPT_LEN)
+        t = time.perf_counter()
+        run(ids, args.new_tokens)  # warm-up (compiles for genfn-compiled)
+        out["first_call_s"][batch] = time.perf_counter() - t
+        best = float("inf")
+        for _ in range(args.repeats):
+            # New tokens only: a 1-token call's time (prefill of the same prompt) is subtracted.
+            t = time.perf_counter()
+            run(ids, 1)
+            one = time.perf_counter() - t
+            t = time.perf_counter()
+            run(ids, args.new_tokens)
+            best = min(best, time.perf_counter() - t - one)
+        out["decode_tok_s"][batch] = batch * (args.new_tokens - 1) / best
+    if args.prefill:
+        ids = prompts(1, args.prefill)
+        best = float("inf")
+        for _ in range(max(1, args.repeats - 1)):
+            t = time.perf_counter()
+            run(ids, 1)
+            best = min(best, time.perf_counter() - t)
+        out["prefill_tok_s"] = args.prefill / best
+    out["peak_rss_mb"] = _peak_mb()
+    return out
+
+
+def llama_bench(binary: str, model: str, args) -> dict:
+    """tg and pp tok/s from a llama-bench binary's JSON output."""
+    command = [binary, "-m", model, "-t", str(args.threads), "-n", str(args.new_tokens), "-p", str(args.prefill),
+               "-r", str(args.repeats), "-o", "json", *args.llama_bench_args.split()]
+    t = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        return {"engine": "llama-bench", "error": done.stderr[-500:]}
+    rows = json.loads(done.stdout)
+    out = {"engine": "llama-bench", "model": model, "decode_tok_s": {}, "wall_s": time.perf_counter() - t}
+    for row in rows:
+        if row.get("n_gen"):
+            out["decode_tok_s"][1] = row["avg_ts"]
+        elif row.get("n_prompt"):
+            out["prefill_tok_s"] = row["avg_ts"]
+    return out
+
+
+def run_child(args, model: str, engine: str) -> dict:
+    command = [sys.executable, __file__, "--child", "--model", model, "--engine", engine,
+               "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
+               "--prefill", str(args.prefill), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"engine": engine, "model": model, "error": (done.stderr or done.stdout)[-800:]}
+    return json.loads(lines[-1])
+
+
+def _best(runs: list[dict]) -> dict:
+    """Per engine, the best of its runs (fastest decode/prefill, least load time and memory)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    best = dict(ok[0])
+    for r in ok[1:]:
+        for key in ("decode_tok_s",):
+            best[key] = {b: max(v, r[key].get(b, 0)) for b, v in best[key].items()}
+        for key in ("prefill_tok_s",):
+            if key in r:
+                best[key] = max(best.get(key, 0), r[key])
+        for key in ("load_s", "peak_rss_mb"):
+            if key in r:
+                best[key] = min(best[key], r[key])
+    return best
+
+
+def main(args) -> int:
+    import torch
+
+    from genfn.bench import llamacpp
+    from genfn.bench.decode import read_bandwidth_gbs
+
+    torch.set_num_threads(args.threads)
+    engines = list(args.engines)
+    if "llama.cpp" in engines and not llamacpp.available():
+        print("# llama_cpp is not importable: llama.cpp skipped", flush=True)
+        engines.remove("llama.cpp")
+    sum_rate, mv_rate = read_bandwidth_gbs()
+    bandwidth = max(sum_rate, mv_rate)
+    print(f"# model benchmark: threads {args.threads}, load avg {os.getloadavg()[0]:.1f}, read bandwidth "
+          f"{bandwidth:.1f} GB/s (tensor.sum {sum_rate:.1f}, torch.mv {mv_rate:.1f}); batches {args.batches}, "
+          f"{args.new_tokens} new tokens, prefill {args.prefill}, best of {args.repeats}", flush=True)
+    report = {"args": {k: v for k, v in vars(args).items()}, "read_bandwidth_gbs": bandwidth,
+              "load_avg_start": os.getloadavg()[0], "models": []}
+    for model in args.models:
+        size = os.path.getsize(model) if os.path.isfile(model) else sum(
+            p.stat().st_size for p in Path(model).rglob("*") if p.is_file())
+        token_bytes = llamacpp.file_weight_bytes(model) if model.endswith(".gguf") else None
+        runs: dict[str, list] = {e: [] for e in engines}
+        for _ in range(args.rounds):
+            for engine in engines:
+                runs[engine].append(run_child(args, model, engine))
+        results = [_best(r) for r in runs.values()]
+        if args.llama_bench:
+            results.append(llama_bench(args.llama_bench, model, args))
+        roofline = None if token_bytes is None else bandwidth * 1e9 / token_bytes
+        print(f"\n## {Path(model).name}: {size / 1e9:.2f} GB file"
+              + ("" if token_bytes is None else f", {token_bytes / 1e9:.2f} GB of matrices a token -> roofline "
+                 f"{roofline:.1f} tok/s at batch 1"), flush=True)
+        for r in results:
+            if "error" in r:
+                print(f"  {r['engine']:15s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+                continue
+            decode = "  ".join(f"b{b} {v:7.1f}" for b, v in r["decode_tok_s"].items())
+            share = "" if roofline is None or 1 not in r["decode_tok_s"] and "1" not in r["decode_tok_s"] else \
+                f"  roofline share {r['decode_tok_s'].get(1, r['decode_tok_s'].get('1')) / roofline:5.0%}"
+            extra = ""
+            if "load_s" in r:
+                extra = (f"  load {r['load_s']:5.1f} s  peak RSS {r['peak_rss_mb'] / 1e3:5.2f} GB "
+                         f"({r['peak_rss_mb'] * 1e6 / size:4.2f}x file; {r['rss_before_mb'] / 1e3:.2f} GB before load)")
+            prefill = f"  pp{args.prefill} {r['prefill_tok_s']:7.1f}" if "prefill_tok_s" in r else ""
+            print(f"  {r['engine']:15s} decode tok/s {decode}{share}{prefill}{extra}", flush=True)
+        by = {r["engine"]: r for r in results if "error" not in r}
+        ours = by.get("genfn-compiled") or by.get("genfn")
+        for peer in ("llama.cpp", "llama-bench"):
+            if ours and peer in by:
+                ratios = "  ".join(f"b{b} {v / by[peer]['decode_tok_s'][b]:.2f}" for b, v in ours["decode_tok_s"].items()
+                                   if b in by[peer]["decode_tok_s"])
+                pp = (f"  pp {ours['prefill_tok_s'] / by[peer]['prefill_tok_s']:.2f}"
+                      if "prefill_tok_s" in ours and "prefill_tok_s" in by[peer] else "")
+                print(f"  {ours['engine']} / {peer}: {ratios}{pp}")
+        report["models"].append({"model": model, "file_bytes": size, "token_bytes": token_bytes,
+                                 "roofline_tok_s": roofline, "results": results})
+    report["load_avg_end"] = os.getloadavg()[0]
+    from genfn.bench.results import write_results
+
+    path = write_results("model", report, args.json)
+    print(f"# results: {path}")
+    return 0
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--model", default=None, help="GGUF files or HF directories, comma-separated")
+    ap.add_argument("--model-engines", default="genfn,llama.cpp",
+                    help="with --model: genfn, genfn-compiled, llama.cpp (comma list)")
+    ap.add_argument("--llama-bench", default=None, help="with --model: path of a llama-bench binary to run too")
+    ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags, e.g. '-rtr 1' for ik_llama.cpp")
+    ap.add_argument("--prefill", type=int, default=512, help="with --model: prompt length of the prefill test (0: none)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --model: child processes per engine, alternating")
+    ap.add_argument("--timeout", type=int, default=3600, help="with --model: seconds per child process")
+
+
+def from_decode_args(args) -> int:
+    """``benchmarks/model_bench.py --model ...``: the parsed options, lists split."""
+    args.models = [m.strip() for m in args.model.split(",") if m.strip()]
+    args.engines = [e.strip() for e in args.model_engines.split(",") if e.strip()]
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    return main(args)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--engine", default="genfn")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    parsed = ap.parse_args()
+    if parsed.child:
+        parsed.batches = [int(b) for b in parsed.batches.split(",") if b.strip()]
+        print(json.dumps(child(parsed)), flush=True)
+    else:
+        sys.exit(from_decode_args(parsed))

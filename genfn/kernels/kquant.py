@@ -1,0 +1,116 @@
+"""The K-quant linear (``kquant_linear.cpp``): ``x @ W.T`` for a ``genfn.quant.KQuantWeight``.
+
+The library is built apart from the decode kernels and without global ISA flags: its AVX-512 and
+AVX2 paths are compiled per function and picked at run time, so it runs on any x86-64 CPU with
+AVX2 and FMA (every one since 2013-2015). Where it cannot be built or loaded (no compiler,
+``GENFN_KERNELS=0``, not x86-64) the op is registered with the torch reference
+(``genfn.quant.kquants.reference_linear_k``: the same numbers, far slower); on an x86-64 CPU
+without AVX2 the native op refuses with a ``RuntimeError`` that says so.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from genfn.quant.kquants import FORMAT_ID, K_FORMATS, KQuantWeight, reference_linear_k
+
+__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status"]
+
+_NAMESPACE = "genfn_kquant"
+_SOURCE = Path(__file__).with_name("kquant_linear.cpp")
+# The decode kernels' flags minus the ISA: the paths are chosen per function.
+_ISA_FLAGS = ("-mno-avx512f",)
+_ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
+
+_native: bool | None = None
+_status = "not loaded yet"
+
+
+def kquant_status() -> str:
+    kquant_available()
+    return _status
+
+
+def _load() -> bool:
+    global _status
+    from genfn.kernels import _build
+
+    if os.environ.get("GENFN_KERNELS", "1") == "0":
+        _status = "disabled by GENFN_KERNELS=0"
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _status = f"needs an x86-64 CPU (this: {platform.machine()})"
+        return False
+    try:
+        path = _build("kquant_linear", (_SOURCE,), (), _ISA_FLAGS)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _status = f"unavailable: {error}"
+        warnings.warn(f"genfn: K-quant kernels {_status}; using the torch reference", RuntimeWarning, stacklevel=3)
+        return False
+    _status = f"loaded from {path}"
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(f"{_NAMESPACE}::kquant_linear")
+    def _(x, data, format, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _define_reference_op() -> None:
+    """The op in plain torch under the native name and schema, where the library is not built."""
+    library = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    library.define("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor")
+
+    def reference(x, data, format, out_features):
+        weight = KQuantWeight(data, K_FORMATS[format], out_features, x.shape[-1])
+        return reference_linear_k(x, weight, dtype=torch.float32)
+
+    library.impl("kquant_linear", reference, "CPU")
+    _define_reference_op.library = library  # the registration lives as long as this object
+
+
+def kquant_available() -> bool:
+    """Whether K-quant linears run the native kernel (else the torch reference)."""
+    global _native
+    if _native is None:
+        _native = _load()
+        if not _native:
+            _define_reference_op()
+        _register_fake()
+    return _native
+
+
+def kquant_isa() -> str:
+    """The path the native kernel takes here: ``"avx512"``, ``"avx2"``, ``"none"`` (it refuses) or
+    ``"reference"`` (no native library)."""
+    if not kquant_available():
+        return "reference"
+    return _ISA_NAMES[int(torch.ops.genfn_kquant.kquant_isa())]
+
+
+def force_isa(isa: str | None) -> str:
+    """Pin the native kernel's path (``"avx2"`` or ``"avx512"``; ``None``: the best this CPU has),
+    for tests and benchmarks of the AVX2 path on an AVX-512 machine. Returns the path now active."""
+    codes = {None: 0, "avx2": 1, "avx512": 2}
+    if isa not in codes:
+        raise ValueError(f"isa must be None, 'avx2' or 'avx512'; got {isa!r}")
+    if not kquant_available():
+        raise RuntimeError(f"the K-quant kernels are {_status}")
+    return _ISA_NAMES[int(torch.ops.genfn_kquant.kquant_force_isa(codes[isa]))]
+
+
+def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
+    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs to 8 bits (llama.cpp's Q8_K)."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the {weight.format} weight expects "
+                         f"{weight.in_features}")
+    kquant_available()
+    return torch.ops.genfn_kquant.kquant_linear(x, weight.data, FORMAT_ID[weight.format], weight.out_features)

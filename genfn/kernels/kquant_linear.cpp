@@ -1,0 +1,451 @@
+// y = x @ dequantize(W).T for W in GGUF's K-quant formats (Q4_K, Q5_K, Q6_K), read in place: the
+// super-blocks row by row as the file stores them (genfn/quant/kquants.py).
+//
+// As llama.cpp does for these formats, each row of x is quantized once per call to llama.cpp's
+// Q8_K (one float scale per 256 inputs, int8 codes, code sums per 16). Per weight row and super-
+// block, the codes are unpacked in registers, multiplied by the activation codes in 16-bit pairs
+// (vpmaddubsw: unsigned weight code x signed activation code), the pairs summed in 32 bits with
+// the group scales as multipliers (vpmaddwd), so a super-block's dot product is one exact integer
+// sum, scaled once by d_w * d_x; Q4_K/Q5_K's minimums and Q6_K's offset of 32 fold into the
+// activation's code sums. Every weight row is decoded once for all rows of x (up to 8 at a time
+// in registers; the row stays in L1 for the next 8), so a step of a few rows streams the weight
+// once, like one row.
+//
+// Built as its own library without global ISA flags: an AVX-512 (BW) path and an AVX2 path are
+// compiled per function and chosen at run time, so it loads on every x86-64 CPU and refuses,
+// with a message, where neither runs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
+#define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
+#define GENFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace {
+
+constexpr int64_t kSuper = 256;
+enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+constexpr int64_t block_bytes(int64_t f) { return f == kQ4K ? 144 : (f == kQ5K ? 176 : 210); }
+enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
+  return kNone;
+}
+const Isa kBestIsa = detect_isa();
+Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
+
+// Both ISA paths have F16C; a plain call from them would cross into baseline (SSE) code.
+__attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+__attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Q8_K activations of M rows: codes [M, K] (for Q4_K/Q5_K on the AVX-512 path each 128 inputs
+// reordered 0-31, 64-95, 32-63, 96-127, the order the weight's nibbles come out of one 64-byte
+// load), scales [M, K / 256], code sums per 16 inputs in natural order [M, K / 16].
+struct ActivationsK {
+  std::vector<int8_t> codes;
+  std::vector<float> scale;
+  std::vector<int16_t> sums;
+  int64_t M = 0, K = 0;
+};
+
+// llama.cpp's quantize_row_q8_K_ref, row by row (plain C++: the same numbers on every CPU).
+void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, bool nibble_order, ActivationsK& a) {
+  const int64_t nb = K / kSuper;
+  int8_t natural[kSuper];
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * K + b * kSuper;
+      float amax = 0.0f, extreme = 0.0f;
+      for (int j = 0; j < kSuper; ++j) {
+        const float ax = std::fabs(v[j]);
+        if (ax > amax) { amax = ax; extreme = v[j]; }
+      }
+      int16_t* sums = a.sums.data() + m * (K / 16) + b * 16;
+      int8_t* out = a.codes.data() + m * K + b * kSuper;
+      if (amax == 0.0f) {
+        a.scale[m * nb + b] = 0.0f;
+        std::memset(out, 0, kSuper);
+        std::memset(sums, 0, 16 * sizeof(int16_t));
+        continue;
+      }
+      const float inverse = -127.0f / extreme;
+      for (int j = 0; j < kSuper; ++j) {
+        const int q = static_cast<int>(std::nearbyint(inverse * v[j]));  // ties to even
+        natural[j] = static_cast<int8_t>(std::min(127, q));
+      }
+      for (int g = 0; g < 16; ++g) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += natural[g * 16 + j];
+        sums[g] = static_cast<int16_t>(s);
+      }
+      a.scale[m * nb + b] = 1.0f / inverse;
+      if (!nibble_order) {
+        std::memcpy(out, natural, kSuper);
+      } else {
+        static constexpr int kFrom[4] = {0, 64, 32, 96};
+        for (int h = 0; h < 2; ++h)
+          for (int part = 0; part < 4; ++part) std::memcpy(out + h * 128 + part * 32, natural + h * 128 + kFrom[part], 32);
+      }
+    }
+  }
+}
+
+// The 8 six-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): scales in bytes 0-7 of sc,
+// mins in bytes 0-7 of mn.
+__attribute__((always_inline)) inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, p, 12);
+  const uint32_t sc_low = u[0] & 0x3F3F3F3Fu, mn_low = u[1] & 0x3F3F3F3Fu;
+  const uint32_t sc_high = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_high = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  sc = sc_low | (static_cast<uint64_t>(sc_high) << 32);
+  mn = mn_low | (static_cast<uint64_t>(mn_high) << 32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512
+
+GENFN_AVX512_INLINE inline __m512i pair_scales512(__m128i scales16, int a, int b) {
+  // 32 int16 lanes: lanes 0-15 hold scale a, lanes 16-31 scale b (of 8 or 16 int16 in scales16).
+  const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(a))),
+                                           _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+  return _mm512_permutexvar_epi16(index, _mm512_castsi128_si512(scales16));
+}
+
+// Q6_K: the scales of the 64 inputs of quarter `quarter` (one per 16, so one per 8 int16 lanes of a
+// vpmaddubsw result) from the super-block's 16 scales.
+struct Q6Index {
+  alignas(64) uint16_t lanes[4][32];
+  constexpr Q6Index() : lanes() {
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 32; ++k) lanes[q][k] = static_cast<uint16_t>(4 * q + k / 8);
+  }
+};
+constexpr Q6Index kQ6Index;
+
+GENFN_AVX512_INLINE inline __m512i q6_scales512(__m256i scales16, int quarter) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kQ6Index.lanes[quarter]), _mm512_castsi256_si512(scales16));
+}
+
+GENFN_AVX512_INLINE inline __m512i dot512(__m512i w, const int8_t* x, __m512i scales) {
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(x)), scales);
+}
+
+GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
+GENFN_AVX512_INLINE inline float reduce256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// One weight row against M rows of x: y[m * N] += nothing; writes y[m * N].
+template <int M, int64_t F>
+GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m512 acc[M];
+  __m256 acc_min[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    acc_min[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
+    if constexpr (F == kQ4K || F == kQ5K) {
+      const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
+      uint64_t sc, mn;
+      unpack_scales(w + 4, sc, mn);
+      const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc)));
+      // Each min twice, one per 16-input code sum.
+      const __m128i mn8 = _mm_cvtsi64_si128(static_cast<long long>(mn));
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+      const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
+      __m512i lo[2], hi[2];
+      for (int j = 0; j < 2; ++j) {
+        const __m512i packed = _mm512_loadu_si512(qs + 64 * j);
+        lo[j] = _mm512_and_si512(packed, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+      if constexpr (F == kQ5K) {
+        // Fifth bits: byte l of qh holds input l of group i in bit i.
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int j = 0; j < 2; ++j) {
+          const int g = 4 * j;  // lo holds groups g (bytes 0-31) and g + 2; hi groups g + 1 and g + 3
+          const __m512i sel_lo = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << g)),
+                                                    _mm256_set1_epi8(static_cast<char>(1 << (g + 2))), 1);
+          const __m512i sel_hi = _mm512_add_epi8(sel_lo, sel_lo);
+          lo[j] = _mm512_mask_add_epi8(lo[j], _mm512_test_epi8_mask(qh, sel_lo), lo[j], sixteen);
+          hi[j] = _mm512_mask_add_epi8(hi[j], _mm512_test_epi8_mask(qh, sel_hi), hi[j], sixteen);
+        }
+      }
+      const __m512i s_lo0 = pair_scales512(sc16, 0, 2), s_hi0 = pair_scales512(sc16, 1, 3);
+      const __m512i s_lo1 = pair_scales512(sc16, 4, 6), s_hi1 = pair_scales512(sc16, 5, 7);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+        __m512i sum = dot512(lo[0], x, s_lo0);
+        sum = _mm512_add_epi32(sum, dot512(hi[0], x + 64, s_hi0));
+        sum = _mm512_add_epi32(sum, dot512(lo[1], x + 128, s_lo1));
+        sum = _mm512_add_epi32(sum, dot512(hi[1], x + 192, s_hi1));
+        const float dx = a.scale[(m0 + m) * nb + b];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+        acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
+                                     acc_min[m]);
+      }
+    } else {  // Q6_K
+      const uint8_t* ql = w;
+      const uint8_t* qh = w + 128;
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+      const float d = half_to_float(load_u16(w + 208));
+      const __m256i scales16 = _mm256_cvtepi8_epi16(sc8);
+      const __m512i s_a0 = q6_scales512(scales16, 0), s_b0 = q6_scales512(scales16, 1);
+      const __m512i s_a1 = q6_scales512(scales16, 2), s_b1 = q6_scales512(scales16, 3);
+      const __m512i three = _mm512_set1_epi8(3);
+      const __m512i count_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const __m512i count_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+      __m512i va[2], vb[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+        const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+        const __m512i ha = _mm512_and_si512(_mm512_srlv_epi16(high, count_a), three);
+        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(high, count_b), three);
+        va[h] = _mm512_or_si512(_mm512_and_si512(low, low4), _mm512_slli_epi16(ha, 4));
+        vb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low4), _mm512_slli_epi16(hb, 4));
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+        __m512i sum = dot512(va[0], x, s_a0);
+        sum = _mm512_add_epi32(sum, dot512(vb[0], x + 64, s_b0));
+        sum = _mm512_add_epi32(sum, dot512(va[1], x + 128, s_a1));
+        sum = _mm512_add_epi32(sum, dot512(vb[1], x + 192, s_b1));
+        // The offset of 32: sum_g scale_g * 32 * codesum_g.
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);
+        sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+        const float dx = a.scale[(m0 + m) * nb + b];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float value = reduce512(acc[m]);
+    if constexpr (F != kQ6K) value -= reduce256(acc_min[m]);
+    y[m * N] = value;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2
+
+GENFN_AVX2_INLINE inline __m256i dot256(__m256i w, const int8_t* x, int16_t scale) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                           _mm256_set1_epi16(scale));
+}
+GENFN_AVX2_INLINE inline __m256i dot256_pair(__m256i w, const int8_t* x, int16_t first, int16_t second) {
+  const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(second), _mm_set1_epi16(first));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), scales);
+}
+GENFN_AVX2_INLINE inline __m256i q6_bits(__m256i high, int shift, __m256i three) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, shift), three), 4);
+}
+GENFN_AVX2_INLINE inline float reduce256_avx2(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int M, int64_t F>
+GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M], acc_min[M];
+  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
+    if constexpr (F == kQ4K || F == kQ5K) {
+      const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
+      uint64_t sc, mn;
+      unpack_scales(w + 4, sc, mn);
+      uint8_t scale[8];
+      std::memcpy(scale, &sc, 8);
+      const __m128i mn8 = _mm_cvtsi64_si128(static_cast<long long>(mn));
+      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+      const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
+      __m256i codes[8];  // group g: inputs 32g..32g+31
+      for (int c = 0; c < 4; ++c) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        codes[2 * c] = _mm256_and_si256(packed, low4);
+        codes[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      }
+      if constexpr (F == kQ5K) {
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int g = 0; g < 8; ++g)
+          codes[g] = _mm256_or_si256(codes[g], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), one), 4));
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+        __m256i sum = dot256(codes[0], x, scale[0]);
+        for (int g = 1; g < 8; ++g) sum = _mm256_add_epi32(sum, dot256(codes[g], x + 32 * g, scale[g]));
+        const float dx = a.scale[(m0 + m) * nb + b];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[m]);
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+        acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
+                                     acc_min[m]);
+      }
+    } else {
+      const uint8_t* ql = w;
+      const uint8_t* qh = w + 128;
+      const int8_t* scale = reinterpret_cast<const int8_t*>(w + 192);
+      const float d = half_to_float(load_u16(w + 208));
+      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale)));
+      const __m256i three = _mm256_set1_epi8(3);
+      __m256i codes[8];  // group g (of 32 inputs, natural order)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+        const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+        codes[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(la, low4), q6_bits(high, 0, three));
+        codes[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(lb, low4), q6_bits(high, 2, three));
+        codes[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4), q6_bits(high, 4, three));
+        codes[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4), q6_bits(high, 6, three));
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+        __m256i sum = dot256_pair(codes[0], x, scale[0], scale[1]);
+        for (int g = 1; g < 8; ++g)
+          sum = _mm256_add_epi32(sum, dot256_pair(codes[g], x + 32 * g, scale[2 * g], scale[2 * g + 1]));
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+        sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5));
+        const float dx = a.scale[(m0 + m) * nb + b];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float value = reduce256_avx2(acc[m]);
+    if constexpr (F != kQ6K) value -= reduce256_avx2(acc_min[m]);
+    y[m * N] = value;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+
+using RowFn = void (*)(const uint8_t*, int64_t, const ActivationsK&, int64_t, float*, int64_t);
+
+template <int64_t F>
+RowFn pick_row(Isa isa, int rows) {
+#define GENFN_CASES(KERNEL)                       \
+  switch (rows) {                                 \
+    case 1: return &KERNEL<1, F>;                 \
+    case 2: return &KERNEL<2, F>;                 \
+    case 3: return &KERNEL<3, F>;                 \
+    case 4: return &KERNEL<4, F>;                 \
+    case 5: return &KERNEL<5, F>;                 \
+    case 6: return &KERNEL<6, F>;                 \
+    case 7: return &KERNEL<7, F>;                 \
+    default: return &KERNEL<8, F>;                \
+  }
+  if (isa == kAvx512) { GENFN_CASES(row_avx512) }
+  GENFN_CASES(row_avx2)
+#undef GENFN_CASES
+}
+
+RowFn pick(Isa isa, int64_t format, int rows) {
+  if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
+  if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
+  return pick_row<kQ6K>(isa, rows);
+}
+
+Isa active_isa() { return forced_isa != kNone ? forced_isa : kBestIsa; }
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features) {
+  TORCH_CHECK(format >= kQ4K && format <= kQ6K, "kquant_linear: format must be 0 (q4_k), 1 (q5_k) or 2 (q6_k), got ",
+              format);
+  const Isa isa = active_isa();
+  TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "
+              "this CPU has neither. Load the model without quantize='gguf' to dequantize its weights instead.");
+  TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "kquant_linear: CPU tensors only");
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.size(0) == out_features,
+              "kquant_linear: data must be uint8 [out_features, row bytes]");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % kSuper == 0, "kquant_linear: x's features (", K, ") must be a multiple of 256");
+  const int64_t nb = K / kSuper, row_bytes = nb * block_bytes(format);
+  TORCH_CHECK(data.size(1) == row_bytes, "kquant_linear: x has ", K, " features, the weight rows hold ", data.size(1),
+              " bytes, not ", row_bytes);
+  const int64_t N = out_features, M = K == 0 ? 0 : x.numel() / K;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.view(out_sizes).to(x.scalar_type());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor w = data.contiguous();
+  // Reused across calls (a decode step makes dozens); the workers read the caller's buffers
+  // through this reference.
+  thread_local ActivationsK buffers;
+  ActivationsK& a = buffers;
+  a.M = M;
+  a.K = K;
+  a.codes.resize(M * K);
+  a.scale.resize(M * nb);
+  a.sums.resize(M * (K / 16));
+  const bool nibble_order = isa == kAvx512 && format != kQ6K;
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
+    quantize_rows_k(xp, m0, m1, K, nibble_order, a);
+  });
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // Rows of the weight in contiguous runs per thread (one sequential stream each); every row is
+  // decoded once per 8 rows of x, and stays in L1 between them.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_bytes * ((M + 7) / 8), 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int rows = static_cast<int>(std::min<int64_t>(8, M - m0));
+        pick(isa, format, rows)(wp + n * row_bytes, nb, a, m0, yp + m0 * N + n, N);
+      }
+  });
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+// 2 (AVX-512), 1 (AVX2) or 0 (neither): the path kquant_linear takes.
+int64_t kquant_isa() { return active_isa(); }
+
+// Pin the path (1: AVX2, 2: AVX-512, 0: the best this CPU has); returns the path now active.
+int64_t kquant_force_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 0 && isa <= 2, "kquant_force_isa: isa must be 0, 1 or 2, got ", isa);
+  TORCH_CHECK(isa <= kBestIsa, "kquant_force_isa: this CPU cannot run path ", isa, " (best: ", kBestIsa, ")");
+  forced_isa = static_cast<Isa>(isa);
+  return active_isa();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
+  m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor");
+  m.def("kquant_isa", &kquant_isa);
+  m.def("kquant_force_isa", &kquant_force_isa);
+}
+
+TORCH_LIBRARY_IMPL(genfn_kquant, CPU, m) { m.impl("kquant_linear", &kquant_linear); }

@@ -1,0 +1,228 @@
+"""GGUF's K-quant formats kept as the file stores them: ``KQuantWeight``.
+
+Q4_K, Q5_K and Q6_K pack 256 inputs into a super-block (llama.cpp's ``block_q4_K`` etc.):
+
+    q4_k  144 bytes: d, dmin (float16), 12 bytes of 6-bit scales/mins for 8 groups of 32, 128
+          bytes of 4-bit codes;               w = d * sc_g * u - dmin * m_g, u in [0, 15]
+    q5_k  176 bytes: as q4_k plus 32 bytes holding each input's fifth bit; u in [0, 31]
+    q6_k  210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16
+          inputs), d (float16);               w = d * sc_16 * (u - 32), u in [0, 63]
+
+A ``KQuantWeight`` holds a matrix's super-blocks row by row, byte for byte as in the file
+(``data`` uint8 ``[out_features, in_features / 256 * block_bytes]``): no repacking, so the
+loader can hand over the file's own memory. ``genfn.kernels.linear`` runs it through the native
+kernel (``kquant_linear.cpp``), which quantizes the activation as llama.cpp does for these
+formats (Q8_K: one scale per 256 inputs, ``quantize_activations_k``).
+
+``dequantize_k`` is bit for bit the ``gguf`` package's ``gguf.quants.dequantize``; ``quantize_k``
+is a plain round-to-nearest quantizer (not llama.cpp's search for the best scales) that writes
+valid blocks, for tests and benchmark models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.state.base import pytree_dataclass, static_field
+
+__all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "dequantize_k", "quantize_k",
+           "quantize_activations_k", "reference_linear_k"]
+
+SUPER_BLOCK = 256
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+K_FORMATS = tuple(BLOCK_BYTES)
+# ggml type names -> format: the K-quant GGUF types kept as blocks.
+GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# The native op's format argument.
+FORMAT_ID = {"q4_k": 0, "q5_k": 1, "q6_k": 2}
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"K-quant format must be one of {', '.join(K_FORMATS)}; got {fmt!r}")
+
+
+@pytree_dataclass
+class KQuantWeight:
+    """An ``[out_features, in_features]`` matrix of K-quant super-blocks, rows as stored in GGUF."""
+
+    data: torch.Tensor
+    format: str = static_field()
+    out_features: int = static_field()
+    in_features: int = static_field()
+
+    def __post_init__(self):
+        _check_format(self.format)
+        if self.in_features % SUPER_BLOCK:
+            raise ValueError(f"{self.format} needs in_features to be a multiple of {SUPER_BLOCK}; got {self.in_features}")
+        row_bytes = self.in_features // SUPER_BLOCK * BLOCK_BYTES[self.format]
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.out_features, row_bytes):
+            raise ValueError(f"{self.format} data must be uint8 [{self.out_features}, {row_bytes}]; "
+                             f"got {self.data.dtype} {list(self.data.shape)}")
+
+    @classmethod
+    def from_bytes(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "KQuantWeight":
+        return cls(data.reshape(shape[0], -1), fmt, int(shape[0]), int(shape[1]))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def map_rows(self, fn) -> "KQuantWeight":
+        """The same super-blocks with ``fn`` (a function of a tensor whose dim 0 is rows) applied to the rows."""
+        return KQuantWeight(fn(self.data).contiguous(), self.format, self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_k(self.data, self.format).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"KQuantWeight({self.format}, {self.out_features}x{self.in_features})"
+
+
+def cat_k(parts: list) -> KQuantWeight:
+    """Row-concatenation of ``KQuantWeight``s of one format and width (blocks untouched)."""
+    first = parts[0]
+    if any(p.format != first.format or p.in_features != first.in_features for p in parts):
+        raise ValueError("cat_k needs parts of one format and width")
+    return KQuantWeight(torch.cat([p.data for p in parts]), first.format, sum(p.out_features for p in parts),
+                        first.in_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes <-> values
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).to(torch.float32)  # [n, 1]
+
+
+def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of Q4_K/Q5_K from their 12 bytes ``[n, 12]``: bytes 0-3 hold
+    scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for mins; bytes
+    8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
+    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return scales, mins
+
+
+def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """float32 values of K-quant bytes (``[..., blocks * block_bytes]`` -> ``[..., blocks * 256]``),
+    computed in the gguf package's order of float32 operations (bit for bit its result)."""
+    _check_format(fmt)
+    size = BLOCK_BYTES[fmt]
+    lead = data.shape[:-1]
+    blocks = data.reshape(-1, size)
+    n = blocks.shape[0]
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, m = _scales_and_mins(blocks[:, 4:16])
+        qs = blocks[:, 16 + (32 if fmt == "q5_k" else 0):]
+        q = torch.stack([qs.reshape(n, 4, 32) & 0x0F, qs.reshape(n, 4, 32) >> 4], dim=2).reshape(n, 8, 32)
+        if fmt == "q5_k":
+            qh = blocks[:, 16:48].reshape(n, 1, 32)
+            shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+            q = q | (((qh >> shifts) & 1) << 4)
+        scale = (d * sc.to(torch.float32)).unsqueeze(-1)
+        minimum = (dmin * m.to(torch.float32)).unsqueeze(-1)
+        values = scale * q.to(torch.float32) - minimum
+    else:
+        ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208].view(torch.int8)
+        d = _f16(blocks, 208)
+        scale = (d * sc.to(torch.float32)).reshape(n, 16, 1)
+        low = torch.stack([ql.reshape(n, 2, 64) & 0x0F, ql.reshape(n, 2, 64) >> 4], dim=2).reshape(n, 2, 4, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+        high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
+        q = (low | (high << 4)).to(torch.int16) - 32
+        values = scale * q.reshape(n, 16, 16).to(torch.float32)
+    return values.reshape(*lead, -1)
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x)
+
+
+def quantize_k(weight: torch.Tensor, fmt: str) -> KQuantWeight:
+    """Round-to-nearest K-quant blocks of a float ``[N, K]`` matrix (``K`` a multiple of 256)."""
+    _check_format(fmt)
+    if weight.dim() != 2 or weight.shape[1] % SUPER_BLOCK:
+        raise ValueError(f"quantize_k needs a 2-D weight with in_features a multiple of {SUPER_BLOCK}; "
+                         f"got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    w = weight.detach().to(torch.float32).reshape(-1, SUPER_BLOCK)
+    n = w.shape[0]
+    if fmt == "q6_k":
+        groups = w.reshape(n, 16, 16)
+        step = groups.abs().amax(-1) / 31  # per 16 inputs: codes u - 32 within [-31, 31]
+        d = (step.amax(-1) / 127).to(torch.float16)
+        df = d.to(torch.float32)
+        sc = torch.where(df[:, None] > 0, _round(step / df[:, None].clamp_min(1e-30)), torch.zeros_like(step))
+        sc = sc.clamp(0, 127)
+        unit = (df[:, None] * sc).unsqueeze(-1)
+        u = torch.where(unit > 0, _round(groups / unit.clamp_min(1e-30)), torch.zeros_like(groups))
+        u = (u.clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # [half, group of 32, l]
+        ql = torch.cat([(u[:, :, 0] & 0x0F) | (u[:, :, 2] << 4), (u[:, :, 1] & 0x0F) | (u[:, :, 3] << 4)], dim=2).reshape(n, 128)
+        qh = ((u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4)
+              | ((u[:, :, 3] >> 4) << 6)).reshape(n, 64)
+        parts = [ql, qh, sc.to(torch.int8).view(torch.uint8), d.reshape(n, 1).view(torch.uint8).reshape(n, 2)]
+    else:
+        levels = 15 if fmt == "q4_k" else 31
+        groups = w.reshape(n, 8, 32)
+        low = groups.amin(-1).clamp(max=0)
+        step = (groups.amax(-1) - low) / levels
+        d = (step.amax(-1) / 63).to(torch.float16)
+        dmin = ((-low).amax(-1) / 63).to(torch.float16)
+        df, dminf = d.to(torch.float32)[:, None], dmin.to(torch.float32)[:, None]
+        sc = torch.where(df > 0, _round(step / df.clamp_min(1e-30)), torch.zeros_like(step)).clamp(0, 63)
+        m = torch.where(dminf > 0, _round(-low / dminf.clamp_min(1e-30)), torch.zeros_like(low)).clamp(0, 63)
+        unit, offset = (df * sc).unsqueeze(-1), (dminf * m).unsqueeze(-1)
+        u = torch.where(unit > 0, _round((groups + offset) / unit.clamp_min(1e-30)), torch.zeros_like(groups))
+        u = u.clamp(0, levels).to(torch.uint8)  # [n, 8, 32]
+        sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+        packed = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                            (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], dim=1)
+        pairs = u.reshape(n, 4, 2, 32)
+        qs = ((pairs[:, :, 0] & 0x0F) | ((pairs[:, :, 1] & 0x0F) << 4)).reshape(n, 128)
+        head = [d.reshape(n, 1).view(torch.uint8).reshape(n, 2), dmin.reshape(n, 1).view(torch.uint8).reshape(n, 2),
+                packed]
+        if fmt == "q5_k":
+            bits = (u >> 4) << torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+            head.append(bits.sum(1, dtype=torch.int32).to(torch.uint8))  # disjoint bits: sum == or
+        parts = [*head, qs]
+    data = torch.cat(parts, dim=1).reshape(rows, -1).contiguous()
+    return KQuantWeight(data, fmt, rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and the reference product
+
+
+def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``x [..., K]`` as llama.cpp's Q8_K: per 256 inputs, the value of
+    largest magnitude (the first, on ties) maps to -127, codes round half to even and are capped
+    at 127; codes are int8-valued float32 ``[..., K // 256, 256]``, scales float32 ``[..., K // 256]``."""
+    x = x.to(torch.float32)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // SUPER_BLOCK, SUPER_BLOCK)
+    index = blocks.abs().argmax(-1, keepdim=True)  # the first maximum, as ggml's strict '>'
+    extreme = torch.gather(blocks, -1, index)
+    inverse = torch.where(extreme != 0, -127.0 / extreme, torch.zeros_like(extreme))
+    codes = torch.round(blocks * inverse).clamp(max=127)
+    scale = torch.where(extreme != 0, 1.0 / inverse, torch.zeros_like(inverse)).squeeze(-1)
+    return codes, scale
+
+
+def reference_linear_k(x: torch.Tensor, weight: KQuantWeight, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """What ``genfn.kernels.linear(x, weight)`` computes for a ``KQuantWeight``, in ``dtype``."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features; the weight expects {weight.in_features}")
+    codes, scale = quantize_activations_k(x)
+    values = (codes.to(dtype) * scale.to(dtype).unsqueeze(-1)).reshape(x.shape)
+    return torch.nn.functional.linear(values, weight.dequantize().to(dtype)).to(x.dtype)

@@ -1,0 +1,261 @@
+"""K-quants (Q4_K, Q5_K, Q6_K) kept as the file stores them: dequantization bit for bit against
+the gguf package, the native kernel (both ISA paths) against the torch reference, and a GGUF
+model with K-quant tensors against the same weights run through the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+
+import genfn
+from conftest import tiny_hf_model
+from genfn import kernels
+from genfn.kernels import kquant
+from genfn.quant import K_FORMATS, KQuantWeight, RowStack, dequantize_k, quantize_k, reference_linear_k
+from genfn.quant.kquants import BLOCK_BYTES, quantize_activations_k
+
+GGML = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+NATIVE = kquant.kquant_available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
+
+
+def _gguf_values(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    raw = gguf_dequantize(data.numpy(), GGMLQuantizationType[GGML[fmt]])
+    return torch.from_numpy(np.asarray(raw, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_dequantization_equals_the_gguf_package_bit_for_bit(fmt):
+    torch.manual_seed(0)
+    weight = quantize_k(torch.randn(19, 768) * 3, fmt)
+    assert torch.equal(weight.dequantize(), _gguf_values(weight.data, fmt).reshape(19, 768))
+    # Any bytes at all (scales of every magnitude, every code), not only what quantize_k writes.
+    raw = torch.randint(0, 256, (11, 3 * BLOCK_BYTES[fmt]), dtype=torch.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):  # random float16 scales include inf and nan
+        theirs = _gguf_values(raw, fmt)
+    ours = dequantize_k(raw, fmt)
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_round_to_nearest_blocks_stay_close_to_the_weights(fmt):
+    torch.manual_seed(1)
+    w = torch.randn(8, 512)
+    error = (quantize_k(w, fmt).dequantize() - w).abs().max() / w.abs().max()
+    assert error < {"q4_k": 0.15, "q5_k": 0.08, "q6_k": 0.04}[fmt]
+
+
+def test_activations_quantize_as_llama_cpps_q8_k():
+    x = torch.zeros(1, 512)
+    x[0, 3], x[0, 7], x[0, 9] = 2.0, -2.0, 0.5  # ties on magnitude: the first one maps to -127
+    x[0, 300] = -1.0
+    codes, scale = quantize_activations_k(x)
+    assert codes[0, 0, 3] == -127 and codes[0, 0, 7] == 127 and codes[0, 0, 9] == round(-127 * 0.25)
+    assert scale[0, 0] == pytest.approx(-2.0 / 127) and codes[0, 1, 300 - 256] == -127
+    assert torch.equal(quantize_activations_k(torch.zeros(2, 256))[0], torch.zeros(2, 1, 256))
+
+
+def test_kquant_weight_checks_its_bytes():
+    with pytest.raises(ValueError, match="q4_k data must be uint8"):
+        KQuantWeight(torch.zeros(4, 100, dtype=torch.uint8), "q4_k", 4, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k", 4, 200)
+    with pytest.raises(ValueError, match="one of q4_k, q5_k, q6_k"):
+        quantize_k(torch.zeros(4, 256), "q3_k")
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    if not NATIVE:
+        pytest.skip(f"the K-quant kernels are {kquant.kquant_status()}")
+    best = torch.ops.genfn_kquant.kquant_isa()
+    if request.param == "avx512" and best < 2:
+        pytest.skip("this CPU has no AVX-512")
+    kquant.force_isa(request.param)
+    yield request.param
+    kquant.force_isa(None)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_kernel_matches_the_reference_for_1_to_33_rows(isa, fmt):
+    torch.manual_seed(2)
+    weight = quantize_k(torch.randn(37, 512), fmt)
+    x = torch.randn(33, 512) * 4
+    full = reference_linear_k(x, weight)
+    for rows in range(1, 34):
+        y = kernels.linear(x[:rows], weight)
+        torch.testing.assert_close(y, full[:rows], rtol=1e-5, atol=1e-5 * full.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("out_features,in_features,lead", [(1, 256, (3,)), (17, 768, (2, 5)), (130, 1280, (1,))])
+def test_kernel_matches_the_reference_on_odd_shapes(isa, fmt, out_features, in_features, lead):
+    torch.manual_seed(3)
+    weight = quantize_k(torch.randn(out_features, in_features), fmt)
+    x = torch.randn(*lead, in_features)
+    x[..., :256] = 0  # a block of zeros has scale 0
+    y = kernels.linear(x, weight, torch.ones(out_features))
+    expected = reference_linear_k(x, weight) + 1
+    assert y.shape == (*lead, out_features)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_native
+def test_kernel_takes_bfloat16_activations_and_rejects_mismatches():
+    weight = quantize_k(torch.randn(8, 256), "q6_k")
+    x = torch.randn(2, 256)
+    y = kernels.linear(x.bfloat16(), weight)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), reference_linear_k(x.bfloat16().float(), weight), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="x has 512 features"):
+        kernels.linear(torch.randn(1, 512), weight)
+    with pytest.raises(RuntimeError, match="format must be 0"):
+        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 5, 8)
+    with pytest.raises(RuntimeError, match="rows hold 100 bytes, not 210"):
+        torch.ops.genfn_kquant.kquant_linear(x, weight.data[:, :100], 2, 8)
+    with pytest.raises(ValueError, match="isa must be"):
+        kquant.force_isa("sse")
+
+
+@needs_native
+def test_op_registration_passes_torch_opcheck():
+    weight = quantize_k(torch.randn(16, 256), "q4_k")
+    torch.library.opcheck(torch.ops.genfn_kquant.kquant_linear.default, (torch.randn(3, 256), weight.data, 0, 16),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fusing_keeps_k_blocks_and_stacks_mixed_formats():
+    from genfn.quant.blocks import cat_rows
+
+    q, k = quantize_k(torch.randn(8, 256), "q4_k"), quantize_k(torch.randn(4, 256), "q4_k")
+    v = quantize_k(torch.randn(4, 256), "q6_k")
+    fused = cat_rows([q, k])
+    assert isinstance(fused, KQuantWeight) and torch.equal(fused.data, torch.cat([q.data, k.data]))
+    mixed = cat_rows([q, k, v])
+    assert isinstance(mixed, RowStack) and mixed.shape == (16, 256)
+    assert [p.format for p in mixed.parts] == ["q4_k", "q6_k"]
+    torch.testing.assert_close(mixed.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(kernels.linear(x, mixed), torch.cat([reference_linear_k(x, p) for p in (fused, v)], -1),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# A model written as GGUF with K-quant tensors
+
+# A Q4_K_M-like mix: q/k/gate/up Q4_K, v and down Q6_K (so q/k/v fuse into a stack), o Q5_K, the
+# output matrix Q6_K, the embedding Q4_K.
+_TYPES = {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q6_k", "attn_output": "q5_k", "ffn_gate": "q4_k",
+          "ffn_up": "q4_k", "ffn_down": "q6_k", "output": "q6_k", "token_embd": "q4_k"}
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_kquant_gguf(path, hf_model) -> None:
+    cfg = hf_model.config
+    writer = GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(cfg.head_dim)
+    for name, tensor in hf_model.state_dict().items():
+        stem = name.removesuffix(".weight")
+        layer = None
+        if stem.startswith("model.layers."):
+            _, _, layer, stem = stem.split(".", 3)
+        part = _NAMES[stem]
+        values = tensor.numpy().astype(np.float32)
+        if part == "attn_q":
+            values = _permute(values, cfg.num_attention_heads)
+        elif part == "attn_k":
+            values = _permute(values, cfg.num_key_value_heads)
+        gguf_name = f"blk.{layer}.{part}.weight" if layer is not None else f"{part}.weight"
+        if part in _TYPES:
+            blocks = quantize_k(torch.from_numpy(values), _TYPES[part]).data.numpy()
+            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[GGML[_TYPES[part]]])
+        else:
+            writer.add_tensor(gguf_name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    hf, _ = tiny_hf_model(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
+    write_kquant_gguf(path, hf)
+    return path
+
+
+def _dequantized(params):
+    def dense(value):
+        return value.dequantize() if isinstance(value, (KQuantWeight, RowStack)) else value
+
+    layers = [{k: dense(v) for k, v in layer.items()} for layer in params["layers"]]
+    return {**params, "embed": dense(params["embed"]), "lm_head": dense(params["lm_head"]), "layers": layers}
+
+
+def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
+    model = genfn.load(kquant_file, quantize="gguf")
+    layer = model.params["layers"][0]
+    assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k", "q6_k"]
+    assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k" and layer["w_down"].format == "q6_k"
+    assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
+    # The embedding table stays in the file's Q4_K; a lookup dequantizes only its rows.
+    table = model.params["embed"]
+    assert isinstance(table, KQuantWeight) and table.format == "q4_k"
+    tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
+    assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
+    # The down projection's bytes are the file's.
+    from genfn.models.loaders.gguf import read_gguf
+
+    raw = read_gguf(str(kquant_file)).raw("blk.1.ffn_down.weight")
+    assert np.array_equal(model.params["layers"][1]["w_down"].data.numpy(), raw)
+
+    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 250, 7]])
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, disable_compile=True)
+    native = genfn.generate(model, prompt, **kw)
+    # The same arithmetic in torch (dequantized weights, activations quantized as the kernel does).
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "kquant_linear", reference_linear_k)
+        reference = genfn.generate(model, prompt, **kw)
+    assert torch.equal(native.sequences, reference.sequences)
+    torch.testing.assert_close(torch.stack(native.logits), torch.stack(reference.logits), rtol=1e-4, atol=1e-4)
+    # Against float linears on the dequantized weights (no activation rounding) the logits differ
+    # by the 8-bit activations' rounding only.
+    model.params = _dequantized(model.params)
+    plain = genfn.generate(model, prompt, **kw)
+    native_logits, plain_logits = torch.stack(native.logits), torch.stack(plain.logits)
+    assert (native_logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()
+
+
+@needs_native
+@pytest.mark.slow
+def test_compiled_step_runs_the_k_quant_kernel_and_embedding_lookup(kquant_file):
+    model = genfn.load(kquant_file, quantize="gguf")
+    prompt = torch.tensor([[5, 17, 3, 88], [9, 250, 7, 1]])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    compiled = genfn.generate(model, prompt, cache_implementation="static", max_cache_len=32, **kw)
+    eager = genfn.generate(model, prompt, disable_compile=True, **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
