@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.results_file import write_results  # noqa: E402
+from genfn.bench.results import write_results
 from genfn import structured  # noqa: E402
 from genfn.default_model import default_model_path  # noqa: E402
 from genfn.processors.grammar import allowed_tokens  # noqa: E402
