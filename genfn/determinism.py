@@ -24,7 +24,7 @@ import torch
 
 from genfn import random as grandom
 
-__all__ = ["check", "DeterminismReport", "Comparison", "Divergence", "RequestRun", "compare"]
+__all__ = ["check", "DeterminismReport", "Comparison", "Divergence", "RequestRun", "compare", "run_generate"]
 
 _RESULT_WAIT_S = 600.0  # the longest the report waits for one continuous-batching result
 
@@ -180,7 +180,12 @@ def _generate_rows(model, prompts: list[list[int]], seeds: list[int], settings: 
     return runs
 
 
-def _generate_batches(model, prompts, seeds, settings, size: int, order: list[int]) -> list[RequestRun]:
+def run_generate(model, prompts: list[list[int]], seeds: list[int], settings: dict, size: int = 1,
+                 order: list[int] | None = None) -> list[RequestRun]:
+    """``prompts`` through ``generate`` in left-padded batches of ``size``, taken in ``order``
+    (default: as given); a ``RequestRun`` per prompt, in the prompts' order. A building block for
+    ``check``'s ``variants``."""
+    order = list(range(len(prompts))) if order is None else order
     runs: list[RequestRun | None] = [None] * len(prompts)
     for start in range(0, len(order), size):
         part = order[start:start + size]
@@ -243,7 +248,7 @@ def _as_token_lists(model, prompts) -> list[list[int]]:
         tokenizer = getattr(model, "tokenizer", None)
         if tokenizer is None:
             raise ValueError("text prompts need a model with a tokenizer; pass token-id lists instead")
-        ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+        ids = [torch.as_tensor(tokenizer(p)["input_ids"]).reshape(-1).tolist() for p in prompts]
     elif all(isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts):
         ids = [list(p) for p in prompts]
     else:
@@ -289,14 +294,14 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     longest = max(len(p) for p in ids)
 
     plan: dict[str, Callable[[], list[RequestRun]]] = {
-        "alone": lambda: _generate_batches(model, ids, seeds, settings, 1, in_order)}
+        "alone": lambda: run_generate(model, ids, seeds, settings, 1, in_order)}
     for size in sorted(set(batch_sizes)):
         if size > 1:
             plan[f"generate batch {size}"] = (
-                lambda size=size: _generate_batches(model, ids, seeds, settings, size, in_order))
+                lambda size=size: run_generate(model, ids, seeds, settings, size, in_order))
     if batch_sizes and max(batch_sizes) > 1:
         size = max(batch_sizes)
-        plan[f"generate batch {size}, shuffled"] = lambda: _generate_batches(model, ids, seeds, settings, size,
+        plan[f"generate batch {size}, shuffled"] = lambda: run_generate(model, ids, seeds, settings, size,
                                                                              shuffled)
     if continuous:
         plan["continuous, chunked prefill"] = lambda: _continuous(model, ids, seeds, settings, shuffled, True,
@@ -306,11 +311,11 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     for count in sorted(set(threads)):
         def alone_with(count=count):
             with _threads(count):
-                return _generate_batches(model, ids, seeds, settings, 1, in_order)
+                return run_generate(model, ids, seeds, settings, 1, in_order)
         plan[f"alone, {count} thread{'s' if count > 1 else ''}"] = alone_with
     if compiled:
         static = dict(settings, cache_implementation="static", max_cache_len=longest + max_new_tokens)
-        plan["alone, compiled"] = lambda: _generate_batches(model, ids, seeds, static, 1, in_order)
+        plan["alone, compiled"] = lambda: run_generate(model, ids, seeds, static, 1, in_order)
     for name, fn in (variants or {}).items():
         if name in plan:
             raise ValueError(f"variant name {name!r} is taken; the built-in ones are {list(plan)}")
