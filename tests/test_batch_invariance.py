@@ -24,10 +24,11 @@ def _assert_row_zero_invariant(f, x, rows):
         assert torch.equal(f(x[:n])[:1], alone), f"row 0 changed among {n} rows"
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = f(x[:max(rows)])
-        torch.set_num_threads(2)
-        assert torch.equal(f(x[:max(rows)]), one), "1 and 2 threads differ"
+        for n in (1, *rows):
+            torch.set_num_threads(1)
+            one = f(x[:n])
+            torch.set_num_threads(2)
+            assert torch.equal(f(x[:n]), one), f"1 and 2 threads differ at {n} rows"
     finally:
         torch.set_num_threads(before)
 
