@@ -49,7 +49,7 @@ class Divergence:
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """One variant against the reference. The largest differences are over the tokens both runs
-    chose alike (up to a divergence, where the contexts are still the same)."""
+    chose alike before any divergence (the same token in the same context)."""
 
     reference: str
     variant: str
@@ -114,9 +114,8 @@ def compare(reference: list[RequestRun], variant: list[RequestRun], reference_na
             identical += 1
         else:
             divergences.append(Divergence(index, same))
-        # The chosen token's logprob at the first divergent position too: the context is the same.
-        upto = min(same + 1, len(ref.logprobs), len(var.logprobs))
-        for a, b in zip(ref.logprobs[:upto], var.logprobs[:upto]):
+        # Only where both chose the same token (after it the contexts differ; at it, the tokens).
+        for a, b in zip(ref.logprobs[:same], var.logprobs[:same]):
             max_lp = max(max_lp, abs(a - b))
         if ref.logits is not None and var.logits is not None:
             for a, b in zip(ref.logits[:same], var.logits[:same]):

@@ -26,7 +26,7 @@ def models():
     state = hf_model.state_dict()
     noisy = dict(state)
     generator = torch.Generator().manual_seed(1)
-    noisy["lm_head.weight"] = state["lm_head.weight"] + 0.05 * torch.randn(state["lm_head.weight"].shape,
+    noisy["lm_head.weight"] = state["lm_head.weight"] + 0.01 * torch.randn(state["lm_head.weight"].shape,
                                                                            generator=generator)
     return from_hf_state_dict(config, state), from_hf_state_dict(config, noisy)
 
@@ -44,8 +44,8 @@ def test_compare_finds_the_first_divergent_token_and_the_largest_differences():
     comp = compare(reference, variant, "a", "b")
     assert (comp.identical, comp.total, comp.identical_share) == (1, 2, 0.5)
     assert [(d.request, d.first_token) for d in comp.divergences] == [(1, 2)]
-    # The logprob at the divergent token counts (same context); logits only up to it.
-    assert comp.max_logprob_diff == pytest.approx(1.0)
+    # Differences only over the tokens chosen alike (request 1's third token is another token).
+    assert comp.max_logprob_diff == pytest.approx(0.05)
     assert comp.max_logit_diff == pytest.approx(0.5)
     # A run that stops early (EOS) diverges where the shorter one ends.
     short = compare([RequestRun([5, 6], [0.0, 0.0])], [RequestRun([5, 6, 2], [0.0, 0.0, 0.0])])
@@ -79,7 +79,7 @@ def test_report_finds_a_perturbed_model_at_its_first_divergent_token(models, do_
             expected.append((i, first))
         assert report.runs["alone"][i].tokens == rows[0]
     found = report.comparison("noisy")
-    assert expected, "the perturbation changed no request; the test would prove nothing"
+    assert expected and any(first > 0 for _, first in expected), "the perturbation proves nothing here"
     assert [(d.request, d.first_token) for d in found.divergences] == expected
     assert found.max_logprob_diff > 0
     table = report.format()
