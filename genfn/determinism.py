@@ -273,8 +273,6 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     ``generation_settings``: more ``generate`` settings (``temperature``, ``top_k``, ...), the
     same for every request. Request ``i`` samples with the key of ``seed + i`` in every variant.
     """
-    from genfn.generation import generate  # noqa: F401  (fail early when generation cannot load)
-
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
