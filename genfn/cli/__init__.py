@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-from genfn.cli import batch, bench, chat, generate, serve
+from genfn.cli import batch, bench, chat, determinism, generate, serve
 from genfn.cli.common import GENFN_DIR, USER_ERROR, Parser, StderrLines, UserError
 from genfn.cli.status import Status
 
@@ -30,6 +30,7 @@ _COMMANDS = {
     "chat": (chat, "an interactive chat with the model (/reset, /exit)"),
     "batch": (batch, "run a JSON-lines file of prompts with continuous batching (resumable)"),
     "bench": (bench, "run benchmarks/decode.py and plot tokens/s per configuration"),
+    "determinism": (determinism, "run the same prompts alone, batched and continuously batched; report what differs"),
     "serve": (serve, "the OpenAI-compatible HTTP server and web page (the 'serve' extra)"),
 }
 
