@@ -1,4 +1,4 @@
-"""The ``genfn`` command line: ``generate``, ``chat``, ``batch``, ``bench`` and ``serve``.
+"""The ``genfn`` command line: ``generate``, ``chat``, ``batch``, ``bench``, ``serve`` and ``determinism``.
 
 Status lines (loading, kernel build, compiling, a closing tokens/s summary) go to stderr and
 ``--quiet`` hides them; generated text goes to stdout. A user's mistake (a bad flag value, a
