@@ -29,7 +29,7 @@ _COMMANDS = {
     "generate": (generate, "generate text from a prompt, streaming it to stdout"),
     "chat": (chat, "an interactive chat with the model (/reset, /exit)"),
     "batch": (batch, "run a JSON-lines file of prompts with continuous batching (resumable)"),
-    "bench": (bench, "run benchmarks/decode.py and plot tokens/s per configuration"),
+    "bench": (bench, "run the decode benchmark (python -m genfn.bench) and plot tokens/s per configuration"),
     "determinism": (determinism, "run the same prompts alone, batched and continuously batched; report what differs"),
     "serve": (serve, "the OpenAI-compatible HTTP server and web page (the 'serve' extra)"),
 }

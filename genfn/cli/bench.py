@@ -87,7 +87,7 @@ def plot_results(json_path: str, png_path: str | None = None) -> str:
         raise UserError(f"benchmark results {json_path} are not valid JSON: {err.msg}") from None
     results = payload.get("results") if isinstance(payload, dict) else None
     if not isinstance(results, list):
-        raise UserError(f"{json_path} has no 'results' list (is it benchmarks/decode.py's JSON?)")
+        raise UserError(f"{json_path} has no 'results' list (is it the decode benchmark's JSON?)")
     measured = [r for r in results if isinstance(r, dict) and r.get("error") is None
                 and isinstance(r.get("tok_s"), (int, float)) and {"engine", "format", "batch"} <= set(r)]
     if not measured:
