@@ -259,33 +259,36 @@ class ScriptedManager:
     def __init__(self, model):
         self.model, self.generation_config, self.tokenizer = model, model.generation_config, model.tokenizer
         self.prompts = []
-        self._outputs, self._cond = [], threading.Condition()
+        self._handlers = {}
 
     def is_running(self):
         return True
+
+    @property
+    def max_request_tokens(self):
+        return self.model.max_position_embeddings
+
+    def register_result_handler(self, request_id, callback):
+        self._handlers[request_id] = (callback, asyncio.get_running_loop())
+
+    def remove_result_handler(self, request_id):
+        self._handlers.pop(request_id, None)
 
     def add_request(self, prompt, request_id, max_new_tokens, streaming=False, **settings):
         text = self.tokenizer.decode(prompt)
         self.prompts.append(text)
         reply = self.ANSWER if "sunny" in text else self.CALL
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        with self._cond:
-            for end in range(1, len(ids)):
-                self._outputs.append(GenerationOutput(request_id, list(prompt), ids[:end], [0.0] * end,
-                                                      status=RequestStatus.DECODING))
-            self._outputs.append(GenerationOutput(request_id, list(prompt), ids, [0.0] * len(ids),
-                                                  status=RequestStatus.FINISHED))
-            self._cond.notify_all()
+        callback, loop = self._handlers[request_id]
+        for end in range(1, len(ids)):
+            loop.call_soon_threadsafe(callback, GenerationOutput(request_id, list(prompt), ids[:end], [0.0] * end,
+                                                                 status=RequestStatus.DECODING))
+        loop.call_soon_threadsafe(callback, GenerationOutput(request_id, list(prompt), ids, [0.0] * len(ids),
+                                                             status=RequestStatus.FINISHED))
         return request_id
 
     def cancel_request(self, request_id):
         pass
-
-    def get_result(self, request_id=None, timeout=None):
-        with self._cond:
-            if not self._outputs:
-                self._cond.wait(timeout)
-            return self._outputs.pop(0) if self._outputs else None
 
 
 def test_a_tool_call_round_trip_with_the_openai_client(model):

@@ -99,8 +99,10 @@ def _command(output: Path, sources, isa_flags) -> list[str]:
     return _compile_command(output, sources) if isa_flags is None else _compile_command(output, sources, isa_flags)
 
 
-def _library_path(stem: str = "decode_linear", sources=_SOURCES, headers=_HEADERS, isa_flags=None) -> Path:
-    """Where the library ``stem`` built from these sources, this torch and these flags is cached."""
+def _library_path(stem: str = "decode_linear", sources=None, headers=None, isa_flags=None) -> Path:
+    """Where the library ``stem`` built from these sources (default: the decode kernels', read at
+    call time), this torch and these flags is cached."""
+    sources, headers = (_SOURCES if sources is None else sources), (_HEADERS if headers is None else headers)
     key = hashlib.sha256()
     for source in (*sources, *headers):
         key.update(source.read_bytes())
@@ -117,11 +119,12 @@ def needs_build() -> bool:
     return not _library_path().exists()
 
 
-def _build(stem: str = "decode_linear", sources=_SOURCES, headers=_HEADERS, isa_flags=None) -> Path:
+def _build(stem: str = "decode_linear", sources=None, headers=None, isa_flags=None) -> Path:
     """Path of the compiled library ``stem`` of ``sources``, compiling it if this source/torch/flags
     has no build yet (``isa_flags`` None: the AVX-512 flags of the decode kernels)."""
     if shutil.which(_compiler()) is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    sources = _SOURCES if sources is None else sources
     target = _library_path(stem, sources, headers, isa_flags)
     cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
