@@ -171,3 +171,15 @@ def test_generation_config_validation_channels_match_transformers(settings, flag
             genfn.GenerationConfig(**settings)
         transformers.GenerationConfig(**settings)
     assert any(flagged in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+@pytest.mark.parametrize("name, model", [("BarkEosPrioritizerLogitsProcessor", "Bark"),
+                                         ("DiaEOSChannelFilterLogitsProcessor", "Dia"),
+                                         ("WhisperTimeStampLogitsProcessor", "Whisper")])
+def test_audio_model_processors_are_refused_by_name(name, model):
+    import genfn.processors
+
+    with pytest.raises(AttributeError, match=f"{name}.*{model}'s audio generation.*transformers"):
+        getattr(genfn.processors, name)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchProcessor'"):
+        genfn.processors.NoSuchProcessor  # noqa: B018

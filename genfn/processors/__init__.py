@@ -114,3 +114,19 @@ __all__ = [
     "synthid_mean_score",
     "synthid_weighted_mean_score",
 ]
+
+# transformers' processors for audio and speech models, whose generation loops genfn does not run.
+_AUDIO_MODEL_PROCESSORS = {
+    "AlternatingCodebooksLogitsProcessor": "Bark", "BarkEosPrioritizerLogitsProcessor": "Bark",
+    "DiaClassifierFreeGuidanceLogitsProcessor": "Dia", "DiaEOSChannelFilterLogitsProcessor": "Dia",
+    "DiaEOSDelayPatternLogitsProcessor": "Dia", "WhisperTimeStampLogitsProcessor": "Whisper",
+    "WhisperNoSpeechDetection": "Whisper",
+}
+
+
+def __getattr__(name: str):
+    model = _AUDIO_MODEL_PROCESSORS.get(name)
+    if model is not None:
+        raise AttributeError(f"genfn.processors has no {name}: it belongs to {model}'s audio generation, which genfn "
+                             f"does not run; use transformers.generation.{name} with transformers' {model} model")
+    raise AttributeError(f"module 'genfn.processors' has no attribute {name!r}")
