@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from genfn import kernels  # noqa: E402
-from genfn.kernels.packed_gemm import PackedWeight, bf16_gemm_available, packed_linear, packing_available  # noqa: E402
-from genfn.quant.blocks import quantize  # noqa: E402
-from genfn.quant.weight import QuantizedWeight  # noqa: E402
+from genfn import kernels
+from genfn.kernels.packed_gemm import PackedWeight, bf16_gemm_available, packed_linear, packing_available
+from genfn.quant.blocks import quantize
+from genfn.quant.weight import QuantizedWeight
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
 SHAPES = {"576->576": (HIDDEN, HIDDEN), "576->3072": (HIDDEN, 2 * INTERMEDIATE), "1536->576": (INTERMEDIATE, HIDDEN),
