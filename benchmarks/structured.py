@@ -4,7 +4,7 @@
     python benchmarks/structured.py --skip-decode   # engines only (no model load)
     OMP_WAIT_POLICY=PASSIVE python benchmarks/structured.py --skip-engines   # on a busy machine
 
-1. Engines (llguidance, xgrammar when installed), per JSON schema of ``tests/structured_schemas.py``:
+1. Engines (llguidance, xgrammar when installed), per JSON schema of ``genfn/bench/structured_schemas.py``:
    the first compile (the engine's tokenizer tables are built once before, and reported apart),
    the cached compile (``genfn.structured.compile`` per (tokenizer, spec)), and the mask fill and
    token accept per token along one valid answer (the same token sequence for both engines: a
@@ -30,7 +30,7 @@ from genfn import structured  # noqa: E402
 from genfn.default_model import default_model_path  # noqa: E402
 from genfn.processors.grammar import allowed_tokens  # noqa: E402
 from genfn.tokenizer import Tokenizer  # noqa: E402
-from tests.structured_schemas import SCHEMAS  # noqa: E402
+from genfn.bench.structured_schemas import SCHEMAS  # noqa: E402
 
 VOCAB = 49152
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import genfn
-from tests.structured_schemas import REGEXES, SCHEMAS
+from genfn.bench.structured_schemas import REGEXES, SCHEMAS
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
