@@ -240,10 +240,9 @@ def _grammar_rows(model, tokenizer, config, num_prompts: int, expand: int, promp
     if all(parse_response_format(f) is None for f in formats):
         return None
     speculative = mode is GenerationMode.ASSISTED_GENERATION
-    if encoder_decoder or not (mode in STRATEGIES or (speculative and config.prompt_lookup_num_tokens is not None)):
-        raise ValueError(f"response_format is supported with greedy search, sampling, beam search and prompt-lookup "
-                         f"speculation (prompt_lookup_num_tokens) on decoder-only models; this call's mode is "
-                         f"{mode.value!r}")
+    if encoder_decoder or not (mode in STRATEGIES or speculative):
+        raise ValueError(f"response_format is supported with greedy search, sampling, beam search and speculative "
+                         f"decoding on decoder-only models; this call's mode is {mode.value!r}")
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     rows = constraint_for_rows(tokenizer, formats, vocab_size=model.vocab_size, start=[prompt_len] * len(formats),
                                eos_token_ids=eos_ids, device=device, engine=config.grammar_engine)

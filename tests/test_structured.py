@@ -192,6 +192,39 @@ def test_prompt_lookup_under_a_grammar_equals_plain_greedy(model, tokenizer, fmt
     assert int(out.acceptance["total_accepted"]) > 0  # drafts did pass the grammar and the target
 
 
+@pytest.mark.parametrize("drafter", ["assistant_model", "assistant_early_exit"])
+def test_model_drafters_under_a_grammar_equal_plain_greedy(model, tokenizer, drafter):
+    # The draft model (here the target's own weights, so its drafts are the target's unconstrained
+    # greedy tokens) or the target's first layers propose tokens the grammar may forbid: the host
+    # cuts each block at the first token the matcher refuses, and greedy verification under the
+    # masks keeps greedy's tokens. The free row's drafts are all accepted.
+    texts = ["Give me JSON:", "A phone number, please", "Once upon a time"]
+    batch = tokenizer(texts, padding_side="left")
+    formats = [JSON_FORMAT, {"type": "regex", "pattern": REGEX}, None]
+    settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=24, tokenizer=tokenizer,
+                    response_format=formats)
+    plain = genfn.generate(model, batch["input_ids"], **settings)
+    assistant = dict(assistant_model=model) if drafter == "assistant_model" else dict(assistant_early_exit=1)
+    out = genfn.generate(model, batch["input_ids"], num_assistant_tokens=3, return_dict_in_generate=True,
+                         **assistant, **settings)
+    assert torch.equal(out.sequences, plain[:, :out.sequences.shape[1]])
+    assert out.sequences.shape[1] == plain.shape[1]
+    width = batch["input_ids"].shape[1]
+    json.loads(_replay(tokenizer, JSON_FORMAT, out.sequences[0, width:].tolist()))
+    assert re.fullmatch(REGEX, _replay(tokenizer, {"regex": REGEX}, out.sequences[1, width:].tolist()))
+    if drafter == "assistant_model":
+        assert int(out.acceptance["total_accepted"]) > 0
+
+
+def test_universal_assisted_generation_under_a_grammar_is_refused(model, tokenizer):
+    batch = tokenizer(["Give me JSON:"], padding_side="left")
+    assistant = tiny_pair(vocab_size=VOCAB, seed=1, eos_token_id=2, pad_token_id=2)[1]
+    with pytest.raises(ValueError, match="universal assisted generation"):
+        genfn.generate(model, batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=4,
+                       tokenizer=tokenizer, assistant_model=assistant, assistant_tokenizer=tokenizer,
+                       response_format=JSON_FORMAT)
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager_under_grammars(model, tokenizer, prompts):
     """The mask is a tensor leaf of the compiled step: one graph serves constrained and free rows."""

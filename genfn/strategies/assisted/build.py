@@ -98,6 +98,11 @@ def assisted_strategy(model, request: GenerationRequest, assistant_model=None, *
             carried_schedules[schedule_owner] = state.schedule
 
     if universal:
+        if request.grammar is not None:
+            # Its drafts arrive as text re-encoded between steps, outside the matcher's token stream.
+            raise ValueError("response_format cannot constrain universal assisted generation (an assistant_model "
+                             "with its own assistant_tokenizer); use an assistant sharing the model's tokenizer, "
+                             "prompt_lookup_num_tokens, or no assistant")
         if config.assistant_ensemble_weight is not None:
             raise ValueError("assistant_ensemble_weight needs the assistant's probabilities over the model's "
                              "vocabulary; an assistant with another tokenizer (assistant_tokenizer=) has none")
