@@ -10,8 +10,9 @@
    token accept per token along one valid answer (the same token sequence for both engines: a
    seeded walk through llguidance's masks).
 2. Decode: SmolLM2 greedy ``generate`` with ``response_format`` against the same prompts without it,
-   batch 1 and 16, interleaved (A/B/A/B) in one process; each unconstrained run decodes as many
-   steps as its constrained twin (``min_new_tokens``), and ms per step is compared.
+   batch 1 and 16, eager and compiled, interleaved (A/B/A/B) in one process; each unconstrained run
+   decodes as many steps as its constrained twin (``min_new_tokens``). A streamer notes when each
+   step's tokens arrive, so the compared figure is the median decode step (prefill left out).
 
 Prints ratios and writes ``benchmarks/results/structured-<date>.json``. The machine this runs on
 may be shared: compare ratios from one run, not absolute times across runs.
@@ -119,37 +120,65 @@ def _prompts(tokenizer, batch: int):
     return ids, mask, [f for _, f in rows]
 
 
-def bench_decode(batches: list[int], repeats: int, max_new: int) -> dict:
+class _StepClock:
+    """A streamer that notes when each step's tokens arrive: the gaps between them are decode steps
+    alone (the prompt's put and the prefill before the first token are left out)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, tokens) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_seconds(self) -> float:
+        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]  # [0] is the prompt
+        return statistics.median(gaps)
+
+
+def _timed(model, ids, **settings) -> tuple[float, int]:
+    """(median seconds per decode step, steps decoded) of one ``generate`` call."""
+    import genfn
+
+    clock = _StepClock()
+    out = genfn.generate(model, ids, streamer=clock, **settings)
+    return clock.step_seconds(), out.shape[1] - ids.shape[1]
+
+
+def bench_decode(batches: list[int], repeats: int, max_new: int, modes: list[str]) -> dict:
     import genfn
 
     model = genfn.load(default_model_path())
     engines = structured.available_engines()
     results = {}
-    for batch in batches:
-        ids, mask, formats = _prompts(model.tokenizer, batch)
-        settings = dict(attention_mask=mask, max_new_tokens=max_new)
-        steps = {}
-        for engine in engines:  # warm-up: compiles the grammars, and learns each engine's step count
-            out = genfn.generate(model, ids, response_format=formats, grammar_engine=engine, **settings)
-            steps[engine] = out.shape[1] - ids.shape[1]
-        timings = {name: [] for name in [*engines, *(f"free/{e}" for e in engines)]}
-        for _ in range(repeats):
-            for engine in engines:
-                start = time.perf_counter()
-                out = genfn.generate(model, ids, response_format=formats, grammar_engine=engine, **settings)
-                timings[engine].append((time.perf_counter() - start) / (out.shape[1] - ids.shape[1]))
-                # The same prompts unconstrained, decoding the same number of steps.
+    for mode in modes:
+        compiled = dict(cache_implementation="static", max_cache_len=512) if mode == "compiled" else {}
+        for batch in batches:
+            ids, mask, formats = _prompts(model.tokenizer, batch)
+            settings = dict(attention_mask=mask, max_new_tokens=max_new, **compiled)
+            steps = {}
+            for engine in engines:  # warm-up: compiles the grammars (and the step), learns the step counts
+                _, steps[engine] = _timed(model, ids, response_format=formats, grammar_engine=engine, **settings)
                 n = steps[engine]
-                start = time.perf_counter()
-                plain = genfn.generate(model, ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n)
-                timings[f"free/{engine}"].append((time.perf_counter() - start) / (plain.shape[1] - ids.shape[1]))
-        results[batch] = {}
-        for engine in engines:
-            c, f = min(timings[engine]), min(timings[f"free/{engine}"])
-            results[batch][engine] = {"constrained_ms_per_step": c * 1e3, "free_ms_per_step": f * 1e3,
-                                      "ratio": c / f, "steps": steps[engine]}
-            print(f"decode batch {batch:2d} {engine:11s}: constrained {c * 1e3:7.2f} ms/step, unconstrained "
-                  f"{f * 1e3:7.2f} ms/step, ratio {c / f:.3f} ({steps[engine]} steps, best of {repeats}, interleaved)")
+                _timed(model, ids, **{**settings, "max_new_tokens": n, "min_new_tokens": n})
+            timings = {name: [] for name in [*engines, *(f"free/{e}" for e in engines)]}
+            for _ in range(repeats):
+                for engine in engines:  # interleaved: constrained, then the same prompts free, per engine
+                    timings[engine].append(_timed(model, ids, response_format=formats, grammar_engine=engine,
+                                                  **settings)[0])
+                    n = steps[engine]  # the free run decodes as many steps as its constrained twin
+                    timings[f"free/{engine}"].append(
+                        _timed(model, ids, **{**settings, "max_new_tokens": n, "min_new_tokens": n})[0])
+            for engine in engines:
+                c, f = min(timings[engine]), min(timings[f"free/{engine}"])
+                results.setdefault(mode, {}).setdefault(batch, {})[engine] = {
+                    "constrained_ms_per_step": c * 1e3, "free_ms_per_step": f * 1e3, "ratio": c / f,
+                    "steps": steps[engine]}
+                print(f"decode {mode:8s} batch {batch:2d} {engine:11s}: constrained {c * 1e3:7.2f} ms/step, "
+                      f"unconstrained {f * 1e3:7.2f} ms/step, ratio {c / f:.3f} ({steps[engine]} steps, median "
+                      f"step of each run, best of {repeats} runs, interleaved)")
     return results
 
 
@@ -160,6 +189,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--modes", default="eager,compiled",
+                        help="eager (dynamic cache) and/or compiled (static cache, the compiled decode step)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; engines: {structured.available_engines()}; "
@@ -167,7 +198,8 @@ def main() -> None:
     tokenizer = Tokenizer.from_gguf(default_model_path())
     payload = {} if args.skip_engines else bench_engines(tokenizer)
     if not args.skip_decode:
-        payload["decode"] = bench_decode([int(b) for b in args.batches.split(",")], args.repeats, args.max_new_tokens)
+        payload["decode"] = bench_decode([int(b) for b in args.batches.split(",")], args.repeats, args.max_new_tokens,
+                                         args.modes.split(","))
     print("wrote", write_results("structured", payload, args.out))
 
 
