@@ -28,6 +28,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from genfn.batching.beam_groups import leader_request
 from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
@@ -107,6 +108,8 @@ class ContinuousBatchingManager:
         self._records: dict[Hashable, RequestRecord] = {}
         self._live: set = set()  # requests added and not yet ended
         self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
+        self._beam_sequences: dict = {}  # a beam request's further sequence ids (guarded by _lock)
+        self._beam_owner: dict = {}  # such a sequence id -> its request's id (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
         self._gate = threading.Lock()
@@ -306,7 +309,13 @@ class ContinuousBatchingManager:
         to token ids; ``top_logprobs`` (0..20) most likely tokens are reported per generated token
         (``GenerationOutput.top_logprobs``). All are per request: requests with different values
         share a batch. ``response_format`` (structured outputs, as ``generate`` takes it) constrains
-        this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here."""
+        this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here.
+
+        ``num_beams > 1``: beam search (beam sampling with ``do_sample``), ``length_penalty``,
+        ``early_stopping``, as ``generate`` runs them; the beams are rows of the batch that decode
+        together (``genfn.batching.beam_groups``), and the sequences are the best
+        ``num_return_sequences`` hypotheses, best first, each with its ``sequence_score``. A beam
+        request streams nothing before its result."""
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if isinstance(input_ids, torch.Tensor):
@@ -324,18 +333,24 @@ class ContinuousBatchingManager:
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         ids = sequence_ids(request_id, len(resolved.sequences))
-        states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
-                  for rid, seq in zip(ids, resolved.sequences)]
+        if resolved.beam is not None:
+            self._check_beams(resolved.beam.num_beams)
+            states = [leader_request(request_id, prompt, resolved.settings, resolved.beam, ids)]
+        else:
+            states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
+                                   {"genfn": seq}) for rid, seq in zip(ids, resolved.sequences)]
         now = time.perf_counter()
         with self._lock:
             taken = [rid for rid in ids if rid in self._live]
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already in flight")
-            for state in states:
-                self._live.add(state.request_id)
-                self._records[state.request_id] = RequestRecord(list(state.prompt_ids), bool(streaming),
-                                                                bool(record_timestamps), now,
-                                                                resolved.settings.top_logprobs)
+            for rid in ids:
+                self._live.add(rid)
+                self._records[rid] = RequestRecord(list(prompt), bool(streaming), bool(record_timestamps), now,
+                                                   resolved.settings.top_logprobs)
+            if resolved.beam is not None and len(ids) > 1:
+                self._beam_sequences[request_id] = ids[1:]
+                self._beam_owner.update((rid, request_id) for rid in ids[1:])
             if len(states) > 1:
                 # The other sequences join once the first has prefilled the prompt: its blocks are
                 # then in the prefix cache, and they compute only the prompt's last partial block.
@@ -357,8 +372,20 @@ class ContinuousBatchingManager:
             ids, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
             **logit_processor_kwargs)]
 
+    def _check_beams(self, num_beams: int) -> None:
+        # A group's beams decode in one forward: it must fit one.
+        sizes = self._sizes()
+        most = min(sizes.max_requests_per_batch, sizes.max_batch_tokens)
+        if num_beams > most:
+            raise ValueError(f"`num_beams` ({num_beams}) must be <= {most}: a request's beams decode in one forward "
+                             f"(max_requests_per_batch={sizes.max_requests_per_batch}, "
+                             f"max_batch_tokens={sizes.max_batch_tokens})")
+
     def cancel_request(self, request_id: Hashable) -> None:
-        """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
+        """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended. Any
+        sequence id of a beam request cancels the whole request."""
+        with self._lock:
+            request_id = self._beam_owner.get(request_id, request_id)
         self._cancels.put(request_id)
         self._wake.set()
 
@@ -512,7 +539,8 @@ class ContinuousBatchingManager:
         for request in outcome.finished:
             stopped = request.request_id in outcome.by_stop_string or request.generated_ids[-1] in request.eos_token_ids
             self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
-                      finish_reason="stop" if stopped else "length")
+                      finish_reason="stop" if stopped else "length",
+                      sequence_score=outcome.sequence_scores.get(request.request_id))
 
     def _record(self, outcome, scheduled_at: float) -> None:
         """Keep the step's logprobs and timings on the requests' records, stream the tokens of the
@@ -555,23 +583,31 @@ class ContinuousBatchingManager:
     # -- endings ---------------------------------------------------------------------------------
 
     def _output(self, request_id, status, generated, error=None, ended: float = -1.0,
-                finish_reason: str | None = None) -> GenerationOutput:
-        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason)
+                finish_reason: str | None = None, sequence_score: float | None = None) -> GenerationOutput:
+        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason,
+                                                sequence_score)
 
     def _end(self, request_id, status: RequestStatus, generated, error: str | None = None,
-             finish_reason: str | None = None) -> None:
+             finish_reason: str | None = None, sequence_score: float | None = None) -> None:
         """The one way a request ends: one terminal output, then it is forgotten."""
         with self._lock:
             if request_id not in self._live:
                 return
             self._live.discard(request_id)
-            output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason)
+            output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason,
+                                  sequence_score)
             del self._records[request_id]
             held = self._held.pop(request_id, ())
+            beams = self._beam_sequences.pop(request_id, ())
+            for rid in beams:
+                self._beam_owner.pop(rid, None)
         self._metrics.record_end(status)
         self._router.deliver(output)
         for sequence in held:  # it ended before its first token: so do its other sequences
             self._end(sequence.request_id, status, (), error)
+        if status != RequestStatus.FINISHED:  # a beam request's other hypotheses end with it (finished: each its own)
+            for rid in beams:
+                self._end(rid, status, (), error)
 
     def _fail_queued(self, message: str) -> None:
         while True:
