@@ -133,12 +133,13 @@ def test_generate_batch_returns_the_best_hypotheses_with_their_scores(tiny):
 
 
 def test_cancelling_a_beam_request_ends_every_sequence_and_frees_every_block(tiny):
-    cb = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=16, max_requests_per_batch=8)
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=200, max_batch_tokens=16, max_requests_per_batch=8)
     manager = ContinuousBatchingManager(tiny, None, cb)
     manager.start()
     try:
+        # min_new_tokens keeps EOS out, so the search runs long enough to be cancelled.
         ids = manager.add_sequences(list(range(3, 20)), "b", max_new_tokens=150, num_beams=3, num_return_sequences=2,
-                                    eos_token_id=[])
+                                    min_new_tokens=150)
         greedy = manager.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
         assert manager.get_result(greedy, timeout=WAIT_S).status == RequestStatus.FINISHED
         manager.cancel_request("b.1")  # any sequence id cancels the request
