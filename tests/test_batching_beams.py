@@ -179,3 +179,66 @@ def test_a_forked_table_shares_the_full_blocks_and_copies_the_partial_one():
     B.check_invariants(alloc)
     with pytest.raises(ValueError, match="already holds blocks"):
         B.fork(alloc, "late2", "child", 6)
+
+
+def test_the_server_takes_beams_from_the_openai_clients_extra_body():
+    import openai
+
+    from genfn.serve import create_app
+    from test_serve import ServerThread, tiny_chat_model
+
+    model = tiny_chat_model()
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=128, max_batch_tokens=64, max_requests_per_batch=8)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    manager.start()
+    try:
+        with ServerThread(create_app(manager, model.tokenizer, model_name="tiny")) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+            prompt = "The quick brown fox"
+            beams = dict(num_beams=3, length_penalty=0.7, early_stopping=True)
+            greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+            response = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=2,
+                                                 extra_body=beams)
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=2,
+                                               extra_body=beams, stream=True)
+            streamed = ["", ""]
+            for chunk in stream:
+                for choice in chunk.choices:
+                    streamed[choice.index] += choice.text
+            with pytest.raises(openai.BadRequestError, match="num_beams"):
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=4, n=4, extra_body={"num_beams": 2})
+    finally:
+        manager.stop(timeout=WAIT_S)
+    expected, _ = _beam_generate(model, model.tokenizer.encode(prompt), 8, num_beams=3, num_return_sequences=2,
+                                 length_penalty=0.7, early_stopping=True)
+    texts = [model.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in expected]
+    assert [choice.text for choice in response.choices] == texts == streamed
+    assert greedy.choices[0].text == model.tokenizer.decode(
+        _alone(model, model.tokenizer.encode("Hello"), 6, do_sample=False), skip_special_tokens=True)
+
+
+def test_genfn_batch_reads_beam_settings_and_writes_the_best_hypothesis(tmp_path, capsys):
+    import json
+
+    import genfn
+    from cli_support import build_tiny_model
+    from genfn import cli
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    records = [{"id": "beam", "prompt": "The capital of France is", "max_tokens": 6, "num_beams": 3,
+                "length_penalty": 0.6, "early_stopping": True},
+               {"id": "greedy", "prompt": "Say hi", "max_tokens": 3}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    assert cli.main(["batch", str(source), str(out), "--model", str(model_dir), "-q"]) == 0
+    rows = {row["id"]: row for row in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
+    model = genfn.load(model_dir)
+    ids = model.tokenizer(["The capital of France is"])["input_ids"][0].tolist()
+    expected, scores = _beam_generate(model, ids, 6, num_beams=3, length_penalty=0.6, early_stopping=True)
+    assert rows["beam"]["tokens"] == expected[0]
+    assert rows["beam"]["sequence_score"] == pytest.approx(scores[0], abs=1e-4)
+    assert "sequence_score" not in rows["greedy"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "hi", "num_beams": 2, "early_stopping": "sometimes"}) + "\n")
+    assert cli.main(["batch", str(bad), str(tmp_path / "o.jsonl"), "--model", str(model_dir), "-q"]) == 2
+    assert "early_stopping" in capsys.readouterr().err

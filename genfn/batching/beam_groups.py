@@ -34,7 +34,7 @@ from genfn.batching.requests import RequestState, RequestStatus, make_request
 from genfn.state.beam import BeamState
 from genfn.strategies.beam import select_beams
 
-__all__ = ["BEAM_KEY", "BeamRequest", "BeamSteps", "advance", "leader_request", "member_ids"]
+__all__ = ["BEAM_KEY", "BeamRequest", "BeamSteps", "advance", "check_beams_fit", "leader_request", "member_ids"]
 
 # The key of a beam request's ``BeamRequest`` in its ``RequestState.settings``.
 BEAM_KEY = "genfn.beam"
@@ -75,6 +75,14 @@ def leader_request(request_id: Hashable, prompt_ids, settings, beam: BeamState,
     ``settings``: its ``RequestSettings``; ``sequence_ids``: one id per returned hypothesis."""
     return make_request(request_id, prompt_ids, None, None, {"genfn": settings,
                                                              BEAM_KEY: BeamRequest(beam, tuple(sequence_ids))})
+
+
+def check_beams_fit(num_beams: int, max_requests_per_batch: int, max_batch_tokens: int) -> None:
+    """A ValueError unless a request's ``num_beams`` beams fit one forward (they decode together)."""
+    most = min(max_requests_per_batch, max_batch_tokens)
+    if num_beams > most:
+        raise ValueError(f"`num_beams` ({num_beams}) must be <= {most}: a request's beams decode in one forward "
+                         f"(max_requests_per_batch={max_requests_per_batch}, max_batch_tokens={max_batch_tokens})")
 
 
 def member_ids(group_id: Hashable, num_beams: int) -> tuple[Hashable, ...]:

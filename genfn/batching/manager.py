@@ -28,11 +28,11 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-from genfn.batching.beam_groups import leader_request
+from genfn.batching.beam_groups import check_beams_fit, leader_request
 from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
-from genfn.batching.requests import RequestStatus, make_request
+from genfn.batching.requests import RequestStatus, make_request, sequence_ids
 from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
@@ -43,13 +43,6 @@ __all__ = ["ContinuousBatchingManager", "sequence_ids"]
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
-
-
-def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:
-    """The ids of a request's ``count`` sequences: its own, then ``"<id>.1"``, ``"<id>.2"``, ... for a
-    string id (``(id, j)`` for another)."""
-    return [request_id] + [f"{request_id}.{j}" if isinstance(request_id, str) else (request_id, j)
-                           for j in range(1, count)]
 
 
 # ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
@@ -109,7 +102,6 @@ class ContinuousBatchingManager:
         self._live: set = set()  # requests added and not yet ended
         self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
         self._beam_sequences: dict = {}  # a beam request's further sequence ids (guarded by _lock)
-        self._beam_owner: dict = {}  # such a sequence id -> its request's id (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
         self._gate = threading.Lock()
@@ -310,12 +302,7 @@ class ContinuousBatchingManager:
         (``GenerationOutput.top_logprobs``). All are per request: requests with different values
         share a batch. ``response_format`` (structured outputs, as ``generate`` takes it) constrains
         this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here.
-
-        ``num_beams > 1``: beam search (beam sampling with ``do_sample``), ``length_penalty``,
-        ``early_stopping``, as ``generate`` runs them; the beams are rows of the batch that decode
-        together (``genfn.batching.beam_groups``), and the sequences are the best
-        ``num_return_sequences`` hypotheses, best first, each with its ``sequence_score``. A beam
-        request streams nothing before its result."""
+        ``num_beams > 1``: beam search as ``generate`` runs it (``genfn.batching.beam_groups``)."""
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if isinstance(input_ids, torch.Tensor):
@@ -334,7 +321,7 @@ class ContinuousBatchingManager:
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         ids = sequence_ids(request_id, len(resolved.sequences))
         if resolved.beam is not None:
-            self._check_beams(resolved.beam.num_beams)
+            check_beams_fit(resolved.beam.num_beams, cap.max_requests_per_batch, cap.max_batch_tokens)
             states = [leader_request(request_id, prompt, resolved.settings, resolved.beam, ids)]
         else:
             states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
@@ -348,9 +335,8 @@ class ContinuousBatchingManager:
                 self._live.add(rid)
                 self._records[rid] = RequestRecord(list(prompt), bool(streaming), bool(record_timestamps), now,
                                                    resolved.settings.top_logprobs)
-            if resolved.beam is not None and len(ids) > 1:
+            if resolved.beam is not None:
                 self._beam_sequences[request_id] = ids[1:]
-                self._beam_owner.update((rid, request_id) for rid in ids[1:])
             if len(states) > 1:
                 # The other sequences join once the first has prefilled the prompt: its blocks are
                 # then in the prefix cache, and they compute only the prompt's last partial block.
@@ -372,20 +358,10 @@ class ContinuousBatchingManager:
             ids, max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
             **logit_processor_kwargs)]
 
-    def _check_beams(self, num_beams: int) -> None:
-        # A group's beams decode in one forward: it must fit one.
-        sizes = self._sizes()
-        most = min(sizes.max_requests_per_batch, sizes.max_batch_tokens)
-        if num_beams > most:
-            raise ValueError(f"`num_beams` ({num_beams}) must be <= {most}: a request's beams decode in one forward "
-                             f"(max_requests_per_batch={sizes.max_requests_per_batch}, "
-                             f"max_batch_tokens={sizes.max_batch_tokens})")
-
     def cancel_request(self, request_id: Hashable) -> None:
-        """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended. Any
-        sequence id of a beam request cancels the whole request."""
-        with self._lock:
-            request_id = self._beam_owner.get(request_id, request_id)
+        """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
+        with self._lock:  # any sequence id of a beam request cancels the whole request
+            request_id = next((r for r, seqs in self._beam_sequences.items() if request_id in seqs), request_id)
         self._cancels.put(request_id)
         self._wake.set()
 
@@ -599,8 +575,6 @@ class ContinuousBatchingManager:
             del self._records[request_id]
             held = self._held.pop(request_id, ())
             beams = self._beam_sequences.pop(request_id, ())
-            for rid in beams:
-                self._beam_owner.pop(rid, None)
         self._metrics.record_end(status)
         self._router.deliver(output)
         for sequence in held:  # it ended before its first token: so do its other sequences

@@ -89,11 +89,17 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         kwargs["eos_token_id"] = eos_token_id
     prompt = torch.as_tensor([list(prompt_ids)], dtype=torch.int64, device=model.device)
     beams = _num_beams(model, generation_config, kwargs)
-    request = resolve_request(model, prompt, generation_config, kwargs, key=key,
-                              attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
-                              tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
-                              length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
-                              caller="add_request()").request
+    while True:
+        # A beam request's rows are its beams, expanded as generate expands them (the chain and the
+        # beam buffers have num_beams rows); resolved again if the merged config says otherwise.
+        request = resolve_request(model, prompt, generation_config, kwargs, key=key,
+                                  attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
+                                  tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
+                                  length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
+                                  caller="add_request()").request
+        if int(request.config.num_beams or 1) == beams:
+            break
+        beams = int(request.config.num_beams or 1)
     if beams > 1:
         return _beam_request(request, top_logprobs)
     chain = request.processors
@@ -124,7 +130,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
 
 
 def _num_beams(model, generation_config, kwargs) -> int:
-    # The merged value, as resolve_request merges it (kwargs > the config passed > the model's).
+    # The merged value as resolve_request merges it (kwargs > the config passed > the model's), read
+    # before resolving, so the request is resolved once in the common case.
     for source in (kwargs, generation_config, getattr(model, "generation_config", None)):
         value = source.get("num_beams") if isinstance(source, dict) else getattr(source, "num_beams", None)
         if value is not None:
