@@ -224,6 +224,7 @@ def test_genfn_batch_reads_beam_settings_and_writes_the_best_hypothesis(tmp_path
     from cli_support import build_tiny_model
     from genfn import cli
 
+    (tmp_path / "model").mkdir()
     model_dir = build_tiny_model(tmp_path / "model")
     records = [{"id": "beam", "prompt": "The capital of France is", "max_tokens": 6, "num_beams": 3,
                 "length_penalty": 0.6, "early_stopping": True},

@@ -15,9 +15,10 @@ import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from genfn.batching import blocks as B
 from genfn.batching.requests import RequestState
 
-__all__ = ["RequestGroup", "group_ready", "last_to_compute", "member_index", "members_with"]
+__all__ = ["RequestGroup", "add_group", "group_ready", "last_to_compute", "member_index", "members_with"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,3 +50,29 @@ def last_to_compute(request: RequestState, grouped: bool) -> int:
 def group_ready(group: RequestGroup, requests: Mapping[Hashable, RequestState], active, in_batch) -> bool:
     """Every member is admitted, has only its last token to compute, and has no chunk yet in this batch."""
     return all(m in active and m not in in_batch and requests[m].remaining == 1 for m in group.members)
+
+
+def add_group(draft, members: tuple[Hashable, ...], capacity: int, tokens_left: int, rows_left: int,
+              kv_left: int | None) -> tuple[int, int, bool]:
+    """Give every member of a ready group its one-token sampling chunk in ``draft`` (the batch
+    ``scheduling.schedule`` builds), or none: blocks come from other requests (preempted), else the
+    whole group waits. Returns (chunks added, key/value positions they read, blocks ran out)."""
+    reads = sum(draft.requests[m].num_tokens for m in members)
+    if tokens_left < len(members) or rows_left < len(members) or (kv_left is not None and kv_left < reads):
+        return 0, 0, False
+    if max(draft.requests[m].num_tokens for m in members) > capacity:
+        draft.fail(members[0], f"request {members[0]!r} reached {capacity} tokens, the most one request holds "
+                               f"(num_blocks x block_size, or max_blocks_per_request x block_size)")
+        return 0, 0, False
+    need = sum(B.blocks_needed(draft.alloc, m, draft.requests[m].num_tokens) for m in members)
+    while B.num_free_blocks(draft.alloc) < need:
+        victim = draft.victim(exclude=members)
+        if victim is None:
+            draft.preempt(members[0])
+            return 0, 0, True
+        draft.preempt(victim)
+    for member in members:
+        request = draft.requests[member]
+        draft.alloc = B.ensure_capacity(draft.alloc, member, request.num_tokens)
+        draft.add_chunk(request, request.num_computed, 1)
+    return len(members), reads, False

@@ -252,7 +252,8 @@ def _remove(state: SchedulerState, request_id: Hashable, keep_cached: bool = Tru
 
 def finish(state: SchedulerState, request_id: Hashable, status: RequestStatus = RequestStatus.FINISHED,
            error: str | None = None, keep_cached: bool = True) -> tuple[SchedulerState, RequestState | None]:
-    """End a request (FINISHED by default; FAILED with ``error``), releasing its blocks.
+    """End a request (FINISHED by default; FAILED with ``error``), releasing its blocks; a group
+    member ends its whole group (``genfn.batching.groups``).
     ``keep_cached=False``: none of its blocks stays in the prefix cache (their content is not to be
     reused: a request whose keys/values went NaN).
 
@@ -418,35 +419,6 @@ def schedule(state: SchedulerState, token_budget: int,
             return 0
         return count
 
-    def add_group(members: tuple[Hashable, ...]) -> None:
-        """Every member's one-token sampling chunk, or none (blocks taken from other requests,
-        else the whole group waits)."""
-        nonlocal tokens_left, rows_left, kv_left, allocation_failed
-        reads = sum(draft.requests[m].num_tokens for m in members)
-        if tokens_left < len(members) or rows_left < len(members) or (kv_left is not None and kv_left < reads):
-            return
-        longest = max(draft.requests[m].num_tokens for m in members)
-        if longest > capacity:
-            draft.fail(members[0], f"request {members[0]!r} reached {capacity} tokens, the most one request "
-                                   f"holds (num_blocks x block_size, or max_blocks_per_request x block_size)")
-            return
-        need = sum(B.blocks_needed(draft.alloc, m, draft.requests[m].num_tokens) for m in members)
-        while B.num_free_blocks(draft.alloc) < need:
-            victim = draft.victim(exclude=members)
-            if victim is None:
-                allocation_failed = True
-                draft.preempt(members[0])
-                return
-            draft.preempt(victim)
-        for member in members:
-            request = draft.requests[member]
-            draft.alloc = B.ensure_capacity(draft.alloc, member, request.num_tokens)
-            draft.add_chunk(request, request.num_computed, 1)
-        tokens_left -= len(members)
-        rows_left -= len(members)
-        if kv_left is not None:
-            kv_left -= reads
-
     for request_id in _ordered_active(state):
         if tokens_left == 0 or rows_left == 0:
             break
@@ -456,7 +428,11 @@ def schedule(state: SchedulerState, token_budget: int,
         gid = draft.member_of.get(request_id)
         if gid is not None and gid in draft.groups and G.group_ready(draft.groups[gid], draft.requests, draft.active,
                                                                      draft.in_batch):
-            add_group(draft.groups[gid].members)
+            taken, reads, failed = G.add_group(draft, draft.groups[gid].members, capacity, tokens_left, rows_left,
+                                               kv_left)
+            tokens_left, rows_left, allocation_failed = tokens_left - taken, rows_left - taken, allocation_failed or failed
+            if kv_left is not None:
+                kv_left -= reads
             continue
         if not in_margin and draft.chunks and request.status != RequestStatus.DECODING:
             continue

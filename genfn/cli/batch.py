@@ -281,8 +281,11 @@ def main(args, status: Status) -> int:
         return _report_bad(status, bad)
     lengths = [len(r.ids) for r in todo]
     longest_new = max(r.max_new_tokens for r in todo)
+    rows = sum(r.settings.get("num_beams", 1) for r in todo)  # a beam request's beams decode in one forward
+    most_beams = max(r.settings.get("num_beams", 1) for r in todo)
     hints = WorkloadHints(expected_prompt_len=max(1, sum(lengths) // len(lengths)), expected_new_tokens=longest_new,
-                          concurrent_requests=min(len(todo), args.max_requests or 32), max_prompt_len=max(lengths),
+                          concurrent_requests=min(rows, max(args.max_requests or 32, most_beams)),
+                          max_prompt_len=max(lengths),
                           max_new_tokens=longest_new)
     config = ContinuousBatchingConfig(max_requests_per_batch=args.max_requests)
     eos = eos_ids(model)

@@ -79,12 +79,12 @@ class Run:
         self.pump.subscribe(self.request_ids, self.deliver)
         self.open = set(self.request_ids)
         try:
-            await asyncio.to_thread(self._add_all, prompts, settings, streaming)
+            await asyncio.to_thread(self._add_all, prompts, settings, streaming, sequences)
         except (ValueError, TypeError) as exc:
             self.cancel()
             raise APIError(str(exc), status=400) from None
 
-    def _add_all(self, prompts, settings, streaming: bool) -> None:
+    def _add_all(self, prompts, settings, streaming: bool, sequences: int) -> None:
         for base, prompt, kwargs in zip(self._bases, prompts, settings):
             with self._adding:  # cancel() either sees this request added or stops the ones after it
                 if self._abandoned:
