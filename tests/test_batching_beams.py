@@ -101,8 +101,17 @@ def _run_engine(model, num_blocks, max_batch_tokens, block_size=4, width=16, max
     return ended, scores, preempted
 
 
-@pytest.mark.parametrize("num_blocks,max_batch_tokens", [(80, 64), (15, 8)], ids=["roomy", "tiny-budget-chunked"])
-def test_beam_requests_in_a_mixed_batch_equal_generate(tiny, num_blocks, max_batch_tokens):
+@pytest.mark.parametrize("num_blocks,max_batch_tokens", [(80, 64), (13, 8)], ids=["roomy", "tiny-budget-chunked"])
+def test_beam_requests_in_a_mixed_batch_equal_generate(tiny, num_blocks, max_batch_tokens, monkeypatch):
+    forks = []
+
+    def counted_fork(alloc, source, target, num_tokens):
+        out = real_fork(alloc, source, target, num_tokens)
+        forks.append("copied" if out[2] is not None else "aligned" if out[1] == num_tokens else "recomputed")
+        return out
+
+    real_fork = B.fork
+    monkeypatch.setattr(B, "fork", counted_fork)
     ended, scores, preempted = _run_engine(tiny, num_blocks, max_batch_tokens)
     for rid, (prompt, limit, settings) in BEAMS.items():
         expected, expected_scores = _beam_generate(tiny, prompt, limit, **settings)
@@ -111,9 +120,12 @@ def test_beam_requests_in_a_mixed_batch_equal_generate(tiny, num_blocks, max_bat
         assert [scores[sid] for sid in ids] == pytest.approx(expected_scores, abs=1e-4), rid
     for rid, (prompt, limit, settings) in OTHERS.items():
         assert list(ended[rid].generated_ids) == _alone(tiny, prompt, limit, **settings), rid
+    assert "copied" in forks  # a partial last block copied for a second child of a beam
     if num_blocks < 30:
-        # The budget forced preemptions, beam groups among them (recomputed, then decoding together again).
-        assert any(isinstance(r, tuple) and r[1] == "beam" for r in preempted) or any(r in BEAMS for r in preempted)
+        # The budget forced preemptions, beam groups among them (recomputed, then decoding together
+        # again), and a fork with no block to spare (the child recomputed its partial block).
+        assert any(isinstance(r, tuple) and r[1] == "beam" for r in preempted)
+        assert "recomputed" in forks
 
 
 def test_generate_batch_returns_the_best_hypotheses_with_their_scores(tiny):
