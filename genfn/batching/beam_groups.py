@@ -134,12 +134,14 @@ def _step_group(engine, state, batch, gid, members, rows, logits):
         state = _commit(state, batch, members)
     column = leader.num_tokens  # every member holds the same number of tokens: the new ones go here
     beam, beam_idx = select_beams(beam, block)
-    if beam.options.check_finite and bool(beam.nonfinite.any()):
+    # The group's one host sync: NaN/inf seen, search done, each new beam's parent and token.
+    nonfinite, done, *rest = torch.cat((beam.nonfinite.any().reshape(1), beam.done.reshape(1), beam_idx,
+                                        beam.running_sequences[0, :, column])).tolist()
+    if nonfinite and beam.options.check_finite:
         return _fail(engine, state, gid, members)
-    if bool(beam.done):
+    if done:
         return _finish(state, gid, beam, search)
-    parents = beam_idx.tolist()
-    tokens = beam.running_sequences[0, :, column].tolist()
+    parents, tokens = rest[:num_beams], rest[num_beams:]
     state = _fork(engine, state, gid, members, parents, tokens, dataclasses.replace(search, state=beam))
     return state, []
 
