@@ -255,3 +255,40 @@ def test_genfn_batch_reads_beam_settings_and_writes_the_best_hypothesis(tmp_path
     bad.write_text(json.dumps({"prompt": "hi", "num_beams": 2, "early_stopping": "sometimes"}) + "\n")
     assert cli.main(["batch", str(bad), str(tmp_path / "o.jsonl"), "--model", str(model_dir), "-q"]) == 2
     assert "early_stopping" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch,overrides", [("Qwen2ForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 8})])
+def test_beams_of_other_llama_family_models_equal_generate(arch, overrides):
+    model = tiny_pair(arch, seed=4, **overrides)[1]
+    prompts = [list(range(3, 17)), [5, 6, 7]]
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=8, max_requests_per_batch=8)
+    results = model.generate_batch(prompts, max_new_tokens=9, num_beams=3, num_return_sequences=2,
+                                   continuous_batching_config=cb)
+    for i, prompt in enumerate(prompts):
+        expected, expected_scores = _beam_generate(model, prompt, 9, num_beams=3, num_return_sequences=2)
+        outs = [results[rid] for rid in sequence_ids(f"req_{i}", 2)]
+        assert [out.generated_tokens for out in outs] == expected
+        assert [out.sequence_score for out in outs] == pytest.approx(expected_scores, abs=1e-4)
+
+
+def test_nonfinite_logits_fail_the_whole_beam_group_and_free_its_blocks(tiny, monkeypatch):
+    def poisoned(state, logits):
+        state, beam_idx = real_select(state, logits)
+        return state.replace(nonfinite=torch.ones_like(state.nonfinite)), beam_idx
+
+    real_select = beam_groups.select_beams
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=16, max_requests_per_batch=8)
+    manager = ContinuousBatchingManager(tiny, None, cb)
+    manager.start()
+    try:
+        greedy = manager.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+        assert manager.get_result(greedy, timeout=WAIT_S).status == RequestStatus.FINISHED
+        monkeypatch.setattr(beam_groups, "select_beams", poisoned)
+        ids = manager.add_sequences(list(range(3, 14)), "b", max_new_tokens=8, num_beams=2, num_return_sequences=2)
+        outs = [manager.get_result(rid, timeout=WAIT_S) for rid in ids]
+        assert all(out.status == RequestStatus.FAILED and "NonFiniteLogitsError" in out.error for out in outs)
+        with manager.pause():
+            state = manager.scheduler.state
+            assert not state.requests and not state.groups and not any(state.allocator.refs)
+    finally:
+        manager.stop(timeout=WAIT_S)
