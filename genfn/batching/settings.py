@@ -67,8 +67,8 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
             found.append(f"{name}={value!r}")
     if found:
-        raise ValueError(f"continuous batching runs greedy search and sampling with logits processors; it does not "
-                         f"support {', '.join(found)}")
+        raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors; "
+                         f"it does not support {', '.join(found)}")
 
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
