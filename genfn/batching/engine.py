@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from genfn.batching import beam_groups
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
@@ -93,6 +94,8 @@ class StepOutcome:
     cancelled: tuple[RequestState, ...] = ()
     batch: S.ScheduledBatch | None = None
     reused_tokens: int = 0
+    # Beam requests: the score of each returned hypothesis (generate's sequences_scores), by id.
+    sequence_scores: Mapping[Hashable, float] = dataclasses.field(default_factory=dict)
 
 
 def require_packed_forward(model):
@@ -135,6 +138,7 @@ class Engine:
         self.params = model.params if compile is not None else family.pack_params(model.params)
         self._forwards: dict[int, Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
+        self.last_logits: torch.Tensor | None = None  # the latest forward's [R, V], for beam groups
 
     @property
     def compiled(self) -> bool:
@@ -239,7 +243,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     """
     inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
-    logits = engine.forward(inputs, engine.plan(batch))
+    logits = engine.last_logits = engine.forward(inputs, engine.plan(batch))
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
@@ -356,7 +360,12 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     for request_id in nonfinite:
         state, ended = fail_nonfinite(engine, state, request_id)
         failed.append(ended)
-    state, finished = S.apply_step(state, batch, new_tokens)
+    # Beam groups take their beam step on their rows' logits (genfn.batching.beam_groups).
+    state, beams = beam_groups.advance(engine, state, batch, engine.last_logits)
+    failed.extend(beams.failed)
+    new_tokens = {r: t for r, t in new_tokens.items() if r not in beams.rows}
+    state, finished = S.apply_step(state, beams.rest(batch), new_tokens)
+    finished += beams.finished
     ended = {request.request_id for request in finished}
     # Each request that got a token is matched against its stop strings once: a finished one to
     # report why it stopped, a running one to end it.
@@ -371,4 +380,4 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
                               by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,
-                              reused_tokens=reused)
+                              reused_tokens=reused, sequence_scores=beams.scores)

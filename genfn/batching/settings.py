@@ -23,6 +23,8 @@ from genfn.batching.engine import RequestSettings
 from genfn.config import GenerationConfig
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
+from genfn.state.beam import BeamState
+from genfn.strategies.beam import initial_state
 from genfn.structured.rows import constraint_for_rows
 
 __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
@@ -30,8 +32,8 @@ __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 # Settings that need a model-level feature continuous batching does not run (another forward per
-# token, several sequences per request, or the processor's own state across steps).
-_UNSUPPORTED = {"num_beams": 1, "guidance_scale": None, "token_healing": False,
+# token, or the processor's own state across steps). Beam search runs (genfn.batching.beam_groups).
+_UNSUPPORTED = {"guidance_scale": None, "token_healing": False,
                 "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
                 "prompt_lookup_num_tokens": None}
 
@@ -39,12 +41,15 @@ _UNSUPPORTED = {"num_beams": 1, "guidance_scale": None, "token_healing": False,
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest:
     """A request's settings; ``sequences``: the settings of each of its ``num_return_sequences``
-    sequences (the first is ``settings``), which differ only in their keys."""
+    sequences (the first is ``settings``), which differ only in their keys. ``beam``: a beam
+    request's beam buffers before its first step (``num_beams > 1``; its sequences are then its
+    returned hypotheses, which run as one beam group)."""
 
     settings: RequestSettings
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     sequences: tuple[RequestSettings, ...] = ()
+    beam: BeamState | None = None
 
 
 def _top_logprobs(value) -> int:
@@ -62,8 +67,8 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
             found.append(f"{name}={value!r}")
     if found:
-        raise ValueError(f"continuous batching runs greedy search and sampling with logits processors; it does not "
-                         f"support {', '.join(found)}")
+        raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors; "
+                         f"it does not support {', '.join(found)}")
 
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
@@ -83,11 +88,20 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
     prompt = torch.as_tensor([list(prompt_ids)], dtype=torch.int64, device=model.device)
-    request = resolve_request(model, prompt, generation_config, kwargs, key=key,
-                              attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
-                              tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
-                              length_cap=max_len, check_config=_refuse_unsupported, expand_rows=False,
-                              caller="add_request()").request
+    beams = _num_beams(model, generation_config, kwargs)
+    while True:
+        # A beam request's rows are its beams, expanded as generate expands them (the chain and the
+        # beam buffers have num_beams rows); resolved again if the merged config says otherwise.
+        request = resolve_request(model, prompt, generation_config, kwargs, key=key,
+                                  attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
+                                  tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
+                                  length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
+                                  caller="add_request()").request
+        if int(request.config.num_beams or 1) == beams:
+            break
+        beams = int(request.config.num_beams or 1)
+    if beams > 1:
+        return _beam_request(request, top_logprobs)
     chain = request.processors
     if chain is not None and chain.stateful:
         raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
@@ -113,3 +127,32 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                       for j in range(count))
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
                            sequences)
+
+
+def _num_beams(model, generation_config, kwargs) -> int:
+    # The merged value as resolve_request merges it (kwargs > the config passed > the model's), read
+    # before resolving, so the request is resolved once in the common case.
+    for source in (kwargs, generation_config, getattr(model, "generation_config", None)):
+        value = source.get("num_beams") if isinstance(source, dict) else getattr(source, "num_beams", None)
+        if value is not None:
+            return int(value)
+    return 1
+
+
+def _beam_request(request, top_logprobs: int) -> ResolvedRequest:
+    """A beam request: its prompt rows expanded ``num_beams`` times (as ``generate`` runs them),
+    its beam buffers, and one sequence per returned hypothesis."""
+    config = request.config
+    refused = [name for name, on in (("stop_strings", request.stop_strings is not None),
+                                     ("response_format", config.response_format is not None),
+                                     ("top_logprobs", top_logprobs > 0)) if on]
+    if refused:
+        raise ValueError(f"beam search in continuous batching does not support {', '.join(refused)} (as "
+                         f"generate's beam search does not); use greedy search or sampling for them")
+    beam = initial_state(request)
+    # The group checks its logits itself (a beam step ends the whole group), so its rows are not
+    # failed one by one.
+    settings = RequestSettings(check_finite=False)
+    count = beam.options.num_return_sequences
+    return ResolvedRequest(settings, max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
+                           (settings,) * count, beam)
