@@ -16,7 +16,7 @@ import torch
 from genfn.kernels import native
 from genfn.quant.kquants import FORMAT_ID, K_FORMATS, KQuantWeight, reference_linear_k
 
-__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status"]
+__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status", "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
@@ -28,6 +28,11 @@ _status = "not loaded yet"
 def kquant_status() -> str:
     kquant_available()
     return _status
+
+
+def needs_build() -> bool:
+    """Whether using the K-quant kernels would first compile them (``False`` once loaded)."""
+    return _native is None and native.plan(native.KQUANT).action == "build"
 
 
 def _load() -> bool:
