@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -39,7 +40,9 @@ def _why_not(native) -> str | None:
     if os.environ.get("GENFN_BUILD_KERNELS", "1") == "0":
         return "GENFN_BUILD_KERNELS=0"
     try:
-        import torch  # noqa: F401
+        with warnings.catch_warnings():  # "Failed to initialize NumPy": the build env has no numpy, nor needs it
+            warnings.simplefilter("ignore")
+            import torch  # noqa: F401
     except ImportError:
         return "torch is not in the build environment (pip --no-build-isolation without torch installed?)"
     if shutil.which(native.compiler()) is None:
@@ -66,19 +69,22 @@ def build_kernels(target: Path) -> list[Path]:
         if found.action in ("unavailable", "no compiler"):
             _say(f"not building the native {library.what}: {found.reason}")
             continue
-        _say(f"building the native {library.what} (about a minute of g++ on an idle machine, unless cached)")
-        try:
+        if found.action == "build":
+            _say(f"building the native {library.what} (once; about a minute of g++ on an idle machine)")
             try:
-                built = native.build(library)  # through the cache: a reinstall reuses it
-            except OSError:  # no writable cache (a sandboxed build): compile straight into the package
-                built = native.build(library, target)
-        except (OSError, RuntimeError) as error:
-            _say(f"could not build the native {library.what} ({error}); the first use tries again")
-            continue
+                try:
+                    built = native.build(library)  # through the cache: a reinstall reuses it
+                except OSError:  # no writable cache (a sandboxed build): compile straight into the package
+                    built = native.build(library, target)
+            except (OSError, RuntimeError) as error:
+                _say(f"could not build the native {library.what} ({error}); the first use tries again")
+                continue
+        else:  # cached, or built by an earlier editable install: copied, not compiled
+            built = found.path
         for stale in target.glob(f"{library.stem}-*.so"):  # other sources or torch: never picked again
             if stale.name != built.name:
                 stale.unlink()
-        if built.parent != target:
+        if built.resolve().parent != target.resolve():
             shutil.copyfile(built, target / built.name)
         written.append(target / built.name)
         _say(f"installed the native {library.what}: {target / built.name}")

@@ -104,6 +104,8 @@ def test_without_a_library_or_a_compiler_the_plan_says_so(dirs, monkeypatch):
     assert found.action == "no compiler" and "no C++ compiler" in found.reason
     _place(dirs.cache, native.file_name(native.DECODE))
     assert native.plan(native.DECODE).action == "cached"  # a cached build needs no compiler
+    monkeypatch.setenv("CXX", "/no/such/compiler")  # nor the compiler that built it
+    assert native.plan(native.DECODE).action == "cached"
 
 
 # ---- genfn kernels status | build ----------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Each library in ``LIBRARIES`` is compiled from its C++ sources with the system C++ compiler
 against this torch, into ``<stem>-<key>.so`` whose key hashes the sources' and headers' text,
-torch's version and C++ ABI, the compiler's name and flags, and the machine. Loading a library
+torch's version and C++ ABI, the compiler flags, and the machine. Loading a library
 takes, in order:
 
 1. the installed build, ``genfn/kernels/prebuilt/`` (``$GENFN_KERNEL_PREBUILT``): ``pip install``
@@ -118,14 +118,16 @@ def compile_command(library: NativeLibrary, output: Path, sources=None) -> list[
 
 
 def library_key(library: NativeLibrary) -> str:
-    """16 hex digits naming this build: sources' and headers' text, torch, compiler, flags, machine."""
+    """16 hex digits naming this build: sources' and headers' text, torch, flags, machine."""
     import torch
 
     key = hashlib.sha256()
     for path in (*library.sources, *library.headers):
         key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     key.update(torch.__version__.encode())
-    key.update(" ".join([Path(compiler()).name, *_flags(library), "-lc10", "-ltorch_cpu"]).encode())
+    # Not the compiler: the key says what a library works with (not who built it), so one built
+    # with g++ is found where CXX names another compiler, or none.
+    key.update(" ".join([*_flags(library), "-lc10", "-ltorch_cpu"]).encode())
     key.update(platform.machine().encode())
     return key.hexdigest()[:16]
 
