@@ -1,4 +1,4 @@
-"""Native kernels for the memory-bound decode step, built when a model is loaded (or on first use).
+"""Native kernels for the memory-bound decode step, built at install time or on first use.
 
 ``decode_linear(x, weight)`` is ``F.linear`` for a few rows of ``x`` (a decode step: one row per
 sequence), streaming the weight once from memory at close to the machine's read bandwidth
