@@ -14,6 +14,7 @@ fails the install.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -63,14 +64,26 @@ def build_kernels(target: Path) -> list[Path]:
              "(or run `genfn kernels build`)")
         return []
     target.mkdir(parents=True, exist_ok=True)
+    # native.build's progress lines, once each, whatever logging the build backend set up.
+    logger = logging.getLogger("genfn.kernels")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("genfn: %(message)s"))
+    saved = logger.handlers[:], logger.propagate, logger.level
+    logger.handlers, logger.propagate, logger.level = [handler], False, logging.INFO
+    try:
+        return _build_each(native, target)
+    finally:
+        logger.handlers, logger.propagate, logger.level = saved
+
+
+def _build_each(native, target: Path) -> list[Path]:
     written = []
     for library in native.LIBRARIES:
         found = native.plan(library)
         if found.action in ("unavailable", "no compiler"):
             _say(f"not building the native {library.what}: {found.reason}")
             continue
-        if found.action == "build":
-            _say(f"building the native {library.what} (once; about a minute of g++ on an idle machine)")
+        if found.action == "build":  # native.build says "building ..." and "built ... in N s"
             try:
                 try:
                     built = native.build(library)  # through the cache: a reinstall reuses it

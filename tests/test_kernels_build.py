@@ -167,8 +167,10 @@ def test_the_install_time_build_puts_the_keyed_libraries_in_the_package(dirs, tm
     assert sorted(path.name for path in written) == sorted(native.file_name(lib) for lib in native.LIBRARIES)
     assert all(path.parent == target and path.exists() for path in written) and not stale.exists()
     assert len(dirs.builds) == 2  # through the cache: the next install copies without compiling
+    assert capsys.readouterr().err.count("genfn: building the native decode kernels into") == 1
     _setup_module().build_kernels(target)
     assert len(dirs.builds) == 2
+    assert "building" not in capsys.readouterr().err
 
 
 def test_the_install_time_build_skips_without_a_compiler(dirs, monkeypatch, tmp_path, capsys):
