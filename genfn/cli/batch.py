@@ -2,7 +2,8 @@
 
 Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``do_sample`` (a positive
+``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``prompt_lookup_num_tokens`` (prompt-lookup
+speculation: the same output in fewer steps when the answer copies the prompt), ``do_sample`` (a positive
 ``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false) and
 ``response_format`` (structured output: ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
 ``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it). Each finished
@@ -34,7 +35,7 @@ from genfn.config.response_format import check_response_format
 __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest", "ResultWriter"]
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
-           "repetition_penalty", "seed", "stop", "do_sample", "response_format"}
+           "repetition_penalty", "seed", "stop", "do_sample", "response_format", "prompt_lookup_num_tokens"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -88,7 +89,7 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if name in record:
             settings[name] = float(_number(record[name], name, line))
-    for name in ("top_k", "seed"):
+    for name in ("top_k", "seed", "prompt_lookup_num_tokens"):
         if name in record:
             settings[name] = _number(record[name], name, line, integer=True)
     given = {k: v for k, v in settings.items() if k != "seed" and not (k == "temperature" and v == 0)}

@@ -50,6 +50,7 @@ class SamplingParams:
     stream: bool = False
     include_usage: bool = False
     top_logprobs: int | None = None
+    prompt_lookup_num_tokens: int | None = None
 
 
 def _logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -87,6 +88,7 @@ def _common(request, defaults: Mapping, vocab_size: int, max_tokens: int | None)
         seed=request.seed,
         stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        prompt_lookup_num_tokens=request.prompt_lookup_num_tokens,
     )
 
 
@@ -171,4 +173,6 @@ def manager_settings(params: SamplingParams, max_new_tokens: int, index: int) ->
         settings["stop_strings"] = list(params.stop)
     if params.seed is not None:
         settings["seed"] = choice_seed(params.seed, index)
+    if params.prompt_lookup_num_tokens is not None:
+        settings["prompt_lookup_num_tokens"] = params.prompt_lookup_num_tokens
     return settings
