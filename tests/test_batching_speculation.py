@@ -224,8 +224,57 @@ def test_the_manager_reports_one_logprob_per_token_and_counts_every_token(llama)
 
 
 def test_draft_models_and_prompt_lookup_with_a_grammar_are_refused_by_name(llama):
+    with pytest.raises(ValueError, match=r"draft-model speculation \(assistant_model\).*prompt_lookup_num_tokens"):
+        request_settings(llama, [5, 6, 7], None, {"assistant_model": llama}, max_new_tokens=4)
     with pytest.raises(ValueError, match="assistant_early_exit"):
         request_settings(llama, [5, 6, 7], None, {"assistant_early_exit": 1}, max_new_tokens=4)
     with pytest.raises(ValueError, match="response_format"):
         request_settings(llama, [5, 6, 7], None, {"prompt_lookup_num_tokens": 3, "response_format": {
             "type": "regex", "pattern": "a+"}}, max_new_tokens=4)
+
+
+def test_genfn_batch_reads_prompt_lookup_num_tokens_and_checks_it():
+    from genfn.cli.batch import read_requests
+    from genfn.cli.common import UserError
+
+    (request,) = read_requests('{"prompt": "copy this", "prompt_lookup_num_tokens": 4}', default_max=8)
+    assert request.settings["prompt_lookup_num_tokens"] == 4 and request.settings["do_sample"] is False
+    with pytest.raises(UserError, match="line 1"):
+        read_requests('{"prompt": "copy this", "prompt_lookup_num_tokens": 0}', default_max=8)
+
+
+@pytest.fixture(scope="module")
+def served():
+    from genfn.serve import create_app
+    from test_serve import MODEL, ServerThread, tiny_chat_model
+
+    openai = pytest.importorskip("openai")
+    model = tiny_chat_model()
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=256, max_batch_tokens=128, max_requests_per_batch=8)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    manager.start()
+    app = create_app(manager, model.tokenizer, model_name=MODEL)
+    try:
+        with ServerThread(app) as running:
+            yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0), MODEL
+    finally:
+        manager.stop(block=True, timeout=WAIT_S)
+
+
+def test_the_server_takes_prompt_lookup_through_extra_body_with_the_openai_client(served):
+    import openai
+
+    client, model_name = served
+    prompt = "copy: the cat sat on the mat. the cat sat on the mat. the cat sat on"
+    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0)
+    for k in (1, 5):
+        speculative = client.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0,
+                                                extra_body={"prompt_lookup_num_tokens": k})
+        assert speculative.choices[0].text == plain.choices[0].text
+        assert speculative.usage.completion_tokens == plain.usage.completion_tokens
+    chat = dict(model=model_name, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0)
+    assert (client.chat.completions.create(**chat, extra_body={"prompt_lookup_num_tokens": 3}).choices[0].message.content
+            == client.chat.completions.create(**chat).choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="prompt_lookup_num_tokens"):
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=4,
+                                  extra_body={"prompt_lookup_num_tokens": 0})

@@ -95,6 +95,10 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     extra = openai_processors(presence_penalty, frequency_penalty, logit_bias, vocab_size=model.vocab_size,
                               device=model.device)
     kwargs = dict(kwargs)
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("draft-model speculation (assistant_model) does not run in continuous batching yet: drop "
+                         "assistant_model, use prompt_lookup_num_tokens (drafts copied from the request's own "
+                         "tokens), or run the draft model with genfn.generate")
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
