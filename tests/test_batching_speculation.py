@@ -278,3 +278,36 @@ def test_the_server_takes_prompt_lookup_through_extra_body_with_the_openai_clien
     with pytest.raises(openai.BadRequestError, match="prompt_lookup_num_tokens"):
         client.completions.create(model=model_name, prompt=prompt, max_tokens=4,
                                   extra_body={"prompt_lookup_num_tokens": 0})
+
+
+def test_the_forward_gives_logits_at_every_drafted_position_planned_or_padded(llama):
+    """A drafted chunk's extra ``logits_index`` entries give the dense model's logits at the last
+    token and every draft: through the eager planned forward (exact ``E``) and the unplanned one
+    the compiled engine runs (``E`` padded to a static size)."""
+    from genfn.batching import speculation as SP
+    from genfn.batching.engine import packed_plan
+    from genfn.batching.inputs import build_batch_inputs
+    from genfn.models import packed
+
+    prompt = [5, 6, 7, 8, 9] * 3
+    size, blocks = 4, 16
+    r = request_settings(llama, prompt, None, {"prompt_lookup_num_tokens": 3}, max_new_tokens=8)
+    state = S.add_request(S.init_scheduler(blocks, size), make_request(0, prompt, 8, [EOS], {"genfn": r.settings}))
+    state, batch = S.schedule(state, 64)
+    state, batch = SP.add_drafts(state, batch, token_budget=64, max_len=64)
+    (chunk,) = batch.chunks
+    assert chunk.num_drafts == 3 and chunk.token_ids[-3:] == (5, 6, 7)
+    tokens = list(chunk.token_ids)
+    dense, _ = llama.apply(torch.tensor([tokens]), torch.arange(len(tokens)).unsqueeze(0),
+                           llama.init_cache(1, len(tokens) + 1))
+    expected = dense[0, -4:]  # the last prompt token, then the drafts
+    planned_inputs = build_batch_inputs(state.allocator, batch, num_rows=2)
+    plan = packed_plan(batch, size, num_rows=2)
+    planned, _ = packed.apply_packed(llama.spec, packed.pack_params(llama.params), planned_inputs,
+                                     packed.init_packed_cache(llama.spec, blocks, size), plan)
+    padded_inputs = build_batch_inputs(state.allocator, batch, num_tokens=32, num_rows=2, num_extra_logits=8)
+    padded, _ = packed.apply_packed(llama.spec, llama.params, padded_inputs,
+                                    packed.init_packed_cache(llama.spec, blocks, size))
+    for logits in (planned, padded):
+        got = torch.cat([logits[2:5], logits[0:1]])  # extras (last token, drafts 1-2), then the row's own
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -2,7 +2,7 @@
 
 ``Engine`` holds what a step needs besides the scheduler's state: the model, the paged KV cache
 (donated to every forward), the padded sizes the forward is compiled for, and the forwards
-compiled so far (one per padded token count). ``engine_step(engine, state, budget)`` is the
+compiled so far (one per padded token count, and per padded count of drafted positions). ``engine_step(engine, state, budget)`` is the
 whole step as a function of the ``SchedulerState``: it returns the next state and a
 ``StepOutcome`` (tokens chosen, requests finished / failed / preempted). The manager thread
 runs this very step on its locked ``Scheduler``'s state (``Scheduler.advance``).
@@ -81,7 +81,7 @@ class StepOutcome:
     """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled
     (``top_logprobs``: of those that asked), the requests it finished (EOS, length, stop string;
     ``by_stop_string``: the ids of those whose text ends with a stop string), failed, preempted
-    and cancelled; ``batch``: what it scheduled; ``reused_tokens``: prompt tokens its chunks took
+    and cancelled; ``batch``: what it scheduled (its drafts included); ``reused_tokens``: prompt tokens its chunks took
     from the prefix cache instead of computing them. A request whose chunk carried speculative
     drafts gets a tuple of tokens (the kept drafts and the target's next token), a list of
     logprobs and a list of top-logprobs lists, one per token."""
@@ -137,7 +137,7 @@ class Engine:
         self.compile_options = compile
         self._apply_packed = family.apply_packed
         self.params = model.params if compile is not None else family.pack_params(model.params)
-        self._forwards: dict[int, Any] = {}
+        self._forwards: dict[tuple[int, int], Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
 
     @property
@@ -167,12 +167,13 @@ class Engine:
         return min(bucket(count, minimum=8), self.max_batch_tokens)
 
     def forward(self, inputs: BatchInputs, plan: PackedPlan | None = None) -> torch.Tensor:
-        """Logits ``[R, V]`` of the batch; the cache is updated (donated and replaced)."""
+        """Logits ``[R + E, V]`` of the batch (``E``: the drafted positions, see ``BatchInputs``);
+        the cache is updated (donated and replaced)."""
         if plan is not None:
             logits, self.cache = self._apply_packed(self.model.spec, self.params, inputs, self.cache, plan)
             return logits
-        num_tokens = (inputs.input_ids.shape[0], inputs.logits_index.shape[0])
-        fn = self._forwards.get(num_tokens)
+        shapes = (inputs.input_ids.shape[0], inputs.logits_index.shape[0])  # a compiled graph's static sizes
+        fn = self._forwards.get(shapes)
         if fn is None:
             spec, apply_packed = self.model.spec, self._apply_packed
 
@@ -181,7 +182,7 @@ class Engine:
 
             fn = packed if self.compile_options is None else torch.compile(packed, dynamic=False,
                                                                           **self.compile_options)
-            self._forwards[num_tokens] = fn
+            self._forwards[shapes] = fn
         logits, self.cache = fn(self.model.params, inputs, self.cache)
         return logits
 
