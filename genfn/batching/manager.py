@@ -530,7 +530,7 @@ class ContinuousBatchingManager:
                 record.started = scheduled_at
         ended = {request.request_id for request in outcome.finished}
         running = self.scheduler.state.requests
-        first_latencies, inter_latencies, prompt_tokens = [], [], 0
+        first_latencies, inter_latencies, prompt_tokens, generated = [], [], 0, 0
         for request_id in outcome.new_tokens:
             with self._lock:
                 held = self._held.pop(request_id, ())
@@ -539,11 +539,16 @@ class ContinuousBatchingManager:
             record = self._records.get(request_id)
             if record is None:
                 continue
-            record.logprobs.append(outcome.logprobs[request_id])
+            # A step that kept speculative drafts gave the request several tokens (lists, one per token).
+            drafted = isinstance(outcome.new_tokens[request_id], tuple)
+            token_logprobs = outcome.logprobs[request_id]
+            generated += len(token_logprobs) if drafted else 1
+            record.logprobs.extend(token_logprobs) if drafted else record.logprobs.append(token_logprobs)
             if record.top_logprobs:
-                record.tops.append(outcome.top_logprobs[request_id])
+                tops = outcome.top_logprobs[request_id]
+                record.tops.extend(tops) if drafted else record.tops.append(tops)
             if record.record_timestamps:
-                record.timestamps.append(now)
+                record.timestamps.extend([now] * (len(token_logprobs) if drafted else 1))
             if record.last_token < 0:
                 first_latencies.append(now - record.created_time)
                 prompt_tokens += len(record.prompt_ids)
@@ -553,7 +558,7 @@ class ContinuousBatchingManager:
             if record.streaming and request_id not in ended and request_id in running:
                 self._router.deliver(self._output(request_id, RequestStatus.DECODING,
                                                   running[request_id].generated_ids))
-        self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
+        self._metrics.record_step(now, generated, first_latencies, inter_latencies,
                                   prompt_tokens, outcome.reused_tokens)
 
     # -- endings ---------------------------------------------------------------------------------

@@ -123,12 +123,16 @@ class SchedulerState:
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens ``token_ids`` of a request, at positions ``start ..``, computed in the next forward.
-    ``samples``: the chunk ends at the request's last token, so its logits give a new token."""
+    ``samples``: the chunk ends at the request's last token, so its logits give a new token.
+    ``num_drafts``: the last ``num_drafts`` of ``token_ids`` are speculative drafts after the
+    request's last token (``genfn.batching.speculation``): the forward gives logits at the last
+    token and at every draft, and the step keeps the drafts verification accepts."""
 
     request_id: Hashable
     start: int
     token_ids: tuple[int, ...]
     samples: bool
+    num_drafts: int = 0
 
     @property
     def end(self) -> int:
@@ -530,6 +534,14 @@ def _as_tokens(request_id, value) -> tuple[int, ...]:
                         f"got {type(value).__name__}") from None
 
 
+def _commit(state: SchedulerState, alloc: B.BlockAllocator, chunk: ScheduledChunk,
+            token_ids: tuple[int, ...]) -> B.BlockAllocator:
+    """Register the full blocks ``chunk`` completed in the prefix cache (its request's tokens given)."""
+    if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
+        alloc = B.commit_full_blocks(alloc, chunk.request_id, token_ids[:chunk.end])
+    return alloc
+
+
 def apply_step(state: SchedulerState, batch: ScheduledBatch,
                new_tokens: Mapping[Hashable, int | Sequence[int]]) -> tuple[SchedulerState, tuple[RequestState, ...]]:
     """Record the forward of ``batch``: ``new_tokens[request_id]`` are the tokens sampled for
@@ -545,9 +557,8 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
         request = requests.get(chunk.request_id)
         if request is None or request.num_computed < chunk.end:
             continue  # ended or preempted since it was scheduled
-        if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
-            alloc = B.commit_full_blocks(alloc, chunk.request_id, request.token_ids[:chunk.end])
         if not chunk.samples:
+            alloc = _commit(state, alloc, chunk, request.token_ids)
             continue
         if chunk.request_id not in new_tokens:
             raise ValueError(f"`new_tokens` has no token for request {chunk.request_id!r}, whose chunk samples")
@@ -560,6 +571,8 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
                 break
         request = request.replace(generated_ids=request.generated_ids + tuple(taken),
                                   status=RequestStatus.FINISHED if done else RequestStatus.DECODING)
+        # After the new tokens: a chunk that kept speculative drafts wrote them past the old tokens.
+        alloc = _commit(state, alloc, chunk, request.token_ids)
         if done:
             alloc = B.free_request(alloc, chunk.request_id, keep_cached=state.policy.prefix_caching)
             del requests[chunk.request_id]

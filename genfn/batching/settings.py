@@ -20,10 +20,12 @@ import dataclasses
 import torch
 
 from genfn.batching.engine import RequestSettings
+from genfn.batching.speculation import Speculation
 from genfn.config import GenerationConfig
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
 from genfn.state.beam import BeamState
+from genfn.strategies.assisted.drafter import PromptLookupDrafter
 from genfn.strategies.beam import initial_state
 from genfn.structured.rows import constraint_for_rows
 
@@ -35,7 +37,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 # token, or the processor's own state across steps). Beam search runs (genfn.batching.beam_groups).
 _UNSUPPORTED = {"guidance_scale": None, "token_healing": False,
                 "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
-                "prompt_lookup_num_tokens": None}
+                "assistant_early_exit": None, "use_mtp": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +69,24 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
             found.append(f"{name}={value!r}")
     if found:
-        raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors; "
-                         f"it does not support {', '.join(found)}")
+        raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors, "
+                         f"and prompt-lookup speculation (prompt_lookup_num_tokens); it does not support "
+                         f"{', '.join(found)}")
+
+
+def _speculation(config: GenerationConfig, eos_token_ids) -> Speculation | None:
+    """Prompt lookup as ``generate`` builds it (``genfn.strategies.assisted.build``), or None."""
+    if config.prompt_lookup_num_tokens is None:
+        return None
+    if config.response_format is not None:
+        raise ValueError("prompt_lookup_num_tokens with response_format is not supported in continuous batching; "
+                         "drop one of them")
+    if config.assistant_ensemble_weight is not None:
+        raise ValueError("assistant_ensemble_weight needs a draft model's probabilities, and prompt lookup gives none "
+                         "(prompt_lookup_num_tokens); drop assistant_ensemble_weight")
+    return Speculation(PromptLookupDrafter(num_tokens=int(config.prompt_lookup_num_tokens),
+                                           max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
+                                           eos_token_ids=tuple(eos_token_ids)))
 
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
@@ -82,6 +100,10 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     extra = openai_processors(presence_penalty, frequency_penalty, logit_bias, vocab_size=model.vocab_size,
                               device=model.device)
     kwargs = dict(kwargs)
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("draft-model speculation (assistant_model) does not run in continuous batching yet: drop "
+                         "assistant_model, use prompt_lookup_num_tokens (drafts copied from the request's own "
+                         "tokens), or run the draft model with genfn.generate")
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
@@ -121,9 +143,11 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
 
     # Sequence j of a request samples with the key generate gives the prompt's j-th returned row.
     count = int(config.num_return_sequences or 1)
+    speculation = _speculation(config, request.eos_token_ids)
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
-                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar())
+                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
+                                      speculation=speculation)
                       for j in range(count))
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
                            sequences)

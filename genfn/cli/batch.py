@@ -2,7 +2,8 @@
 
 Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``do_sample`` (a positive
+``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``prompt_lookup_num_tokens`` (prompt-lookup
+speculation: the same output in fewer steps when the answer copies the prompt), ``do_sample`` (a positive
 ``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false), ``num_beams``,
 ``length_penalty``, ``early_stopping`` (beam search, the best hypothesis written, with its
 ``sequence_score``) and
@@ -37,7 +38,7 @@ __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequ
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "seed", "stop", "do_sample", "response_format", "num_beams", "length_penalty",
-           "early_stopping"}
+           "early_stopping", "prompt_lookup_num_tokens"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -95,7 +96,7 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
         if record["early_stopping"] not in (True, False, "never"):
             raise UserError(f"input line {line}: 'early_stopping' must be true, false or \"never\"")
         settings["early_stopping"] = record["early_stopping"]
-    for name in ("top_k", "seed", "num_beams"):
+    for name in ("top_k", "seed", "num_beams", "prompt_lookup_num_tokens"):
         if name in record:
             settings[name] = _number(record[name], name, line, integer=True)
     given = {k: v for k, v in settings.items() if k != "seed" and not (k == "temperature" and v == 0)}

@@ -53,6 +53,7 @@ class SamplingParams:
     num_beams: int = 1  # > 1: beam search; the n choices of a prompt are its n best hypotheses
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    prompt_lookup_num_tokens: int | None = None
 
 
 def _logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -93,6 +94,7 @@ def _common(request, defaults: Mapping, vocab_size: int, max_tokens: int | None)
         num_beams=request.num_beams or 1,
         length_penalty=None if request.length_penalty is None else float(request.length_penalty),
         early_stopping=request.early_stopping,
+        prompt_lookup_num_tokens=request.prompt_lookup_num_tokens,
     )
 
 
@@ -183,4 +185,6 @@ def manager_settings(params: SamplingParams, max_new_tokens: int, index: int) ->
         settings["stop_strings"] = list(params.stop)
     if params.seed is not None:
         settings["seed"] = choice_seed(params.seed, index)
+    if params.prompt_lookup_num_tokens is not None:
+        settings["prompt_lookup_num_tokens"] = params.prompt_lookup_num_tokens
     return settings

@@ -26,6 +26,7 @@ MAX_CHOICES = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LEGACY_LOGPROBS = 5
+MAX_PROMPT_LOOKUP_TOKENS = 64  # drafts per step; more only lengthens the forward of a rejected block
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -191,6 +192,8 @@ class _Generation(_Body):
     num_beams: _strict(int, ge=1, le=MAX_CHOICES) | None = None
     length_penalty: Annotated[Number, Field(ge=-10, le=10)] | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
+    # genfn's: prompt-lookup speculation (drafts copied from the request's own text; same output, fewer steps).
+    prompt_lookup_num_tokens: _strict(int, ge=1, le=MAX_PROMPT_LOOKUP_TOKENS) | None = None
 
     @field_validator("stop")
     @classmethod
