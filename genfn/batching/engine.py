@@ -29,6 +29,8 @@ from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState, RequestStatus
+from genfn.batching.row_state import (guide_rows, guided_rows, keep_processor_states, merge_request_chains,
+                                      stacked_processor_state)
 from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
@@ -61,6 +63,9 @@ class RequestSettings:
     check_finite: bool = True
     # response_format: a one-row genfn.structured.rows.GrammarRows (host-side matcher), or None
     grammar: Any = None
+    # what the request carries across steps (SynthID's state, CFG's unconditional branch):
+    # a genfn.batching.row_state.RowCarry, or None
+    carry: Any = None
 
     @property
     def do_sample(self) -> bool:
@@ -205,16 +210,15 @@ class Engine:
         while the batch's rows stay the same requests)."""
         # Arrival numbers are unique per scheduler: a new request reusing an ended one's id is
         # a different row.
-        ids = tuple((r, requests[r].arrival) for r in batch.request_ids)
+        # Whether a chunk samples is part of the key: a stateful processor runs on sampling rows only.
+        ids = tuple((c.request_id, requests[c.request_id].arrival, c.samples) for c in batch.chunks)
         if self._merged is not None and self._merged[0] == ids:
             return self._merged[1:]
         settings = [settings_of(requests[r]) for r in batch.request_ids]
         chain = None
         if any(s.chain is not None for s in settings):
-            empty = ProcessorChain(())
-            rows = [s.chain if s.chain is not None else empty for s in settings]
-            rows += [empty] * (self.max_requests - len(rows))
-            chain = ProcessorChain.merge_rows(rows, device=self.device)
+            chain = merge_request_chains([s.chain for s in settings], [c.samples for c in batch.chunks],
+                                         self.max_requests, self.device)
         keys = do_sample = None
         if any(s.do_sample for s in settings):
             zero = torch.zeros(2, dtype=torch.int64)
@@ -241,6 +245,10 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
     logits = engine.forward(inputs, engine.plan(batch))
     chain, keys, do_sample = engine.batch_chain(requests, batch)
+    raw_logits = logits
+    guided = guided_rows(requests, batch, settings_of, engine.max_len)
+    if guided:  # classifier-free guidance heads the processors, as in generate
+        logits = guide_rows(engine.model, logits, guided)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
         # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
@@ -251,11 +259,15 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                     device=engine.device)
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
+    carries = [settings_of(requests[c.request_id]).carry for c in batch.chunks]
+    processor_state = stacked_processor_state(
+        chain, carries, [len(requests[c.request_id].generated_ids) for c in batch.chunks], engine.device)
     choice = choose_tokens(logits, chain, ctx, keys=keys, sample_mask=do_sample, logprobs=True,
+                           processor_state=processor_state,
                            top_k=max(wanted, default=0),
                            grammar_mask=grammar_mask(requests, batch, logits.shape, engine.device))
     chosen, logprobs, top_ids, top_values = choice.tokens, choice.logprobs, choice.top_ids, choice.top_logprobs
-    bad_rows = nonfinite_rows(logits)
+    bad_rows = nonfinite_rows(raw_logits[:len(logits)])
     chosen, logprobs, bad_rows = chosen.tolist(), logprobs.tolist(), bad_rows.tolist()  # the step's host sync
     if top_ids is not None:  # already computed by now: no further wait
         top_ids, top_values = top_ids.tolist(), top_values.tolist()
@@ -268,6 +280,8 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    keep_processor_states(chain, choice.processor_state, carries,
+                          [chunk.request_id in new_tokens for chunk in batch.chunks])
     return new_tokens, new_logprobs, new_top, frozenset(nonfinite)
 
 

@@ -323,6 +323,7 @@ class ContinuousBatchingManager:
                                     tokenizer=tokenizer,
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        prompt = list(resolved.prompt_ids)  # healed under token_healing
         ids = sequence_ids(request_id, len(resolved.sequences))
         states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
                   for rid, seq in zip(ids, resolved.sequences)]

@@ -20,7 +20,9 @@ import dataclasses
 import torch
 
 from genfn.batching.engine import RequestSettings
+from genfn.batching.row_state import RowCarry
 from genfn.config import GenerationConfig
+from genfn.generation import generate
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
 from genfn.structured.rows import constraint_for_rows
@@ -29,22 +31,24 @@ __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
-# Settings that need a model-level feature continuous batching does not run (another forward per
-# token, several sequences per request, or the processor's own state across steps).
-_UNSUPPORTED = {"num_beams": 1, "guidance_scale": None, "token_healing": False,
-                "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
+# Settings that need a model-level feature continuous batching does not run (several hypotheses
+# per request, or several tokens per step). Classifier-free guidance, watermarking (SynthID's
+# state included) and token healing run: see genfn.batching.row_state and request_settings.
+_UNSUPPORTED = {"num_beams": 1, "penalty_alpha": None, "assistant_model": None,
                 "prompt_lookup_num_tokens": None}
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest:
     """A request's settings; ``sequences``: the settings of each of its ``num_return_sequences``
-    sequences (the first is ``settings``), which differ only in their keys."""
+    sequences (the first is ``settings``), which differ only in their keys. ``prompt_ids``: the
+    prompt the request runs (under ``token_healing``, the healed one, as ``generate`` runs it)."""
 
     settings: RequestSettings
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     sequences: tuple[RequestSettings, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
 
 
 def _top_logprobs(value) -> int:
@@ -59,7 +63,7 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
     found = []
     for name, off in _UNSUPPORTED.items():
         value = getattr(config, name, off)
-        if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
+        if value is not None and value != off:
             found.append(f"{name}={value!r}")
     if found:
         raise ValueError(f"continuous batching runs greedy search and sampling with logits processors; it does not "
@@ -78,6 +82,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                               device=model.device)
     kwargs = dict(kwargs)
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
+    # generate takes the negative prompt as arguments of its own, not as config settings
+    negative = {name: kwargs.pop(name, None) for name in ("negative_prompt_ids", "negative_prompt_attention_mask")}
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
     if eos_token_id is not None:
@@ -87,11 +93,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                               attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
                               tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
                               length_cap=max_len, check_config=_refuse_unsupported, expand_rows=False,
-                              caller="add_request()").request
+                              heal=generate, caller="add_request()", **negative).request
     chain = request.processors
-    if chain is not None and chain.stateful:
-        raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
-                         "continuous batching")
     config = request.config
     if config.response_format is not None and isinstance(config.response_format, (list, tuple)):
         raise ValueError("a request's response_format is one value (a dict), not a list")
@@ -109,7 +112,17 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     count = int(config.num_return_sequences or 1)
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
-                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar())
+                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
+                                      carry=_carry(chain, request.guidance))
                       for j in range(count))
+    # A healed prompt is one row without padding (genfn.healing re-pads rows to the batch's widest).
+    prompt = tuple(request.input_ids[0][request.attention_mask[0].bool()].tolist())
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
-                           sequences)
+                           sequences, prompt)
+
+
+def _carry(chain, guidance) -> RowCarry | None:
+    """A sequence's own state box when its settings keep state across steps (one per sequence)."""
+    if guidance is None and (chain is None or not chain.stateful):
+        return None
+    return RowCarry(guidance=guidance)

@@ -1,0 +1,196 @@
+"""Watermarking (SynthID's state included), classifier-free guidance and token healing inside
+continuous batching: each request, in a batch mixed with plain greedy and sampled requests,
+chunked and preempted by a tiny block budget, equals ``generate`` with the same settings and key,
+and every block is free at the end. Every wait has a timeout."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_pair
+from genfn.batching import blocks as B
+from genfn.batching.manager import ContinuousBatchingManager
+from genfn.batching.requests import RequestStatus
+from genfn.config import SynthIDTextWatermarkingConfig, WatermarkingConfig
+from genfn.config.batching import ContinuousBatchingConfig
+from genfn.generation import generate
+
+WAIT_S = 60
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# 12 blocks of 4 tokens, 12 tokens per forward: prompts are chunked, requests preempted.
+TIGHT = dict(page_size=4, num_blocks=12, max_batch_tokens=12, max_requests_per_batch=4)
+SYNTHID_A = SynthIDTextWatermarkingConfig(ngram_len=3, keys=[654, 400, 836, 123], context_history_size=64)
+SYNTHID_B = SynthIDTextWatermarkingConfig(ngram_len=2, keys=[11, 22, 33], context_history_size=64)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_pair("LlamaForCausalLM", seed=4)[1]
+
+
+def _run(model, requests, cb=None, chunked_prefill=True):
+    manager = ContinuousBatchingManager(model, None, ContinuousBatchingConfig(**(cb or TIGHT)),
+                                        chunked_prefill=chunked_prefill)
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=limit, **settings) for prompt, limit, settings in requests]
+        results = {}
+        deadline = time.monotonic() + 10 * WAIT_S
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            out = manager.get_result(timeout=WAIT_S)
+            assert out is not None, "no result came"
+            results[out.request_id] = out
+        state = manager.scheduler.state
+        assert B.num_free_blocks(state.allocator) == state.allocator.num_blocks, "blocks leaked"
+    finally:
+        manager.stop(timeout=WAIT_S)
+    return [results[rid] for rid in ids], manager.stats
+
+
+def _alone(model, prompt, limit, settings, **extra):
+    """generate's tokens for one request (the key of a seeded request is its seed)."""
+    settings = dict(settings)
+    seed = settings.pop("seed", None)
+    if seed is not None:
+        settings["key"] = seed
+    negative = settings.pop("negative_prompt_ids", None)
+    if negative is not None:
+        settings["negative_prompt_ids"] = torch.tensor([negative])
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=limit, **settings, **extra)
+    tokens = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def _mixed(settings_list, seed=11, max_prompt=20):
+    """Requests with random prompts: each setting, interleaved with plain greedy and sampled ones."""
+    rng = random.Random(seed)
+    plain = [{"do_sample": False}, {"do_sample": True, "temperature": 0.9, "top_k": 30, "seed": 900}]
+    requests = []
+    for i, settings in enumerate(settings_list):
+        for s in (settings, plain[i % 2]):
+            prompt = [rng.randrange(3, 97) for _ in range(rng.randint(2, max_prompt))]
+            requests.append((prompt, rng.randint(6, 12), s))
+    return requests
+
+
+def _check(model, requests, outputs):
+    for i, (out, (prompt, limit, settings)) in enumerate(zip(outputs, requests)):
+        assert out.status == RequestStatus.FINISHED, out.error
+        assert out.generated_tokens == _alone(model, prompt, limit, settings), f"request {i} ({settings})"
+
+
+def test_watermarked_requests_equal_generate_in_a_preempted_batch(llama):
+    settings = [
+        {"do_sample": True, "seed": 3, "watermarking_config": WatermarkingConfig(bias=6.0)},
+        {"do_sample": False, "watermarking_config": WatermarkingConfig(bias=4.0)},  # greedy: bias decides
+        {"do_sample": True, "seed": 5, "top_k": 40, "watermarking_config": SYNTHID_A},
+        {"do_sample": True, "seed": 6, "watermarking_config": SYNTHID_B},  # another SynthID in the same batch
+        {"do_sample": True, "seed": 7, "watermarking_config": SYNTHID_A},  # shares A's group
+        {"do_sample": False, "watermarking_config": SYNTHID_A, "renormalize_logits": True},
+    ]
+    requests = _mixed(settings)
+    outputs, stats = _run(llama, requests)
+    assert stats["preempted"] > 0, dict(stats)
+    _check(llama, requests, outputs)
+
+
+def test_synthid_state_is_what_generate_carries(llama):
+    """SynthID's processor reweights differently once its context history holds a repeated context:
+    with a one-token n-gram context and a long output, the state decides the tokens, and a fresh
+    state every step would differ from generate."""
+    config = SynthIDTextWatermarkingConfig(ngram_len=2, keys=[5, 9, 13, 17], context_history_size=8)
+    prompt = [5, 17, 33, 8]
+    settings = {"do_sample": True, "seed": 21, "temperature": 2.0, "watermarking_config": config}
+    requests = [(prompt, 24, settings), ([40, 41], 10, {"do_sample": False})]
+    outputs, _ = _run(llama, requests)
+    _check(llama, requests, outputs)
+    unmarked = _alone(llama, prompt, 24, {"do_sample": True, "seed": 21, "temperature": 2.0})
+    assert outputs[0].generated_tokens != unmarked  # the watermark did change the tokens
+
+
+def test_guided_requests_equal_generate_in_a_preempted_batch(llama):
+    settings = [
+        {"do_sample": False, "guidance_scale": 1.5},  # unconditional prompt: the prompt's last token
+        {"do_sample": True, "seed": 8, "guidance_scale": 2.0, "negative_prompt_ids": [7, 8, 9, 10, 11]},
+        {"do_sample": False, "guidance_scale": 3.0, "negative_prompt_ids": [50, 51], "repetition_penalty": 1.3},
+        {"do_sample": True, "seed": 9, "guidance_scale": 1.5, "watermarking_config": SYNTHID_B},
+    ]
+    requests = _mixed(settings, seed=12)
+    outputs, stats = _run(llama, requests)
+    assert stats["preempted"] > 0, dict(stats)
+    _check(llama, requests, outputs)
+    plain = _alone(llama, requests[0][0], requests[0][1], {"do_sample": False})
+    assert outputs[0].generated_tokens != plain  # guidance changed the greedy tokens
+
+
+def test_guided_sequences_each_equal_generate(llama):
+    prompt = [9, 30, 31, 32, 60]
+    settings = {"do_sample": True, "seed": 4, "guidance_scale": 2.0, "num_return_sequences": 3}
+    manager = ContinuousBatchingManager(llama, None, ContinuousBatchingConfig(**TIGHT), chunked_prefill=True)
+    manager.start()
+    try:
+        ids = manager.add_sequences(prompt, max_new_tokens=8, **settings)
+        results = {}
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=WAIT_S)
+            assert out is not None, "no result came"
+            results[out.request_id] = out
+    finally:
+        manager.stop(timeout=WAIT_S)
+    expected = generate(llama, torch.tensor([prompt]), max_new_tokens=8, key=4, do_sample=True, guidance_scale=2.0,
+                        num_return_sequences=3)
+    for j, rid in enumerate(ids):
+        tokens = expected[j, len(prompt):].tolist()
+        if 2 in tokens:
+            tokens = tokens[:tokens.index(2) + 1]
+        assert results[rid].generated_tokens == tokens, f"sequence {j}"
+
+
+def test_without_chunked_prefill_the_settings_still_equal_generate(llama):
+    settings = [{"do_sample": True, "seed": 2, "watermarking_config": SYNTHID_A},
+                {"do_sample": False, "guidance_scale": 2.5}]
+    requests = _mixed(settings, seed=13, max_prompt=10)
+    cb = dict(TIGHT, num_blocks=32, max_batch_tokens=32)
+    outputs, _ = _run(llama, requests, cb, chunked_prefill=False)
+    _check(llama, requests, outputs)
+
+
+def test_token_healing_runs_the_healed_prompt_as_generate():
+    from hf_tokenizer import hf_smollm2_tokenizer
+
+    tokenizer = hf_smollm2_tokenizer()
+    model = tiny_pair("LlamaForCausalLM", seed=6, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)[1]
+    # The first prompt splits "brown" into "br" + "own": healing re-tokenizes it (a new prompt).
+    split = tokenizer("The quick br")["input_ids"] + tokenizer("own fox jum", add_special_tokens=False)["input_ids"]
+    prompts = [split, tokenizer('The link is <a href="http:')["input_ids"], tokenizer("x = [1, 2,")["input_ids"]]
+    requests = []
+    for i, prompt in enumerate(prompts):
+        requests.append((prompt, 5, {"token_healing": True, "tokenizer": tokenizer, "do_sample": bool(i % 2),
+                                     "seed": 30 + i}))
+        requests.append((prompt, 5, {"do_sample": False}))
+    outputs, _ = _run(model, requests, dict(TIGHT, num_blocks=24))
+    for i, (out, (prompt, limit, settings)) in enumerate(zip(outputs, requests)):
+        assert out.status == RequestStatus.FINISHED, out.error
+        settings = dict(settings)
+        seed = settings.pop("seed", None)
+        if settings.get("do_sample"):
+            settings["key"] = seed
+        expected = generate(model, torch.tensor([prompt]), max_new_tokens=limit, **settings)[0].tolist()
+        got = list(out.prompt_ids) + list(out.generated_tokens)
+        assert got == expected[:len(got)] and len(got) >= len(expected) - limit, f"request {i}"
+        if i == 0:
+            assert list(out.prompt_ids) != prompt  # the healed prompt is the one that ran
+
+
+def test_beams_and_lookup_are_still_refused_with_a_clear_error(llama):
+    manager = ContinuousBatchingManager(llama, None, ContinuousBatchingConfig(**TIGHT))
+    with pytest.raises(ValueError, match="num_beams=4"):
+        manager.add_request([5, 6, 7], max_new_tokens=2, num_beams=4)
