@@ -194,3 +194,45 @@ def test_beams_and_lookup_are_still_refused_with_a_clear_error(llama):
     manager = ContinuousBatchingManager(llama, None, ContinuousBatchingConfig(**TIGHT))
     with pytest.raises(ValueError, match="num_beams=4"):
         manager.add_request([5, 6, 7], max_new_tokens=2, num_beams=4)
+
+
+def test_the_server_runs_these_settings_through_the_openai_client():
+    """Through the official client's extra_body, each setting gives generate's tokens; a negative
+    prompt without guidance is refused naming the field."""
+    import openai
+
+    from genfn.serve import create_app
+    from test_serve import ServerThread, tiny_chat_model
+
+    model = tiny_chat_model()
+    tokenizer = model.tokenizer
+    manager = ContinuousBatchingManager(model, None, ContinuousBatchingConfig(page_size=16, num_blocks=32))
+    manager.start()
+    try:
+        with ServerThread(create_app(manager, tokenizer, model_name="tiny")) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+            prompt = tokenizer.encode("The link is <a href=\"http:")
+            synthid = {"ngram_len": 2, "keys": [3, 5, 7], "context_history_size": 16}
+            extras = [{"guidance_scale": 2.0, "negative_prompt_ids": [5, 6, 7]},
+                      {"watermarking_config": synthid},
+                      {"watermarking_config": {"bias": 5.0}},
+                      {"token_healing": True}]
+            for extra in extras:
+                response = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                                     extra_body=extra)
+                settings = dict(extra)
+                if "negative_prompt_ids" in settings:
+                    settings["negative_prompt_ids"] = torch.tensor([settings["negative_prompt_ids"]])
+                if "watermarking_config" in settings:
+                    from genfn.config.watermarking import watermarking_config_from_dict
+
+                    settings["watermarking_config"] = watermarking_config_from_dict(settings["watermarking_config"])
+                expected = generate(model, torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                                    tokenizer=tokenizer, **settings)[0].tolist()
+                healed_len = len(expected) - response.usage.completion_tokens
+                assert response.choices[0].text == tokenizer.decode(expected[healed_len:]), extra
+            with pytest.raises(openai.BadRequestError, match="negative_prompt_ids"):
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                          extra_body={"negative_prompt_ids": [5]})
+    finally:
+        manager.stop(timeout=WAIT_S)
