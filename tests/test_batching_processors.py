@@ -236,3 +236,37 @@ def test_the_server_runs_these_settings_through_the_openai_client():
                                           extra_body={"negative_prompt_ids": [5]})
     finally:
         manager.stop(timeout=WAIT_S)
+
+
+def test_genfn_batch_runs_these_settings_from_the_file(tmp_path, capsys):
+    import json
+
+    import genfn
+    from cli_support import CHAT_TEMPLATE, build_tiny_model
+    from genfn import cli
+
+    (tmp_path / "model").mkdir()
+    model_dir = build_tiny_model(tmp_path / "model", chat_template=CHAT_TEMPLATE)
+    model = genfn.load(model_dir)
+    lines = [{"id": "cfg", "prompt": "Say hi to", "max_tokens": 5, "guidance_scale": 2.0,
+              "negative_prompt_ids": [5, 6]},
+             {"id": "synthid", "prompt": "Say hi to", "max_tokens": 5, "temperature": 0.9, "seed": 3,
+              "watermarking_config": {"ngram_len": 2, "keys": [3, 5, 7]}},
+             {"id": "plain", "prompt": "Once", "max_tokens": 5}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main(["batch", str(source), str(out), "--model", str(model_dir), "-q"]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    from genfn.config.watermarking import watermarking_config_from_dict
+
+    expected = {"cfg": dict(guidance_scale=2.0, negative_prompt_ids=torch.tensor([[5, 6]])),
+                "synthid": dict(do_sample=True, temperature=0.9, key=3,
+                                watermarking_config=watermarking_config_from_dict(lines[1]["watermarking_config"])),
+                "plain": {}}
+    for line in lines:
+        ids = model.tokenizer([line["prompt"]])["input_ids"]
+        tokens = generate(model, ids, max_new_tokens=5, **expected[line["id"]])[0, ids.shape[1]:].tolist()
+        assert rows[line["id"]]["tokens"] == tokens[:len(rows[line["id"]]["tokens"])], line["id"]
+    source.write_text('{"prompt": "hi", "negative_prompt_ids": [4]}\n')
+    assert cli.main(["batch", str(source), str(tmp_path / "bad.jsonl"), "-q"]) == 2
+    assert "negative_prompt_ids" in capsys.readouterr().err
