@@ -29,8 +29,7 @@ from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
 from genfn.batching.requests import RequestState, RequestStatus
-from genfn.batching.row_state import (guide_rows, guided_rows, keep_processor_states, merge_request_chains,
-                                      stacked_processor_state)
+from genfn.batching.row_state import carried_step, keep_carried, merge_request_chains
 from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
@@ -245,10 +244,10 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
     logits = engine.forward(inputs, engine.plan(batch))
     chain, keys, do_sample = engine.batch_chain(requests, batch)
+    # CFG's combination (it heads the processors, as in generate) and a stateful chain's state
     raw_logits = logits
-    guided = guided_rows(requests, batch, settings_of, engine.max_len)
-    if guided:  # classifier-free guidance heads the processors, as in generate
-        logits = guide_rows(engine.model, logits, guided)
+    logits, processor_state = carried_step(engine.model, requests, batch, settings_of, chain, logits,
+                                           max_len=engine.max_len, device=engine.device)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
         # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
@@ -259,9 +258,6 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
                                     device=engine.device)
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
-    carries = [settings_of(requests[c.request_id]).carry for c in batch.chunks]
-    processor_state = stacked_processor_state(
-        chain, carries, [len(requests[c.request_id].generated_ids) for c in batch.chunks], engine.device)
     choice = choose_tokens(logits, chain, ctx, keys=keys, sample_mask=do_sample, logprobs=True,
                            processor_state=processor_state,
                            top_k=max(wanted, default=0),
@@ -280,8 +276,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
-    keep_processor_states(chain, choice.processor_state, carries,
-                          [chunk.request_id in new_tokens for chunk in batch.chunks])
+    keep_carried(requests, batch, settings_of, chain, choice.processor_state, new_tokens)
     return new_tokens, new_logprobs, new_top, frozenset(nonfinite)
 
 

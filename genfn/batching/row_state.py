@@ -37,8 +37,8 @@ from genfn.processors.guidance import guidance_combine
 from genfn.state.base import pytree_dataclass, static_field, tree_flatten, tree_map
 from genfn.strategies.guidance import GuidanceSpec, guidance_init, guidance_step
 
-__all__ = ["RowCarry", "StatefulRowGroups", "guide_rows", "keep_processor_states", "merge_request_chains",
-           "split_stateful", "stacked_processor_state"]
+__all__ = ["RowCarry", "StatefulRowGroups", "carried_step", "guide_rows", "keep_carried", "keep_processor_states",
+           "merge_request_chains", "split_stateful", "stacked_processor_state"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -253,3 +253,28 @@ def guided_rows(requests: Mapping[Hashable, Any], batch, settings_of, max_new: i
             limit = request.max_new_tokens if request.max_new_tokens is not None else max_new
             out[row] = (carry, request.prompt_ids, request.generated_ids, limit)
     return out
+
+
+def carried_step(model, requests: Mapping[Hashable, Any], batch, settings_of, chain: ProcessorChain | None,
+                 logits: torch.Tensor, *, max_len: int, device: Any = None) -> tuple[torch.Tensor, tuple | None]:
+    """The engine step's hook before its token choice: ``(logits, processor_state)``, the logits
+    with the guided rows combined (:func:`guide_rows`) and the chain's stacked state
+    (:func:`stacked_processor_state`; ``None`` without a stateful processor)."""
+    guided = guided_rows(requests, batch, settings_of, max_len)
+    if guided:
+        logits = guide_rows(model, logits, guided)
+    if _groups(chain) is None:
+        return logits, None
+    carries = [settings_of(requests[c.request_id]).carry for c in batch.chunks]
+    generated = [len(requests[c.request_id].generated_ids) for c in batch.chunks]
+    return logits, stacked_processor_state(chain, carries, generated, device)
+
+
+def keep_carried(requests: Mapping[Hashable, Any], batch, settings_of, chain: ProcessorChain | None,
+                 state: tuple | None, new_tokens: Mapping[Hashable, int]) -> None:
+    """The engine step's hook after its token choice: each row that got a token keeps its new
+    processor state (:func:`keep_processor_states`)."""
+    if state is None:
+        return
+    carries = [settings_of(requests[c.request_id]).carry for c in batch.chunks]
+    keep_processor_states(chain, state, carries, [c.request_id in new_tokens for c in batch.chunks])
