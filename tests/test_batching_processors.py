@@ -90,6 +90,10 @@ def test_watermarked_requests_equal_generate_in_a_preempted_batch(llama):
     settings = [
         {"do_sample": True, "seed": 3, "watermarking_config": WatermarkingConfig(bias=6.0)},
         {"do_sample": False, "watermarking_config": WatermarkingConfig(bias=4.0)},  # greedy: bias decides
+        # another green-list key and scheme in the same batch (they cannot merge into one processor)
+        {"do_sample": True, "seed": 4, "watermarking_config": WatermarkingConfig(bias=5.0, hashing_key=7,
+                                                                                  seeding_scheme="selfhash",
+                                                                                  context_width=2)},
         {"do_sample": True, "seed": 5, "top_k": 40, "watermarking_config": SYNTHID_A},
         {"do_sample": True, "seed": 6, "watermarking_config": SYNTHID_B},  # another SynthID in the same batch
         {"do_sample": True, "seed": 7, "watermarking_config": SYNTHID_A},  # shares A's group
@@ -270,3 +274,29 @@ def test_genfn_batch_runs_these_settings_from_the_file(tmp_path, capsys):
     source.write_text('{"prompt": "hi", "negative_prompt_ids": [4]}\n')
     assert cli.main(["batch", str(source), str(tmp_path / "bad.jsonl"), "-q"]) == 2
     assert "negative_prompt_ids" in capsys.readouterr().err
+
+
+def test_rows_with_different_watermarks_merge_into_one_batch_chain(llama):
+    """Two green-list keys and schemes and two SynthID keys in one batch chain: each row's scores
+    are what its own chain gives alone (merging them as one processor would refuse the batch)."""
+    from genfn.batching.row_state import merge_request_chains
+    from genfn.batching.settings import request_settings
+    from genfn.processors.context import LogitsContext
+
+    configs = [WatermarkingConfig(bias=2.0), WatermarkingConfig(bias=3.0, hashing_key=7, seeding_scheme="selfhash"),
+               SYNTHID_A, SYNTHID_B, None]
+    chains = [request_settings(llama, [5, 6, 7], None, {"watermarking_config": c, "do_sample": True, "top_k": 20},
+                               max_new_tokens=4).settings.chain for c in configs]
+    merged = merge_request_chains(chains, [True] * len(chains), num_rows=6)
+    torch.manual_seed(0)
+    logits = torch.randn(6, llama.vocab_size)
+    tokens = torch.randint(3, 97, (6, 9))
+    ctx = LogitsContext(tokens=tokens, cur_len=torch.full((6,), 9), prompt_len=torch.full((6,), 3))
+    scores, _ = merged.apply(logits, ctx, merged.init_state(6))
+    for row, chain in enumerate(chains):
+        one = LogitsContext(tokens=tokens[row:row + 1], cur_len=torch.tensor([9]), prompt_len=torch.tensor([3]))
+        if chain.stateful:
+            alone, _ = chain.apply(logits[row:row + 1], one, chain.init_state(1))
+        else:
+            alone = chain(logits[row:row + 1], one)
+        assert torch.equal(scores[row], alone[0]), configs[row]

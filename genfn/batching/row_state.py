@@ -5,12 +5,13 @@ decoding state (one row per sequence). Here each request keeps its own one-row c
 :class:`RowCarry` (``RequestSettings.carry``), and a step merges the rows it schedules, the way
 the engine merges the requests' processor chains (``ProcessorChain.merge_rows``):
 
-* a stateful processor (SynthID watermarking): each request's chain is split around it
-  (:func:`split_stateful`); the batch chain is the merged heads, one :class:`StatefulRowGroups`
-  (each distinct processor applied to the rows that use it, with their stacked one-row states),
-  then the merged tails. The step's token choice (``choose_tokens``) drives that chain with the
-  stacked state; each row's new state goes back to its request's carry once the request got
-  its token;
+* a watermark (SynthID, whose processor keeps state; the green-list one, whose keys and scheme
+  are code, not per-row values, so two requests' watermarks need not merge into one): each
+  request's chain is split around it (:func:`split_stateful`); the batch chain is the merged
+  heads, one :class:`StatefulRowGroups` (each distinct watermark applied to the rows that use
+  it, SynthID with their stacked one-row states), then the merged tails. The step's token choice
+  (``choose_tokens``) drives that chain with the stacked state; each row's new state goes back
+  to its request's carry once the request got its token;
 * classifier-free guidance: the request's unconditional branch is ``generate``'s own
   (``genfn.strategies.guidance.guidance_init`` / ``guidance_step``: its cache, the negative
   prompt or the prompt's last token, then every generated token), advanced once per token the
@@ -34,10 +35,12 @@ from genfn.processors.base import ProcessorBase
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 from genfn.processors.guidance import guidance_combine
+from genfn.processors.synthid import SynthIDTextWatermarkLogitsProcessor
+from genfn.processors.watermark import WatermarkLogitsProcessor
 from genfn.state.base import pytree_dataclass, static_field, tree_flatten, tree_map
 from genfn.strategies.guidance import GuidanceSpec, guidance_init, guidance_step
 
-__all__ = ["RowCarry", "StatefulRowGroups", "carried_step", "guide_rows", "keep_carried", "keep_processor_states",
+__all__ = ["RowCarry", "StatefulRowGroups", "carried_step", "grouped_chain", "guide_rows", "keep_carried", "keep_processor_states",
            "merge_request_chains", "split_stateful", "stacked_processor_state"]
 
 
@@ -59,17 +62,30 @@ class RowCarry:
     branch_logits: torch.Tensor | None = None
 
 
+# Processors run on row groups instead of merged into one batch processor.
+_WATERMARKS = (SynthIDTextWatermarkLogitsProcessor, WatermarkLogitsProcessor)
+
+
+def _grouped(p: Any) -> bool:
+    return isinstance(p, _WATERMARKS) or bool(getattr(p, "stateful", False))
+
+
+def grouped_chain(chain: ProcessorChain | None) -> bool:
+    """Whether a request's chain holds a processor that runs on row groups (a watermark)."""
+    return chain is not None and any(_grouped(p) for p in chain.processors)
+
+
 def split_stateful(chain: ProcessorChain | None) -> tuple[tuple, Any, tuple]:
-    """``(head, stateful processor or None, tail)`` of a request's chain (one stateful processor
+    """``(head, watermark or other stateful processor or None, tail)`` of a request's chain (one
     at most: a chain holds one watermark)."""
     if chain is None:
         return (), None, ()
     processors = tuple(chain.processors)
-    at = [i for i, p in enumerate(processors) if getattr(p, "stateful", False)]
+    at = [i for i, p in enumerate(processors) if _grouped(p)]
     if not at:
         return processors, None, ()
     if len(at) > 1:
-        raise ValueError("a request's processor chain holds more than one stateful processor")
+        raise ValueError("a request's processor chain holds more than one watermark or stateful processor")
     return processors[:at[0]], processors[at[0]], processors[at[0] + 1:]
 
 
@@ -93,9 +109,9 @@ def _same_function(a: Any, b: Any) -> bool:
 
 @pytree_dataclass
 class StatefulRowGroups(ProcessorBase):
-    """Stateful processors on row groups of a batch: ``processors[g]`` runs on rows ``rows[g]``
-    with state ``state[g]`` (those rows' states stacked, in ``rows[g]``'s order); other rows keep
-    their logits. Build with :func:`merge_request_chains`."""
+    """Processors on row groups of a batch: ``processors[g]`` runs on rows ``rows[g]``, a stateful
+    one with state ``state[g]`` (those rows' states stacked, in ``rows[g]``'s order; ``None`` for a
+    stateless one); other rows keep their logits. Build with :func:`merge_request_chains`."""
 
     stateful = True
     compile_safe = False  # row gathers by host-built indices (run_batch is eager around the forward)
@@ -105,7 +121,8 @@ class StatefulRowGroups(ProcessorBase):
     rows: tuple = static_field(())  # per group, the same rows as host ints
 
     def init_state(self, batch_size: int, device: Any = None) -> tuple:
-        return tuple(p.init_state(len(rows), device) for p, rows in zip(self.processors, self.rows))
+        return tuple(p.init_state(len(rows), device) if getattr(p, "stateful", False) else None
+                     for p, rows in zip(self.processors, self.rows))
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext, state: tuple) -> tuple[torch.Tensor, tuple]:
         new_state = []
@@ -114,7 +131,10 @@ class StatefulRowGroups(ProcessorBase):
             sub = LogitsContext(tokens=ctx.tokens.index_select(0, index),
                                 cur_len=ctx.row_cur_len().index_select(0, index),
                                 prompt_len=ctx.row_prompt_len().index_select(0, index))
-            out, group_state = p.apply(logits.index_select(0, index), sub, group_state)
+            if getattr(p, "stateful", False):
+                out, group_state = p.apply(logits.index_select(0, index), sub, group_state)
+            else:
+                out = p(logits.index_select(0, index), sub)
             logits = logits.index_copy(0, index, out.to(logits.dtype))
             new_state.append(group_state)
         return logits, tuple(new_state)
@@ -127,13 +147,13 @@ def merge_request_chains(chains: Sequence[ProcessorChain | None], samples: Seque
                          device: Any = None) -> ProcessorChain:
     """The batch chain of rows whose request chains are ``chains`` (padded to ``num_rows``).
 
-    Without a stateful processor it is ``ProcessorChain.merge_rows`` of the rows. With one, each
-    row's chain is split around it: merged heads, then one :class:`StatefulRowGroups` over the
-    rows that ``samples`` (the others' scores are not used, and their state must not move), then
-    merged tails."""
+    Without a watermark it is ``ProcessorChain.merge_rows`` of the rows. With one, each row's
+    chain is split around it: merged heads, then one :class:`StatefulRowGroups` over the rows that
+    ``samples`` (the others' scores are not used, and their state must not move), then merged
+    tails."""
     empty = ProcessorChain(())
     padding = [empty] * (num_rows - len(chains))
-    if not any(c is not None and c.stateful for c in chains):
+    if not any(grouped_chain(c) for c in chains):
         return ProcessorChain.merge_rows([c if c is not None else empty for c in chains] + padding, device=device)
     heads, tails, groups = [], [], []  # groups: [processor, [rows]]
     for row, (chain, sampled) in enumerate(zip(chains, samples)):
@@ -180,6 +200,9 @@ def stacked_processor_state(chain: ProcessorChain | None, carries: Sequence[RowC
     at, grouped = found
     group_states = []
     for p, rows in zip(grouped.processors, grouped.rows):
+        if not getattr(p, "stateful", False):
+            group_states.append(None)
+            continue
         states = []
         for row in rows:
             carry = carries[row]
@@ -203,7 +226,9 @@ def keep_processor_states(chain: ProcessorChain | None, state: tuple | None, car
     if found is None or state is None:
         return
     at, grouped = found
-    for group_state, rows in zip(state[at], grouped.rows):
+    for p, group_state, rows in zip(grouped.processors, state[at], grouped.rows):
+        if not getattr(p, "stateful", False):
+            continue
         for i, row in enumerate(rows):
             if chosen[row]:
                 carry = carries[row]
