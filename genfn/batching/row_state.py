@@ -7,8 +7,8 @@ the engine merges the requests' processor chains (``ProcessorChain.merge_rows``)
 
 * a watermark (SynthID, whose processor keeps state; the green-list one, whose keys and scheme
   are code, not per-row values, so two requests' watermarks need not merge into one): each
-  request's chain is split around it (:func:`split_stateful`); the batch chain is the merged
-  heads, one :class:`StatefulRowGroups` (each distinct watermark applied to the rows that use
+  request's chain is split around it (:func:`split_grouped`); the batch chain is the merged
+  heads, one :class:`ProcessorRowGroups` (each distinct watermark applied to the rows that use
   it, SynthID with their stacked one-row states), then the merged tails. The step's token choice
   (``choose_tokens``) drives that chain with the stacked state; each row's new state goes back
   to its request's carry once the request got its token;
@@ -40,8 +40,8 @@ from genfn.processors.watermark import WatermarkLogitsProcessor
 from genfn.state.base import pytree_dataclass, static_field, tree_flatten, tree_map
 from genfn.strategies.guidance import GuidanceSpec, guidance_init, guidance_step
 
-__all__ = ["RowCarry", "StatefulRowGroups", "carried_step", "grouped_chain", "guide_rows", "keep_carried", "keep_processor_states",
-           "merge_request_chains", "split_stateful", "stacked_processor_state"]
+__all__ = ["RowCarry", "ProcessorRowGroups", "carried_step", "grouped_chain", "guide_rows", "keep_carried", "keep_processor_states",
+           "merge_request_chains", "split_grouped", "stacked_processor_state"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,7 +75,7 @@ def grouped_chain(chain: ProcessorChain | None) -> bool:
     return chain is not None and any(_grouped(p) for p in chain.processors)
 
 
-def split_stateful(chain: ProcessorChain | None) -> tuple[tuple, Any, tuple]:
+def split_grouped(chain: ProcessorChain | None) -> tuple[tuple, Any, tuple]:
     """``(head, watermark or other stateful processor or None, tail)`` of a request's chain (one
     at most: a chain holds one watermark)."""
     if chain is None:
@@ -108,7 +108,7 @@ def _same_function(a: Any, b: Any) -> bool:
 
 
 @pytree_dataclass
-class StatefulRowGroups(ProcessorBase):
+class ProcessorRowGroups(ProcessorBase):
     """Processors on row groups of a batch: ``processors[g]`` runs on rows ``rows[g]``, a stateful
     one with state ``state[g]`` (those rows' states stacked, in ``rows[g]``'s order; ``None`` for a
     stateless one); other rows keep their logits. Build with :func:`merge_request_chains`."""
@@ -140,7 +140,7 @@ class StatefulRowGroups(ProcessorBase):
         return logits, tuple(new_state)
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        raise TypeError("StatefulRowGroups is stateful: use `init_state` and `apply`")
+        raise TypeError("ProcessorRowGroups is stateful: use `init_state` and `apply`")
 
 
 def merge_request_chains(chains: Sequence[ProcessorChain | None], samples: Sequence[bool], num_rows: int,
@@ -148,7 +148,7 @@ def merge_request_chains(chains: Sequence[ProcessorChain | None], samples: Seque
     """The batch chain of rows whose request chains are ``chains`` (padded to ``num_rows``).
 
     Without a watermark it is ``ProcessorChain.merge_rows`` of the rows. With one, each row's
-    chain is split around it: merged heads, then one :class:`StatefulRowGroups` over the rows that
+    chain is split around it: merged heads, then one :class:`ProcessorRowGroups` over the rows that
     ``samples`` (the others' scores are not used, and their state must not move), then merged
     tails."""
     empty = ProcessorChain(())
@@ -157,7 +157,7 @@ def merge_request_chains(chains: Sequence[ProcessorChain | None], samples: Seque
         return ProcessorChain.merge_rows([c if c is not None else empty for c in chains] + padding, device=device)
     heads, tails, groups = [], [], []  # groups: [processor, [rows]]
     for row, (chain, sampled) in enumerate(zip(chains, samples)):
-        head, stateful, tail = split_stateful(chain)
+        head, stateful, tail = split_grouped(chain)
         heads.append(ProcessorChain(head))
         tails.append(ProcessorChain(tail))
         if stateful is None or not sampled:
@@ -173,16 +173,16 @@ def merge_request_chains(chains: Sequence[ProcessorChain | None], samples: Seque
             processors.append(ProcessorChain.merge_rows(part + padding, device=device).processors)
         else:
             processors.append(())
-    grouped = StatefulRowGroups(tuple(g[0] for g in groups),
+    grouped = ProcessorRowGroups(tuple(g[0] for g in groups),
                                 tuple(torch.tensor(g[1], dtype=torch.int64, device=device) for g in groups),
                                 tuple(tuple(g[1]) for g in groups))
     return ProcessorChain((*processors[0], grouped, *processors[1]))
 
 
-def _groups(chain: ProcessorChain | None) -> tuple[int, StatefulRowGroups] | None:
+def _groups(chain: ProcessorChain | None) -> tuple[int, ProcessorRowGroups] | None:
     if chain is None:
         return None
-    return next(((i, p) for i, p in enumerate(chain.processors) if isinstance(p, StatefulRowGroups)), None)
+    return next(((i, p) for i, p in enumerate(chain.processors) if isinstance(p, ProcessorRowGroups)), None)
 
 
 def _concat(states: list) -> Any:
