@@ -300,3 +300,16 @@ def test_rows_with_different_watermarks_merge_into_one_batch_chain(llama):
         else:
             alone = chain(logits[row:row + 1], one)
         assert torch.equal(scores[row], alone[0]), configs[row]
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"])
+def test_other_families_run_guidance_and_watermarks_as_generate(arch):
+    from test_batching_families import FAMILIES, _wrapped_gpt2
+
+    model = _wrapped_gpt2() if arch == "GPT2LMHeadModel" else tiny_pair(arch, seed=4, **FAMILIES[arch])[1]
+    settings = [{"do_sample": False, "guidance_scale": 2.0, "negative_prompt_ids": [7, 8, 9]},
+                {"do_sample": True, "seed": 5, "watermarking_config": SYNTHID_A},
+                {"do_sample": True, "seed": 6, "watermarking_config": WatermarkingConfig(bias=5.0)}]
+    requests = _mixed(settings, seed=14)
+    outputs, _ = _run(model, requests)
+    _check(model, requests, outputs)
