@@ -194,10 +194,10 @@ def test_token_healing_runs_the_healed_prompt_as_generate():
             assert list(out.prompt_ids) != prompt  # the healed prompt is the one that ran
 
 
-def test_beams_and_lookup_are_still_refused_with_a_clear_error(llama):
+def test_contrastive_search_is_still_refused_naming_the_setting(llama):
     manager = ContinuousBatchingManager(llama, None, ContinuousBatchingConfig(**TIGHT))
-    with pytest.raises(ValueError, match="num_beams=4"):
-        manager.add_request([5, 6, 7], max_new_tokens=2, num_beams=4)
+    with pytest.raises(ValueError, match="penalty_alpha=0.6"):
+        manager.add_request([5, 6, 7], max_new_tokens=2, penalty_alpha=0.6, top_k=4)
 
 
 def test_the_server_runs_these_settings_through_the_openai_client():
