@@ -31,6 +31,7 @@ from genfn.batching import scheduling as S
 from genfn.batching import speculation as SP
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
+from genfn.batching.row_state import carried_step, keep_carried, merge_request_chains
 from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
@@ -64,6 +65,9 @@ class RequestSettings:
     # response_format: a one-row genfn.structured.rows.GrammarRows (host-side matcher), or None
     grammar: Any = None
     speculation: Any = None
+    # what the request carries across steps (SynthID's state, CFG's unconditional branch):
+    # a genfn.batching.row_state.RowCarry, or None
+    carry: Any = None
 
     @property
     def do_sample(self) -> bool:
@@ -222,16 +226,15 @@ class Engine:
         while the batch's rows stay the same requests)."""
         # Arrival numbers are unique per scheduler: a new request reusing an ended one's id is
         # a different row.
-        ids = tuple((r, requests[r].arrival) for r in batch.request_ids)
+        # Whether a chunk samples is part of the key: a stateful processor runs on sampling rows only.
+        ids = tuple((c.request_id, requests[c.request_id].arrival, c.samples) for c in batch.chunks)
         if self._merged is not None and self._merged[0] == ids:
             return self._merged[1:]
         settings = [settings_of(requests[r]) for r in batch.request_ids]
         chain = None
         if any(s.chain is not None for s in settings):
-            empty = ProcessorChain(())
-            rows = [s.chain if s.chain is not None else empty for s in settings]
-            rows += [empty] * (self.max_requests - len(rows))
-            chain = ProcessorChain.merge_rows(rows, device=self.device)
+            chain = merge_request_chains([s.chain for s in settings], [c.samples for c in batch.chunks],
+                                         self.max_requests, self.device)
         keys = do_sample = None
         if any(s.do_sample for s in settings):
             zero = torch.zeros(2, dtype=torch.int64)
@@ -261,6 +264,10 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     drafted, logits = logits, logits[:engine.max_requests]  # the rows' own, then drafted rows' earlier positions
     engine.last_logits = logits
     chain, keys, do_sample = engine.batch_chain(requests, batch)
+    # CFG's combination (it heads the processors, as in generate) and a stateful chain's state
+    raw_logits = logits
+    logits, processor_state = carried_step(engine.model, requests, batch, settings_of, chain, logits,
+                                           max_len=engine.max_len, device=engine.device)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
         # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
@@ -272,10 +279,11 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
         ctx = LogitsContext(tokens=history.tokens, cur_len=history.cur_len, prompt_len=history.prompt_len)
     wanted = [settings_of(requests[c.request_id]).top_logprobs if c.samples else 0 for c in batch.chunks]
     choice = choose_tokens(logits, chain, ctx, keys=keys, sample_mask=do_sample, logprobs=True,
+                           processor_state=processor_state,
                            top_k=max(wanted, default=0),
                            grammar_mask=grammar_mask(requests, batch, logits.shape, engine.device))
     chosen, logprobs, top_ids, top_values = choice.tokens, choice.logprobs, choice.top_ids, choice.top_logprobs
-    bad_rows = nonfinite_rows(logits)
+    bad_rows = nonfinite_rows(raw_logits[:len(logits)])
     chosen, logprobs, bad_rows = chosen.tolist(), logprobs.tolist(), bad_rows.tolist()  # the step's host sync
     if top_ids is not None:  # already computed by now: no further wait
         top_ids, top_values = top_ids.tolist(), top_values.tolist()
@@ -290,6 +298,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    keep_carried(requests, batch, settings_of, chain, choice.processor_state, new_tokens)
     verified = SP.verify_drafts(requests, batch, drafted, num_rows=engine.max_requests, max_len=engine.max_len)
     for request_id, (tokens, token_logprobs, tops, bad) in verified.items():
         if bad:

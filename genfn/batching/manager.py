@@ -319,6 +319,7 @@ class ContinuousBatchingManager:
                                     tokenizer=tokenizer,
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        prompt = list(resolved.prompt_ids)  # healed under token_healing
         ids = sequence_ids(request_id, len(resolved.sequences))
         if resolved.beam is not None:
             check_beams_fit(resolved.beam.num_beams, cap.max_requests_per_batch, cap.max_batch_tokens)

@@ -21,7 +21,9 @@ import torch
 
 from genfn.batching.engine import RequestSettings
 from genfn.batching.speculation import Speculation
+from genfn.batching.row_state import RowCarry
 from genfn.config import GenerationConfig
+from genfn.generation import generate
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
 from genfn.state.beam import BeamState
@@ -34,10 +36,10 @@ __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 # Settings that need a model-level feature continuous batching does not run (another forward per
-# token, or the processor's own state across steps). Beam search runs (genfn.batching.beam_groups).
-_UNSUPPORTED = {"guidance_scale": None, "token_healing": False,
-                "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
-                "assistant_early_exit": None, "use_mtp": False}
+# token from a draft model, or contrastive search's look-ahead). Beam search (genfn.batching.beam_groups),
+# prompt lookup (genfn.batching.speculation), classifier-free guidance, watermarking (SynthID's state
+# included) and token healing run: see genfn.batching.row_state and request_settings.
+_UNSUPPORTED = {"penalty_alpha": None, "assistant_model": None, "assistant_early_exit": None, "use_mtp": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +47,15 @@ class ResolvedRequest:
     """A request's settings; ``sequences``: the settings of each of its ``num_return_sequences``
     sequences (the first is ``settings``), which differ only in their keys. ``beam``: a beam
     request's beam buffers before its first step (``num_beams > 1``; its sequences are then its
-    returned hypotheses, which run as one beam group)."""
+    returned hypotheses, which run as one beam group). ``prompt_ids``: the prompt the request runs
+    (under ``token_healing``, the healed one, as ``generate`` runs it)."""
 
     settings: RequestSettings
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     sequences: tuple[RequestSettings, ...] = ()
     beam: BeamState | None = None
+    prompt_ids: tuple[int, ...] = ()
 
 
 def _top_logprobs(value) -> int:
@@ -66,7 +70,7 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
     found = []
     for name, off in _UNSUPPORTED.items():
         value = getattr(config, name, off)
-        if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
+        if value is not None and value != off:
             found.append(f"{name}={value!r}")
     if found:
         raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors, "
@@ -81,6 +85,9 @@ def _speculation(config: GenerationConfig, eos_token_ids) -> Speculation | None:
     if config.response_format is not None:
         raise ValueError("prompt_lookup_num_tokens with response_format is not supported in continuous batching; "
                          "drop one of them")
+    if config.guidance_scale not in (None, 1.0) or config.watermarking_config is not None:
+        raise ValueError("prompt_lookup_num_tokens with guidance_scale or watermarking_config is not supported (nor in "
+                         "generate's assisted decoding); drop one of them")
     if config.assistant_ensemble_weight is not None:
         raise ValueError("assistant_ensemble_weight needs a draft model's probabilities, and prompt lookup gives none "
                          "(prompt_lookup_num_tokens); drop assistant_ensemble_weight")
@@ -105,6 +112,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                          "assistant_model, use prompt_lookup_num_tokens (drafts copied from the request's own "
                          "tokens), or run the draft model with genfn.generate")
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
+    # generate takes the negative prompt as arguments of its own, not as config settings
+    negative = {name: kwargs.pop(name, None) for name in ("negative_prompt_ids", "negative_prompt_attention_mask")}
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
     if eos_token_id is not None:
@@ -118,16 +127,15 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                                   attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
                                   tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
                                   length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
-                                  caller="add_request()").request
+                                  heal=generate, caller="add_request()", **negative).request
         if int(request.config.num_beams or 1) == beams:
             break
         beams = int(request.config.num_beams or 1)
+    # A healed prompt is one row without padding (genfn.healing re-pads rows to the batch's widest).
+    prompt = tuple(request.input_ids[0][request.attention_mask[0].bool()].tolist())
     if beams > 1:
-        return _beam_request(request, top_logprobs)
+        return _beam_request(request, top_logprobs, prompt)
     chain = request.processors
-    if chain is not None and chain.stateful:
-        raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
-                         "continuous batching")
     config = request.config
     if config.response_format is not None and isinstance(config.response_format, (list, tuple)):
         raise ValueError("a request's response_format is one value (a dict), not a list")
@@ -147,10 +155,10 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
                                       check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
-                                      speculation=speculation)
+                                      speculation=speculation, carry=_carry(chain, request.guidance))
                       for j in range(count))
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
-                           sequences)
+                           sequences, prompt_ids=prompt)
 
 
 def _num_beams(model, generation_config, kwargs) -> int:
@@ -163,12 +171,13 @@ def _num_beams(model, generation_config, kwargs) -> int:
     return 1
 
 
-def _beam_request(request, top_logprobs: int) -> ResolvedRequest:
+def _beam_request(request, top_logprobs: int, prompt: tuple[int, ...]) -> ResolvedRequest:
     """A beam request: its prompt rows expanded ``num_beams`` times (as ``generate`` runs them),
     its beam buffers, and one sequence per returned hypothesis."""
     config = request.config
     refused = [name for name, on in (("stop_strings", request.stop_strings is not None),
                                      ("response_format", config.response_format is not None),
+                                     ("guidance_scale", request.guidance is not None),
                                      ("top_logprobs", top_logprobs > 0)) if on]
     if refused:
         raise ValueError(f"beam search in continuous batching does not support {', '.join(refused)} (as "
@@ -179,4 +188,11 @@ def _beam_request(request, top_logprobs: int) -> ResolvedRequest:
     settings = RequestSettings(check_finite=False)
     count = beam.options.num_return_sequences
     return ResolvedRequest(settings, max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
-                           (settings,) * count, beam)
+                           (settings,) * count, beam, prompt)
+
+
+def _carry(chain, guidance) -> RowCarry | None:
+    """A sequence's own state box when its settings keep state across steps (one per sequence)."""
+    if guidance is None and (chain is None or not chain.stateful):
+        return None
+    return RowCarry(guidance=guidance)

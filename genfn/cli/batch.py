@@ -8,7 +8,9 @@ speculation: the same output in fewer steps when the answer copies the prompt), 
 ``length_penalty``, ``early_stopping`` (beam search, the best hypothesis written, with its
 ``sequence_score``) and
 ``response_format`` (structured output: ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
-``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it). Each finished
+``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it), and ``generate``'s
+``guidance_scale`` (with ``negative_prompt_ids``, token ids), ``watermarking_config`` (an object;
+SynthID when it has ``ngram_len``) and ``token_healing``. Each finished
 request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``) as one whole
 line, flushed and fsync'd, so a run that stops part way (even SIGKILL) loses nothing it reported:
 run the same command again and the ids already in OUTPUT are skipped, and a last line cut short is
@@ -38,7 +40,8 @@ __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequ
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "seed", "stop", "do_sample", "response_format", "num_beams", "length_penalty",
-           "early_stopping", "prompt_lookup_num_tokens"}
+           "early_stopping", "prompt_lookup_num_tokens", "guidance_scale", "negative_prompt_ids",
+           "watermarking_config", "token_healing"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -113,6 +116,7 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
             settings.pop(name, None)
     settings["do_sample"] = samples
     check_settings({k: v for k, v in settings.items() if k != "seed"}, where=f"input line {line}: ")
+    settings.update(_generate_settings(record, line))
     stop = record.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -126,6 +130,31 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
             raise UserError(f"input line {line}: {err}") from None
         settings["response_format"] = record["response_format"]
     return max_new, settings, stop
+
+
+def _generate_settings(record: dict, line: int) -> dict:
+    """The line's CFG, watermarking and token-healing settings, checked by GenerationConfig."""
+    settings = {}
+    if "guidance_scale" in record:
+        settings["guidance_scale"] = float(_number(record["guidance_scale"], "guidance_scale", line))
+    if "token_healing" in record:
+        if not isinstance(record["token_healing"], bool):
+            raise UserError(f"input line {line}: 'token_healing' must be true or false")
+        settings["token_healing"] = record["token_healing"]
+    if "watermarking_config" in record:
+        if not isinstance(record["watermarking_config"], dict):
+            raise UserError(f"input line {line}: 'watermarking_config' must be an object")
+        settings["watermarking_config"] = record["watermarking_config"]
+    check_settings(settings, where=f"input line {line}: ")
+    negative = record.get("negative_prompt_ids")
+    if negative is not None:
+        if (not isinstance(negative, list) or not negative
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in negative)):
+            raise UserError(f"input line {line}: 'negative_prompt_ids' must be a non-empty list of token ids")
+        if settings.get("guidance_scale", 1.0) == 1.0:
+            raise UserError(f"input line {line}: 'negative_prompt_ids' needs a 'guidance_scale' other than 1")
+        settings["negative_prompt_ids"] = negative
+    return settings
 
 
 def read_requests(text: str, default_max: int, skip_bad: bool = False,

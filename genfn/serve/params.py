@@ -24,6 +24,9 @@ __all__ = ["DEFAULTS", "MAX_CHOICES", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "M
            "choice_seed", "defaults_from_config", "chat_params", "completion_params", "parse_chat",
            "parse_completion", "plain_messages", "manager_settings"]
 
+# genfn's extensions a request may carry in its body (the openai client's extra_body).
+GENERATE_SETTINGS = ("guidance_scale", "negative_prompt_ids", "watermarking_config", "token_healing")
+
 # OpenAI's defaults, for what neither the request nor the server's defaults set.
 DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
             "max_tokens": None}
@@ -54,6 +57,9 @@ class SamplingParams:
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
     prompt_lookup_num_tokens: int | None = None
+    # generate's settings given through extra_body (guidance_scale, negative_prompt_ids,
+    # watermarking_config, token_healing), passed to the manager as they are
+    generate_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -74,6 +80,11 @@ def _common(request, defaults: Mapping, vocab_size: int, max_tokens: int | None)
 
     stop = request.stop
     stop = () if stop is None else tuple(dict.fromkeys([stop] if isinstance(stop, str) else stop))
+    negative = request.negative_prompt_ids
+    if negative is not None and max(negative) >= vocab_size:
+        raise bad_request("negative_prompt_ids", f"token id {max(negative)} is outside the vocabulary "
+                                                 f"(0..{vocab_size - 1})")
+    extras = {name: getattr(request, name) for name in GENERATE_SETTINGS if getattr(request, name) is not None}
     top_k = pick("top_k")
     return dict(
         model=request.model,
@@ -95,6 +106,7 @@ def _common(request, defaults: Mapping, vocab_size: int, max_tokens: int | None)
         length_penalty=None if request.length_penalty is None else float(request.length_penalty),
         early_stopping=request.early_stopping,
         prompt_lookup_num_tokens=request.prompt_lookup_num_tokens,
+        generate_settings=extras,
     )
 
 
@@ -187,4 +199,5 @@ def manager_settings(params: SamplingParams, max_new_tokens: int, index: int) ->
         settings["seed"] = choice_seed(params.seed, index)
     if params.prompt_lookup_num_tokens is not None:
         settings["prompt_lookup_num_tokens"] = params.prompt_lookup_num_tokens
+    settings.update(params.generate_settings)
     return settings

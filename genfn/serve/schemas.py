@@ -194,6 +194,23 @@ class _Generation(_Body):
     early_stopping: StrictBool | Literal["never"] | None = None
     # genfn's: prompt-lookup speculation (drafts copied from the request's own text; same output, fewer steps).
     prompt_lookup_num_tokens: _strict(int, ge=1, le=MAX_PROMPT_LOOKUP_TOKENS) | None = None
+    # genfn's extensions (the openai client's extra_body): generate's settings the engine runs per request.
+    guidance_scale: Annotated[Number, Field(gt=0, le=100)] | None = Field(
+        default=None, description="classifier-free guidance (1: none)")
+    negative_prompt_ids: list[_strict(int, ge=0)] | None = Field(
+        default=None, description="guidance's unconditional prompt, as token ids (default: the prompt's last token)")
+    watermarking_config: dict[str, Any] | None = Field(
+        default=None, description="generate's watermarking_config as a dict (SynthID when it has 'ngram_len')")
+    token_healing: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _negative_prompt_needs_guidance(self):
+        if self.negative_prompt_ids is not None:
+            if not self.negative_prompt_ids:
+                raise refuse("negative_prompt_ids", "'negative_prompt_ids' must not be empty")
+            if self.guidance_scale is None or self.guidance_scale == 1:
+                raise refuse("negative_prompt_ids", "'negative_prompt_ids' needs a 'guidance_scale' other than 1")
+        return self
 
     @field_validator("stop")
     @classmethod
