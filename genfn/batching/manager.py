@@ -540,16 +540,8 @@ class ContinuousBatchingManager:
             record = self._records.get(request_id)
             if record is None:
                 continue
-            # A step that kept speculative drafts gave the request several tokens (lists, one per token).
-            drafted = isinstance(outcome.new_tokens[request_id], tuple)
-            token_logprobs = outcome.logprobs[request_id]
-            generated += len(token_logprobs) if drafted else 1
-            record.logprobs.extend(token_logprobs) if drafted else record.logprobs.append(token_logprobs)
-            if record.top_logprobs:
-                tops = outcome.top_logprobs[request_id]
-                record.tops.extend(tops) if drafted else record.tops.append(tops)
-            if record.record_timestamps:
-                record.timestamps.extend([now] * (len(token_logprobs) if drafted else 1))
+            generated += record.add_step(outcome.new_tokens[request_id], outcome.logprobs[request_id],
+                                         outcome.top_logprobs.get(request_id), now)
             if record.last_token < 0:
                 first_latencies.append(now - record.created_time)
                 prompt_tokens += len(record.prompt_ids)

@@ -73,6 +73,19 @@ class RequestRecord:
     started: float = -1.0
     last_token: float = -1.0  # when its latest token came (-1: none yet)
 
+    def add_step(self, tokens, logprobs, tops, now: float) -> int:
+        """Keep one step's logprobs (and top pairs, timestamps) of the request; returns how many
+        tokens it got. A step that kept speculative drafts gave several tokens (a tuple, and a
+        list of values per token); any other step one."""
+        count = len(tokens) if isinstance(tokens, tuple) else 1
+        per_token = (lambda value: list(value)) if isinstance(tokens, tuple) else (lambda value: [value])
+        self.logprobs.extend(per_token(logprobs))
+        if self.top_logprobs:
+            self.tops.extend(per_token(tops))
+        if self.record_timestamps:
+            self.timestamps.extend([now] * count)
+        return count
+
     def output(self, request_id: Hashable, status: RequestStatus, generated, error: str | None = None,
                ended: float = -1.0, finish_reason: str | None = None,
                sequence_score: float | None = None) -> GenerationOutput:
