@@ -8,7 +8,8 @@ other; each token's position in its request, its row, and the cache slot its key
 (``-1`` for padding: the cache's sink block). ``block_tables [R, W]``: each row's blocks (the sink
 block past its end). ``query_start [R + 1]``: where each row's tokens start (``cu_seqlens_q``);
 ``kv_lens [R]``: the positions each row attends after this step (``seqused_k``); ``logits_index
-[R]``: the token whose logits are each row's; ``samples [R]``: whether that row samples a token.
+[R]``: the token whose logits are each row's; ``samples [R]``: whether that row samples a token;
+``prompt_lens [R]``: each row's request's prompt length (``None`` where no batch built them).
 Padding tokens sit in row 0 at position 0 (finite, ignored attention); padding rows are empty.
 """
 
@@ -37,6 +38,7 @@ class BatchInputs:
     kv_lens: torch.Tensor  # [R] int64
     logits_index: torch.Tensor  # [R] int64
     samples: torch.Tensor  # [R] bool
+    prompt_lens: torch.Tensor | None = None  # [R] int64
 
 
 def bucket(size: int, minimum: int = 1) -> int:
@@ -73,7 +75,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         raise ValueError("`num_rows` must be >= 1")
 
     input_ids, positions, rows, slots = [], [], [], []
-    starts, kv_lens, logits_index, samples = [0], [], [], []
+    starts, kv_lens, logits_index, samples, prompt_lens = [0], [], [], [], []
     for row, (chunk, table) in enumerate(zip(chunks, tables)):
         for offset, token in enumerate(chunk.token_ids):
             position = chunk.start + offset
@@ -85,6 +87,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         kv_lens.append(chunk.end)
         logits_index.append(len(input_ids) - 1)
         samples.append(chunk.samples)
+        prompt_lens.append(chunk.prompt_len)
     pad_tokens = num_tokens - len(input_ids)
     input_ids += [0] * pad_tokens
     positions += [0] * pad_tokens
@@ -95,6 +98,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
     kv_lens += [0] * pad_rows
     logits_index += [0] * pad_rows
     samples += [False] * pad_rows
+    prompt_lens += [0] * pad_rows
     table_rows = [list(t) + [sink] * (table_width - len(t)) for t in tables]
     table_rows += [[sink] * table_width] * pad_rows
 
@@ -111,6 +115,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         kv_lens=tensor(kv_lens),
         logits_index=tensor(logits_index),
         samples=tensor(samples, torch.bool),
+        prompt_lens=tensor(prompt_lens),
     )
 
 
