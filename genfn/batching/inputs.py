@@ -9,7 +9,7 @@ other; each token's position in its request, its row, and the cache slot its key
 block past its end). ``query_start [R + 1]``: where each row's tokens start (``cu_seqlens_q``);
 ``kv_lens [R]``: the positions each row attends after this step (``seqused_k``); ``logits_index
 [R]``: the token whose logits are each row's; ``samples [R]``: whether that row samples a token;
-``prompt_lens [R]``: each row's request's prompt length (``None`` where no batch built them).
+``prompt_lens [R]``: each row's request's prompt length (zeros when not given).
 Padding tokens sit in row 0 at position 0 (finite, ignored attention); padding rows are empty.
 """
 
@@ -39,6 +39,12 @@ class BatchInputs:
     logits_index: torch.Tensor  # [R] int64
     samples: torch.Tensor  # [R] bool
     prompt_lens: torch.Tensor | None = None  # [R] int64
+
+    def __post_init__(self) -> None:
+        # Zeros where a caller builds inputs without prompts (the engine's warmup batch of padding):
+        # the leaves keep one structure, so a forward compiled at warmup serves the real batches.
+        if self.prompt_lens is None:
+            object.__setattr__(self, "prompt_lens", torch.zeros_like(self.kv_lens))
 
 
 def bucket(size: int, minimum: int = 1) -> int:

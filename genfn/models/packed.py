@@ -140,8 +140,6 @@ def furthest_positions(inputs) -> torch.Tensor:
     prefill forward), the token's own for a generated one (one decode step each). LongRoPE picks
     its factors by it, per request, so a request's tokens never depend on the rest of the batch,
     on how its prompt was chunked, or on a recompute after preemption."""
-    if inputs.prompt_lens is None:  # a batch of padding (the engine's warmup)
-        return inputs.positions
     prompt_last = inputs.prompt_lens.index_select(0, inputs.request_index) - 1
     return torch.maximum(prompt_last, inputs.positions)
 
