@@ -9,11 +9,19 @@ Workloads (greedy, ``min_new_tokens = max_new_tokens`` so every request decodes 
     mixed     ``--requests`` requests (64) x ``--new-tokens`` (128) new tokens, prompt lengths
               drawn from 16..512 (seeded)
     parallel  ``--parallel`` (32) sequences of 30 prompt tokens + ``--new-tokens`` new tokens
+    copy      ``--copy-requests`` (16) copy requests: a passage of genfn's own source (about
+              ``--copy-chars`` characters, a different one each) then "the same code, copied
+              exactly:" and its first line; greedy answers repeat the prompt, so prompt lookup
+              drafts well (the workload of ``genfn-cb-lookup``). Not in the default workloads
 
 Engines:
 
     genfn-cb      genfn ``model.generate_batch`` (paged cache, packed forward, the manager thread;
                   prompts take whatever of the token budget decoding leaves, its default)
+    genfn-cb-lookup  genfn-cb with prompt-lookup speculation (``prompt_lookup_num_tokens``:
+                  ``--prompt-lookup-tokens``, 10); its line gives its ratio over genfn-cb in the
+                  same run (the same tokens, fewer forwards); warmed up on 32 tokens a request
+                  (genfn-cb on 2), as its forwards' shapes vary with what is accepted
     genfn-cb-capped  the same with prompt tokens capped at a quarter of the budget while requests
                   decode (the manager's default, for serving): what the cap costs or saves
     hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
@@ -72,19 +80,38 @@ def summarize(name, wall, generated, ttfts, itls):
             "ttft_s": percentiles(ttfts), "itl_s": percentiles(itls)}
 
 
-def workloads(args, vocab):
+def copy_prompts(tokenizer, count, chars):
+    """``count`` copy requests over genfn's own source files (see the module docstring)."""
+    import genfn
+
+    root = Path(genfn.__file__).parent
+    files = sorted(p for p in root.rglob("*.py") if p.stat().st_size > 2 * chars)
+    prompts = []
+    for path in files[:: max(1, len(files) // count)][:count]:
+        text = path.read_text()
+        start = text.find("\ndef ")
+        passage = text[max(start, 0):max(start, 0) + chars].strip()
+        first = passage.splitlines()[0]
+        prompts.append(tokenizer.encode(f"{passage}\n\n# The same code, copied exactly:\n{first}\n"))
+    return prompts
+
+
+def workloads(args, vocab, tokenizer=None):
     rng = random.Random(0)
 
     def prompt(length):
         return [rng.randrange(100, vocab - 1) for _ in range(length)]
 
-    return {
+    found = {
         "mixed": [prompt(rng.randint(16, 512)) for _ in range(args.requests)],
         "parallel": [prompt(30) for _ in range(args.parallel)],
     }
+    if "copy" in args.workloads and tokenizer is not None:
+        found["copy"] = copy_prompts(tokenizer, args.copy_requests, args.copy_chars)
+    return found
 
 
-def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_tokens_while_decoding=None):
+def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_tokens_while_decoding=None, **settings):
     from genfn.config.batching import ContinuousBatchingConfig
 
     cb = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=min(len(prompts), 64),
@@ -92,7 +119,8 @@ def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_token
     cap = {} if prefill_tokens_while_decoding is None else {"prefill_tokens_while_decoding": prefill_tokens_while_decoding}
     start = time.perf_counter()
     results = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   record_timestamps=True, continuous_batching_config=cb, warmup=False, **cap)
+                                   record_timestamps=True, continuous_batching_config=cb, warmup=False, **cap,
+                                   **settings)
     wall = time.perf_counter() - start
     return _from_outputs("genfn-cb", results.values(), start, wall)
 
@@ -202,6 +230,10 @@ def main():
                              "the whole budget)")
     parser.add_argument("--llamacpp-workloads", nargs="+", default=["parallel"],
                         help="the workloads llama.cpp runs (the issue compares it on the parallel one)")
+    parser.add_argument("--copy-requests", type=int, default=16, help="requests of the copy workload")
+    parser.add_argument("--copy-chars", type=int, default=1200, help="characters of source each copy request holds")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                        help="genfn-cb-lookup's prompt_lookup_num_tokens (drafts per step)")
     parser.add_argument("--tag", default=None, help="appended to the JSON file's name (e.g. the branch)")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -228,7 +260,7 @@ def main():
 
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(
                 os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype).eval()
-        for workload, prompts in workloads(args, model.vocab_size).items():
+        for workload, prompts in workloads(args, model.vocab_size, model.tokenizer).items():
             if workload not in args.workloads:
                 continue
             # Warm-up at a small size, so first-call costs (kernel builds, allocations) stay out;
@@ -257,6 +289,14 @@ def main():
                             run_genfn_cb(model, prompts[:8], 2)
                             result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
                                                   args.prefill_tokens_while_decoding)
+                        elif engine == "genfn-cb-lookup":
+                            lookup = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens}
+                            # Longer: its forwards' token counts vary with what is accepted, and
+                            # oneDNN builds a kernel at each new count the first time it meets it.
+                            run_genfn_cb(model, prompts[:8], 32, **lookup)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
+                                                  args.prefill_tokens_while_decoding, **lookup)
+                            result["engine"] = engine
                         elif engine == "genfn-cb-capped":
                             run_genfn_cb(model, prompts[:8], 2)
                             result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,

@@ -122,25 +122,28 @@ def build_baseline(rev: str):
     import hashlib
     import subprocess
 
-    from genfn import kernels
+    from genfn.kernels import native
 
     root = Path(__file__).resolve().parents[1]
     texts = [subprocess.run(["git", "show", f"{rev}:genfn/kernels/{s.name}"], cwd=root, check=True,
                             capture_output=True, text=True).stdout.replace("genfn_kernels", "genfn_baseline")
-             for s in kernels._SOURCES]
+             for s in native.DECODE.sources]
     key = hashlib.sha256("".join(texts).encode()).hexdigest()[:12]
-    out_dir = kernels._cache_dir() / f"baseline-{key}"
+    out_dir = native.cache_dir() / f"baseline-{key}"
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = []
-    for source, text in zip(kernels._SOURCES, texts):
+    for source, text in zip(native.DECODE.sources, texts):
         sources.append(out_dir / source.name)
         sources[-1].write_text(text)
+    for header in native.DECODE.headers:  # included by name, so it must lie beside the sources
+        shown = subprocess.run(["git", "show", f"{rev}:genfn/kernels/{header.name}"], cwd=root, capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            (out_dir / header.name).write_text(shown.stdout)
     library = out_dir / "baseline.so"
     if not library.exists():
-        ours = {str(s): str(b) for s, b in zip(kernels._SOURCES, sources)}
-        command = [ours.get(a, a) for a in kernels._compile_command(library)]
         print(f"  building the kernels of {rev} ...", flush=True)
-        subprocess.run(command, check=True, timeout=900)
+        subprocess.run(native.compile_command(native.DECODE, library, sources), check=True, timeout=900)
     torch.ops.load_library(str(library))
     return torch.ops.genfn_baseline
 

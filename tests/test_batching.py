@@ -453,8 +453,8 @@ def test_streaming_results_reach_the_registered_handler_on_its_loop(tiny):
 
 def test_bad_requests_raise_clear_errors(tiny):
     manager = ContinuousBatchingManager(tiny, None, _small_cb())
-    with pytest.raises(ValueError, match="num_beams"):
-        manager.add_request([1, 2], num_beams=2)
+    with pytest.raises(ValueError, match="penalty_alpha"):  # contrastive search: not in continuous batching
+        manager.add_request([1, 2], penalty_alpha=0.6, top_k=4)
     with pytest.raises(ValueError, match="not generation settings"):
         manager.add_request([1, 2], bogus=3)
     with pytest.raises(ValueError, match="input_ids"):

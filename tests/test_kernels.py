@@ -118,7 +118,8 @@ def test_without_a_compiler_linear_falls_back_with_a_reason(tmp_path):
         assert torch.equal(kernels.linear(x, w), F.linear(x, w))
         print(available, "|", kernels.kernel_status())
     """)
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), GENFN_KERNEL_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), GENFN_KERNEL_CACHE=str(tmp_path / "cache"),
+               GENFN_KERNEL_PREBUILT=str(tmp_path / "installed"))  # none installed either
     env.pop("GENFN_KERNELS", None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -3,6 +3,7 @@ decision of the compile backend, and the OpenMP wait policy genfn sets at import
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from genfn import compile_backend, kernels, wait_policy
+from genfn.kernels import native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def fake_compiler(monkeypatch, tmp_path):
-    """``kernels._build`` against a temporary cache, with g++ replaced by a recorder that writes
-    the output file: the list holds the output path of every compile that ran."""
+    """``native.build`` against a temporary cache (and no installed builds), with g++ replaced by a
+    recorder that writes the output file: the list holds the output path of every compile that ran."""
     builds = []
 
     def fake_run(command, **kwargs):
@@ -34,46 +36,44 @@ def fake_compiler(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setenv("GENFN_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setattr(kernels.subprocess, "run", fake_run)
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setenv("GENFN_KERNEL_PREBUILT", str(tmp_path / "prebuilt"))
+    monkeypatch.setattr(native.subprocess, "run", fake_run)
+    monkeypatch.setattr(native.shutil, "which", lambda name: "/usr/bin/" + name)
     return builds
 
 
 def test_a_second_build_with_the_same_sources_torch_and_flags_reuses_the_cached_library(fake_compiler):
-    first = kernels._build()
-    second = kernels._build()
+    first = native.build(native.DECODE)
+    second = native.build(native.DECODE)
     assert first == second and first.exists()
     assert len(fake_compiler) == 1, "the second build must find the cached library"
     assert first.parent == Path(os.environ["GENFN_KERNEL_CACHE"])
 
 
 def test_the_build_key_changes_with_torch_version_and_sources(fake_compiler, monkeypatch, tmp_path):
-    original = kernels._build()
-    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
-    other_torch = kernels._build()
-    monkeypatch.undo()
+    original = native.build(native.DECODE)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__version__", torch.__version__ + "+other")
+        other_torch = native.build(native.DECODE)
     assert other_torch != original
 
-    monkeypatch.setenv("GENFN_KERNEL_CACHE", str(Path(original).parent))
-    monkeypatch.setattr(kernels.subprocess, "run", lambda command, **kw: (
-        Path(command[command.index("-o") + 1]).write_bytes(b"x"), subprocess.CompletedProcess(command, 0, "", ""))[1])
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: "/usr/bin/" + name)
     edited = []
-    for source in kernels._SOURCES:
+    for source in native.DECODE.sources:
         copy = tmp_path / source.name
         copy.write_text(source.read_text() + "\n// edited\n")
         edited.append(copy)
-    monkeypatch.setattr(kernels, "_SOURCES", tuple(edited))
-    assert kernels._build() not in (original, other_torch)
+    assert native.build(dataclasses.replace(native.DECODE, sources=tuple(edited))) not in (original, other_torch)
+    assert len(fake_compiler) == 3
 
 
 def test_the_first_build_is_announced_on_the_genfn_logger(fake_compiler, caplog):
     with caplog.at_level("INFO", logger="genfn"):
-        kernels._build()
-        kernels._build()
+        native.build(native.DECODE)
+        native.build(native.DECODE)
     messages = [r.getMessage() for r in caplog.records if r.name == "genfn.kernels"]
     assert len(messages) == 2, messages  # building ..., built in ... s; nothing for the cached one
-    assert messages[0].startswith("building the native kernels") and messages[1].startswith("built the native kernels in")
+    assert messages[0].startswith("building the native decode kernels into ")
+    assert messages[1].startswith("built the native decode kernels in")
 
 
 # ------------------------------------------------------------------------------------------

@@ -59,15 +59,18 @@ def continuous_batching_context_manager(model, generation_config=None, block: bo
             manager.destroy()
 
 
-def _hints(model, inputs, generation_config, max_new_tokens, concurrent: int | None) -> WorkloadHints:
+def _hints(model, inputs, generation_config, max_new_tokens, concurrent: int | None, settings: dict) -> WorkloadHints:
     lengths = [len(ids) for ids in inputs]
+    config = generation_config if generation_config is not None else model.generation_config
     if max_new_tokens is None:
-        config = generation_config if generation_config is not None else model.generation_config
         max_new_tokens = getattr(config, "max_new_tokens", None) or 20
+    # Each prompt runs as several rows: its beams (decoding in one forward) or its sequences.
+    rows = max(int(settings.get(name) or getattr(config, name, None) or 1)
+               for name in ("num_beams", "num_return_sequences"))
     longest = max(lengths)
     typical = max(1, sum(lengths) // len(lengths))
     return WorkloadHints(expected_prompt_len=typical, expected_new_tokens=max_new_tokens,
-                         concurrent_requests=max(1, min(len(inputs), concurrent or 32)),
+                         concurrent_requests=max(1, min(len(inputs) * rows, concurrent or max(32, rows))),
                          max_prompt_len=max(longest, typical), max_new_tokens=max_new_tokens)
 
 
@@ -93,7 +96,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     cb = continuous_batching_config
     hints = _hints(model, inputs, generation_config, max_new_tokens,
-                   None if cb is None else cb.max_requests_per_batch)
+                   None if cb is None else cb.max_requests_per_batch, kwargs)
     results: dict = {}
     with continuous_batching_context_manager(model, generation_config, block=True, timeout=None,
                                              continuous_batching_config=cb, persistent_manager=persistent_manager,

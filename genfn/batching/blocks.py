@@ -41,11 +41,13 @@ __all__ = [
     "ensure_capacity",
     "evict_all",
     "evictable_blocks",
+    "fork",
     "free_request",
     "init_allocator",
     "match_prefix",
     "num_free_blocks",
     "ref_count",
+    "rename",
     "truncate",
 ]
 
@@ -331,6 +333,51 @@ def free_request(alloc: BlockAllocator, request_id: RequestId, keep_cached: bool
         tables=_frozen(tables),
         chains=_frozen(chains),
     )
+
+
+def fork(alloc: BlockAllocator, source: RequestId, target: RequestId, num_tokens: int
+         ) -> tuple[BlockAllocator, int, tuple[int, int] | None]:
+    """Start ``target``'s table as a copy-on-write fork of ``source``'s first ``num_tokens`` tokens
+    (a beam continuing another beam); returns (alloc, tokens kept, copy).
+
+    The full blocks are shared (their counts go up: nobody writes a full block again); the
+    partial last block, which the next token is written into, gets a fresh block of ``target``'s
+    own, and ``copy = (source's block, target's block)`` is the keys/values the caller copies.
+    Without a block to spare, ``target`` keeps the full blocks only and the tokens kept stop at
+    the block boundary (the caller recomputes the rest), as ``truncate`` does.
+    """
+    if block_table(alloc, target):
+        raise ValueError(f"request {target!r} already holds blocks; a fork starts a table")
+    size = alloc.block_size
+    table = block_table(alloc, source)
+    num_tokens = min(num_tokens, len(table) * size)
+    full = num_tokens // size
+    refs = list(alloc.refs)
+    for block in table[:full]:
+        refs[block] += 1
+    alloc = alloc.replace(refs=tuple(refs), tables=_frozen({**alloc.tables, target: table[:full]}),
+                          chains=_frozen({**alloc.chains, target: alloc.chains.get(source, ())[:full]}))
+    if num_tokens == full * size:
+        return alloc, num_tokens, None
+    grown = ensure_capacity(alloc, target, num_tokens)
+    if grown is None:
+        return alloc, full * size, None
+    return grown, num_tokens, (table[full], block_table(grown, target)[full])
+
+
+def rename(alloc: BlockAllocator, names: Mapping[RequestId, RequestId]) -> BlockAllocator:
+    """Move tables (and their prefix chains) to new request ids, all at once, so a table may move
+    to an id that another table leaves (``{old: new}``)."""
+    tables = {r: t for r, t in alloc.tables.items() if r not in names}
+    chains = {r: c for r, c in alloc.chains.items() if r not in names}
+    for old, new in names.items():
+        if new in tables:
+            raise ValueError(f"request {new!r} already holds blocks; a table cannot move onto it")
+        if old in alloc.tables:
+            tables[new] = alloc.tables[old]
+        if old in alloc.chains:
+            chains[new] = alloc.chains[old]
+    return alloc.replace(tables=_frozen(tables), chains=_frozen(chains))
 
 
 def truncate(alloc: BlockAllocator, request_id: RequestId, num_tokens: int) -> tuple[BlockAllocator, int]:

@@ -2,7 +2,7 @@
 
 ``Engine`` holds what a step needs besides the scheduler's state: the model, the paged KV cache
 (donated to every forward), the padded sizes the forward is compiled for, and the forwards
-compiled so far (one per padded token count). ``engine_step(engine, state, budget)`` is the
+compiled so far (one per padded token count, and per padded count of drafted positions). ``engine_step(engine, state, budget)`` is the
 whole step as a function of the ``SchedulerState``: it returns the next state and a
 ``StepOutcome`` (tokens chosen, requests finished / failed / preempted). The manager thread
 runs this very step on its locked ``Scheduler``'s state (``Scheduler.advance``).
@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
+from genfn.batching import beam_groups
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
-from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history
+from genfn.batching import speculation as SP
+from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
 from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
@@ -51,7 +53,7 @@ class RequestSettings:
     ``top_logprobs``: how many most likely tokens to report per generated token; ``check_finite``:
     fail the request when its raw logits hold NaN/inf (off under ``remove_invalid_values``);
     ``grammar``: the request's structured-output matcher (synced to its generated tokens before
-    every mask).
+    every mask); ``speculation``: prompt-lookup speculation (``genfn.batching.speculation``), or None.
     """
 
     chain: ProcessorChain | None = None
@@ -61,6 +63,7 @@ class RequestSettings:
     check_finite: bool = True
     # response_format: a one-row genfn.structured.rows.GrammarRows (host-side matcher), or None
     grammar: Any = None
+    speculation: Any = None
 
     @property
     def do_sample(self) -> bool:
@@ -79,11 +82,13 @@ class StepOutcome:
     """What one engine step did: ``new_tokens`` and ``logprobs`` of each request that sampled
     (``top_logprobs``: of those that asked), the requests it finished (EOS, length, stop string;
     ``by_stop_string``: the ids of those whose text ends with a stop string), failed, preempted
-    and cancelled; ``batch``: what it scheduled; ``reused_tokens``: prompt tokens its chunks took
-    from the prefix cache instead of computing them."""
+    and cancelled; ``batch``: what it scheduled (its drafts included); ``reused_tokens``: prompt tokens its chunks took
+    from the prefix cache instead of computing them. A request whose chunk carried speculative
+    drafts gets a tuple of tokens (the kept drafts and the target's next token), a list of
+    logprobs and a list of top-logprobs lists, one per token."""
 
-    new_tokens: Mapping[Hashable, int]
-    logprobs: Mapping[Hashable, float]
+    new_tokens: Mapping[Hashable, int | tuple[int, ...]]
+    logprobs: Mapping[Hashable, float | list[float]]
     finished: tuple[RequestState, ...] = ()
     failed: tuple[RequestState, ...] = ()
     preempted: tuple[Hashable, ...] = ()
@@ -93,6 +98,8 @@ class StepOutcome:
     cancelled: tuple[RequestState, ...] = ()
     batch: S.ScheduledBatch | None = None
     reused_tokens: int = 0
+    # Beam requests: the score of each returned hypothesis (generate's sequences_scores), by id.
+    sequence_scores: Mapping[Hashable, float] = dataclasses.field(default_factory=dict)
 
 
 def require_packed_forward(model):
@@ -133,8 +140,9 @@ class Engine:
         self.compile_options = compile
         self._apply_packed = family.apply_packed
         self.params = model.params if compile is not None else family.pack_params(model.params)
-        self._forwards: dict[int, Any] = {}
+        self._forwards: dict[tuple[int, int], Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
+        self.last_logits: torch.Tensor | None = None  # the latest forward's [R, V], for beam groups
 
     @property
     def compiled(self) -> bool:
@@ -152,15 +160,24 @@ class Engine:
         takes static shapes only, and gathers the whole padded tables)."""
         if self.compiled:
             return None
-        return packed_plan(batch, self.cache.block_size, self.padded_tokens(batch.num_tokens))
+        return packed_plan(batch, self.cache.block_size, self.padded_tokens(batch.num_tokens), self.max_requests)
+
+    def padded_draft_logits(self, batch: S.ScheduledBatch) -> int:
+        """The extra logits positions (``BatchInputs.logits_index[R:]``) a batch with drafts runs
+        at: 0 without drafts (a plain step is unchanged), compiled a power of two."""
+        count = num_draft_logits(batch)
+        if not self.compiled or count == 0:
+            return count
+        return min(bucket(count, minimum=8), self.max_batch_tokens)
 
     def forward(self, inputs: BatchInputs, plan: PackedPlan | None = None) -> torch.Tensor:
-        """Logits ``[R, V]`` of the batch; the cache is updated (donated and replaced)."""
+        """Logits ``[R + E, V]`` of the batch (``E``: the drafted positions, see ``BatchInputs``);
+        the cache is updated (donated and replaced)."""
         if plan is not None:
             logits, self.cache = self._apply_packed(self.model.spec, self.params, inputs, self.cache, plan)
             return logits
-        num_tokens = inputs.input_ids.shape[0]
-        fn = self._forwards.get(num_tokens)
+        shapes = (inputs.input_ids.shape[0], inputs.logits_index.shape[0])  # a compiled graph's static sizes
+        fn = self._forwards.get(shapes)
         if fn is None:
             spec, apply_packed = self.model.spec, self._apply_packed
 
@@ -169,7 +186,7 @@ class Engine:
 
             fn = packed if self.compile_options is None else torch.compile(packed, dynamic=False,
                                                                           **self.compile_options)
-            self._forwards[num_tokens] = fn
+            self._forwards[shapes] = fn
         logits, self.cache = fn(self.model.params, inputs, self.cache)
         return logits
 
@@ -238,8 +255,11 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     ``nonfinite``: the requests whose raw logits held NaN/inf, which the caller fails, alone).
     """
     inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
-                                num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device)
+                                num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device,
+                                num_extra_logits=engine.padded_draft_logits(batch))
     logits = engine.forward(inputs, engine.plan(batch))
+    drafted, logits = logits, logits[:engine.max_requests]  # the rows' own, then drafted rows' earlier positions
+    engine.last_logits = logits
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
@@ -261,6 +281,8 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
         top_ids, top_values = top_ids.tolist(), top_values.tolist()
     new_tokens, new_logprobs, new_top, nonfinite = {}, {}, {}, set()
     for row, chunk in enumerate(batch.chunks):
+        if chunk.num_drafts:
+            continue  # its tokens are verify_drafts' below
         if chunk.samples and bad_rows[row] and settings_of(requests[chunk.request_id]).check_finite:
             nonfinite.add(chunk.request_id)
         elif chunk.samples:
@@ -268,6 +290,14 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    verified = SP.verify_drafts(requests, batch, drafted, num_rows=engine.max_requests, max_len=engine.max_len)
+    for request_id, (tokens, token_logprobs, tops, bad) in verified.items():
+        if bad:
+            nonfinite.add(request_id)
+            continue
+        new_tokens[request_id], new_logprobs[request_id] = tuple(tokens), token_logprobs
+        if tops:
+            new_top[request_id] = tops
     return new_tokens, new_logprobs, new_top, frozenset(nonfinite)
 
 
@@ -312,9 +342,11 @@ def grammar_mask(requests: Mapping[Hashable, RequestState], batch: S.ScheduledBa
     return mask.to(device)
 
 
-def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None) -> PackedPlan:
+def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None = None,
+                num_rows: int | None = None) -> PackedPlan:
     """Where each chunk of ``batch`` sits on the token axis (as ``build_batch_inputs`` lays it out),
-    how many blocks its row's keys span, and which rows sample."""
+    how many blocks its row's keys span, and which rows sample; with drafts, the extra logits
+    entries ``num_rows ..`` (``num_rows``: the inputs' ``R``) sample too."""
     decode, prefill, sample_rows, first = [], [], [], 0
     for row, chunk in enumerate(batch.chunks):
         count = len(chunk.token_ids)
@@ -326,6 +358,10 @@ def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None
         if chunk.samples:
             sample_rows.append(row)
         first += count
+    extra = num_draft_logits(batch)
+    if extra:
+        rows = len(batch.chunks) if num_rows is None else num_rows
+        sample_rows.extend(range(rows, rows + extra))
     return PackedPlan(first if num_tokens is None else num_tokens, tuple(decode), tuple(prefill), tuple(sample_rows))
 
 
@@ -345,7 +381,9 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     schedule, forward, choose tokens, apply them, end the requests a stop string stopped.
     The batching manager's loop runs exactly this step."""
     state, cancelled = S.clear_cancelled(state)
-    state, batch = S.schedule(state, token_budget or engine.max_batch_tokens)
+    token_budget = token_budget or engine.max_batch_tokens
+    state, batch = S.schedule(state, SP.schedule_budget(state, token_budget))
+    state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,
                                   batch=batch)
@@ -356,7 +394,14 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     for request_id in nonfinite:
         state, ended = fail_nonfinite(engine, state, request_id)
         failed.append(ended)
-    state, finished = S.apply_step(state, batch, new_tokens)
+    # Beam groups take their beam step on their rows' logits (genfn.batching.beam_groups); rows that
+    # drafted drop their rejected drafts (genfn.batching.speculation) before the tokens are applied.
+    state, beams = beam_groups.advance(engine, state, batch, engine.last_logits)
+    failed.extend(beams.failed)
+    new_tokens = {r: t for r, t in new_tokens.items() if r not in beams.rows}
+    state, kept = SP.rewind(state, beams.rest(batch), new_tokens)
+    state, finished = S.apply_step(state, kept, new_tokens)
+    finished += beams.finished
     ended = {request.request_id for request in finished}
     # Each request that got a token is matched against its stop strings once: a finished one to
     # report why it stopped, a running one to end it.
@@ -371,4 +416,4 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
                               by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,
-                              reused_tokens=reused)
+                              reused_tokens=reused, sequence_scores=beams.scores)

@@ -8,7 +8,9 @@ other; each token's position in its request, its row, and the cache slot its key
 (``-1`` for padding: the cache's sink block). ``block_tables [R, W]``: each row's blocks (the sink
 block past its end). ``query_start [R + 1]``: where each row's tokens start (``cu_seqlens_q``);
 ``kv_lens [R]``: the positions each row attends after this step (``seqused_k``); ``logits_index
-[R]``: the token whose logits are each row's; ``samples [R]``: whether that row samples a token;
+[R + E]``: the token whose logits are each row's, then ``E`` more tokens whose logits a step
+needs (a speculative row's last token and drafts before its last one, in order; ``E`` is 0 unless
+a chunk carries drafts, so a plain step is unchanged); ``samples [R]``: whether that row samples;
 ``prompt_lens [R]``: each row's request's prompt length (zeros when not given).
 Padding tokens sit in row 0 at position 0 (finite, ignored attention); padding rows are empty.
 """
@@ -24,7 +26,7 @@ from genfn.batching.requests import RequestState
 from genfn.batching.scheduling import ScheduledBatch
 from genfn.state.base import pytree_dataclass
 
-__all__ = ["BatchInputs", "RowHistory", "build_batch_inputs", "build_row_history", "bucket"]
+__all__ = ["BatchInputs", "RowHistory", "build_batch_inputs", "build_row_history", "bucket", "num_draft_logits"]
 
 
 @pytree_dataclass
@@ -36,7 +38,7 @@ class BatchInputs:
     block_tables: torch.Tensor  # [R, W] int64
     query_start: torch.Tensor  # [R + 1] int64
     kv_lens: torch.Tensor  # [R] int64
-    logits_index: torch.Tensor  # [R] int64
+    logits_index: torch.Tensor  # [R + E] int64: one per row, then the drafted rows' earlier positions
     samples: torch.Tensor  # [R] bool
     prompt_lens: torch.Tensor | None = None  # [R] int64
 
@@ -56,13 +58,19 @@ def bucket(size: int, minimum: int = 1) -> int:
     return padded
 
 
+def num_draft_logits(batch: ScheduledBatch) -> int:
+    """``E``: the logits positions the batch's drafted chunks need besides one per row."""
+    return sum(chunk.num_drafts for chunk in batch.chunks)
+
+
 def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_tokens: int | None = None,
                        num_rows: int | None = None, table_width: int | None = None,
-                       device: torch.device | str | None = None) -> BatchInputs:
+                       device: torch.device | str | None = None, num_extra_logits: int | None = None) -> BatchInputs:
     """The forward's index tensors for ``batch``, whose blocks ``alloc`` (after ``schedule``) holds.
 
     Sizes left ``None`` are the batch's own (no padding); sizes smaller than the batch needs
-    raise ``ValueError``.
+    raise ``ValueError``. ``num_extra_logits``: ``E``, padded (the extra entries past the batch's
+    drafts point at token 0).
     """
     chunks = batch.chunks
     size = alloc.block_size
@@ -73,15 +81,18 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
     num_tokens = used_tokens if num_tokens is None else num_tokens
     num_rows = max(len(chunks), 1) if num_rows is None else num_rows
     table_width = used_width if table_width is None else table_width
+    used_extra = num_draft_logits(batch)
+    num_extra_logits = used_extra if num_extra_logits is None else num_extra_logits
     for name, have, need in (("num_tokens", num_tokens, used_tokens), ("num_rows", num_rows, len(chunks)),
-                             ("table_width", table_width, used_width)):
+                             ("table_width", table_width, used_width), ("num_extra_logits", num_extra_logits,
+                                                                        used_extra)):
         if have < need:
             raise ValueError(f"`{name}` ({have}) is smaller than the batch needs ({need})")
     if num_rows < 1:
         raise ValueError("`num_rows` must be >= 1")
 
     input_ids, positions, rows, slots = [], [], [], []
-    starts, kv_lens, logits_index, samples, prompt_lens = [0], [], [], [], []
+    starts, kv_lens, logits_index, samples, extra, prompt_lens = [0], [], [], [], [], []
     for row, (chunk, table) in enumerate(zip(chunks, tables)):
         for offset, token in enumerate(chunk.token_ids):
             position = chunk.start + offset
@@ -92,6 +103,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         starts.append(len(input_ids))
         kv_lens.append(chunk.end)
         logits_index.append(len(input_ids) - 1)
+        extra.extend(range(len(input_ids) - 1 - chunk.num_drafts, len(input_ids) - 1))
         samples.append(chunk.samples)
         prompt_lens.append(chunk.prompt_len)
     pad_tokens = num_tokens - len(input_ids)
@@ -105,6 +117,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
     logits_index += [0] * pad_rows
     samples += [False] * pad_rows
     prompt_lens += [0] * pad_rows
+    logits_index += extra + [0] * (num_extra_logits - len(extra))
     table_rows = [list(t) + [sink] * (table_width - len(t)) for t in tables]
     table_rows += [[sink] * table_width] * pad_rows
 
@@ -144,7 +157,8 @@ def build_row_history(requests: Mapping[Hashable, RequestState], batch: Schedule
                       num_rows: int | None = None, pad_token_id: int = 0,
                       device: torch.device | str | None = None) -> RowHistory:
     """``RowHistory`` of the batch's rows (in chunk order) from the scheduler's ``requests`` after
-    ``schedule``. A row's history is its tokens up to its chunk's end; padding rows are empty."""
+    ``schedule``. A row's history is its tokens up to its chunk's end (its drafts left out);
+    padding rows are empty."""
     num_rows = max(len(batch.chunks), 1) if num_rows is None else num_rows
     if num_rows < len(batch.chunks):
         raise ValueError(f"`num_rows` ({num_rows}) is smaller than the batch needs ({len(batch.chunks)})")
@@ -153,9 +167,10 @@ def build_row_history(requests: Mapping[Hashable, RequestState], batch: Schedule
     prompt_len = torch.zeros(num_rows, dtype=torch.int64)
     for row, chunk in enumerate(batch.chunks):
         request = requests[chunk.request_id]
-        if chunk.end > max_len:
-            raise ValueError(f"request {chunk.request_id!r} has {chunk.end} tokens, more than `max_len` ({max_len})")
-        tokens[row, :chunk.end] = torch.tensor(request.token_ids[:chunk.end], dtype=torch.int64)
-        cur_len[row] = chunk.end
+        end = chunk.end - chunk.num_drafts
+        if end > max_len:
+            raise ValueError(f"request {chunk.request_id!r} has {end} tokens, more than `max_len` ({max_len})")
+        tokens[row, :end] = torch.tensor(request.token_ids[:end], dtype=torch.int64)
+        cur_len[row] = end
         prompt_len[row] = len(request.prompt_ids)
     return RowHistory(tokens=tokens.to(device), cur_len=cur_len.to(device), prompt_len=prompt_len.to(device))

@@ -28,10 +28,11 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from genfn.batching.beam_groups import check_beams_fit, leader_request
 from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
-from genfn.batching.requests import RequestStatus, make_request
+from genfn.batching.requests import RequestStatus, make_request, sequence_ids
 from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
@@ -42,13 +43,6 @@ __all__ = ["ContinuousBatchingManager", "sequence_ids"]
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
-
-
-def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:
-    """The ids of a request's ``count`` sequences: its own, then ``"<id>.1"``, ``"<id>.2"``, ... for a
-    string id (``(id, j)`` for another)."""
-    return [request_id] + [f"{request_id}.{j}" if isinstance(request_id, str) else (request_id, j)
-                           for j in range(1, count)]
 
 
 # ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
@@ -107,6 +101,7 @@ class ContinuousBatchingManager:
         self._records: dict[Hashable, RequestRecord] = {}
         self._live: set = set()  # requests added and not yet ended
         self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
+        self._beam_sequences: dict = {}  # a beam request's further sequence ids (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
         self._gate = threading.Lock()
@@ -306,7 +301,8 @@ class ContinuousBatchingManager:
         to token ids; ``top_logprobs`` (0..20) most likely tokens are reported per generated token
         (``GenerationOutput.top_logprobs``). All are per request: requests with different values
         share a batch. ``response_format`` (structured outputs, as ``generate`` takes it) constrains
-        this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here."""
+        this request alone; a schema, regex or grammar that cannot be compiled raises ValueError here.
+        ``num_beams > 1``: beam search as ``generate`` runs it (``genfn.batching.beam_groups``)."""
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if isinstance(input_ids, torch.Tensor):
@@ -324,18 +320,23 @@ class ContinuousBatchingManager:
                                     top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         ids = sequence_ids(request_id, len(resolved.sequences))
-        states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
-                  for rid, seq in zip(ids, resolved.sequences)]
+        if resolved.beam is not None:
+            check_beams_fit(resolved.beam.num_beams, cap.max_requests_per_batch, cap.max_batch_tokens)
+            states = [leader_request(request_id, prompt, resolved.settings, resolved.beam, ids)]
+        else:
+            states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
+                                   {"genfn": seq}) for rid, seq in zip(ids, resolved.sequences)]
         now = time.perf_counter()
         with self._lock:
             taken = [rid for rid in ids if rid in self._live]
             if taken:
                 raise ValueError(f"request id {taken[0]!r} is already in flight")
-            for state in states:
-                self._live.add(state.request_id)
-                self._records[state.request_id] = RequestRecord(list(state.prompt_ids), bool(streaming),
-                                                                bool(record_timestamps), now,
-                                                                resolved.settings.top_logprobs)
+            for rid in ids:
+                self._live.add(rid)
+                self._records[rid] = RequestRecord(list(prompt), bool(streaming), bool(record_timestamps), now,
+                                                   resolved.settings.top_logprobs)
+            if resolved.beam is not None:
+                self._beam_sequences[request_id] = ids[1:]
             if len(states) > 1:
                 # The other sequences join once the first has prefilled the prompt: its blocks are
                 # then in the prefix cache, and they compute only the prompt's last partial block.
@@ -359,6 +360,8 @@ class ContinuousBatchingManager:
 
     def cancel_request(self, request_id: Hashable) -> None:
         """Cancel a request in flight (it ends CANCELLED); no effect on one that has ended."""
+        with self._lock:  # any sequence id of a beam request cancels the whole request
+            request_id = next((r for r, seqs in self._beam_sequences.items() if request_id in seqs), request_id)
         self._cancels.put(request_id)
         self._wake.set()
 
@@ -512,7 +515,8 @@ class ContinuousBatchingManager:
         for request in outcome.finished:
             stopped = request.request_id in outcome.by_stop_string or request.generated_ids[-1] in request.eos_token_ids
             self._end(request.request_id, RequestStatus.FINISHED, request.generated_ids,
-                      finish_reason="stop" if stopped else "length")
+                      finish_reason="stop" if stopped else "length",
+                      sequence_score=outcome.sequence_scores.get(request.request_id))
 
     def _record(self, outcome, scheduled_at: float) -> None:
         """Keep the step's logprobs and timings on the requests' records, stream the tokens of the
@@ -526,7 +530,7 @@ class ContinuousBatchingManager:
                 record.started = scheduled_at
         ended = {request.request_id for request in outcome.finished}
         running = self.scheduler.state.requests
-        first_latencies, inter_latencies, prompt_tokens = [], [], 0
+        first_latencies, inter_latencies, prompt_tokens, generated = [], [], 0, 0
         for request_id in outcome.new_tokens:
             with self._lock:
                 held = self._held.pop(request_id, ())
@@ -535,11 +539,16 @@ class ContinuousBatchingManager:
             record = self._records.get(request_id)
             if record is None:
                 continue
-            record.logprobs.append(outcome.logprobs[request_id])
+            # A step that kept speculative drafts gave the request several tokens (lists, one per token).
+            drafted = isinstance(outcome.new_tokens[request_id], tuple)
+            token_logprobs = outcome.logprobs[request_id]
+            generated += len(token_logprobs) if drafted else 1
+            record.logprobs.extend(token_logprobs) if drafted else record.logprobs.append(token_logprobs)
             if record.top_logprobs:
-                record.tops.append(outcome.top_logprobs[request_id])
+                tops = outcome.top_logprobs[request_id]
+                record.tops.extend(tops) if drafted else record.tops.append(tops)
             if record.record_timestamps:
-                record.timestamps.append(now)
+                record.timestamps.extend([now] * (len(token_logprobs) if drafted else 1))
             if record.last_token < 0:
                 first_latencies.append(now - record.created_time)
                 prompt_tokens += len(record.prompt_ids)
@@ -549,29 +558,35 @@ class ContinuousBatchingManager:
             if record.streaming and request_id not in ended and request_id in running:
                 self._router.deliver(self._output(request_id, RequestStatus.DECODING,
                                                   running[request_id].generated_ids))
-        self._metrics.record_step(now, len(first_latencies) + len(inter_latencies), first_latencies, inter_latencies,
+        self._metrics.record_step(now, generated, first_latencies, inter_latencies,
                                   prompt_tokens, outcome.reused_tokens)
 
     # -- endings ---------------------------------------------------------------------------------
 
     def _output(self, request_id, status, generated, error=None, ended: float = -1.0,
-                finish_reason: str | None = None) -> GenerationOutput:
-        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason)
+                finish_reason: str | None = None, sequence_score: float | None = None) -> GenerationOutput:
+        return self._records[request_id].output(request_id, status, generated, error, ended, finish_reason,
+                                                sequence_score)
 
     def _end(self, request_id, status: RequestStatus, generated, error: str | None = None,
-             finish_reason: str | None = None) -> None:
+             finish_reason: str | None = None, sequence_score: float | None = None) -> None:
         """The one way a request ends: one terminal output, then it is forgotten."""
         with self._lock:
             if request_id not in self._live:
                 return
             self._live.discard(request_id)
-            output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason)
+            output = self._output(request_id, status, generated, error, time.perf_counter(), finish_reason,
+                                  sequence_score)
             del self._records[request_id]
             held = self._held.pop(request_id, ())
+            beams = self._beam_sequences.pop(request_id, ())
         self._metrics.record_end(status)
         self._router.deliver(output)
         for sequence in held:  # it ended before its first token: so do its other sequences
             self._end(sequence.request_id, status, (), error)
+        if status != RequestStatus.FINISHED:  # a beam request's other hypotheses end with it (finished: each its own)
+            for rid in beams:
+                self._end(rid, status, (), error)
 
     def _fail_queued(self, message: str) -> None:
         while True:

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from genfn.batching.records import replaced
 
-__all__ = ["RequestState", "RequestStatus", "make_request"]
+__all__ = ["RequestState", "RequestStatus", "make_request", "sequence_ids"]
 
 
 class RequestStatus(IntEnum):
@@ -122,3 +122,10 @@ def make_request(request_id: Hashable, prompt_ids: Iterable[int], max_new_tokens
         eos_token_ids=_eos_set(eos_token_id),
         settings=MappingProxyType(dict(settings or {})),
     )
+
+
+def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:
+    """The ids of a request's ``count`` sequences: its own, then ``"<id>.1"``, ``"<id>.2"``, ... for a
+    string id (``(id, j)`` for another)."""
+    return [request_id] + [f"{request_id}.{j}" if isinstance(request_id, str) else (request_id, j)
+                           for j in range(1, count)]

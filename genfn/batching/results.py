@@ -48,6 +48,9 @@ class GenerationOutput:
     timestamps: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
+    # Beam search: the hypothesis' score, sum of its log-probs / generated_len ** length_penalty
+    # (generate's ``sequences_scores``); None otherwise.
+    sequence_score: float | None = None
 
     def is_finished(self) -> bool:
         """The request ended: finished, failed or cancelled."""
@@ -71,14 +74,15 @@ class RequestRecord:
     last_token: float = -1.0  # when its latest token came (-1: none yet)
 
     def output(self, request_id: Hashable, status: RequestStatus, generated, error: str | None = None,
-               ended: float = -1.0, finish_reason: str | None = None) -> GenerationOutput:
+               ended: float = -1.0, finish_reason: str | None = None,
+               sequence_score: float | None = None) -> GenerationOutput:
         count = len(generated)
         return GenerationOutput(
             request_id=request_id, prompt_ids=list(self.prompt_ids), generated_tokens=list(generated),
             logprobs=list(self.logprobs[:count]), error=error, status=status, created_time=self.created_time,
             lifespan=(self.started, ended), timestamps=list(self.timestamps[:count]) if self.record_timestamps
             else None, top_logprobs=[list(pairs) for pairs in self.tops[:count]] if self.top_logprobs else None,
-            finish_reason=finish_reason)
+            finish_reason=finish_reason, sequence_score=sequence_score)
 
 
 class OutputRouter:

@@ -29,6 +29,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 from genfn.batching import blocks as B
+from genfn.batching import groups as G
 from genfn.batching.records import replaced
 from genfn.batching.requests import RequestState, RequestStatus
 
@@ -112,6 +113,8 @@ class SchedulerState:
     active: tuple[Hashable, ...] = ()
     cancelled: frozenset = frozenset()
     arrivals: int = 0
+    # Requests that decode together (beam search's beams), by group id; see genfn.batching.groups.
+    groups: Mapping[Hashable, G.RequestGroup] = dataclasses.field(default_factory=_empty)
 
     def replace(self, **changes) -> SchedulerState:
         return replaced(self, changes)
@@ -120,12 +123,16 @@ class SchedulerState:
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens ``token_ids`` of a request, at positions ``start ..``, computed in the next forward.
-    ``samples``: the chunk ends at the request's last token, so its logits give a new token."""
+    ``samples``: the chunk ends at the request's last token, so its logits give a new token.
+    ``num_drafts``: the last ``num_drafts`` of ``token_ids`` are speculative drafts after the
+    request's last token (``genfn.batching.speculation``): the forward gives logits at the last
+    token and at every draft, and the step keeps the drafts verification accepts."""
 
     request_id: Hashable
     start: int
     token_ids: tuple[int, ...]
     samples: bool
+    num_drafts: int = 0
     prompt_len: int = 0  # the request's own prompt (LongRoPE's packed forward picks its factors by it)
 
     @property
@@ -227,21 +234,31 @@ def add_request(state: SchedulerState, request: RequestState) -> SchedulerState:
 
 
 def _remove(state: SchedulerState, request_id: Hashable, keep_cached: bool = True) -> SchedulerState:
+    """Remove the request (and every member of its group), releasing their blocks."""
+    member_of = G.member_index(state.groups) if state.groups else {}
+    gone = set(G.members_with(state.groups, member_of, request_id))
     requests = dict(state.requests)
-    del requests[request_id]
+    alloc = state.allocator
+    for rid in gone:
+        requests.pop(rid, None)
+        alloc = B.free_request(alloc, rid, keep_cached=keep_cached and state.policy.prefix_caching)
+    groups = state.groups
+    if request_id in member_of:
+        groups = MappingProxyType({g: v for g, v in groups.items() if g != member_of[request_id]})
     return state.replace(
-        allocator=B.free_request(state.allocator, request_id,
-                                 keep_cached=keep_cached and state.policy.prefix_caching),
+        allocator=alloc,
         requests=MappingProxyType(requests),
-        waiting=tuple(r for r in state.waiting if r != request_id),
-        active=tuple(r for r in state.active if r != request_id),
-        cancelled=state.cancelled - {request_id},
+        waiting=tuple(r for r in state.waiting if r not in gone),
+        active=tuple(r for r in state.active if r not in gone),
+        cancelled=state.cancelled - gone,
+        groups=groups,
     )
 
 
 def finish(state: SchedulerState, request_id: Hashable, status: RequestStatus = RequestStatus.FINISHED,
            error: str | None = None, keep_cached: bool = True) -> tuple[SchedulerState, RequestState | None]:
-    """End a request (FINISHED by default; FAILED with ``error``), releasing its blocks.
+    """End a request (FINISHED by default; FAILED with ``error``), releasing its blocks; a group
+    member ends its whole group (``genfn.batching.groups``).
     ``keep_cached=False``: none of its blocks stays in the prefix cache (their content is not to be
     reused: a request whose keys/values went NaN).
 
@@ -289,8 +306,17 @@ class _Draft:
         self.in_batch: set = set()
         self.preempted: list = []
         self.failed: list[RequestState] = []
+        self.groups = dict(state.groups)
+        self.member_of = G.member_index(state.groups) if state.groups else {}
 
     def preempt(self, request_id: Hashable) -> None:
+        """Send the request back to the queue; a group member takes along every member of its
+        group that is admitted and not in this batch (a group is preempted whole)."""
+        for rid in G.members_with(self.groups, self.member_of, request_id):
+            if rid in self.active and rid not in self.in_batch:
+                self._preempt_one(rid)
+
+    def _preempt_one(self, request_id: Hashable) -> None:
         request = self.requests[request_id]
         self.alloc = B.free_request(self.alloc, request_id, keep_cached=self.state.policy.prefix_caching)
         self.requests[request_id] = request.replace(status=RequestStatus.PENDING, num_computed=0, num_reused=0,
@@ -300,13 +326,16 @@ class _Draft:
         self.preempted.append(request_id)
 
     def fail(self, request_id: Hashable, error: str) -> None:
-        request = self.requests.pop(request_id)
-        self.alloc = B.free_request(self.alloc, request_id, keep_cached=self.state.policy.prefix_caching)
-        if request_id in self.active:
-            self.active.remove(request_id)
-        if request_id in self.waiting:
-            self.waiting.remove(request_id)
-        self.failed.append(request.replace(status=RequestStatus.FAILED, error=error))
+        """End the request (and every member of its group) FAILED with ``error``."""
+        for rid in G.members_with(self.groups, self.member_of, request_id):
+            request = self.requests.pop(rid)
+            self.alloc = B.free_request(self.alloc, rid, keep_cached=self.state.policy.prefix_caching)
+            if rid in self.active:
+                self.active.remove(rid)
+            if rid in self.waiting:
+                self.waiting.remove(rid)
+            self.failed.append(request.replace(status=RequestStatus.FAILED, error=error))
+        self.groups.pop(self.member_of.get(request_id), None)
 
     def add_chunk(self, request: RequestState, start: int, count: int) -> None:
         end = start + count
@@ -314,14 +343,16 @@ class _Draft:
         status = RequestStatus.DECODING if samples else RequestStatus.PREFILLING
         self.requests[request.request_id] = request.replace(num_computed=end, status=status)
         self.chunks.append(ScheduledChunk(request.request_id, start, request.token_ids[start:end], samples,
-                                          len(request.prompt_ids)))
+                                          prompt_len=len(request.prompt_ids)))
         self.in_batch.add(request.request_id)
 
-    def victim(self, exclude: Hashable) -> Hashable | None:
-        """The most recently admitted request that can give its blocks back: not in this batch,
-        not awaiting the result of a forward in flight, holding blocks."""
+    def victim(self, exclude) -> Hashable | None:
+        """The most recently admitted request that can give its blocks back: not in ``exclude``,
+        not in this batch (nor any member of its group), not awaiting the result of a forward in
+        flight, holding blocks."""
         for request_id in reversed(self.active):
-            if request_id == exclude or request_id in self.in_batch:
+            if request_id in exclude or any(m in self.in_batch for m in
+                                            G.members_with(self.groups, self.member_of, request_id)):
                 continue
             if self.requests[request_id].remaining > 0 and B.block_table(self.alloc, request_id):
                 return request_id
@@ -333,6 +364,7 @@ class _Draft:
             requests=MappingProxyType(self.requests),
             waiting=tuple(self.waiting),
             active=tuple(self.active),
+            groups=MappingProxyType(self.groups) if self.groups != self.state.groups else self.state.groups,
         )
         batch = ScheduledBatch(chunks=tuple(self.chunks), preempted=tuple(self.preempted),
                                failed=tuple(self.failed), cache_full=cache_full and not self.chunks)
@@ -383,21 +415,31 @@ def schedule(state: SchedulerState, token_budget: int,
 
     def chunk_size(request: RequestState, start: int) -> int:
         """Tokens of ``request`` from ``start`` that fit the budgets left (0: none)."""
-        count = min(request.num_tokens - start, tokens_left)
+        last = G.last_to_compute(request, request.request_id in draft.member_of)
+        count = min(last - start, tokens_left)
         if prefill_left is not None and request.status != RequestStatus.DECODING:
             count = min(count, prefill_left)
         if kv_left is not None:
             count = min(count, kv_left - start)
-        if count <= 0 or (not policy.chunked_prefill and count < request.num_tokens - start):
+        if count <= 0 or (not policy.chunked_prefill and count < last - start):
             return 0
         return count
 
     for request_id in _ordered_active(state):
         if tokens_left == 0 or rows_left == 0:
             break
-        if request_id not in draft.active:  # preempted earlier in this loop
+        if request_id not in draft.active or request_id in draft.in_batch:  # preempted, or scheduled with its group
             continue
         request = draft.requests[request_id]
+        gid = draft.member_of.get(request_id)
+        if gid is not None and gid in draft.groups and G.group_ready(draft.groups[gid], draft.requests, draft.active,
+                                                                     draft.in_batch):
+            taken, reads, failed = G.add_group(draft, draft.groups[gid].members, capacity, tokens_left, rows_left,
+                                               kv_left)
+            tokens_left, rows_left, allocation_failed = tokens_left - taken, rows_left - taken, allocation_failed or failed
+            if kv_left is not None:
+                kv_left -= reads
+            continue
         if not in_margin and draft.chunks and request.status != RequestStatus.DECODING:
             continue
         start = request.num_computed
@@ -410,7 +452,7 @@ def schedule(state: SchedulerState, token_budget: int,
             continue
         grown = B.ensure_capacity(draft.alloc, request_id, start + count)
         while grown is None:
-            victim = draft.victim(exclude=request_id)
+            victim = draft.victim(exclude=G.members_with(draft.groups, draft.member_of, request_id))
             if victim is None:
                 break
             draft.preempt(victim)
@@ -451,7 +493,10 @@ def schedule(state: SchedulerState, token_budget: int,
             # The last token is always computed: its logits give the next token.
             trial, reused = B.acquire_prefix(trial, request_id, request.token_ids, max_tokens=request.num_tokens - 1)
         count = chunk_size(request, reused)
-        if count == 0:
+        # A group member whose tokens but the last all came from the prefix cache is admitted
+        # with nothing to compute: it waits for its group.
+        grouped_and_cached = request_id in draft.member_of and reused == request.num_tokens - 1
+        if count == 0 and not grouped_and_cached:
             break  # arrival order: a request waits rather than be overtaken by later ones
         trial = B.ensure_capacity(trial, request_id, reused + count)
         if trial is None:
@@ -461,6 +506,9 @@ def schedule(state: SchedulerState, token_budget: int,
         draft.waiting.remove(request_id)
         draft.active.append(request_id)
         request = request.replace(num_reused=reused)
+        if count == 0:
+            draft.requests[request_id] = request.replace(num_computed=reused, status=RequestStatus.PREFILLING)
+            continue
         draft.requests[request_id] = request
         draft.add_chunk(request, reused, count)
         tokens_left -= count
@@ -488,6 +536,14 @@ def _as_tokens(request_id, value) -> tuple[int, ...]:
                         f"got {type(value).__name__}") from None
 
 
+def _commit(state: SchedulerState, alloc: B.BlockAllocator, chunk: ScheduledChunk,
+            token_ids: tuple[int, ...]) -> B.BlockAllocator:
+    """Register the full blocks ``chunk`` completed in the prefix cache (its request's tokens given)."""
+    if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
+        alloc = B.commit_full_blocks(alloc, chunk.request_id, token_ids[:chunk.end])
+    return alloc
+
+
 def apply_step(state: SchedulerState, batch: ScheduledBatch,
                new_tokens: Mapping[Hashable, int | Sequence[int]]) -> tuple[SchedulerState, tuple[RequestState, ...]]:
     """Record the forward of ``batch``: ``new_tokens[request_id]`` are the tokens sampled for
@@ -503,9 +559,8 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
         request = requests.get(chunk.request_id)
         if request is None or request.num_computed < chunk.end:
             continue  # ended or preempted since it was scheduled
-        if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
-            alloc = B.commit_full_blocks(alloc, chunk.request_id, request.token_ids[:chunk.end])
         if not chunk.samples:
+            alloc = _commit(state, alloc, chunk, request.token_ids)
             continue
         if chunk.request_id not in new_tokens:
             raise ValueError(f"`new_tokens` has no token for request {chunk.request_id!r}, whose chunk samples")
@@ -518,6 +573,8 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
                 break
         request = request.replace(generated_ids=request.generated_ids + tuple(taken),
                                   status=RequestStatus.FINISHED if done else RequestStatus.DECODING)
+        # After the new tokens: a chunk that kept speculative drafts wrote them past the old tokens.
+        alloc = _commit(state, alloc, chunk, request.token_ids)
         if done:
             alloc = B.free_request(alloc, chunk.request_id, keep_cached=state.policy.prefix_caching)
             del requests[chunk.request_id]

@@ -20,9 +20,13 @@ import dataclasses
 import torch
 
 from genfn.batching.engine import RequestSettings
+from genfn.batching.speculation import Speculation
 from genfn.config import GenerationConfig
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
+from genfn.state.beam import BeamState
+from genfn.strategies.assisted.drafter import PromptLookupDrafter
+from genfn.strategies.beam import initial_state
 from genfn.structured.rows import constraint_for_rows
 
 __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
@@ -30,21 +34,24 @@ __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
 # Settings that need a model-level feature continuous batching does not run (another forward per
-# token, several sequences per request, or the processor's own state across steps).
-_UNSUPPORTED = {"num_beams": 1, "guidance_scale": None, "token_healing": False,
+# token, or the processor's own state across steps). Beam search runs (genfn.batching.beam_groups).
+_UNSUPPORTED = {"guidance_scale": None, "token_healing": False,
                 "watermarking_config": None, "penalty_alpha": None, "assistant_model": None,
-                "prompt_lookup_num_tokens": None}
+                "assistant_early_exit": None, "use_mtp": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRequest:
     """A request's settings; ``sequences``: the settings of each of its ``num_return_sequences``
-    sequences (the first is ``settings``), which differ only in their keys."""
+    sequences (the first is ``settings``), which differ only in their keys. ``beam``: a beam
+    request's beam buffers before its first step (``num_beams > 1``; its sequences are then its
+    returned hypotheses, which run as one beam group)."""
 
     settings: RequestSettings
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     sequences: tuple[RequestSettings, ...] = ()
+    beam: BeamState | None = None
 
 
 def _top_logprobs(value) -> int:
@@ -62,8 +69,24 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
         if value is not None and value != off and not (name == "guidance_scale" and value == 1.0):
             found.append(f"{name}={value!r}")
     if found:
-        raise ValueError(f"continuous batching runs greedy search and sampling with logits processors; it does not "
-                         f"support {', '.join(found)}")
+        raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors, "
+                         f"and prompt-lookup speculation (prompt_lookup_num_tokens); it does not support "
+                         f"{', '.join(found)}")
+
+
+def _speculation(config: GenerationConfig, eos_token_ids) -> Speculation | None:
+    """Prompt lookup as ``generate`` builds it (``genfn.strategies.assisted.build``), or None."""
+    if config.prompt_lookup_num_tokens is None:
+        return None
+    if config.response_format is not None:
+        raise ValueError("prompt_lookup_num_tokens with response_format is not supported in continuous batching; "
+                         "drop one of them")
+    if config.assistant_ensemble_weight is not None:
+        raise ValueError("assistant_ensemble_weight needs a draft model's probabilities, and prompt lookup gives none "
+                         "(prompt_lookup_num_tokens); drop assistant_ensemble_weight")
+    return Speculation(PromptLookupDrafter(num_tokens=int(config.prompt_lookup_num_tokens),
+                                           max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
+                                           eos_token_ids=tuple(eos_token_ids)))
 
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
@@ -77,17 +100,30 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     extra = openai_processors(presence_penalty, frequency_penalty, logit_bias, vocab_size=model.vocab_size,
                               device=model.device)
     kwargs = dict(kwargs)
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError("draft-model speculation (assistant_model) does not run in continuous batching yet: drop "
+                         "assistant_model, use prompt_lookup_num_tokens (drafts copied from the request's own "
+                         "tokens), or run the draft model with genfn.generate")
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
     prompt = torch.as_tensor([list(prompt_ids)], dtype=torch.int64, device=model.device)
-    request = resolve_request(model, prompt, generation_config, kwargs, key=key,
-                              attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
-                              tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
-                              length_cap=max_len, check_config=_refuse_unsupported, expand_rows=False,
-                              caller="add_request()").request
+    beams = _num_beams(model, generation_config, kwargs)
+    while True:
+        # A beam request's rows are its beams, expanded as generate expands them (the chain and the
+        # beam buffers have num_beams rows); resolved again if the merged config says otherwise.
+        request = resolve_request(model, prompt, generation_config, kwargs, key=key,
+                                  attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
+                                  tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
+                                  length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
+                                  caller="add_request()").request
+        if int(request.config.num_beams or 1) == beams:
+            break
+        beams = int(request.config.num_beams or 1)
+    if beams > 1:
+        return _beam_request(request, top_logprobs)
     chain = request.processors
     if chain is not None and chain.stateful:
         raise ValueError("a processor that keeps state across steps (SynthID watermarking) is not supported in "
@@ -107,9 +143,40 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
 
     # Sequence j of a request samples with the key generate gives the prompt's j-th returned row.
     count = int(config.num_return_sequences or 1)
+    speculation = _speculation(config, request.eos_token_ids)
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
-                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar())
+                                      check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
+                                      speculation=speculation)
                       for j in range(count))
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
                            sequences)
+
+
+def _num_beams(model, generation_config, kwargs) -> int:
+    # The merged value as resolve_request merges it (kwargs > the config passed > the model's), read
+    # before resolving, so the request is resolved once in the common case.
+    for source in (kwargs, generation_config, getattr(model, "generation_config", None)):
+        value = source.get("num_beams") if isinstance(source, dict) else getattr(source, "num_beams", None)
+        if value is not None:
+            return int(value)
+    return 1
+
+
+def _beam_request(request, top_logprobs: int) -> ResolvedRequest:
+    """A beam request: its prompt rows expanded ``num_beams`` times (as ``generate`` runs them),
+    its beam buffers, and one sequence per returned hypothesis."""
+    config = request.config
+    refused = [name for name, on in (("stop_strings", request.stop_strings is not None),
+                                     ("response_format", config.response_format is not None),
+                                     ("top_logprobs", top_logprobs > 0)) if on]
+    if refused:
+        raise ValueError(f"beam search in continuous batching does not support {', '.join(refused)} (as "
+                         f"generate's beam search does not); use greedy search or sampling for them")
+    beam = initial_state(request)
+    # The group checks its logits itself (a beam step ends the whole group), so its rows are not
+    # failed one by one.
+    settings = RequestSettings(check_finite=False)
+    count = beam.options.num_return_sequences
+    return ResolvedRequest(settings, max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
+                           (settings,) * count, beam)

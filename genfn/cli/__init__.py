@@ -1,4 +1,4 @@
-"""The ``genfn`` command line: ``generate``, ``chat``, ``batch``, ``bench``, ``serve`` and ``determinism``.
+"""The ``genfn`` command line: ``generate``, ``chat``, ``batch``, ``bench``, ``serve``, ``determinism`` and ``kernels``.
 
 Status lines (loading, kernel build, compiling, a closing tokens/s summary) go to stderr and
 ``--quiet`` hides them; generated text goes to stdout. A user's mistake (a bad flag value, a
@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-from genfn.cli import batch, bench, chat, determinism, generate, serve
+from genfn.cli import batch, bench, chat, determinism, generate, kernels, serve
 from genfn.cli.common import GENFN_DIR, USER_ERROR, Parser, StderrLines, UserError
 from genfn.cli.status import Status
 
@@ -32,6 +32,7 @@ _COMMANDS = {
     "bench": (bench, "run the decode benchmark (python -m genfn.bench) and plot tokens/s per configuration"),
     "determinism": (determinism, "run the same prompts alone, batched and continuously batched; report what differs"),
     "serve": (serve, "the OpenAI-compatible HTTP server and web page (the 'serve' extra)"),
+    "kernels": (kernels, "where the native kernels are (status), or build them now (build)"),
 }
 
 

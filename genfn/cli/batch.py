@@ -2,8 +2,11 @@
 
 Each input line is a JSON object: ``prompt`` (text) or ``messages`` (a chat, rendered with the
 model's template), and optionally ``id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``do_sample`` (a positive
-``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false) and
+``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``prompt_lookup_num_tokens`` (prompt-lookup
+speculation: the same output in fewer steps when the answer copies the prompt), ``do_sample`` (a positive
+``temperature``, ``top_p`` or ``top_k`` samples unless ``do_sample`` is false), ``num_beams``,
+``length_penalty``, ``early_stopping`` (beam search, the best hypothesis written, with its
+``sequence_score``) and
 ``response_format`` (structured output: ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
 ``{"type": "regex", "pattern": ...}``, ... as ``generate`` takes it). Each finished
 request is appended to OUTPUT at once (``id``, ``text``, ``tokens``, ``finish_reason``) as one whole
@@ -34,7 +37,8 @@ from genfn.config.response_format import check_response_format
 __all__ = ["add_arguments", "main", "read_requests", "read_done_ids", "BatchRequest", "ResultWriter"]
 
 _FIELDS = {"id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
-           "repetition_penalty", "seed", "stop", "do_sample", "response_format"}
+           "repetition_penalty", "seed", "stop", "do_sample", "response_format", "num_beams", "length_penalty",
+           "early_stopping", "prompt_lookup_num_tokens"}
 _RESULT_WAIT_S = 1.0
 
 
@@ -85,10 +89,14 @@ def _settings(record: dict, line: int, default_max: int) -> tuple[int, dict, lis
     if _number(max_new, "max_tokens", line, integer=True) <= 0:
         raise UserError(f"input line {line}: 'max_tokens' must be positive, got {max_new}")
     settings: dict = {}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty"):
         if name in record:
             settings[name] = float(_number(record[name], name, line))
-    for name in ("top_k", "seed"):
+    if "early_stopping" in record:
+        if record["early_stopping"] not in (True, False, "never"):
+            raise UserError(f"input line {line}: 'early_stopping' must be true, false or \"never\"")
+        settings["early_stopping"] = record["early_stopping"]
+    for name in ("top_k", "seed", "num_beams", "prompt_lookup_num_tokens"):
         if name in record:
             settings[name] = _number(record[name], name, line, integer=True)
     given = {k: v for k, v in settings.items() if k != "seed" and not (k == "temperature" and v == 0)}
@@ -274,8 +282,11 @@ def main(args, status: Status) -> int:
         return _report_bad(status, bad)
     lengths = [len(r.ids) for r in todo]
     longest_new = max(r.max_new_tokens for r in todo)
+    rows = sum(r.settings.get("num_beams", 1) for r in todo)  # a beam request's beams decode in one forward
+    most_beams = max(r.settings.get("num_beams", 1) for r in todo)
     hints = WorkloadHints(expected_prompt_len=max(1, sum(lengths) // len(lengths)), expected_new_tokens=longest_new,
-                          concurrent_requests=min(len(todo), args.max_requests or 32), max_prompt_len=max(lengths),
+                          concurrent_requests=min(rows, max(args.max_requests or 32, most_beams)),
+                          max_prompt_len=max(lengths),
                           max_new_tokens=longest_new)
     config = ContinuousBatchingConfig(max_requests_per_batch=args.max_requests)
     eos = eos_ids(model)
@@ -348,6 +359,9 @@ def _collect(manager, pending: set, by_id: dict, tokenizer, eos, writer: ResultW
             continue
         new = list(result.generated_tokens)
         text = tokenizer.decode(new, skip_special_tokens=True)
-        writer.add(r.request_id, {"id": r.request_id, "text": text, "tokens": new,
-                                  "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)})
+        line = {"id": r.request_id, "text": text, "tokens": new,
+                "finish_reason": finish_reason(new, text, r.max_new_tokens, eos, r.stop)}
+        if result.sequence_score is not None:  # beam search
+            line["sequence_score"] = result.sequence_score
+        writer.add(r.request_id, line)
         written.append(len(new))

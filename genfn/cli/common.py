@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 from genfn.cli.status import Status, format_seconds
 
@@ -128,17 +127,23 @@ def _describe(path: str, args) -> str:
     return f"loading {os.path.basename(path.rstrip(os.sep)) or path} ({args.dtype}; {weights})"
 
 
-def _prepare_kernels(status: Status) -> None:
-    """Build or find the native kernels as a phase of its own; only a real build says how long it takes."""
+def _prepare_kernels(status: Status, kquant: bool = False) -> None:
+    """Find (or build) the native kernels as a phase of its own, with the K-quant kernels when the
+    model keeps a GGUF file's K-quant blocks; the line says "building" only when a build will run."""
     from genfn import kernels
+    from genfn.kernels import kquant as kquant_kernels, native
 
-    status.begin("building the native decode kernels (once; about a minute of g++ on an idle machine, then cached)"
-                 if kernels.needs_build() else "loading the native decode kernels")
-    start = time.perf_counter()
+    building = [native.DECODE.what] if kernels.needs_build() else []
+    if kquant and kquant_kernels.needs_build():
+        building.append(native.KQUANT.what)
+    what = " and ".join([native.DECODE.what] + ([native.KQUANT.what] if kquant else []))
+    status.begin(f"building the native {' and '.join(building)} into {native.cache_dir()} (once; about a minute "
+                 "of g++ on an idle machine)" if building else f"loading the native {what}")
     available = kernels.quant_linear_available()
-    elapsed = time.perf_counter() - start
+    if kquant:
+        kquant_kernels.kquant_available()
     if available:
-        status.end("native decode kernels built" if elapsed > 2 else "native decode kernels ready")
+        status.end(f"built the native {' and '.join(building)}" if building else f"native {what} ready")
     else:
         status.end(f"native decode kernels not in use ({kernels.kernel_status()}); using torch's linear")
 
@@ -150,8 +155,8 @@ def load_model(args, status: Status):
 
     import genfn
 
-    _prepare_kernels(status)
     quantize = resolve_quantize(args)
+    _prepare_kernels(status, kquant=quantize == "gguf")
     options = {"quantize": quantize} if quantize else {}
     path = _resolve_path(args.model)
     status.begin(_describe(path, args))

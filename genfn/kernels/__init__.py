@@ -1,4 +1,4 @@
-"""Native kernels for the memory-bound decode step, built when a model is loaded (or on first use).
+"""Native kernels for the memory-bound decode step, built at install time or on first use.
 
 ``decode_linear(x, weight)`` is ``F.linear`` for a few rows of ``x`` (a decode step: one row per
 sequence), streaming the weight once from memory at close to the machine's read bandwidth
@@ -11,29 +11,21 @@ by the weight's type. ``decode_attention`` is one query per row against the dens
 ``genfn.kernels.decode_layer`` runs a Llama decoder layer's decode step in two calls around the
 cache write (``decode_layer.cpp``).
 
-The C++ source is compiled with the system C++ compiler the first time it is needed and cached
-under ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``), keyed by the source, torch's
-version and the flags. Where it cannot be built or run (no compiler, a CPU without AVX-512,
-``GENFN_KERNELS=0``), ``linear`` is ``F.linear`` and the reason is in ``kernel_status()``; the
-quantized op then runs ``genfn.quant.reference_linear`` (same numbers, far slower).
+The C++ sources are compiled with the system C++ compiler by ``pip install`` where the build has
+torch and a compiler, else the first time they are needed, into ``$GENFN_KERNEL_CACHE`` (default
+``~/.cache/genfn/kernels``); ``genfn kernels build`` builds them now. Each build is named by a key
+over the sources, torch's version and the flags (``genfn.kernels.native``, the one loader). Where
+they cannot be built or run (no compiler, a CPU without AVX-512, ``GENFN_KERNELS=0``), ``linear``
+is ``F.linear`` and the reason is in ``kernel_status()``; the quantized op then runs
+``genfn.quant.reference_linear`` (same numbers, far slower).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import time
-import warnings
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
+from genfn.kernels import native
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
@@ -41,15 +33,7 @@ from genfn.quant.weight import QuantizedWeight
 __all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available",
            "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "quant_linear.cpp",
-                                                                 "decode_attention.cpp", "decode_layer.cpp",
-                                                                 "token_ops.cpp", "thread_pool.cpp",
-                                                                 "bf16_gemm.cpp", "moe_decode.cpp"))
-# Included by the sources: part of the build's key, not of the command line.
-_HEADERS = (Path(__file__).with_name("decode_kernels.h"),)
 _OP_NAMESPACE = "genfn_kernels"
-_BUILD_TIMEOUT_S = 600
-_logger = logging.getLogger(__name__)
 
 # Rows of x up to which the kernel beats the library GEMM (benchmarks/gemv_kernels.py step): in
 # bfloat16 with vdpbf16ps, CPU time per SmolLM2 step at 4/6/8 rows was 0.49/0.45/0.74 of
@@ -68,85 +52,10 @@ def kernel_status() -> str:
     return _status
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("GENFN_KERNEL_CACHE") or Path.home() / ".cache" / "genfn" / "kernels")
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX") or "c++"
-
-
-def _compile_command(output: Path, sources=_SOURCES,
-                     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")) -> list[str]:
-    from torch.utils import cpp_extension
-
-    compiler = _compiler()
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    lib_dirs = cpp_extension.library_paths()
-    return [
-        compiler, "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
-        *isa_flags, "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *includes, *map(str, sources), "-o", str(output),
-        *[f"-L{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu",
-        # Resolve OpenMP and torch's libraries to the ones this torch ships, so the kernel's
-        # parallel regions run on torch's thread pool rather than a second OpenMP runtime.
-        *[f"-Wl,-rpath,{d}" for d in lib_dirs],
-    ]
-
-
-def _command(output: Path, sources, isa_flags) -> list[str]:
-    return _compile_command(output, sources) if isa_flags is None else _compile_command(output, sources, isa_flags)
-
-
-def _library_path(stem: str = "decode_linear", sources=None, headers=None, isa_flags=None) -> Path:
-    """Where the library ``stem`` built from these sources (default: the decode kernels', read at
-    call time), this torch and these flags is cached."""
-    sources, headers = (_SOURCES if sources is None else sources), (_HEADERS if headers is None else headers)
-    key = hashlib.sha256()
-    for source in (*sources, *headers):
-        key.update(source.read_bytes())
-    key.update(torch.__version__.encode())
-    key.update(" ".join(_command(Path("out.so"), sources, isa_flags)).encode())
-    return _cache_dir() / f"{stem}-{key.hexdigest()[:16]}.so"
-
-
 def needs_build() -> bool:
-    """Whether using the kernels would first compile them (no cached build for these sources,
-    torch and flags; ``False`` when they are turned off or already loaded)."""
-    if _available is not None or os.environ.get("GENFN_KERNELS", "1") == "0":
-        return False
-    return not _library_path().exists()
-
-
-def _build(stem: str = "decode_linear", sources=None, headers=None, isa_flags=None) -> Path:
-    """Path of the compiled library ``stem`` of ``sources``, compiling it if this source/torch/flags
-    has no build yet (``isa_flags`` None: the AVX-512 flags of the decode kernels)."""
-    if shutil.which(_compiler()) is None:
-        raise RuntimeError("no C++ compiler (set CXX or install g++)")
-    sources = _SOURCES if sources is None else sources
-    target = _library_path(stem, sources, headers, isa_flags)
-    cache = target.parent
-    cache.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # built: no need to queue behind another process's build of other sources
-        return target
-    # One process builds; the others wait on the lock and then find the library.
-    with open(cache / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            # Say so: the one-time build is about a minute of g++ and would otherwise look like a hang.
-            _logger.info("building the native kernels into %s (once; about a minute of g++ on an idle machine, "
-                         "then cached)", cache)
-            start = time.perf_counter()
-            partial = target.with_suffix(f".{os.getpid()}.tmp")
-            done = subprocess.run(_command(partial, sources, isa_flags), capture_output=True, text=True,
-                                  timeout=_BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                partial.unlink(missing_ok=True)
-                raise RuntimeError(f"compiling {', '.join(s.name for s in sources)} failed:\n{done.stderr[-2000:]}")
-            partial.replace(target)
-            _logger.info("built the native kernels in %.1f s", time.perf_counter() - start)
-    return target
+    """Whether using the kernels would first compile them: no installed or cached build for these
+    sources, torch and flags, and a compiler to build one (``False`` once they are loaded)."""
+    return _available is None and native.plan(native.DECODE).action == "build"
 
 
 def _register_fake() -> None:
@@ -232,23 +141,10 @@ def decode_linear_available() -> bool:
 
 def _load() -> bool:
     global _status
-    if os.environ.get("GENFN_KERNELS", "1") == "0":
-        _status = "disabled by GENFN_KERNELS=0"
-        return False
-    if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        _status = f"needs an x86-64 CPU with AVX-512 on Linux (this: {sys.platform}, " \
-                  f"{torch.backends.cpu.get_cpu_capability()})"
-        return False
-    try:
-        path = _build()
-        torch.ops.load_library(str(path))
+    loaded, _status = native.load(native.DECODE)
+    if loaded:
         _register_fake()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        _status = f"unavailable: {error}"
-        warnings.warn(f"genfn: decode kernels {_status}; using F.linear", RuntimeWarning, stacklevel=2)
-        return False
-    _status = f"loaded from {path}"
-    return True
+    return loaded
 
 
 def release_thread_pool() -> bool:

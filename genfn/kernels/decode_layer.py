@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status
+from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, native
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["takes", "attention_input", "layer_output"]
@@ -29,19 +29,10 @@ _NORMS = ("attn_norm", "mlp_norm")
 _LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 _WEIGHTS = _NORMS + _LINEARS
 
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
 # Read at import: a compiled step must not open files while it is traced. The bfloat16 layer
 # needs the CPU's vdpbf16ps, the quantized one its vpdpbusd.
-_BF16_DOT = _cpu_has("avx512_bf16")
-_VNNI = _cpu_has("avx512_vnni")
+_BF16_DOT = native.cpu_has("avx512_bf16")
+_VNNI = native.cpu_has("avx512_vnni")
 
 
 def _quantized(layer: Mapping[str, Any]) -> bool:

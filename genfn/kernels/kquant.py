@@ -2,30 +2,23 @@
 
 The library is built apart from the decode kernels and without global ISA flags: its AVX-512 and
 AVX2 paths are compiled per function and picked at run time, so it runs on any x86-64 CPU with
-AVX2 and FMA (every one since 2013-2015). Where it cannot be built or loaded (no compiler,
-``GENFN_KERNELS=0``, not x86-64) the op is registered with the torch reference
+AVX2 and FMA (every one since 2013-2015). It is built, found and loaded like the decode kernels
+(``genfn.kernels.native``). Where it cannot be built or loaded (no compiler,
+``GENFN_KERNELS=0``, not x86-64 Linux) the op is registered with the torch reference
 (``genfn.quant.kquants.reference_linear_k``: the same numbers, far slower); on an x86-64 CPU
 without AVX2 the native op refuses with a ``RuntimeError`` that says so.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import warnings
-from pathlib import Path
-
 import torch
 
+from genfn.kernels import native
 from genfn.quant.kquants import FORMAT_ID, K_FORMATS, KQuantWeight, reference_linear_k
 
-__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status"]
+__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status", "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
-_SOURCE = Path(__file__).with_name("kquant_linear.cpp")
-# The decode kernels' flags minus the ISA: the paths are chosen per function.
-_ISA_FLAGS = ("-mno-avx512f",)
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
 
 _native: bool | None = None
@@ -37,25 +30,15 @@ def kquant_status() -> str:
     return _status
 
 
+def needs_build() -> bool:
+    """Whether using the K-quant kernels would first compile them (``False`` once loaded)."""
+    return _native is None and native.plan(native.KQUANT).action == "build"
+
+
 def _load() -> bool:
     global _status
-    from genfn.kernels import _build
-
-    if os.environ.get("GENFN_KERNELS", "1") == "0":
-        _status = "disabled by GENFN_KERNELS=0"
-        return False
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        _status = f"needs an x86-64 CPU (this: {platform.machine()})"
-        return False
-    try:
-        path = _build("kquant_linear", (_SOURCE,), (), _ISA_FLAGS)
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        _status = f"unavailable: {error}"
-        warnings.warn(f"genfn: K-quant kernels {_status}; using the torch reference", RuntimeWarning, stacklevel=3)
-        return False
-    _status = f"loaded from {path}"
-    return True
+    loaded, _status = native.load(native.KQUANT)
+    return loaded
 
 
 def _register_fake() -> None:

@@ -55,24 +55,36 @@ def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def apply_packed(spec: adapter.ModuleSpec, params, inputs, cache: PagedTokenStore, plan=None
                  ) -> tuple[torch.Tensor, PagedTokenStore]:
-    """``(logits [R, V] float32, cache)``: row ``r``'s logits are the module's at its chunk's last
-    token, for the rows that sample (the others get zeros); the batch's tokens are written to
-    their slots of ``cache`` (donated, written in place)."""
+    """``(logits [R + E, V] float32, cache)``: row ``r``'s logits are the module's at its chunk's
+    last token, for the rows that sample (the others get zeros), then the logits at the ``E``
+    extra tokens ``inputs.logits_index[R:]`` (a speculative row's earlier positions); the batch's
+    tokens are written to their slots of ``cache`` (donated, written in place)."""
     block_size = cache.block_size
     flat = cache.tokens.view(-1)
     sink_slot = cache.num_blocks * block_size
     slots = torch.where(inputs.slot_mapping < 0, torch.full_like(inputs.slot_mapping, sink_slot), inputs.slot_mapping)
     flat.index_copy_(0, slots, inputs.input_ids)
-    num_rows = inputs.logits_index.shape[0]
-    logits = torch.zeros(num_rows, spec.vocab_size, dtype=torch.float32, device=flat.device)
+    num_rows = inputs.samples.shape[0]
+    logits = torch.zeros(inputs.logits_index.shape[0], spec.vocab_size, dtype=torch.float32, device=flat.device)
     lengths = inputs.kv_lens.tolist()
     offsets = torch.arange(block_size, device=flat.device)
+    earlier: dict[int, list[tuple[int, int]]] = {}  # row -> (logits entry, position) of its extra tokens
+    extra = inputs.logits_index[num_rows:]
+    if extra.numel():
+        rows = inputs.request_index.index_select(0, extra).tolist()
+        positions = inputs.positions.index_select(0, extra).tolist()
+        for entry, (row, position) in enumerate(zip(rows, positions), start=num_rows):
+            earlier.setdefault(row, []).append((entry, position))
     for row in inputs.samples.nonzero().flatten().tolist():
         length = lengths[row]
         table = inputs.block_tables[row, :-(-length // block_size)]
         tokens = flat[(table.unsqueeze(1) * block_size + offsets).reshape(-1)[:length]].unsqueeze(0)
         positions = torch.arange(length, device=flat.device).unsqueeze(0)
         row_cache = adapter.init_cache(spec, 1, length, dtype=cache.dtype, device=flat.device)
-        out, _ = adapter.apply(spec, params, tokens, positions, row_cache, torch.ones_like(tokens), logits_to_keep=1)
+        keep = length - min((position for _, position in earlier.get(row, ())), default=length - 1)
+        out, _ = adapter.apply(spec, params, tokens, positions, row_cache, torch.ones_like(tokens),
+                               logits_to_keep=keep)
         logits[row] = out[0, -1]
+        for entry, position in earlier.get(row, ()):
+            logits[entry] = out[0, position - (length - out.shape[1])]
     return logits, cache

@@ -8,7 +8,8 @@ each reads its index tensor: RoPE rotates at each token's own position, the keys
 token's slot of the paged cache (``paged.write``), and attention reads only the token's own
 request (``paged.paged_attention`` through its block-table row, or, for a cache of a few
 tables' size, the whole cache under a mask built once per forward from the block tables). Logits are computed only at each
-row's ``logits_index`` (``[R, V]``), not for all ``T`` tokens.
+entry of ``logits_index`` (``[R + E, V]``: one per row, then a speculative row's drafted positions),
+not for all ``T`` tokens.
 
 Shapes are static (``T``, ``R``, ``W`` are the padded sizes ``build_batch_inputs`` was asked for),
 so one compiled function serves every batch of a padded shape. Pure but for the cache, which is

@@ -50,6 +50,10 @@ class SamplingParams:
     stream: bool = False
     include_usage: bool = False
     top_logprobs: int | None = None
+    num_beams: int = 1  # > 1: beam search; the n choices of a prompt are its n best hypotheses
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
+    prompt_lookup_num_tokens: int | None = None
 
 
 def _logit_bias(bias: Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
@@ -87,6 +91,10 @@ def _common(request, defaults: Mapping, vocab_size: int, max_tokens: int | None)
         seed=request.seed,
         stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        num_beams=request.num_beams or 1,
+        length_penalty=None if request.length_penalty is None else float(request.length_penalty),
+        early_stopping=request.early_stopping,
+        prompt_lookup_num_tokens=request.prompt_lookup_num_tokens,
     )
 
 
@@ -149,8 +157,14 @@ def choice_seed(seed: int, index: int) -> int:
 
 def manager_settings(params: SamplingParams, max_new_tokens: int, index: int) -> dict:
     """``add_request`` keyword arguments for choice ``index`` (settings left at their neutral value
-    are not passed, so they select no processor)."""
+    are not passed, so they select no processor). A beam request (``num_beams > 1``) is one manager
+    request for all ``n`` choices of its prompt (``index`` 0): its ``n`` best hypotheses."""
     settings: dict = {"max_new_tokens": max_new_tokens}
+    if params.num_beams > 1:
+        settings.update(num_beams=params.num_beams, num_return_sequences=params.n)
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(params, name) is not None:
+                settings[name] = getattr(params, name)
     if params.temperature > 0:
         settings.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         if params.min_p > 0:
@@ -171,4 +185,6 @@ def manager_settings(params: SamplingParams, max_new_tokens: int, index: int) ->
         settings["stop_strings"] = list(params.stop)
     if params.seed is not None:
         settings["seed"] = choice_seed(params.seed, index)
+    if params.prompt_lookup_num_tokens is not None:
+        settings["prompt_lookup_num_tokens"] = params.prompt_lookup_num_tokens
     return settings

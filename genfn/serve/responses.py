@@ -48,6 +48,8 @@ class Job:
         self.prompts = [prompt for prompt in prompts for _ in range(n)]
         self.limits = [limit for limit in limits for _ in range(n)]
         self.settings = [manager_settings(params, self.limits[c], c % n) for c in range(len(self.prompts))]
+        # Beam search: one manager request per prompt gives its n choices (its n best hypotheses).
+        self.sequences = n if params.num_beams > 1 else 1
         for settings in self.settings:
             if params.stop:  # the manager matches stop strings on this tokenizer's text, as the response cuts it
                 settings["tokenizer"] = service.tokenizer
@@ -79,7 +81,8 @@ class Job:
     async def respond(self, request: Request):
         self.service.pump.start()
         try:
-            await self.run.submit(self.prompts, self.settings, streaming=self.params.stream)
+            await self.run.submit(self.prompts[::self.sequences], self.settings[::self.sequences],
+                                  streaming=self.params.stream, sequences=self.sequences)
         except BaseException:
             self.run.cancel()  # also when the handler itself is cancelled while the worker adds
             raise

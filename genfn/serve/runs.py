@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from genfn.batching.requests import sequence_ids
 from genfn.serve.errors import APIError
 
 __all__ = ["Drain", "Run"]
@@ -65,28 +66,31 @@ class Run:
         self._added: list[str] = []
         self._abandoned = False
 
-    async def submit(self, prompts: Sequence[list[int]], settings: Sequence[dict], streaming: bool) -> None:
+    async def submit(self, prompts: Sequence[list[int]], settings: Sequence[dict], streaming: bool,
+                     sequences: int = 1) -> None:
         """Add one manager request per (prompt, settings) pair, on a worker thread: resolving a
         request's settings (stop strings scan the vocabulary) must not hold up the event loop. A
-        refusal cancels the ones added."""
+        refusal cancels the ones added. ``sequences``: choices each request gives (a beam
+        request's hypotheses, ``sequence_ids``), numbered consecutively."""
         tag = uuid.uuid4().hex[:12]
-        self.request_ids = [f"{self.prefix}-{tag}-{i}" for i in range(len(prompts))]
+        self._bases = [f"{self.prefix}-{tag}-{i}" for i in range(len(prompts))]
+        self.request_ids = [rid for base in self._bases for rid in sequence_ids(base, sequences)]
         self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
         self.pump.subscribe(self.request_ids, self.deliver)
         self.open = set(self.request_ids)
         try:
-            await asyncio.to_thread(self._add_all, prompts, settings, streaming)
+            await asyncio.to_thread(self._add_all, prompts, settings, streaming, sequences)
         except (ValueError, TypeError) as exc:
             self.cancel()
             raise APIError(str(exc), status=400) from None
 
-    def _add_all(self, prompts, settings, streaming: bool) -> None:
-        for request_id, prompt, kwargs in zip(self.request_ids, prompts, settings):
+    def _add_all(self, prompts, settings, streaming: bool, sequences: int) -> None:
+        for base, prompt, kwargs in zip(self._bases, prompts, settings):
             with self._adding:  # cancel() either sees this request added or stops the ones after it
                 if self._abandoned:
                     return
-                self.manager.add_request(prompt, request_id=request_id, streaming=streaming, **kwargs)
-                self._added.append(request_id)
+                self.manager.add_request(prompt, request_id=base, streaming=streaming, **kwargs)
+                self._added.extend(sequence_ids(base, sequences))
 
     def deliver(self, output) -> None:
         """Called on the event loop with each output: it replaces the choice's undelivered one."""

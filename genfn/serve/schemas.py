@@ -26,6 +26,7 @@ MAX_CHOICES = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LEGACY_LOGPROBS = 5
+MAX_PROMPT_LOOKUP_TOKENS = 64  # drafts per step; more only lengthens the forward of a rejected block
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -187,6 +188,12 @@ class _Generation(_Body):
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     # Bounded so that it fits the engine's float32 tables (the engine fails on 1e308 with a RuntimeError).
     repetition_penalty: Annotated[Number, Field(gt=0, le=1e4)] | None = None
+    # Beam search (OpenAI clients send them in extra_body): the n best of num_beams hypotheses.
+    num_beams: _strict(int, ge=1, le=MAX_CHOICES) | None = None
+    length_penalty: Annotated[Number, Field(ge=-10, le=10)] | None = None
+    early_stopping: StrictBool | Literal["never"] | None = None
+    # genfn's: prompt-lookup speculation (drafts copied from the request's own text; same output, fewer steps).
+    prompt_lookup_num_tokens: _strict(int, ge=1, le=MAX_PROMPT_LOOKUP_TOKENS) | None = None
 
     @field_validator("stop")
     @classmethod
@@ -214,6 +221,11 @@ class _Generation(_Body):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise refuse("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if (self.num_beams or 1) > 1 and (self.n or 1) > self.num_beams:
+            raise refuse("n", f"'n' ({self.n}) must be at most 'num_beams' ({self.num_beams}): the choices are the "
+                              f"best n beam hypotheses")
+        if (self.num_beams or 1) == 1 and (self.length_penalty is not None or self.early_stopping is not None):
+            raise refuse("num_beams", "'length_penalty' and 'early_stopping' need 'num_beams' > 1")
         return self
 
 

@@ -14,7 +14,8 @@ hypotheses per prompt. A beam step, all on static shapes:
 3. candidates that emit EOS or reach ``max_length`` are finished: the best ``K`` unfinished ones
    become the running beams; finished ones among the top ``K`` candidates enter the ``K`` best
    finished hypotheses with score ``sum_logprobs / generated_len ** length_penalty``;
-4. the KV cache rows are reordered to follow the beams (``cache.reorder``, in place);
+4. the KV cache rows are reordered to follow the beams (``cache.reorder``, in place; continuous
+   batching forks the beams' block tables instead: ``select_beams`` is steps 1-3 and 5);
 5. the search is done when no running beam can beat the finished ones (``early_stopping``
    False: at the current length; ``"never"``: at ``max_length`` when ``length_penalty > 0``),
    when every prompt has ``K`` finished hypotheses and ``early_stopping is True``, or when every
@@ -36,7 +37,7 @@ from genfn.state.beam import BeamOptions, BeamState
 from genfn.strategies.request import GenerationRequest, StepTrace
 from genfn.strategies.sample import collect_model_outputs, model_forward, prefill_positions, step_placeholders
 
-__all__ = ["BEAM", "init", "step", "finish", "collect", "options_for"]
+__all__ = ["BEAM", "collect", "finish", "init", "initial_state", "options_for", "select_beams", "step"]
 
 _NEG = -1.0e9  # transformers' "never choose this" score
 
@@ -85,6 +86,29 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
     """
     opts = options_for(request)
     input_ids, attention_mask = request.input_ids, request.attention_mask
+    rows = input_ids.shape[0]
+    if cache is None:
+        # As greedy/sampling: transformers' default (cache_implementation=None) is the dynamic cache.
+        cache = model.init_cache(rows, request.max_cache_len, request.config.cache_implementation or "dynamic",
+                                 request.config.cache_config)
+    positions = prefill_positions(attention_mask)
+    logits, cache, attentions, hidden_states = model_forward(
+        model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
+        attentions=opts.output_attentions, hidden_states=opts.output_hidden_states)
+    check_logits_shape(logits, rows, model.vocab_size, request.tokenizer_size)
+    step_attentions, step_hidden = step_placeholders(attentions, hidden_states)
+    state = initial_state(request, opts).replace(
+        cache=cache, positions=positions[:, -1], attentions=step_attentions, hidden_states=step_hidden,
+        prefill_attentions=attentions, prefill_hidden_states=hidden_states)
+    return _beam_step(state, logits[:, -1])
+
+
+def initial_state(request: GenerationRequest, opts: BeamOptions | None = None) -> BeamState:
+    """The beam buffers before the first beam step, without a cache (``init`` adds the prefilled
+    one; continuous batching keeps a group's beams in its paged cache): ``B`` prompts, the first
+    beam of each alive, ``N = request.max_cache_len`` token columns."""
+    opts = options_for(request) if opts is None else opts
+    input_ids = request.input_ids
     rows, prompt_len = input_ids.shape
     num_beams = opts.num_beams
     batch = rows // num_beams
@@ -92,24 +116,13 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
     device = input_ids.device
     if opts.do_sample and (request.keys is None or request.keys.shape != (batch, 2)):
         raise ValueError(f"beam sampling needs one key per prompt: keys of shape [{batch}, 2]")
-    if cache is None:
-        # As greedy/sampling: transformers' default (cache_implementation=None) is the dynamic cache.
-        cache = model.init_cache(rows, width, request.config.cache_implementation or "dynamic",
-                                 request.config.cache_config)
-    positions = prefill_positions(attention_mask)
-    logits, cache, attentions, hidden_states = model_forward(
-        model, input_ids, positions, cache, attention_mask, logits_to_keep=1,
-        attentions=opts.output_attentions, hidden_states=opts.output_hidden_states)
-    check_logits_shape(logits, rows, model.vocab_size, request.tokenizer_size)
-
     running_sequences = torch.full((batch, num_beams, width), opts.fill_token_id, dtype=torch.int64, device=device)
     running_sequences[:, :, :prompt_len] = input_ids.view(batch, num_beams, prompt_len)
     # Only the first beam starts alive, so the first step does not pick the same token K times.
     running_scores = torch.zeros(batch, num_beams, dtype=torch.float32, device=device)
     running_scores[:, 1:] = _NEG
     beam_indices = torch.full((batch, num_beams, width), -1, dtype=torch.int32, device=device)
-    step_attentions, step_hidden = step_placeholders(attentions, hidden_states)
-    state = BeamState(
+    return BeamState(
         running_sequences=running_sequences,
         running_scores=running_scores,
         running_beam_indices=beam_indices,
@@ -122,22 +135,21 @@ def init(model, request: GenerationRequest, cache=None) -> BeamState:
         cur_len=torch.tensor(prompt_len, dtype=torch.int64, device=device),
         prompt_len=torch.tensor(prompt_len, dtype=torch.int64, device=device),
         max_length=torch.tensor(request.max_length, dtype=torch.int64, device=device),
-        positions=positions[:, -1],
+        positions=None,
         done=torch.zeros((), dtype=torch.bool, device=device),
         keys=request.keys if opts.do_sample else None,
-        cache=cache,
+        cache=None,
         scores=None,
         logits=None,
-        attentions=step_attentions,
-        hidden_states=step_hidden,
-        prefill_attentions=attentions,
-        prefill_hidden_states=hidden_states,
+        attentions=None,
+        hidden_states=None,
+        prefill_attentions=None,
+        prefill_hidden_states=None,
         nonfinite=torch.zeros(batch, dtype=torch.bool, device=device),
         options=opts,
         processors=request.processors,
         grammar_mask=request.grammar_mask,
     )
-    return _beam_step(state, logits[:, -1])
 
 
 def step(model, state: BeamState) -> BeamState:
@@ -178,6 +190,17 @@ def _hits_stopping_criteria(tokens: torch.Tensor, cur_len: torch.Tensor, max_len
 
 
 def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
+    """One beam step of ``generate``: ``select_beams``, then the KV cache rows follow the beams:
+    new row (b, j) continues old row (b, source of j), reordered in place."""
+    state, beam_idx = select_beams(state, logits)
+    return state.replace(cache=state.cache.reorder(beam_idx), positions=state.positions.index_select(0, beam_idx))
+
+
+def select_beams(state: BeamState, logits: torch.Tensor) -> tuple[BeamState, torch.Tensor]:
+    """Steps 1-3 and 5 of a beam step on the ``[B * K, V]`` logits of the running beams (pure,
+    static shapes, no host sync): the new running beams and finished hypotheses, and ``beam_idx
+    [B * K]``, the row each new beam continues. The caller makes the cache follow the beams
+    (``generate``: ``cache.reorder``; continuous batching: forked block tables)."""
     opts = state.options
     batch, num_beams, width = state.running_sequences.shape
     rows = batch * num_beams
@@ -250,10 +273,8 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
     beam_indices = _gather_beams(torch.cat((state.beam_indices, candidate_beam_indices), dim=1), best)
     is_sent_finished = torch.cat((state.is_sent_finished, just_finished), dim=1).gather(1, best)
 
-    # 4. The cache follows the beams: new row (b, j) continues old row (b, source of j).
+    # 4. The row each new beam continues: new beam (b, j) follows old row (b, source of j).
     beam_idx = (source_beam.gather(1, next_beams) + row_offset).reshape(rows)
-    cache = state.cache.reorder(beam_idx)
-    positions = state.positions.index_select(0, beam_idx)
 
     # 5. Is the search over?
     cur_len = cur_len + 1
@@ -280,13 +301,11 @@ def _beam_step(state: BeamState, logits: torch.Tensor) -> BeamState:
         improvable=improvable,
         hits=hits,
         cur_len=cur_len,
-        positions=positions,
         done=~unfinished,
         nonfinite=nonfinite,
-        cache=cache,
         scores=log_probs if opts.output_scores else None,
         logits=logits if opts.output_logits else None,
-    )
+    ), beam_idx
 
 
 def collect(state: BeamState, trace: StepTrace) -> None:
