@@ -343,12 +343,12 @@ def test_generate_batch_equals_generate(name):
         assert out.generated_tokens == alone[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name, message", [("phi3_longrope", "LongRoPE.*genfn.generate"),
-                                           ("gemma3", "cannot run .*Gemma3ForCausalLM.*no packed forward.*genfn.generate")])
-def test_continuous_batching_refuses_what_it_cannot_run_clearly(name, message):
+@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3"])
+def test_continuous_batching_runs_longrope_and_gemma(name):
+    """Once refused; tests/test_batching_gemma.py checks their tokens against generate."""
     _, gm = pair(name)
-    with pytest.raises(ValueError, match=message):
-        gm.generate_batch([[5, 6, 7]], max_new_tokens=2, do_sample=False)
+    out = gm.generate_batch([[5, 6, 7]], max_new_tokens=2, do_sample=False, eos_token_id=None)
+    assert len(next(iter(out.values())).generated_tokens) == 2
 
 
 # ---- compiled equals eager, across the families ----------------------------------------------

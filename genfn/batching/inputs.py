@@ -10,7 +10,8 @@ block past its end). ``query_start [R + 1]``: where each row's tokens start (``c
 ``kv_lens [R]``: the positions each row attends after this step (``seqused_k``); ``logits_index
 [R + E]``: the token whose logits are each row's, then ``E`` more tokens whose logits a step
 needs (a speculative row's last token and drafts before its last one, in order; ``E`` is 0 unless
-a chunk carries drafts, so a plain step is unchanged); ``samples [R]``: whether that row samples.
+a chunk carries drafts, so a plain step is unchanged); ``samples [R]``: whether that row samples;
+``prompt_lens [R]``: each row's request's prompt length (zeros when not given).
 Padding tokens sit in row 0 at position 0 (finite, ignored attention); padding rows are empty.
 """
 
@@ -39,6 +40,13 @@ class BatchInputs:
     kv_lens: torch.Tensor  # [R] int64
     logits_index: torch.Tensor  # [R + E] int64: one per row, then the drafted rows' earlier positions
     samples: torch.Tensor  # [R] bool
+    prompt_lens: torch.Tensor | None = None  # [R] int64
+
+    def __post_init__(self) -> None:
+        # Zeros where a caller builds inputs without prompts (the engine's warmup batch of padding):
+        # the leaves keep one structure, so a forward compiled at warmup serves the real batches.
+        if self.prompt_lens is None:
+            object.__setattr__(self, "prompt_lens", torch.zeros_like(self.kv_lens))
 
 
 def bucket(size: int, minimum: int = 1) -> int:
@@ -84,7 +92,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         raise ValueError("`num_rows` must be >= 1")
 
     input_ids, positions, rows, slots = [], [], [], []
-    starts, kv_lens, logits_index, samples, extra = [0], [], [], [], []
+    starts, kv_lens, logits_index, samples, extra, prompt_lens = [0], [], [], [], [], []
     for row, (chunk, table) in enumerate(zip(chunks, tables)):
         for offset, token in enumerate(chunk.token_ids):
             position = chunk.start + offset
@@ -97,6 +105,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         logits_index.append(len(input_ids) - 1)
         extra.extend(range(len(input_ids) - 1 - chunk.num_drafts, len(input_ids) - 1))
         samples.append(chunk.samples)
+        prompt_lens.append(chunk.prompt_len)
     pad_tokens = num_tokens - len(input_ids)
     input_ids += [0] * pad_tokens
     positions += [0] * pad_tokens
@@ -107,6 +116,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
     kv_lens += [0] * pad_rows
     logits_index += [0] * pad_rows
     samples += [False] * pad_rows
+    prompt_lens += [0] * pad_rows
     logits_index += extra + [0] * (num_extra_logits - len(extra))
     table_rows = [list(t) + [sink] * (table_width - len(t)) for t in tables]
     table_rows += [[sink] * table_width] * pad_rows
@@ -124,6 +134,7 @@ def build_batch_inputs(alloc: B.BlockAllocator, batch: ScheduledBatch, *, num_to
         kv_lens=tensor(kv_lens),
         logits_index=tensor(logits_index),
         samples=tensor(samples, torch.bool),
+        prompt_lens=tensor(prompt_lens),
     )
 
 

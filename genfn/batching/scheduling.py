@@ -133,6 +133,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     samples: bool
     num_drafts: int = 0
+    prompt_len: int = 0  # the request's own prompt (LongRoPE's packed forward picks its factors by it)
 
     @property
     def end(self) -> int:
@@ -341,7 +342,8 @@ class _Draft:
         samples = end == request.num_tokens
         status = RequestStatus.DECODING if samples else RequestStatus.PREFILLING
         self.requests[request.request_id] = request.replace(num_computed=end, status=status)
-        self.chunks.append(ScheduledChunk(request.request_id, start, request.token_ids[start:end], samples))
+        self.chunks.append(ScheduledChunk(request.request_id, start, request.token_ids[start:end], samples,
+                                          prompt_len=len(request.prompt_ids)))
         self.in_batch.add(request.request_id)
 
     def victim(self, exclude) -> Hashable | None:

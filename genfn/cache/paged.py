@@ -144,6 +144,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     query_chunk: int | None = 128,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries ``q [T, H, D]`` over their own requests' cached keys/values.
 
@@ -158,6 +159,7 @@ def paged_attention(
     time (``None``: all at once), so the memory is ``query_chunk x W x block_size`` keys and values,
     whatever ``T``. This is the reference path (any device, compiles to one graph); a fused varlen
     kernel computes the same. The scores of a padding query (position 0) are finite and ignored.
+    ``softcap``: the scores become ``tanh(scores / softcap) * softcap`` before the mask (Gemma 2).
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.keys.shape[2]
@@ -172,13 +174,13 @@ def paged_attention(
     outs = [
         _attend_chunk(q[start:start + step], cache.keys[layer], cache.values[layer],
                       block_tables.index_select(0, request_index[start:start + step]),
-                      positions[start:start + step], scale, sliding_window)
+                      positions[start:start + step], scale, sliding_window, softcap)
         for start in range(0, num_tokens, max(step, 1))
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window):
+def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window, softcap=None):
     """``q [t, H, D]`` against the keys at positions ``0 .. positions`` of the rows ``tables [t, W]``."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, block_size = keys.shape[1], keys.shape[2]
@@ -190,7 +192,7 @@ def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window):
     # Half precisions accumulate in float32; float64 stays float64.
     compute = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(num_tokens, kv_heads, groups, head_dim).to(compute)
-    scores = torch.einsum("thgd,thsd->thgs", qg, k.to(compute)) * scale
+    scores = soft_capped(torch.einsum("thgd,thsd->thgs", qg, k.to(compute)) * scale, softcap)
     key_pos = torch.arange(span, device=q.device)
     visible = key_pos.view(1, span) <= positions.view(num_tokens, 1)
     if sliding_window is not None:
@@ -199,6 +201,11 @@ def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window):
     weights = torch.softmax(scores, dim=-1)
     out = torch.einsum("thgs,thsd->thgd", weights, v.to(compute))
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``tanh(scores / softcap) * softcap`` (Gemma 2's attention scores), or ``scores`` for None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,10 +308,13 @@ def _gather_keys(blocks: torch.Tensor, table: torch.Tensor, rows: int) -> torch.
     return picked.view(rows, -1, heads, size, dim).transpose(1, 2).reshape(rows, heads, -1, dim)
 
 
-def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned: PlannedAttention) -> torch.Tensor:
+def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned: PlannedAttention,
+                      scale: float | None = None) -> torch.Tensor:
     """``paged_attention``'s result for the tokens of ``planned`` (``q [T, H, D]``; tokens outside the
-    plan, the padding, get zeros), reading only the blocks each row's keys occupy."""
+    plan, the padding, get zeros), reading only the blocks each row's keys occupy. ``scale``: of the
+    scores, ``head_dim ** -0.5`` when None."""
     num_tokens, num_heads, head_dim = q.shape
+    scale = head_dim ** -0.5 if scale is None else scale
     keys, values = cache.keys[layer], cache.values[layer]
     kv_heads = keys.shape[1]
     if num_heads % kv_heads:
@@ -317,10 +327,10 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         qd = q if rows == num_tokens else q.index_select(0, tokens)
         if _native_ok(keys, qd) and head_dim % 16 == 0 and head_dim <= 128 and groups <= 8:  # the op's limits
             attn = _native_ops().paged_decode_attention(qd.to(keys.dtype), keys, values, tables, lengths,
-                                                        head_dim ** -0.5, planned.sliding_window or 0).to(q.dtype)
+                                                        scale, planned.sliding_window or 0).to(q.dtype)
         else:  # a cache the op does not take (dtype): the reference over the same tables
             attn = paged_attention(qd, cache, layer, tables, torch.arange(rows, device=q.device), lengths - 1,
-                                   sliding_window=planned.sliding_window)
+                                   scale=scale, sliding_window=planned.sliding_window)
         if rows == num_tokens and not planned.prefill:
             return attn  # the plan lists chunks in token order: these are tokens 0 .. T - 1
         out = q.new_zeros(num_tokens, num_heads, head_dim).index_copy_(0, tokens, attn)
@@ -330,7 +340,8 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         # One query per row: its ``groups`` heads that share a kv head are that head's queries.
         qd = q.index_select(0, tokens).view(rows, kv_heads, groups, head_dim)
         attn = F.scaled_dot_product_attention(qd, _gather_keys(keys, table, rows).to(q.dtype),
-                                              _gather_keys(values, table, rows).to(q.dtype), attn_mask=mask)
+                                              _gather_keys(values, table, rows).to(q.dtype), attn_mask=mask,
+                                              scale=scale)
         attn = attn.reshape(rows, num_heads, head_dim)
         if rows == num_tokens and not planned.prefill:
             return attn  # the plan lists chunks in token order: these are tokens 0 .. T - 1
@@ -341,6 +352,6 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         qc = q[first:first + count].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         k = _gather_keys(keys, table, 1).to(q.dtype)
         v = _gather_keys(values, table, 1).to(q.dtype)
-        attn = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=groups > 1)
+        attn = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
         out[first:first + count] = attn.squeeze(0).transpose(0, 1)
     return out

@@ -221,7 +221,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _attention(spec: GemmaSpec, q, keys, values, mask, want_weights: bool):
     """Scaled by ``query_pre_attn_scalar ** -0.5``, scores soft-capped where the spec says."""
-    scale = spec.query_pre_attn_scalar ** -0.5
+    scale = attention_scale(spec)
     if spec.attn_logit_softcapping is None and not want_weights:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=spec.num_query_groups > 1), None
@@ -237,30 +237,59 @@ def _attention(spec: GemmaSpec, q, keys, values, mask, want_weights: bool):
     return weights @ values, weights
 
 
+def attention_scale(spec: GemmaSpec) -> float:
+    return spec.query_pre_attn_scalar ** -0.5
+
+
+def project_qkv(spec: GemmaSpec, layer, x: torch.Tensor):
+    """The layer's q ``[..., H, D]``, k, v ``[..., Hkv, D]`` of ``x [..., hidden]``, before RoPE
+    (input norm, fused projection, Gemma 3's per-head q/k norms)."""
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h = _norm(x, layer["attn_norm"], spec.rms_norm_eps)
+    q, k, v = linear(h, layer["wqkv"], layer.get("bqkv")).split([q_size, kv_size, kv_size], dim=-1)
+    lead = x.shape[:-1]
+    q, k = q.reshape(*lead, spec.num_heads, spec.head_dim), k.reshape(*lead, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        q, k = _norm(q, layer["q_norm"], spec.rms_norm_eps), _norm(k, layer["k_norm"], spec.rms_norm_eps)
+    return q, k, v.reshape(*lead, spec.num_kv_heads, spec.head_dim)
+
+
+def finish_layer(spec: GemmaSpec, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer from the attention's heads ``attn [..., H * D]``: the output projection
+    under its post-norm, then the GeGLU MLP between its pre- and post-norms, each added to ``x``."""
+    x = x + _norm(linear(attn, layer["wo"]), layer["post_attn_norm"], spec.rms_norm_eps)
+    gate, up = linear(_norm(x, layer["mlp_norm"], spec.rms_norm_eps), layer["w_gate_up"]).chunk(2, dim=-1)
+    mlp = linear(F.gelu(gate, approximate="tanh") * up, layer["w_down"])
+    return x + _norm(mlp, layer["post_mlp_norm"], spec.rms_norm_eps)
+
+
+def embed(spec: GemmaSpec, params, tokens: torch.Tensor) -> torch.Tensor:
+    x = F.embedding(tokens, params["embed"])
+    return x * torch.tensor(math.sqrt(spec.hidden_size), dtype=x.dtype)  # rounded to the dtype, as transformers
+
+
+def final_logits(spec: GemmaSpec, params, x: torch.Tensor) -> torch.Tensor:
+    """float32 logits ``[N, V]`` of the last layer's ``x [N, hidden]``: final norm, head, soft-cap."""
+    logits = linear(_norm(x, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    if spec.final_logit_softcapping is not None:
+        cap = spec.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def _decoder_layer(spec: GemmaSpec, layer, i: int, x, rope, cache: StaticCache, slots, masks, attend_len,
                    attentions: list | None):
     batch, seq = x.shape[0], x.shape[1]
-    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     sliding = spec.sliding_layers[i]
     cos, sin = rope[sliding]
-    h = _norm(x, layer["attn_norm"], spec.rms_norm_eps)
-    q, k, v = linear(h, layer["wqkv"], layer.get("bqkv")).split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(batch, seq, spec.num_heads, spec.head_dim)
-    k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim)
-    if spec.qk_norm:
-        q, k = _norm(q, layer["q_norm"], spec.rms_norm_eps), _norm(k, layer["k_norm"], spec.rms_norm_eps)
+    q, k, v = project_qkv(spec, layer, x)
     q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-    v = v.view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    keys, values = cache.write_layer(i, slots, k, v)
+    keys, values = cache.write_layer(i, slots, k, v.transpose(1, 2))
     attn, weights = _attention(spec, q, keys[:, :, :attend_len], values[:, :, :attend_len], masks[sliding],
                                attentions is not None)
     if attentions is not None:
         attentions.append(weights)
-    attn = linear(attn.transpose(1, 2).reshape(batch, seq, q_size), layer["wo"])
-    x = x + _norm(attn, layer["post_attn_norm"], spec.rms_norm_eps)
-    gate, up = linear(_norm(x, layer["mlp_norm"], spec.rms_norm_eps), layer["w_gate_up"]).chunk(2, dim=-1)
-    mlp = linear(F.gelu(gate, approximate="tanh") * up, layer["w_down"])
-    return x + _norm(mlp, layer["post_mlp_norm"], spec.rms_norm_eps)
+    return finish_layer(spec, layer, x, attn.transpose(1, 2).reshape(batch, seq, spec.num_heads * spec.head_dim))
 
 
 def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, positions: torch.Tensor,
@@ -277,8 +306,7 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     masks = {False: slot_mask(cache, slots, attend_len, None),
              True: slot_mask(cache, slots, attend_len, spec.sliding_window)}
-    x = F.embedding(tokens, params["embed"])
-    x = x * torch.tensor(math.sqrt(spec.hidden_size), dtype=x.dtype)  # rounded to the dtype, as transformers
+    x = embed(spec, params, tokens)
     rope = {False: rope_cos_sin(params["inv_freq"], positions, x.dtype),
             True: rope_cos_sin(params["local_inv_freq"], positions, x.dtype)}
     hidden_states = [x] if output_hidden_states else None
@@ -289,17 +317,12 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
             hidden_states.append(x)
     if logits_to_keep and not output_hidden_states:
         x = x[:, -logits_to_keep:]
-    x = _norm(x, params["norm"], spec.rms_norm_eps)
     if output_hidden_states:
-        hidden_states[-1] = x
+        hidden_states[-1] = _norm(x, params["norm"], spec.rms_norm_eps)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
     batch, kept = x.shape[:2]
-    logits = linear(x.reshape(batch * kept, x.shape[-1]), params["lm_head"]).to(torch.float32)
-    if spec.final_logit_softcapping is not None:
-        cap = spec.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
-    logits = logits.reshape(batch, kept, -1)
+    logits = final_logits(spec, params, x.reshape(batch * kept, x.shape[-1])).reshape(batch, kept, -1)
     if output_hidden_states or output_attentions:
         return ModelOutput(logits, cache, tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)

@@ -18,13 +18,14 @@ donated and written in place, as everywhere in genfn.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
-from genfn.cache.paged import planned_attention, write
+from genfn.cache.paged import PlannedAttention, planned_attention, soft_capped, write
 from genfn.kernels import decode_linear_available
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
@@ -32,7 +33,8 @@ from genfn.models.llama import LlamaSpec, _rms_norm
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
-__all__ = ["apply_packed", "init_packed_cache", "pack_params"]
+__all__ = ["PackedAttention", "apply_packed", "attend", "furthest_positions", "init_packed_cache", "pack_params",
+           "packed_attention", "rotate_heads", "sampled_logits"]
 
 
 def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
@@ -49,12 +51,12 @@ def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
     return pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on ``x [T, H, D]`` with ``cos, sin [T, R]``: transformers' rotate-half form (on the first
     ``R`` dimensions only when ``R < D``: partial rotary)."""
     if cos.shape[-1] != x.shape[-1]:
         rotary = cos.shape[-1]
-        return torch.cat((_rotate(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+        return torch.cat((rotate_heads(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
@@ -78,8 +80,8 @@ class _TorchLayerOps:
         num_tokens, head_dim = qkv.shape[0], spec.head_dim
         q_size, kv_size = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        return (_rotate(q.reshape(num_tokens, spec.num_heads, head_dim), cos, sin),
-                _rotate(k.reshape(num_tokens, spec.num_kv_heads, head_dim), cos, sin),
+        return (rotate_heads(q.reshape(num_tokens, spec.num_heads, head_dim), cos, sin),
+                rotate_heads(k.reshape(num_tokens, spec.num_kv_heads, head_dim), cos, sin),
                 v.reshape(num_tokens, spec.num_kv_heads, head_dim))
 
     @staticmethod
@@ -122,19 +124,25 @@ def _variant_qkv(spec: LlamaSpec, layer: Mapping[str, Any], i: int, qkv: torch.T
     if spec.qk_norm == "head":
         q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
     if spec.rope_layers is None or spec.rope_layers[i]:
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
     return q, k, v.reshape(num_tokens, spec.num_kv_heads, head_dim)
 
 
 def check_packed_spec(spec: LlamaSpec) -> None:
-    """Refuse what the packed forward cannot give a request's own tokens for: LongRoPE switches its
-    frequencies on the furthest position of the whole forward, so a request's rotation would depend
-    on the other requests in the batch. Gemma's layers (genfn.models.gemma) have no packed forward yet."""
+    """Refuse a spec of another family (Gemma's is ``genfn.models.gemma_packed``)."""
     if not isinstance(spec, LlamaSpec):
-        raise ValueError(f"continuous batching has no packed forward for {spec.architecture} yet: use genfn.generate")
-    if spec.original_context:
-        raise ValueError(f"continuous batching does not run LongRoPE models ({spec.architecture} with "
-                         "rope_type 'longrope'): use genfn.generate")
+        raise ValueError(f"genfn.models.packed runs the Llama family, not {spec.architecture}: "
+                         "see genfn.models.registry.PACKED_FORWARDS")
+
+
+def furthest_positions(inputs) -> torch.Tensor:
+    """``[T]``: for each token, the furthest position of the forward ``generate`` computes it in
+    when it runs the token's request alone: the prompt's last position for a prompt token (one
+    prefill forward), the token's own for a generated one (one decode step each). LongRoPE picks
+    its factors by it, per request, so a request's tokens never depend on the rest of the batch,
+    on how its prompt was chunked, or on a recompute after preemption."""
+    prompt_last = inputs.prompt_lens.index_select(0, inputs.request_index) - 1
+    return torch.maximum(prompt_last, inputs.positions)
 
 
 def _native_layer_ops(x: torch.Tensor, norm: torch.Tensor) -> bool:
@@ -174,9 +182,10 @@ def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: in
     return visible | (torch.arange(num_slots, device=own.device).unsqueeze(0) == own.unsqueeze(1))
 
 
-def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor) -> torch.Tensor:
+def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor,
+                        scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """``q [T, H, D]`` against every slot of the layer's cache, masked by ``visible [T, S]``;
-    float32 (float64 for float64) accumulation, as ``paged_attention``."""
+    float32 (float64 for float64) accumulation, as ``paged_attention`` (``scale``, ``softcap`` as there)."""
     num_tokens, num_heads, head_dim = q.shape
     keys, values = cache.keys[layer], cache.values[layer]  # [NB + 1, Hkv, bs, D]
     kv_heads = keys.shape[1]
@@ -186,10 +195,72 @@ def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visibl
     # non-finite values (or a freed block's stale ones) would reach every row of the batch.
     v = torch.nan_to_num(values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute), 0.0, 0.0, 0.0)
     qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(compute)
-    scores = torch.einsum("thgd,hsd->thgs", qg, k) * head_dim ** -0.5
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = soft_capped(torch.einsum("thgd,hsd->thgs", qg, k) * scale, softcap)
     scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, -1), float("-inf"))
     out = torch.einsum("thgs,hsd->thgd", torch.softmax(scores, dim=-1), v)
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedAttention:
+    """How every layer of one forward attends under one window, built once per forward: through
+    the plan's blocks (``planned``), the whole cache under a mask (``visible``), or, with
+    neither, each query's gathered blocks (``paged_attention``)."""
+
+    inputs: Any
+    sliding_window: int | None
+    planned: PlannedAttention | None = None
+    visible: torch.Tensor | None = None
+
+
+def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None, sliding_window: int | None,
+                     use_plan: bool = True) -> PackedAttention:
+    """The ``PackedAttention`` of ``inputs``; ``use_plan=False`` leaves the plan's SDPA and native
+    paths aside (they cannot soft-cap scores)."""
+    num_slots = cache.keys.shape[1] * cache.block_size
+    gathered = inputs.block_tables.shape[1] * cache.block_size
+    if plan is not None and use_plan:
+        planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, sliding_window)
+        return PackedAttention(inputs, sliding_window, planned=planned)
+    if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
+        return PackedAttention(inputs, sliding_window,
+                               visible=_slot_visibility(inputs, num_slots, cache.block_size, sliding_window))
+    return PackedAttention(inputs, sliding_window)
+
+
+def attend(q: torch.Tensor, cache: PagedKVCache, layer: int, route: PackedAttention, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """``q [T, H, D]`` of the packed tokens against their own requests' cached keys of ``layer``."""
+    if route.planned is not None:
+        if softcap is not None:
+            raise ValueError("planned attention cannot soft-cap scores: build the route with use_plan=False")
+        return planned_attention(q, cache, layer, route.planned, scale)
+    if route.visible is not None:
+        return _attend_whole_cache(q, cache, layer, route.visible, scale, softcap)
+    inputs = route.inputs
+    return paged_attention(q, cache, layer, inputs.block_tables, inputs.request_index, inputs.positions,
+                           scale=scale, sliding_window=route.sliding_window, softcap=softcap)
+
+
+def check_plan(plan: PackedPlan | None, num_tokens: int) -> None:
+    if plan is not None and plan.num_tokens != num_tokens:
+        raise ValueError(f"the plan is for {plan.num_tokens} tokens, the batch has {num_tokens}")
+
+
+def sampled_logits(inputs, plan: PackedPlan | None, vocab_size: int, device,
+                   logits_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``[R, V]`` float32: ``logits_of(token_index)`` at each row's ``logits_index``; with a plan, at
+    its ``sample_rows`` only (the other rows get zeros). The final norm and head are per token, so
+    taking the rows first computes the same values."""
+    num_rows = inputs.logits_index.shape[0]
+    if plan is None or len(plan.sample_rows) == num_rows:  # a decode step: no zero rows to fill
+        return logits_of(inputs.logits_index)
+    logits = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    if not plan.sample_rows:
+        return logits
+    rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)
+    return logits.index_copy_(0, rows, logits_of(inputs.logits_index.index_select(0, rows)))
 
 
 def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
@@ -204,17 +275,12 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     check_packed_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
-    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)  # [T, R]
+    long_inv_freq = params.get("long_inv_freq")
+    cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor, long_inv_freq,
+                            spec.original_context, None if long_inv_freq is None else furthest_positions(inputs))
     q_size = spec.num_heads * spec.head_dim
-    num_slots = cache.keys.shape[1] * cache.block_size
-    gathered = inputs.block_tables.shape[1] * cache.block_size
-    visible = planned = None
-    if plan is not None:
-        if plan.num_tokens != num_tokens:
-            raise ValueError(f"the plan is for {plan.num_tokens} tokens, the batch has {num_tokens}")
-        planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, spec.sliding_window)
-    elif num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
-        visible = _slot_visibility(inputs, num_slots, cache.block_size, spec.sliding_window)
+    check_plan(plan, num_tokens)
+    route = packed_attention(inputs, cache, plan, spec.sliding_window)
     plain = spec.is_plain_llama
     ops = _NativeLayerOps if plan is not None and plain and _native_layer_ops(x, params["norm"]) else _TorchLayerOps
     mlp_out = None  # the previous layer's MLP output, added to x in the next norm's call
@@ -230,13 +296,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             x, h = ops.add_rms_norm(x, mlp_out, layer["attn_norm"], spec.rms_norm_eps)
             q, k, v = ops.rope_qkv(linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, spec)
         cache = write(cache, i, inputs.slot_mapping, k, v)
-        if planned is not None:
-            attn = planned_attention(q, cache, i, planned)
-        elif visible is not None:
-            attn = _attend_whole_cache(q, cache, i, visible)
-        else:
-            attn = paged_attention(q, cache, i, inputs.block_tables, inputs.request_index, inputs.positions,
-                                   sliding_window=spec.sliding_window)
+        attn = attend(q, cache, i, route)
         attn_out = tensor_parallel.reduced(spec, linear(attn.reshape(num_tokens, q_size), layer["wo"]))
         if spec.post_norms:  # OLMo 2: the norms sit on the outputs
             x = h = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
@@ -249,23 +309,13 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             mlp_out = tensor_parallel.reduced(spec, mlp_out)
         if spec.post_norms:
             mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
-    # The final norm is per token, so taking the sampling rows first computes the same values.
-    num_rows = inputs.logits_index.shape[0]
-    every_row = plan is None or len(plan.sample_rows) == num_rows  # a decode step: no zero rows to fill
-    if every_row:
-        index = inputs.logits_index
-    else:
-        logits = torch.zeros(num_rows, spec.vocab_size, dtype=torch.float32, device=x.device)
-        if not plan.sample_rows:
-            return logits, cache
-        rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=x.device)
-        index = inputs.logits_index.index_select(0, rows)
-    x = x.index_select(0, index)
-    if mlp_out is None:
-        h = ops.rms_norm(x, params["norm"], spec.rms_norm_eps)
-    else:
-        _, h = ops.add_rms_norm(x, mlp_out.index_select(0, index), params["norm"], spec.rms_norm_eps)
-    chosen = tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
-    if every_row:
-        return chosen, cache
-    return logits.index_copy_(0, rows, chosen), cache
+
+    def logits_of(index):
+        if mlp_out is None:
+            h = ops.rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
+        else:
+            _, h = ops.add_rms_norm(x.index_select(0, index), mlp_out.index_select(0, index), params["norm"],
+                                    spec.rms_norm_eps)
+        return tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
+
+    return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache

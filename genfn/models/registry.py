@@ -58,7 +58,8 @@ MODEL_TYPES: dict[str, str] = {
 
 # The module of a family's spec class -> the module holding its packed forward over the paged cache.
 PACKED_FORWARDS: dict[str, str] = {
-    "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias)
+    "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias), LongRoPE
+    "genfn.models.gemma": "genfn.models.gemma_packed",  # Gemma 2 / Gemma 3 (text)
     "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: tokens paged, prefixes recomputed
 }
 

@@ -103,15 +103,18 @@ def _longrope_inverse_frequencies(dim: int, theta: float, factors) -> torch.Tens
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
-                 long_inv_freq: torch.Tensor | None = None, original_context: int = 0):
+                 long_inv_freq: torch.Tensor | None = None, original_context: int = 0,
+                 furthest: torch.Tensor | None = None):
     """cos, sin ``[B, S, rotary_dim]`` for integer ``positions [B, S]``, computed in float32.
 
     ``scale`` multiplies both (YaRN's and LongRoPE's attention factor). With ``long_inv_freq``
     (LongRoPE), a forward whose furthest position lies past ``original_context`` rotates every
-    position by the long factors, as transformers decides per forward (a tensor choice: no sync)."""
+    position by the long factors, as transformers decides per forward (a tensor choice: no sync).
+    ``furthest`` (shaped as ``positions``): each position's own "furthest position of its forward"
+    instead, for a packed batch of many requests, each of which decides for itself."""
     if long_inv_freq is not None:
-        beyond = positions.max() + 1 > original_context
-        inv_freq = torch.where(beyond, long_inv_freq, inv_freq)
+        furthest = positions.max() if furthest is None else furthest.unsqueeze(-1)
+        inv_freq = torch.where(furthest + 1 > original_context, long_inv_freq, inv_freq)
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
