@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import planned_attention, write
-from genfn.kernels import decode_linear_available
+from genfn.kernels import decode_linear_available, invariant
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
-from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.llama import LlamaSpec, _rms_norm, check_invariant_spec, invariant_layers, invariant_logits
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -204,6 +204,8 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     num_tokens = inputs.input_ids.shape[0]
     x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)  # [T, R]
+    if invariant.batch_invariant():
+        return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     q_size = spec.num_heads * spec.head_dim
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
@@ -268,3 +270,31 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if every_row:
         return chosen, cache
     return logits.index_copy_(0, rows, chosen), cache
+
+
+def _invariant_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
+                      plan: PackedPlan | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``apply_packed`` in the batch-invariant mode: ``genfn.models.llama.invariant_layers`` (what
+    ``generate`` runs in the mode) with each query attending its own request's paged keys on its
+    own (``genfn.kernels.invariant.paged_attention``). Logits for every row (``plan.sample_rows``
+    only, zeros elsewhere, with a plan)."""
+    check_invariant_spec(spec)
+
+    def attend(i, q, k, v):
+        nonlocal cache
+        cache = write(cache, i, inputs.slot_mapping, k, v)
+        return invariant.paged_attention(q, cache.keys[i], cache.values[i], inputs.block_tables,
+                                         inputs.request_index, inputs.positions, spec.sliding_window)
+
+    rows, mlp_out = invariant_layers(spec, params["layers"], x, cos, sin, attend)
+    num_rows = inputs.logits_index.shape[0]
+    if plan is None or len(plan.sample_rows) == num_rows:
+        index = inputs.logits_index
+        return invariant_logits(spec, params, rows.index_select(0, index), mlp_out.index_select(0, index)), cache
+    logits = torch.zeros(num_rows, spec.vocab_size, dtype=torch.float32, device=x.device)
+    if not plan.sample_rows:
+        return logits, cache
+    chosen = torch.tensor(plan.sample_rows, dtype=torch.int64, device=x.device)
+    index = inputs.logits_index.index_select(0, chosen)
+    return logits.index_copy_(0, chosen, invariant_logits(spec, params, rows.index_select(0, index),
+                                                          mlp_out.index_select(0, index))), cache
