@@ -50,6 +50,9 @@ QUANTIZED_TILE_ROWS = 64
 _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("genfn_batch_invariant", default=False)
 
 
+# Dynamo cannot trace a ContextVar read; read while tracing, the mode is a constant of the graph
+# (no guard: genfn keys its compiled steps on the mode instead, genfn.driver).
+@torch.compiler.assume_constant_result
 def batch_invariant() -> bool:
     """Whether the calling context is in the batch-invariant mode."""
     return _MODE.get()
