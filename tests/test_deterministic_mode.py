@@ -208,3 +208,14 @@ def test_generate_batch_in_the_mode_gives_each_request_the_same_bits_in_any_comp
         together = run(order, budget, chunked)
         for i in order:
             assert together[i] == alone[i], f"request {i} among {size} (budget {budget}, chunked {chunked})"
+
+
+def test_in_the_mode_the_compiled_step_gives_the_eager_bits():
+    """The compiled decode step (traced in the mode, keyed on it) against the eager one: the same
+    tokens, logprobs and logits to the bit (RoPE's cos/sin are eager's inside the graph too)."""
+    model = _model()
+    report = check(model, _prompts(3, seed=9), max_new_tokens=6, do_sample=True, batch_sizes=(), continuous=False,
+                   threads=(), compiled=True, batch_invariant=True)
+    compiled = report.comparison("alone, compiled")
+    assert compiled.identical == compiled.total
+    assert compiled.max_logprob_diff == 0.0 and compiled.max_logit_diff == 0.0
