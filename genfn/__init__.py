@@ -22,6 +22,7 @@ from genfn.config import (
 )
 from genfn.driver import NonFiniteLogitsError
 from genfn.generation import generate
+from genfn.kernels.invariant import deterministic
 from genfn.models.functional import FunctionalModel
 from genfn.models.adapter import from_module
 from genfn.models.loading import load
@@ -88,7 +89,7 @@ __version__ = _package_version()
 attach_model_methods(Model)  # model.generate, model.generate_batch, ...: the public API's, not models/'
 
 __all__ = [
-    "random", "generate", "load", "save", "from_module", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",
+    "random", "generate", "deterministic", "load", "save", "from_module", "Model", "EncoderDecoderModel", "FunctionalModel", "Strategy",
     "NonFiniteLogitsError",
     "GenerationConfig", "GenerationMode", "CompileConfig", "ContinuousBatchingConfig", "WatermarkingConfig",
     "SynthIDTextWatermarkingConfig",

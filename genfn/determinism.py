@@ -2,8 +2,9 @@
 
 ``check(model, prompts)`` runs the same requests alone (one ``generate`` call per prompt, the
 reference), in left-padded ``generate`` batches of a few sizes and in a shuffled order, in
-continuous batches with and without chunked prefill, alone under 1 and 2 torch threads, and
-(``compiled=True``) alone with the compiled step; it returns a ``DeterminismReport`` comparing
+continuous batches with and without chunked prefill and with prefix caching, alone under 1 and 2
+torch threads, and (``compiled=True``) alone with the compiled step, optionally all of it in the
+batch-invariant mode (``batch_invariant=True``, ``genfn.deterministic``); it returns a ``DeterminismReport`` comparing
 every variant against the reference: the share of identical requests, each divergent request's
 first divergent token, and the largest difference of the chosen tokens' logprobs and logits.
 
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from genfn import random as grandom
+from genfn.kernels.invariant import batch_invariant as mode_on, deterministic
+from genfn.strategies.token_choice import chosen_logprobs
 
 __all__ = ["check", "DeterminismReport", "Comparison", "Divergence", "RequestRun", "compare", "run_generate"]
 
@@ -168,7 +171,8 @@ def _generate_rows(model, prompts: list[list[int]], seeds: list[int], settings: 
                    output_logits=True, **settings)
     steps = torch.stack([step.float() for step in out.logits], dim=1)  # [B, steps, V]
     chosen = out.sequences[:, width:width + steps.shape[1]]
-    logprobs = torch.log_softmax(steps, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    # The function continuous batching reports its logprobs with: the same logits give the same bits.
+    logprobs = chosen_logprobs(steps.reshape(-1, steps.shape[-1]).contiguous(), chosen.reshape(-1)).view(chosen.shape)
     logits = steps.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
     eos = _eos_ids(model)
     runs = []
@@ -195,38 +199,51 @@ def run_generate(model, prompts: list[list[int]], seeds: list[int], settings: di
 
 
 def _continuous(model, prompts, seeds, settings, order: list[int], chunked_prefill: bool,
-                max_batch_tokens: int) -> list[RequestRun]:
+                max_batch_tokens: int, prefix_cache: bool = False) -> list[RequestRun]:
+    """The requests through one continuous-batching manager, added in ``order``. ``prefix_cache``:
+    with block sharing on small pages, every request run twice and its second run kept, so that
+    its prompt's full pages come from the prefix cache (the first run's blocks)."""
     from genfn.batching.manager import ContinuousBatchingManager
-    from genfn.batching.requests import RequestStatus
     from genfn.config.batching import ContinuousBatchingConfig
 
     longest = max(len(p) for p in prompts) + settings["max_new_tokens"]
-    page = 16
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=len(prompts) * (longest // page + 2),
+    page = 4 if prefix_cache else 16
+    rounds = 2 if prefix_cache else 1
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=rounds * len(prompts) * (longest // page + 2),
                                   max_batch_tokens=max_batch_tokens, max_requests_per_batch=len(prompts),
-                                  max_blocks_per_request=longest // page + 2, allow_block_sharing=False)
+                                  max_blocks_per_request=longest // page + 2, allow_block_sharing=prefix_cache)
     manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=chunked_prefill)
     manager.start()
-    results = {}
     try:
-        per_request = {k: v for k, v in settings.items() if k != "max_new_tokens"}
-        for i in order:
-            extra = {"seed": seeds[i]} if settings.get("do_sample") else {}
-            manager.add_request(prompts[i], request_id=i, max_new_tokens=settings["max_new_tokens"],
-                                **per_request, **extra)
-        deadline = time.monotonic() + _RESULT_WAIT_S
-        while len(results) < len(order):
-            out = manager.get_result(timeout=max(0.0, deadline - time.monotonic()))
-            if out is None:
-                raise TimeoutError(f"continuous batching returned {len(results)} of {len(order)} requests "
-                                   f"in {_RESULT_WAIT_S:.0f} s")
-            if out.status != RequestStatus.FINISHED:
-                raise RuntimeError(f"request {out.request_id} ended {out.status}: {out.error}")
-            results[out.request_id] = out
+        for round_ in range(rounds):
+            results = _continuous_round(manager, prompts, seeds, settings, order, round_ * len(prompts))
     finally:
         manager.stop(timeout=_RESULT_WAIT_S)
+    if prefix_cache and not manager.stats["reused_tokens"]:
+        raise RuntimeError("the prefix-cache variant reused no prompt token: its prompts are shorter than a page")
     return [RequestRun(list(results[i].generated_tokens), [float(x) for x in results[i].logprobs])
             for i in range(len(prompts))]
+
+
+def _continuous_round(manager, prompts, seeds, settings, order: list[int], first_id: int) -> dict:
+    from genfn.batching.requests import RequestStatus
+
+    per_request = {k: v for k, v in settings.items() if k != "max_new_tokens"}
+    for i in order:
+        extra = {"seed": seeds[i]} if settings.get("do_sample") else {}
+        manager.add_request(prompts[i], request_id=first_id + i, max_new_tokens=settings["max_new_tokens"],
+                            **per_request, **extra)
+    results = {}
+    deadline = time.monotonic() + _RESULT_WAIT_S
+    while len(results) < len(order):
+        out = manager.get_result(timeout=max(0.0, deadline - time.monotonic()))
+        if out is None:
+            raise TimeoutError(f"continuous batching returned {len(results)} of {len(order)} requests "
+                               f"in {_RESULT_WAIT_S:.0f} s")
+        if out.status != RequestStatus.FINISHED:
+            raise RuntimeError(f"request {out.request_id} ended {out.status}: {out.error}")
+        results[out.request_id - first_id] = out
+    return results
 
 
 @contextlib.contextmanager
@@ -259,7 +276,8 @@ def _as_token_lists(model, prompts) -> list[list[int]]:
 
 def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, seed: int = 0,
           batch_sizes: Sequence[int] = (4, 16), continuous: bool = True, chunk_tokens: int = 16,
-          threads: Sequence[int] = (1, 2), compiled: bool = False,
+          threads: Sequence[int] = (1, 2), compiled: bool = False, prefix_cache: bool = True,
+          batch_invariant: bool = False,
           variants: dict[str, Callable[[list[list[int]], list[int], dict], list[RequestRun]]] | None = None,
           **generation_settings) -> DeterminismReport:
     """Run ``prompts`` (strings, or lists of token ids) in every variant and compare each against
@@ -269,7 +287,10 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     shuffled order); ``continuous``: continuous batching with chunked prefill (``chunk_tokens``
     per forward) and without it; ``threads``: alone under each of these torch thread counts (the
     caller's count is restored); ``compiled``: alone with the compiled decode step (slow to
-    build). ``variants``: more variants, ``name -> fn(prompts, seeds, settings) -> [RequestRun]``.
+    build); ``prefix_cache``: continuous batching with prefix caching, each request's prompt pages
+    taken from the cache of its own earlier run. ``batch_invariant``: every variant in the
+    batch-invariant mode (``genfn.deterministic``; a check called inside it runs in it too, and
+    the report's settings say which). ``variants``: more variants, ``name -> fn(prompts, seeds, settings) -> [RequestRun]``.
     ``generation_settings``: more ``generate`` settings (``temperature``, ``top_k``, ...), the
     same for every request. Request ``i`` samples with the key of ``seed + i`` in every variant.
     """
@@ -280,6 +301,9 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     for name, values in (("batch_sizes", batch_sizes), ("threads", threads)):
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"{name} must hold positive ints, got {list(values)!r}")
+    for name, flag in (("prefix_cache", prefix_cache), ("batch_invariant", batch_invariant), ("compiled", compiled)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     ids = _as_token_lists(model, prompts)
@@ -305,6 +329,9 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
                                                                   chunk_tokens)
         plan["continuous, whole prompts"] = lambda: _continuous(model, ids, seeds, settings, shuffled, False,
                                                                 max(longest * len(ids), 64))
+        if prefix_cache and longest >= 5:  # at least one full page of 4 to share
+            plan["continuous, prefix cache"] = lambda: _continuous(model, ids, seeds, settings, shuffled, True,
+                                                                   chunk_tokens, prefix_cache=True)
     for count in sorted(set(threads)):
         def alone_with(count=count):
             with _threads(count):
@@ -319,12 +346,15 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
         plan[name] = lambda fn=fn: fn(ids, seeds, dict(settings))
 
     runs, seconds = {}, {}
-    for name, run in plan.items():
-        start = time.perf_counter()
-        runs[name] = run()
-        seconds[name] = round(time.perf_counter() - start, 3)
+    # Unset, the caller's mode holds (a check inside genfn.deterministic() runs in it).
+    with deterministic() if batch_invariant else contextlib.nullcontext():
+        for name, run in plan.items():
+            start = time.perf_counter()
+            runs[name] = run()
+            seconds[name] = round(time.perf_counter() - start, 3)
+        mode = mode_on()
     comparisons = [compare(runs["alone"], runs[name], "alone", name) for name in plan if name != "alone"]
     report_settings = dict(prompts=len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
                            dtype=str(getattr(model, "dtype", "?")).replace("torch.", ""),
-                           threads=torch.get_num_threads(), **generation_settings)
+                           threads=torch.get_num_threads(), batch_invariant=mode, **generation_settings)
     return DeterminismReport(report_settings, runs, comparisons, seconds)

@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from genfn import kernels
+from genfn.kernels import invariant
 from genfn.compile_backend import with_genfn_backend
 from genfn.config.caches import COMPILABLE_CACHES
 from genfn.models.functional import FunctionalModel
@@ -205,7 +206,8 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
     compile_options = dict(compile_options or {})
     tensors, layout = _split_leaves(state)
     signature = tuple((_static_shape(t), t.dtype) for t in tensors)
-    cache_key = (kind, step, layout, signature, _hashable(compile_options))
+    # The batch-invariant mode is read while the step is traced: a graph serves only its own mode.
+    cache_key = (kind, step, layout, signature, _hashable(compile_options), invariant.batch_invariant())
     fn = model.compiled_steps.get(cache_key)
     if fn is None:
         # Build/load the native kernels now, not while dynamo traces the model.

@@ -7,6 +7,7 @@ decision about tokens is made inside a strategy's pure step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -16,6 +17,7 @@ import torch
 
 from genfn import driver
 from genfn.custom_generate import load_custom_generate
+from genfn.kernels.invariant import deterministic
 from genfn.resolve import resolve_request
 from genfn.config import GenerationConfig, GenerationMode
 from genfn.strategies import beam as beam_strategy
@@ -157,21 +159,24 @@ def generate(
             _check_compile_loop(request, strategy, streamer, criteria)
         if streamer is not None:
             streamer.put(request.input_ids.cpu())
-        state = strategy.init(model, request)
         config = request.config
-        compile_options = None
-        if strategy.compiles and (request.processors is None or request.processors.compile_safe):
-            compile_options = driver.compile_options_for(config, model.device, whole_loop=compile_loop)
-        trace = StepTrace()
-        num_steps = request.max_length - request.prompt_len - 1
-        if compile_loop:
-            strategy.collect(state, trace)
-            state = driver.compiled_loop(strategy.step, model, state, compile_options)(state, num_steps)
-        else:
-            state = driver.run(strategy, model, state, num_steps=num_steps, streamer=streamer, stopping_criteria=criteria,
-                               compile_options=compile_options, max_time=config.max_time, start_time=start_time,
-                               trace=trace, constraint=request.grammar)
-        result = strategy.finish(state, trace, request)
+        # batch_invariant=True: the whole call in the mode; unset or False leaves the caller's mode.
+        with deterministic() if config.batch_invariant else contextlib.nullcontext():
+            state = strategy.init(model, request)
+            compile_options = None
+            if strategy.compiles and (request.processors is None or request.processors.compile_safe):
+                compile_options = driver.compile_options_for(config, model.device, whole_loop=compile_loop)
+            trace = StepTrace()
+            num_steps = request.max_length - request.prompt_len - 1
+            if compile_loop:
+                strategy.collect(state, trace)
+                state = driver.compiled_loop(strategy.step, model, state, compile_options)(state, num_steps)
+            else:
+                state = driver.run(strategy, model, state, num_steps=num_steps, streamer=streamer,
+                                   stopping_criteria=criteria, compile_options=compile_options,
+                                   max_time=config.max_time, start_time=start_time, trace=trace,
+                                   constraint=request.grammar)
+            result = strategy.finish(state, trace, request)
     except BaseException as error:
         if streamer is not None:
             streamer.fail(error)

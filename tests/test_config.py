@@ -955,6 +955,7 @@ FIELD_CASES = {
     "grammar_engine": choice_case(("llguidance", "xgrammar")),
     "compile_config": (COMPILE_VALID, COMPILE_INVALID),
     "disable_compile": bool_case(),
+    "batch_invariant": bool_case(),
     "prefill_chunk_size": int_case(1),
 }
 EXTRA_CASES = {

@@ -91,9 +91,10 @@ def test_continuous_variants_and_thread_counts_are_reported(models):
     report = check(model, _prompts(4, seed=1), max_new_tokens=6, do_sample=True, batch_sizes=(),
                    chunk_tokens=8, threads=(1, 2))
     assert [c.variant for c in report.comparisons] == ["continuous, chunked prefill", "continuous, whole prompts",
-                                                       "alone, 1 thread", "alone, 2 threads"]
+                                                       "continuous, prefix cache", "alone, 1 thread",
+                                                       "alone, 2 threads"]
     assert torch.get_num_threads() == 1  # restored (the module runs on one thread)
-    for name in ("continuous, chunked prefill", "continuous, whole prompts"):
+    for name in ("continuous, chunked prefill", "continuous, whole prompts", "continuous, prefix cache"):
         assert report.comparison(name).max_logit_diff is None  # the manager reports logprobs only
         assert all(len(run.logprobs) == len(run.tokens) for run in report.runs[name])
     json.dumps(report.to_dict())
@@ -105,6 +106,8 @@ def test_bad_arguments_raise_clear_errors(models):
         check(model, [[5]], max_new_tokens=0)
     with pytest.raises(ValueError, match="batch_sizes"):
         check(model, [[5]], batch_sizes=(0,))
+    with pytest.raises(TypeError, match="prefix_cache"):
+        check(model, [[5]], prefix_cache=1)
     with pytest.raises(TypeError, match="prompts"):
         check(model, "a prompt")
     with pytest.raises(ValueError, match="at least one token"):

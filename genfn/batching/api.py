@@ -13,6 +13,7 @@ import logging
 
 from genfn.batching.hints import WorkloadHints
 from genfn.batching.manager import UNCAPPED, ContinuousBatchingManager
+from genfn.kernels.invariant import batch_invariant
 from genfn.batching.results import GenerationOutput
 
 __all__ = ["continuous_batching_context_manager", "destroy_cached_continuous_batching_manager", "generate_batch",
@@ -26,7 +27,9 @@ _RESULT_WAIT_S = 1.0
 def init_continuous_batching(model, generation_config=None, continuous_batching_config=None,
                              workload_hints: WorkloadHints | None = None, **manager_options) -> ContinuousBatchingManager:
     cached = getattr(model, "_cached_continuous_batching_manager", None)
-    if isinstance(cached, ContinuousBatchingManager):
+    wants_invariant = bool(getattr(continuous_batching_config, "batch_invariant", False)) or batch_invariant()
+    # A kept manager runs in the mode it was built in: never hand it to a session of the other mode.
+    if isinstance(cached, ContinuousBatchingManager) and cached.batch_invariant == wants_invariant:
         logger.info("reusing the continuous batching manager kept by the previous session")
         return cached
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config, workload_hints,

@@ -32,6 +32,7 @@ from genfn.batching import speculation as SP
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
 from genfn.batching.row_state import carried_step, keep_carried, merge_request_chains
+from genfn.kernels.invariant import deterministic
 from genfn.cache.paged import PackedPlan
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
@@ -132,8 +133,11 @@ class Engine:
     """
 
     def __init__(self, model, cache, *, max_batch_tokens: int, max_requests: int, table_width: int,
-                 compile: dict | None = None):
+                 compile: dict | None = None, batch_invariant: bool = False):
         family = require_packed_forward(model)
+        # Fixed per engine: its forwards run on the manager's thread, which the caller's
+        # genfn.deterministic() context does not reach, and a compiled forward bakes the mode in.
+        self.batch_invariant = batch_invariant
         self.model = model
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
@@ -177,6 +181,10 @@ class Engine:
     def forward(self, inputs: BatchInputs, plan: PackedPlan | None = None) -> torch.Tensor:
         """Logits ``[R + E, V]`` of the batch (``E``: the drafted positions, see ``BatchInputs``);
         the cache is updated (donated and replaced)."""
+        with deterministic(self.batch_invariant):
+            return self._forward(inputs, plan)
+
+    def _forward(self, inputs: BatchInputs, plan: PackedPlan | None) -> torch.Tensor:
         if plan is not None:
             logits, self.cache = self._apply_packed(self.model.spec, self.params, inputs, self.cache, plan)
             return logits

@@ -37,6 +37,7 @@ from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.settings import request_settings
 from genfn.kernels import release_thread_pool
+from genfn.kernels.invariant import mode_for_manager
 
 __all__ = ["ContinuousBatchingManager", "sequence_ids"]
 
@@ -87,6 +88,7 @@ class ContinuousBatchingManager:
         if chunked_prefill is not None and not isinstance(chunked_prefill, bool):
             raise TypeError(f"`chunked_prefill` must be a bool or None, got {type(chunked_prefill).__name__}")
         self.chunked_prefill = continuous_batching_config.chunked_prefill if chunked_prefill is None else chunked_prefill
+        self.batch_invariant = mode_for_manager(continuous_batching_config.batch_invariant)
         if prefill_tokens_while_decoding not in (None, UNCAPPED) and (isinstance(prefill_tokens_while_decoding, bool) or not isinstance(
                 prefill_tokens_while_decoding, int) or prefill_tokens_while_decoding < 1):
             raise ValueError(f"`prefill_tokens_while_decoding` must be an int >= 1, {UNCAPPED!r} or None, got "
@@ -157,7 +159,7 @@ class ContinuousBatchingManager:
                                                dtype=self.model.dtype, device=self.model.device)
         self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
                              max_requests=sizes.max_requests_per_batch, table_width=width,
-                             compile=self._compile_options())
+                             compile=self._compile_options(), batch_invariant=self.batch_invariant)
         self.scheduler = make_scheduler(cb.scheduler_type, sizes.num_blocks, sizes.block_size,
                                         safety_margin=cb.safety_margin,
                                         max_requests_per_batch=sizes.max_requests_per_batch,

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="4,16", metavar="N,N",
                         help="generate batch sizes to compare against running alone (default 4,16)")
     parser.add_argument("--compile", action="store_true", help="also run each request alone with the compiled step")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="run every variant in the batch-invariant mode (genfn.deterministic)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -81,7 +83,7 @@ def main(args, status: Status) -> int:
     require_tokenizer(model)
     status.begin(f"running {len(prompts)} prompts x {args.max_new_tokens} tokens in every variant")
     report = check(model, prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
-                   batch_sizes=sizes, compiled=args.compile)
+                   batch_sizes=sizes, compiled=args.compile, batch_invariant=args.batch_invariant)
     status.end("done")
     print(json.dumps(report.to_dict()) if args.json else report.format(), flush=True)
     return 0

@@ -15,7 +15,7 @@ from .compile import CompileConfig
 
 __all__ = ["ContinuousBatchingConfig", "GENFN_FIELDS"]
 
-GENFN_FIELDS = ("chunked_prefill",)  # fields transformers' ContinuousBatchingConfig does not have
+GENFN_FIELDS = ("chunked_prefill", "batch_invariant")  # fields transformers' ContinuousBatchingConfig does not have
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ class ContinuousBatchingConfig:
 
     genfn's own fields (after transformers'; ``GENFN_FIELDS``): ``chunked_prefill`` splits a
     prompt longer than the token budget across forwards (off: such a prompt fails); the manager's
-    ``chunked_prefill=`` keyword, when given, overrides it.
+    ``chunked_prefill=`` keyword, when given, overrides it. ``batch_invariant`` runs the forwards in
+    the batch-invariant mode (``genfn.deterministic``; also on when the manager is built inside it).
     """
 
     page_size: int = 256
@@ -65,6 +66,7 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None
     block_size: int | None = None
     chunked_prefill: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("varlen_compile_config", "decode_compile_config"):
@@ -119,6 +121,7 @@ class ContinuousBatchingConfig:
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
             "chunked_prefill",
+            "batch_invariant",
         ):
             check_bool(name, getattr(self, name))
         check_optional_bool("use_async_batching", self.use_async_batching)

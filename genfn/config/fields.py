@@ -152,11 +152,13 @@ FIELD_SPECS: tuple[_Field, ...] = (
     _Field("compile_config", "performance", nested_check((CompileConfig,), "a CompileConfig or a dict")),
     _Field("disable_compile", "performance", check_bool),
     _Field("prefill_chunk_size", "performance", int_check(minimum=1)),
+    # genfn: the batch-invariant mode (genfn.deterministic): bitwise logits whatever the batch
+    _Field("batch_invariant", "performance", check_bool),
 )
 
 GENERATION_CONFIG_FIELDS: tuple[str, ...] = tuple(spec.name for spec in FIELD_SPECS)
-# The fields genfn adds to transformers' set (structured outputs); every other field is transformers'.
-GENFN_ONLY_FIELDS: tuple[str, ...] = ("response_format", "grammar_engine")
+# The fields genfn adds to transformers' set (structured outputs, the batch-invariant mode); every other field is transformers'.
+GENFN_ONLY_FIELDS: tuple[str, ...] = ("response_format", "grammar_engine", "batch_invariant")
 FIELD_SET = frozenset(GENERATION_CONFIG_FIELDS)
 
 # transformers v5 still carries these, but only for modes it moved to the Hub (or, for

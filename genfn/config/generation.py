@@ -135,6 +135,7 @@ class GenerationConfig:
     compile_config: CompileConfig | None
     disable_compile: bool | None
     prefill_chunk_size: int | None
+    batch_invariant: bool | None
     # metadata (written to JSON when set)
     transformers_version: str | None
     _from_model_config: bool | None

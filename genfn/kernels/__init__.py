@@ -73,6 +73,10 @@ def _register_fake() -> None:
     def _(q, keys, values, visible, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_query_attention")
+    def _(q, keys, values, tables, lengths, scale, sliding_window):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")
     def _(x, norm, wqkv, cos, sin, eps, heads, kv_heads):
         return x.new_empty((x.shape[0], wqkv.shape[0]))

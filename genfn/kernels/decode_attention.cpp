@@ -237,17 +237,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   return out;
 }
 
-// Row r's G query heads that share kv head h against the slots where visible[0 .. span) is set.
-// keys/values point at the kv head's slot 0; slots are `slot_stride` elements apart.
+// G query heads that share a kv head against the n key/value rows at element offsets
+// offsets[0 .. n) from keys/values, reduced in that order: the result depends on the query and
+// those rows alone (not on how many other slots, rows or queries the call has), which is what the
+// dense decode step and the batch-invariant mode's per-query attention (paged_query_attention)
+// share, so the two give the same bits for the same keys.
 template <typename T, int V>
-void attend_visible(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
-                    int64_t slot_stride, int64_t groups, float scale, T* out, std::vector<float>& scores,
-                    std::vector<int32_t>& slots) {
+void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
+                    float scale, T* out, std::vector<float>& scores) {
   constexpr int64_t D = V * kLanes;
-  slots.clear();
-  for (int64_t s = 0; s < span; ++s)
-    if (visible[s]) slots.push_back(static_cast<int32_t>(s));
-  const int64_t n = static_cast<int64_t>(slots.size());
   if (n == 0) {  // nothing visible: zeros, not the NaN of an empty softmax
     for (int64_t i = 0; i < groups * D; ++i) narrow(out + i, 0.f);
     return;
@@ -257,7 +255,7 @@ void attend_visible(const T* q, const T* keys, const T* values, const bool* visi
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < V; ++j) qv[g][j] = load_lanes(q + g * D + j * kLanes);
   for (int64_t i = 0; i < n; ++i) {
-    const T* k = keys + slots[i] * slot_stride;
+    const T* k = keys + offsets[i];
     __m512 kv[V];
     for (int j = 0; j < V; ++j) kv[j] = load_lanes(k + j * kLanes);
     for (int64_t g = 0; g < groups; ++g) {
@@ -277,7 +275,7 @@ void attend_visible(const T* q, const T* keys, const T* values, const bool* visi
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const T* v = values + slots[i] * slot_stride;
+    const T* v = values + offsets[i];
     __m512 vv[V];
     for (int j = 0; j < V; ++j) vv[j] = load_lanes(v + j * kLanes);
     for (int64_t g = 0; g < groups; ++g) {
@@ -293,6 +291,19 @@ void attend_visible(const T* q, const T* keys, const T* values, const bool* visi
       for (int l = 0; l < kLanes; ++l) narrow(out + g * D + j * kLanes + l, lanes[l]);
     }
   }
+}
+
+// Row r's G query heads that share kv head h against the slots where visible[0 .. span) is set.
+// keys/values point at the kv head's slot 0; slots are `slot_stride` elements apart.
+template <typename T, int V>
+void attend_visible(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
+                    int64_t slot_stride, int64_t groups, float scale, T* out, std::vector<float>& scores,
+                    std::vector<int64_t>& offsets) {
+  offsets.clear();
+  for (int64_t s = 0; s < span; ++s)
+    if (visible[s]) offsets.push_back(s * slot_stride);
+  attend_rows_at<T, V>(q, keys, values, offsets.data(), static_cast<int64_t>(offsets.size()), groups, scale, out,
+                       scores);
 }
 
 template <typename T, int V>
@@ -314,7 +325,7 @@ void attend_dense_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(per_task, 1));
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
-    thread_local std::vector<int32_t> slots;
+    thread_local std::vector<int64_t> slots;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads;
       const int64_t offset = (r * heads + h * groups) * V * kLanes;
@@ -370,6 +381,84 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   return out;
 }
 
+template <typename T, int V>
+void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& tables, const at::Tensor& lengths, double scale, int64_t sliding_window,
+                          at::Tensor& out) {
+  constexpr int64_t D = V * kLanes;
+  const int64_t rows = q.size(0), heads = q.size(1), kv_heads = keys.size(1), block_size = keys.size(2);
+  const int64_t width = tables.size(1), groups = heads / kv_heads, block_stride = kv_heads * block_size * D;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  // One task per (query, kv head), each reduced by one thread: the thread count changes who runs a
+  // task, never the order of its sums.
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<int64_t> offsets;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads, length = lp[r];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+      offsets.clear();
+      for (int64_t pos = first; pos < length; ++pos)
+        offsets.push_back(tp[r * width + pos / block_size] * block_stride + (pos % block_size) * D);
+      const int64_t offset = (r * heads + h * groups) * D;
+      attend_rows_at<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, offsets.data(),
+                           static_cast<int64_t>(offsets.size()), groups, static_cast<float>(scale), op + offset,
+                           scores);
+    }
+  });
+}
+
+// The batch-invariant mode's attention over the paged cache: query n (q [N, H, D]) against
+// positions 0 .. lengths[n] - 1 of its block table (tables [N, W]; the last sliding_window of them
+// when sliding_window > 0), in position order, with the dense decode step's arithmetic
+// (attend_rows_at): a prefill chunk's queries, a decode step's and a lone request's all reduce a
+// query over the same keys in the same order. Returns [N, H, D] in q's dtype.
+at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                 const at::Tensor& tables, const at::Tensor& lengths, double scale,
+                                 int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "paged_query_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
+  TORCH_CHECK(q.size(2) == keys.size(3) && q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxVectors,
+              "paged_query_attention: head_dim must match the cache's and be a multiple of 16 up to 128");
+  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
+              "paged_query_attention: query heads must be a multiple of kv heads, at most ", kMaxGroups, " per kv head");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0) &&
+                  tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              "paged_query_attention: tables must be int64 [N, W] and lengths int64 [N] for N queries");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "paged_query_attention: q, keys and values must share a dtype, float32 or bfloat16");
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor tc = tables.contiguous(), lc = lengths.contiguous();
+  check_tables(tc, lc, kc.size(0), kc.size(2));
+  at::Tensor out = at::empty_like(qc);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  switch (q.size(2) / kLanes) {
+#define GENFN_QUERIES(V)                                                                        \
+  case V:                                                                                       \
+    if (bf16)                                                                                   \
+      attend_queries_paged<c10::BFloat16, V>(qc, kc, vc, tc, lc, scale, sliding_window, out);  \
+    else                                                                                        \
+      attend_queries_paged<float, V>(qc, kc, vc, tc, lc, scale, sliding_window, out);          \
+    break;
+    GENFN_QUERIES(1)
+    GENFN_QUERIES(2)
+    GENFN_QUERIES(3)
+    GENFN_QUERIES(4)
+    GENFN_QUERIES(5)
+    GENFN_QUERIES(6)
+    GENFN_QUERIES(7)
+    GENFN_QUERIES(8)
+#undef GENFN_QUERIES
+  }
+  return out;
+}
+
 template <typename T>
 void write_rows(T* buffer, const T* rows, const int64_t* slots, int64_t count, int64_t sink_slot,
                 int64_t kv_heads, int64_t block_size, int64_t head_dim) {
@@ -420,7 +509,7 @@ template <typename T>
 void attend_group(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
                   int64_t slot_stride, int64_t groups, int64_t head_dim, float scale, T* out) {
   thread_local std::vector<float> scores;
-  thread_local std::vector<int32_t> slots;
+  thread_local std::vector<int64_t> slots;
   switch (head_dim / kLanes) {
 #define GENFN_GROUP(V) \
   case V: return attend_visible<T, V>(q, keys, values, visible, span, slot_stride, groups, scale, out, scores, slots);
@@ -447,11 +536,14 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window) -> Tensor");
   m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale) -> Tensor");
+  m.def("paged_query_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
+        "int sliding_window) -> Tensor");
   m.def("paged_write(Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("dense_decode_attention", &dense_decode_attention);
+  m.impl("paged_query_attention", &paged_query_attention);
   m.impl("paged_write", &paged_write);
 }

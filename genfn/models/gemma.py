@@ -30,6 +30,7 @@ from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
+from genfn.kernels.invariant import refuse_outside_plain_llama
 
 __all__ = ["GemmaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "state_dict_of"]
@@ -297,6 +298,7 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
           attend_len: int | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for Gemma 2 / Gemma 3 text."""
+    refuse_outside_plain_llama("Gemma")
     layers = params["layers"]
     if num_layers is not None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):

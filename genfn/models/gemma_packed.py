@@ -20,6 +20,7 @@ from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, write
 from genfn.models.gemma import GemmaSpec, attention_scale, embed, final_logits, finish_layer, project_qkv
 from genfn.models.packed import attend, check_plan, packed_attention, rotate_heads, sampled_logits
 from genfn.models.rope import rope_cos_sin
+from genfn.kernels.invariant import refuse_outside_plain_llama
 
 __all__ = ["apply_packed", "init_packed_cache", "pack_params"]
 
@@ -46,6 +47,7 @@ def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 def apply_packed(spec: GemmaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
                  plan: PackedPlan | None = None) -> tuple[torch.Tensor, PagedKVCache]:
     """As ``genfn.models.packed.apply_packed`` (same arguments and results), for Gemma 2 / Gemma 3."""
+    refuse_outside_plain_llama("Gemma")
     _check_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     check_plan(plan, num_tokens)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
-from genfn.kernels import decode_attention, decode_layer, linear
+from genfn.kernels import decode_attention, decode_layer, invariant, linear
 from genfn.models import llama_variants as variants
 from genfn.models import tensor_parallel
 from genfn.models.loaders.checks import check_tensors
@@ -385,6 +385,13 @@ def apply(
     x = tensor_parallel.embedding(spec, tokens, params["embed"], params["norm"].dtype)
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor,
                             params.get("long_inv_freq"), spec.original_context)
+    if invariant.batch_invariant():
+        check_invariant_spec(spec)
+        if output_hidden_states or output_attentions:
+            raise ValueError("the batch-invariant mode (genfn.deterministic) does not return hidden states or "
+                             "attentions")
+        return _invariant_forward(spec, params, layers, x, cos, sin, cache, slots, mask, attend_len,
+                                  logits_to_keep), cache
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
     for i, layer in enumerate(layers):
@@ -410,6 +417,63 @@ def apply(
                            tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)
     return logits, cache
+
+
+def check_invariant_spec(spec: LlamaSpec) -> None:
+    """Refuse a model the batch-invariant mode has no invariant layer for."""
+    if not spec.is_plain_llama or spec.tensor_shard is not None or spec.original_context:
+        raise ValueError(f"the batch-invariant mode (genfn.deterministic) runs plain Llama-family layers (Llama, "
+                         f"Mistral, Qwen2, SmolLM2) on one process; {spec.architecture} with q/k norms, "
+                         f"post-norms, partial rotary, experts, LongRoPE or tensor parallelism has none yet")
+
+
+def invariant_layers(spec: LlamaSpec, layers, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend):
+    """The decoder layers in the batch-invariant mode (``genfn.kernels.invariant``): the tokens as
+    rows ``[T, hidden]`` (``cos, sin [T, D]``) through per-row ops; ``attend(i, q, k, v)`` writes
+    layer ``i``'s keys/values (``[T, Hkv, D]``) to the cache and returns each query's attention
+    ``[T, H, D]``. Shared by ``apply`` and the packed forward (``genfn.models.packed``), so a
+    request's logits are the same bits in ``generate`` and in continuous batching. Returns
+    ``(residual, last MLP output)``, to be summed by ``invariant_logits``' norm."""
+    ops = invariant
+    eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
+    mlp_out = None  # the previous layer's MLP output, added to the residual in the next norm's call
+    for i, layer in enumerate(layers):
+        if mlp_out is None:
+            h = ops.rms_norm(rows, layer["attn_norm"], eps)
+        else:
+            rows, h = ops.add_rms_norm(rows, mlp_out, layer["attn_norm"], eps)
+        q, k, v = ops.rope_qkv(ops.linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, heads, kv_heads)
+        attn = attend(i, q, k, v)
+        rows, h = ops.add_rms_norm(rows, ops.linear(attn.reshape(rows.shape[0], heads * spec.head_dim), layer["wo"]),
+                                   layer["mlp_norm"], eps)
+        mlp_out = ops.linear(ops.silu_mul(ops.linear(h, layer["w_gate_up"])), layer["w_down"])
+    return rows, mlp_out
+
+
+def invariant_logits(spec: LlamaSpec, params: Mapping[str, Any], rows: torch.Tensor, mlp_out: torch.Tensor):
+    """The final norm and LM head of ``invariant_layers``' rows: float32 ``[rows, V]``."""
+    _, h = invariant.add_rms_norm(rows, mlp_out, params["norm"], spec.rms_norm_eps)
+    return invariant.linear(h, params["lm_head"], out_float32=True)
+
+
+def _invariant_forward(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor, mask: torch.Tensor, attend_len,
+                       logits_to_keep: int) -> torch.Tensor:
+    """``apply``'s layers, final norm and LM head in the batch-invariant mode, over the static cache."""
+    batch, seq, hidden = x.shape
+    kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
+
+    def attend(i, q, k, v):
+        keys, values = cache.write_layer(i, slots, k.view(batch, seq, kv_heads, head_dim).transpose(1, 2),
+                                         v.view(batch, seq, kv_heads, head_dim).transpose(1, 2))
+        return invariant.dense_attention(q.view(batch, seq, spec.num_heads, head_dim), keys[:, :, :attend_len],
+                                         values[:, :, :attend_len], mask)
+
+    rows, mlp_out = invariant_layers(spec, layers, x.reshape(batch * seq, hidden), cos.reshape(batch * seq, -1),
+                                     sin.reshape(batch * seq, -1), attend)
+    kept = seq if not logits_to_keep else min(logits_to_keep, seq)
+    rows, mlp_out = (t.view(batch, seq, hidden)[:, seq - kept:].reshape(batch * kept, hidden) for t in (rows, mlp_out))
+    return invariant_logits(spec, params, rows, mlp_out).reshape(batch, kept, -1)
 
 
 def mtp_head(spec: LlamaSpec, params: Mapping[str, Any], index: int, hidden: torch.Tensor, token: torch.Tensor):

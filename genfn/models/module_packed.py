@@ -23,6 +23,7 @@ import torch
 from genfn.cache.base import CacheBase
 from genfn.models import adapter
 from genfn.state.base import pytree_dataclass, static_field
+from genfn.kernels.invariant import refuse_outside_plain_llama
 
 __all__ = ["COMPILES", "PagedTokenStore", "apply_packed", "init_packed_cache", "pack_params"]
 
@@ -59,6 +60,7 @@ def apply_packed(spec: adapter.ModuleSpec, params, inputs, cache: PagedTokenStor
     last token, for the rows that sample (the others get zeros), then the logits at the ``E``
     extra tokens ``inputs.logits_index[R:]`` (a speculative row's earlier positions); the batch's
     tokens are written to their slots of ``cache`` (donated, written in place)."""
+    refuse_outside_plain_llama("a wrapped module (genfn.from_module)")
     block_size = cache.block_size
     flat = cache.tokens.view(-1)
     sink_slot = cache.num_blocks * block_size

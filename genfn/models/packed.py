@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import PlannedAttention, planned_attention, soft_capped, write
-from genfn.kernels import decode_linear_available
+from genfn.kernels import decode_linear_available, invariant
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
-from genfn.models.llama import LlamaSpec, _rms_norm
+from genfn.models.llama import LlamaSpec, _rms_norm, check_invariant_spec, invariant_layers, invariant_logits
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -278,6 +278,8 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     long_inv_freq = params.get("long_inv_freq")
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor, long_inv_freq,
                             spec.original_context, None if long_inv_freq is None else furthest_positions(inputs))
+    if invariant.batch_invariant():
+        return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     q_size = spec.num_heads * spec.head_dim
     check_plan(plan, num_tokens)
     route = packed_attention(inputs, cache, plan, spec.sliding_window)
@@ -317,5 +319,26 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             _, h = ops.add_rms_norm(x.index_select(0, index), mlp_out.index_select(0, index), params["norm"],
                                     spec.rms_norm_eps)
         return tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
+
+    return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
+
+
+def _invariant_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
+                      plan: PackedPlan | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``apply_packed`` in the batch-invariant mode: ``genfn.models.llama.invariant_layers`` (what
+    ``generate`` runs in the mode) with each query attending its own request's paged keys on its
+    own (``genfn.kernels.invariant.paged_attention``); logits as ``sampled_logits`` picks them."""
+    check_invariant_spec(spec)
+
+    def attend(i, q, k, v):
+        nonlocal cache
+        cache = write(cache, i, inputs.slot_mapping, k, v)
+        return invariant.paged_attention(q, cache.keys[i], cache.values[i], inputs.block_tables,
+                                         inputs.request_index, inputs.positions, spec.sliding_window)
+
+    rows, mlp_out = invariant_layers(spec, params["layers"], x, cos, sin, attend)
+
+    def logits_of(index):
+        return invariant_logits(spec, params, rows.index_select(0, index), mlp_out.index_select(0, index))
 
     return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from genfn.kernels.invariant import batch_invariant
+
 __all__ = ["inverse_frequencies", "long_inverse_frequencies", "attention_factor", "rope_cos_sin", "apply_rope",
            "SUPPORTED_ROPE_TYPES"]
 
@@ -115,12 +117,34 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     if long_inv_freq is not None:
         furthest = positions.max() if furthest is None else furthest.unsqueeze(-1)
         inv_freq = torch.where(furthest + 1 > original_context, long_inv_freq, inv_freq)
+    if batch_invariant():
+        # Inductor's cos/sin are not eager's to the last bit (5.96e-8 apart): in the mode the
+        # compiled step calls the eager ones, so eager and compiled rotate alike.
+        cos, sin = eager_cos_sin(inv_freq, positions, float(scale))
+    else:
+        cos, sin = _cos_sin(inv_freq, positions, scale)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float):
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
+    return cos, sin
+
+
+@torch.library.custom_op("genfn_invariant::eager_cos_sin", mutates_args=())
+def eager_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_cos_sin``'s float32 cos and sin as an op ``torch.compile`` does not look into."""
+    return _cos_sin(inv_freq, positions, scale)
+
+
+@eager_cos_sin.register_fake
+def _(inv_freq, positions, scale):
+    shape = (*positions.shape, 2 * inv_freq.shape[-1])
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
