@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import re
@@ -124,9 +125,7 @@ def lay_out(root: Path, files: dict[str, Path], for_genfn: bool) -> None:
     (root / "tests" / "__init__.py").write_text("")
     (generation / "__init__.py").write_text("")
     (root / "tests" / "test_modeling_common.py").write_text(_MODELING_COMMON)
-    try:
-        import parameterized  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("parameterized") is None:
         (root / "parameterized.py").write_text(_PARAMETERIZED)
     for name, path in files.items():
         source = path.read_text(encoding="utf-8")
