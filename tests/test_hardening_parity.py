@@ -27,6 +27,7 @@ ARGUMENTS = {
     "EpsilonLogitsWarper": dict(epsilon=0.01),
     "EtaLogitsWarper": dict(epsilon=0.01),
     "RepetitionPenaltyLogitsProcessor": dict(penalty=1.3),
+    "EncoderRepetitionPenaltyLogitsProcessor": dict(penalty=2.0, encoder_input_ids=torch.tensor([[1, 2, 3]])),
     "ExponentialDecayLengthPenalty": dict(exponential_decay_length_penalty=(2, 1.1), eos_token_id=2,
                                           input_ids_seq_length=3),
     "NoRepeatNGramLogitsProcessor": dict(ngram_size=2),
@@ -77,6 +78,24 @@ def test_every_transformers_processor_class_exists():
     audio = {"AlternatingCodebooksLogitsProcessor", "WhisperTimeStampLogitsProcessor"}  # audio models only
     names = [n for n in dir(tg) if n.endswith(("LogitsProcessor", "LogitsWarper", "Criteria"))]
     assert sorted(n for n in names if not hasattr(genfn, n)) == sorted(audio & set(names))
+
+
+def test_encoder_repetition_penalty_reads_back_transformers_inverse_and_merges_per_row():
+    # transformers keeps 1 / penalty; genfn's per-row leaf keeps the value given (1 = off).
+    built = genfn.EncoderRepetitionPenaltyLogitsProcessor(penalty=2.0)
+    assert built.penalty == tg.EncoderRepetitionPenaltyLogitsProcessor(penalty=2.0, encoder_input_ids=None).penalty == 0.5
+    assert built.encoder_penalty == 2.0
+    merged = genfn.EncoderRepetitionPenaltyLogitsProcessor.merge_rows([built, None, genfn.EncoderRepetitionPenaltyLogitsProcessor(0.8)])
+    assert merged.encoder_penalty.tolist() == [2.0, 1.0, 0.8]
+    assert torch.allclose(merged.penalty, torch.tensor([0.5, 1.0, 1.25], dtype=torch.float64))
+    tokens = torch.tensor([[4, 6, 0], [4, 6, 0], [4, 6, 0]])
+    ctx = LogitsContext(tokens=tokens, cur_len=torch.tensor([2, 2, 2]), prompt_len=torch.tensor([2, 2, 2]))
+    logits = torch.randn(3, 9)
+    out = merged(logits, ctx)
+    for row, given in enumerate([2.0, None, 0.8]):
+        expected = logits[row:row + 1] if given is None else tg.EncoderRepetitionPenaltyLogitsProcessor(
+            given, tokens[row:row + 1, :2])(tokens[row:row + 1, :2], logits[row:row + 1])
+        assert torch.equal(out[row:row + 1], expected)
 
 
 @pytest.mark.parametrize("name, transformers_form, genfn_form", [

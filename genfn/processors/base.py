@@ -42,6 +42,7 @@ __all__ = [
     "per_row_column",
     "accepts_transformers_arguments",
     "uses_keywords",
+    "takes_device",
 ]
 
 
@@ -293,3 +294,16 @@ def uses_keywords(*names: str, first_type: type | tuple[type, ...] | None = None
             return True
         return first_type is not None and bool(args) and isinstance(args[0], first_type)
     return check
+
+
+def _built_without_device(cls, *args, device: Any = None, **kwargs):
+    if device is not None:
+        torch.device(device)  # a device name torch does not know raises here, as transformers' constructor would
+    return cls(*args, **kwargs)
+
+
+def takes_device(cls):
+    """Class decorator (outside ``@pytree_dataclass``): the constructor also takes transformers'
+    ``device=`` keyword. It is checked, not kept: genfn's numbers are Python values until
+    ``per_row(B, device)`` places them, on the device the step runs on."""
+    return accepts_transformers_arguments(uses_keywords("device"), _built_without_device)(cls)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from genfn.processors.base import ProcessorBase, as_id_list, per_row_column, token_set_mask
+from genfn.processors.base import ProcessorBase, as_id_list, per_row_column, takes_device, token_set_mask
 from genfn.processors.context import LogitsContext
 from genfn.processors.rowvalues import RowValue, cat_rows, check_same_kind, evolve, set_row
 from genfn.state.base import pytree_dataclass, static_field
@@ -172,6 +172,7 @@ class TokenSetRows:
         return evolve(template, **{cls._mask_field: torch.cat(masks).to(device)}, **merged)
 
 
+@takes_device
 @pytree_dataclass
 class MinLengthLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid EOS while the whole sequence (prompt included) is shorter than ``min_length``."""
@@ -191,6 +192,7 @@ class MinLengthLogitsProcessor(TokenSetRows, ProcessorBase):
         return _forbid_ids(logits, self.eos_token_id, "eos_token_id", self.eos_rows, active)
 
 
+@takes_device
 @pytree_dataclass
 class MinNewTokensLengthLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid EOS until ``min_new_tokens`` tokens were generated after the prompt.
@@ -249,6 +251,7 @@ class ForcedBOSTokenLogitsProcessor(ProcessorBase):
         return torch.where(active, _only(allowed, logits), logits)
 
 
+@takes_device
 @pytree_dataclass
 class ForcedEOSTokenLogitsProcessor(TokenSetRows, ProcessorBase):
     """When the next token is the last one ``max_length`` allows, allow only EOS.
@@ -274,6 +277,7 @@ class ForcedEOSTokenLogitsProcessor(TokenSetRows, ProcessorBase):
         return torch.where(active, _only(allowed, logits), logits)
 
 
+@takes_device
 @pytree_dataclass
 class SuppressTokensLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid a fixed set of tokens at every step."""
@@ -290,6 +294,7 @@ class SuppressTokensLogitsProcessor(TokenSetRows, ProcessorBase):
         return _forbid_ids(logits, self.suppress_tokens, "suppress_tokens", self.row_mask)
 
 
+@takes_device
 @pytree_dataclass
 class SuppressTokensAtBeginLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid a set of tokens at the first generated position only (e.g. a blank or EOS first).

@@ -74,34 +74,47 @@ class RepetitionPenaltyLogitsProcessor(ProcessorBase):
         return _rescale_at(logits, ids, p, p)
 
 
+@accepts_transformers_arguments(
+    uses_keywords("penalty"),
+    lambda cls, penalty, encoder_input_ids=None: cls(encoder_penalty=penalty, encoder_input_ids=encoder_input_ids))
 @pytree_dataclass
 class EncoderRepetitionPenaltyLogitsProcessor(ProcessorBase):
     """The opposite of the repetition penalty, over the encoder (or prompt) ids: it *boosts*
-    tokens of the source, to favour copying (transformers stores ``1 / penalty``).
+    tokens of the source, to favour copying.
+
+    Built as transformers builds it, ``(penalty, encoder_input_ids)``. ``penalty`` then reads back
+    transformers' value, ``1 / penalty`` (transformers stores the inverse); the value as given is
+    the field ``encoder_penalty``, the per-row number a chain carries (``[B]`` per row, 1 = off).
 
     ``encoder_input_ids`` is a constant ``[B_enc, L]`` tensor (rows are repeated to the
     beam-expanded batch), or ``None`` to read the prompt columns ``< ctx.prompt_len`` of the
     buffer, which is what transformers passes for a decoder-only model.
     """
 
-    row_values = {"penalty": RowValue(torch.float64, 1.0)}
+    row_values = {"encoder_penalty": RowValue(torch.float64, 1.0)}
 
-    penalty: float | torch.Tensor
+    encoder_penalty: float | torch.Tensor
     encoder_input_ids: torch.Tensor | None = None
 
     def __post_init__(self):
-        if isinstance(self.penalty, torch.Tensor):
-            if self.penalty.dim() != 1:
+        if isinstance(self.encoder_penalty, torch.Tensor):
+            if self.encoder_penalty.dim() != 1:
                 raise ValueError("per-row `penalty` must be 1-D [batch]")
-        elif not isinstance(self.penalty, float) or not self.penalty > 0:
-            raise ValueError(f"`penalty` has to be a strictly positive float, but is {self.penalty}")
+        elif not isinstance(self.encoder_penalty, float) or not self.encoder_penalty > 0:
+            raise ValueError(f"`penalty` has to be a strictly positive float, but is {self.encoder_penalty}")
+
+    @property
+    def penalty(self) -> float | torch.Tensor:
+        """transformers' attribute: the inverse of the penalty given (per row when that is ``[B]``)."""
+        if isinstance(self.encoder_penalty, torch.Tensor):
+            return 1 / self.encoder_penalty.to(torch.float64)
+        return 1 / self.encoder_penalty
 
     def __call__(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        if isinstance(self.penalty, torch.Tensor):
-            # transformers stores 1 / penalty as a Python float (double) and multiplies in float32.
-            inv = (1 / self.penalty.to(device=logits.device, dtype=torch.float64)).to(logits.dtype).unsqueeze(1)
-        else:
-            inv = 1 / self.penalty
+        # transformers stores 1 / penalty as a Python float (double) and multiplies in float32.
+        inv = self.penalty
+        if isinstance(inv, torch.Tensor):
+            inv = inv.to(device=logits.device).to(logits.dtype).unsqueeze(1)
         enc = self.encoder_input_ids
         if enc is None:
             n = ctx.tokens.shape[1]

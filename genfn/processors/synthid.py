@@ -164,13 +164,19 @@ class SynthIDTextWatermarkLogitsProcessor(ProcessorBase):
 
     # -- pieces shared with detection ------------------------------------------------------------
 
-    def _compute_keys(self, context: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([B, V, depth] n-gram keys for every candidate token, [B] hash of the context)``."""
+    def _compute_keys(self, context: torch.Tensor, vocab: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, V, depth] n-gram keys for every candidate token, [B] hash of the context)``.
+
+        ``vocab``: the vocabulary size (every token is a candidate), or, as transformers' method
+        takes it, a ``[B, N]`` tensor of each row's candidate token ids."""
         batch = context.shape[0]
         ones = torch.ones(batch, device=context.device, dtype=torch.long)
         context_hash = _accumulate_hash(ones, context)
-        candidates = torch.arange(vocab, device=context.device)
-        per_token = (context_hash[:, None] + candidates[None, :]) * _MULTIPLIER + _INCREMENT  # [B, V]
+        if isinstance(vocab, torch.Tensor):
+            candidates = vocab.to(device=context.device, dtype=torch.long)
+        else:
+            candidates = torch.arange(vocab, device=context.device)[None, :]
+        per_token = (context_hash[:, None] + candidates) * _MULTIPLIER + _INCREMENT  # [B, V]
         keys = self.keys.to(context.device)
         per_key = (per_token[..., None] + keys) * _MULTIPLIER + _INCREMENT  # [B, V, depth]
         return per_key, context_hash

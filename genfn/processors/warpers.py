@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.processors.base import ProcessorBase, per_row_column
+from genfn.processors.base import ProcessorBase, per_row_column, takes_device
 from genfn.processors.context import LogitsContext
 from genfn.processors.rowvalues import RowValue
 from genfn.state.base import pytree_dataclass, static_field
@@ -314,6 +314,7 @@ class EpsilonLogitsWarper(ProcessorBase):
         return logits.masked_fill(remove, self.filter_value)
 
 
+@takes_device
 @pytree_dataclass
 class EtaLogitsWarper(ProcessorBase):
     """Eta sampling: an entropy-dependent epsilon, ``min(eta, sqrt(eta) * exp(-entropy))``.

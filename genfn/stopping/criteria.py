@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from genfn.inputs import warn_beyond_context
-from genfn.stopping.strings import StopStringMatcher
+from genfn.stopping.strings import (StopStringMatcher, build_stop_tables, matching_positions, stop_string_matching_mode,
+                                    token_bytes)
 
 __all__ = [
     "StoppingCriteria",
@@ -155,6 +156,24 @@ class StopStringCriteria(StoppingCriteria):
     def __init__(self, tokenizer: Any, stop_strings: str | Sequence[str]):
         self.matcher = StopStringMatcher.from_tokenizer(tokenizer, stop_strings)
         self.stop_strings = self.matcher.stop_strings
+
+    # transformers' private helpers, which its own tests call, answered from genfn's tables.
+    _get_stop_string_matching_mode = staticmethod(stop_string_matching_mode)
+    _token_to_bytes = staticmethod(token_bytes)
+
+    @staticmethod
+    def _stop_string_get_matching_positions(token_list, token_indices, stop_strings) -> tuple[dict, dict]:
+        """``({stop: {token id: valid positions}}, {stop: {token id: end overlaps}})``."""
+        positions, overlaps = matching_positions(list(zip(token_list, token_indices)), tuple(stop_strings))
+        return dict(zip(stop_strings, positions)), dict(zip(stop_strings, overlaps))
+
+    @staticmethod
+    def _stop_string_create_embedding_vec(token_list, token_indices, stop_strings) -> tuple[torch.Tensor, int, int]:
+        """genfn's three tables packed in transformers' one: per token row, each stop string's
+        valid positions, then each one's end overlaps, then the token's length (``-1`` fillers)."""
+        positions, ends, lengths = build_stop_tables(list(zip(token_list, token_indices)), tuple(stop_strings))
+        flat = [positions[:, s] for s in range(positions.shape[1])] + [ends[:, s] for s in range(ends.shape[1])]
+        return torch.cat([*flat, lengths.unsqueeze(1)], dim=1), positions.shape[2], ends.shape[2]
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs) -> torch.Tensor:
         if self.matcher.lengths.device != input_ids.device:

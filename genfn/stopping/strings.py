@@ -25,7 +25,8 @@ import torch
 from genfn.state.base import pytree_dataclass, static_field
 from genfn.inputs import check_tokenizer
 
-__all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode", "stop_string_in_new_tokens"]
+__all__ = ["StopStringMatcher", "stop_string_criteria", "stop_string_matching_mode", "stop_string_in_new_tokens",
+           "token_bytes", "matching_positions", "build_stop_tables"]
 
 _STATIC_PREFIX = "abcdef"
 _TABLE_CACHE: OrderedDict[Any, StopStringMatcher] = OrderedDict()
@@ -63,6 +64,8 @@ def stop_string_matching_mode(tokenizer: Any) -> str | None:
     (``<0xNN>`` tokens), or ``None`` (plain text). Byte modes compare UTF-8 bytes, so a stop string
     whose characters span several byte tokens is still caught."""
     backend = _backend_of(tokenizer)
+    if backend is None:  # a tokenizer-like object whose backend is not a `tokenizers.Tokenizer`
+        backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = getattr(backend, "decoder", None)
     if decoder is None:
         return None
@@ -80,6 +83,20 @@ def stop_string_matching_mode(tokenizer: Any) -> str | None:
         return "byte_fallback"
     if "ByteLevel" in types:
         return "byte_level"
+    return None
+
+
+def token_bytes(token: str, mode: str | None, byte_of: dict | None) -> bytes | None:
+    """The bytes ``token`` spells in a byte mode: through ``byte_of`` (the GPT-2 byte alphabet,
+    character -> byte) in ``"byte_level"``, as ``<0xNN>`` in ``"byte_fallback"``; ``None`` when it
+    spells none that way (plain text mode, an added token, a character outside the alphabet)."""
+    if mode == "byte_level":
+        if byte_of is not None and all(char in byte_of for char in token):
+            return bytes(byte_of[char] for char in token)
+        return None
+    if (mode == "byte_fallback" and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+            and all(c in "0123456789abcdefABCDEF" for c in token[3:5])):
+        return bytes([int(token[3:5], 16)])
     return None
 
 
@@ -116,15 +133,7 @@ def _clean_vocabulary(tokenizer: Any, vocab: dict, mode: str | None) -> list[tup
 
     out = []
     for token, index in vocab.items():
-        text = None
-        if mode == "byte_level":
-            try:
-                text = bytes([byte_of[char] for char in token])
-            except KeyError:  # a character outside the byte alphabet (an added token, say)
-                text = None
-        elif (mode == "byte_fallback" and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
-              and all(c in "0123456789abcdefABCDEF" for c in token[3:5])):
-            text = bytes([int(token[3:5], 16)])
+        text = token_bytes(token, mode, byte_of)
         if text is None:
             text = render(token)
             if mode is not None:
@@ -155,7 +164,9 @@ def _end_overlaps(token, stop) -> list[int]:
     return found
 
 
-def _build_tables(clean: list[tuple[Any, int]], stops: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def matching_positions(clean: list[tuple[Any, int]], stops: tuple) -> tuple[list[dict], list[dict]]:
+    """Per stop string, ``{token id: valid positions}`` and ``{token id: end overlaps}`` (see
+    :func:`_valid_positions`, :func:`_end_overlaps`) for the tokens that have any."""
     positions = [{} for _ in stops]
     overlaps = [{} for _ in stops]
     for s, stop in enumerate(stops):
@@ -171,6 +182,11 @@ def _build_tables(clean: list[tuple[Any, int]], stops: tuple) -> tuple[torch.Ten
                 e = _end_overlaps(text, stop)
                 if e:
                     overlaps[s][index] = e
+    return positions, overlaps
+
+
+def build_stop_tables(clean: list[tuple[Any, int]], stops: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    positions, overlaps = matching_positions(clean, stops)
     max_p = max((len(v) for table in positions for v in table.values()), default=1)
     if not any(overlaps):
         raise ValueError(
@@ -227,7 +243,7 @@ class StopStringMatcher:
         matcher = _TABLE_CACHE.get(cache_key)
         if matcher is None:
             clean = _clean_vocabulary(tokenizer, vocab, mode)
-            pos_table, end_table, lengths = _build_tables(clean, stops)
+            pos_table, end_table, lengths = build_stop_tables(clean, stops)
             digest = hashlib.sha1()
             for t in (pos_table, end_table, lengths):
                 digest.update(t.numpy().tobytes())
