@@ -188,12 +188,12 @@ def pairs(ctx, input_ids, mask):
         ("min_length", MinLengthLogitsProcessor(12, eos), hf.MinLengthLogitsProcessor(12, eos)),
         (
             "min_new_tokens",
-            MinNewTokensLengthLogitsProcessor(4, eos),
+            MinNewTokensLengthLogitsProcessor(None, 4, eos),
             hf.MinNewTokensLengthLogitsProcessor(p_len, 4, eos),
         ),
         (
             "min_new_tokens_static",
-            MinNewTokensLengthLogitsProcessor(2, eos, prompt_length_to_skip=3),
+            MinNewTokensLengthLogitsProcessor(3, 2, eos),
             hf.MinNewTokensLengthLogitsProcessor(3, 2, eos),
         ),
         ("forced_bos", ForcedBOSTokenLogitsProcessor(5), hf.ForcedBOSTokenLogitsProcessor(5)),

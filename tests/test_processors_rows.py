@@ -113,7 +113,7 @@ KINDS = [
      lambda v, c, r: hf.NoBadWordsLogitsProcessor(v, eos_token_id=EOS)),
     ("min_length", [12, None, 5, 22], lambda v: MinLengthLogitsProcessor(v, EOS),
      lambda v, c, r: hf.MinLengthLogitsProcessor(v, EOS)),
-    ("min_new_tokens", [7, None, 1, 10], lambda v: MinNewTokensLengthLogitsProcessor(v, EOS),
+    ("min_new_tokens", [7, None, 1, 10], lambda v: MinNewTokensLengthLogitsProcessor(None, v, EOS),
      lambda v, c, r: hf.MinNewTokensLengthLogitsProcessor(PROMPT_LENS[r], v, EOS)),
     ("forced_bos", [5, None, 9, 2], ForcedBOSTokenLogitsProcessor,
      lambda v, c, r: hf.ForcedBOSTokenLogitsProcessor(v)),
@@ -124,7 +124,7 @@ KINDS = [
     # Rows that end on different EOS ids (continuous batching: eos_token_id per request).
     ("min_length_eos", [(12, [3]), None, (5, [7, 9]), (22, [9])], lambda v: MinLengthLogitsProcessor(*v),
      lambda v, c, r: hf.MinLengthLogitsProcessor(*v)),
-    ("min_new_tokens_eos", [(7, [3, 7]), (2, [9]), (1, [7]), None], lambda v: MinNewTokensLengthLogitsProcessor(*v),
+    ("min_new_tokens_eos", [(7, [3, 7]), (2, [9]), (1, [7]), None], lambda v: MinNewTokensLengthLogitsProcessor(None, *v),
      lambda v, c, r: hf.MinNewTokensLengthLogitsProcessor(PROMPT_LENS[r], *v)),
     ("forced_eos_eos", [(15, [3]), (9, [5, 7]), None, (21, [9, 3])], lambda v: ForcedEOSTokenLogitsProcessor(*v),
      lambda v, c, r: hf.ForcedEOSTokenLogitsProcessor(*v)),
@@ -231,7 +231,7 @@ def test_user_built_processors_keep_transformers_values():
     assert TopPLogitsWarper(0.9).top_p == 0.9
     assert RepetitionPenaltyLogitsProcessor(1.3).penalty == 1.3
     assert NoRepeatNGramLogitsProcessor(3).ngram_size == 3
-    assert MinNewTokensLengthLogitsProcessor(4, EOS).min_new_tokens == 4
+    assert MinNewTokensLengthLogitsProcessor(None, 4, EOS).min_new_tokens == 4
     per_row = ProcessorChain((TemperatureLogitsWarper(0.7), TopKLogitsWarper(5))).per_row(3)
     assert per_row[0].temperature.shape == (3,) and per_row[0].temperature.dtype == torch.float32
     assert per_row[1].top_k.tolist() == [5, 5, 5] and per_row[1].top_k.dtype == torch.int64
@@ -324,7 +324,7 @@ def test_per_row_chain_compiles_once_for_ten_value_sets():
                 RepetitionPenaltyLogitsProcessor(draw(0.5, 2.0)),
                 # The n-gram size is per row under a static maximum (it sets the number of comparisons).
                 NoRepeatNGramLogitsProcessor(int(torch.randint(1, 4, (), generator=g)), max_ngram_size=3),
-                MinNewTokensLengthLogitsProcessor(int(torch.randint(0, 12, (), generator=g)) or 1, EOS),
+                MinNewTokensLengthLogitsProcessor(None, int(torch.randint(0, 12, (), generator=g)) or 1, EOS),
                 ExponentialDecayLengthPenalty.from_config((int(torch.randint(0, 4, (), generator=g)),
                                                            draw(0.8, 1.5)), EOS),
                 TemperatureLogitsWarper(draw(0.3, 2.0)),

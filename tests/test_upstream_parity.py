@@ -43,6 +43,19 @@ def test_constructors_take_transformers_device_keyword(name):
         getattr(genfn, name)(**WITH_DEVICE[name], device="no-such-device")
 
 
+def test_min_new_tokens_positional_arguments_mean_what_they_mean_in_transformers():
+    # (prompt_length_to_skip, min_new_tokens, eos_token_id): a positional call ported from
+    # transformers must not silently swap the skip and the minimum.
+    ours = genfn.MinNewTokensLengthLogitsProcessor(2, 5, 0)
+    theirs = tg.MinNewTokensLengthLogitsProcessor(2, 5, 0)
+    assert (ours.prompt_length_to_skip, ours.min_new_tokens) == (theirs.prompt_length_to_skip, theirs.min_new_tokens)
+    scores = torch.randn(1, 11)
+    for length in range(2, 10):
+        input_ids = torch.ones(1, length, dtype=torch.int64)
+        torch.testing.assert_close(upstream_shim.resolve("MinNewTokensLengthLogitsProcessor")(2, 5, 0)(input_ids, scores),
+                                   theirs(input_ids, scores))
+
+
 def test_synthid_compute_keys_takes_candidate_ids_as_transformers():
     arguments = dict(ngram_len=4, keys=[3, 77, 1000], sampling_table_size=2**8, sampling_table_seed=0,
                      context_history_size=16, device="cpu")

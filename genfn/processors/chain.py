@@ -372,7 +372,7 @@ def build_logits_processors(
         processors.append(MinLengthLogitsProcessor(min_length, eos))
     min_new = cfg("min_new_tokens")
     if min_new is not None and eos and min_new > 0:
-        processors.append(MinNewTokensLengthLogitsProcessor(min_new, eos))
+        processors.append(MinNewTokensLengthLogitsProcessor(None, min_new, eos))
     if prefix_allowed_tokens_fn is not None:
         group = max(num_beams, cfg("num_return_sequences", 1) or 1)
         processors.append(PrefixConstrainedLogitsProcessor(prefix_allowed_tokens_fn, group))

@@ -197,16 +197,17 @@ class MinLengthLogitsProcessor(TokenSetRows, ProcessorBase):
 class MinNewTokensLengthLogitsProcessor(TokenSetRows, ProcessorBase):
     """Forbid EOS until ``min_new_tokens`` tokens were generated after the prompt.
 
-    ``prompt_length_to_skip`` (transformers' first argument) may be ``None``: each row's
-    ``ctx.prompt_len``.
+    The arguments in transformers' order, ``(prompt_length_to_skip, min_new_tokens, eos_token_id)``,
+    so a positional call means what it means there; ``prompt_length_to_skip`` may be ``None``:
+    each row's ``ctx.prompt_len``.
     """
 
     _ids_field, _mask_field = "eos_token_id", "eos_rows"
     row_values = {"min_new_tokens": RowValue(_I64, 0), "prompt_length_to_skip": RowValue(_I64, None)}
 
+    prompt_length_to_skip: int | torch.Tensor | None
     min_new_tokens: int | torch.Tensor
     eos_token_id: tuple[int, ...] = static_field()
-    prompt_length_to_skip: int | torch.Tensor | None = None
     eos_rows: torch.Tensor | None = None  # [B, E] bool: which of the EOS ids are each row's
 
     def __post_init__(self):
