@@ -150,9 +150,23 @@ def slow_results():
 
 @pytest.mark.slow
 def test_smollm2_tokens_equal_one_process(slow_results):
+    # SmolLM2's Q4_1 blocks: the quantized kernels quantize each activation row they get, and a
+    # row-parallel rank gets half a row, so TP=2's logits differ from TP=1's by up to ~1.2 here
+    # (measured on this CPU at the wave-3 commits alike; a wrong shard gives garbage, far beyond
+    # the bound). Greedy tokens must agree except where TP=1's two best tokens are closer than
+    # that difference (a tie the two layouts may break differently).
     for rank, result in enumerate(_result(slow_results, "smollm2")):
-        whole, sharded = result["greedy"]
-        assert sharded == whole, f"rank {rank}: TP=2 {sharded} != TP=1 {whole}"
+        (whole,), (sharded,) = result["greedy"]
+        start = result["prompt_len"]
+        first = next((i for i, (a, b) in enumerate(zip(whole[start:], sharded[start:])) if a != b), None)
+        same_context = result["logit_gaps"][:None if first is None else first + 1]  # later steps read other tokens
+        gap = max(same_context)
+        assert gap < 2.0, f"rank {rank}: TP=2's logits differ from TP=1's by {gap} (per step: {same_context})"
+        if first is not None:
+            assert result["margins"][first] < 2 * gap, (
+                f"rank {rank}: TP=2 {sharded} != TP=1 {whole} at generated token {first}, where TP=1's best token "
+                f"led by {result['margins'][first]:.4g} (the layouts' logits differ by at most {gap:.3g})")
+        assert len(sharded) == len(whole)
     assert [r["kv_heads"] for r in slow_results["smollm2"]] == [1, 2]  # 3 KV heads over 2 ranks
 
 
