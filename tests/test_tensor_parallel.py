@@ -150,10 +150,10 @@ def slow_results():
 
 @pytest.mark.slow
 def test_smollm2_tokens_equal_one_process(slow_results):
-    # SmolLM2's Q4_1 blocks: the quantized kernels quantize each activation row they get, and a
-    # row-parallel rank gets half a row, so TP=2's logits differ from TP=1's by up to ~1.2 here
-    # (measured on this CPU at the wave-3 commits alike; a wrong shard gives garbage, far beyond
-    # the bound). Greedy tokens must agree except where TP=1's two best tokens are closer than
+    # SmolLM2's Q4_1 blocks: TP=2's logits differ from TP=1's by up to ~1.2 here (measured on this
+    # CPU at the wave-3 commits alike; likely the quantized kernels' per-row activation scales,
+    # which a row-parallel rank takes over half a row; a wrong shard gives garbage, far beyond the
+    # bound). Greedy tokens must agree except where TP=1's two best tokens are closer than
     # that difference (a tie the two layouts may break differently).
     for rank, result in enumerate(_result(slow_results, "smollm2")):
         (whole,), (sharded,) = result["greedy"]
