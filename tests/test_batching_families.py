@@ -10,20 +10,18 @@ is built, naming the model and what runs it. Every wait has a timeout."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 
 from conftest import tiny_pair
-from genfn.batching import blocks as B
 from genfn.batching.manager import ContinuousBatchingManager
 from genfn.batching.requests import RequestStatus
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
+from batching_support import run_requests
 
-WAIT_S = 60
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -60,24 +58,6 @@ def _alone(model, prompt, max_new_tokens, **settings):
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-def _run(model, requests, cb):
-    manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=True)
-    manager.start()
-    try:
-        ids = [manager.add_request(prompt, max_new_tokens=limit, **settings) for prompt, limit, settings in requests]
-        results = {}
-        deadline = time.monotonic() + 10 * WAIT_S
-        while len(results) < len(ids) and time.monotonic() < deadline:
-            out = manager.get_result(timeout=WAIT_S)
-            assert out is not None, "no result came"
-            results[out.request_id] = out
-        state = manager.scheduler.state
-        assert B.num_free_blocks(state.allocator) == state.allocator.num_blocks
-    finally:
-        manager.stop(timeout=WAIT_S)
-    return [results[rid] for rid in ids], manager.stats
-
-
 def test_each_family_batches_greedy_and_seeded_requests_as_generate(family_model):
     model = family_model
     assert packed_forward(model) is not None
@@ -93,7 +73,7 @@ def test_each_family_batches_greedy_and_seeded_requests_as_generate(family_model
         requests.append((prompt, rng.randint(4, 12), settings))
     # 12 blocks of 4 tokens and 12 tokens per forward: prompts are chunked, requests preempted.
     cb = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=12, max_requests_per_batch=4)
-    outputs, stats = _run(model, requests, cb)
+    outputs, stats = run_requests(model, requests, cb)
     assert stats["preempted"] > 0 and stats["reused_tokens"] > 0, dict(stats)
     for i, (out, (prompt, limit, settings)) in enumerate(zip(outputs, requests)):
         assert out.status == RequestStatus.FINISHED, out.error

@@ -7,22 +7,19 @@ original context) and are preempted by a tiny block budget. Every wait has a tim
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 
-from genfn.batching import blocks as B
-from genfn.batching.manager import ContinuousBatchingManager
 from genfn.batching.requests import RequestStatus
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
 from genfn.models.registry import packed_forward
+from batching_support import run_requests
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-WAIT_S = 60
 
 # A window of 4 on alternate layers; Gemma 2 soft-caps scores and logits with small caps (so they
 # bite); Gemma 3 has q/k norms and a linearly scaled global base of its own.
@@ -70,24 +67,6 @@ def _alone(model, prompt, max_new_tokens, **settings):
     return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-def _run(model, requests, cb):
-    manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=True)
-    manager.start()
-    try:
-        ids = [manager.add_request(prompt, max_new_tokens=limit, **settings) for prompt, limit, settings in requests]
-        results = {}
-        deadline = time.monotonic() + 10 * WAIT_S
-        while len(results) < len(ids) and time.monotonic() < deadline:
-            out = manager.get_result(timeout=WAIT_S)
-            assert out is not None, "no result came"
-            results[out.request_id] = out
-        state = manager.scheduler.state
-        assert B.num_free_blocks(state.allocator) == state.allocator.num_blocks
-    finally:
-        manager.stop(timeout=WAIT_S)
-    return [results[rid] for rid in ids], manager.stats
-
-
 def _requests(seed=11):
     rng = random.Random(seed)
     requests = []
@@ -106,7 +85,7 @@ def test_generate_batch_equals_generate_request_by_request(model):
     assert any(len(p) > 12 for p, _, _ in requests) and any(len(p) + n > 12 >= len(p) for p, n, _ in requests)
     # 10 blocks of 4 tokens and 8 tokens per forward: prompts are chunked, requests preempted.
     cb = ContinuousBatchingConfig(page_size=4, num_blocks=10, max_batch_tokens=8, max_requests_per_batch=4)
-    outputs, stats = _run(model, requests, cb)
+    outputs, stats = run_requests(model, requests, cb)
     assert stats["preempted"] > 0, dict(stats)
     for i, (out, (prompt, limit, settings)) in enumerate(zip(outputs, requests)):
         assert out.status == RequestStatus.FINISHED, out.error

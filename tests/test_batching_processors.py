@@ -6,18 +6,17 @@ and every block is free at the end. Every wait has a timeout."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 
 from conftest import tiny_pair
-from genfn.batching import blocks as B
 from genfn.batching.manager import ContinuousBatchingManager
 from genfn.batching.requests import RequestStatus
 from genfn.config import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
+from batching_support import run_requests
 
 WAIT_S = 60
 
@@ -35,22 +34,7 @@ def llama():
 
 
 def _run(model, requests, cb=None, chunked_prefill=True):
-    manager = ContinuousBatchingManager(model, None, ContinuousBatchingConfig(**(cb or TIGHT)),
-                                        chunked_prefill=chunked_prefill)
-    manager.start()
-    try:
-        ids = [manager.add_request(prompt, max_new_tokens=limit, **settings) for prompt, limit, settings in requests]
-        results = {}
-        deadline = time.monotonic() + 10 * WAIT_S
-        while len(results) < len(ids) and time.monotonic() < deadline:
-            out = manager.get_result(timeout=WAIT_S)
-            assert out is not None, "no result came"
-            results[out.request_id] = out
-        state = manager.scheduler.state
-        assert B.num_free_blocks(state.allocator) == state.allocator.num_blocks, "blocks leaked"
-    finally:
-        manager.stop(timeout=WAIT_S)
-    return [results[rid] for rid in ids], manager.stats
+    return run_requests(model, requests, ContinuousBatchingConfig(**(cb or TIGHT)), chunked_prefill)
 
 
 def _alone(model, prompt, limit, settings, **extra):
