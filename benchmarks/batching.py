@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from genfn.bench.results import write_results  # noqa: E402
+from genfn.bench.workloads import copy_prompts  # noqa: E402
 
 
 def percentiles(values):
@@ -78,22 +79,6 @@ def percentiles(values):
 def summarize(name, wall, generated, ttfts, itls):
     return {"engine": name, "wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall,
             "ttft_s": percentiles(ttfts), "itl_s": percentiles(itls)}
-
-
-def copy_prompts(tokenizer, count, chars):
-    """``count`` copy requests over genfn's own source files (see the module docstring)."""
-    import genfn
-
-    root = Path(genfn.__file__).parent
-    files = sorted(p for p in root.rglob("*.py") if p.stat().st_size > 2 * chars)
-    prompts = []
-    for path in files[:: max(1, len(files) // count)][:count]:
-        text = path.read_text()
-        start = text.find("\ndef ")
-        passage = text[max(start, 0):max(start, 0) + chars].strip()
-        first = passage.splitlines()[0]
-        prompts.append(tokenizer.encode(f"{passage}\n\n# The same code, copied exactly:\n{first}\n"))
-    return prompts
 
 
 def workloads(args, vocab, tokenizer=None):

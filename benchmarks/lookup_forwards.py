@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -30,10 +28,8 @@ import torch  # noqa: E402
 import genfn  # noqa: E402
 from genfn.batching import engine as batching_engine  # noqa: E402
 from genfn.bench.results import write_results  # noqa: E402
+from genfn.bench.workloads import copy_prompts  # noqa: E402
 from genfn.default_model import default_model_path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching import copy_prompts  # noqa: E402
 
 
 class ForwardTimer:
