@@ -79,6 +79,16 @@ def test_tiles_hold_every_code_and_scale_of_the_rows(fmt, rows):
     assert torch.equal(weight.dequantize(), dequantize(blocks))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [16, 40, 3])
+def test_a_lookup_reads_the_rows_of_the_tiles_exactly(fmt, rows):
+    torch.manual_seed(4)
+    weight = QuantizedWeight.from_rows(quantize(torch.randn(rows, 128), fmt))
+    index = torch.tensor([[rows - 1, 0, rows // 2], [1 % rows, rows - 1, 0]])
+    assert torch.equal(weight.lookup(index), weight.dequantize()[index])
+    assert torch.equal(kernels.embedding(index, weight, torch.bfloat16), weight.dequantize()[index].to(torch.bfloat16))
+
+
 def test_fusing_rows_keeps_blocks_and_falls_back_to_float_for_mixed_formats():
     from genfn.quant import cat_rows
 
@@ -284,7 +294,13 @@ def test_gguf_load_keeps_the_files_blocks_bit_for_bit(smollm2):
     # Their values are exactly what the float loader dequantizes (same permutation and fusion).
     assert torch.equal(layer["wqkv"].dequantize(), smollm2.params["layers"][4]["wqkv"])
     assert torch.equal(model.params["lm_head"].dequantize(), smollm2.params["lm_head"])
-    assert torch.equal(model.params["embed"], smollm2.params["embed"])
+    # The embedding stays the tied head's Q8_0 blocks (the same tensors, no float32 copy of the
+    # table), and a lookup reads exactly the float loader's rows.
+    embed = model.params["embed"]
+    assert isinstance(embed, QuantizedWeight) and embed.codes.data_ptr() == model.params["lm_head"].codes.data_ptr()
+    tokens = torch.tensor([[0, 1, 4000, smollm2.vocab_size - 1]])
+    assert torch.equal(kernels.embedding(tokens, embed, torch.float32), smollm2.params["embed"][tokens])
+    assert model.dtype == torch.float32
     # Greedy text stays close to the float model's (activation rounding only).
     ids = smollm2.tokenizer.encode("The capital of France is")
     out = genfn.generate(model, torch.tensor([ids]), max_new_tokens=8, do_sample=False)

@@ -290,11 +290,14 @@ def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
 
 
 def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
-    """``F.embedding(tokens, table)`` as ``dtype``; a ``KQuantWeight`` table (a GGUF file's quantized
-    embedding, kept as stored) is read row by row: the looked-up rows' blocks gathered and
-    dequantized, never the whole table."""
+    """``F.embedding(tokens, table)`` as ``dtype``; a quantized table (a GGUF file's K-quant
+    embedding kept as stored, ``KQuantWeight``, or Q8_0/Q4_0/Q4_1 blocks in the kernel's tiles,
+    ``QuantizedWeight``: a tied LM head's own) is read row by row: the looked-up rows' blocks
+    gathered and dequantized, never the whole table."""
     if isinstance(table, KQuantWeight):
         from genfn.quant.kquants import dequantize_k
 
         return dequantize_k(table.data[tokens], table.format).to(dtype)
+    if isinstance(table, QuantizedWeight):
+        return table.lookup(tokens).to(dtype)
     return F.embedding(tokens, table)

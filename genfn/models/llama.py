@@ -29,7 +29,7 @@ from genfn.models.loaders.checks import check_tensors
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
 from genfn.models.rope import rope_cos_sin
-from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
+from genfn.quant.blocks import RowBlocks, cat_rows
 from genfn.quant.kquants import KQuantWeight
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
@@ -194,9 +194,8 @@ def params_from_state_dict(spec: LlamaSpec, state_dict: Mapping[str, torch.Tenso
         layers.append(layer)
     embed = get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
-    if isinstance(embed, RowBlocks):
-        embed = dequantize(embed).to(dtype or torch.float32)
-    # A K-quant table stays as stored (genfn.kernels.embedding dequantizes the rows it looks up).
+    # A quantized table stays as stored (genfn.kernels.embedding dequantizes the rows it looks up);
+    # Q8_0/Q4_0/Q4_1 blocks become the kernel's tiles in quantize_params, a tied head's shared.
     rotary_dim = spec.rotary_dim or spec.head_dim
     params = {
         "embed": embed,

@@ -136,9 +136,12 @@ class Model:
 
 
 def _first_floating(params) -> torch.Tensor:
-    """The embedding of a native family, else the first floating-point tensor of the params."""
-    if isinstance(params, dict) and isinstance(params.get("embed"), torch.Tensor):
-        return params["embed"]
+    """The embedding of a native family (its final norm when the embedding is quantized), else the
+    first floating-point tensor of the params."""
+    if isinstance(params, dict):
+        for key in ("embed", "norm"):
+            if isinstance(params.get(key), torch.Tensor) and params[key].is_floating_point():
+                return params[key]
     import optree
 
     for leaf in optree.tree_leaves(params):

@@ -5,7 +5,10 @@
 stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
 matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
-float, and the embedding lookup reads float rows (for a tied head, the head's own values).
+float. A GGUF file's quantized embedding stays quantized (``genfn.kernels.embedding`` dequantizes
+the rows a step looks up; a tied head and the embedding are one ``QuantizedWeight``), so
+SmolLM2's Q4_1 file no longer carries a 113 MB float32 copy of its table; quantizing a float model
+on load keeps its float embedding (the head's quantized values would change the inputs).
 
 With a 4-bit format the LM head is stored in 8 bits (q8_0, or int8 for int4), as llama.cpp's
 quantizer keeps its output matrix at higher precision and the shipped SmolLM2 file has it in
@@ -66,7 +69,10 @@ def quantize_params(params: dict, fmt: str) -> dict:
                 layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
     head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
-    out = dict(params, layers=layers, lm_head=head)
+    embed = params["embed"]
+    if isinstance(embed, RowBlocks):  # a GGUF file's blocks: the lookup reads them in place
+        embed = head if embed is params["lm_head"] else QuantizedWeight.from_rows(embed)
+    out = dict(params, layers=layers, lm_head=head, embed=embed)
     if kept_float:
         warnings.warn(f"genfn: quantize={fmt!r}: {', '.join(kept_float[:4])} kept in float (in_features not a "
                       f"multiple of the block size)", RuntimeWarning, stacklevel=3)

@@ -217,7 +217,8 @@ def embedding(spec, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Te
     start, stop = vocab_range(spec.vocab_size, shard)
     local = tokens - start
     mine = (local >= 0) & (local < stop - start)
-    rows = F.embedding(local.clamp(0, stop - start - 1), table) * mine.unsqueeze(-1).to(table.dtype)
+    rows = kernels.embedding(local.clamp(0, stop - start - 1), table, dtype)
+    rows = rows * mine.unsqueeze(-1).to(rows.dtype)
     return reduced(spec, rows)
 
 

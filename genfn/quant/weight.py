@@ -105,5 +105,27 @@ class QuantizedWeight:
         """float32 ``[out_features, in_features]``: the values the kernel multiplies by."""
         return dequantize(self.to_rows())
 
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 ``[*index.shape, in_features]``: rows ``index`` of ``dequantize()``, reading only
+        the tiles that hold them (an embedding lookup in a quantized table: a tied LM head's own
+        blocks serve as the embedding, so no float copy of the table is kept)."""
+        flat = index.reshape(-1)
+        tile, row = flat // TILE, flat % TILE
+        tiles, blocks, width = self.codes.shape
+        chunks = width // 64
+        # A block's chunk c holds 4 code bytes of each of the tile's 16 rows, row after row.
+        codes = self.codes.index_select(0, tile).reshape(-1, blocks, chunks, TILE, 4)
+        pick = row.view(-1, 1, 1, 1, 1).expand(-1, blocks, chunks, 1, 4)
+        codes = codes.gather(3, pick).reshape(-1, blocks, chunks * 4)
+        if self.format in EIGHT_BIT:
+            codes = codes ^ 0x80
+
+        def per_row(t: torch.Tensor) -> torch.Tensor:  # [tiles, blocks, 16] -> [n, blocks]
+            return t.index_select(0, tile).gather(2, row.view(-1, 1, 1).expand(-1, blocks, 1)).squeeze(2)
+
+        mins = per_row(self.mins) if self.format in WITH_MINIMUM else None
+        rows = RowBlocks(_PER_BLOCK_FORMAT[self.format], codes, per_row(self.scales), mins)
+        return dequantize(rows).reshape(*index.shape, self.in_features)
+
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.format}, {self.out_features}x{self.in_features}, {self.layout})"
