@@ -28,6 +28,7 @@ import torch
 from genfn.batching import beam_groups
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
+from genfn.batching import sequence_groups as SG
 from genfn.batching import speculation as SP
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
@@ -42,7 +43,7 @@ from genfn.processors.numerics import nonfinite_rows
 from genfn.strategies.token_choice import choose_tokens, top_pairs
 from genfn.structured import bitmask_width
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "engine_step", "fail_nonfinite", "grammar_mask",
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "compile_options", "engine_step", "fail_nonfinite", "grammar_mask",
            "nonfinite_error", "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
 
 
@@ -105,6 +106,8 @@ class StepOutcome:
     reused_tokens: int = 0
     # Beam requests: the score of each returned hypothesis (generate's sequences_scores), by id.
     sequence_scores: Mapping[Hashable, float] = dataclasses.field(default_factory=dict)
+    # Requests whose other sequences (num_return_sequences) entered the scheduler this step.
+    joined: tuple[Hashable, ...] = ()
 
 
 def require_packed_forward(model):
@@ -121,6 +124,20 @@ def require_packed_forward(model):
     raise ValueError(f"continuous batching cannot run {model!r}: {why}. Run it with genfn.generate (a static "
                      f"batch), or load a decoder-only model: a native family with a packed forward or any "
                      f"module through genfn.from_module ({families})")
+
+
+def compile_options(family, continuous_batching_config, device) -> dict | None:
+    """``torch.compile``'s keyword arguments for the packed forward of ``family`` under a
+    ``ContinuousBatchingConfig`` (``None``: eager): its ``varlen_compile_config``, else
+    ``fullgraph`` when ``default_compile_level > 0`` or on CUDA."""
+    cb = continuous_batching_config
+    if not getattr(family, "COMPILES", True):
+        return None
+    if cb.varlen_compile_config is not None:
+        return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
+    if cb.default_compile_level > 0 or torch.device(device).type == "cuda":
+        return {"fullgraph": True}
+    return None
 
 
 class Engine:
@@ -209,6 +226,16 @@ class Engine:
             self.cache.keys.index_fill_(1, index, 0)
             self.cache.values.index_fill_(1, index, 0)
 
+    def copy_blocks(self, copies) -> None:
+        """Copy whole blocks' keys and values, ``(source, target)`` pairs (``blocks.fork``'s
+        copies), in place between steps."""
+        if copies:
+            device = self.cache.keys.device
+            source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+            target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
+            self.cache.keys.index_copy_(1, target, self.cache.keys.index_select(1, source))
+            self.cache.values.index_copy_(1, target, self.cache.values.index_select(1, source))
+
     def warmup(self) -> None:
         """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
         at the smallest and largest count (first-call allocations and kernel builds)."""
@@ -265,11 +292,12 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     only the requests that asked for some, their ``(token_id, logprob)`` pairs, most likely first;
     ``nonfinite``: the requests whose raw logits held NaN/inf, which the caller fails, alone).
     """
-    inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
+    computed = SG.computed_chunks(batch)  # rows sharing another's logits (n sequences) take no tokens
+    inputs = build_batch_inputs(allocator, computed, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device,
                                 num_extra_logits=engine.padded_draft_logits(batch))
-    logits = engine.forward(inputs, engine.plan(batch))
-    drafted, logits = logits, logits[:engine.max_requests]  # the rows' own, then drafted rows' earlier positions
+    drafted = engine.forward(inputs, engine.plan(computed))  # the rows' own, then drafted rows' earlier positions
+    logits = SG.shared_logits(batch, drafted, engine.max_requests)
     engine.last_logits = logits
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     # CFG's combination (it heads the processors, as in generate) and a stateful chain's state
@@ -401,12 +429,14 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     token_budget = token_budget or engine.max_batch_tokens
     state, batch = S.schedule(state, SP.schedule_budget(state, token_budget))
     state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len)
+    state, batch, joined = SG.add_sequences(state, batch, engine.max_requests)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,
                                   batch=batch)
     reused = sum(chunk.start for chunk in batch.chunks
                  if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
     new_tokens, logprobs, top, nonfinite = run_batch(engine, state.requests, state.allocator, batch)
+    engine.copy_blocks(joined.copies)  # the forward wrote the leaders' last prompt blocks
     failed = list(batch.failed)
     for request_id in nonfinite:
         state, ended = fail_nonfinite(engine, state, request_id)
@@ -433,4 +463,4 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
                               by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,
-                              reused_tokens=reused, sequence_scores=beams.scores)
+                              reused_tokens=reused, sequence_scores=beams.scores, joined=joined.leaders)

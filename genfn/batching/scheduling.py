@@ -126,7 +126,9 @@ class ScheduledChunk:
     ``samples``: the chunk ends at the request's last token, so its logits give a new token.
     ``num_drafts``: the last ``num_drafts`` of ``token_ids`` are speculative drafts after the
     request's last token (``genfn.batching.speculation``): the forward gives logits at the last
-    token and at every draft, and the step keeps the drafts verification accepts."""
+    token and at every draft, and the step keeps the drafts verification accepts. ``logits_from``:
+    a row without tokens that samples from that request's logits (a sequence sharing its leader's
+    prompt, ``genfn.batching.sequence_groups``)."""
 
     request_id: Hashable
     start: int
@@ -134,6 +136,7 @@ class ScheduledChunk:
     samples: bool
     num_drafts: int = 0
     prompt_len: int = 0  # the request's own prompt (LongRoPE's packed forward picks its factors by it)
+    logits_from: Hashable | None = None
 
     @property
     def end(self) -> int:
@@ -157,6 +160,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Query tokens at prompt positions (a prompt computed, or recomputed after preemption)."""
+        return sum(max(0, min(c.end, c.prompt_len) - c.start) for c in self.chunks)
 
     @property
     def kv_read(self) -> int:
