@@ -10,17 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batching_support import run_engine
 from conftest import tiny_pair
 from genfn.batching import blocks as B
-from genfn.batching import scheduling as S
-from genfn.batching import sequence_groups as SG
-from genfn.batching.engine import Engine, engine_step
 from genfn.batching.manager import ContinuousBatchingManager, sequence_ids
-from genfn.batching.requests import RequestStatus, make_request
-from genfn.batching.settings import request_settings
+from genfn.batching.requests import RequestStatus
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
-from genfn.models.packed import init_packed_cache
 
 WAIT_S = 60
 
@@ -105,46 +101,10 @@ def _expected(model, prompt, limit, settings):
     return [row[:row.index(eos) + 1] if eos in row else row for row in rows]
 
 
-def _run_engine(model, requests, num_blocks, max_batch_tokens, max_rows, cancel=None, block_size=4, width=16,
-                max_steps=1000):
-    """Every request through ``engine_step`` to its end; the allocator's invariants checked after
-    every step. ``cancel``: ``(step, request id)`` cancelled before that step. Returns the ended
-    requests by id and what the steps did."""
-    engine = Engine(model, init_packed_cache(model.spec, num_blocks, block_size), max_batch_tokens=max_batch_tokens,
-                    max_requests=max_rows, table_width=width)
-    state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(max_requests_per_batch=max_rows,
-                                                                       max_blocks_per_request=width))
-    for rid, (prompt, limit, settings) in requests.items():
-        resolved = request_settings(model, prompt, None, dict(settings), max_new_tokens=limit)
-        ids = sequence_ids(rid, len(resolved.sequences))
-        state = S.add_request(state, SG.leader_request([
-            make_request(sid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids), {"genfn": seq})
-            for sid, seq in zip(ids, resolved.sequences)]))
-    ended, seen = {}, dict(tokens=0, prompt_tokens=0, preempted=set(), joined=[], shared_rows=0, reused=0)
-    for step in range(max_steps):
-        if not S.has_pending(state):
-            break
-        if cancel is not None and cancel[0] == step:
-            state = S.mark_cancelled(state, cancel[1])
-        state, outcome = engine_step(engine, state)
-        B.check_invariants(state.allocator)
-        assert not outcome.failed, [r.error for r in outcome.failed]
-        ended.update({r.request_id: r for r in outcome.finished + outcome.cancelled})
-        seen["tokens"] += outcome.num_tokens
-        seen["prompt_tokens"] += outcome.batch.prompt_tokens
-        seen["preempted"].update(outcome.preempted)
-        seen["joined"].extend(outcome.joined)
-        seen["shared_rows"] += sum(c.logits_from is not None for c in outcome.batch.chunks)
-        seen["reused"] += outcome.reused_tokens
-    assert not S.has_pending(state), "the engine did not finish in time"
-    assert B.num_free_blocks(state.allocator) == num_blocks and not any(state.allocator.refs), "blocks leaked"
-    return ended, seen
-
-
 @pytest.mark.parametrize("num_blocks,max_batch_tokens,max_rows", [(96, 64, 16), (13, 8, 8)],
                          ids=["roomy", "tiny-budget-chunked"])
 def test_n_sequences_compute_the_prompt_once_and_each_equals_generate(tiny, num_blocks, max_batch_tokens, max_rows):
-    ended, seen = _run_engine(tiny, {**SEQUENCES, **OTHERS}, num_blocks, max_batch_tokens, max_rows)
+    ended, seen = run_engine(tiny, {**SEQUENCES, **OTHERS}, num_blocks, max_batch_tokens, max_rows)
     for rid, (prompt, limit, settings) in SEQUENCES.items():
         ids = sequence_ids(rid, settings["num_return_sequences"])
         assert [list(ended[sid].generated_ids) for sid in ids] == _expected(tiny, prompt, limit, settings), rid
@@ -173,7 +133,7 @@ def test_n_sequences_compute_the_prompt_once_and_each_equals_generate(tiny, num_
 
 def test_sequences_without_a_row_beside_their_first_compute_the_prompts_last_token_themselves(tiny):
     story = {"story": SEQUENCES["story"]}
-    ended, seen = _run_engine(tiny, story, 64, 16, 2)  # two rows: the first sequence's and one shared
+    ended, seen = run_engine(tiny, story, 64, 16, 2)  # two rows: the first sequence's and one shared
     assert seen["shared_rows"] == 1 and seen["joined"] == ["story"]
     # The two others forked 26 tokens (the partial block copied) and computed the last one each.
     assert seen["prompt_tokens"] == 27 + 2
@@ -182,7 +142,7 @@ def test_sequences_without_a_row_beside_their_first_compute_the_prompts_last_tok
 
 def test_cancelling_one_sequence_leaves_the_others_and_cancelling_the_first_early_ends_them_all(tiny):
     story = {"story": SEQUENCES["story"]}
-    ended, _ = _run_engine(tiny, story, 64, 16, 8, cancel=(4, "story.2"))
+    ended, _ = run_engine(tiny, story, 64, 16, 8, cancel=(4, "story.2"))
     expected = _expected(tiny, *story["story"])
     for j, sid in enumerate(sequence_ids("story", 4)):
         if sid == "story.2":
@@ -191,7 +151,7 @@ def test_cancelling_one_sequence_leaves_the_others_and_cancelling_the_first_earl
             assert list(ended[sid].generated_ids) == expected[j], sid
     # Cancelled while its prompt is still being prefilled (27 tokens, 16 a forward): the other
     # sequences never joined; every block came back (checked by _run_engine).
-    ended, seen = _run_engine(tiny, story, 64, 16, 8, cancel=(1, "story"))
+    ended, seen = run_engine(tiny, story, 64, 16, 8, cancel=(1, "story"))
     assert list(ended) == ["story"] and ended["story"].status == RequestStatus.CANCELLED and not seen["joined"]
 
 

@@ -159,12 +159,7 @@ def _commit(state: S.SchedulerState, batch: S.ScheduledBatch, members) -> S.Sche
 def _fail(engine, state, gid, members):
     """End the group FAILED: NaN/inf logits. Its blocks no other request holds are zeroed, as
     ``engine.fail_nonfinite`` does for a request alone (a stale NaN slot poisons a masked read)."""
-    alloc = state.allocator
-    held: dict[int, int] = {}
-    for member in members:
-        for block in B.block_table(alloc, member):
-            held[block] = held.get(block, 0) + 1
-    orphaned = [block for block, count in held.items() if alloc.refs[block] == count]
+    orphaned = B.held_only_by(state.allocator, members)
     error = (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {gid!r}; pass "
              f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
     state, ended = S.finish(state, gid, RequestStatus.FAILED, error, keep_cached=False)

@@ -27,6 +27,8 @@ import torch
 
 from genfn.batching import beam_groups
 from genfn.batching import blocks as B
+from genfn.batching import groups as G
+from genfn.batching import guidance_groups as GG
 from genfn.batching import scheduling as S
 from genfn.batching import sequence_groups as SG
 from genfn.batching import speculation as SP
@@ -44,7 +46,7 @@ from genfn.strategies.token_choice import choose_tokens, top_pairs
 from genfn.structured import bitmask_width
 
 __all__ = ["Engine", "RequestSettings", "StepOutcome", "compile_options", "engine_step", "fail_nonfinite", "grammar_mask",
-           "nonfinite_error", "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
+           "nonfinite_error", "packed_plan", "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +304,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     # CFG's combination (it heads the processors, as in generate) and a stateful chain's state
     raw_logits = logits
-    logits, processor_state = carried_step(engine.model, requests, batch, settings_of, chain, logits,
-                                           max_len=engine.max_len, device=engine.device)
+    logits, processor_state = carried_step(requests, batch, settings_of, chain, logits, device=engine.device)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
         # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
@@ -334,6 +335,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    GG.follow(requests, batch, new_tokens, new_logprobs, settings_of)  # CFG's unconditional rows take their token
     keep_carried(requests, batch, settings_of, chain, choice.processor_state, new_tokens)
     verified = SP.verify_drafts(requests, batch, drafted, num_rows=engine.max_requests, max_len=engine.max_len)
     for request_id, (tokens, token_logprobs, tops, bad) in verified.items():
@@ -351,15 +353,12 @@ def fail_nonfinite(engine: Engine, state: S.SchedulerState, request_id: Hashable
     """End a request whose logits were NaN/inf, FAILED. Its keys/values may be non-finite too: its
     blocks leave the prefix cache, and those no other request holds are zeroed, because a later
     request handed one of them reads its stale slots masked out, and ``0 * NaN`` is NaN."""
-    orphaned = orphaned_blocks(state.allocator, request_id)
+    # A group member (CFG's unconditional request) ends with its group, and so do its blocks.
+    members = G.members_with(state.groups, G.member_index(state.groups), request_id) if state.groups else (request_id,)
+    orphaned = B.held_only_by(state.allocator, members)
     state, ended = S.finish(state, request_id, RequestStatus.FAILED, nonfinite_error(request_id), keep_cached=False)
     engine.clear_blocks(orphaned)
     return state, ended
-
-
-def orphaned_blocks(alloc: B.BlockAllocator, request_id: Hashable) -> list[int]:
-    """The request's blocks no other request holds (freed when it ends)."""
-    return [b for b in B.block_table(alloc, request_id) if alloc.refs[b] == 1]
 
 
 def nonfinite_error(request_id: Hashable) -> str:
@@ -433,8 +432,9 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,
                                   batch=batch)
+    # (a row sharing another's logits computes nothing: the reuse counts at the sequence's first chunk)
     reused = sum(chunk.start for chunk in batch.chunks
-                 if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
+                 if chunk.token_ids and chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
     new_tokens, logprobs, top, nonfinite = run_batch(engine, state.requests, state.allocator, batch)
     engine.copy_blocks(joined.copies)  # the forward wrote the leaders' last prompt blocks
     failed = list(batch.failed)
@@ -460,6 +460,7 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
             state, stopped = S.finish(state, request_id)
             finished.append(stopped)
             by_string.add(request_id)
+    state = GG.drop_partners(state, finished)
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
                               by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,

@@ -33,11 +33,11 @@ from genfn.batching.beam_groups import leader_request as beam_leader
 from genfn.batching.engine import Engine, compile_options, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
-from genfn.batching.requests import RequestStatus, make_request, sequence_ids
+from genfn.batching.requests import RequestStatus, sequence_ids
 from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
 from genfn.batching.sequence_groups import leader_request
-from genfn.batching.settings import request_settings
+from genfn.batching.settings import request_settings, sequence_requests
 from genfn.kernels import release_thread_pool
 from genfn.kernels.invariant import mode_for_manager
 
@@ -321,8 +321,7 @@ class ContinuousBatchingManager:
             states = [beam_leader(request_id, prompt, resolved.settings, resolved.beam, ids)]
         else:
             # The request's sequences: its first, carrying the others until the prompt is computed.
-            states = [leader_request([make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
-                                                   {"genfn": seq}) for rid, seq in zip(ids, resolved.sequences)])]
+            states = [leader_request(sequence_requests(ids, resolved))]
         now = time.perf_counter()
         with self._lock:
             taken = [rid for rid in ids if rid in self._live]

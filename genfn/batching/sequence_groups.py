@@ -17,7 +17,9 @@ prompt's full blocks from the prefix cache) and goes on with its own key, so its
 change. They need no gang: a beam group's members decode together because one beam step reads
 all their logits (``genfn.batching.groups``), while a sequence's token depends on its own logits
 and key only. A sequence that finds no row left in the batch, or no block for its copy, joins as
-a request that computes the rest of the prompt itself (the full blocks still shared).
+a request that computes the rest of the prompt itself (the full blocks still shared). Under
+classifier-free guidance the leader's group forks along: each sequence gets its own unconditional
+request (``genfn.batching.guidance_groups``), forked from the leader's and sharing its row.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from types import MappingProxyType
 import torch
 
 from genfn.batching import blocks as B
+from genfn.batching import groups as G
+from genfn.batching import guidance_groups as GG
 from genfn.batching import scheduling as S
 from genfn.batching.requests import RequestState, RequestStatus
 
@@ -63,35 +67,59 @@ def add_sequences(state: S.SchedulerState, batch: S.ScheduledBatch, max_rows: in
     if not leaders:
         return state, batch, Joined()
     alloc, requests, active, arrivals = state.allocator, dict(state.requests), list(state.active), state.arrivals
+    groups = dict(state.groups)
     chunks, copies = list(batch.chunks), []
     for chunk in leaders:
         leader = requests[chunk.request_id]
         settings = dict(leader.settings)
         others = settings.pop(SEQUENCES_KEY)
         requests[leader.request_id] = leader.replace(settings=MappingProxyType(settings))
-        prompt_len = len(leader.prompt_ids)  # the chunk ends the prompt: the leader has sampled nothing yet
+        # The leader's group (CFG's unconditional request beside it) forks along: member i of each
+        # sequence's group continues member i of the leader's.
+        sources = groups[leader.request_id].members if leader.request_id in groups else (leader.request_id,)
         for sequence in others:
-            if sequence.request_id in requests:
+            sequence, partner = GG.split_partner(sequence)
+            members = (sequence,) if partner is None else (sequence, partner)
+            if len(members) != len(sources):
+                raise ValueError(f"request {sequence.request_id!r} and its first sequence differ in their groups")
+            if any(m.request_id in requests for m in members):
                 raise ValueError(f"request id {sequence.request_id!r} is already in the scheduler")
-            # Without a row, the sequence computes at least the prompt's last token itself.
-            row = len(chunks) < max_rows
-            alloc, computed, copy = B.fork(alloc, leader.request_id, sequence.request_id,
-                                           prompt_len if row else prompt_len - 1)
-            if copy is not None:
-                copies.append(copy)
-            shared = row and computed == prompt_len
-            requests[sequence.request_id] = sequence.replace(
-                status=RequestStatus.DECODING if shared else RequestStatus.PREFILLING, num_computed=computed,
-                num_reused=computed, arrival=arrivals)
-            arrivals += 1
-            active.append(sequence.request_id)
-            if shared:
-                chunks.append(S.ScheduledChunk(sequence.request_id, prompt_len, (), True, prompt_len=prompt_len,
-                                               logits_from=leader.request_id))
+            # With rows for its group, a sequence shares its leader's logits; else it computes at
+            # least the last token itself (tokens: the source's, none generated yet).
+            row = len(chunks) + len(members) <= max_rows
+            trial, forked = _fork(alloc, sources, members, requests, whole=row)
+            shared = row and all(computed == requests[s].num_tokens for s, (_, computed, _) in zip(sources, forked))
+            if row and not shared:  # a block short for a copy: the whole group computes its last tokens
+                trial, forked = _fork(alloc, sources, members, requests, whole=False)
+            alloc = trial
+            for source, (member, computed, copy) in zip(sources, forked):
+                if copy is not None:
+                    copies.append(copy)
+                requests[member.request_id] = member.replace(
+                    status=RequestStatus.DECODING if shared else RequestStatus.PREFILLING, num_computed=computed,
+                    num_reused=computed, arrival=arrivals)
+                arrivals += 1
+                active.append(member.request_id)
+                if shared:
+                    chunks.append(S.ScheduledChunk(member.request_id, computed, (), True,
+                                                   prompt_len=len(member.prompt_ids), logits_from=source))
+            if partner is not None:
+                groups[sequence.request_id] = G.RequestGroup(tuple(m.request_id for m in members))
     state = state.replace(allocator=alloc, requests=MappingProxyType(requests), active=tuple(active),
-                          arrivals=arrivals)
+                          arrivals=arrivals, groups=MappingProxyType(groups))
     joined = Joined(tuple(c.request_id for c in leaders), tuple(copies))
     return state, dataclasses.replace(batch, chunks=tuple(chunks)), joined
+
+
+def _fork(alloc, sources, members, requests, whole: bool):
+    """``(alloc, [(member, tokens kept, copy)])``: each member's table forked from its source's
+    tokens (all of them when ``whole``, else all but the last)."""
+    forked = []
+    for source, member in zip(sources, members):
+        count = requests[source].num_tokens - (0 if whole else 1)
+        alloc, computed, copy = B.fork(alloc, source, member.request_id, count)
+        forked.append((member, computed, copy))
+    return alloc, forked
 
 
 def computed_chunks(batch: S.ScheduledBatch) -> S.ScheduledBatch:
