@@ -146,7 +146,7 @@ def test_beam_requests_under_the_prefill_first_scheduler_equal_generate(tiny, nu
 def test_beam_requests_through_the_compiled_batching_forward_equal_generate(tiny):
     """The manager's forward compiled (``default_compile_level=1``: ``torch.compile(fullgraph=True)``
     over padded token counts 8 and 16, two graphs for this one small model), beams beside greedy
-    and sampled requests, under a block budget that forces preemptions."""
+    and sampled requests, under a small block budget (16 blocks of 4)."""
     cb = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=16, max_requests_per_batch=8,
                                   max_blocks_per_request=16, default_compile_level=1)
     manager = ContinuousBatchingManager(tiny, None, cb)
