@@ -1,5 +1,6 @@
-"""Running requests through a started ``ContinuousBatchingManager`` to the end, shared by the
-batching test modules (every wait under a timeout; no block may be left allocated)."""
+"""Running requests to the end through a started ``ContinuousBatchingManager`` or through the engine
+step itself, shared by the batching test modules (every wait under a timeout; no block may be left
+allocated)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import time
 
 from genfn.batching import ContinuousBatchingManager
 from genfn.batching import blocks as B
+from genfn.batching import guidance_groups as GG
+from genfn.batching import scheduling as S
+from genfn.batching import sequence_groups as SG
+from genfn.batching.engine import Engine, engine_step
+from genfn.batching.requests import sequence_ids
+from genfn.batching.settings import request_settings, sequence_requests
+from genfn.models.packed import init_packed_cache
 
 WAIT_S = 60
 
@@ -29,3 +37,41 @@ def run_requests(model, requests, cb, chunked_prefill: bool = True):
     finally:
         manager.stop(timeout=WAIT_S)
     return [results[rid] for rid in ids], manager.stats
+
+
+def run_engine(model, requests, num_blocks, max_batch_tokens, max_rows, cancel=None, block_size=4, width=16,
+               max_steps=1000, on_step=None):
+    """Every request (``{id: (prompt, max_new_tokens, settings)}``, queued as the manager queues
+    them: ``n`` sequences behind their first, a guided request with its unconditional request)
+    through ``engine_step`` to its end; the allocator's invariants checked after every step.
+    ``cancel``: ``(step, request id)`` cancelled before that step; ``on_step(state, outcome)``
+    after each step. Returns the ended requests by id and what the steps did."""
+    engine = Engine(model, init_packed_cache(model.spec, num_blocks, block_size), max_batch_tokens=max_batch_tokens,
+                    max_requests=max_rows, table_width=width)
+    state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(max_requests_per_batch=max_rows,
+                                                                       max_blocks_per_request=width))
+    for rid, (prompt, limit, settings) in requests.items():
+        resolved = request_settings(model, prompt, None, dict(settings), max_new_tokens=limit)
+        ids = sequence_ids(rid, len(resolved.sequences))
+        state = GG.add_request(state, SG.leader_request(sequence_requests(ids, resolved)))
+    ended, seen = {}, dict(tokens=0, prompt_tokens=0, preempted=set(), joined=[], shared_rows=0, reused=0)
+    for step in range(max_steps):
+        if not S.has_pending(state):
+            break
+        if cancel is not None and cancel[0] == step:
+            state = S.mark_cancelled(state, cancel[1])
+        state, outcome = engine_step(engine, state)
+        B.check_invariants(state.allocator)
+        assert not outcome.failed, [r.error for r in outcome.failed]
+        if on_step is not None:
+            on_step(state, outcome)
+        ended.update({r.request_id: r for r in outcome.finished + outcome.cancelled})
+        seen["tokens"] += outcome.num_tokens
+        seen["prompt_tokens"] += outcome.batch.prompt_tokens
+        seen["preempted"].update(outcome.preempted)
+        seen["joined"].extend(outcome.joined)
+        seen["shared_rows"] += sum(c.logits_from is not None for c in outcome.batch.chunks)
+        seen["reused"] += outcome.reused_tokens
+    assert not S.has_pending(state), "the engine did not finish in time"
+    assert B.num_free_blocks(state.allocator) == num_blocks and not any(state.allocator.refs), "blocks leaked"
+    return ended, seen

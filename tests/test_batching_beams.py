@@ -65,10 +65,10 @@ OTHERS = {
 }
 
 
-def _run_engine(model, num_blocks, max_batch_tokens, block_size=4, width=16, max_steps=400):
+def _run_engine(model, num_blocks, max_batch_tokens, block_size=4, width=16, max_steps=400, kind="fifo"):
     engine = Engine(model, init_packed_cache(model.spec, num_blocks, block_size), max_batch_tokens=max_batch_tokens,
                     max_requests=8, table_width=width)
-    state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(max_requests_per_batch=8,
+    state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(kind=kind, max_requests_per_batch=8,
                                                                        max_blocks_per_request=width))
     for rid, (prompt, limit, settings) in {**BEAMS, **OTHERS}.items():
         settings = dict(settings)
@@ -101,6 +101,17 @@ def _run_engine(model, num_blocks, max_batch_tokens, block_size=4, width=16, max
     return ended, scores, preempted
 
 
+def _check_against_generate(model, tokens, scores):
+    """``tokens``: each sequence's generated tokens by id; ``scores``: each hypothesis' score."""
+    for rid, (prompt, limit, settings) in BEAMS.items():
+        expected, expected_scores = _beam_generate(model, prompt, limit, **settings)
+        ids = sequence_ids(rid, settings.get("num_return_sequences", 1))
+        assert [list(tokens[sid]) for sid in ids] == expected, rid
+        assert [scores[sid] for sid in ids] == pytest.approx(expected_scores, abs=1e-4), rid
+    for rid, (prompt, limit, settings) in OTHERS.items():
+        assert list(tokens[rid]) == _alone(model, prompt, limit, **settings), rid
+
+
 @pytest.mark.parametrize("num_blocks,max_batch_tokens", [(80, 64), (13, 8)], ids=["roomy", "tiny-budget-chunked"])
 def test_beam_requests_in_a_mixed_batch_equal_generate(tiny, num_blocks, max_batch_tokens, monkeypatch):
     forks = []
@@ -113,19 +124,49 @@ def test_beam_requests_in_a_mixed_batch_equal_generate(tiny, num_blocks, max_bat
     real_fork = B.fork
     monkeypatch.setattr(B, "fork", counted_fork)
     ended, scores, preempted = _run_engine(tiny, num_blocks, max_batch_tokens)
-    for rid, (prompt, limit, settings) in BEAMS.items():
-        expected, expected_scores = _beam_generate(tiny, prompt, limit, **settings)
-        ids = sequence_ids(rid, settings.get("num_return_sequences", 1))
-        assert [list(ended[sid].generated_ids) for sid in ids] == expected, rid
-        assert [scores[sid] for sid in ids] == pytest.approx(expected_scores, abs=1e-4), rid
-    for rid, (prompt, limit, settings) in OTHERS.items():
-        assert list(ended[rid].generated_ids) == _alone(tiny, prompt, limit, **settings), rid
+    _check_against_generate(tiny, {rid: r.generated_ids for rid, r in ended.items()}, scores)
     assert "copied" in forks  # a partial last block copied for a second child of a beam
     if num_blocks < 30:
         # The budget forced preemptions, beam groups among them (recomputed, then decoding together
         # again), and a fork with no block to spare (the child recomputed its partial block).
         assert any(isinstance(r, tuple) and r[1] == "beam" for r in preempted)
         assert "recomputed" in forks
+
+
+@pytest.mark.parametrize("num_blocks,max_batch_tokens", [(80, 64), (13, 8)], ids=["roomy", "tiny-budget-chunked"])
+def test_beam_requests_under_the_prefill_first_scheduler_equal_generate(tiny, num_blocks, max_batch_tokens):
+    """Split-prefill continuations go first there: the beams of a group still decode together
+    (checked each step by _run_engine), around prompts computed before them."""
+    ended, scores, preempted = _run_engine(tiny, num_blocks, max_batch_tokens, kind="prefill_first")
+    _check_against_generate(tiny, {rid: r.generated_ids for rid, r in ended.items()}, scores)
+    if num_blocks < 30:
+        assert any(isinstance(r, tuple) and r[1] == "beam" for r in preempted)
+
+
+def test_beam_requests_through_the_compiled_batching_forward_equal_generate(tiny):
+    """The manager's forward compiled (``default_compile_level=1``: ``torch.compile(fullgraph=True)``
+    over padded token counts 8 and 16, two graphs for this one small model), beams beside greedy
+    and sampled requests, under a small block budget (16 blocks of 4)."""
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=16, max_requests_per_batch=8,
+                                  max_blocks_per_request=16, default_compile_level=1)
+    manager = ContinuousBatchingManager(tiny, None, cb)
+    manager.start()
+    try:
+        ids = {rid: manager.add_sequences(prompt, rid, max_new_tokens=limit, **settings)
+               for rid, (prompt, limit, settings) in {**BEAMS, **OTHERS}.items()}
+        results = {}
+        for _ in range(sum(len(v) for v in ids.values())):
+            out = manager.get_result(timeout=20 * WAIT_S)  # the first forwards compile
+            assert out is not None, "no result came"
+            results[out.request_id] = out
+        assert manager.engine.compiled and len(manager.engine._forwards) <= 2
+        state = manager.scheduler.state
+        assert B.num_free_blocks(state.allocator) == state.allocator.num_blocks, "blocks leaked"
+    finally:
+        manager.stop(timeout=WAIT_S)
+    assert all(out.status == RequestStatus.FINISHED for out in results.values()), [o.error for o in results.values()]
+    _check_against_generate(tiny, {rid: out.generated_tokens for rid, out in results.items()},
+                            {rid: out.sequence_score for rid, out in results.items()})
 
 
 def test_generate_batch_returns_the_best_hypotheses_with_their_scores(tiny):

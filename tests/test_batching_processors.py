@@ -16,7 +16,10 @@ from genfn.batching.requests import RequestStatus
 from genfn.config import SynthIDTextWatermarkingConfig, WatermarkingConfig
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
-from batching_support import run_requests
+from batching_support import run_engine, run_requests
+from genfn.batching import blocks as B
+from genfn.batching.guidance_groups import partner_id
+from genfn.batching.requests import sequence_ids
 
 WAIT_S = 60
 
@@ -139,6 +142,52 @@ def test_guided_sequences_each_equal_generate(llama):
         if 2 in tokens:
             tokens = tokens[:tokens.index(2) + 1]
         assert results[rid].generated_tokens == tokens, f"sequence {j}"
+
+
+GUIDED = {  # request id -> (prompt, max_new_tokens, settings)
+    "negative": ([9, 30, 31, 32, 60, 61, 62], 8, dict(do_sample=False, guidance_scale=3.0,
+                                                    negative_prompt_ids=[[50, 51, 52, 53, 54, 55]])),
+    "last-token": (list(range(10, 25)), 8, dict(do_sample=True, seed=8, guidance_scale=2.0, top_k=30)),
+    "two": ([9, 30, 31, 32, 60], 6, dict(do_sample=True, seed=4, guidance_scale=2.0, num_return_sequences=2)),
+    "plain": ([5, 6, 7, 8], 6, dict(do_sample=False)),
+    "sampled": (list(range(40, 52)), 7, dict(do_sample=True, seed=5)),
+}
+
+
+@pytest.mark.parametrize("num_blocks,max_batch_tokens", [(64, 64), (12, 8)], ids=["roomy", "tiny-budget-chunked"])
+def test_the_unconditional_branch_is_a_row_with_blocks_in_the_budget(llama, num_blocks, max_batch_tokens):
+    """A guided request's unconditional request holds blocks of the paged cache (the allocator
+    lists its table, ``generate``'s unconditional input then the generated tokens), decodes in the
+    same forwards as its request, and is preempted with it; every request equals generate."""
+    seen_tables = {}
+
+    def on_step(state, outcome):
+        sampled = {c.request_id for c in outcome.batch.chunks if c.samples}
+        for rid in ("negative", "last-token", "two", "two.1"):
+            assert (rid in sampled) == (partner_id(rid) in sampled), rid  # one forward, or neither
+            table = B.block_table(state.allocator, partner_id(rid))
+            seen_tables[rid] = max(seen_tables.get(rid, 0), len(table))
+
+    ended, seen = run_engine(llama, GUIDED, num_blocks, max_batch_tokens, 8, on_step=on_step)
+    for rid, (prompt, limit, settings) in GUIDED.items():
+        settings = dict(settings)
+        negative = settings.pop("negative_prompt_ids", None)
+        count = settings.pop("num_return_sequences", 1)
+        extra = {} if negative is None else {"negative_prompt_ids": torch.tensor(negative)}
+        expected = generate(llama, torch.tensor([prompt]), max_new_tokens=limit, num_return_sequences=count,
+                            **({"key": settings.pop("seed")} if "seed" in settings else {}), **settings, **extra)
+        for j, sid in enumerate(sequence_ids(rid, count)):
+            tokens = expected[j, len(prompt):].tolist()
+            eos = llama.generation_config.eos_token_id
+            assert list(ended[sid].generated_ids) == (tokens[:tokens.index(eos) + 1] if eos in tokens else tokens), sid
+    # The unconditional requests held their own blocks, 4 tokens a block: the negative prompt (6
+    # tokens) or the prompt's last token, then the generated tokens computed before the last step.
+    for rid, unconditional in (("negative", 6), ("last-token", 1), ("two", 1), ("two.1", 1)):
+        computed = unconditional + len(ended[rid].generated_ids) - 2
+        assert seen_tables[rid] >= -(-computed // 4) and seen_tables[rid] > 0, rid
+    assert not any(isinstance(r, tuple) and r[1] == "unconditional" for r in ended)  # never reported
+    if num_blocks < 30:
+        assert partner_id("negative") in seen["preempted"] or partner_id("last-token") in seen["preempted"]
 
 
 def test_without_chunked_prefill_the_settings_still_equal_generate(llama):

@@ -159,12 +159,7 @@ def _commit(state: S.SchedulerState, batch: S.ScheduledBatch, members) -> S.Sche
 def _fail(engine, state, gid, members):
     """End the group FAILED: NaN/inf logits. Its blocks no other request holds are zeroed, as
     ``engine.fail_nonfinite`` does for a request alone (a stale NaN slot poisons a masked read)."""
-    alloc = state.allocator
-    held: dict[int, int] = {}
-    for member in members:
-        for block in B.block_table(alloc, member):
-            held[block] = held.get(block, 0) + 1
-    orphaned = [block for block, count in held.items() if alloc.refs[block] == count]
+    orphaned = B.held_only_by(state.allocator, members)
     error = (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {gid!r}; pass "
              f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
     state, ended = S.finish(state, gid, RequestStatus.FAILED, error, keep_cached=False)
@@ -213,7 +208,7 @@ def _fork(engine, state: S.SchedulerState, gid, members, parents, tokens, search
         if copy is not None:
             copies.append(copy)
     alloc = B.rename(alloc, {parked[members[parent]]: ids[j] for parent, j in first_child.items()})
-    _copy_blocks(engine.cache, copies)
+    engine.copy_blocks(copies)
     requests = {rid: r for rid, r in state.requests.items() if rid not in parked}
     for j, parent in enumerate(parents):
         source = state.requests[members[parent]]
@@ -226,14 +221,3 @@ def _fork(engine, state: S.SchedulerState, gid, members, parents, tokens, search
     groups = {**state.groups, gid: G.RequestGroup(ids, search)}
     return state.replace(allocator=alloc, requests=MappingProxyType(requests), active=tuple(active),
                          groups=MappingProxyType(groups))
-
-
-def _copy_blocks(cache, copies) -> None:
-    """Copy whole blocks' keys and values, ``(source, target)`` pairs, in place between steps."""
-    if not copies:
-        return
-    device = cache.keys.device
-    source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
-    target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
-    cache.keys.index_copy_(1, target, cache.keys.index_select(1, source))
-    cache.values.index_copy_(1, target, cache.values.index_select(1, source))

@@ -43,6 +43,7 @@ __all__ = [
     "evictable_blocks",
     "fork",
     "free_request",
+    "held_only_by",
     "init_allocator",
     "match_prefix",
     "num_free_blocks",
@@ -170,6 +171,15 @@ def check_invariants(alloc: BlockAllocator) -> None:
     assert set(alloc.cached.values()) == registered, "a registered block is missing from the index"
     for request_id, chain in alloc.chains.items():
         assert len(chain) <= len(alloc.tables.get(request_id, ())), "a chain is longer than its table"
+
+
+def held_only_by(alloc: BlockAllocator, request_ids) -> list[int]:
+    """The blocks of ``request_ids``' tables that no other request holds (freed when they end)."""
+    held: dict[int, int] = {}
+    for request_id in request_ids:
+        for block in block_table(alloc, request_id):
+            held[block] = held.get(block, 0) + 1
+    return [block for block, count in held.items() if alloc.refs[block] == count]
 
 
 def blocks_needed(alloc: BlockAllocator, request_id: RequestId, num_tokens: int) -> int:

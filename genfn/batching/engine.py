@@ -27,7 +27,10 @@ import torch
 
 from genfn.batching import beam_groups
 from genfn.batching import blocks as B
+from genfn.batching import groups as G
+from genfn.batching import guidance_groups as GG
 from genfn.batching import scheduling as S
+from genfn.batching import sequence_groups as SG
 from genfn.batching import speculation as SP
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
@@ -42,8 +45,8 @@ from genfn.processors.numerics import nonfinite_rows
 from genfn.strategies.token_choice import choose_tokens, top_pairs
 from genfn.structured import bitmask_width
 
-__all__ = ["Engine", "RequestSettings", "StepOutcome", "engine_step", "fail_nonfinite", "grammar_mask",
-           "nonfinite_error", "orphaned_blocks", "packed_plan", "run_batch", "settings_of"]
+__all__ = ["Engine", "RequestSettings", "StepOutcome", "compile_options", "engine_step", "fail_nonfinite", "grammar_mask",
+           "nonfinite_error", "packed_plan", "run_batch", "settings_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,8 @@ class StepOutcome:
     reused_tokens: int = 0
     # Beam requests: the score of each returned hypothesis (generate's sequences_scores), by id.
     sequence_scores: Mapping[Hashable, float] = dataclasses.field(default_factory=dict)
+    # Requests whose other sequences (num_return_sequences) entered the scheduler this step.
+    joined: tuple[Hashable, ...] = ()
 
 
 def require_packed_forward(model):
@@ -121,6 +126,20 @@ def require_packed_forward(model):
     raise ValueError(f"continuous batching cannot run {model!r}: {why}. Run it with genfn.generate (a static "
                      f"batch), or load a decoder-only model: a native family with a packed forward or any "
                      f"module through genfn.from_module ({families})")
+
+
+def compile_options(family, continuous_batching_config, device) -> dict | None:
+    """``torch.compile``'s keyword arguments for the packed forward of ``family`` under a
+    ``ContinuousBatchingConfig`` (``None``: eager): its ``varlen_compile_config``, else
+    ``fullgraph`` when ``default_compile_level > 0`` or on CUDA."""
+    cb = continuous_batching_config
+    if not getattr(family, "COMPILES", True):
+        return None
+    if cb.varlen_compile_config is not None:
+        return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
+    if cb.default_compile_level > 0 or torch.device(device).type == "cuda":
+        return {"fullgraph": True}
+    return None
 
 
 class Engine:
@@ -209,6 +228,16 @@ class Engine:
             self.cache.keys.index_fill_(1, index, 0)
             self.cache.values.index_fill_(1, index, 0)
 
+    def copy_blocks(self, copies) -> None:
+        """Copy whole blocks' keys and values, ``(source, target)`` pairs (``blocks.fork``'s
+        copies), in place between steps."""
+        if copies:
+            device = self.cache.keys.device
+            source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+            target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
+            self.cache.keys.index_copy_(1, target, self.cache.keys.index_select(1, source))
+            self.cache.values.index_copy_(1, target, self.cache.values.index_select(1, source))
+
     def warmup(self) -> None:
         """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
         at the smallest and largest count (first-call allocations and kernel builds)."""
@@ -265,17 +294,17 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
     only the requests that asked for some, their ``(token_id, logprob)`` pairs, most likely first;
     ``nonfinite``: the requests whose raw logits held NaN/inf, which the caller fails, alone).
     """
-    inputs = build_batch_inputs(allocator, batch, num_tokens=engine.padded_tokens(batch.num_tokens),
+    computed = SG.computed_chunks(batch)  # rows sharing another's logits (n sequences) take no tokens
+    inputs = build_batch_inputs(allocator, computed, num_tokens=engine.padded_tokens(batch.num_tokens),
                                 num_rows=engine.max_requests, table_width=engine.table_width, device=engine.device,
                                 num_extra_logits=engine.padded_draft_logits(batch))
-    logits = engine.forward(inputs, engine.plan(batch))
-    drafted, logits = logits, logits[:engine.max_requests]  # the rows' own, then drafted rows' earlier positions
+    drafted = engine.forward(inputs, engine.plan(computed))  # the rows' own, then drafted rows' earlier positions
+    logits = SG.shared_logits(batch, drafted, engine.max_requests)
     engine.last_logits = logits
     chain, keys, do_sample = engine.batch_chain(requests, batch)
     # CFG's combination (it heads the processors, as in generate) and a stateful chain's state
     raw_logits = logits
-    logits, processor_state = carried_step(engine.model, requests, batch, settings_of, chain, logits,
-                                           max_len=engine.max_len, device=engine.device)
+    logits, processor_state = carried_step(requests, batch, settings_of, chain, logits, device=engine.device)
     if chain is None and keys is None:
         # Greedy rows carry no per-row leaves padded to R: only the batch's rows need a token
         # (the softmax and argmax over a [R, 49152] padding cost a few ms a step).
@@ -306,6 +335,7 @@ def run_batch(engine: Engine, requests: Mapping[Hashable, RequestState], allocat
             new_logprobs[chunk.request_id] = logprobs[row]
             if wanted[row]:
                 new_top[chunk.request_id] = top_pairs(top_ids[row], top_values[row], wanted[row])
+    GG.follow(requests, batch, new_tokens, new_logprobs, settings_of)  # CFG's unconditional rows take their token
     keep_carried(requests, batch, settings_of, chain, choice.processor_state, new_tokens)
     verified = SP.verify_drafts(requests, batch, drafted, num_rows=engine.max_requests, max_len=engine.max_len)
     for request_id, (tokens, token_logprobs, tops, bad) in verified.items():
@@ -323,15 +353,12 @@ def fail_nonfinite(engine: Engine, state: S.SchedulerState, request_id: Hashable
     """End a request whose logits were NaN/inf, FAILED. Its keys/values may be non-finite too: its
     blocks leave the prefix cache, and those no other request holds are zeroed, because a later
     request handed one of them reads its stale slots masked out, and ``0 * NaN`` is NaN."""
-    orphaned = orphaned_blocks(state.allocator, request_id)
+    # A group member (CFG's unconditional request) ends with its group, and so do its blocks.
+    members = G.members_with(state.groups, G.member_index(state.groups), request_id) if state.groups else (request_id,)
+    orphaned = B.held_only_by(state.allocator, members)
     state, ended = S.finish(state, request_id, RequestStatus.FAILED, nonfinite_error(request_id), keep_cached=False)
     engine.clear_blocks(orphaned)
     return state, ended
-
-
-def orphaned_blocks(alloc: B.BlockAllocator, request_id: Hashable) -> list[int]:
-    """The request's blocks no other request holds (freed when it ends)."""
-    return [b for b in B.block_table(alloc, request_id) if alloc.refs[b] == 1]
 
 
 def nonfinite_error(request_id: Hashable) -> str:
@@ -401,12 +428,15 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     token_budget = token_budget or engine.max_batch_tokens
     state, batch = S.schedule(state, SP.schedule_budget(state, token_budget))
     state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len)
+    state, batch, joined = SG.add_sequences(state, batch, engine.max_requests)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,
                                   batch=batch)
+    # (a row sharing another's logits computes nothing: the reuse counts at the sequence's first chunk)
     reused = sum(chunk.start for chunk in batch.chunks
-                 if chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
+                 if chunk.token_ids and chunk.start and chunk.start == state.requests[chunk.request_id].num_reused)
     new_tokens, logprobs, top, nonfinite = run_batch(engine, state.requests, state.allocator, batch)
+    engine.copy_blocks(joined.copies)  # the forward wrote the leaders' last prompt blocks
     failed = list(batch.failed)
     for request_id in nonfinite:
         state, ended = fail_nonfinite(engine, state, request_id)
@@ -430,7 +460,8 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
             state, stopped = S.finish(state, request_id)
             finished.append(stopped)
             by_string.add(request_id)
+    state = GG.drop_partners(state, finished)
     return state, StepOutcome(new_tokens, logprobs, finished=tuple(finished), failed=tuple(failed),
                               preempted=batch.preempted, num_tokens=batch.num_tokens, top_logprobs=top,
                               by_stop_string=frozenset(by_string), cancelled=cancelled, batch=batch,
-                              reused_tokens=reused, sequence_scores=beams.scores)
+                              reused_tokens=reused, sequence_scores=beams.scores, joined=joined.leaders)

@@ -28,14 +28,16 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
-from genfn.batching.beam_groups import check_beams_fit, leader_request
-from genfn.batching.engine import Engine, engine_step, require_packed_forward
+from genfn.batching.beam_groups import check_beams_fit
+from genfn.batching.beam_groups import leader_request as beam_leader
+from genfn.batching.engine import Engine, compile_options, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
-from genfn.batching.requests import RequestStatus, make_request, sequence_ids
+from genfn.batching.requests import RequestStatus, sequence_ids
 from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
-from genfn.batching.settings import request_settings
+from genfn.batching.sequence_groups import leader_request
+from genfn.batching.settings import request_settings, sequence_requests
 from genfn.kernels import release_thread_pool
 from genfn.kernels.invariant import mode_for_manager
 
@@ -102,7 +104,7 @@ class ContinuousBatchingManager:
         self._router = OutputRouter()
         self._records: dict[Hashable, RequestRecord] = {}
         self._live: set = set()  # requests added and not yet ended
-        self._held: dict = {}  # a request's further sequences, until its first token (guarded by _lock)
+        self._held: dict = {}  # a request's further sequences' ids, until they join the scheduler (guarded by _lock)
         self._beam_sequences: dict = {}  # a beam request's further sequence ids (guarded by _lock)
         self._lock = threading.Lock()  # guards _live and _records
         # Closes the input queue when the loop exits, so no request is queued after its last drain.
@@ -121,7 +123,8 @@ class ContinuousBatchingManager:
         self.scheduler = None
         self.warmed_up = False
         self._destroyed = False
-        # Counts of what the loop did (steps, tokens, preemptions, prompt tokens reused from the prefix cache).
+        # Counts of what the loop did (steps, tokens, preemptions, prompt tokens reused from the prefix
+        # cache or computed).
         self.stats: collections.Counter = collections.Counter()
 
     # -- sizes and construction ----------------------------------------------------------------
@@ -141,16 +144,6 @@ class ContinuousBatchingManager:
         self._sizes_cache = sizes
         return sizes
 
-    def _compile_options(self) -> dict | None:
-        cb = self.continuous_batching_config
-        if not getattr(self._family, "COMPILES", True):
-            return None
-        if cb.varlen_compile_config is not None:
-            return {k: v for k, v in cb.varlen_compile_config.to_dict().items() if v is not None}
-        if cb.default_compile_level > 0 or self.model.device.type == "cuda":
-            return {"fullgraph": True}
-        return None
-
     def _build(self) -> None:
         cb = self.continuous_batching_config
         sizes = self._sizes()
@@ -159,7 +152,7 @@ class ContinuousBatchingManager:
                                                dtype=self.model.dtype, device=self.model.device)
         self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
                              max_requests=sizes.max_requests_per_batch, table_width=width,
-                             compile=self._compile_options(), batch_invariant=self.batch_invariant)
+                             compile=compile_options(self._family, cb, self.model.device), batch_invariant=self.batch_invariant)
         self.scheduler = make_scheduler(cb.scheduler_type, sizes.num_blocks, sizes.block_size,
                                         safety_margin=cb.safety_margin,
                                         max_requests_per_batch=sizes.max_requests_per_batch,
@@ -325,10 +318,10 @@ class ContinuousBatchingManager:
         ids = sequence_ids(request_id, len(resolved.sequences))
         if resolved.beam is not None:
             check_beams_fit(resolved.beam.num_beams, cap.max_requests_per_batch, cap.max_batch_tokens)
-            states = [leader_request(request_id, prompt, resolved.settings, resolved.beam, ids)]
+            states = [beam_leader(request_id, prompt, resolved.settings, resolved.beam, ids)]
         else:
-            states = [make_request(rid, prompt, resolved.max_new_tokens, list(resolved.eos_token_ids),
-                                   {"genfn": seq}) for rid, seq in zip(ids, resolved.sequences)]
+            # The request's sequences: its first, carrying the others until the prompt is computed.
+            states = [leader_request(sequence_requests(ids, resolved))]
         now = time.perf_counter()
         with self._lock:
             taken = [rid for rid in ids if rid in self._live]
@@ -340,10 +333,8 @@ class ContinuousBatchingManager:
                                                    resolved.settings.top_logprobs)
             if resolved.beam is not None:
                 self._beam_sequences[request_id] = ids[1:]
-            if len(states) > 1:
-                # The other sequences join once the first has prefilled the prompt: its blocks are
-                # then in the prefix cache, and they compute only the prompt's last partial block.
-                self._held[request_id] = states[1:]
+            if resolved.beam is None and len(ids) > 1:  # genfn.batching.sequence_groups
+                self._held[request_id] = ids[1:]
         with self._gate:
             refused = self._closing or (self._stop_mode is not None and self.is_running())
             if not refused:
@@ -507,6 +498,9 @@ class ContinuousBatchingManager:
         engine = self.engine
         scheduled_at = time.perf_counter()
         outcome = self.scheduler.advance(lambda state: engine_step(engine, state, engine.max_batch_tokens))
+        with self._lock:
+            for request_id in outcome.joined:
+                self._held.pop(request_id, None)  # the sequences are requests of the scheduler's now
         for request in outcome.cancelled:
             self._end(request.request_id, RequestStatus.CANCELLED, request.generated_ids)
         for request in outcome.failed:
@@ -526,7 +520,7 @@ class ContinuousBatchingManager:
         requests still running, and count the step in the metrics."""
         now = time.perf_counter()
         self.stats.update(steps=1, tokens=outcome.num_tokens, preempted=len(outcome.preempted))
-        self.stats["reused_tokens"] += outcome.reused_tokens
+        self.stats.update(reused_tokens=outcome.reused_tokens, prompt_tokens_computed=outcome.batch.prompt_tokens)
         for chunk in outcome.batch.chunks:
             record = self._records.get(chunk.request_id)
             if record is not None and record.started < 0:
@@ -535,10 +529,6 @@ class ContinuousBatchingManager:
         running = self.scheduler.state.requests
         first_latencies, inter_latencies, prompt_tokens, generated = [], [], 0, 0
         for request_id in outcome.new_tokens:
-            with self._lock:
-                held = self._held.pop(request_id, ())
-            for sequence in held:
-                self.scheduler.add_waiting_request(sequence)
             record = self._records.get(request_id)
             if record is None:
                 continue
@@ -577,8 +567,8 @@ class ContinuousBatchingManager:
             beams = self._beam_sequences.pop(request_id, ())
         self._metrics.record_end(status)
         self._router.deliver(output)
-        for sequence in held:  # it ended before its first token: so do its other sequences
-            self._end(sequence.request_id, status, (), error)
+        for sequence_id in held:  # it ended before its prompt was computed: so do its other sequences
+            self._end(sequence_id, status, (), error)
         if status != RequestStatus.FINISHED:  # a beam request's other hypotheses end with it (finished: each its own)
             for rid in beams:
                 self._end(rid, status, (), error)

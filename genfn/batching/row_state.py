@@ -12,11 +12,9 @@ the engine merges the requests' processor chains (``ProcessorChain.merge_rows``)
   it, SynthID with their stacked one-row states), then the merged tails. The step's token choice
   (``choose_tokens``) drives that chain with the stacked state; each row's new state goes back
   to its request's carry once the request got its token;
-* classifier-free guidance: the request's unconditional branch is ``generate``'s own
-  (``genfn.strategies.guidance.guidance_init`` / ``guidance_step``: its cache, the negative
-  prompt or the prompt's last token, then every generated token), advanced once per token the
-  request chose, and combined with the batch's logits by ``guidance_combine`` before the
-  processors, where ``generate`` (and transformers) put it.
+* classifier-free guidance: the carry holds the request's ``GuidanceSpec``; its unconditional
+  branch is a row of the batch (``genfn.batching.guidance_groups``), combined with the request's
+  row by ``guidance_combine`` before the processors, where ``generate`` (and transformers) put it.
 
 A carry counts the generated tokens its state has seen, so a request that is preempted and
 recomputed resumes its state exactly where it was: the state is the same whatever the batch,
@@ -31,16 +29,16 @@ from typing import Any
 
 import torch
 
+from genfn.batching import guidance_groups
 from genfn.processors.base import ProcessorBase
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
-from genfn.processors.guidance import guidance_combine
 from genfn.processors.synthid import SynthIDTextWatermarkLogitsProcessor
 from genfn.processors.watermark import WatermarkLogitsProcessor
 from genfn.state.base import pytree_dataclass, static_field, tree_flatten, tree_map
-from genfn.strategies.guidance import GuidanceSpec, guidance_init, guidance_step
+from genfn.strategies.guidance import GuidanceSpec
 
-__all__ = ["RowCarry", "ProcessorRowGroups", "carried_step", "grouped_chain", "guide_rows", "keep_carried", "keep_processor_states",
+__all__ = ["RowCarry", "ProcessorRowGroups", "carried_step", "grouped_chain", "keep_carried", "keep_processor_states",
            "merge_request_chains", "split_grouped", "stacked_processor_state"]
 
 
@@ -49,17 +47,13 @@ class RowCarry:
     """One sequence's state across steps (host-side box; the tensors live on the model's device).
 
     ``processor_state``: its stateful processor's one-row state, after ``state_tokens`` chosen
-    tokens. ``guidance``: its classifier-free guidance spec; ``branch``: the unconditional
-    branch (``GuidanceState``) after it was fed ``branch_tokens`` generated tokens, and
-    ``branch_logits``: that branch's latest logits ``[1, V]``.
+    tokens. ``guidance``: its classifier-free guidance spec (the scale; the unconditional branch
+    is a request of its own, ``genfn.batching.guidance_groups``).
     """
 
     processor_state: Any = None
     state_tokens: int = 0
     guidance: GuidanceSpec | None = None
-    branch: Any = None
-    branch_tokens: int = 0
-    branch_logits: torch.Tensor | None = None
 
 
 # Processors run on row groups instead of merged into one batch processor.
@@ -236,58 +230,12 @@ def keep_processor_states(chain: ProcessorChain | None, state: tuple | None, car
                 carry.state_tokens += 1
 
 
-def guide_rows(model, logits: torch.Tensor, rows: Mapping[int, tuple[RowCarry, Sequence[int], Sequence[int],
-                                                                       int]]) -> torch.Tensor:
-    """``logits [R, V]`` with each guided row replaced by ``guidance_combine`` of its logits and
-    its unconditional branch's (``generate``'s CFG). ``rows``: batch row -> ``(carry, prompt ids,
-    generated ids, max new tokens)`` of the sampling rows whose request uses guidance. Each
-    branch first sees the tokens its request generated since its last step (one, normally)."""
-    out = logits
-    for row, (carry, prompt, generated, max_new_tokens) in rows.items():
-        unconditional = _advance_branch(model, carry, prompt, generated, max_new_tokens)
-        guided = guidance_combine(logits[row:row + 1], unconditional.to(logits.device), carry.guidance.scale)
-        if out is logits:
-            out = logits.clone()
-        out[row] = guided[0].to(out.dtype)
-    return out
-
-
-def _advance_branch(model, carry: RowCarry, prompt: Sequence[int], generated: Sequence[int],
-                    max_new_tokens: int) -> torch.Tensor:
-    device = model.device
-    if carry.branch is None:
-        ids = torch.tensor([list(prompt)], dtype=torch.int64, device=device)
-        carry.branch, carry.branch_logits = guidance_init(model, carry.guidance, ids, max_new_tokens)
-        carry.branch_tokens = 0
-    for token in generated[carry.branch_tokens:]:
-        newest = torch.tensor([[token]], dtype=torch.int64, device=device)
-        carry.branch, carry.branch_logits = guidance_step(model, carry.branch, newest)
-        carry.branch_tokens += 1
-    return carry.branch_logits
-
-
-def guided_rows(requests: Mapping[Hashable, Any], batch, settings_of, max_new: int) -> dict:
-    """The ``rows`` argument of :func:`guide_rows` for ``batch`` (see there)."""
-    out = {}
-    for row, chunk in enumerate(batch.chunks):
-        if not chunk.samples:
-            continue
-        request = requests[chunk.request_id]
-        carry = settings_of(request).carry
-        if carry is not None and carry.guidance is not None:
-            limit = request.max_new_tokens if request.max_new_tokens is not None else max_new
-            out[row] = (carry, request.prompt_ids, request.generated_ids, limit)
-    return out
-
-
-def carried_step(model, requests: Mapping[Hashable, Any], batch, settings_of, chain: ProcessorChain | None,
-                 logits: torch.Tensor, *, max_len: int, device: Any = None) -> tuple[torch.Tensor, tuple | None]:
+def carried_step(requests: Mapping[Hashable, Any], batch, settings_of, chain: ProcessorChain | None,
+                 logits: torch.Tensor, *, device: Any = None) -> tuple[torch.Tensor, tuple | None]:
     """The engine step's hook before its token choice: ``(logits, processor_state)``, the logits
-    with the guided rows combined (:func:`guide_rows`) and the chain's stacked state
+    with the guided rows combined (``guidance_groups.combine``) and the chain's stacked state
     (:func:`stacked_processor_state`; ``None`` without a stateful processor)."""
-    guided = guided_rows(requests, batch, settings_of, max_len)
-    if guided:
-        logits = guide_rows(model, logits, guided)
+    logits = guidance_groups.combine(requests, batch, logits, settings_of)
     if _groups(chain) is None:
         return logits, None
     carries = [settings_of(requests[c.request_id]).carry for c in batch.chunks]

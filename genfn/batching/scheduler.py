@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
+from genfn.batching import guidance_groups as GG
 from genfn.batching import scheduling as S
 from genfn.batching.requests import RequestState, RequestStatus
 
@@ -54,8 +55,9 @@ class Scheduler:
             self._state = S.reset(self._state)
 
     def add_waiting_request(self, state: RequestState) -> None:
+        """Queue a request (a guided one with its unconditional request, ``guidance_groups``)."""
         with self._lock:
-            self._state = S.add_request(self._state, state)
+            self._state = GG.add_request(self._state, state)
 
     def schedule_batch(self, token_budget: int, cache_budget: int | None = None) -> S.ScheduledBatch:
         """The next forward's chunks: at most ``token_budget`` query tokens and ``cache_budget``

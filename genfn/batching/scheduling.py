@@ -33,25 +33,9 @@ from genfn.batching import groups as G
 from genfn.batching.records import replaced
 from genfn.batching.requests import RequestState, RequestStatus
 
-__all__ = [
-    "POLICIES",
-    "ScheduledBatch",
-    "ScheduledChunk",
-    "SchedulerPolicy",
-    "SchedulerState",
-    "add_request",
-    "allocated_blocks",
-    "apply_step",
-    "clear_cancelled",
-    "finish",
-    "generated_tokens",
-    "has_pending",
-    "init_scheduler",
-    "is_cancelled",
-    "mark_cancelled",
-    "reset",
-    "schedule",
-]
+__all__ = ["POLICIES", "ScheduledBatch", "ScheduledChunk", "SchedulerPolicy", "SchedulerState", "add_request",
+           "allocated_blocks", "apply_step", "clear_cancelled", "finish", "generated_tokens", "has_pending",
+           "init_scheduler", "is_cancelled", "mark_cancelled", "reset", "schedule"]
 
 POLICIES = ("fifo", "prefill_first")
 # transformers' defaults: FIFO keeps 15 % of the blocks free for the requests already running.
@@ -126,7 +110,9 @@ class ScheduledChunk:
     ``samples``: the chunk ends at the request's last token, so its logits give a new token.
     ``num_drafts``: the last ``num_drafts`` of ``token_ids`` are speculative drafts after the
     request's last token (``genfn.batching.speculation``): the forward gives logits at the last
-    token and at every draft, and the step keeps the drafts verification accepts."""
+    token and at every draft, and the step keeps the drafts verification accepts. ``logits_from``:
+    a row without tokens that samples from that request's logits (a sequence sharing its leader's
+    prompt, ``genfn.batching.sequence_groups``)."""
 
     request_id: Hashable
     start: int
@@ -134,6 +120,7 @@ class ScheduledChunk:
     samples: bool
     num_drafts: int = 0
     prompt_len: int = 0  # the request's own prompt (LongRoPE's packed forward picks its factors by it)
+    logits_from: Hashable | None = None
 
     @property
     def end(self) -> int:
@@ -157,6 +144,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Query tokens at prompt positions (a prompt computed, or recomputed after preemption)."""
+        return sum(max(0, min(c.end, c.prompt_len) - c.start) for c in self.chunks)
 
     @property
     def kv_read(self) -> int:
@@ -474,15 +466,14 @@ def schedule(state: SchedulerState, token_budget: int,
     for request_id in list(draft.waiting):
         if tokens_left == 0 or rows_left == 0 or (kv_left is not None and kv_left <= 0):
             break
-        if request_id in draft.preempted or request_id in state.cancelled:
-            continue
+        if request_id in draft.preempted or request_id in state.cancelled or request_id not in draft.waiting:
+            continue  # (not waiting: admitted with its group's first member, or failed with it)
         if not in_margin and draft.chunks:
             break
         request = draft.requests[request_id]
-        if request.num_tokens > capacity:
-            draft.fail(request_id, f"request {request_id!r} has {request.num_tokens} tokens; one request holds "
-                                   f"at most {capacity} (num_blocks x block_size, or max_blocks_per_request x "
-                                   f"block_size)")
+        error = G.admission_error(draft, request_id, capacity)
+        if error is not None:
+            draft.fail(request_id, error)
             continue
         if not policy.chunked_prefill and request.num_tokens > token_budget:
             draft.fail(request_id, f"request {request_id!r} has {request.num_tokens} tokens to prefill, more than "
@@ -505,6 +496,7 @@ def schedule(state: SchedulerState, token_budget: int,
         draft.alloc = trial
         draft.waiting.remove(request_id)
         draft.active.append(request_id)
+        G.admit_members(draft, request_id)
         request = request.replace(num_reused=reused)
         if count == 0:
             draft.requests[request_id] = request.replace(num_computed=reused, status=RequestStatus.PREFILLING)
@@ -518,6 +510,8 @@ def schedule(state: SchedulerState, token_budget: int,
         if kv_left is not None:
             kv_left -= reused + count
 
+    if not draft.chunks:
+        G.unstick(draft)
     return draft.finish(cache_full=allocation_failed)
 
 

@@ -19,7 +19,9 @@ import dataclasses
 
 import torch
 
+from genfn.batching import guidance_groups as GG
 from genfn.batching.engine import RequestSettings
+from genfn.batching.requests import RequestState, make_request
 from genfn.batching.speculation import Speculation
 from genfn.batching.row_state import RowCarry
 from genfn.config import GenerationConfig
@@ -31,7 +33,7 @@ from genfn.strategies.assisted.drafter import PromptLookupDrafter
 from genfn.strategies.beam import initial_state
 from genfn.structured.rows import constraint_for_rows
 
-__all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings"]
+__all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings", "sequence_requests"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
@@ -48,7 +50,8 @@ class ResolvedRequest:
     sequences (the first is ``settings``), which differ only in their keys. ``beam``: a beam
     request's beam buffers before its first step (``num_beams > 1``; its sequences are then its
     returned hypotheses, which run as one beam group). ``prompt_ids``: the prompt the request runs
-    (under ``token_healing``, the healed one, as ``generate`` runs it)."""
+    (under ``token_healing``, the healed one, as ``generate`` runs it). ``unconditional``: under
+    classifier-free guidance, each sequence's unconditional input (``genfn.batching.guidance_groups``)."""
 
     settings: RequestSettings
     max_new_tokens: int
@@ -56,6 +59,24 @@ class ResolvedRequest:
     sequences: tuple[RequestSettings, ...] = ()
     beam: BeamState | None = None
     prompt_ids: tuple[int, ...] = ()
+    unconditional: tuple[int, ...] | None = None
+
+
+# A guided request's unconditional request: no processors, no key, never failed on its own logits.
+_UNCONDITIONAL = RequestSettings(check_finite=False)
+
+
+def sequence_requests(ids, resolved: ResolvedRequest) -> list[RequestState]:
+    """The requests of a resolved (not beam) request's sequences, under ``ids``; a guided one
+    carrying its unconditional request (``guidance_groups.with_partner``)."""
+    requests = []
+    for request_id, settings in zip(ids, resolved.sequences):
+        request = make_request(request_id, resolved.prompt_ids, resolved.max_new_tokens,
+                               list(resolved.eos_token_ids), {"genfn": settings})
+        if resolved.unconditional is not None:
+            request = GG.with_partner(request, resolved.unconditional, {"genfn": _UNCONDITIONAL})
+        requests.append(request)
+    return requests
 
 
 def _top_logprobs(value) -> int:
@@ -157,8 +178,9 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                                       check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
                                       speculation=speculation, carry=_carry(chain, request.guidance))
                       for j in range(count))
+    unconditional = None if request.guidance is None else GG.unconditional_ids(request.guidance, prompt)
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,
-                           sequences, prompt_ids=prompt)
+                           sequences, prompt_ids=prompt, unconditional=unconditional)
 
 
 def _num_beams(model, generation_config, kwargs) -> int:
