@@ -60,7 +60,7 @@ MODEL_TYPES: dict[str, str] = {
 PACKED_FORWARDS: dict[str, str] = {
     "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias), LongRoPE
     "genfn.models.gemma": "genfn.models.gemma_packed",  # Gemma 2 / Gemma 3 (text)
-    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: tokens paged, prefixes recomputed
+    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: a key/value slot per request
 }
 
 
