@@ -202,3 +202,30 @@ def test_beam_requests_on_a_wrapped_llama_equal_generate(num_blocks, max_batch_t
 
     # The beams test's own model (tiny_pair(seed=6)), wrapped: beams forked, copied and preempted.
     beams(_wrapped("llama", seed=6), num_blocks, max_batch_tokens, monkeypatch)
+
+
+def test_a_nan_request_fails_alone_and_its_slot_poisons_no_later_request():
+    from test_hardening_batching import POISON, _prompts, _solo
+
+    clean = _wrapped("llama")
+    params = dict(clean.params)
+    embed = params["model.embed_tokens.weight"].clone()
+    embed[POISON] = float("nan")  # NaN keys and values from the poisoned token on
+    params["model.embed_tokens.weight"] = embed
+    faulty = Model(clean.spec, params, clean.apply_fn, clean.init_cache_fn, generation_config=clean.generation_config)
+    # 4 slots for 10 requests: the poisoned requests' slots are taken by clean ones.
+    engine, state = _engine(faulty, blocks=14, budget=16, rows=4, width=8)
+    prompts = _prompts(random.Random(3), 10, {0, 3, 4})
+    for i, prompt in enumerate(prompts):
+        state = _add(faulty, state, i, prompt, 10)
+    finished, failed = {}, {}
+    for _ in range(400):
+        if not S.has_pending(state):
+            break
+        state, outcome = engine_step(engine, state)
+        finished.update({r.request_id: list(r.generated_ids) for r in outcome.finished})
+        failed.update({r.request_id: r for r in outcome.failed})
+    expected = {i: _solo(faulty, p, 10) for i, p in enumerate(prompts)}
+    assert set(failed) == {i for i, e in expected.items() if e is None} >= {0, 3, 4}
+    assert finished == {i: e for i, e in expected.items() if e is not None}
+    assert B.num_free_blocks(state.allocator) == 14
