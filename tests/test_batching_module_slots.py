@@ -6,8 +6,10 @@ alone: greedy requests give ``generate``'s tokens and seeded ones ``generate(key
 chunked prefill, preemption forced by a tiny block budget and shared prefixes; prompt-lookup drafts
 and beam search keep their exact results. A decode step of ``R`` rows runs ``R`` tokens through the
 module (the forward is counted), a run computes each token once, a request whose prefix another
-slot holds copies it instead of computing it, and slots are trusted by what they hold (a reused
-request id, a module whose rows must advance together). Every wait has a timeout."""
+slot holds copies it instead of computing it, slots are trusted by what they hold (a reused
+request id, a module whose rows must advance together, a slot a NaN request left), ``n``
+sequences share a prompt, and a request keeps its slot while a new one takes a free or the least
+recently used one. Every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -229,3 +231,31 @@ def test_a_nan_request_fails_alone_and_its_slot_poisons_no_later_request():
     assert set(failed) == {i for i, e in expected.items() if e is None} >= {0, 3, 4}
     assert finished == {i: e for i, e in expected.items() if e is not None}
     assert B.num_free_blocks(state.allocator) == 14
+
+
+def test_n_sequences_on_a_wrapped_llama():
+    from test_batching_sequences import test_n_sequences_share_the_prompt_and_each_equals_generate_with_the_derived_key as n
+
+    n(_wrapped("llama", seed=6))  # the sequences test's own model, wrapped
+
+
+def test_beam_requests_on_a_wrapped_gpt2_equal_generate(gpt2, monkeypatch):
+    from test_batching_beams import test_beam_requests_in_a_mixed_batch_equal_generate as beams
+
+    beams(gpt2, 80, 64, monkeypatch)
+
+
+def test_a_request_keeps_its_slot_and_one_without_takes_a_free_else_the_least_recently_used():
+    table = module_packed.SlotTable(("a", None, "b"), (5, 0, 7), (3, 0, 1), clock=4)
+
+    def rows(*keys):
+        return [module_packed._Row(i, key, 0, 1, True, []) for i, key in enumerate(keys)]
+
+    batch = rows("b", "c")
+    table = module_packed._assign(table, batch)
+    assert [row.slot for row in batch] == [2, 1]  # "b" keeps its slot, "c" takes the free one
+    batch = rows("d", "c")
+    table = module_packed._assign(table, batch)
+    # No slot is free: "d" takes "a"'s (used at step 3; "b"'s and "c"'s at step 4), "c" keeps its own.
+    assert [row.slot for row in batch] == [0, 1] and table.owners == ("d", "c", "b")
+    assert table.filled == (5, 0, 7) and table.clock == 6  # what a slot holds is the forward's to say
