@@ -26,7 +26,7 @@ request with the same system prompt), those keys and values are copied from it f
 
 The module runs once per group of rows with the same number of tokens to compute (a decode step:
 one call of ``R`` one-token rows), each row at its own positions through the adapter's per-row
-mask; a module whose rows must advance together (``ModuleSpec.rows_independent`` False) runs one
+mask, on a view of the rows' slots when they are consecutive (else on a gathered copy); a module whose rows must advance together (``ModuleSpec.rows_independent`` False) runs one
 call per group of rows that also start at the same position. Positions past a slot's held tokens
 are kept zero, so a masked read never meets a stale NaN.
 
@@ -295,24 +295,31 @@ def _groups(spec, rows: list[_Row]) -> dict:
 
 def _run_group(spec, params, cache: SlotCache, group: list[_Row], history: torch.Tensor, order: dict,
                logits: torch.Tensor) -> None:
-    """One module call over ``group``'s rows against a gathered copy of their slots; their new keys
-    and values go back to the slots, their logits to ``logits``."""
+    """One module call over ``group``'s rows against their slots; their new keys and values land in
+    the slots, their logits in ``logits``. Rows whose slots are consecutive (a decode step of every
+    running request, a chunk alone) run on a view of the slots, written in place; others on a
+    gathered copy, whose new positions are written back."""
     device = history.device
+    group = sorted(group, key=lambda row: row.slot)
     count = group[0].end - group[0].first
     width = max(row.end for row in group)
+    low = group[0].slot
+    consecutive = all(row.slot == low + b for b, row in enumerate(group))
     slots = torch.tensor([row.slot for row in group], dtype=torch.int64, device=device)
     first = torch.tensor([row.first for row in group], dtype=torch.int64, device=device)
     positions = first.unsqueeze(1) + torch.arange(count, device=device)  # [B, count]
     lines = torch.tensor([order[row.index] for row in group], dtype=torch.int64, device=device)
     tokens = history.index_select(0, lines).gather(1, positions)
     valid = torch.arange(width + 1, device=device) < first.unsqueeze(1)
-    view = StaticCache(keys=cache.slot_keys[:, slots, :, :width + 1], values=cache.slot_values[:, slots, :, :width + 1],
+    rows = slice(low, low + len(group)) if consecutive else slots
+    view = StaticCache(keys=cache.slot_keys[:, rows, :, :width + 1], values=cache.slot_values[:, rows, :, :width + 1],
                        valid=valid, length=first.clone())
     keep = max(row.end - min((p for _, p in row.extras), default=row.end - 1) for row in group)
     out, view = adapter.apply(spec, params, tokens, positions, view, logits_to_keep=keep)
-    rows_of = torch.arange(len(group), device=device).unsqueeze(1)
-    cache.slot_keys[:, slots.unsqueeze(1), :, positions] = view.keys[:, rows_of, :, positions]
-    cache.slot_values[:, slots.unsqueeze(1), :, positions] = view.values[:, rows_of, :, positions]
+    if not consecutive:
+        rows_of = torch.arange(len(group), device=device).unsqueeze(1)
+        cache.slot_keys[:, slots.unsqueeze(1), :, positions] = view.keys[:, rows_of, :, positions]
+        cache.slot_values[:, slots.unsqueeze(1), :, positions] = view.values[:, rows_of, :, positions]
     cache.held[slots.unsqueeze(1), positions] = tokens
     for b, row in enumerate(group):
         if row.samples:
