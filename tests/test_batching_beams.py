@@ -16,13 +16,12 @@ from conftest import tiny_pair
 from genfn.batching import beam_groups
 from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
-from genfn.batching.engine import Engine, engine_step
+from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.manager import ContinuousBatchingManager, sequence_ids
 from genfn.batching.requests import RequestStatus, make_request
 from genfn.batching.settings import request_settings
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
-from genfn.models.packed import init_packed_cache
 
 WAIT_S = 60
 
@@ -66,8 +65,8 @@ OTHERS = {
 
 
 def _run_engine(model, num_blocks, max_batch_tokens, block_size=4, width=16, max_steps=400, kind="fifo"):
-    engine = Engine(model, init_packed_cache(model.spec, num_blocks, block_size), max_batch_tokens=max_batch_tokens,
-                    max_requests=8, table_width=width)
+    cache = require_packed_forward(model).init_packed_cache(model.spec, num_blocks, block_size)
+    engine = Engine(model, cache, max_batch_tokens=max_batch_tokens, max_requests=8, table_width=width)
     state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(kind=kind, max_requests_per_batch=8,
                                                                        max_blocks_per_request=width))
     for rid, (prompt, limit, settings) in {**BEAMS, **OTHERS}.items():

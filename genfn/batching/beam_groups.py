@@ -163,10 +163,7 @@ def _fail(engine, state, gid, members):
     error = (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {gid!r}; pass "
              f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
     state, ended = S.finish(state, gid, RequestStatus.FAILED, error, keep_cached=False)
-    if orphaned:
-        index = torch.tensor(orphaned, dtype=torch.int64, device=engine.cache.keys.device)
-        engine.cache.keys.index_fill_(1, index, 0)
-        engine.cache.values.index_fill_(1, index, 0)
+    engine.clear_blocks(orphaned)
     return state, [(ended, None)]
 
 

@@ -222,21 +222,16 @@ class Engine:
         return logits
 
     def clear_blocks(self, blocks) -> None:
-        """Zero the keys and values of ``blocks`` (in place, between steps)."""
+        """Forget what the cache holds for ``blocks`` (in place, between steps: a failed request's
+        keys and values, which may be NaN; ``clear_blocks`` of the family's cache)."""
         if blocks:
-            index = torch.tensor(list(blocks), dtype=torch.int64, device=self.cache.keys.device)
-            self.cache.keys.index_fill_(1, index, 0)
-            self.cache.values.index_fill_(1, index, 0)
+            self.cache = self.cache.clear_blocks(blocks)
 
     def copy_blocks(self, copies) -> None:
-        """Copy whole blocks' keys and values, ``(source, target)`` pairs (``blocks.fork``'s
-        copies), in place between steps."""
+        """Copy whole blocks, ``(source, target)`` pairs (``blocks.fork``'s copies), in place between
+        steps (``copy_blocks`` of the family's cache)."""
         if copies:
-            device = self.cache.keys.device
-            source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
-            target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
-            self.cache.keys.index_copy_(1, target, self.cache.keys.index_select(1, source))
-            self.cache.values.index_copy_(1, target, self.cache.values.index_select(1, source))
+            self.cache = self.cache.copy_blocks(copies)
 
     def warmup(self) -> None:
         """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
@@ -406,7 +401,8 @@ def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None
     if extra:
         rows = len(batch.chunks) if num_rows is None else num_rows
         sample_rows.extend(range(rows, rows + extra))
-    return PackedPlan(first if num_tokens is None else num_tokens, tuple(decode), tuple(prefill), tuple(sample_rows))
+    return PackedPlan(first if num_tokens is None else num_tokens, tuple(decode), tuple(prefill), tuple(sample_rows),
+                      batch.request_ids)
 
 
 def stopped_by_string(request: RequestState, device=None) -> bool:

@@ -61,6 +61,25 @@ class PagedKVCache(CacheBase):
     def num_layers(self) -> int:
         return self.keys.shape[0]
 
+    def copy_blocks(self, copies) -> "PagedKVCache":
+        """Copy whole blocks' keys and values, ``(source, target)`` pairs (a forked beam's partial
+        last block), in place between steps; returns the cache (donated)."""
+        if copies:
+            source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.keys.device)
+            target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=self.keys.device)
+            self.keys.index_copy_(1, target, self.keys.index_select(1, source))
+            self.values.index_copy_(1, target, self.values.index_select(1, source))
+        return self
+
+    def clear_blocks(self, blocks) -> "PagedKVCache":
+        """Zero the keys and values of ``blocks`` in place (a failed request's, which may hold NaN:
+        a later request reads stale slots masked out, and ``0 * NaN`` is NaN); returns the cache."""
+        if blocks:
+            index = torch.tensor(list(blocks), dtype=torch.int64, device=self.keys.device)
+            self.keys.index_fill_(1, index, 0)
+            self.values.index_fill_(1, index, 0)
+        return self
+
 
 def init_paged_cache(
     num_layers: int,
@@ -215,12 +234,15 @@ class PackedPlan:
     ``decode``: ``(token, row, blocks)`` of every one-token chunk; ``prefill``: ``(first_token,
     num_tokens, row, blocks)`` of every longer chunk; ``blocks``: how many entries of the row's
     block table its keys span after this step. ``sample_rows``: the rows whose logits are used.
+    ``request_ids``: the request of each row, in row order (a wrapped module's slots are kept by
+    request: ``genfn.models.module_packed``); empty when not known.
     """
 
     num_tokens: int
     decode: tuple[tuple[int, int, int], ...] = ()
     prefill: tuple[tuple[int, int, int, int], ...] = ()
     sample_rows: tuple[int, ...] = ()
+    request_ids: tuple = ()
 
     def __post_init__(self) -> None:
         covered = len(self.decode) + sum(n for _, n, _, _ in self.prefill)

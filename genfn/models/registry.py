@@ -11,7 +11,9 @@ the module (keyed by the module that defines the family's spec class) with
 cache (``genfn.batching.inputs.BatchInputs``, ``genfn.cache.paged``), ``init_packed_cache(spec,
 num_blocks, block_size, dtype=, device=)`` and ``pack_params(params)`` (the eager forward's weights,
 e.g. prepacked for the GEMM; return ``params`` when nothing is to be done); ``COMPILES = False``
-when the forward must run eagerly (the batching manager then never compiles it).
+when the forward must run eagerly (the batching manager then never compiles it). The cache has
+``copy_blocks(pairs)`` (a forked beam's partial block) and ``clear_blocks(blocks)`` (a failed
+request's), each in place, returning the cache.
 ``packed_forward(model)`` finds it; the batching manager refuses a model whose family has none.
 """
 
@@ -60,7 +62,7 @@ MODEL_TYPES: dict[str, str] = {
 PACKED_FORWARDS: dict[str, str] = {
     "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias), LongRoPE
     "genfn.models.gemma": "genfn.models.gemma_packed",  # Gemma 2 / Gemma 3 (text)
-    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: tokens paged, prefixes recomputed
+    "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: a key/value slot per request
 }
 
 
