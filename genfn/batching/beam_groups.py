@@ -168,10 +168,7 @@ def _fail(engine, state, gid, members):
     error = (f"NonFiniteLogitsError: the model produced NaN or infinite logits for request {gid!r}; pass "
              f"remove_invalid_values=True to replace them and keep generating, or check the model's weights and dtype")
     state, ended = S.finish(state, gid, RequestStatus.FAILED, error, keep_cached=False)
-    if orphaned:
-        index = torch.tensor(orphaned, dtype=torch.int64, device=engine.cache.keys.device)
-        engine.cache.keys.index_fill_(1, index, 0)
-        engine.cache.values.index_fill_(1, index, 0)
+    engine.clear_blocks(orphaned)
     return state, [(ended, None)]
 
 
@@ -213,7 +210,7 @@ def _fork(engine, state: S.SchedulerState, gid, members, parents, tokens, search
         if copy is not None:
             copies.append(copy)
     alloc = B.rename(alloc, {parked[members[parent]]: ids[j] for parent, j in first_child.items()})
-    _copy_blocks(engine.cache, copies)
+    engine.copy_blocks(copies)
     requests = {rid: r for rid, r in state.requests.items() if rid not in parked}
     for j, parent in enumerate(parents):
         source = state.requests[members[parent]]
@@ -227,13 +224,3 @@ def _fork(engine, state: S.SchedulerState, gid, members, parents, tokens, search
     return state.replace(allocator=alloc, requests=MappingProxyType(requests), active=tuple(active),
                          groups=MappingProxyType(groups))
 
-
-def _copy_blocks(cache, copies) -> None:
-    """Copy whole blocks' keys and values, ``(source, target)`` pairs, in place between steps."""
-    if not copies:
-        return
-    device = cache.keys.device
-    source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
-    target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
-    cache.keys.index_copy_(1, target, cache.keys.index_select(1, source))
-    cache.values.index_copy_(1, target, cache.values.index_select(1, source))
