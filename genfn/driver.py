@@ -541,13 +541,10 @@ def _observe(strategy, state, stopping_criteria: Callable | None, trace):
 
 
 def _out_of_time(model, max_time: float | None, start_time: float) -> bool:
-    """Whether ``max_time`` ran out; under tensor parallelism rank 0's clock decides for every
-    rank (one broadcast a step, only when ``max_time`` is set), so that all stop at one step."""
-    if max_time is None:
-        return False
-    late = time.monotonic() - start_time >= max_time
+    """Whether ``max_time`` ran out; under tensor parallelism rank 0's clock decides for every rank."""
+    late = max_time is not None and time.monotonic() - start_time >= max_time
     shard = getattr(getattr(model, "spec", None), "tensor_shard", None)
-    return late if shard is None else decided_by_rank0(shard, late, getattr(model, "device", None))
+    return late if max_time is None or shard is None else decided_by_rank0(shard, late, getattr(model, "device", None))
 
 
 def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_criteria: Callable | None = None,
