@@ -181,8 +181,14 @@ def batching_check(shard) -> dict:
     config, state = tiny_state("LlamaForCausalLM")
     cb = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, max_requests_per_batch=6)
     requests = _batch_requests()
-    whole = _run_manager(from_hf_state_dict(config, state), cb, requests)
-    return {"whole": whole, "sharded": _run_manager(from_hf_state_dict(config, state, tensor_shard=shard), cb, requests)}
+    whole, mine = from_hf_state_dict(config, state), from_hf_state_dict(config, state, tensor_shard=shard)
+    out = {"whole": _run_manager(whole, cb, requests), "sharded": _run_manager(mine, cb, requests)}
+    # generate_batch (warm-up, start, stop, destroy) on every rank: rank 0's outputs, {} elsewhere
+    prompts = [prompt for prompt, _, _ in requests[:4]]
+    for name, model in (("batch_whole", whole), ("batch_sharded", mine)):
+        results = model.generate_batch(prompts, max_new_tokens=5, do_sample=False, continuous_batching_config=cb)
+        out[name] = [r.generated_tokens for r in results.values()]
+    return out
 
 
 def guidance_error_check(shard) -> str:

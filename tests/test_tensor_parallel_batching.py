@@ -33,6 +33,12 @@ def test_continuous_batching_tokens_equal_one_process(results):
     assert sharded["role"] == "leader" and not sharded["running"]
 
 
+def test_generate_batch_returns_rank_0s_outputs(results):
+    leader, follower = _result(results, "batching")
+    assert len(leader["batch_whole"]) == 4 and leader["batch_sharded"] == leader["batch_whole"]
+    assert follower["batch_sharded"] == []  # {} off rank 0: the outputs live on rank 0
+
+
 def test_the_other_ranks_follow_without_requests(results):
     _, follower = _result(results, "batching")
     sharded = follower["sharded"]
