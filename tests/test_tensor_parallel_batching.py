@@ -61,3 +61,17 @@ def test_max_time_is_decided_by_rank_0(results):
         assert result["plenty"] == result["free"], rank  # every step ran, as without max_time
         assert all(len(row) == start + 1 for row in result["none"]), (rank, result["none"])
     assert ranks[0] == ranks[1]
+
+
+def test_commands_carry_integer_tensors_in_one_buffer():
+    import torch
+
+    from genfn.batching.tensor_parallel import pack, unpack
+
+    tensors = [torch.arange(6).reshape(2, 3), torch.tensor([True, False, True]), torch.tensor([-1, 7])]
+    buffer, layout = pack(tensors, torch.device("cpu"))
+    assert buffer.dtype == torch.int64 and buffer.numel() == 11
+    for sent, got in zip(tensors, unpack(buffer, layout)):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    with pytest.raises(TypeError, match="integer or bool"):
+        pack([torch.ones(2)], torch.device("cpu"))

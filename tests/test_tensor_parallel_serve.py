@@ -205,3 +205,10 @@ def test_sigint_drains_and_stops_every_rank(tiny_dir):
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_python_m_genfn_serve_says_how_to_start_the_ranks(tiny_dir):
+    result = subprocess.run([sys.executable, "-m", "genfn.serve", "--model", tiny_dir, "--tp", "2", "--port", "0"],
+                            capture_output=True, text=True, timeout=WAIT, env=_env(), cwd=REPO)
+    assert result.returncode == 2
+    assert "genfn serve --tp 2" in result.stderr and "torchrun" in result.stderr, result.stderr
