@@ -35,7 +35,7 @@ import time
 import torch
 
 __all__ = ["TensorParallelError", "init_tensor_parallel", "spawn_ranks", "launched_by_torchrun", "threads_per_rank",
-           "report_failure", "shutdown", "DEFAULT_TIMEOUT"]
+           "report_failure", "shutdown", "fail", "decided_by_rank0", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait (a first compile on a busy machine is slow)
 HEARTBEAT_TIMEOUT = 30.0  # seconds without a beat before a rank is declared gone
@@ -167,8 +167,8 @@ def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = No
     shard = current_shard()
     if shard.world_size > 1:
         store = dist.distributed_c10d._get_default_store()
-        _state["watchdog"] = _Watchdog(store, shard.rank, shard.world_size, heartbeat_timeout,
-                                       on_failure or _default_on_failure)
+        _state["on_failure"] = on_failure or _default_on_failure
+        _state["watchdog"] = _Watchdog(store, shard.rank, shard.world_size, heartbeat_timeout, _state["on_failure"])
     return shard
 
 
@@ -183,10 +183,40 @@ def report_failure(message: str) -> None:
         dist.distributed_c10d._get_default_store().compare_set(_FAILED, "", message)
 
 
+def fail(error: BaseException):
+    """A collective of a background thread failed (a rank died, or a peer's error broke the group):
+    report the clearest account of it (``explain``) and hand it to the group's ``on_failure``
+    (default: print ``genfn: error: tensor-parallel rank N ...`` and end the process with status 1,
+    ending spawned ranks too). Raises ``TensorParallelError`` when ``on_failure`` returns, or when
+    the group was not formed by ``init_tensor_parallel``."""
+    on_failure = _state.get("on_failure")
+    if on_failure is None:
+        raise error
+    message = explain(error)
+    report_failure(message)
+    on_failure(f"tensor-parallel {message}")
+    raise TensorParallelError(message) from error
+
+
+def decided_by_rank0(shard, flag: bool, device=None) -> bool:
+    """Rank 0's ``flag`` on every rank of ``shard``'s group (one broadcast): a decision taken on
+    a host clock (``max_time``) must be the same on every rank, or one rank stops while the
+    others wait in the next step's collectives. ``shard`` None: ``flag`` itself."""
+    if shard is None or shard.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([int(bool(flag))], dtype=torch.int64, device=device)
+    group = dist.distributed_c10d._resolve_process_group(shard.group_name)
+    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    return bool(value.item())
+
+
 def shutdown(wait_children: float = 30.0) -> None:
     """Stop the watchdog, destroy the process group and wait for (then end) spawned ranks."""
     import torch.distributed as dist
 
+    _state.pop("on_failure", None)
     watchdog = _state.pop("watchdog", None)
     if watchdog is not None:
         watchdog.stop()

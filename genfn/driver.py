@@ -31,6 +31,7 @@ from genfn import kernels
 from genfn.kernels import invariant
 from genfn.compile_backend import with_genfn_backend
 from genfn.config.caches import COMPILABLE_CACHES
+from genfn.distributed import decided_by_rank0
 from genfn.models.functional import FunctionalModel
 from genfn.quant import QUANTIZED_TYPES
 from genfn.strategies.request import StepTrace
@@ -539,6 +540,13 @@ def _observe(strategy, state, stopping_criteria: Callable | None, trace):
     return state, view
 
 
+def _out_of_time(model, max_time: float | None, start_time: float) -> bool:
+    """Whether ``max_time`` ran out; under tensor parallelism rank 0's clock decides for every rank."""
+    late = max_time is not None and time.monotonic() - start_time >= max_time
+    shard = getattr(getattr(model, "spec", None), "tensor_shard", None)
+    return late if max_time is None or shard is None else decided_by_rank0(shard, late, getattr(model, "device", None))
+
+
 def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_criteria: Callable | None = None,
         compile_options: dict | None = None, max_time: float | None = None, start_time: float | None = None,
         trace=None, constraint=None):
@@ -563,7 +571,7 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
             streamer.put(state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1).cpu())
         advance = None
         for _ in range(num_steps):
-            if view.all_done or (max_time is not None and time.monotonic() - start_time >= max_time):
+            if view.all_done or _out_of_time(model, max_time, start_time):
                 break
             # Attention covers the filled slots plus what this step writes; the span's size is
             # dynamic, so one compiled step serves every length.

@@ -130,3 +130,94 @@ def smollm2_check(shard) -> dict:
     return {"greedy": (_tokens(one), _tokens(split)), "margins": margins, "prompt_len": ids.shape[1],
             "logit_gaps": [float((a.float() - b.float()).abs().max()) for a, b in zip(one.logits, split.logits)],
             "kv_heads": mine.spec.num_kv_heads}
+
+
+def _batch_requests() -> list:
+    """A mixed batch: prompts of 1 to 50 tokens (some sharing a 13-token system prefix), greedy
+    rows, a sampled row, a beam-search row and a prompt-lookup row."""
+    import random
+
+    rng = random.Random(3)
+    system = [rng.randrange(3, 97) for _ in range(13)]
+    requests = []
+    for i in range(12):
+        prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 50))]
+        requests.append((system + prompt[:20] if i % 3 == 1 else prompt, rng.randint(1, 12), {"do_sample": False}))
+    requests.append((REPEATING[0] * 2, 10, {"do_sample": False, "prompt_lookup_num_tokens": 3}))
+    requests.append((PROMPTS[0], 8, {"do_sample": True, "temperature": 1.3, "seed": 7}))
+    requests.append((PROMPTS[0][2:], 6, {"do_sample": False, "num_beams": 2}))
+    return requests
+
+
+def _run_manager(model, cb, requests, wait: float = 300.0) -> dict:
+    """Every request through ``ContinuousBatchingManager(model)`` (the leader's or a follower's on a
+    shard), the same calls on every rank: ids, rank 0's tokens, the stats and what ran."""
+    import time
+
+    from genfn.batching import ContinuousBatchingManager
+
+    manager = ContinuousBatchingManager(model, None, cb, prefill_tokens_while_decoding="uncapped")
+    manager.start()
+    ids = [manager.add_request(prompt, max_new_tokens=limit, **settings) for prompt, limit, settings in requests]
+    outputs, deadline = {}, time.monotonic() + wait
+    while ids[0] is not None and len(outputs) < len(ids) and time.monotonic() < deadline:
+        out = manager.get_result(timeout=1.0)
+        if out is not None and out.is_finished():
+            outputs[out.request_id] = out
+    manager.stop(block=True, timeout=wait)
+    return {"ids": ids, "tokens": [outputs[i].generated_tokens if i in outputs else None for i in ids],
+            "errors": [outputs[i].error for i in ids if i in outputs and outputs[i].error],
+            "preempted": manager.stats["preempted"], "steps": manager.stats["steps"],
+            "role": manager.tensor_parallel_role, "running": manager.is_running()}
+
+
+def batching_check(shard) -> dict:
+    """Continuous batching of ``_batch_requests`` on the whole model (one process) and on this
+    rank's shard (rank 0 leads, the others follow), with chunked prefill (16 tokens a forward)
+    and preemption (24 blocks of 4 tokens for 6 rows at a time)."""
+    from genfn.config.batching import ContinuousBatchingConfig
+    from genfn.models.model import from_hf_state_dict
+
+    config, state = tiny_state("LlamaForCausalLM")
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, max_requests_per_batch=6)
+    requests = _batch_requests()
+    whole, mine = from_hf_state_dict(config, state), from_hf_state_dict(config, state, tensor_shard=shard)
+    out = {"whole": _run_manager(whole, cb, requests), "sharded": _run_manager(mine, cb, requests)}
+    # generate_batch (warm-up, start, stop, destroy) on every rank: rank 0's outputs, {} elsewhere
+    prompts = [prompt for prompt, _, _ in requests[:4]]
+    for name, model in (("batch_whole", whole), ("batch_sharded", mine)):
+        results = model.generate_batch(prompts, max_new_tokens=5, do_sample=False, continuous_batching_config=cb)
+        out[name] = [r.generated_tokens for r in results.values()]
+    return out
+
+
+def guidance_error_check(shard) -> str:
+    """What rank 0's manager says to a guidance_scale request on a shard (the others add nothing)."""
+    from genfn.batching import ContinuousBatchingManager
+    from genfn.models.model import from_hf_state_dict
+
+    config, state = tiny_state("LlamaForCausalLM")
+    manager = ContinuousBatchingManager(from_hf_state_dict(config, state, tensor_shard=shard))
+    try:
+        manager.add_request(PROMPTS[0], max_new_tokens=3, guidance_scale=2.0)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    return "no error"
+
+
+def max_time_check(shard) -> dict:
+    """``max_time`` decided by rank 0's clock: each rank passes a different budget, so a rank that
+    used its own would stop at another step than the others (and leave them in a collective)."""
+    import genfn
+    from genfn.models.model import from_hf_state_dict
+
+    config, state = tiny_state("LlamaForCausalLM")
+    mine = from_hf_state_dict(config, state, tensor_shard=shard)
+    ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
+    rank0 = shard.rank == 0
+    plenty = genfn.generate(mine, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                            max_time=1e6 if rank0 else 0.0)  # rank 0 has time: every rank runs 10 steps
+    none = genfn.generate(mine, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                          max_time=0.0 if rank0 else 1e6)  # rank 0 has none: every rank stops after the first token
+    free = genfn.generate(mine, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    return {"plenty": _tokens(plenty), "none": _tokens(none), "free": _tokens(free), "prompt_len": ids.shape[1]}

@@ -6,7 +6,8 @@ transformers' ``Scheduler`` classes over them; ``inputs``: the index tensors of 
 forward; ``hints``: ``WorkloadHints`` to default sizes; ``engine``: the step (packed forward,
 per-request processors and sampling); ``settings``: a request's own generation settings;
 ``manager`` / ``results`` / ``api``: the thread, its outputs and transformers' entry points;
-``metrics``: ``EngineMetrics`` snapshots. The token choice and its log-probabilities are
+``metrics``: ``EngineMetrics`` snapshots; ``tensor_parallel``: the managers of a model's tensor-parallel ranks
+(rank 0 leads, the others follow its engine's commands). The token choice and its log-probabilities are
 ``genfn.strategies.token_choice`` (``generate``'s too). The key/value tensors and the attention
 over a packed batch are ``genfn.cache.paged``.
 """
@@ -24,6 +25,7 @@ from genfn.batching.api import (
 )
 from genfn.batching.engine import Engine, RequestSettings, engine_step
 from genfn.batching.manager import ContinuousBatchingManager, sequence_ids
+from genfn.batching.tensor_parallel import FollowerManager, LeaderManager  # registers the ranks' managers
 from genfn.batching.metrics import EngineMetrics, Histogram
 from genfn.batching.results import GenerationOutput
 from genfn.batching.scheduling import (
@@ -44,8 +46,10 @@ __all__ = [
     "ContinuousBatchingManager",
     "Engine",
     "EngineMetrics",
+    "FollowerManager",
     "GenerationOutput",
     "Histogram",
+    "LeaderManager",
     "RequestSettings",
     "FIFOScheduler",
     "PrefillFirstScheduler",

@@ -33,6 +33,7 @@ from genfn.batching.beam_groups import leader_request as beam_leader
 from genfn.batching.engine import Engine, compile_options, engine_step, require_packed_forward
 from genfn.batching.hints import WorkloadHints, resolve
 from genfn.batching.metrics import EngineMetrics, MetricsRecorder
+from genfn.batching.ranks import RankRoles
 from genfn.batching.requests import RequestStatus, sequence_ids
 from genfn.batching.results import GenerationOutput, OutputRouter, RequestRecord
 from genfn.batching.scheduler import make_scheduler
@@ -47,12 +48,11 @@ logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 0.1  # how long the idle loop sleeps before looking at its flags again
 
-
 # ``prefill_tokens_while_decoding`` that opens the whole token budget to prompt tokens.
 UNCAPPED = "uncapped"
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(RankRoles):  # a tensor-parallel model's ranks: genfn.batching.tensor_parallel
     """Requests in, results out, a background thread doing the batching in between.
 
     ``generation_config``: the defaults every request starts from (a request's own keyword
@@ -150,9 +150,10 @@ class ContinuousBatchingManager:
         width = sizes.max_blocks_per_request
         cache = self._family.init_packed_cache(self.model.spec, sizes.num_blocks, sizes.block_size,
                                                dtype=self.model.dtype, device=self.model.device)
-        self.engine = Engine(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
-                             max_requests=sizes.max_requests_per_batch, table_width=width,
-                             compile=compile_options(self._family, cb, self.model.device), batch_invariant=self.batch_invariant)
+        self.engine = self._engine_class(self.model, cache, max_batch_tokens=sizes.max_batch_tokens,
+                                         max_requests=sizes.max_requests_per_batch, table_width=width,
+                                         compile=compile_options(self._family, cb, self.model.device),
+                                         batch_invariant=self.batch_invariant)
         self.scheduler = make_scheduler(cb.scheduler_type, sizes.num_blocks, sizes.block_size,
                                         safety_margin=cb.safety_margin,
                                         max_requests_per_batch=sizes.max_requests_per_batch,

@@ -21,6 +21,7 @@ import torch
 
 from genfn.batching import guidance_groups as GG
 from genfn.batching.engine import RequestSettings
+from genfn.batching.ranks import tensor_parallel_shard
 from genfn.batching.requests import RequestState, make_request
 from genfn.batching.speculation import Speculation
 from genfn.batching.row_state import RowCarry
@@ -152,6 +153,9 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         if int(request.config.num_beams or 1) == beams:
             break
         beams = int(request.config.num_beams or 1)
+    if request.guidance is not None and tensor_parallel_shard(model) is not None:
+        raise ValueError("guidance_scale does not run in continuous batching under tensor parallelism (its "
+                         "unconditional branch would run on rank 0 alone); run it with genfn.generate on every rank")
     # A healed prompt is one row without padding (genfn.healing re-pads rows to the batch's widest).
     prompt = tuple(request.input_ids[0][request.attention_mask[0].bool()].tolist())
     if beams > 1:

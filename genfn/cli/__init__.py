@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "tp", 1) > 1:
             from genfn.distributed import run_command
 
-            if args.command != "generate":  # the others need rank 0's inputs/schedule broadcast (not yet)
-                raise UserError(f"--tp is supported by `genfn generate` so far, not by `genfn {args.command}`")
-            if "-" in (args.prompt_file, args.prompt) or (args.prompt is None and args.prompt_file is None):
+            if args.command not in ("generate", "serve"):  # chat and batch: not wired to the ranks yet
+                raise UserError(f"--tp is supported by `genfn generate` and `genfn serve` so far, not by "
+                                f"`genfn {args.command}`")
+            if args.command == "generate" and ("-" in (args.prompt_file, args.prompt)
+                                               or (args.prompt is None and args.prompt_file is None)):
                 raise UserError("--tp reads the prompt from the command line or --file on every rank, "
                                 "not from standard input")
 

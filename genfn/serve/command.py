@@ -87,12 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     batching.add_argument("--no-prefix-caching", action="store_true", help="do not share the blocks of common "
                                                                             "prompt prefixes")
     batching.add_argument("--compile", action="store_true", help="torch.compile the batched forward")
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                        help="tensor parallelism over N ranks: `genfn serve --tp N` starts them on this machine, "
+                             "`torchrun ... -m genfn serve --tp N` on several; rank 0 serves (docs/guides/distributed.md)")
     parser.add_argument("--drain-timeout", type=_seconds, default=30.0,
                         help="at shutdown, seconds requests in flight may still run (default 30)")
     return parser
 
 
 def _status(message: str) -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank() > 0:
+        return  # tensor parallelism: rank 0 alone reports
     print(f"genfn serve: {message}", file=sys.stderr, flush=True)
 
 
@@ -130,9 +136,16 @@ def main(args: argparse.Namespace) -> int:
     from genfn.serve.app import create_app
 
     started = time.perf_counter()
+    options = {}
+    if getattr(args, "tp", 1) > 1:
+        shard = _tensor_shard(args.tp)
+        if shard is None:
+            return 2
+        options["tensor_shard"] = shard
     _status(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     try:
-        model = genfn.load(args.model, dtype=getattr(torch, args.dtype), quantize=command_quantize(args.quantize, args.model, args.dtype))
+        model = genfn.load(args.model, dtype=getattr(torch, args.dtype), quantize=command_quantize(args.quantize, args.model, args.dtype),
+                           **options)
     except (OSError, ValueError) as exc:
         _status(f"cannot load the model: {exc}")
         return 1
@@ -140,6 +153,8 @@ def main(args: argparse.Namespace) -> int:
         _status("the model has no tokenizer; the server needs one to read and write text")
         return 1
     manager = ContinuousBatchingManager(model, continuous_batching_config=_batching_config(args))
+    if manager.tensor_parallel_role == "follower":
+        return _follow(manager)
     if args.compile:
         compiling = time.perf_counter()
         _status("compiling the batched forward for every padded size (first run: minutes) ...")
@@ -161,6 +176,30 @@ def main(args: argparse.Namespace) -> int:
             manager.stop(block=True, timeout=10, hard_stop=True)
         _status("stopped")
     return 0 if server.started else 1
+
+
+def _tensor_shard(world_size: int):
+    """This rank's ``TensorShard`` (the ranks were started by ``genfn serve --tp`` or torchrun), or
+    None after saying how to start them."""
+    import torch.distributed as dist
+
+    from genfn.models.tensor_parallel import current_shard
+
+    if not dist.is_initialized():
+        _status(f"--tp {world_size} needs its ranks: run `genfn serve --tp {world_size} ...` (it starts them) or "
+                f"`torchrun --nproc-per-node {world_size} -m genfn serve --tp {world_size} ...`")
+        return None
+    return current_shard()
+
+
+def _follow(manager) -> int:
+    """A rank other than 0 serves nothing: it runs rank 0's commands until rank 0's loop stops.
+    Ctrl-C is rank 0's to handle (it drains, then stops every rank), so this rank ignores SIGINT."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    manager.start()
+    manager.join()
+    return 0 if manager.fatal_error is None else 1
 
 
 def _server(config, on_shutdown):
