@@ -233,16 +233,6 @@ class Engine:
         if copies:
             self.cache = self.cache.copy_blocks(copies)
 
-    def copy_blocks(self, copies) -> None:
-        """Copy whole blocks' keys and values, ``(source, target)`` pairs, in place between steps."""
-        if not copies:
-            return
-        cache, device = self.cache, self.cache.keys.device
-        source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
-        target = torch.tensor([t for _, t in copies], dtype=torch.int64, device=device)
-        cache.keys.index_copy_(1, target, cache.keys.index_select(1, source))
-        cache.values.index_copy_(1, target, cache.values.index_select(1, source))
-
     def warmup(self) -> None:
         """Run (and so compile) the forward at every padded token count, on padding only; eagerly,
         at the smallest and largest count (first-call allocations and kernel builds)."""
