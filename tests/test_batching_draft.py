@@ -93,8 +93,11 @@ def _mixed(target, draft):
         {"do_sample": False},
         {**sample, "seed": 11},
         {"do_sample": False, "prompt_lookup_num_tokens": 3},
-        {"do_sample": False, "assistant_model": target, "num_assistant_tokens": 4},
-        {**sample, "seed": 12, "assistant_model": target, "num_assistant_tokens": 5},
+        {"do_sample": False, "assistant_model": target, "num_assistant_tokens": 4,
+         "assistant_confidence_threshold": 0.0},
+        {"do_sample": False, "assistant_model": target, "num_assistant_tokens": 3},  # the adaptive threshold
+        {**sample, "seed": 12, "assistant_model": target, "num_assistant_tokens": 5,
+         "assistant_confidence_threshold": 0.0},
         {**sample, "seed": 13, "assistant_model": draft, "num_assistant_tokens": 3},
         {"do_sample": False, "assistant_model": draft, "num_assistant_tokens": 3,
          "assistant_confidence_threshold": 0.0},
@@ -121,12 +124,46 @@ def test_mixed_batch_with_preemption_equals_generate(models):
 def test_greedy_draft_requests_equal_plain_greedy_without_preemption(models):
     target, draft = models
     prompts = _prompts(5, 4)
-    requests = [(p, 16, {"do_sample": False, "assistant_model": a, "num_assistant_tokens": 4})
+    # A tiny random model is unsure of every token: the default confidence threshold (0.4) would end
+    # each round after one draft, so it is off here.
+    requests = [(p, 16, {"do_sample": False, "assistant_model": a, "num_assistant_tokens": 4,
+                         "assistant_confidence_threshold": 0.0})
                 for p, a in zip(prompts, (target, draft, target, draft))]
     tokens, most, preempted = _drive(target, requests, blocks=64, budget=64)
     assert preempted == 0 and most > 4
     for (prompt, limit, _), got in zip(requests, tokens):
         assert got == _alone(target, prompt, limit, {"do_sample": False})
+
+
+def test_rounds_split_over_steps_by_a_tight_budget_keep_generates_tokens(models, monkeypatch):
+    """Eight tokens a forward for five decoding rows with six drafts each: most rounds are fed in
+    parts (the row's own logits verify one draft more than it fed), and sampled rows still give
+    ``generate``'s tokens."""
+    from genfn.batching import drafting
+
+    target, draft = models
+    continued = []
+    settle = drafting.settle
+
+    def spy(rounds, verified, accepted, kept, bonus):
+        continued.append(accepted == verified == kept and not bonus)
+        settle(rounds, verified, accepted, kept, bonus)
+
+    monkeypatch.setattr(drafting, "settle", spy)
+    base = {"num_assistant_tokens": 6, "assistant_confidence_threshold": 0.0}
+    # The target drafting for itself with nothing between its logits and p (top_k=0): every draft
+    # is kept, so a round's parts and its bonus token fall where only the round's bookkeeping puts them.
+    same = {"do_sample": True, "top_k": 0, "assistant_model": target, **base}
+    settings = [{**same, "seed": 31},
+                {"do_sample": False, "assistant_model": target, **base},
+                {**same, "seed": 34},
+                {"do_sample": True, "seed": 32, "assistant_model": draft, **base},
+                {"do_sample": True, "temperature": 0.7, "seed": 33, "assistant_early_exit": 1, **base}]
+    prompts = _prompts(12, len(settings))
+    expected = [_alone(target, p, 20, s) for p, s in zip(prompts, settings)]
+    tokens, most, _ = _drive(target, [(p, 20, s) for p, s in zip(prompts, settings)], blocks=64, budget=8, rows=5)
+    assert sum(continued) >= 3 and most > 2, (sum(continued), most)
+    assert tokens == expected
 
 
 def test_heuristic_schedule_matches_generate_and_is_carried(models):
