@@ -22,6 +22,12 @@ Engines:
                   ``--prompt-lookup-tokens``, 10); its line gives its ratio over genfn-cb in the
                   same run (the same tokens, fewer forwards); warmed up on 32 tokens a request
                   (genfn-cb on 2), as its forwards' shapes vary with what is accepted
+    genfn-cb-draft   genfn-cb with draft-model speculation (``assistant_model``): the draft is
+                  SmolLM2's own first ``--draft-layers`` (8) layers with its final norm and LM
+                  head, loaded as a separate model with a cache of its own (no download; a
+                  truncated model predicts the full one's tokens far worse than a trained draft
+                  would), ``--draft-tokens`` (4) drafts a round; each request drafts at batch size
+                  1 beside the batch (``genfn.batching.drafting``)
     genfn-cb-capped  the same with prompt tokens capped at a quarter of the budget while requests
                   decode (the manager's default, for serving): what the cap costs or saves
     hf-cb         transformers ``model.generate_batch`` (its continuous batching, paged attention)
@@ -108,6 +114,21 @@ def run_genfn_cb(model, prompts, new_tokens, max_batch_tokens=512, prefill_token
                                    **settings)
     wall = time.perf_counter() - start
     return _from_outputs("genfn-cb", results.values(), start, wall)
+
+
+def truncated_draft(model, num_layers):
+    """``model``'s first ``num_layers`` layers, final norm and LM head as a model of its own (the
+    same tensors, not copies): a draft model sharing the tokenizer, made without a download."""
+    import dataclasses
+
+    from genfn.models.model import Model
+
+    layers = model.params["layers"]
+    if not 1 <= num_layers < len(layers):
+        raise ValueError(f"--draft-layers must be in [1, {len(layers) - 1}], got {num_layers}")
+    params = {**model.params, "layers": type(layers)(layers[:num_layers])}
+    return Model(dataclasses.replace(model.spec, num_layers=num_layers), params, model.apply_fn,
+                 model.init_cache_fn, tokenizer=model.tokenizer, generation_config=model.generation_config)
 
 
 def _from_outputs(name, outputs, start, wall):
@@ -219,6 +240,9 @@ def main():
     parser.add_argument("--copy-chars", type=int, default=1200, help="characters of source each copy request holds")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10,
                         help="genfn-cb-lookup's prompt_lookup_num_tokens (drafts per step)")
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="genfn-cb-draft's draft model: SmolLM2's first that many layers")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="genfn-cb-draft's num_assistant_tokens")
     parser.add_argument("--tag", default=None, help="appended to the JSON file's name (e.g. the branch)")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -281,6 +305,13 @@ def main():
                             run_genfn_cb(model, prompts[:8], 32, **lookup)
                             result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
                                                   args.prefill_tokens_while_decoding, **lookup)
+                            result["engine"] = engine
+                        elif engine == "genfn-cb-draft":
+                            draft = {"assistant_model": truncated_draft(model, args.draft_layers),
+                                     "num_assistant_tokens": args.draft_tokens}
+                            run_genfn_cb(model, prompts[:8], 16, **draft)
+                            result = run_genfn_cb(model, prompts, args.new_tokens, args.max_batch_tokens,
+                                                  args.prefill_tokens_while_decoding, **draft)
                             result["engine"] = engine
                         elif engine == "genfn-cb-capped":
                             run_genfn_cb(model, prompts[:8], 2)

@@ -223,14 +223,13 @@ def test_the_manager_reports_one_logprob_per_token_and_counts_every_token(llama)
     assert metrics.generation_tokens_total == sum(len(b.generated_tokens) for b in speculative)
 
 
-def test_draft_models_and_prompt_lookup_with_a_grammar_are_refused_by_name(llama):
-    with pytest.raises(ValueError, match=r"draft-model speculation \(assistant_model\).*prompt_lookup_num_tokens"):
-        request_settings(llama, [5, 6, 7], None, {"assistant_model": llama}, max_new_tokens=4)
-    with pytest.raises(ValueError, match="assistant_early_exit"):
-        request_settings(llama, [5, 6, 7], None, {"assistant_early_exit": 1}, max_new_tokens=4)
-    with pytest.raises(ValueError, match="response_format"):
-        request_settings(llama, [5, 6, 7], None, {"prompt_lookup_num_tokens": 3, "response_format": {
-            "type": "regex", "pattern": "a+"}}, max_new_tokens=4)
+def test_mtp_and_lookup_with_guidance_are_refused_by_name(llama):
+    # Draft models, early exit and lookup under a grammar run (tests/test_batching_draft.py).
+    with pytest.raises(ValueError, match="use_mtp"):
+        request_settings(llama, [5, 6, 7], None, {"use_mtp": True}, max_new_tokens=4)
+    with pytest.raises(ValueError, match="guidance_scale"):
+        request_settings(llama, [5, 6, 7], None, {"prompt_lookup_num_tokens": 3, "guidance_scale": 2.0},
+                         max_new_tokens=4)
 
 
 def test_genfn_batch_reads_prompt_lookup_num_tokens_and_checks_it():

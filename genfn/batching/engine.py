@@ -58,7 +58,7 @@ class RequestSettings:
     ``top_logprobs``: how many most likely tokens to report per generated token; ``check_finite``:
     fail the request when its raw logits hold NaN/inf (off under ``remove_invalid_values``);
     ``grammar``: the request's structured-output matcher (synced to its generated tokens before
-    every mask); ``speculation``: prompt-lookup speculation (``genfn.batching.speculation``), or None.
+    every mask); ``speculation``: prompt lookup or a model drafter (``genfn.batching.speculation``), or None.
     """
 
     chain: ProcessorChain | None = None
@@ -423,7 +423,8 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     state, cancelled = S.clear_cancelled(state)
     token_budget = token_budget or engine.max_batch_tokens
     state, batch = S.schedule(state, SP.schedule_budget(state, token_budget))
-    state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len)
+    state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len,
+                                model=engine.model)
     state, batch, joined = SG.add_sequences(state, batch, engine.max_requests)
     if not batch.chunks:
         return state, StepOutcome({}, {}, failed=batch.failed, preempted=batch.preempted, cancelled=cancelled,

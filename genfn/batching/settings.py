@@ -20,6 +20,7 @@ import dataclasses
 import torch
 
 from genfn.batching import guidance_groups as GG
+from genfn.batching.drafting import DraftRounds
 from genfn.batching.engine import RequestSettings
 from genfn.batching.ranks import tensor_parallel_shard
 from genfn.batching.requests import RequestState, make_request
@@ -30,7 +31,11 @@ from genfn.generation import generate
 from genfn.processors.openai_sampling import openai_processors
 from genfn.resolve import request_key, resolve_request
 from genfn.state.beam import BeamState
+from genfn.strategies.assisted.block import BlockDrafter
+from genfn.strategies.assisted.build import carried_schedules, drafter_for
 from genfn.strategies.assisted.drafter import PromptLookupDrafter
+from genfn.strategies.assisted.early_exit import EarlyExitDrafter
+from genfn.strategies.assisted.schedule import schedule_for_next_call
 from genfn.strategies.beam import initial_state
 from genfn.structured.rows import constraint_for_rows
 
@@ -38,11 +43,13 @@ __all__ = ["MAX_TOP_LOGPROBS", "ResolvedRequest", "request_settings", "sequence_
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
-# Settings that need a model-level feature continuous batching does not run (another forward per
-# token from a draft model, or contrastive search's look-ahead). Beam search (genfn.batching.beam_groups),
-# prompt lookup (genfn.batching.speculation), classifier-free guidance, watermarking (SynthID's state
-# included) and token healing run: see genfn.batching.row_state and request_settings.
-_UNSUPPORTED = {"penalty_alpha": None, "assistant_model": None, "assistant_early_exit": None, "use_mtp": False}
+# Settings that need a model-level feature continuous batching does not run (contrastive search's
+# look-ahead; MTP heads, which read the target's hidden states that the packed forward does not
+# return). Beam search (genfn.batching.beam_groups), speculation with prompt lookup, a draft model or
+# early exit (genfn.batching.speculation, genfn.batching.drafting), classifier-free guidance,
+# watermarking (SynthID's state included) and token healing run: see genfn.batching.row_state and
+# request_settings.
+_UNSUPPORTED = {"penalty_alpha": None, "use_mtp": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,26 +103,57 @@ def _refuse_unsupported(config: GenerationConfig) -> None:
             found.append(f"{name}={value!r}")
     if found:
         raise ValueError(f"continuous batching runs greedy search, sampling and beam search with logits processors, "
-                         f"and prompt-lookup speculation (prompt_lookup_num_tokens); it does not support "
-                         f"{', '.join(found)}")
+                         f"and speculation (prompt_lookup_num_tokens, assistant_model, assistant_early_exit); it "
+                         f"does not support {', '.join(found)} (run it with genfn.generate)")
 
 
-def _speculation(config: GenerationConfig, eos_token_ids) -> Speculation | None:
-    """Prompt lookup as ``generate`` builds it (``genfn.strategies.assisted.build``), or None."""
-    if config.prompt_lookup_num_tokens is None:
+def _check_assistant(model, assistant_model) -> None:
+    if not all(hasattr(assistant_model, name) for name in ("apply", "init_cache", "vocab_size")):
+        raise TypeError(f"assistant_model must be a genfn Model sharing the model's tokenizer (load it with "
+                        f"genfn.load), got {type(assistant_model).__name__}")
+    if assistant_model.vocab_size != model.vocab_size:
+        raise ValueError(f"assistant_model has a vocabulary of {assistant_model.vocab_size} tokens and the model "
+                         f"{model.vocab_size}: continuous batching drafts with an assistant that shares the model's "
+                         f"tokenizer (an assistant with another tokenizer runs in genfn.generate, with "
+                         f"assistant_tokenizer=)")
+
+
+def _speculation(model, request, assistant_model):
+    """``make() -> Speculation`` for each sequence (None: the request does not speculate), with the
+    drafter ``generate`` builds for the same settings (``genfn.strategies.assisted.build``): prompt
+    lookup (one value for every sequence), or a model drafter, which keeps a round per sequence."""
+    config = request.config
+    if config.prompt_lookup_num_tokens is None and config.assistant_early_exit is None and assistant_model is None:
         return None
-    if config.response_format is not None:
-        raise ValueError("prompt_lookup_num_tokens with response_format is not supported in continuous batching; "
-                         "drop one of them")
     if config.guidance_scale not in (None, 1.0) or config.watermarking_config is not None:
-        raise ValueError("prompt_lookup_num_tokens with guidance_scale or watermarking_config is not supported (nor in "
-                         "generate's assisted decoding); drop one of them")
-    if config.assistant_ensemble_weight is not None:
-        raise ValueError("assistant_ensemble_weight needs a draft model's probabilities, and prompt lookup gives none "
-                         "(prompt_lookup_num_tokens); drop assistant_ensemble_weight")
-    return Speculation(PromptLookupDrafter(num_tokens=int(config.prompt_lookup_num_tokens),
-                                           max_matching_ngram_size=int(config.max_matching_ngram_size or 2),
-                                           eos_token_ids=tuple(eos_token_ids)))
+        raise ValueError("speculation (prompt_lookup_num_tokens, assistant_model, assistant_early_exit) with "
+                         "guidance_scale or watermarking_config is not supported (nor in generate's assisted "
+                         "decoding); drop one of them")
+    if config.speculation_type == "dflash" or isinstance(assistant_model, BlockDrafter):
+        raise ValueError("a block drafter (speculation_type='dflash') reads the target's hidden states, which "
+                         "continuous batching's packed forward does not return; run it with genfn.generate")
+    if assistant_model is not None and config.assistant_early_exit is None and config.prompt_lookup_num_tokens is None:
+        _check_assistant(model, assistant_model)
+    drafter, owner = drafter_for(model, request, assistant_model)
+    if isinstance(drafter, PromptLookupDrafter):
+        if config.assistant_ensemble_weight is not None:
+            raise ValueError("assistant_ensemble_weight needs a draft model's probabilities, and prompt lookup gives "
+                             "none (prompt_lookup_num_tokens); drop assistant_ensemble_weight")
+        lookup = Speculation(drafter)
+        return lambda: lookup
+    if isinstance(drafter, EarlyExitDrafter):
+        drafter.prefill(model, request)  # its checks: the model's layers as functions, the exit below the last
+    kind = config.num_assistant_tokens_schedule or "constant"
+    weight = config.assistant_ensemble_weight
+
+    def make() -> Speculation:
+        schedule = None
+        if owner is not None and kind != "constant":  # generate's schedule, carried across calls
+            schedule = schedule_for_next_call(carried_schedules.get(owner), drafter.num_tokens, 1, kind, model.device)
+        return Speculation(rounds=DraftRounds(drafter, request, schedule, owner,
+                                              None if weight is None else float(weight)))
+
+    return make
 
 
 def request_settings(model, prompt_ids, generation_config: GenerationConfig | None, kwargs: dict, *,
@@ -129,10 +167,7 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
     extra = openai_processors(presence_penalty, frequency_penalty, logit_bias, vocab_size=model.vocab_size,
                               device=model.device)
     kwargs = dict(kwargs)
-    if kwargs.get("assistant_model") is not None:
-        raise ValueError("draft-model speculation (assistant_model) does not run in continuous batching yet: drop "
-                         "assistant_model, use prompt_lookup_num_tokens (drafts copied from the request's own "
-                         "tokens), or run the draft model with genfn.generate")
+    assistant_model = kwargs.pop("assistant_model", None)
     key = request_key(kwargs.pop("seed", None), kwargs.pop("key", None))
     # generate takes the negative prompt as arguments of its own, not as config settings
     negative = {name: kwargs.pop(name, None) for name in ("negative_prompt_ids", "negative_prompt_attention_mask")}
@@ -149,7 +184,8 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
                                   attention_mask=torch.ones_like(prompt), logits_processor=extra or None,
                                   tokenizer=tokenizer if tokenizer is not None else model.tokenizer, paged=True,
                                   length_cap=max_len, check_config=_refuse_unsupported, expand_rows=beams > 1,
-                                  heal=generate, caller="add_request()", **negative).request
+                                  heal=generate, caller="add_request()", assistant_model=assistant_model,
+                                  **negative).request
         if int(request.config.num_beams or 1) == beams:
             break
         beams = int(request.config.num_beams or 1)
@@ -176,11 +212,12 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
 
     # Sequence j of a request samples with the key generate gives the prompt's j-th returned row.
     count = int(config.num_return_sequences or 1)
-    speculation = _speculation(config, request.eos_token_ids)
+    speculation = _speculation(model, request, assistant_model)
     sequences = tuple(RequestSettings(chain=chain, key=request.keys[j] if request.keys is not None else None,
                                       stop_strings=request.stop_strings, top_logprobs=top_logprobs,
                                       check_finite=not bool(config.remove_invalid_values), grammar=grammar(),
-                                      speculation=speculation, carry=_carry(chain, request.guidance))
+                                      speculation=speculation() if speculation is not None else None,
+                                      carry=_carry(chain, request.guidance))
                       for j in range(count))
     unconditional = None if request.guidance is None else GG.unconditional_ids(request.guidance, prompt)
     return ResolvedRequest(sequences[0], max(request.max_length - request.prompt_len, 1), request.eos_token_ids,

@@ -101,6 +101,29 @@ class GrammarRows:
             if 0 <= token < self.vocab_size:
                 _set_bit(row, token, end_allowed)
 
+    def walk_drafts(self, b: int, drafts: Sequence[int], masks: torch.Tensor) -> int:
+        """Fill ``masks[i]`` ([k + 1, W] int32, CPU) with row ``b``'s mask after ``drafts[:i]``; return
+        how many drafts the grammar allows (the walk stops at the first it refuses, and after an EOS).
+        The matcher ends where it started: speculative decoding verifies the drafts under these masks."""
+        matcher, accepted, usable = self.matchers[b], 0, len(drafts)
+        for i in range(len(drafts) + 1):
+            self.fill_row(b, masks[i])
+            if i == len(drafts):
+                break
+            token = drafts[i]
+            if not mask_allows(masks[i], token):
+                usable = i
+                break
+            if token in self.eos[b]:
+                usable = i + 1  # the row ends here if the target agrees; later positions are never read
+                break
+            if not matcher.accept(token):
+                usable = i
+                break
+            accepted += 1
+        matcher.rollback(accepted)
+        return usable
+
     def mask(self) -> torch.Tensor:
         """The next mask on the batch's device."""
         mask = self.fill()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from genfn.processors.grammar import FREE_ROW
-from genfn.structured.rows import GrammarRows, mask_allows
+from genfn.structured.rows import GrammarRows
 
 __all__ = ["SpeculativeGrammarRows"]
 
@@ -33,31 +33,10 @@ class SpeculativeGrammarRows(GrammarRows):
         for b in range(batch):
             if self.finished[b]:
                 continue
-            usable[b] = self._walk(b, drafts[b][:max(0, min(valid[b], k))], masks[b])
+            usable[b] = self.walk_drafts(b, drafts[b][:max(0, min(valid[b], k))], masks[b])
         return state.replace(grammar_mask=masks.to(state.tokens.device),
                              pending=pending.replace(num_valid=torch.tensor(usable, dtype=pending.num_valid.dtype,
                                                                             device=pending.num_valid.device)))
-
-    def _walk(self, b: int, drafts: list[int], masks: torch.Tensor) -> int:
-        """Fill ``masks[i]`` along ``drafts``; return how many drafts the grammar allows."""
-        matcher, accepted, usable = self.matchers[b], 0, len(drafts)
-        for i in range(len(drafts) + 1):
-            self.fill_row(b, masks[i])
-            if i == len(drafts):
-                break
-            token = drafts[i]
-            if not mask_allows(masks[i], token):
-                usable = i
-                break
-            if token in self.eos[b]:
-                usable = i + 1  # the row ends here if the target agrees; later positions are never read
-                break
-            if not matcher.accept(token):
-                usable = i
-                break
-            accepted += 1
-        matcher.rollback(accepted)
-        return usable
 
     @classmethod
     def from_rows(cls, rows: GrammarRows) -> "SpeculativeGrammarRows":

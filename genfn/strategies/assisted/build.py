@@ -23,12 +23,14 @@ from genfn.strategies.assisted.universal import universal_strategy
 from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest
 
-__all__ = ["assisted_strategy", "carried_schedules"]
+__all__ = ["assisted_strategy", "carried_schedules", "drafter_for"]
 
 # The schedule each assistant (or early-exiting target) ended its last call at, for "heuristic".
 carried_schedules: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-def _drafter(model, request: GenerationRequest, assistant_model, universal: bool = False):
+def drafter_for(model, request: GenerationRequest, assistant_model, universal: bool = False):
+    """``(drafter, schedule owner)`` of ``request``: the proposer its settings ask for, in transformers'
+    precedence, and the value whose ``"heuristic"`` schedule carries across calls (None: no schedule)."""
     config = request.config
     num_tokens = int(config.num_assistant_tokens or 20)
     if config.speculation_type == "dflash" or isinstance(assistant_model, BlockDrafter):
@@ -83,7 +85,7 @@ def assisted_strategy(model, request: GenerationRequest, assistant_model=None, *
     assisted generation: eager, any batch size, drafts re-encoded through text.
     """
     universal = _wants_universal(assistant_model, tokenizer, assistant_tokenizer)
-    drafter, schedule_owner = _drafter(model, request, assistant_model, universal)
+    drafter, schedule_owner = drafter_for(model, request, assistant_model, universal)
     if drafter is not None:
         universal = False  # an earlier proposer (early exit, prompt lookup, MTP, block) takes precedence
     config = request.config
