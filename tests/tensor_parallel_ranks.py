@@ -146,6 +146,8 @@ def _batch_requests() -> list:
     requests.append((REPEATING[0] * 2, 10, {"do_sample": False, "prompt_lookup_num_tokens": 3}))
     requests.append((PROMPTS[0], 8, {"do_sample": True, "temperature": 1.3, "seed": 7}))
     requests.append((PROMPTS[0][2:], 6, {"do_sample": False, "num_beams": 2}))
+    # guidance's unconditional branch is a row of the packed batch: it runs on every rank's shard
+    requests.append((PROMPTS[0][1:], 5, {"do_sample": False, "guidance_scale": 1.5}))
     return requests
 
 
@@ -191,15 +193,15 @@ def batching_check(shard) -> dict:
     return out
 
 
-def guidance_error_check(shard) -> str:
-    """What rank 0's manager says to a guidance_scale request on a shard (the others add nothing)."""
+def early_exit_error_check(shard) -> str:
+    """What rank 0's manager says to an assistant_early_exit request on a shard (the others add nothing)."""
     from genfn.batching import ContinuousBatchingManager
     from genfn.models.model import from_hf_state_dict
 
     config, state = tiny_state("LlamaForCausalLM")
     manager = ContinuousBatchingManager(from_hf_state_dict(config, state, tensor_shard=shard))
     try:
-        manager.add_request(PROMPTS[0], max_new_tokens=3, guidance_scale=2.0)
+        manager.add_request(PROMPTS[0], max_new_tokens=3, assistant_early_exit=1)
     except ValueError as err:
         return f"ValueError: {err}"
     return "no error"

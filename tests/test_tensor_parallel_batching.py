@@ -12,7 +12,7 @@ import pytest
 
 from test_tensor_parallel import _result, run_ranks
 
-CHECKS = [("batching", "batching_check", {}), ("guidance", "guidance_error_check", {}),
+CHECKS = [("batching", "batching_check", {}), ("early_exit", "early_exit_error_check", {}),
           ("max_time", "max_time_check", {})]
 
 
@@ -48,9 +48,9 @@ def test_the_other_ranks_follow_without_requests(results):
     assert not sharded["running"]  # its stop() returned once rank 0's loop had ended
 
 
-def test_guidance_is_refused_under_tensor_parallelism(results):
-    leader, follower = results["guidance"]
-    assert leader.startswith("ValueError") and "guidance_scale" in leader and "tensor parallelism" in leader, leader
+def test_drafting_on_sharded_layers_is_refused_under_tensor_parallelism(results):
+    leader, follower = results["early_exit"]
+    assert leader.startswith("ValueError") and "assistant_early_exit" in leader and "tensor parallelism" in leader, leader
     assert follower == "no error"  # add_request off rank 0 queues nothing
 
 

@@ -189,9 +189,13 @@ def request_settings(model, prompt_ids, generation_config: GenerationConfig | No
         if int(request.config.num_beams or 1) == beams:
             break
         beams = int(request.config.num_beams or 1)
-    if request.guidance is not None and tensor_parallel_shard(model) is not None:
-        raise ValueError("guidance_scale does not run in continuous batching under tensor parallelism (its "
-                         "unconditional branch would run on rank 0 alone); run it with genfn.generate on every rank")
+    if tensor_parallel_shard(model) is not None and (request.config.assistant_early_exit is not None or (
+            assistant_model is not None and tensor_parallel_shard(assistant_model) is not None)):
+        # rank 0 drafts alone, beside the batch: a drafter over sharded layers would wait in their
+        # collectives for ranks that never call them
+        raise ValueError("under tensor parallelism, continuous batching drafts on rank 0 alone: assistant_early_exit "
+                         "and a sharded assistant_model are refused; use an unsharded assistant_model or "
+                         "prompt_lookup_num_tokens")
     # A healed prompt is one row without padding (genfn.healing re-pads rows to the batch's widest).
     prompt = tuple(request.input_ids[0][request.attention_mask[0].bool()].tolist())
     if beams > 1:

@@ -24,8 +24,9 @@ request's settings (processor chains, keys, grammar matchers, stop strings: host
 bound to a tokenizer), the schedule is decided once, and the logits rank 0 chooses from are the
 all-reduced whole vocabulary, as in ``generate`` under TP. A follower holds no request, so it
 cannot diverge from rank 0. The cost is one broadcast of the step's inputs (three small
-collectives) per step. Classifier-free guidance, whose unconditional branch runs the model
-outside the packed forward, is refused (``genfn.batching.settings``).
+collectives) per step. Classifier-free guidance runs (its unconditional branch is a row of the
+packed batch); drafting over the sharded layers (early exit, a sharded draft model) is refused,
+since rank 0 drafts alone beside the batch (``genfn.batching.settings``).
 
 A failed command or forward means a rank is gone (killed, crashed, or its process group broke):
 ``genfn.distributed.fail`` names the rank and, by default, ends the process with status 1 (a
