@@ -135,7 +135,11 @@ def _register_token_ops_fake() -> None:
 
 def _register_quant_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")
-    def _(x, codes, scales, mins, kind, out_features, init=None):
+    def _(x, codes, scales, mins, kind, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear_from")
+    def _(init, x, codes, scales, mins, kind, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -256,14 +260,19 @@ def _define_reference_op() -> None:
 
     library = torch.library.Library(_OP_NAMESPACE, "FRAGMENT")
     library.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
-                   "int out_features, Tensor? init=None) -> Tensor")
+                   "int out_features) -> Tensor")
+    library.define("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+                   "int out_features) -> Tensor")
 
-    def reference(x, codes, scales, mins, kind, out_features, init=None):
+    def reference(x, codes, scales, mins, kind, out_features):
         weight = QuantizedWeight(codes, scales, mins, _FORMAT_OF_KIND[kind], out_features, codes.shape[1] * 32)
-        y = reference_linear(x, weight, dtype=torch.float32)
-        return y if init is None else y + init.reshape(y.shape).to(y.dtype)  # not the native chain's bits
+        return reference_linear(x, weight, dtype=torch.float32)
+
+    def reference_from(init, x, codes, scales, mins, kind, out_features):  # not the native chain's bits
+        return init + reference(x, codes, scales, mins, kind, out_features)
 
     library.impl("quant_linear", reference, "CPU")
+    library.impl("quant_linear_from", reference_from, "CPU")
     _define_reference_op.library = library  # the registration lives as long as this object
     _register_quant_fake()
 
@@ -290,8 +299,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tenso
         raise ValueError(f"quantized_linear: init must be float32 of the output's shape "
                          f"{[*x.shape[:-1], weight.out_features]}, got {init.dtype} {list(init.shape)}")
     quant_linear_available()
-    return getattr(torch.ops, _OP_NAMESPACE).quant_linear(x, weight.codes, weight.scales, weight.mins,
-                                                          weight.kind, weight.out_features, init)
+    ops = getattr(torch.ops, _OP_NAMESPACE)
+    if init is None:
+        return ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
+    return ops.quant_linear_from(init, x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
 
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:

@@ -233,9 +233,9 @@ bool has_vnni() {
   return yes;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features,
-                        const c10::optional<at::Tensor>& init) {
+at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features,
+                       const c10::optional<at::Tensor>& init) {
   TORCH_CHECK(kind == kQ4 || kind == kQ4Min || kind == kQ8, "quant_linear: kind must be 0, 1 or 2, got ", kind);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "quant_linear: codes must be uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: scales must be float16");
@@ -312,6 +312,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return y.view(out_sizes).to(x.scalar_type());
 }
 
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features) {
+  return linear_from(x, codes, scales, mins, kind, out_features, c10::nullopt);
+}
+
+// quant_linear with every output's chain starting at init's value (see the top of this file).
+at::Tensor quant_linear_from(const at::Tensor& init, const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t kind,
+                             int64_t out_features) {
+  return linear_from(x, codes, scales, mins, kind, out_features, init);
+}
+
 }  // namespace
 
 namespace genfn_kernels {
@@ -347,8 +359,12 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
 }  // namespace genfn_kernels
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
-  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features, "
-        "Tensor? init=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features) -> Tensor");
+  m.def("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_from", &quant_linear_from);
+}

@@ -227,7 +227,7 @@ def row_parallel(spec, x: torch.Tensor, weight) -> torch.Tensor:
     and ``x`` their values), summed over the ranks; on one process, just the linear.
 
     A block-quantized weight with float32 activations is summed in one process's order: rank r's
-    kernel starts every output's sum where rank r - 1's ended (``quantized_linear(..., init=)``),
+    kernel starts every output's sum where rank r - 1's ended (``quantized_linear(..., init)``),
     one all-reduce per rank handing the running sums on (the others add zeros: exact). The result
     is one process's, bit for bit. Summed in another order, the outputs differ by float rounding
     only, but the next linear rounds its input to 8 bits a value: a rounding difference that moves
