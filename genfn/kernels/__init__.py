@@ -94,6 +94,10 @@ def _register_fake() -> None:
           gate_up_scales, gate_up_mins, gate_up_kind, down_codes, down_scales, down_mins, down_kind, eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")
+    def _(x, mlp_norm, codes, scales, mins, kind, out_features, eps):
+        return x.new_empty((x.shape[0], out_features // 2))
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
         return None
@@ -132,6 +136,10 @@ def _register_token_ops_fake() -> None:
 def _register_quant_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")
     def _(x, codes, scales, mins, kind, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear_from")
+    def _(init, x, codes, scales, mins, kind, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -253,12 +261,18 @@ def _define_reference_op() -> None:
     library = torch.library.Library(_OP_NAMESPACE, "FRAGMENT")
     library.define("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
                    "int out_features) -> Tensor")
+    library.define("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+                   "int out_features) -> Tensor")
 
     def reference(x, codes, scales, mins, kind, out_features):
         weight = QuantizedWeight(codes, scales, mins, _FORMAT_OF_KIND[kind], out_features, codes.shape[1] * 32)
         return reference_linear(x, weight, dtype=torch.float32)
 
+    def reference_from(init, x, codes, scales, mins, kind, out_features):  # not the native chain's bits
+        return init + reference(x, codes, scales, mins, kind, out_features)
+
     library.impl("quant_linear", reference, "CPU")
+    library.impl("quant_linear_from", reference_from, "CPU")
     _define_reference_op.library = library  # the registration lives as long as this object
     _register_quant_fake()
 
@@ -273,13 +287,22 @@ def quant_linear_available() -> bool:
     return _quant_native
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x @ weight.dequantize().T`` with ``x`` quantized per block of 32 to 8 bits (see quant_linear.cpp)."""
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.dequantize().T`` with ``x`` quantized per block of 32 to 8 bits (see quant_linear.cpp).
+
+    ``init`` (the output's shape, float32): each output's sum over the blocks starts from it
+    rather than from zero, in the kernel's own order, so that blocks split over tensor-parallel
+    ranks chain to the bits one process gets (``genfn.models.tensor_parallel.row_parallel``)."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the quantized weight expects {weight.in_features}")
+    if init is not None and (init.shape != (*x.shape[:-1], weight.out_features) or init.dtype != torch.float32):
+        raise ValueError(f"quantized_linear: init must be float32 of the output's shape "
+                         f"{[*x.shape[:-1], weight.out_features]}, got {init.dtype} {list(init.shape)}")
     quant_linear_available()
-    return getattr(torch.ops, _OP_NAMESPACE).quant_linear(x, weight.codes, weight.scales, weight.mins,
-                                                          weight.kind, weight.out_features)
+    ops = getattr(torch.ops, _OP_NAMESPACE)
+    if init is None:
+        return ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
+    return ops.quant_linear_from(init, x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
 
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:

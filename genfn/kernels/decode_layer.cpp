@@ -21,6 +21,10 @@
 // The `_quant` forms take block-quantized weights with float32 activations: each linear is
 // quant_linear's, every thread quantizing the linear's input itself and summing an even run of
 // the weight's tiles.
+//
+//   decode_mlp_input_quant: h = rms_norm(x1) * w; g, u = h @ w_gate_up.T; act = silu(g) * u: the
+//                           middle of decode_layer_output, the same code, for a tensor-parallel
+//                           rank, which sums the o and down projections over the ranks between.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -149,6 +153,21 @@ void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, cons
   }
 }
 
+// Inside a parallel region, thread t of `team`: act = silu(g) * u for g, u = rms_norm(x1) @ w_gate_up.T
+// (each thread normalizes the few rows itself: cheaper than a barrier). A barrier must follow
+// before act is read.
+template <typename T, typename Linear>
+void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int64_t E, int64_t F, float eps,
+               T* gate_up, T* act, int64_t t, int64_t team) {
+  thread_local std::vector<T> h;
+  h.resize(M * E);
+  rms_norm_rows(x1, mlp_norm, M, E, eps, h.data());
+  w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
+#pragma omp barrier
+  const auto [begin, end] = share(F, t, team);
+  for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
+}
+
 template <typename T, typename Linear>
 void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, Linear& wo,
                   const T* mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads,
@@ -195,18 +214,11 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
 #pragma omp barrier
     wo(M, attn, HD, E, o, t, team);
 #pragma omp barrier
-    // The residual after attention and the MLP's norm, by every thread for itself.
-    thread_local std::vector<T> x1, h;
+    // The residual after attention, by every thread for itself.
+    thread_local std::vector<T> x1;
     x1.resize(M * E);
-    h.resize(M * E);
     for (int64_t i = 0; i < M * E; ++i) x1[i] = narrow<T>(wide(x[i]) + wide(o[i]));
-    rms_norm_rows(x1.data(), mlp_norm, M, E, eps, h.data());
-    w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
-#pragma omp barrier
-    {
-      const auto [begin, end] = share(F, t, team);
-      for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
-    }
+    mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, gate_up, act, t, team);
 #pragma omp barrier
     w_down(M, act, F, E, down, t, team);
 #pragma omp barrier
@@ -391,6 +403,30 @@ at::Tensor decode_layer_output_quant(
   return run_layer_output<float>(x, q, keys, values, visible, o, mlp_norm, gate_up, down, F, eps, scale);
 }
 
+at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_norm, const at::Tensor& codes,
+                                  const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t kind,
+                                  int64_t out_features, double eps) {
+  const char* op = "decode_mlp_input_quant";
+  check_rows(x, op, true);
+  const int64_t M = x.size(0), E = x.size(1), F = out_features / 2;
+  TORCH_CHECK(out_features > 0 && out_features % 2 == 0, op, ": w_gate_up's rows must be even, got ", out_features);
+  TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
+              ": mlp_norm must be [hidden] in x's dtype");
+  QuantLinear gate_up{quant_weight(codes, scales, mins, kind, out_features, E, op, "w_gate_up")};
+  const at::Tensor xc = x.contiguous(), nc = mlp_norm.contiguous();
+  at::Tensor act = at::empty({M, F}, x.options());
+  thread_local std::vector<float> gate_up_rows;
+  gate_up_rows.resize(M * out_features);
+  float* gu = gate_up_rows.data();
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  gate_up.prepare(M, out_features, threads);
+#pragma omp parallel num_threads(threads)
+  mlp_input(xc.data_ptr<float>(), nc.data_ptr<float>(), gate_up, M, E, F, static_cast<float>(eps), gu,
+            act.data_ptr<float>(), static_cast<int64_t>(omp_get_thread_num()),
+            static_cast<int64_t>(omp_get_num_threads()));
+  return act;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
@@ -400,6 +436,8 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
         "Tensor mlp_norm, Tensor w_gate_up, Tensor w_down, float eps, float scale) -> Tensor");
   m.def("decode_attention_input_quant(Tensor x, Tensor norm, Tensor codes, Tensor scales, Tensor? mins, int kind, "
         "Tensor cos, Tensor sin, float eps, int heads, int kv_heads) -> Tensor");
+  m.def("decode_mlp_input_quant(Tensor x, Tensor mlp_norm, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "int out_features, float eps) -> Tensor");
   m.def("decode_layer_output_quant(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, "
         "Tensor wo_codes, Tensor wo_scales, Tensor? wo_mins, int wo_kind, Tensor mlp_norm, Tensor gate_up_codes, "
         "Tensor gate_up_scales, Tensor? gate_up_mins, int gate_up_kind, Tensor down_codes, Tensor down_scales, "
@@ -411,4 +449,5 @@ TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("decode_layer_output", &decode_layer_output);
   m.impl("decode_attention_input_quant", &decode_attention_input_quant);
   m.impl("decode_layer_output_quant", &decode_layer_output_quant);
+  m.impl("decode_mlp_input_quant", &decode_mlp_input_quant);
 }

@@ -2,7 +2,8 @@
 
 ``attention_input`` is RMS norm, the fused q/k/v projection and RoPE; ``layer_output`` is the
 attention over the cache, the output projection and residual, the MLP's norm, SwiGLU MLP and
-residual. Each is one parallel region (``decode_layer.cpp``) where the op-by-op layer made six
+residual. ``mlp_input`` is ``layer_output``'s MLP up to its down projection, for a tensor-parallel
+rank (which sums the o and down projections over the ranks around it). Each is one parallel region (``decode_layer.cpp``) where the op-by-op layer made six
 thread-pool dispatches and ten calls: at batch 1 on two cores that overhead was ~15 % of a
 bfloat16 step. The numbers are those of the op-by-op compiled layer (the same linear and
 attention kernels; elementwise work in float32, rounded where the model code rounds).
@@ -23,7 +24,7 @@ import torch
 from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, native
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["takes", "attention_input", "layer_output"]
+__all__ = ["takes", "quantized", "attention_input", "layer_output", "mlp_input"]
 
 _NORMS = ("attn_norm", "mlp_norm")
 _LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -35,7 +36,7 @@ _BF16_DOT = native.cpu_has("avx512_bf16")
 _VNNI = native.cpu_has("avx512_vnni")
 
 
-def _quantized(layer: Mapping[str, Any]) -> bool:
+def quantized(layer: Mapping[str, Any]) -> bool:
     """Whether every linear of ``layer`` is a block-quantized weight the quantized form reads."""
     return all(isinstance(layer.get(n), QuantizedWeight) and layer[n].layout == "tiles16"
                and layer[n].device.type == "cpu" for n in _LINEARS)
@@ -54,7 +55,7 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     if torch.is_grad_enabled() and x.requires_grad:
         return False
     # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
-    if _quantized(layer):
+    if quantized(layer):
         if dtype != torch.float32 or not _VNNI:
             return False
         plain = _NORMS
@@ -112,3 +113,12 @@ def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: t
         out = _ops().decode_layer_output(rows, q, keys, values, visible, layer["wo"], layer["mlp_norm"],
                                          layer["w_gate_up"], layer["w_down"], eps, scale)
     return out.view(batch, 1, hidden)
+
+
+def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.Tensor:
+    """``act [B, F] = silu(g) * u`` for ``g, u = rms_norm(x1) @ w_gate_up.T`` (``x1 [B, 1, hidden]``, a
+    block-quantized layer): ``layer_output``'s own code between the attention's residual and the
+    down projection, so a tensor-parallel rank's values are one process's bit for bit."""
+    w = layer["w_gate_up"]
+    return _ops().decode_mlp_input_quant(x1.reshape(x1.shape[0], x1.shape[-1]), layer["mlp_norm"], *_parts(w),
+                                         w.out_features, eps)

@@ -9,6 +9,11 @@
 //   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
 // The weight is streamed once per call: more than 8 rows of x run in groups of 8 over a few tiles
 // at a time while those are in L1.
+//
+// Each output is one float32 chain over the blocks in order (per block: the product's fma, then
+// the minimum's). `init`, when given, is where the chains start instead of zero: a tensor-parallel
+// rank holding blocks [k0, k1) of every row continues from the sum the ranks before it computed
+// over [0, k0), so the ranks' chained result is this kernel's on the whole row, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -93,7 +98,7 @@ inline void prefetch(const void* p) {
 template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes, const uint16_t* scales,
-    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
+    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y, const float* init) {
   constexpr int kChunks = chunks_of(kind);
   constexpr int64_t kBlockBytes = kChunks * 64;
   constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
@@ -114,8 +119,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     }
   }
   for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * kTile;
+    const __mmask16 keep = n0 + kTile <= N ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (N - n0)) - 1);
     __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) acc[m] = init ? _mm512_maskz_loadu_ps(keep, init + m * N + n0) : _mm512_setzero_ps();
     const uint8_t* c = codes + t * nb * kBlockBytes;
     const uint16_t* sc = scales + t * nb * kTile;
     const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
@@ -162,23 +170,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
           acc[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc[m]);
       }
     }
-    const int64_t n0 = t * kTile;
-    const __mmask16 keep = n0 + kTile <= N ? static_cast<__mmask16>(0xFFFF)
-                                           : static_cast<__mmask16>((1u << (N - n0)) - 1);
     for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, acc[m]);
   }
 }
 
-// The same arithmetic one lane at a time, for CPUs without VNNI.
+// The same arithmetic one lane at a time, for CPUs without VNNI (the same chain, the same bits).
 void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const uint8_t* codes,
                       const c10::Half* scales, const c10::Half* mins, const Activations& a, int64_t K, int64_t N,
-                      float* y) {
+                      float* y, const float* init) {
   const int chunks = chunks_of(kind);
   const int32_t offset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t r = 0; r < kTile && t * kTile + r < N; ++r)
       for (int64_t m = 0; m < M; ++m) {
-        float acc = 0.0f, acc_min = 0.0f;
+        float acc = init ? init[m * N + t * kTile + r] : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* c = codes + (t * nb + b) * chunks * 64;
           const int8_t* xq = a.codes.data() + m * K + b * kBlock;
@@ -191,34 +196,36 @@ void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const 
             }
           const float d = static_cast<float>(scales[(t * nb + b) * kTile + r]);
           acc = std::fma(static_cast<float>(s), d * a.scale[m * nb + b], acc);
-          if (kind == kQ4Min) acc_min = std::fma(static_cast<float>(mins[(t * nb + b) * kTile + r]),
-                                                 a.scaled_sum[m * nb + b], acc_min);
+          if (kind == kQ4Min) acc = std::fma(static_cast<float>(mins[(t * nb + b) * kTile + r]),
+                                             a.scaled_sum[m * nb + b], acc);
         }
-        y[m * N + t * kTile + r] = acc + acc_min;
+        y[m * N + t * kTile + r] = acc;
       }
 }
 
 template <int64_t kind>
 void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes,
-                   const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y) {
+                   const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y,
+                   const float* init) {
   switch (M) {
-    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
   }
 }
 
 void run_share(int64_t M, int64_t kind, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb,
                const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K,
-               int64_t N, float* y) {
-  if (kind == kQ4) dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-  else if (kind == kQ4Min) dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
-  else dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y);
+               int64_t N, float* y, const float* init = nullptr) {
+  if (kind == kQ4) dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+  else if (kind == kQ4Min)
+    dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+  else dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
 }
 
 bool has_vnni() {
@@ -226,8 +233,9 @@ bool has_vnni() {
   return yes;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features) {
+at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features,
+                       const c10::optional<at::Tensor>& init) {
   TORCH_CHECK(kind == kQ4 || kind == kQ4Min || kind == kQ8, "quant_linear: kind must be 0, 1 or 2, got ", kind);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "quant_linear: codes must be uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: scales must be float16");
@@ -250,6 +258,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y.view(out_sizes).to(x.scalar_type());
+  TORCH_CHECK(!init.has_value() || init->numel() == M * N, "quant_linear: init must hold the output's ", M, " x ", N,
+              " values, got ", init.has_value() ? init->numel() : 0);
+  const at::Tensor start = init.has_value() ? init->to(at::kFloat).contiguous() : at::Tensor();
+  const float* ip = init.has_value() ? start.data_ptr<float>() : nullptr;
   const at::Tensor c = codes.contiguous(), s = scales.contiguous();
   const at::Tensor mn = has_min ? mins->contiguous() : at::Tensor();
   const uint8_t* cp = c.data_ptr<uint8_t>();
@@ -274,13 +286,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     for (int64_t g = 0; g < groups; ++g)
       run_tiles_scalar(std::min(kMaxRows, M - g * kMaxRows), kind, tiles, nb, cp,
                        reinterpret_cast<const c10::Half*>(sp), reinterpret_cast<const c10::Half*>(mp), acts[g], K, N,
-                       yp + g * kMaxRows * N);
+                       yp + g * kMaxRows * N, ip ? ip + g * kMaxRows * N : nullptr);
     return y.view(out_sizes).to(x.scalar_type());
   }
   if (groups == 1) {
     // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
     at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      run_share(M, kind, t0, t1, t1, true, nb, cp, sp, mp, acts[0], K, N, yp);
+      run_share(M, kind, t0, t1, t1, true, nb, cp, sp, mp, acts[0], K, N, yp, ip);
     });
     return y.view(out_sizes).to(x.scalar_type());
   }
@@ -294,10 +306,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
       const int64_t te = std::min(t1, tb + span);
       for (int64_t g = 0; g < groups; ++g)
         run_share(std::min(kMaxRows, M - g * kMaxRows), kind, tb, te, g == 0 ? t1 : te, g == 0 && tb == t0, nb, cp,
-                  sp, mp, acts[g], K, N, yp + g * kMaxRows * N);
+                  sp, mp, acts[g], K, N, yp + g * kMaxRows * N, ip ? ip + g * kMaxRows * N : nullptr);
     }
   });
   return y.view(out_sizes).to(x.scalar_type());
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features) {
+  return linear_from(x, codes, scales, mins, kind, out_features, c10::nullopt);
+}
+
+// quant_linear with every output's chain starting at init's value (see the top of this file).
+at::Tensor quant_linear_from(const at::Tensor& init, const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t kind,
+                             int64_t out_features) {
+  return linear_from(x, codes, scales, mins, kind, out_features, init);
 }
 
 }  // namespace
@@ -336,6 +360,11 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features) -> Tensor");
+  m.def("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
+        "int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_from", &quant_linear_from);
+}

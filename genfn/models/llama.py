@@ -273,11 +273,15 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     kv_size = spec.num_kv_heads * spec.head_dim
     output_attentions = attentions is not None
     # Under tensor parallelism the row-parallel outputs are summed over ranks before each residual
-    # add, which the fused native layer does inside one call: the op-by-op path has the seams.
-    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.tensor_shard is None
-            and spec.is_plain_llama
+    # add, which the fused native layer does inside one call: a rank runs its native pieces with
+    # the sums between them (quantized layers, which must match one process bit for bit), or the
+    # op-by-op path, which has the seams.
+    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.is_plain_llama
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
-        return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
+        if spec.tensor_shard is None:
+            return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
+        if decode_layer.quantized(layer):
+            return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -314,10 +318,10 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     attn = attn.transpose(1, 2).reshape(batch, seq, q_size)
     if spec.post_norms:
-        attn_out = tensor_parallel.reduced(spec, linear(attn, layer["wo"]))
+        attn_out = tensor_parallel.row_parallel(spec, attn, layer["wo"])
         x = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
         return x + _rms_norm(_mlp(spec, layer, x), layer["post_mlp_norm"], spec.rms_norm_eps)
-    x = x + tensor_parallel.reduced(spec, linear(attn, layer["wo"]))
+    x = x + tensor_parallel.row_parallel(spec, attn, layer["wo"])
     return x + _mlp(spec, layer, _rms_norm(x, layer["mlp_norm"], spec.rms_norm_eps))
 
 
@@ -326,7 +330,7 @@ def _mlp(spec: LlamaSpec, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Te
     if spec.num_experts:
         return moe_mlp(spec, layer, h)
     gate, up = linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-    return tensor_parallel.reduced(spec, linear(F.silu(gate) * up, layer["w_down"]))
+    return tensor_parallel.row_parallel(spec, F.silu(gate) * up, layer["w_down"])
 
 
 def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
@@ -344,6 +348,31 @@ def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: t
     keys, values = cache.write_layer(i, slots, k, v)
     return decode_layer.layer_output(x, q.reshape(batch, spec.num_heads, spec.head_dim), keys[:, :, :attend_len],
                                      values[:, :, :attend_len], mask, layer, spec.rms_norm_eps)
+
+
+def _sharded_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor, mask: torch.Tensor,
+                          attend_len) -> torch.Tensor:
+    """``_native_decode_layer`` on a tensor-parallel rank's block-quantized shard: the fused layer's
+    own pieces (its attention input, the native attention, its MLP input) around the row-parallel
+    sums (``tensor_parallel.row_parallel``), so every value is one process's bit for bit."""
+    batch, hidden = x.shape[0], x.shape[-1]
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    qkv = decode_layer.attention_input(x, layer, cos, sin, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    k = k.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = v.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    keys, values = cache.write_layer(i, slots, k, v)
+    q = q.reshape(batch, 1, spec.num_heads, spec.head_dim).transpose(1, 2)
+    keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+    attn = decode_attention(q, keys, values, mask)
+    if attn is None:  # no native attention for these arguments: the library's (not one process's bits)
+        attn = (F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+                if spec.num_query_groups > 1 else F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+    x1 = x + tensor_parallel.row_parallel(spec, attn.reshape(batch, q_size), layer["wo"]).view(batch, 1, hidden)
+    act = decode_layer.mlp_input(x1, layer, spec.rms_norm_eps)
+    return x1 + tensor_parallel.row_parallel(spec, act, layer["w_down"]).view(batch, 1, hidden)
 
 
 def apply(

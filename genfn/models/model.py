@@ -204,14 +204,13 @@ def from_hf_state_dict(config: dict, state_dict: dict, *, dtype=torch.float32, t
 
 
 def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, generation_config, source,
-                     tensor_shard=None) -> Model:
+                     tensor_shard=None, sliced: bool = False) -> Model:
     from genfn.config import GenerationConfig
 
     dtype = _check_dtype(dtype)
     if encoder_decoder.is_encoder_decoder_config(config):
         if tensor_shard is not None:
-            raise ValueError("tensor parallelism supports the decoder-only native families "
-                             f"({', '.join(registry.ARCHITECTURES)}); this is an encoder-decoder model")
+            _refuse_encoder_decoder()
         return EncoderDecoderModel(**encoder_decoder.family_parts(config, state_dict, dtype), tokenizer=tokenizer,
                                    generation_config=generation_config, config=dict(config), source=source)
     family = registry.native_family(config)
@@ -219,7 +218,7 @@ def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, genera
     if tensor_shard is not None:  # this rank's slice only (genfn.models.tensor_parallel)
         from genfn.models.tensor_parallel import shard_params
 
-        spec, params = shard_params(family, spec, state_dict, tensor_shard, dtype=dtype)
+        spec, params = shard_params(family, spec, state_dict, tensor_shard, dtype=dtype, sliced=sliced)
     else:
         params = family.params_from_state_dict(spec, state_dict, dtype=dtype)
     if isinstance(generation_config, dict):
@@ -230,12 +229,29 @@ def _from_state_dict(config: dict, state_dict: dict, *, dtype, tokenizer, genera
                  generation_config=generation_config, config=dict(config), source=source)
 
 
+def _refuse_encoder_decoder():
+    raise ValueError("tensor parallelism supports the decoder-only native families "
+                     f"({', '.join(registry.ARCHITECTURES)}); this is an encoder-decoder model")
+
+
+def _slice_plan(tensor_shard):
+    """``config -> plan``: the loaders' ``shard_plan``, so that a rank reads only its slices."""
+    def plan(config: dict):
+        from genfn.models.tensor_parallel import slice_plan
+
+        if encoder_decoder.is_encoder_decoder_config(config):
+            _refuse_encoder_decoder()
+        return slice_plan(registry.native_family(config).spec_from_config(config), tensor_shard)
+    return plan
+
+
 def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize: str | None = None,
          tensor_shard=None) -> Model:
     """Load a Hugging Face directory or a GGUF file; ``None`` loads the embedded default (SmolLM2).
 
-    ``tensor_shard`` (a ``genfn.models.tensor_parallel.TensorShard``): keep only this rank's slice
-    of the weights, for tensor parallelism over a torch.distributed process group.
+    ``tensor_shard`` (a ``genfn.models.tensor_parallel.TensorShard``): read and keep only this
+    rank's slice of the weights (the file's other bytes are never read), for tensor parallelism
+    over a torch.distributed process group.
 
     ``quantize``: None (default) loads every weight as ``dtype``; ``"gguf"`` keeps a GGUF file's
     own Q8_0/Q4_0/Q4_1 blocks bit for bit; ``"q8_0" | "q4_0" | "q4_1" | "int8" | "int4"``
@@ -253,6 +269,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     dtype = _check_dtype(dtype)
     refuse_hub_id(path)
     quantize = check_quantize(quantize)
+    shard_plan = None if tensor_shard is None else _slice_plan(tensor_shard)
     if quantize == "gguf":
         from genfn.models.loaders.gguf import load_gguf_checkpoint
 
@@ -260,12 +277,13 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         if kind != "gguf":
             raise ValueError(f"quantize='gguf' keeps a GGUF file's blocks, but {path} is a {kind} checkpoint; "
                              "pick a format to quantize to (q8_0, q4_0, q4_1, int8, int4)")
-        ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True)
+        ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True, shard_plan=shard_plan)
     else:
-        ckpt = load_checkpoint(path, dtype=dtype)
+        ckpt = load_checkpoint(path, dtype=dtype, shard_plan=shard_plan)
     model = _from_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
-                             generation_config=ckpt.generation_config, source=ckpt.source, tensor_shard=tensor_shard)
-    del ckpt  # the whole checkpoint's tensors go; a rank keeps its slices
+                             generation_config=ckpt.generation_config, source=ckpt.source, tensor_shard=tensor_shard,
+                             sliced=tensor_shard is not None)
+    del ckpt
     if quantize is not None:
         if isinstance(model, EncoderDecoderModel):
             raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from genfn import kernels
 
 from genfn.quant.blocks import BLOCK, RowBlocks
+from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["TensorShard", "current_shard", "shard_spec", "shard_state_dict", "shard_params", "embedding",
-           "reduced", "gathered_logits", "vocab_range", "head_range"]
+__all__ = ["TensorShard", "current_shard", "shard_spec", "slice_plan", "shard_state_dict", "shard_params", "embedding",
+           "reduced", "row_parallel", "gathered_logits", "vocab_range", "head_range"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +101,17 @@ def shard_spec(spec, shard: TensorShard):
     ``vocab_size`` stays the whole vocabulary (the gathered logits have it)."""
     if not hasattr(spec, "tensor_shard"):
         raise ValueError(f"{type(spec).__name__} has no tensor-parallel support (no tensor_shard field)")
-    if not getattr(spec, "is_plain_llama", True):
-        # q/k norms over a whole projection, experts and post-norms are not split yet.
-        raise ValueError("tensor parallelism runs the Llama family's plain layers (Llama, Mistral, Qwen2); this model's "
-                         "variant (q/k norms, layers without RoPE, post-norms, partial rotary or experts) runs on one "
-                         "process (drop --tp)")
+    # Qwen3's q/k norms are per head (one [head_dim] weight every head shares): replicated, they go
+    # with the heads. A norm over a whole projection needs every rank's heads; the rest is not split yet.
+    unsplit = [what for what, present in (
+        ("q/k norms over the whole projection", getattr(spec, "qk_norm", None) == "projection"),
+        ("layers without RoPE", getattr(spec, "rope_layers", None) is not None),
+        ("post-norms", getattr(spec, "post_norms", False)), ("partial rotary", getattr(spec, "rotary_dim", None)),
+        ("experts", getattr(spec, "num_experts", 0)),
+        ("fused q/k/v and gate/up matrices", getattr(spec, "architecture", None) == "Phi3ForCausalLM")) if present]
+    if unsplit:
+        raise ValueError(f"tensor parallelism runs the Llama family's layers with per-head q/k norms at most (Llama, "
+                         f"Mistral, Qwen2, Qwen3); this model's {', '.join(unsplit)} run on one process (drop --tp)")
     kv_start, kv_stop = head_range(spec, shard)
     groups = spec.num_heads // spec.num_kv_heads
     unit = _intermediate_unit(spec, shard.world_size)
@@ -153,10 +160,18 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, in
     return plan
 
 
+def slice_plan(spec, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
+    """``name -> (dim, start, stop)`` of the slice of the checkpoint's tensor ``name`` (a Hugging
+    Face name, with or without its ``model.`` prefix) this rank keeps, or None for a tensor it
+    keeps whole: what the loaders read (``load_checkpoint(..., shard_plan=...)``) so that a rank
+    never reads the others' slices. ``spec`` is the whole model's; refuses what ``shard_spec`` refuses."""
+    return _plan(spec, shard_spec(spec, shard), shard)
+
+
 def shard_state_dict(spec, state_dict: Mapping[str, Any], shard: TensorShard) -> dict[str, Any]:
     """This rank's slices of a Hugging Face state dict (float tensors or ``RowBlocks``), under the
     same names; replicated tensors (norms) are kept whole. ``spec`` is the whole model's."""
-    plan = _plan(spec, shard_spec(spec, shard), shard)
+    plan = slice_plan(spec, shard)
     out = {}
     for name, tensor in state_dict.items():
         cut = plan(name)
@@ -205,6 +220,35 @@ def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
     partial = partial.contiguous()  # gloo reduces dense buffers only
     dist.all_reduce(partial, group=dist.distributed_c10d._resolve_process_group(shard.group_name))
     return partial
+
+
+def row_parallel(spec, x: torch.Tensor, weight) -> torch.Tensor:
+    """``linear(x, weight)`` of a row-parallel weight (o, down: this rank holds its input columns
+    and ``x`` their values), summed over the ranks; on one process, just the linear.
+
+    A block-quantized weight with float32 activations is summed in one process's order: rank r's
+    kernel starts every output's sum where rank r - 1's ended (``quantized_linear(..., init)``),
+    one all-reduce per rank handing the running sums on (the others add zeros: exact). The result
+    is one process's, bit for bit. Summed in another order, the outputs differ by float rounding
+    only, but the next linear rounds its input to 8 bits a value: a rounding difference that moves
+    one value across a code's boundary changes it by a whole code, and such changes grow through
+    the layers (SmolLM2's Q4_1 logits: up to ~1.2 apart, docs/guides/distributed.md). The price:
+    the ranks take turns on these two linears, and a layer makes ``2 x ranks`` all-reduces.
+    Other weights: each rank's partial product and one all-reduce (float rounding only).
+    """
+    shard = spec.tensor_shard
+    if shard is None:
+        return kernels.linear(x, weight)
+    if not (isinstance(weight, QuantizedWeight) and x.dtype == torch.float32):
+        return reduced(spec, kernels.linear(x, weight))
+    total = None
+    for rank in range(shard.world_size):
+        if rank == shard.rank:
+            mine = kernels.quantized_linear(x, weight, total)
+        else:
+            mine = x.new_zeros((*x.shape[:-1], weight.out_features))
+        total = reduced(spec, mine)
+    return total
 
 
 def embedding(spec, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:

@@ -72,22 +72,46 @@ class GGUFTensorInfo:
 class GGUFFile:
     """A parsed GGUF file: `metadata` (key -> Python value) and `tensors` (name -> info).
 
-    `tensor(name)` returns the dequantized float32 numpy array (a fresh copy)."""
+    `tensor(name)` returns the dequantized float32 numpy array (a fresh copy); `tensor(name, cut)`
+    only a slice of it, reading only the slice's bytes."""
 
     def __init__(self, path: str, buffer: mmap.mmap, metadata: dict[str, Any], tensors: dict[str, GGUFTensorInfo]):
         self.path, self._buffer, self.metadata, self.tensors = path, buffer, metadata, tensors
 
-    def raw(self, name: str) -> np.ndarray:
+    def raw(self, name: str, cut: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The tensor's bytes ``[*shape[:-1], row bytes]``, a view of the file mapping; ``cut = (dim,
+        start, stop)``: only rows (``dim=0`` of a matrix) or last-dimension values ``[start, stop)``
+        (whole blocks), still a view: nothing outside the slice is read."""
         info = self.tensors[name]
         data = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return data.reshape(_byte_shape(info.shape, info.ggml_type))
+        data = data.reshape(_byte_shape(info.shape, info.ggml_type))
+        if cut is None:
+            return data
+        dim, start, stop = cut
+        if dim != len(info.shape) - 1:
+            return data[start:stop]
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        if start % block or stop % block:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is stored in {GGMLQuantizationType(info.ggml_type).name} blocks of "
+                f"{block} values; a slice of values [{start}, {stop}) would cut a block (pick a --tp that splits "
+                "the layer into whole blocks)")
+        return data[..., start // block * size: stop // block * size]
 
-    def tensor(self, name: str) -> np.ndarray:
+    def shape(self, name: str, cut: tuple[int, int, int] | None = None) -> tuple[int, ...]:
+        """The tensor's numpy-order shape, or its slice's (see ``raw``)."""
+        shape = self.tensors[name].shape
+        if cut is None:
+            return shape
+        dim, start, stop = cut
+        return (*shape[:dim], stop - start, *shape[dim + 1:])
+
+    def tensor(self, name: str, cut: tuple[int, int, int] | None = None) -> np.ndarray:
         info = self.tensors[name]
-        raw = self.raw(name)
+        raw, shape = np.ascontiguousarray(self.raw(name, cut)), self.shape(name, cut)
         plain = _PLAIN_TYPES.get(info.ggml_type)
         if plain is not None:  # astype copies: the result must not alias the read-only file mapping
-            return raw.view(plain).astype(np.float32).reshape(info.shape)
+            return raw.view(plain).astype(np.float32).reshape(shape)
         try:
             out = dequantize(raw, GGMLQuantizationType(info.ggml_type))
         except NotImplementedError:
@@ -95,7 +119,7 @@ class GGUFFile:
                 f"{self.path}: tensor {name} uses ggml type {GGMLQuantizationType(info.ggml_type).name}, "
                 "which the installed gguf package cannot dequantize"
             ) from None
-        return np.asarray(out, dtype=np.float32).reshape(info.shape)
+        return np.asarray(out, dtype=np.float32).reshape(shape)
 
 
 _PLAIN_TYPES = {
@@ -406,16 +430,20 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype) -> torch.Tensor | RowBlocks:
+def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype,
+            cut: tuple[int, int, int] | None = None) -> torch.Tensor | RowBlocks:
     """A tensor's float values, or (``keep_blocks``, a matrix in a format genfn's kernels run) its
-    blocks as stored."""
+    blocks as stored; ``cut``: only that slice of it (see ``GGUFFile.raw``)."""
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
-    if keep_blocks and type_name in GGUF_FORMATS and len(info.shape) == 2:
-        return from_gguf_bytes(gguf.raw(name), type_name, info.shape)
-    if keep_blocks and type_name in GGUF_K_FORMATS and len(info.shape) == 2:
-        return KQuantWeight.from_bytes(_mapped(gguf.raw(name)), GGUF_K_FORMATS[type_name], info.shape)
-    return torch.from_numpy(gguf.tensor(name)).to(dtype)
+    shape = gguf.shape(name, cut)
+    if keep_blocks and type_name in GGUF_FORMATS and len(shape) == 2:
+        return from_gguf_bytes(gguf.raw(name, cut), type_name, shape)
+    if keep_blocks and type_name in GGUF_K_FORMATS and len(shape) == 2:
+        # A row slice is still one run of the mapping's bytes (no copy); a column slice is copied.
+        return KQuantWeight.from_bytes(_mapped(np.ascontiguousarray(gguf.raw(name, cut))), GGUF_K_FORMATS[type_name],
+                                       shape)
+    return torch.from_numpy(gguf.tensor(name, cut)).to(dtype)
 
 
 def _mapped(raw: np.ndarray) -> torch.Tensor:
@@ -427,7 +455,9 @@ def _mapped(raw: np.ndarray) -> torch.Tensor:
 
 
 def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
-                keep_blocks: bool = False) -> dict[str, torch.Tensor | RowBlocks]:
+                keep_blocks: bool = False, plan=None) -> dict[str, torch.Tensor | RowBlocks]:
+    """The state dict under Hugging Face names; ``plan(hf_name) -> (dim, start, stop) | None``: read
+    only that slice of each tensor it names (a tensor-parallel rank's)."""
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
     arch = gguf.metadata["general.architecture"]
@@ -443,7 +473,7 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             elif not _IGNORED.match(name):
                 unknown.append(name)
             continue
-        t = _tensor(gguf, name, keep_blocks, dtype)
+        t = _tensor(gguf, name, keep_blocks, dtype, None if plan is None else plan(hf_name))
         if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
             t = (t.float() - 1.0).to(dtype)
         heads = None
@@ -452,6 +482,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
         elif permuted and ".self_attn.k_proj." in hf_name:
             heads = config["num_key_value_heads"]
         if heads is not None:
+            # Per head: a slice of whole heads is unpermuted with its own count of heads.
+            heads = heads * t.shape[0] // gguf.tensors[name].shape[0]
             # The permutation moves whole rows, so quantized rows move with their blocks intact.
             t = (t.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(t, (RowBlocks, KQuantWeight))
                  else unpermute_qk(t, heads))
@@ -462,6 +494,14 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             + ", ".join(unknown[:8])
         )
     return _stacked_experts(state_dict, gguf.path)
+
+
+def _shapes(gguf: GGUFFile) -> dict[str, torch.Tensor]:
+    """The state dict's names with shape-only stand-ins (meta tensors) for its tensors."""
+    arch = gguf.metadata["general.architecture"]
+    names = {name: hf_tensor_name(name, arch) for name in gguf.tensors}
+    return _stacked_experts({hf: torch.empty(gguf.tensors[name].shape, device="meta")
+                             for name, hf in names.items() if hf is not None}, gguf.path)
 
 
 def _stacked_experts(state_dict: dict[str, Any], path: str) -> dict[str, Any]:
@@ -482,12 +522,16 @@ def _stacked_experts(state_dict: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                         keep_blocks: bool = False) -> LoadedCheckpoint:
+                         keep_blocks: bool = False, shard_plan=None) -> LoadedCheckpoint:
     """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring).
 
     `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
     rows unpermuted like the float ones) and Q4_K/Q5_K/Q6_K ones as `genfn.quant.KQuantWeight`
-    over the file's mapped bytes, instead of dequantizing them."""
+    over the file's mapped bytes, instead of dequantizing them.
+
+    `shard_plan(config) -> plan`, with `plan(hf_name) -> (dim, start, stop) | None`: read only
+    that slice of each tensor the plan names (a tensor-parallel rank's,
+    `genfn.models.tensor_parallel.slice_plan`); the whole tensors' shapes are checked first."""
     check_dtype(dtype)
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -495,9 +539,16 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     gguf = read_gguf(path)
     config = _config_from_metadata(gguf)
     permuted = SUPPORTED_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
-    state_dict = _state_dict(gguf, config, permuted, dtype, keep_blocks)
-    check_state_dict(state_dict, config, path)
-    check_gguf_tensors(gguf, state_dict, config)
+    plan = None
+    if shard_plan is not None:
+        shapes = _shapes(gguf)  # the whole tensors, as shapes only, checked before any slice is read
+        check_state_dict(shapes, config, path)
+        check_gguf_tensors(gguf, shapes, config)
+        plan = shard_plan(config)
+    state_dict = _state_dict(gguf, config, permuted, dtype, keep_blocks, plan)
+    if plan is None:
+        check_state_dict(state_dict, config, path)
+        check_gguf_tensors(gguf, state_dict, config)
 
     generation_config = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config[k] is not None

@@ -67,13 +67,22 @@ def _tensor_files(directory: str) -> dict[str, list[str] | None]:
     raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
+# safetensors' dtype names -> torch dtypes (for the shape-only stand-ins of a sliced read).
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
 def load_safetensors(
-    path: str, dtype: torch.dtype | None = None, names: list[str] | None = None
+    path: str, dtype: torch.dtype | None = None, names: list[str] | None = None, plan=None, shapes_only: bool = False
 ) -> dict[str, torch.Tensor]:
     """Read tensors from one safetensors file; float16/32/64 and bfloat16 tensors are cast to `dtype`.
 
     A corrupt or truncated file raises CheckpointError naming the file; `names`, when given, are
-    tensors the index promised and that must be present.
+    tensors the index promised and that must be present. `plan(name) -> (dim, start, stop) | None`:
+    read only that slice of each tensor it names (`safe_open(...).get_slice`: the rest is never
+    read). `shapes_only`: meta tensors of each tensor's shape and dtype, read from the header alone.
     """
     out: dict[str, torch.Tensor] = {}
     try:
@@ -86,7 +95,17 @@ def load_safetensors(
                         f"{path}: tensors listed in the index are missing from the shard: {', '.join(missing[:8])}"
                     )
             for key in keys:
-                t = f.get_tensor(key)
+                if shapes_only:
+                    part = f.get_slice(key)
+                    out[key] = torch.empty(part.get_shape(), dtype=_SAFETENSORS_DTYPES.get(part.get_dtype(),
+                                                                                         torch.uint8), device="meta")
+                    continue
+                cut = None if plan is None else plan(key)
+                if cut is None:
+                    t = f.get_tensor(key)
+                else:
+                    dim, start, stop = cut
+                    t = f.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
                 if dtype is not None and t.dtype in FLOAT_DTYPES:  # float8 and ints stay, for check_tensors
                     t = t.to(dtype)
                 out[key] = t
@@ -168,8 +187,14 @@ def _is_encoder_decoder(config: Any) -> bool:
     return isinstance(config, dict) and config.get("model_type") in _ENCODER_DECODER_MODEL_TYPES
 
 
-def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load a Hugging Face model directory (see module docstring)."""
+def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                       shard_plan=None) -> LoadedCheckpoint:
+    """Load a Hugging Face model directory (see module docstring).
+
+    ``shard_plan(config) -> plan``, with ``plan(name) -> (dim, start, stop) | None``: read only
+    that slice of each tensor the plan names (a tensor-parallel rank's,
+    ``genfn.models.tensor_parallel.slice_plan``); the whole tensors are checked first from the
+    files' headers."""
     check_dtype(dtype)
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -178,13 +203,20 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{directory}: no config.json")
     raw_config = read_json(config_path, "config.json")
+    files = _tensor_files(directory)
 
-    state_dict: dict[str, torch.Tensor] = {}
-    for path, names in _tensor_files(directory).items():
-        state_dict.update(load_safetensors(path, dtype, names))
+    def read(plan=None, shapes_only=False) -> dict[str, torch.Tensor]:
+        state_dict: dict[str, torch.Tensor] = {}
+        for path, names in files.items():
+            state_dict.update(load_safetensors(path, dtype, names, plan, shapes_only))
+        return state_dict
+
+    state_dict = read(shapes_only=shard_plan is not None)  # with a plan: shapes first, slices after
     if _is_encoder_decoder(raw_config):
         # The encoder-decoder families read their own config fields and check their own tensors.
         config = raw_config
+        if shard_plan is not None:
+            shard_plan(config)  # refuses the model
     else:
         state_dict = _hf_names(state_dict)
         config = normalize_config(raw_config, state_dict, config_path)
@@ -192,6 +224,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.
             state_dict.pop("lm_head.weight", None)
         check_state_dict(state_dict, config, directory)
         check_tensors(state_dict, config, directory)
+        if shard_plan is not None:
+            state_dict = {k: v for k, v in _hf_names(read(shard_plan(config))).items() if k in state_dict}
 
     generation_config = None
     gen_path = os.path.join(directory, "generation_config.json")
