@@ -299,7 +299,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
             q, k, v = ops.rope_qkv(linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, spec)
         cache = write(cache, i, inputs.slot_mapping, k, v)
         attn = attend(q, cache, i, route)
-        attn_out = tensor_parallel.reduced(spec, linear(attn.reshape(num_tokens, q_size), layer["wo"]))
+        attn_out = tensor_parallel.row_parallel(spec, attn.reshape(num_tokens, q_size), layer["wo"], linear)
         if spec.post_norms:  # OLMo 2: the norms sit on the outputs
             x = h = x + _rms_norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
         else:
@@ -307,8 +307,8 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
         if spec.num_experts:
             mlp_out = moe_mlp(spec, layer, h)
         else:
-            mlp_out = linear(ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
-            mlp_out = tensor_parallel.reduced(spec, mlp_out)
+            mlp_out = tensor_parallel.row_parallel(spec, ops.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"],
+                                                   linear)
         if spec.post_norms:
             mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
 

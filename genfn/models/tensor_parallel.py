@@ -222,7 +222,7 @@ def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
     return partial
 
 
-def row_parallel(spec, x: torch.Tensor, weight) -> torch.Tensor:
+def row_parallel(spec, x: torch.Tensor, weight, linear: Callable = kernels.linear) -> torch.Tensor:
     """``linear(x, weight)`` of a row-parallel weight (o, down: this rank holds its input columns
     and ``x`` their values), summed over the ranks; on one process, just the linear.
 
@@ -234,13 +234,14 @@ def row_parallel(spec, x: torch.Tensor, weight) -> torch.Tensor:
     one value across a code's boundary changes it by a whole code, and such changes grow through
     the layers (SmolLM2's Q4_1 logits: up to ~1.2 apart, docs/guides/distributed.md). The price:
     the ranks take turns on these two linears, and a layer makes ``2 x ranks`` all-reduces.
-    Other weights: each rank's partial product and one all-reduce (float rounding only).
+    Other weights: each rank's partial product (``linear``: the caller's, e.g. the packed forward's
+    GEMM over a repacked float weight) and one all-reduce (float rounding only).
     """
     shard = spec.tensor_shard
     if shard is None:
-        return kernels.linear(x, weight)
+        return linear(x, weight)
     if not (isinstance(weight, QuantizedWeight) and x.dtype == torch.float32):
-        return reduced(spec, kernels.linear(x, weight))
+        return reduced(spec, linear(x, weight))
     total = None
     for rank in range(shard.world_size):
         if rank == shard.rank:
