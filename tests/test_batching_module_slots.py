@@ -259,3 +259,26 @@ def test_a_request_keeps_its_slot_and_one_without_takes_a_free_else_the_least_re
     # No slot is free: "d" takes "a"'s (used at step 3; "b"'s and "c"'s at step 4), "c" keeps its own.
     assert [row.slot for row in batch] == [0, 1] and table.owners == ("d", "c", "b")
     assert table.filled == (5, 0, 7) and table.clock == 6  # what a slot holds is the forward's to say
+
+
+def test_a_slot_copied_into_forgets_what_it_held_past_the_copy(wrapped):
+    """A chunk that samples nothing and whose slot copies all of it from another slot computes
+    nothing: the slot's positions past the copy, computed after the slot's old prefix, must not be
+    trusted by a later chunk whose tokens happen to agree with them (what beams forked and preempted
+    met: a beam's stale suffix)."""
+    tail = [31, 32, 33, 34, 35, 36, 37, 38]
+    x, a = [11, 12, 13, 14] + tail, [51, 52, 53, 54, 60, 61]
+    y = a[:4] + tail  # "a"'s first 4 tokens, then the very tokens "x" held at positions 4 .. 11
+    # 2 slots, 4 tokens a forward, blocks of 8 (no prompt shares a full block with another).
+    engine, state = _engine(wrapped, blocks=32, size=8, budget=4, rows=2)
+    state, ended = _until_done(engine, _add(wrapped, state, "x", x, 3, do_sample=False))
+    state, ended_a = _until_done(engine, _add(wrapped, state, "a", a, 3, do_sample=False))
+    state = _add(wrapped, state, "y", y, 3, do_sample=False)
+    state, outcome = engine_step(engine, state)  # "y"'s chunk 0 .. 4: "x"'s slot, copied from "a"'s
+    assert [(c.start, c.end, c.samples) for c in outcome.batch.chunks] == [(0, 4, False)]
+    slot = engine.cache.table.owners.index("y")
+    assert engine.cache.held[slot, :4].tolist() == a[:4] and (engine.cache.held[slot, 4:] == -1).all()
+    state, ended_y = _until_done(engine, state)
+    assert ended["x"] == _alone(wrapped, x, 3, do_sample=False)
+    assert ended_a["a"] == _alone(wrapped, a, 3, do_sample=False)
+    assert ended_y["y"] == _alone(wrapped, y, 3, do_sample=False)

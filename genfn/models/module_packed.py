@@ -259,10 +259,24 @@ def _reuse(cache: SlotCache, rows: list[_Row], history: torch.Tensor) -> list[tu
     return copies
 
 
+def _clear_from(cache: SlotCache, filled: list[int], slot: int, position: int) -> None:
+    """Zero ``slot``'s positions ``position ..`` (held: none), in place; ``filled`` follows."""
+    if filled[slot] > position:
+        cache.slot_keys[:, slot, :, position:filled[slot]] = 0
+        cache.slot_values[:, slot, :, position:filled[slot]] = 0
+        cache.held[slot, position:filled[slot]] = _NONE
+    filled[slot] = position
+
+
 def _copy_and_clear(cache: SlotCache, rows: list[_Row], copies) -> list[int]:
     """Copy the prefixes ``copies`` names into their rows' slots (every source read before any
     write), then zero each computing row's slot from its first computed position on; returns the
-    slots' filled lengths after that (``SlotTable.filled``)."""
+    slots' filled lengths after that (``SlotTable.filled``).
+
+    A slot's positions past a copied prefix are zeroed too, even when its row computes nothing
+    (a chunk that does not sample, all of it copied): their keys and values were computed after
+    the slot's old prefix, and a later row whose tokens happen to agree with what ``held`` says
+    there would trust them."""
     filled = list(cache.table.filled)
     read = [(row, begin, end, cache.slot_keys[:, source, :, begin:end].clone(),
              cache.slot_values[:, source, :, begin:end].clone(), cache.held[source, begin:end].clone())
@@ -271,13 +285,10 @@ def _copy_and_clear(cache: SlotCache, rows: list[_Row], copies) -> list[int]:
         cache.slot_keys[:, row.slot, :, begin:end] = keys
         cache.slot_values[:, row.slot, :, begin:end] = values
         cache.held[row.slot, begin:end] = held
-        filled[row.slot] = max(filled[row.slot], end)
+        _clear_from(cache, filled, row.slot, end)
     for row in rows:
         if row.first < row.end and filled[row.slot] > row.first:
-            cache.slot_keys[:, row.slot, :, row.first:filled[row.slot]] = 0
-            cache.slot_values[:, row.slot, :, row.first:filled[row.slot]] = 0
-            cache.held[row.slot, row.first:filled[row.slot]] = _NONE
-            filled[row.slot] = row.first
+            _clear_from(cache, filled, row.slot, row.first)
     return filled
 
 
