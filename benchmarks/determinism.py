@@ -140,7 +140,12 @@ def main() -> None:
     parser.add_argument("--linears", type=int, default=0, metavar="ROWS",
                         help="time the linear kernels at ROWS rows instead (module docstring)")
     parser.add_argument("--profile", action="store_true", help="profile the continuous workload in the mode")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's own); on a loaded machine 1 keeps a straggler "
+                             "thread from setting the pace")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.linears and args.quantize:
         parser.error("--linears times the float kernels: leave out --quantize")
     model = genfn.load(default_model_path(), dtype=getattr(torch, args.dtype), quantize=args.quantize)
