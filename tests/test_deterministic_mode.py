@@ -282,6 +282,13 @@ def test_the_q_k_norm_variants_run_in_the_mode_with_every_request_bitwise_the_sa
         assert max(abs(x - y) for x, y in zip(a.logits, b.logits)) < 1e-4
 
 
+def test_the_mode_refuses_a_llama_variant_with_layers_without_rope():
+    hf_model, config = tiny_hf_model("SmolLM3ForCausalLM", num_hidden_layers=4, no_rope_layer_interval=4)
+    model = from_hf_state_dict(config, hf_model.state_dict())
+    with pytest.raises(ValueError, match="batch-invariant mode.*SmolLM3ForCausalLM with layers without RoPE"):
+        genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2, batch_invariant=True)
+
+
 def _gpt2_module():
     import transformers
 
