@@ -1,7 +1,8 @@
-"""The batch-invariant mode (``genfn.deterministic``): its kernels give row 0 the same bits among
-1..64 rows and on 1 or 2 threads, and in the mode a request's tokens and logprobs are bitwise the
-same alone, in ``generate`` batches, in continuous batches of several sizes and orders, with and
-without chunked prefill, with prefix caching (float32, bfloat16, Q8_0 blocks)."""
+"""The batch-invariant mode (``genfn.deterministic``): its linears give every row its own bits
+alone among 1..64 rows and more, its other kernels row 0, on 1 or 2 threads; and in the mode a
+request's tokens and logprobs are bitwise the same alone, in ``generate`` batches, in continuous
+batches of several sizes and orders, with and without chunked prefill, with prefix caching
+(float32, bfloat16, Q8_0 blocks)."""
 
 from __future__ import annotations
 
@@ -45,16 +46,55 @@ def _assert_row_zero_invariant(f, x):
         torch.set_num_threads(before)
 
 
+def _assert_every_row_as_alone(f, x, rows=tuple(range(1, 65))):
+    """``f(x[:n])[i] == f(x[i:i + 1])`` bitwise for every row ``i`` of every ``n`` in ``rows``, on
+    1 and 2 threads (each row alone computed on 1 thread). Returns the rows alone."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([f(x[i:i + 1]) for i in range(max(rows))])
+        for n in rows:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                together = f(x[:n])
+                differ = (together != alone[:n]).flatten(1).any(1).nonzero().flatten().tolist()
+                assert not differ, f"among {n} rows on {threads} threads, rows {differ} differ from themselves alone"
+    finally:
+        torch.set_num_threads(before)
+    return alone
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k, n", [(64, 97), (100, 48)])
-def test_invariant_linear_row_zero_is_the_same_at_any_row_count(dtype, k, n):
+# Odd k (a masked last step of the k loop), odd n (rows past the last block of 4 weight rows),
+# weights of several L2 panels (300 x 256: 5 panels in float32, 3 in bfloat16) that two threads
+# share, and k = 1000, whose float32 rows fill the kernel's 24 KiB tile at 6 rows, not 8.
+@pytest.mark.parametrize("k, n", [(64, 97), (100, 48), (33, 13), (256, 300), (1000, 40)])
+def test_invariant_linear_gives_every_row_its_bits_alone_at_1_to_64_rows(dtype, k, n):
     torch.manual_seed(0)
     weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
-    _assert_row_zero_invariant(lambda rows: invariant.linear(rows, weight), torch.randn(64, k).to(dtype))
+    x = torch.randn(64, k).to(dtype)
+    alone = _assert_every_row_as_alone(lambda rows: invariant.linear(rows, weight), x)
+    # A row alone is the decode kernel's one-row path, the one a batch-1 step takes outside the mode.
+    assert torch.equal(alone, torch.cat([kernels.linear(x[i:i + 1], weight) for i in range(len(x))]))
+    assert (alone - torch.nn.functional.linear(x, weight)).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_linear_past_64_rows_and_its_refusals(dtype):
+    # 300 rows of 512 inputs: more than the kernel's 256 KiB group of rows (128 float32 rows, 256
+    # bfloat16), so the weight streams once per group.
+    torch.manual_seed(4)
+    weight = (torch.randn(40, 512) / 23).to(dtype)
+    x = torch.randn(300, 512).to(dtype)
+    _assert_every_row_as_alone(lambda rows: invariant.linear(rows, weight), x, rows=(1, 65, 137, 300))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        invariant.linear(x.half(), weight.half())
+    with pytest.raises(RuntimeError, match="invariant_linear: float32 or bfloat16"):
+        torch.ops.genfn_kernels.invariant_linear(x.float(), weight.double())
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
-def test_invariant_quantized_linear_row_zero_is_the_same_past_the_64_row_tile(fmt):
+def test_invariant_quantized_linear_gives_every_row_its_bits_alone_past_64_rows(fmt):
     torch.manual_seed(1)
     if fmt.endswith("_k"):
         weight = quantize_k(torch.randn(40, 256) / 16, fmt)
@@ -62,9 +102,8 @@ def test_invariant_quantized_linear_row_zero_is_the_same_past_the_64_row_tile(fm
     else:
         weight = QuantizedWeight.from_rows(quantize(torch.randn(40, 96) / 10, fmt))
         x = torch.randn(130, 96)
-    f = lambda rows: invariant.linear(rows, weight)  # noqa: E731
-    _assert_row_zero_invariant(f, x)
-    assert torch.equal(f(x)[:1], f(x[:1])), "row 0 changed among 130 rows (three tiles)"
+    _assert_every_row_as_alone(lambda rows: invariant.linear(rows, weight), x,
+                               rows=(*range(1, 18), 31, 33, 63, 64, 65, 127, 130))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -219,6 +258,35 @@ def test_in_the_mode_the_compiled_step_gives_the_eager_bits():
     compiled = report.comparison("alone, compiled")
     assert compiled.identical == compiled.total
     assert compiled.max_logprob_diff == 0.0 and compiled.max_logit_diff == 0.0
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Olmo2ForCausalLM"])
+def test_the_q_k_norm_variants_run_in_the_mode_with_every_request_bitwise_the_same(arch):
+    """Qwen3 (per-head q/k norms) and OLMo 2 (q/k norms over the projections, post-norms): every
+    variant of the report bitwise the reference, and the mode computes the model outside it does
+    (the chosen tokens' logits within float32 rounding)."""
+    hf_model, config = tiny_hf_model(arch, head_dim=16)
+    model = from_hf_state_dict(config, hf_model.state_dict())
+    prompts = _prompts(6, seed=4)
+    report = check(model, prompts, max_new_tokens=6, do_sample=True, seed=2, batch_sizes=(3, 6), chunk_tokens=5,
+                   batch_invariant=True)
+    for comparison in report.comparisons:
+        assert comparison.identical == comparison.total, comparison
+        assert comparison.max_logprob_diff == 0.0, comparison
+        assert comparison.max_logit_diff in (None, 0.0), comparison
+    settings = dict(max_new_tokens=6, do_sample=False)
+    inside = run_generate(model, prompts, [0] * 6, dict(settings, batch_invariant=True))
+    outside = run_generate(model, prompts, [0] * 6, settings)
+    assert [r.tokens for r in inside] == [r.tokens for r in outside]
+    for a, b in zip(inside, outside):
+        assert max(abs(x - y) for x, y in zip(a.logits, b.logits)) < 1e-4
+
+
+def test_the_mode_refuses_a_llama_variant_with_layers_without_rope():
+    hf_model, config = tiny_hf_model("SmolLM3ForCausalLM", num_hidden_layers=4, no_rope_layer_interval=4)
+    model = from_hf_state_dict(config, hf_model.state_dict())
+    with pytest.raises(ValueError, match="batch-invariant mode.*SmolLM3ForCausalLM with layers without RoPE"):
+        genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=2, batch_invariant=True)
 
 
 def _gpt2_module():

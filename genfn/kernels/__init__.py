@@ -63,6 +63,10 @@ def _register_fake() -> None:
     def _(x, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::invariant_linear")
+    def _(x, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
     _register_quant_fake()
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_decode_attention")

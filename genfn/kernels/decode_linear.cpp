@@ -268,6 +268,86 @@ void dispatch_rows(int64_t M, const typename Dot::Input* x, const typename Dot::
   }
 }
 
+// Any number of rows of x, each output element summed exactly as one row alone is summed above
+// (one float32 accumulator of 16 lanes along k in steps of Dot::Step, then the same lane tree),
+// whatever the row count, the row's place or the thread count: the batch-invariant mode's float
+// linear (genfn/kernels/invariant.py). Where the mode once ran tiles of 8 rows through the decode
+// kernel one after another, each streaming the whole weight from memory, the weight here streams
+// once: the output columns are cut into panels of weight rows small enough to stay in L2, each
+// thread takes a contiguous run of panels (columns, never k), and every tile of <= 8 rows of x
+// passes over a panel before the next; the first tile's pass fetches the stream ahead as
+// stream_blocks does, the others read the panel from L2. A tile holds as many rows (up to 8) as
+// fit in kTileBytes, so that it stays in L1 while the panel's weight rows pass (SmolLM2's down
+// projection, 1536 inputs: 8 float32 rows of x are 48 KiB, and read from L2 the product ran at
+// half the speed of oneDNN's). Past kGroupBytes of x (a prefill's hundreds of rows) the rows go
+// in groups that stay in L2 too, each streaming the weight again.
+constexpr int64_t kPanelBytes = 64 * 1024;
+constexpr int64_t kTileBytes = 24 * 1024;
+constexpr int64_t kGroupBytes = 256 * 1024;
+
+// Weight rows [n0, n1) against the M (<= 8) rows of x; results to y[m * N + n]. Blocks of R as
+// the decode kernel takes them (n0 is a multiple of 4), the odd rows at N one at a time.
+// `stream_end`: the weight row where this thread's stream ends, to fetch ahead up to (0: none).
+template <typename Dot, int M, typename Out>
+void panel_pass(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
+                int64_t n0, int64_t n1, int64_t stream_end) {
+  constexpr int R = rows_per_block(M);
+  constexpr int64_t window = prefetch_window<2>();  // 16 KiB, as for any tile of more than one row
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const bool ahead = stream_end > 0 && (n + R) * row_bytes + window <= stream_end * row_bytes;
+    row_block<Dot, M, R>(x, w, K, N, n, ahead ? window : 0, y);
+  }
+  for (; n < n1; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+}
+
+template <typename Dot, typename Out>
+void dispatch_panel(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
+                    Out* y, int64_t n0, int64_t n1, int64_t stream_end) {
+  switch (M) {
+    case 1: return panel_pass<Dot, 1>(x, w, K, N, y, n0, n1, stream_end);
+    case 2: return panel_pass<Dot, 2>(x, w, K, N, y, n0, n1, stream_end);
+    case 3: return panel_pass<Dot, 3>(x, w, K, N, y, n0, n1, stream_end);
+    case 4: return panel_pass<Dot, 4>(x, w, K, N, y, n0, n1, stream_end);
+    case 5: return panel_pass<Dot, 5>(x, w, K, N, y, n0, n1, stream_end);
+    case 6: return panel_pass<Dot, 6>(x, w, K, N, y, n0, n1, stream_end);
+    case 7: return panel_pass<Dot, 7>(x, w, K, N, y, n0, n1, stream_end);
+    default: return panel_pass<Dot, 8>(x, w, K, N, y, n0, n1, stream_end);
+  }
+}
+
+template <typename Dot, typename Out>
+void panels_of_rows(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
+                    Out* y) {
+  if (M <= kMaxDecodeRows) return dispatch_rows<Dot>(M, x, w, K, N, y);
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  // A multiple of 4 weight rows, so that every block size the tiles take (1, 2, 4) divides it.
+  const int64_t panel = std::max<int64_t>(4, kPanelBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
+  const int64_t panels = (N + panel - 1) / panel;
+  const int64_t x_row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Input));
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / x_row_bytes, 1, kMaxDecodeRows);
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / x_row_bytes / tile) * tile;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t stream_end = std::min(N, p1 * panel);
+    for (int64_t g0 = 0; g0 < M; g0 += group) {
+      const int64_t g1 = std::min(M, g0 + group);
+      fetch_first_window(w + p0 * panel * K, (stream_end - p0 * panel) * row_bytes, prefetch_window<2>());
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);
+        for (int64_t m0 = g0; m0 < g1; m0 += tile)
+          dispatch_panel<Dot>(std::min<int64_t>(tile, g1 - m0), x + m0 * K, w, K, N, y + m0 * N, n0, n1,
+                              m0 == g0 ? stream_end : 0);
+      }
+    }
+  });
+}
+
+void bf16_dot_panels(
+    int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
+  panels_of_rows<Bfloat16Dot>(M, x, w, K, N, y);
+}
+
 void bf16_dot_rows(
     int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
   dispatch_rows<Bfloat16Dot>(M, x, w, K, N, y);
@@ -309,6 +389,39 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   return y.view(out_sizes);
 }
 
+// decode_linear for any number of rows, each summed as it is alone (panels_of_rows); float32 or
+// bfloat16 only: it refuses what it cannot sum that way rather than hand it to another kernel.
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "invariant_linear: weight must be 2-D, got ", weight.dim(), "-D");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "invariant_linear: x has ", x.size(-1),
+              " features, weight expects ", weight.size(1));
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "invariant_linear: float32 or bfloat16 x and weight of one dtype, got ", x.scalar_type(), " and ", dtype);
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "invariant_linear: CPU tensors only");
+  const int64_t K = weight.size(1);
+  const int64_t N = weight.size(0);
+  const int64_t M = K == 0 ? 0 : x.numel() / K;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  if (M == 0 || K == 0) return at::zeros(out_sizes, weight.options());
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty({M, N}, weight.options());
+  if (dtype == at::kFloat) {
+    panels_of_rows<Float32Fma>(M, rows.data_ptr<float>(), w.data_ptr<float>(), K, N, y.data_ptr<float>());
+  } else if (has_avx512_bf16()) {
+    bf16_dot_panels(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N,
+                    y.data_ptr<c10::BFloat16>());
+  } else {
+    std::vector<float> widened(M * K);
+    const c10::BFloat16* src = rows.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+    panels_of_rows<Bfloat16Widen>(M, widened.data(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
+  }
+  return y.view(out_sizes);
+}
+
 }  // namespace
 
 namespace genfn_kernels {
@@ -337,6 +450,12 @@ void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, 
 
 }  // namespace genfn_kernels
 
-TORCH_LIBRARY(genfn_kernels, m) { m.def("decode_linear(Tensor x, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY(genfn_kernels, m) {
+  m.def("decode_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("invariant_linear(Tensor x, Tensor weight) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("decode_linear", &decode_linear); }
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("decode_linear", &decode_linear);
+  m.impl("invariant_linear", &invariant_linear);
+}

@@ -5,12 +5,13 @@ its row, the other requests, where chunked prefill cut its prompt, whether its p
 the prefix cache, the number of threads. That holds because every reduction a token's logits go
 through is done per token, by one thread, in an order that depends on the token alone:
 
-- linears: ``linear`` cuts any number of rows into tiles of at most ``TILE_ROWS`` and runs each
-  through genfn's own kernel, whose per-row result does not depend on the tile's row count
-  (float32/bfloat16: the decode kernel, one dot product per output element in a fixed order, up
-  to 8 rows; Q8_0/Q4_0/Q4_1 and the K-quants: the quantized kernels, each activation row
-  quantized on its own and summed block by block, tiles of 64 rows). Never oneDNN/MKL, whose
-  blocking and k-splitting follow the shape;
+- linears: ``linear`` runs all the rows in one call of genfn's own kernel, whose per-row result
+  does not depend on the row count (float32/bfloat16: ``invariant_linear`` in
+  ``decode_linear.cpp``, each output element one dot product in the decode kernel's fixed order,
+  the weight streamed once for all rows in panels that stay in L2; Q8_0/Q4_0/Q4_1 and the
+  K-quants: the quantized kernels, each activation row quantized on its own and summed block by
+  block, the weight streamed once for all rows). Never oneDNN/MKL, whose blocking and
+  k-splitting follow the shape;
 - attention: every query, prefill or decode, through the decode attention's per-query walk
   (``decode_attention.cpp``'s ``attend_rows_at``): its visible keys in position order, one thread
   per (query, kv head). ``dense_attention`` reads the static cache, ``paged_attention`` the paged
@@ -40,12 +41,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["deterministic", "batch_invariant", "require_native", "refuse_outside_plain_llama", "mode_for_manager", "linear", "rms_norm", "add_rms_norm", "rope_qkv",
-           "silu_mul", "dense_attention", "paged_attention", "TILE_ROWS", "QUANTIZED_TILE_ROWS"]
-
-# Rows per call of the float32/bfloat16 decode kernel (its per-row result is pinned invariant at
-# 1-8 rows, tests/test_batch_invariance.py) and of the quantized kernels (pinned at 1-64).
-TILE_ROWS = kernels.MAX_DECODE_ROWS[torch.float32]
-QUANTIZED_TILE_ROWS = 64
+           "silu_mul", "dense_attention", "paged_attention"]
 
 _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("genfn_batch_invariant", default=False)
 
@@ -70,9 +66,9 @@ def refuse_outside_plain_llama(family: str) -> None:
     """In the mode, refuse a forward that has no invariant path (it would reduce in shape-dependent
     orders and silently break the mode's promise); outside it, nothing."""
     if batch_invariant():
-        raise ValueError(f"the batch-invariant mode (genfn.deterministic, batch_invariant=True) runs plain "
-                         f"Llama-family layers (Llama, Mistral, Qwen2, SmolLM2); {family} has no invariant forward "
-                         f"yet: run it outside the mode")
+        raise ValueError(f"the batch-invariant mode (genfn.deterministic, batch_invariant=True) runs "
+                         f"Llama-family layers (Llama, Mistral, Qwen2, SmolLM2, Qwen3, OLMo 2); {family} has no "
+                         f"invariant forward yet: run it outside the mode")
 
 
 def mode_for_manager(configured: bool) -> bool:
@@ -103,10 +99,6 @@ def deterministic(enabled: bool = True):
 # The mode's kernels
 
 
-def _tile(weight) -> int:
-    return QUANTIZED_TILE_ROWS if isinstance(weight, (QuantizedWeight, KQuantWeight)) else TILE_ROWS
-
-
 def _check_plain(x: torch.Tensor, weight: torch.Tensor) -> None:
     if not (x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"):
         raise ValueError(f"the batch-invariant mode runs float32 or bfloat16 weights on the CPU with activations of "
@@ -114,22 +106,22 @@ def _check_plain(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *, out_float32: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose every row is computed as if it were alone: the rows go in
-    tiles of at most ``TILE_ROWS`` (``QUANTIZED_TILE_ROWS``) through genfn's kernels (see the
-    module's docstring). ``weight``: plain, quantized, a ``RowStack`` or a ``PackedWeight`` (its
-    plain weight is used)."""
+    """``F.linear(x, weight, bias)`` whose every row is computed as if it were alone, all rows in
+    one call of genfn's kernels (see the module's docstring). ``weight``: plain, quantized, a
+    ``RowStack`` or a ``PackedWeight`` (its plain weight is used)."""
     if isinstance(weight, PackedWeight):
         weight = weight.weight
     if isinstance(weight, RowStack):
         y = torch.cat([linear(x, part) for part in weight.parts], dim=-1)
     else:
-        if isinstance(weight, torch.Tensor):
-            _check_plain(x, weight)
         rows = x.reshape(-1, x.shape[-1])
-        tile = _tile(weight)
         with torch.no_grad() if rows.requires_grad else contextlib.nullcontext():
-            parts = [kernels.linear(rows[i:i + tile], weight) for i in range(0, rows.shape[0], tile)]
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*x.shape[:-1], -1)
+            if isinstance(weight, (QuantizedWeight, KQuantWeight)):
+                y = kernels.linear(rows, weight)
+            else:
+                _check_plain(x, weight)
+                y = torch.ops.genfn_kernels.invariant_linear(rows, weight)
+        y = y.reshape(*x.shape[:-1], -1)
     if bias is not None:
         y = y + bias
     return y.to(torch.float32) if out_float32 else y

@@ -449,10 +449,26 @@ def apply(
 
 def check_invariant_spec(spec: LlamaSpec) -> None:
     """Refuse a model the batch-invariant mode has no invariant layer for."""
-    if not spec.is_plain_llama or spec.tensor_shard is not None or spec.original_context:
-        raise ValueError(f"the batch-invariant mode (genfn.deterministic) runs plain Llama-family layers (Llama, "
-                         f"Mistral, Qwen2, SmolLM2) on one process; {spec.architecture} with q/k norms, "
-                         f"post-norms, partial rotary, experts, LongRoPE or tensor parallelism has none yet")
+    if (spec.rope_layers is not None or spec.rotary_dim is not None or spec.num_experts
+            or spec.tensor_shard is not None or spec.original_context):
+        raise ValueError(f"the batch-invariant mode (genfn.deterministic) runs Llama-family layers (Llama, "
+                         f"Mistral, Qwen2, SmolLM2; with q/k norms and post-norms Qwen3 and OLMo 2) on one "
+                         f"process; {spec.architecture} with layers without RoPE, partial rotary, experts, "
+                         f"LongRoPE or tensor parallelism has none yet")
+
+
+def _invariant_qk_norm(spec: LlamaSpec, layer: Mapping[str, Any], qkv: torch.Tensor) -> torch.Tensor:
+    """``qkv [T, (H + 2 Hkv) D]`` with q and k RMS-normed as ``_decoder_layer`` norms them (per
+    head: Qwen3; over the projection: OLMo 2), each row on its own (``invariant.rms_norm``)."""
+    eps, head_dim = spec.rms_norm_eps, spec.head_dim
+    q_size, kv_size = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if spec.qk_norm == "head":  # rows of one head each
+        q = invariant.rms_norm(q.reshape(-1, spec.num_heads, head_dim), layer["q_norm"], eps).reshape(-1, q_size)
+        k = invariant.rms_norm(k.reshape(-1, spec.num_kv_heads, head_dim), layer["k_norm"], eps).reshape(-1, kv_size)
+    else:
+        q, k = invariant.rms_norm(q, layer["q_norm"], eps), invariant.rms_norm(k, layer["k_norm"], eps)
+    return torch.cat([q, k, v], dim=-1)
 
 
 def invariant_layers(spec: LlamaSpec, layers, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend):
@@ -466,15 +482,24 @@ def invariant_layers(spec: LlamaSpec, layers, rows: torch.Tensor, cos: torch.Ten
     eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
     mlp_out = None  # the previous layer's MLP output, added to the residual in the next norm's call
     for i, layer in enumerate(layers):
-        if mlp_out is None:
+        if spec.post_norms:  # OLMo 2: no input norms; the outputs are normed before each residual add
+            h = rows = rows if mlp_out is None else rows + mlp_out
+        elif mlp_out is None:
             h = ops.rms_norm(rows, layer["attn_norm"], eps)
         else:
             rows, h = ops.add_rms_norm(rows, mlp_out, layer["attn_norm"], eps)
-        q, k, v = ops.rope_qkv(ops.linear(h, layer["wqkv"], layer.get("bqkv")), cos, sin, heads, kv_heads)
-        attn = attend(i, q, k, v)
-        rows, h = ops.add_rms_norm(rows, ops.linear(attn.reshape(rows.shape[0], heads * spec.head_dim), layer["wo"]),
-                                   layer["mlp_norm"], eps)
+        qkv = ops.linear(h, layer["wqkv"], layer.get("bqkv"))
+        if spec.qk_norm is not None:
+            qkv = _invariant_qk_norm(spec, layer, qkv)
+        q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads)
+        attn_out = ops.linear(attend(i, q, k, v).reshape(rows.shape[0], heads * spec.head_dim), layer["wo"])
+        if spec.post_norms:
+            rows = h = rows + ops.rms_norm(attn_out, layer["post_attn_norm"], eps)
+        else:
+            rows, h = ops.add_rms_norm(rows, attn_out, layer["mlp_norm"], eps)
         mlp_out = ops.linear(ops.silu_mul(ops.linear(h, layer["w_gate_up"])), layer["w_down"])
+        if spec.post_norms:
+            mlp_out = ops.rms_norm(mlp_out, layer["post_mlp_norm"], eps)
     return rows, mlp_out
 
 
