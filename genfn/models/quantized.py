@@ -4,7 +4,8 @@
 ``RowBlocks``; they are only rearranged into the kernel's tiles) and its Q4_K/Q5_K/Q6_K blocks as
 stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
-matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
+matrices that linears multiply by change: q/k/v, o, gate/up, down (a mixture of experts' stacked
+experts, as ``QuantizedExperts``) and the LM head. Norms stay
 float, and the embedding lookup reads float rows (for a tied head, the head's own values).
 
 With a 4-bit format the LM head is stored in 8 bits (q8_0, or int8 for int4), as llama.cpp's
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
@@ -30,6 +32,8 @@ __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARA
 QUANTIZE_CHOICES = ("gguf", *FORMATS)
 HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "int4": "int8"}
 LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
+# A mixture of experts' stacked projections (genfn.models.moe), quantized expert by expert.
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
 
 def check_quantize(quantize: str | None) -> str | None:
@@ -54,6 +58,18 @@ def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
     return QuantizedWeight.from_rows(quantize(weight, fmt))
 
 
+def _quantized_experts(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
+    """A stacked expert projection ``[E, out, in]``: a GGUF file's blocks stay as loaded
+    (``QuantizedExperts``), float experts are quantized per expert row by row like any matrix."""
+    if isinstance(weight, QuantizedExperts) or fmt == "gguf":
+        return weight
+    num_experts, _, cols = weight.shape
+    if cols % (64 if fmt == "int4" else BLOCK):
+        kept_float.append(name)
+        return weight
+    return QuantizedExperts.from_blocks(quantize(weight.reshape(-1, cols), fmt), num_experts)
+
+
 def quantize_params(params: dict, fmt: str) -> dict:
     """``params`` with its linear weights as ``QuantizedWeight`` in ``fmt`` (see module docstring)."""
     check_quantize(fmt)
@@ -62,8 +78,11 @@ def quantize_params(params: dict, fmt: str) -> dict:
     for i, layer in enumerate(params["layers"]):
         layer = dict(layer)
         for key in LINEAR_PARAMS:
-            if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down: its experts stay float
+            if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down, but stacked experts
                 layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
+        for key in EXPERT_PARAMS:
+            if key in layer:
+                layer[key] = _quantized_experts(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
     head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
     out = dict(params, layers=layers, lm_head=head)
