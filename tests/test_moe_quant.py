@@ -57,7 +57,7 @@ def _reference(x: torch.Tensor, experts, weights, gate_up: QuantizedExperts, dow
 
 @pytest.mark.parametrize("fmt", TILE_FORMATS + K_FORMATS)
 def test_quantized_decode_kernel_reads_only_the_chosen_experts(fmt):
-    hidden, inter = (256, 256) if fmt in K_FORMATS else (64, 48)
+    hidden, inter = (256, 256) if fmt in K_FORMATS else (64, 96)
     num_experts, top_k = 8, 2
     torch.manual_seed(0)
     gate_up = _stack(torch.randn(num_experts, 2 * inter, hidden) / 8, fmt)
@@ -99,7 +99,7 @@ def test_moe_mlp_decode_grouped_and_dense_paths_agree(fmt):
         weights, experts = moe.route(x, layer["router"], 2, True)
         grouped = moe.moe_mlp(Spec, layer, x)  # 12 rows: more than a decode step, grouped by expert
         dense = moe._dense(x, weights, experts, layer["experts_gate_up"], layer["experts_down"])
-        torch.testing.assert_close(grouped, dense, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grouped, dense, rtol=1e-4, atol=1e-5)
         one = moe.moe_mlp(Spec, layer, x[:1])  # a decode step's row: the native kernel where built
         torch.testing.assert_close(one, grouped[:1], rtol=1e-4, atol=1e-5)
 

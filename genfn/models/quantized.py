@@ -25,7 +25,7 @@ from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
 from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
-from genfn.quant.weight import QuantizedWeight
+from genfn.quant.weight import TILE, QuantizedWeight
 
 __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
 
@@ -63,8 +63,8 @@ def _quantized_experts(weight: Any, fmt: str, name: str, kept_float: list) -> An
     (``QuantizedExperts``), float experts are quantized per expert row by row like any matrix."""
     if isinstance(weight, QuantizedExperts) or fmt == "gguf":
         return weight
-    num_experts, _, cols = weight.shape
-    if cols % (64 if fmt == "int4" else BLOCK):
+    num_experts, rows, cols = weight.shape
+    if cols % (64 if fmt == "int4" else BLOCK) or rows % TILE:  # each expert fills whole tiles
         kept_float.append(name)
         return weight
     return QuantizedExperts.from_blocks(quantize(weight.reshape(-1, cols), fmt), num_experts)

@@ -89,16 +89,13 @@ class QuantizedExperts:
         out = rows // num_experts
         if isinstance(blocks, KQuantWeight):
             return cls(blocks.data.reshape(num_experts, out, -1), None, None, blocks.format, out, cols)
-        if out % TILE == 0:  # every expert fills whole tiles: tile the stack at once, then split it
-            whole = QuantizedWeight.from_rows(blocks)
-            split = [None if t is None else t.reshape(num_experts, -1, *t.shape[1:])
-                     for t in (whole.codes, whole.scales, whole.mins)]
-            return cls(*split, whole.format, out, cols)
-        experts = [QuantizedWeight.from_rows(blocks.map_rows(lambda t, e=e: t[e * out:(e + 1) * out]))
-                   for e in range(num_experts)]
-        stacked = [None if getattr(experts[0], name) is None else torch.stack([getattr(w, name) for w in experts])
-                   for name in ("codes", "scales", "mins")]
-        return cls(*stacked, experts[0].format, out, cols)
+        if out % TILE:  # rows are the inputs of another projection: always a multiple of 32 in these formats
+            raise ValueError(f"each expert's rows ({out}) must fill whole tiles of {TILE}")
+        # Every expert fills whole tiles: tile the stack at once, then split it per expert.
+        whole = QuantizedWeight.from_rows(blocks)
+        split = [None if t is None else t.reshape(num_experts, -1, *t.shape[1:])
+                 for t in (whole.codes, whole.scales, whole.mins)]
+        return cls(*split, whole.format, out, cols)
 
     def __repr__(self) -> str:
         return f"QuantizedExperts({self.format}, {self.num_experts}x{self.out_features}x{self.in_features})"
