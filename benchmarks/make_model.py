@@ -2,6 +2,7 @@
 
     python benchmarks/make_model.py --shape 1b --formats q4_0,q4_k_m,q8_0,bf16
     python benchmarks/make_model.py --shape 0.5b --formats all --out /tmp/models
+    python benchmarks/make_model.py --shape moe --formats q4_0,q8_0
 
 Decode speed does not depend on the weights' values, only on their shapes and formats, so a
 model with random weights (normal, std 0.02; norms 1) and a real vocabulary measures what a
@@ -11,6 +12,13 @@ trained one of the same shape would. Shapes (dense Llama, SwiGLU, tied embedding
     0.5b  24 layers, hidden 1024, FFN 4096, 16/8 heads of 64
     1b    Llama-3.2-1B's layers: 16, hidden 2048, FFN 8192, 32/8 heads of 64
     3b    Llama-3.2-3B's layers: 28, hidden 3072, FFN 8192, 24/8 heads of 128
+    moe   a mixture of experts (``qwen3moe``): Qwen3-30B-A3B's layer, hidden 2048, 32/4 heads of 128
+          with q/k norms, 128 experts of FFN 768 of which 8 are chosen per token, but 4 of its 48
+          layers (a 1.5 GB Q4_0 file, written in about a minute; a token reads 8/128 of the experts)
+
+In a MoE file the three expert projections of a layer are llama.cpp's stacks
+(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``[experts, rows, cols]``) in the
+format's type, the router (``ffn_gate_inp``) and the norms F32.
 
 Formats: f32, f16, bf16 (every matrix in that type), q8_0, q4_0, q4_1 (every linear; the tied
 embedding/output matrix in Q6_K for the 4-bit ones and Q8_0 for q8_0, as ``llama-quantize``
@@ -20,7 +28,8 @@ the layers and of every third layer between (Q6_K) and the output matrix (Q6_K).
 Blocks are written with genfn's round-to-nearest quantizers (``genfn.quant.quantize`` and
 ``quantize_k``), not llama.cpp's searching ones: same layout, same bytes per weight.
 Files go to ``--out`` (default ``$GENFN_BENCH_DIR`` or ``~/.cache/genfn/models``) as
-``llama-<shape>-<format>.gguf``; an existing file is kept.
+``<architecture>-<shape>-<format>.gguf`` (``llama-1b-q4_0.gguf``, ``qwen3moe-moe-q4_0.gguf``); an
+existing file is kept.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ SHAPES = {
     "0.5b": dict(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=8, head_dim=64),
     "1b": dict(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
     "3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, head_dim=128),
+    "moe": dict(layers=4, hidden=2048, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, experts_used=8),
 }
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m")
 _FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "bf16": 32}
@@ -47,8 +57,12 @@ def model_dir() -> Path:
     return Path(os.environ.get("GENFN_BENCH_DIR") or Path.home() / ".cache" / "genfn" / "models")
 
 
+def _arch(shape: str) -> str:
+    return "qwen3moe" if "experts" in SHAPES[shape] else "llama"
+
+
 def model_path(shape: str, fmt: str, out: Path | None = None) -> Path:
-    return (out or model_dir()) / f"llama-{shape}-{fmt}.gguf"
+    return (out or model_dir()) / f"{_arch(shape)}-{shape}-{fmt}.gguf"
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -115,8 +129,9 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
     vocab = 49152
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(str(partial), "llama")
-    writer.add_name(f"random llama {shape} ({fmt})")
+    arch = _arch(shape)
+    writer = gguf.GGUFWriter(str(partial), arch)
+    writer.add_name(f"random {arch} {shape} ({fmt})")
     writer.add_file_type(_FILE_TYPE[fmt])
     writer.add_block_count(s["layers"])
     writer.add_context_length(8192)
@@ -130,6 +145,10 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_vocab_size(vocab)
+    if "experts" in s:
+        writer.add_expert_count(s["experts"])
+        writer.add_expert_used_count(s["experts_used"])
+        writer.add_expert_feed_forward_length(s["ffn"])
     _tokenizer_fields(writer)
     generator = torch.Generator().manual_seed(seed)
 
@@ -140,6 +159,15 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
         array, raw = encode(matrix(rows, cols), tensor_type(fmt, part, layer, s["layers"]))
         writer.add_tensor(name, array, raw_dtype=raw)
 
+    def add_experts(name: str, part: str, layer: int, rows: int, cols: int) -> None:
+        """A stack ``[experts, rows, cols]``, quantized a few experts at a time (bounded memory)."""
+        chunks, raw = [], None
+        for start in range(0, s["experts"], 16):
+            count = min(16, s["experts"] - start)
+            array, raw = encode(matrix(count * rows, cols), tensor_type(fmt, part, layer, s["layers"]))
+            chunks.append(array.reshape(count, rows, -1))
+        writer.add_tensor(name, np.concatenate(chunks), raw_dtype=raw)
+
     hidden, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
     add("token_embd.weight", "token_embd", None, vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -147,10 +175,19 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
         for part, rows, cols in (("attn_q", s["heads"] * s["head_dim"], hidden), ("attn_k", kv, hidden),
-                                 ("attn_v", kv, hidden), ("attn_output", hidden, s["heads"] * s["head_dim"]),
-                                 ("ffn_gate", s["ffn"], hidden), ("ffn_up", s["ffn"], hidden),
-                                 ("ffn_down", hidden, s["ffn"])):
+                                 ("attn_v", kv, hidden), ("attn_output", hidden, s["heads"] * s["head_dim"])):
             add(f"blk.{i}.{part}.weight", part, i, rows, cols)
+        if "experts" not in s:
+            for part, rows, cols in (("ffn_gate", s["ffn"], hidden), ("ffn_up", s["ffn"], hidden),
+                                     ("ffn_down", hidden, s["ffn"])):
+                add(f"blk.{i}.{part}.weight", part, i, rows, cols)
+            continue
+        for norm in ("attn_q_norm", "attn_k_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(s["head_dim"], dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", matrix(s["experts"], hidden).numpy())
+        for part, rows, cols in (("ffn_gate_exps", s["ffn"], hidden), ("ffn_up_exps", s["ffn"], hidden),
+                                 ("ffn_down_exps", hidden, s["ffn"])):
+            add_experts(f"blk.{i}.{part}.weight", part, i, rows, cols)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

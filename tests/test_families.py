@@ -173,9 +173,24 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
+def expert_stack_tensor(a: np.ndarray, ggml_type: str | None):
+    """``(array, raw_dtype)`` for ``GGUFWriter.add_tensor`` of a stacked expert projection
+    ``[E, rows, cols]`` stored as ``ggml_type`` (None: F32; K-quants by genfn's quantizer)."""
+    if ggml_type is None:
+        return np.ascontiguousarray(a), None
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    if ggml_type.endswith("_K"):
+        from genfn.quant import quantize_k
+
+        experts, rows, cols = a.shape
+        data = quantize_k(torch.from_numpy(np.ascontiguousarray(a).reshape(-1, cols)), ggml_type.lower()).data
+        return data.numpy().reshape(experts, rows, -1), qtype
+    return gguf.quants.quantize(np.ascontiguousarray(a), qtype), qtype
+
+
+def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: str | None = None):
     """``hf``'s weights and settings as llama.cpp's converter writes them (F32; ``quantize`` names
-    as Q8_0)."""
+    as Q8_0; the expert stacks as ``expert_type``, see ``expert_stack_tensor``)."""
     cfg = hf.config
     arch = _GGUF_ARCH[type(hf).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -223,10 +238,12 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset()):
             layer = name.split(".")[2]
             if name.endswith("gate_up_proj"):
                 gate, up = np.split(tensor.numpy().astype(np.float32), 2, axis=1)
-                w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-                w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+                for part, values in (("gate", gate), ("up", up)):
+                    array, raw = expert_stack_tensor(values, expert_type)
+                    w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", array, raw_dtype=raw)
             else:
-                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", tensor.numpy().astype(np.float32))
+                array, raw = expert_stack_tensor(tensor.numpy().astype(np.float32), expert_type)
+                w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", array, raw_dtype=raw)
             continue
         g = _gguf_name(arch, name)
         a = tensor.numpy().astype(np.float32)
@@ -406,7 +423,7 @@ def test_moe_decode_kernel_reads_only_the_chosen_experts():
     layer = {"router": torch.randn(num_experts, hidden), "experts_gate_up": gate_up, "experts_down": down}
     with torch.no_grad():
         native = moe_mlp(Spec, layer, x.view(1, 1, hidden))
-        dense = moe_mlp(Spec, layer, x.repeat(16, 1).view(1, 16, hidden))[:, :1]  # 16 rows: the dense path
+        dense = moe_mlp(Spec, layer, x.repeat(16, 1).view(1, 16, hidden))[:, :1]  # 16 rows: torch's linears
     torch.testing.assert_close(native, dense, rtol=1e-5, atol=1e-5)
 
 

@@ -80,13 +80,19 @@ def make_variant(source: str, target: str, ggml_type: str) -> None:
 
 def file_weight_bytes(path: str) -> int:
     """Bytes of a GGUF file's matrices read per decoded token (all but the embedding table when
-    an output matrix exists; with a tied head the table is the head and counts once)."""
+    an output matrix exists; with a tied head the table is the head and counts once). A mixture of
+    experts' stacks (``[E, rows, cols]``) count the ``k`` of ``E`` experts a token's router picks."""
     from genfn.models.loaders.gguf import read_gguf
 
-    tensors = read_gguf(path).tensors
+    gguf = read_gguf(path)
+    tensors, arch = gguf.tensors, gguf.metadata.get("general.architecture")
     tied = "output.weight" not in tensors
-    return sum(info.nbytes for name, info in tensors.items()
-               if len(info.shape) == 2 and (tied or name != "token_embd.weight"))
+    matrices = sum(info.nbytes for name, info in tensors.items()
+                   if len(info.shape) == 2 and (tied or name != "token_embd.weight"))
+    experts, used = gguf.metadata.get(f"{arch}.expert_count"), gguf.metadata.get(f"{arch}.expert_used_count")
+    if not experts or not used:
+        return matrices
+    return matrices + sum(info.nbytes * int(used) // int(experts) for info in tensors.values() if len(info.shape) == 3)
 
 
 def available() -> bool:

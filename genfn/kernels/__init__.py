@@ -112,6 +112,11 @@ def _register_fake() -> None:
     def _(x, experts, weights, gate_up, down):
         return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode_quant")
+    def _(x, experts, weights, gate_up_codes, gate_up_scales, gate_up_mins, gate_up_kind, gate_up_rows, down_codes,
+          down_scales, down_mins, down_kind, down_rows):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
+
 
 def _register_token_ops_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::rms_norm")

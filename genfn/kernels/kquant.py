@@ -41,10 +41,15 @@ def _load() -> bool:
     return loaded
 
 
-def _register_fake() -> None:
+def _register_fake(native_ops: bool) -> None:
     @torch.library.register_fake(f"{_NAMESPACE}::kquant_linear")
     def _(x, data, format, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
+
+    if native_ops:  # the MoE step exists only in the native library
+        @torch.library.register_fake(f"{_NAMESPACE}::kquant_moe_decode")
+        def _(x, experts, weights, gate_up, gate_up_format, down, down_format):
+            return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
 
 
 def _define_reference_op() -> None:
@@ -67,7 +72,7 @@ def kquant_available() -> bool:
         _native = _load()
         if not _native:
             _define_reference_op()
-        _register_fake()
+        _register_fake(_native)
     return _native
 
 

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
@@ -429,6 +430,82 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   return y.view(out_sizes).to(x.scalar_type());
 }
 
+// A mixture-of-experts MLP's decode step over K-quant experts (genfn/quant/experts.py: each
+// projection's E matrices stacked as the file stores them, gate_up [E, 2I, row bytes], down
+// [E, H, row bytes]), reading only the chosen experts: per row t and each of its k experts e (weight
+// w), out[t] += w * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), the products as kquant_linear
+// computes them (x[t] and the SwiGLU quantized to Q8_K), summed in the router's order. Returns the
+// bytes of weights read (each chosen expert's three matrices once per row that chose it), so a test
+// can count what a token touched.
+std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const at::Tensor& experts,
+                                                     const at::Tensor& weights, const at::Tensor& gate_up,
+                                                     int64_t gate_up_format, const at::Tensor& down,
+                                                     int64_t down_format) {
+  const Isa isa = active_isa();
+  TORCH_CHECK(isa != kNone, "kquant_moe_decode: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C");
+  for (const int64_t f : {gate_up_format, down_format})
+    TORCH_CHECK(f >= kQ4K && f <= kQ6K, "kquant_moe_decode: formats must be 0 (q4_k), 1 (q5_k) or 2 (q6_k), got ", f);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kquant_moe_decode: x must be [T, H] float32");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == x.size(0),
+              "kquant_moe_decode: experts must be [T, k] int64");
+  TORCH_CHECK(weights.sizes() == experts.sizes(), "kquant_moe_decode: weights must have experts' shape");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.scalar_type() == at::kByte &&
+                  down.scalar_type() == at::kByte && gate_up.is_contiguous() && down.is_contiguous() &&
+                  gate_up.size(0) == down.size(0),
+              "kquant_moe_decode: gate_up and down must be contiguous uint8 [E, rows, row bytes]");
+  const int64_t rows = x.size(0), hidden = x.size(1), top_k = experts.size(1), num_experts = gate_up.size(0);
+  const int64_t inter = gate_up.size(1) / 2;
+  TORCH_CHECK(hidden % kSuper == 0 && inter % kSuper == 0 && gate_up.size(1) == 2 * inter && down.size(1) == hidden,
+              "kquant_moe_decode: hidden and expert sizes must be multiples of 256 (gate_up [E, 2I, H], down [E, H, I])");
+  const int64_t gu_blocks = hidden / kSuper, gu_row = gu_blocks * block_bytes(gate_up_format);
+  const int64_t dn_blocks = inter / kSuper, dn_row = dn_blocks * block_bytes(down_format);
+  TORCH_CHECK(gate_up.size(2) == gu_row && down.size(2) == dn_row, "kquant_moe_decode: row bytes disagree with x");
+  auto ex = experts.contiguous();
+  auto wt = weights.to(at::kFloat).contiguous();
+  auto xc = x.contiguous();
+  auto out = at::zeros({rows, hidden}, x.options());
+  // Reused across calls; the workers read them through these references (naming the
+  // thread_locals inside the lambdas would reach each worker's own, empty, copies).
+  thread_local ActivationsK x_buffer, act_buffer;
+  ActivationsK& xa = x_buffer;
+  ActivationsK& aa = act_buffer;
+  for (ActivationsK* a : {&xa, &aa}) a->M = 1;
+  xa.K = hidden;
+  aa.K = inter;
+  xa.codes.resize(hidden);
+  xa.scale.resize(gu_blocks);
+  xa.sums.resize(hidden / 16);
+  aa.codes.resize(inter);
+  aa.scale.resize(dn_blocks);
+  aa.sums.resize(inter / 16);
+  std::vector<float> gu(2 * inter), act(inter), dn(hidden);
+  const RowFn gu_fn = pick(isa, gate_up_format, 1), dn_fn = pick(isa, down_format, 1);
+  const uint8_t* gp = gate_up.data_ptr<uint8_t>();
+  const uint8_t* dp = down.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    quantize_rows_k(xc.data_ptr<float>() + t * hidden, 0, 1, hidden, isa == kAvx512 && gate_up_format != kQ6K, xa);
+    float* ot = out.data_ptr<float>() + t * hidden;
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t e = ex.data_ptr<int64_t>()[t * top_k + j];
+      TORCH_CHECK(e >= 0 && e < num_experts, "kquant_moe_decode: expert index ", e, " out of range");
+      const float w = wt.data_ptr<float>()[t * top_k + j];
+      const uint8_t* ge = gp + e * 2 * inter * gu_row;
+      const uint8_t* de = dp + e * hidden * dn_row;
+      at::parallel_for(0, 2 * inter, std::max<int64_t>(1, 16384 / gu_row), [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) gu_fn(ge + n * gu_row, gu_blocks, xa, 0, gu.data() + n, 2 * inter);
+      });
+      for (int64_t i = 0; i < inter; ++i) act[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
+      quantize_rows_k(act.data(), 0, 1, inter, isa == kAvx512 && down_format != kQ6K, aa);
+      at::parallel_for(0, hidden, std::max<int64_t>(1, 16384 / dn_row), [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) dn_fn(de + n * dn_row, dn_blocks, aa, 0, dn.data() + n, hidden);
+      });
+      for (int64_t h = 0; h < hidden; ++h) ot[h] += w * dn[h];
+    }
+  }
+  const int64_t read = rows * top_k * (2 * inter * gu_row + hidden * dn_row);
+  return {out, at::scalar_tensor(read, x.options().dtype(at::kLong))};
+}
+
 // 2 (AVX-512), 1 (AVX2) or 0 (neither): the path kquant_linear takes.
 int64_t kquant_isa() { return active_isa(); }
 
@@ -444,8 +521,13 @@ int64_t kquant_force_isa(int64_t isa) {
 
 TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
   m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor");
+  m.def("kquant_moe_decode(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, int gate_up_format, "
+        "Tensor down, int down_format) -> (Tensor, Tensor)");
   m.def("kquant_isa", &kquant_isa);
   m.def("kquant_force_isa", &kquant_force_isa);
 }
 
-TORCH_LIBRARY_IMPL(genfn_kquant, CPU, m) { m.impl("kquant_linear", &kquant_linear); }
+TORCH_LIBRARY_IMPL(genfn_kquant, CPU, m) {
+  m.impl("kquant_linear", &kquant_linear);
+  m.impl("kquant_moe_decode", &kquant_moe_decode);
+}

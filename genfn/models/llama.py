@@ -30,6 +30,7 @@ from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
 from genfn.models.rope import rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
@@ -164,7 +165,8 @@ def tensor_getter(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | N
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return tensor if dtype is None or isinstance(tensor, (RowBlocks, KQuantWeight)) else tensor.to(dtype)
+        return (tensor if dtype is None or isinstance(tensor, (RowBlocks, KQuantWeight, QuantizedExperts))
+                else tensor.to(dtype))
 
     return get
 

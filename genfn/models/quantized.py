@@ -4,11 +4,12 @@
 ``RowBlocks``; they are only rearranged into the kernel's tiles) and its Q4_K/Q5_K/Q6_K blocks as
 stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
-matrices that linears multiply by change: q/k/v, o, gate/up, down and the LM head. Norms stay
-float. A GGUF file's quantized embedding stays quantized (``genfn.kernels.embedding`` dequantizes
-the rows a step looks up; a tied head and the embedding are one ``QuantizedWeight``), so
-SmolLM2's Q4_1 file no longer carries a 113 MB float32 copy of its table; quantizing a float model
-on load keeps its float embedding (the head's quantized values would change the inputs).
+matrices that linears multiply by change: q/k/v, o, gate/up, down (a mixture of experts' stacked
+experts, as ``QuantizedExperts``) and the LM head. Norms stay float. A GGUF file's quantized
+embedding stays quantized (``genfn.kernels.embedding`` dequantizes the rows a step looks up; a
+tied head and the embedding are one ``QuantizedWeight``), so SmolLM2's Q4_1 file no longer
+carries a 113 MB float32 copy of its table; quantizing a float model on load keeps its float
+embedding (the head's quantized values would change the inputs).
 
 With a 4-bit format the LM head is stored in 8 bits (q8_0, or int8 for int4), as llama.cpp's
 quantizer keeps its output matrix at higher precision and the shipped SmolLM2 file has it in
@@ -24,15 +25,18 @@ from typing import Any
 import torch
 
 from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
-from genfn.quant.weight import QuantizedWeight
+from genfn.quant.weight import TILE, QuantizedWeight
 
 __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
 
 QUANTIZE_CHOICES = ("gguf", *FORMATS)
 HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "int4": "int8"}
 LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
+# A mixture of experts' stacked projections (genfn.models.moe), quantized expert by expert.
+EXPERT_PARAMS = ("experts_gate_up", "experts_down")
 
 
 def check_quantize(quantize: str | None) -> str | None:
@@ -57,6 +61,18 @@ def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
     return QuantizedWeight.from_rows(quantize(weight, fmt))
 
 
+def _quantized_experts(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
+    """A stacked expert projection ``[E, out, in]``: a GGUF file's blocks stay as loaded
+    (``QuantizedExperts``), float experts are quantized per expert row by row like any matrix."""
+    if isinstance(weight, QuantizedExperts) or fmt == "gguf":
+        return weight
+    num_experts, rows, cols = weight.shape
+    if cols % (64 if fmt == "int4" else BLOCK) or rows % TILE:  # each expert fills whole tiles
+        kept_float.append(name)
+        return weight
+    return QuantizedExperts.from_blocks(quantize(weight.reshape(-1, cols), fmt), num_experts)
+
+
 def quantize_params(params: dict, fmt: str) -> dict:
     """``params`` with its linear weights as ``QuantizedWeight`` in ``fmt`` (see module docstring)."""
     check_quantize(fmt)
@@ -65,8 +81,11 @@ def quantize_params(params: dict, fmt: str) -> dict:
     for i, layer in enumerate(params["layers"]):
         layer = dict(layer)
         for key in LINEAR_PARAMS:
-            if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down: its experts stay float
+            if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down, but stacked experts
                 layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
+        for key in EXPERT_PARAMS:
+            if key in layer:
+                layer[key] = _quantized_experts(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
     head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
     embed = params["embed"]

@@ -4,18 +4,20 @@ kept as the file stores them) and channel/group-wise int8/int4.
 ``RowBlocks`` (blocks.py) is the loading-time form, rows as stored; ``QuantizedWeight``
 (weight.py) the runtime pytree in the kernel's tile layout, which ``genfn.kernels.linear``
 dispatches to the native VNNI kernel; ``reference_linear`` (reference.py) the same product in
-plain torch.
+plain torch. ``QuantizedExperts`` (experts.py) is a mixture of experts' stacked projection in any
+of these formats, each expert's blocks a slice the MoE kernels read alone.
 """
 
 from genfn.quant.blocks import FORMATS, GGUF_FORMATS, RowBlocks, cat_rows, dequantize, from_gguf_bytes, quantize
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import GGUF_K_FORMATS, K_FORMATS, KQuantWeight, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.reference import quantize_activations, reference_linear
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 # The weight types the native quantized kernels take (kept whole as pytree nodes by the driver).
-QUANTIZED_TYPES = (QuantizedWeight, KQuantWeight)
+QUANTIZED_TYPES = (QuantizedWeight, KQuantWeight, QuantizedExperts)
 
 __all__ = ["FORMATS", "GGUF_FORMATS", "RowBlocks", "QuantizedWeight", "cat_rows", "dequantize", "from_gguf_bytes",
            "quantize", "quantize_activations", "reference_linear", "KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS",
-           "dequantize_k", "quantize_k", "reference_linear_k", "RowStack", "QUANTIZED_TYPES"]
+           "dequantize_k", "quantize_k", "reference_linear_k", "RowStack", "QuantizedExperts", "QUANTIZED_TYPES"]

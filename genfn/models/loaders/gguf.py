@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
+from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 
 from . import LoadedCheckpoint
@@ -437,12 +438,15 @@ def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype,
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
     shape = gguf.shape(name, cut)
-    if keep_blocks and type_name in GGUF_FORMATS and len(shape) == 2:
-        return from_gguf_bytes(gguf.raw(name, cut), type_name, shape)
-    if keep_blocks and type_name in GGUF_K_FORMATS and len(shape) == 2:
+    # A mixture of experts' stacked projection [E, rows, cols] is kept as its E * rows rows of
+    # blocks (no block crosses a row); _stacked_experts splits them per expert again.
+    matrix = (int(np.prod(shape[:-1])), shape[-1])
+    if keep_blocks and type_name in GGUF_FORMATS and len(shape) in (2, 3):
+        return from_gguf_bytes(gguf.raw(name, cut), type_name, matrix)
+    if keep_blocks and type_name in GGUF_K_FORMATS and len(shape) in (2, 3):
         # A row slice is still one run of the mapping's bytes (no copy); a column slice is copied.
         return KQuantWeight.from_bytes(_mapped(np.ascontiguousarray(gguf.raw(name, cut))), GGUF_K_FORMATS[type_name],
-                                       shape)
+                                       matrix)
     return torch.from_numpy(gguf.tensor(name, cut)).to(dtype)
 
 
@@ -493,28 +497,30 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
             + ", ".join(unknown[:8])
         )
-    return _stacked_experts(state_dict, gguf.path)
+    return _stacked_experts(state_dict, gguf.path, config.get("num_experts"))
 
 
-def _shapes(gguf: GGUFFile) -> dict[str, torch.Tensor]:
+def _shapes(gguf: GGUFFile, num_experts: int | None) -> dict[str, torch.Tensor]:
     """The state dict's names with shape-only stand-ins (meta tensors) for its tensors."""
     arch = gguf.metadata["general.architecture"]
     names = {name: hf_tensor_name(name, arch) for name in gguf.tensors}
     return _stacked_experts({hf: torch.empty(gguf.tensors[name].shape, device="meta")
-                             for name, hf in names.items() if hf is not None}, gguf.path)
+                             for name, hf in names.items() if hf is not None}, gguf.path, num_experts)
 
 
-def _stacked_experts(state_dict: dict[str, Any], path: str) -> dict[str, Any]:
+def _stacked_experts(state_dict: dict[str, Any], path: str, num_experts: int | None) -> dict[str, Any]:
     """llama.cpp's per-projection expert stacks as transformers 5 names them: gate and up fused
-    along the rows (``experts.gate_up_proj [E, 2I, H]``), ``experts.down_proj [E, H, I]``."""
+    along each expert's rows (``experts.gate_up_proj [E, 2I, H]``), ``experts.down_proj [E, H, I]``.
+    Blocks kept (``keep_blocks``) become ``genfn.quant.QuantizedExperts``, each expert's blocks as
+    stored (gate and up in different formats are dequantized to be fused)."""
     for name in [n for n in state_dict if n.endswith(".mlp.experts.gate_proj.weight")]:
         stem = name[: -len("gate_proj.weight")]
         up = state_dict.pop(stem + "up_proj.weight", None)
         down = state_dict.pop(stem + "down_proj.weight", None)
-        if up is None or down is None:
-            raise CheckpointError(f"{path}: {stem} has gate experts but no up or down experts")
-        state_dict[stem + "gate_up_proj"] = torch.cat([state_dict.pop(name), up], dim=1)
-        state_dict[stem + "down_proj"] = down
+        if up is None or down is None or not num_experts:
+            raise CheckpointError(f"{path}: {stem} has gate experts but no up or down experts (or no expert_count)")
+        state_dict[stem + "gate_up_proj"] = fuse_expert_rows([state_dict.pop(name), up], num_experts)
+        state_dict[stem + "down_proj"] = fuse_expert_rows([down], num_experts)
     return state_dict
 
 
@@ -527,7 +533,8 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
 
     `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
     rows unpermuted like the float ones) and Q4_K/Q5_K/Q6_K ones as `genfn.quant.KQuantWeight`
-    over the file's mapped bytes, instead of dequantizing them.
+    over the file's mapped bytes, instead of dequantizing them; a mixture of experts' stacked
+    projections in those formats become `genfn.quant.QuantizedExperts`.
 
     `shard_plan(config) -> plan`, with `plan(hf_name) -> (dim, start, stop) | None`: read only
     that slice of each tensor the plan names (a tensor-parallel rank's,
@@ -541,7 +548,7 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     permuted = SUPPORTED_ARCHITECTURES[gguf.metadata["general.architecture"]][2]
     plan = None
     if shard_plan is not None:
-        shapes = _shapes(gguf)  # the whole tensors, as shapes only, checked before any slice is read
+        shapes = _shapes(gguf, config.get("num_experts"))  # the whole tensors, as shapes only, checked before any slice is read
         check_state_dict(shapes, config, path)
         check_gguf_tensors(gguf, shapes, config)
         plan = shard_plan(config)
