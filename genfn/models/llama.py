@@ -340,6 +340,15 @@ def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: t
                          attend_len) -> torch.Tensor:
     """``_decoder_layer`` for one token per row, in two native calls around the cache write
     (genfn.kernels.decode_layer): the same numbers, a fraction of the per-op overhead."""
+    q, keys, values = _native_attention_input(spec, layer, i, x, cos, sin, cache, slots)
+    return decode_layer.layer_output(x, q.reshape(x.shape[0], spec.num_heads, spec.head_dim), keys[:, :, :attend_len],
+                                     values[:, :, :attend_len], mask, layer, spec.rms_norm_eps)
+
+
+def _native_attention_input(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor):
+    """The fused layer's first native call and the cache write: ``(q, keys, values)``, the rows'
+    queries (heads flattened) and the layer's whole cache after the write."""
     batch = x.shape[0]
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
@@ -348,8 +357,7 @@ def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: t
     k = k.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     v = v.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     keys, values = cache.write_layer(i, slots, k, v)
-    return decode_layer.layer_output(x, q.reshape(batch, spec.num_heads, spec.head_dim), keys[:, :, :attend_len],
-                                     values[:, :, :attend_len], mask, layer, spec.rms_norm_eps)
+    return q, keys, values
 
 
 def _sharded_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
@@ -360,12 +368,7 @@ def _sharded_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: 
     sums (``tensor_parallel.row_parallel``), so every value is one process's bit for bit."""
     batch, hidden = x.shape[0], x.shape[-1]
     q_size = spec.num_heads * spec.head_dim
-    kv_size = spec.num_kv_heads * spec.head_dim
-    qkv = decode_layer.attention_input(x, layer, cos, sin, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    k = k.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    v = v.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    keys, values = cache.write_layer(i, slots, k, v)
+    q, keys, values = _native_attention_input(spec, layer, i, x, cos, sin, cache, slots)
     q = q.reshape(batch, 1, spec.num_heads, spec.head_dim).transpose(1, 2)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
     attn = decode_attention(q, keys, values, mask)
