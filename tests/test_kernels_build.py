@@ -189,7 +189,7 @@ def fresh_loader(monkeypatch):
     monkeypatch.setattr(kernels, "_load", lambda: True)
     monkeypatch.setattr(kquant, "_native", None)
     monkeypatch.setattr(kquant, "_load", lambda: True)
-    monkeypatch.setattr(kquant, "_register_fake", lambda: None)
+    monkeypatch.setattr(kquant, "_register_fake", lambda native_ops: None)
 
 
 def _status_lines(monkeypatch, kquant_too: bool = False) -> list[str]:
