@@ -14,7 +14,7 @@ from genfn.kernels.kquant import kquant_available
 from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import FORMAT_ID
 
-__all__ = ["takes", "moe_decode"]
+__all__ = ["native_available", "takes", "moe_decode"]
 
 # Read at import: a compiled step must not open files while it is traced. The tile kernel's
 # shares need the CPU's vpdpbusd.
@@ -29,11 +29,15 @@ def takes(x: torch.Tensor, gate_up, down) -> bool:
     if (x.device.type != "cpu" or gate_up.device.type != "cpu" or not 1 <= x.shape[0] <= MAX_DECODE_ROWS[torch.float32]
             or (torch.is_grad_enabled() and x.requires_grad)):
         return False
-    if gate_up.is_k_quant and down.is_k_quant:
-        return kquant_available()
-    if not gate_up.is_k_quant and not down.is_k_quant:
-        return _VNNI and decode_linear_available()
-    return False
+    if gate_up.is_k_quant != down.is_k_quant:
+        return False
+    return native_available(gate_up.is_k_quant)
+
+
+def native_available(k_quant: bool) -> bool:
+    """Whether this machine runs the native MoE kernel of K-quant experts (``k_quant``) or of tile
+    formats (those need AVX512_VNNI), the library built or buildable."""
+    return kquant_available() if k_quant else _VNNI and decode_linear_available()
 
 
 def moe_decode(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: QuantizedExperts,
