@@ -11,10 +11,9 @@ from genfn.batching import blocks as B
 from genfn.batching import guidance_groups as GG
 from genfn.batching import scheduling as S
 from genfn.batching import sequence_groups as SG
-from genfn.batching.engine import Engine, engine_step
+from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.requests import sequence_ids
 from genfn.batching.settings import request_settings, sequence_requests
-from genfn.models.packed import init_packed_cache
 
 WAIT_S = 60
 
@@ -40,18 +39,21 @@ def run_requests(model, requests, cb, chunked_prefill: bool = True):
 
 
 def run_engine(model, requests, num_blocks, max_batch_tokens, max_rows, cancel=None, block_size=4, width=16,
-               max_steps=1000, on_step=None):
+               max_steps=1000, on_step=None, tokenizer=None):
     """Every request (``{id: (prompt, max_new_tokens, settings)}``, queued as the manager queues
     them: ``n`` sequences behind their first, a guided request with its unconditional request)
     through ``engine_step`` to its end; the allocator's invariants checked after every step.
     ``cancel``: ``(step, request id)`` cancelled before that step; ``on_step(state, outcome)``
-    after each step. Returns the ended requests by id and what the steps did."""
-    engine = Engine(model, init_packed_cache(model.spec, num_blocks, block_size), max_batch_tokens=max_batch_tokens,
-                    max_requests=max_rows, table_width=width)
+    after each step; ``tokenizer``: for stop strings and grammars. Returns the ended requests by id
+    and what the steps did."""
+    cache = require_packed_forward(model).init_packed_cache(model.spec, num_blocks, block_size)
+    engine = Engine(model, cache, max_batch_tokens=max_batch_tokens, max_requests=max_rows, table_width=width)
     state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(max_requests_per_batch=max_rows,
                                                                        max_blocks_per_request=width))
     for rid, (prompt, limit, settings) in requests.items():
-        resolved = request_settings(model, prompt, None, dict(settings), max_new_tokens=limit)
+        settings = dict(settings)  # a request's own tokenizer= (for its stop strings), as the manager takes it
+        resolved = request_settings(model, prompt, None, settings, max_new_tokens=limit,
+                                    tokenizer=settings.pop("tokenizer", tokenizer))
         ids = sequence_ids(rid, len(resolved.sequences))
         state = GG.add_request(state, SG.leader_request(sequence_requests(ids, resolved)))
     ended, seen = {}, dict(tokens=0, prompt_tokens=0, preempted=set(), joined=[], shared_rows=0, reused=0)
@@ -75,3 +77,21 @@ def run_engine(model, requests, num_blocks, max_batch_tokens, max_rows, cancel=N
     assert not S.has_pending(state), "the engine did not finish in time"
     assert B.num_free_blocks(state.allocator) == num_blocks and not any(state.allocator.refs), "blocks leaked"
     return ended, seen
+
+
+def drive(model, requests, *, blocks=40, size=4, budget=16, rows=6, width=16, tokenizer=None):
+    """``requests`` ((prompt, max new tokens, settings) each, ids 0, 1, ...) through ``run_engine``;
+    returns (generated tokens per request, the most tokens one step gave a request, steps, requests
+    preempted, prompt tokens reused)."""
+    most, steps = 1, 0
+
+    def on_step(state, outcome):
+        nonlocal most, steps
+        steps += 1
+        for value in outcome.new_tokens.values():
+            most = max(most, len(value) if isinstance(value, tuple) else 1)
+
+    ended, seen = run_engine(model, dict(enumerate(requests)), blocks, budget, rows, block_size=size, width=width,
+                             max_steps=3000, on_step=on_step, tokenizer=tokenizer)
+    tokens = [list(ended[i].generated_ids) for i in range(len(requests))]
+    return tokens, most, steps, len(seen["preempted"]), seen["reused"]

@@ -18,12 +18,8 @@ import random
 import pytest
 import torch
 
-from batching_support import run_requests
+from batching_support import drive, run_requests
 from conftest import tiny_pair
-from genfn.batching import blocks as B
-from genfn.batching import scheduling as S
-from genfn.batching.engine import Engine, engine_step, require_packed_forward
-from genfn.batching.requests import make_request
 from genfn.batching.settings import request_settings
 from genfn.config.batching import ContinuousBatchingConfig
 from genfn.generation import generate
@@ -48,34 +44,6 @@ def _alone(model, prompt, limit, settings):
         settings["key"] = settings.pop("seed")
     tokens = generate(model, torch.tensor([prompt]), max_new_tokens=limit, **settings)[0, len(prompt):].tolist()
     return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
-
-
-def _drive(model, requests, *, blocks, size=4, budget=12, rows=6, width=16):
-    """Run ``requests`` ((prompt, limit, settings) each) with ``engine_step``; returns (tokens per
-    request, the most tokens one step gave a request, preemptions)."""
-    family = require_packed_forward(model)
-    engine = Engine(model, family.init_packed_cache(model.spec, blocks, size), max_batch_tokens=budget,
-                    max_requests=rows, table_width=width)
-    state = S.init_scheduler(blocks, size, S.SchedulerPolicy(max_requests_per_batch=rows, max_blocks_per_request=width))
-    for i, (prompt, limit, settings) in enumerate(requests):
-        r = request_settings(model, prompt, None, dict(settings), max_new_tokens=limit)
-        state = S.add_request(state, make_request(i, prompt, r.max_new_tokens, list(r.eos_token_ids),
-                                                  {"genfn": r.settings}))
-    ended, most, preempted = {}, 1, 0
-    for _ in range(3000):
-        if not S.has_pending(state):
-            break
-        state, outcome = engine_step(engine, state)
-        B.check_invariants(state.allocator)
-        preempted += len(outcome.preempted)
-        for value in outcome.new_tokens.values():
-            most = max(most, len(value) if isinstance(value, tuple) else 1)
-        for request in outcome.failed:
-            raise AssertionError(f"request {request.request_id} failed: {request.error}")
-        ended.update({r.request_id: list(r.generated_ids) for r in outcome.finished})
-    assert not S.has_pending(state), "the requests did not end"
-    assert B.num_free_blocks(state.allocator) == blocks and not any(state.allocator.refs), "blocks leaked"
-    return [ended[i] for i in range(len(requests))], most, preempted
 
 
 def _prompts(seed, count):
@@ -114,7 +82,7 @@ def test_mixed_batch_with_preemption_equals_generate(models):
     limits = [random.Random(i).randint(10, 24) for i in range(len(settings))]
     expected = [_alone(target, p, n, s) for p, n, s in zip(prompts, limits, settings)]
     # 4-token blocks, 24 of them, 12 tokens a forward: prompts are chunked, requests preempted.
-    tokens, most, preempted = _drive(target, list(zip(prompts, limits, settings)), blocks=24)
+    tokens, most, _, preempted, _ = drive(target, list(zip(prompts, limits, settings)), blocks=24, budget=12)
     assert preempted > 0, "no request was preempted"
     assert most > 2, "no step kept a run of drafts"
     for i, (got, want) in enumerate(zip(tokens, expected)):
@@ -129,7 +97,7 @@ def test_greedy_draft_requests_equal_plain_greedy_without_preemption(models):
     requests = [(p, 16, {"do_sample": False, "assistant_model": a, "num_assistant_tokens": 4,
                          "assistant_confidence_threshold": 0.0})
                 for p, a in zip(prompts, (target, draft, target, draft))]
-    tokens, most, preempted = _drive(target, requests, blocks=64, budget=64)
+    tokens, most, _, preempted, _ = drive(target, requests, blocks=64, budget=64)
     assert preempted == 0 and most > 4
     for (prompt, limit, _), got in zip(requests, tokens):
         assert got == _alone(target, prompt, limit, {"do_sample": False})
@@ -161,7 +129,7 @@ def test_rounds_split_over_steps_by_a_tight_budget_keep_generates_tokens(models,
                 {"do_sample": True, "temperature": 0.7, "seed": 33, "assistant_early_exit": 1, **base}]
     prompts = _prompts(12, len(settings))
     expected = [_alone(target, p, 20, s) for p, s in zip(prompts, settings)]
-    tokens, most, _ = _drive(target, [(p, 20, s) for p, s in zip(prompts, settings)], blocks=64, budget=8, rows=5)
+    tokens, most, *_ = drive(target, [(p, 20, s) for p, s in zip(prompts, settings)], blocks=64, budget=8, rows=5)
     assert sum(continued) >= 3 and most > 2, (sum(continued), most)
     assert tokens == expected
 
@@ -175,7 +143,7 @@ def test_heuristic_schedule_matches_generate_and_is_carried(models):
     want = _alone(target, prompt, 20, settings)
     after_generate = int(carried_schedules[target].num_tokens[0])
     carried_schedules.pop(target, None)
-    (got,), most, _ = _drive(target, [(prompt, 20, settings)], blocks=64, budget=64)
+    (got,), most, *_ = drive(target, [(prompt, 20, settings)], blocks=64, budget=64)
     assert got == want and most > 2
     assert int(carried_schedules[target].num_tokens[0]) == after_generate > 2
     carried_schedules.pop(target, None)
@@ -217,24 +185,9 @@ def test_prompt_lookup_with_a_response_format_equals_generate_under_the_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     example = '{"name": "cat", "tag": "alpha"} {"name": "dog", "tag": "beta"} {"name": "'
     prompts = [tokenizer.encode(f"{i}: " + example, add_special_tokens=False) for i in range(4)]
-    family = require_packed_forward(model)
-    size, blocks = 4, 64
-    engine = Engine(model, family.init_packed_cache(model.spec, blocks, size), max_batch_tokens=32,
-                    max_requests=4, table_width=32)
-    state = S.init_scheduler(blocks, size, S.SchedulerPolicy(max_requests_per_batch=4, max_blocks_per_request=32))
-    for i, prompt in enumerate(prompts):
-        r = request_settings(model, prompt, None, {"response_format": fmt, "prompt_lookup_num_tokens": 4},
-                             max_new_tokens=30, tokenizer=tokenizer)
-        state = S.add_request(state, make_request(i, prompt, r.max_new_tokens, list(r.eos_token_ids),
-                                                  {"genfn": r.settings}))
-    ended, most = {}, 1
-    for _ in range(500):
-        if not S.has_pending(state):
-            break
-        state, outcome = engine_step(engine, state)
-        for value in outcome.new_tokens.values():
-            most = max(most, len(value) if isinstance(value, tuple) else 1)
-        ended.update({r.request_id: list(r.generated_ids) for r in outcome.finished})
+    settings = {"response_format": fmt, "prompt_lookup_num_tokens": 4}
+    ended, most, *_ = drive(model, [(prompt, 30, settings) for prompt in prompts], blocks=64, budget=32, rows=4,
+                           width=32, tokenizer=tokenizer)
     assert most > 1, "no step kept a draft"
     for i, prompt in enumerate(prompts):
         want = generate(model, [prompt], max_new_tokens=30, tokenizer=tokenizer, response_format=fmt)

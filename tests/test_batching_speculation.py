@@ -17,10 +17,9 @@ import random
 import pytest
 import torch
 
+from batching_support import drive
 from conftest import tiny_pair
-from genfn.batching import blocks as B
 from genfn.batching import scheduling as S
-from genfn.batching.engine import Engine, engine_step, require_packed_forward
 from genfn.batching.manager import ContinuousBatchingManager
 from genfn.batching.requests import RequestStatus, make_request
 from genfn.batching.settings import request_settings
@@ -59,40 +58,6 @@ def _alone(model, prompt, limit, **settings):
     return tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def _drive(model, requests, *, blocks=40, size=4, budget=16, rows=6, width=16, tokenizer=None):
-    """Run ``requests`` ((prompt, limit, settings) each) to the end with ``engine_step``; returns
-    (generated tokens per request, the most tokens one step gave a request, steps, preempted, reused)."""
-    family = require_packed_forward(model)
-    engine = Engine(model, family.init_packed_cache(model.spec, blocks, size), max_batch_tokens=budget,
-                    max_requests=rows, table_width=width)
-    state = S.init_scheduler(blocks, size, S.SchedulerPolicy(max_requests_per_batch=rows, max_blocks_per_request=width))
-    for i, (prompt, limit, settings) in enumerate(requests):
-        settings = dict(settings)
-        if tokenizer is not None:
-            settings["tokenizer"] = tokenizer
-        extra = {"tokenizer": settings.pop("tokenizer")} if "tokenizer" in settings else {}
-        r = request_settings(model, prompt, None, settings, max_new_tokens=limit, **extra)
-        state = S.add_request(state, make_request(i, prompt, r.max_new_tokens, list(r.eos_token_ids),
-                                                  {"genfn": r.settings}))
-    ended, most, steps, preempted, reused = {}, 1, 0, 0, 0
-    for _ in range(2000):
-        if not S.has_pending(state):
-            break
-        state, outcome = engine_step(engine, state)
-        B.check_invariants(state.allocator)
-        steps += 1
-        preempted += len(outcome.preempted)
-        reused += outcome.reused_tokens
-        for value in outcome.new_tokens.values():
-            most = max(most, len(value) if isinstance(value, tuple) else 1)
-        for request in outcome.failed:
-            raise AssertionError(f"request {request.request_id} failed: {request.error}")
-        ended.update({r.request_id: list(r.generated_ids) for r in outcome.finished})
-    assert not S.has_pending(state), "the requests did not end"
-    assert B.num_free_blocks(state.allocator) == blocks and not any(state.allocator.refs)
-    return [ended[i] for i in range(len(requests))], most, steps, preempted, reused
-
-
 def _copy_prompts(seed: int, count: int, system_len: int = 9):
     """Prompts that repeat themselves (what prompt lookup drafts from), half after a shared system prefix."""
     rng = random.Random(seed)
@@ -115,8 +80,8 @@ def test_prompt_lookup_greedy_equals_plain_decoding_with_chunking_preemption_and
     plain = [(p, n, {"do_sample": False}) for p, n in zip(prompts, limits)]
     # 4-token blocks, 16 blocks and 12 tokens per forward: prompts are chunked, requests preempted.
     sizes = dict(blocks=16, size=4, budget=12, rows=4, width=16)
-    tokens, most, _, preempted, reused = _drive(model, requests, **sizes)
-    reference, _, _, _, _ = _drive(model, plain, **sizes)
+    tokens, most, _, preempted, reused = drive(model, requests, **sizes)
+    reference, _, _, _, _ = drive(model, plain, **sizes)
     assert tokens == reference
     assert most > 1, "no step kept a draft"
     assert preempted > 0 and reused > 0, (preempted, reused)
@@ -129,7 +94,7 @@ def test_sampled_requests_with_a_key_give_plain_samplings_tokens(llama):
     settings = [{"do_sample": True, "temperature": 0.3, "top_k": 8, "repetition_penalty": 1.1, "seed": 40 + i}
                 for i in range(len(prompts))]
     speculative = [(p, 20, {**s, "prompt_lookup_num_tokens": 3}) for p, s in zip(prompts, settings)]
-    tokens, most, _, _, _ = _drive(llama, speculative)
+    tokens, most, _, _, _ = drive(llama, speculative)
     assert most > 1
     for out, prompt, s in zip(tokens, prompts, settings):
         s = dict(s)
@@ -140,7 +105,7 @@ def test_sampled_requests_with_a_key_give_plain_samplings_tokens(llama):
 def test_max_new_tokens_inside_a_kept_run_ends_where_plain_decoding_ends(llama):
     prompt = _copy_prompts(4, 4)[3]  # greedy falls into a 4-token cycle: runs of kept drafts
     requests = [(prompt, limit, {"do_sample": False, "prompt_lookup_num_tokens": 6}) for limit in range(1, 13)]
-    tokens, most, _, _, _ = _drive(llama, requests, blocks=64, budget=64, rows=12)
+    tokens, most, _, _, _ = drive(llama, requests, blocks=64, budget=64, rows=12)
     full = _alone(llama, prompt, 12, do_sample=False)
     assert most > 2
     for limit, out in zip(range(1, 13), tokens):
@@ -162,8 +127,8 @@ def test_eos_inside_a_kept_run_ends_where_plain_decoding_ends(llama):
     index = late[0] if late else len(generated) - 1
     eos = generated[index]
     settings = {"do_sample": False, "eos_token_id": eos}
-    tokens, _, _, _, _ = _drive(llama, [(prompt, 24, {**settings, "prompt_lookup_num_tokens": 5})])
-    plain, _, _, _, _ = _drive(llama, [(prompt, 24, settings)])
+    tokens, _, _, _, _ = drive(llama, [(prompt, 24, {**settings, "prompt_lookup_num_tokens": 5})])
+    plain, _, _, _, _ = drive(llama, [(prompt, 24, settings)])
     assert tokens == plain and tokens[0] == generated[:generated.index(eos) + 1]
 
 
@@ -184,13 +149,13 @@ class _ToyTokenizer:
 def test_a_stop_string_inside_a_kept_run_ends_where_plain_decoding_ends(llama):
     toy = _ToyTokenizer()
     prompt, generated = _long_run(llama)
-    speculative, most, _, _, _ = _drive(llama, [(prompt, 24, {"do_sample": False, "prompt_lookup_num_tokens": 5})])
+    speculative, most, _, _, _ = drive(llama, [(prompt, 24, {"do_sample": False, "prompt_lookup_num_tokens": 5})])
     assert speculative[0] == generated and most > 2
     for index in (len(generated) // 2, len(generated) - 3):
         stop = toy.words[generated[index]]
         settings = {"do_sample": False, "stop_strings": [stop], "tokenizer": toy}
-        tokens, _, _, _, _ = _drive(llama, [(prompt, 24, {**settings, "prompt_lookup_num_tokens": 5})])
-        plain, _, _, _, _ = _drive(llama, [(prompt, 24, settings)])
+        tokens, _, _, _, _ = drive(llama, [(prompt, 24, {**settings, "prompt_lookup_num_tokens": 5})])
+        plain, _, _, _, _ = drive(llama, [(prompt, 24, settings)])
         assert tokens == plain and len(tokens[0]) <= index + 1, stop
 
 
