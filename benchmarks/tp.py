@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -143,21 +142,10 @@ def main() -> None:
                         help="also TP=1 with two threads while rank 1 waits (very slow on a loaded machine)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    import torch.multiprocessing as mp
-
+    from genfn.bench.ranks import run_local_ranks
     from genfn.bench.results import write_results
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, args, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    reports = sorted((results.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(timeout=120)
+    reports = run_local_ranks(rank_main, args)
     r0, r1 = reports
     print(f"SmolLM2 ({args.quantize}), {args.new_tokens} new tokens, {args.rounds} rounds, median; "
           f"{os.cpu_count()} cores (shared with other work while measured)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -92,21 +91,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    import torch.multiprocessing as mp
-
+    from genfn.bench.ranks import run_local_ranks
     from genfn.bench.results import write_results
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, args, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    reports = sorted((results.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(timeout=120)
+    reports = run_local_ranks(rank_main, args)
     r0 = reports[0]
     print(f"SmolLM2 ({args.quantize}), {r0['requests']} requests x {args.new_tokens} tokens, continuous batching, "
           f"{args.rounds} rounds, median; {os.cpu_count()} cores (shared with other work while measured)")
