@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -16,6 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A minimal ChatML template, the format SmolLM2's own template writes.
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def subprocess_env() -> dict:
+    """This process's environment with the checkout first on ``PYTHONPATH`` and one OpenMP thread
+    (servers and ranks started by tests share the machine)."""
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
 def run_cli(*args, stdin: str | None = None, module: str = "genfn.cli"):
@@ -59,3 +67,44 @@ def build_tiny_model(path, chat_template: str | None = None):
                                       max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+class ServerProcess:
+    """A process whose stderr is collected; ``url`` once it prints where it listens."""
+
+    def __init__(self, command: list[str]):
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=subprocess_env(), cwd=REPO)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+            found = re.search(r"listening on (http://\S+)", line)
+            if found and self.url is None:
+                self.url = found.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def wait_listening(self, timeout: float = WAIT) -> str:
+        if not self._ready.wait(timeout) or self.url is None:
+            self.kill()
+            raise AssertionError(f"the server did not start: {self.log()}")
+        return self.url
+
+    def wait(self, timeout: float) -> int:
+        code = self.process.wait(timeout)
+        self._reader.join(10)
+        return code
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)

@@ -6,7 +6,6 @@ Llama of test_serve.py saved as a Hugging Face directory. Every wait has a timeo
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import signal
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 import genfn
+from cli_support import ServerProcess, subprocess_env
 from test_serve import tiny_chat_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,38 +33,11 @@ def tiny_dir(tmp_path_factory):
     return str(directory)
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                OMP_NUM_THREADS="1")
-
-
-class ServerProcess:
-    """``python -m genfn.serve`` on a free port; its stderr collected, its URL read from it."""
-
-    def __init__(self, *args: str):
-        self.process = subprocess.Popen([sys.executable, "-m", "genfn.serve", "--port", "0", *args],
-                                        stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(WAIT_S) or self.url is None:
-            self.process.kill()
-            raise AssertionError(f"the server did not start: {''.join(self.lines)}")
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
-            found = re.search(r"listening on (http://\S+)", line)
-            if found and self.url is None:
-                self.url = found.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.kill()
-        return self.process.wait(WAIT_S)
+def _server(*args: str) -> ServerProcess:
+    """``python -m genfn.serve`` on a free port, listening."""
+    server = ServerProcess([sys.executable, "-m", "genfn.serve", "--port", "0", *args])
+    server.wait_listening(WAIT_S)
+    return server
 
 
 def _stream_lines(url: str, max_tokens: int, out: list, first: threading.Event) -> None:
@@ -83,7 +56,7 @@ def _stream_lines(url: str, max_tokens: int, out: list, first: threading.Event) 
 def test_sigterm_drains_streams_then_stops(tiny_dir):
     """SIGTERM while two streams run: the short one ends normally ([DONE]); the long one is ended at
     the drain timeout by an SSE error event; new connections are refused; the process exits 0."""
-    server = ServerProcess("--model", tiny_dir, "--drain-timeout", "3", "--num-blocks", "600")
+    server = _server("--model", tiny_dir, "--drain-timeout", "3", "--num-blocks", "600")
     try:
         short, long_ = [], []
         started = [threading.Event(), threading.Event()]
@@ -98,7 +71,7 @@ def test_sigterm_drains_streams_then_stops(tiny_dir):
             assert not thread.is_alive(), "a stream did not end"
         assert server.process.wait(WAIT_S) == 0
     finally:
-        server.stop()
+        server.kill()
     assert short[-1] == "data: [DONE]", short[-3:]
     assert json.loads(short[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert len(long_) >= 2 and long_[-2] == "event: error", long_[-3:]
@@ -112,7 +85,7 @@ def test_sigterm_drains_streams_then_stops(tiny_dir):
 def test_openai_client_example_starts_a_server_and_streams(tiny_dir):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), "--model", tiny_dir,
                              "--max-tokens", "3", "--prompt", "Hello"],
-                            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=WAIT_S)
+                            capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=WAIT_S)
     assert result.returncode == 0, result.stderr
     assert "assistant: " in result.stdout
     assert re.search(r"\[3 tokens in [\d.]+ s", result.stdout), result.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import time
 import openai
 import pytest
 
-from cli_support import REPO, WAIT, build_tiny_model
+from cli_support import REPO, WAIT, ServerProcess as Server, build_tiny_model, subprocess_env
 
 PROMPT = "The capital of France is"
 
@@ -27,10 +26,6 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tp_serve_tiny")))
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
 def _free_port() -> int:
@@ -66,45 +61,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-class Server:
-    """A process whose stderr is collected; ``url`` once it prints where it listens."""
-
-    def __init__(self, command: list[str]):
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                        env=_env(), cwd=REPO)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
-            found = re.search(r"listening on (http://\S+)", line)
-            if found and self.url is None:
-                self.url = found.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def wait_listening(self) -> str:
-        assert self._ready.wait(WAIT) and self.url is not None, f"the server did not start: {self.log()}"
-        return self.url
-
-    def wait(self, timeout: float) -> int:
-        code = self.process.wait(timeout)
-        self._reader.join(10)
-        return code
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -209,6 +165,6 @@ def test_sigint_drains_and_stops_every_rank(tiny_dir):
 
 def test_python_m_genfn_serve_says_how_to_start_the_ranks(tiny_dir):
     result = subprocess.run([sys.executable, "-m", "genfn.serve", "--model", tiny_dir, "--tp", "2", "--port", "0"],
-                            capture_output=True, text=True, timeout=WAIT, env=_env(), cwd=REPO)
+                            capture_output=True, text=True, timeout=WAIT, env=subprocess_env(), cwd=REPO)
     assert result.returncode == 2
     assert "genfn serve --tp 2" in result.stderr and "torchrun" in result.stderr, result.stderr
