@@ -108,3 +108,21 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's ``/proc``); empty once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

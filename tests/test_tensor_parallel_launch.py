@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from cli_support import REPO, WAIT, assert_user_error, build_tiny_model, run_cli
+from cli_support import REPO, WAIT, assert_user_error, build_tiny_model, child_pids, process_alive, run_cli
 
 PROMPT = "The capital of France is"
 
@@ -90,22 +90,6 @@ def test_a_rank_that_is_too_many_for_torchrun_is_refused(tiny_dir):
     assert result.returncode != 0 and "does not match torchrun's world size 1" in result.stderr
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tiny_dir):
     run = subprocess.Popen([sys.executable, "-m", "genfn", "generate", PROMPT, "--model", tiny_dir,
                             "--max-new-tokens", "8000", "--tp", "2", "-q"],
@@ -114,7 +98,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tiny_dir):
     threading.Thread(target=lambda: run.stdout.read(1) and streamed.set(), daemon=True).start()
     try:
         assert streamed.wait(WAIT), "rank 0 streamed nothing"
-        ranks = [pid for pid in _children(run.pid) if _alive(pid)]
+        ranks = [pid for pid in child_pids(run.pid) if process_alive(pid)]
         assert len(ranks) == 1, ranks
         os.kill(ranks[0], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -122,7 +106,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it(tiny_dir):
         assert time.monotonic() - killed_at < 60
         assert run.returncode == 1
         assert "genfn: error: tensor-parallel rank 1 was killed by signal 9" in stderr.decode(), stderr.decode()
-        assert not any(_alive(pid) for pid in ranks + _children(run.pid))
+        assert not any(process_alive(pid) for pid in ranks + child_pids(run.pid))
     finally:
         if run.poll() is None:
             run.kill()
@@ -141,7 +125,7 @@ def test_a_stopped_rank_is_named_by_the_watchdog(tiny_dir):
     ranks = []
     try:
         assert streamed.wait(WAIT), "rank 0 streamed nothing"
-        ranks = [pid for pid in _children(run.pid) if _alive(pid)]
+        ranks = [pid for pid in child_pids(run.pid) if process_alive(pid)]
         os.kill(ranks[0], signal.SIGSTOP)
         _, stderr = run.communicate(timeout=90)
         assert run.returncode == 1
@@ -165,14 +149,14 @@ def test_ctrl_c_on_rank_0_ends_every_rank(tiny_dir):
     ranks = []
     try:
         assert streamed.wait(WAIT), "rank 0 streamed nothing"
-        ranks = [pid for pid in _children(run.pid) if _alive(pid)]
+        ranks = [pid for pid in child_pids(run.pid) if process_alive(pid)]
         run.send_signal(signal.SIGINT)
         _, stderr = run.communicate(timeout=60)
         assert run.returncode == 130, stderr.decode()
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not any(_alive(pid) for pid in ranks)
+        assert not any(process_alive(pid) for pid in ranks)
     finally:
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):

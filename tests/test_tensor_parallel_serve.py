@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from cli_support import REPO, WAIT, ServerProcess as Server, build_tiny_model, subprocess_env
+from cli_support import REPO, WAIT, ServerProcess as Server, build_tiny_model, child_pids, process_alive, subprocess_env
 
 PROMPT = "The capital of France is"
 
@@ -34,18 +34,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
 def _genfn_workers(pid: int) -> list[int]:
     """The children of ``pid`` that run genfn (torchrun's workers, not its helper processes)."""
     found = []
-    for child in _children(pid):
+    for child in child_pids(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
                 if b"genfn" in f.read():
@@ -53,14 +45,6 @@ def _genfn_workers(pid: int) -> list[int]:
         except FileNotFoundError:
             pass
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -97,7 +81,7 @@ def test_two_torchrun_nodes_serve_the_openai_client(tiny_dir):
         os.kill(rank0[0], signal.SIGTERM)
         codes = [node.wait(WAIT) for node in nodes]
         assert codes == [0, 0], [node.log() for node in nodes]
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(process_alive(pid) for pid in workers)
     finally:
         for node in nodes:
             node.kill()
@@ -122,7 +106,7 @@ def test_a_killed_rank_ends_the_server_with_an_error_naming_it(tiny_dir):
     ranks = []
     try:
         url = server.wait_listening()
-        ranks = [pid for pid in _children(server.process.pid) if _alive(pid)]
+        ranks = [pid for pid in child_pids(server.process.pid) if process_alive(pid)]
         assert len(ranks) == 1, ranks
         out, first = [], threading.Event()
         threading.Thread(target=_stream, args=(url, tiny_dir, out, first), daemon=True).start()
@@ -133,7 +117,7 @@ def test_a_killed_rank_ends_the_server_with_an_error_naming_it(tiny_dir):
         assert time.monotonic() - killed_at < 60
         assert code == 1, server.log()
         assert "genfn: error: tensor-parallel rank 1 was killed by signal 9" in server.log(), server.log()
-        assert not any(_alive(pid) for pid in ranks + _children(server.process.pid))
+        assert not any(process_alive(pid) for pid in ranks + child_pids(server.process.pid))
     finally:
         server.kill()
         for pid in ranks:
@@ -146,16 +130,16 @@ def test_sigint_drains_and_stops_every_rank(tiny_dir):
     ranks = []
     try:
         url = server.wait_listening()
-        ranks = [pid for pid in _children(server.process.pid) if _alive(pid)]
+        ranks = [pid for pid in child_pids(server.process.pid) if process_alive(pid)]
         assert len(ranks) == 1, ranks
         assert _completion(url, tiny_dir).usage.completion_tokens >= 1
         server.process.send_signal(signal.SIGINT)  # Ctrl-C reaches rank 0: it drains, then stops rank 1
         assert server.wait(WAIT) == 0, server.log()
         assert "stopped" in server.log()
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not any(_alive(pid) for pid in ranks)
+        assert not any(process_alive(pid) for pid in ranks)
     finally:
         server.kill()
         for pid in ranks:
