@@ -11,7 +11,7 @@ these when it loads, so every policy runs in its own fresh process. Policies (``
     default    OpenMP's own (``GENFN_WAIT_POLICY=default`` stops genfn from setting its choice)
     passive    ``OMP_WAIT_POLICY=PASSIVE``
     spin<N>    ``GOMP_SPINCOUNT=N`` (e.g. spin1000, spin10000, spin100000)
-    genfn      nothing set: what ``import genfn`` chooses (``genfn.wait_policy``)
+    genfn      ``GENFN_WAIT_POLICY=auto``: what genfn's command line chooses (``genfn.wait_policy``)
 
 Each process loads the model (``--format``: ``q4_1``, the shipped GGUF's own blocks, or
 ``float32``/``bfloat16``), compiles the decode step (static cache; the on-disk compile caches
@@ -50,7 +50,7 @@ def policy_env(policy: str) -> dict:
     if policy == "passive":
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     if policy == "genfn":
-        return {}
+        return {"GENFN_WAIT_POLICY": "auto"}
     if policy.startswith("spin") and policy[4:].isdigit():
         return {"GOMP_SPINCOUNT": policy[4:]}
     raise ValueError(f"--policies: unknown policy {policy!r}; use default, passive, genfn or spin<N> (spin10000)")
@@ -167,7 +167,7 @@ def main() -> int:
     differ = [r["policy"] for r in rows if rows and r["tokens"] != rows[0]["tokens"]]
     log(f"tokens equal across policies: {'yes' if not differ else 'NO, differ: ' + ', '.join(differ)}")
     from_genfn = [r["policy_in_effect"] for r in rows if r["policy"] == "genfn"]
-    log(f"policy genfn chooses when nothing is set: {from_genfn[0] if from_genfn else '(genfn row not run)'}")
+    log(f"policy genfn's command line chooses when nothing is set: {from_genfn[0] if from_genfn else '(genfn row not run)'}")
     out = write_results("contention", {"args": vars(args), "load_avg_end": os.getloadavg(), "rows": rows}, args.out)
     log(f"# wrote {out}")
     return 0

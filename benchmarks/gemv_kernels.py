@@ -14,8 +14,8 @@ in the same loop, interleaved, so the ratio survives a noisy machine; float form
 with ``--threads 1``, it leaves out the time the thread waited for a core. The streaming
 ceiling is printed beside them: ``tensor.sum()`` over the same bytes, once per weight (one call
 per linear, as the kernels make) and as one buffer (the read bandwidth with no per-call cost).
-genfn is imported before torch, so the OpenMP wait policy is the one ``import genfn`` chooses
-(printed). ``--gap-us`` busy-waits on the calling thread after each linear, as the compiled
+genfn is imported before torch, so ``GENFN_WAIT_POLICY=auto`` gives the OpenMP wait policy genfn's
+command line chooses (printed; without it, OpenMP's default or the one you set). ``--gap-us`` busy-waits on the calling thread after each linear, as the compiled
 step's norms, attention and RoPE do, which is when a sleeping worker's wake-up shows.
 
 A chain of 30 layers of SmolLM2's fused gate/up [3072, 576] and down [576, 1536] projections
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-# Before torch: genfn chooses the OpenMP wait policy when it is imported first, as a user gets it.
+# Before torch, so that GENFN_WAIT_POLICY=auto can choose the OpenMP wait policy as genfn's command line does.
 import genfn  # noqa: E402,F401
 
 import torch

@@ -5,7 +5,8 @@ The names a transformers user imports live here under the same names: the config
 output types; plus genfn's own: ``random`` (keys), ``Strategy``, ``load``.
 """
 
-# Before anything imports torch: libgomp reads its wait policy once, when torch loads it.
+# Before anything imports torch (libgomp reads its wait policy once, when torch loads it): genfn's
+# command line chooses OpenMP's wait policy here; a library import leaves the environment alone.
 from genfn import wait_policy as _wait_policy
 
 _wait_policy.apply_default()

@@ -14,13 +14,17 @@ OpenMP's default spin was fastest quiet (129 tok/s; passive 49, its sleeping thr
 slowly on idle cores) and lost most of it beside a busy loop (29 tok/s; passive 70). A bounded
 spin of 1000 iterations kept 0.92 of the quiet figure and reached 0.5-0.8 of passive's under
 load (runs 2-4); 300 and more iterations lost about half under load, 100 behaved like passive.
-So genfn chooses when it is imported, from the machine's state then (:func:`other_load`: the
-CPU time other processes take over 50 ms): :data:`BUSY_POLICY` (passive) when other work holds
-half a core or more, else :data:`QUIET_POLICY` (the bounded spin, so that a competitor arriving
-later costs far less than under the default spin). A process keeps its choice: libgomp reads
-its settings once, when it is loaded, so ``import genfn`` sets them only if torch is not imported
-yet, and only if the user set none of ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or
-``GENFN_WAIT_POLICY`` (``GENFN_WAIT_POLICY=default`` keeps OpenMP's own policy).
+So genfn's own programs choose, from the machine's state when they start (:func:`other_load`:
+the CPU time other processes take over 50 ms): :data:`BUSY_POLICY` (passive) when other work
+holds half a core or more, else :data:`QUIET_POLICY` (the bounded spin, so that a competitor
+arriving later costs far less than under the default spin). libgomp reads its settings once, when
+torch loads it, so the choice is made in ``genfn/__init__.py`` before torch is imported, and only
+where the process is genfn's command line (``genfn ...``, ``python -m genfn ...``, ranks started
+by ``torchrun -m genfn``) or the user asked for it with ``GENFN_WAIT_POLICY=auto``. A program that
+merely imports genfn as a library keeps its environment as it was: the policy is process-wide and
+the program's to choose (set ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` or ``GENFN_WAIT_POLICY=auto``
+before starting Python). Nothing is set either where the user chose (``OMP_WAIT_POLICY``,
+``GOMP_SPINCOUNT``, or ``GENFN_WAIT_POLICY=default``) or torch is loaded already.
 :func:`wait_policy` says what is in effect and why.
 """
 
@@ -30,7 +34,8 @@ import os
 import sys
 import time
 
-__all__ = ["BUSY_POLICY", "QUIET_POLICY", "BUSY_LOAD", "apply_default", "other_load", "wait_policy"]
+__all__ = ["AUTO", "BUSY_POLICY", "QUIET_POLICY", "BUSY_LOAD", "apply_default", "launched_as_cli", "other_load",
+           "wait_policy"]
 
 # What import genfn sets (benchmarks/contention.py; module docstring).
 BUSY_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -39,6 +44,10 @@ QUIET_POLICY = {"GOMP_SPINCOUNT": "1000"}
 BUSY_LOAD = 0.5
 SAMPLE_S = 0.05
 _USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GENFN_WAIT_POLICY")
+# GENFN_WAIT_POLICY=auto: a library user's opt-in to the choice genfn's command line makes.
+AUTO = "auto"
+_CLI_MODULES = ("genfn", "genfn.cli", "genfn.__main__")
+_OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 
 # What apply_default() did, and why.
 _outcome = "not applied"
@@ -75,16 +84,40 @@ def other_load(window_s: float = SAMPLE_S) -> float:
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks_per_s / max(elapsed, 1e-3)
 
 
-def apply_default(environ=None, torch_loaded: bool | None = None, load: float | None = None) -> str:
-    """Set :data:`BUSY_POLICY` or :data:`QUIET_POLICY` in ``environ`` (default ``os.environ``) by
-    ``load`` (default :func:`other_load`), unless the user chose a policy or torch (and so
-    libgomp) is already loaded; returns what it did."""
+def launched_as_cli(argv: list[str] | None = None) -> bool:
+    """Whether the process is genfn's command line: ``genfn ...`` (the console script) or
+    ``python [flags] -m genfn ...`` (what ``torchrun -m genfn`` starts on each rank). ``argv`` is
+    the interpreter's own command line (default ``sys.orig_argv``)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    words = iter(argv[1:])
+    for word in words:  # the interpreter's options, up to what it runs
+        if word == "-m":
+            return next(words, None) in _CLI_MODULES
+        if word == "-c" or word == "-":
+            return False
+        if word in _OPTIONS_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            return os.path.basename(word) == "genfn"  # the console script
+    return False
+
+
+def apply_default(environ=None, torch_loaded: bool | None = None, load: float | None = None,
+                  argv: list[str] | None = None) -> str:
+    """In genfn's command line (:func:`launched_as_cli` on ``argv``) or with
+    ``GENFN_WAIT_POLICY=auto``, set :data:`BUSY_POLICY` or :data:`QUIET_POLICY` in ``environ``
+    (default ``os.environ``) by ``load`` (default :func:`other_load`), unless the user chose a
+    policy or torch (and so libgomp) is already loaded; returns what it did."""
     global _outcome
     environ = os.environ if environ is None else environ
     torch_loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    chosen = [name for name in _USER_SETTINGS if environ.get(name)]
+    opted_in = environ.get("GENFN_WAIT_POLICY") == AUTO
+    chosen = [name for name in _USER_SETTINGS if environ.get(name) and not (name == "GENFN_WAIT_POLICY" and opted_in)]
     if chosen:
         outcome = f"left to the environment ({', '.join(f'{n}={environ[n]}' for n in chosen)})"
+    elif not (opted_in or launched_as_cli(argv)):
+        outcome = ("OpenMP's default (genfn sets no policy when imported as a library; set OMP_WAIT_POLICY, "
+                   "GOMP_SPINCOUNT or GENFN_WAIT_POLICY=auto before starting Python)")
     elif torch_loaded:
         outcome = "OpenMP's default (torch was imported before genfn; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)"
     else:

@@ -234,18 +234,40 @@ def test_a_second_process_loads_the_quantized_step_from_aot_autograds_cache(tmp_
 # OpenMP wait policy
 
 
-def test_the_policy_follows_the_load_at_import_and_only_when_nothing_is_chosen_and_torch_is_not_loaded():
+CLI = ["python", "-m", "genfn", "serve"]
+
+
+def test_the_policy_follows_the_load_in_genfns_command_line_only_when_nothing_is_chosen_and_torch_is_not_loaded():
     quiet, busy = {}, {}
-    assert "genfn's choice" in wait_policy.apply_default(quiet, torch_loaded=False, load=0.1)
-    assert wait_policy.apply_default(busy, torch_loaded=False, load=wait_policy.BUSY_LOAD).startswith("OMP_WAIT_POLICY")
+    assert "genfn's choice" in wait_policy.apply_default(quiet, torch_loaded=False, load=0.1, argv=CLI)
+    assert wait_policy.apply_default(busy, torch_loaded=False, load=wait_policy.BUSY_LOAD, argv=CLI).startswith("OMP_WAIT_POLICY")
     assert quiet == wait_policy.QUIET_POLICY and busy == wait_policy.BUSY_POLICY and quiet != busy
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"GENFN_WAIT_POLICY": "default"}):
         env = dict(chosen)
-        assert "left to the environment" in wait_policy.apply_default(env, torch_loaded=False, load=0.0)
+        assert "left to the environment" in wait_policy.apply_default(env, torch_loaded=False, load=0.0, argv=CLI)
         assert env == chosen
     env = {}
-    assert "torch was imported before genfn" in wait_policy.apply_default(env, torch_loaded=True, load=0.0)
+    assert "torch was imported before genfn" in wait_policy.apply_default(env, torch_loaded=True, load=0.0, argv=CLI)
     assert env == {}
+
+
+def test_a_library_import_leaves_the_environment_alone_unless_the_user_opts_in():
+    for argv in (["python", "-c", "import genfn"], ["python", "train.py"], ["python", "-m", "pytest"], ["ipython"]):
+        env = {}
+        assert "imported as a library" in wait_policy.apply_default(env, torch_loaded=False, load=0.0, argv=argv)
+        assert env == {}
+    env = {"GENFN_WAIT_POLICY": wait_policy.AUTO}
+    assert "genfn's choice" in wait_policy.apply_default(env, torch_loaded=False, load=0.0, argv=["python", "train.py"])
+    assert env == {"GENFN_WAIT_POLICY": "auto", **wait_policy.QUIET_POLICY}
+
+
+def test_launched_as_cli_knows_genfns_own_command_lines():
+    for argv in (["python", "-m", "genfn", "generate"], ["python", "-u", "-m", "genfn"], ["/usr/bin/python3", "/usr/local/bin/genfn", "serve"],
+                 ["python", "-X", "importtime", "-m", "genfn.cli", "chat"]):
+        assert wait_policy.launched_as_cli(argv), argv
+    for argv in (["python", "-m", "genfn.bench"], ["python", "bench.py", "-m", "genfn"], ["python", "-c", "x"], ["python"],
+                 ["python", "/home/me/genfn_train.py"]):
+        assert not wait_policy.launched_as_cli(argv), argv
 
 
 def test_other_load_counts_a_busy_process_and_not_this_one():
@@ -261,13 +283,17 @@ def test_other_load_counts_a_busy_process_and_not_this_one():
     assert all(load >= 0.0 for load in own)
 
 
-def test_import_genfn_sets_a_policy_in_a_fresh_process():
+def test_a_fresh_library_import_sets_nothing_and_the_opt_in_chooses():
     script = ("import os, genfn; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), '|', "
               "genfn.wait_policy.wait_policy())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GENFN_WAIT_POLICY")}
-    fresh = subprocess.run([sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT)},
-                           capture_output=True, text=True, timeout=300)
-    assert fresh.returncode == 0, fresh.stderr
-    settings, policy = (part.strip() for part in fresh.stdout.split("|"))
-    assert "genfn's choice" in policy
-    assert settings in ("PASSIVE None", f"None {wait_policy.QUIET_POLICY['GOMP_SPINCOUNT']}"), settings
+    outcomes = []
+    for extra in ({}, {"GENFN_WAIT_POLICY": wait_policy.AUTO}):
+        fresh = subprocess.run([sys.executable, "-c", script], env={**env, **extra, "PYTHONPATH": str(ROOT)},
+                               capture_output=True, text=True, timeout=300)
+        assert fresh.returncode == 0, fresh.stderr
+        outcomes.append(tuple(part.strip() for part in fresh.stdout.split("|")))
+    (plain_settings, plain_policy), (auto_settings, auto_policy) = outcomes
+    assert plain_settings == "None None" and "imported as a library" in plain_policy
+    assert "genfn's choice" in auto_policy
+    assert auto_settings in ("PASSIVE None", f"None {wait_policy.QUIET_POLICY['GOMP_SPINCOUNT']}"), auto_settings
