@@ -36,22 +36,18 @@ parallel regions): a decode step runs hundreds of short kernels, and ``OMP_WAIT_
 (threads sleep at once) cost every engine 30-40 % here (genfn compiled f32: 37 -> 20 tok/s).
 Only when other processes compete for the two cores does the default spin collapse (10-20x
 slower GEMVs); then run ``OMP_WAIT_POLICY=PASSIVE python -m genfn.bench`` and compare
-ratios only. The policy in effect is printed in the header. ``import genfn`` otherwise picks a
-policy from the machine's load (``genfn.wait_policy``); ``GENFN_WAIT_POLICY=default`` keeps
-OpenMP's, as ``genfn bench`` and ``benchmarks/decode.py`` do.
+ratios only. The policy in effect is printed in the header (``genfn.wait_policy``: a library
+import of genfn sets none; ``genfn bench`` and ``benchmarks/decode.py`` keep OpenMP's).
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
 import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import sys
 import time
 import warnings
@@ -200,6 +196,8 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> str:
 
 
 def main(argv=None):
+    # The benchmark is a program: its tokenizer threads must not fork-warn under its child processes.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ap = argparse.ArgumentParser(prog="python -m genfn.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None,
