@@ -195,7 +195,8 @@ def test_quantize_q8_0_runs_the_experts_as_blocks():
     assert genfn.generate(whole, ids, attention_mask=mask, **settings).shape == (3, ids.shape[1] + 6)
 
 
-def test_generate_batch_equals_generate():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_generate_batch_equals_generate(compiled):
     import random
 
     from genfn.config import ContinuousBatchingConfig
@@ -204,8 +205,9 @@ def test_generate_batch_equals_generate():
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(1, 14))] for _ in range(6)]
     # Small blocks and a small token budget: prompts are chunked and requests decode side by side,
-    # past the window.
-    cb = ContinuousBatchingConfig(page_size=4, num_blocks=48, max_batch_tokens=16, max_requests_per_batch=4)
+    # past the window; compiled: the packed forward under torch.compile(fullgraph=True).
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=48, max_batch_tokens=16, max_requests_per_batch=4,
+                                  default_compile_level=int(compiled))
     results = gm.generate_batch(prompts, max_new_tokens=10, do_sample=False, eos_token_id=None,
                                 continuous_batching_config=cb)
     for out, prompt in zip(results.values(), prompts):
