@@ -134,6 +134,18 @@ def test_greedy_and_beam_tokens_equal_transformers_over_32_steps():
                        beams)
 
 
+def test_bfloat16_runs_as_close_to_float32_as_transformers_does():
+    """bfloat16 weights and activations (transformers' own bfloat16 attention takes the sink softmax
+    in bfloat16, genfn in float32: close, not equal)."""
+    _, gm = pair()
+    ids, mask = padded_prompts(seed=1)
+    reference = _logits(gm, ids, mask)
+    ours = _logits(gm.to(torch.bfloat16), ids, mask)
+    with torch.no_grad():  # a fresh copy: casting the shared oracle back and forth would round its weights
+        theirs = _hf_model().to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
+    assert (ours - reference).abs().max() < 2 * (theirs - reference).abs().max() + 1e-3
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager():
     """Batch 1: the compiled step gathers its row's 2 chosen experts of 4 (the padded batches above
