@@ -179,6 +179,30 @@ def test_the_moe_paths_agree():
     torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_paths_read_only_the_chosen_experts():
+    """One row: every expert it did not choose holds NaN (a read of it would poison the output), and
+    the eager path and the compiled step's gathered path give the clean stacks' values."""
+    from genfn.models import moe
+
+    _, gm = pair()
+    layer = gm.params["layers"][2]
+    x = torch.randn(1, 64)
+    weights, experts = moe.route_top_k_softmax(x, layer["router"], layer["router_bias"], 2)
+    unchosen = [e for e in range(4) if e not in experts[0].tolist()]
+    poisoned = dict(layer)
+    for name in ("experts_gate_up", "experts_gate_up_bias", "experts_down", "experts_down_bias"):
+        poisoned[name] = layer[name].clone()
+        poisoned[name][unchosen] = float("nan")
+    alpha, limit = gm.spec.swiglu_alpha, gm.spec.swiglu_limit
+    with torch.no_grad():
+        clean = moe.biased_moe_mlp(gm.spec, layer, x)
+        eager = moe.biased_moe_mlp(gm.spec, poisoned, x)
+        gathered = moe._biased_gathered(x, poisoned, weights, experts, alpha, limit)
+    assert torch.isfinite(eager).all() and torch.isfinite(gathered).all()
+    torch.testing.assert_close(eager, clean)
+    torch.testing.assert_close(gathered, clean, rtol=1e-5, atol=1e-6)
+
+
 def test_quantize_q8_0_runs_the_experts_as_blocks():
     """The expert stacks become ``QuantizedExperts`` and compute what their dequantized floats do
     (up to the kernel's 8-bit activations); the whole quantized model generates. (Against the float
