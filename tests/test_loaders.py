@@ -459,7 +459,7 @@ def test_not_a_gguf(tmp_path):
 
 def test_unsupported_gguf_architecture(tmp_path):
     path = write_gguf(tmp_path / "t.gguf", tiny_model("llama"), arch="gpt2", tokenizer=False)
-    with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: gemma2, gemma3, llama, olmo2, olmoe, phi3, qwen2, qwen3, "
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: gemma2, gemma3, gpt-oss, llama, olmo2, olmoe, phi3, qwen2, qwen3, "
                                          r"qwen3moe, smollm3 .*from_module"):
         load_checkpoint(path)
 

@@ -39,7 +39,7 @@ from genfn.cache.base import CacheBase
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["PackedPlan", "PlannedAttention", "PagedKVCache", "init_paged_cache", "paged_attention",
-           "plan_attention", "planned_attention", "write"]
+           "plan_attention", "planned_attention", "sink_softmax", "write"]
 
 
 @pytree_dataclass
@@ -164,6 +164,7 @@ def paged_attention(
     sliding_window: int | None = None,
     query_chunk: int | None = 128,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the packed queries ``q [T, H, D]`` over their own requests' cached keys/values.
 
@@ -179,6 +180,7 @@ def paged_attention(
     whatever ``T``. This is the reference path (any device, compiles to one graph); a fused varlen
     kernel computes the same. The scores of a padding query (position 0) are finite and ignored.
     ``softcap``: the scores become ``tanh(scores / softcap) * softcap`` before the mask (Gemma 2).
+    ``sinks [H]``: each head's sink logit joins every softmax (``sink_softmax``: GPT-OSS).
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.keys.shape[2]
@@ -193,13 +195,13 @@ def paged_attention(
     outs = [
         _attend_chunk(q[start:start + step], cache.keys[layer], cache.values[layer],
                       block_tables.index_select(0, request_index[start:start + step]),
-                      positions[start:start + step], scale, sliding_window, softcap)
+                      positions[start:start + step], scale, sliding_window, softcap, sinks)
         for start in range(0, num_tokens, max(step, 1))
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window, softcap=None):
+def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window, softcap=None, sinks=None):
     """``q [t, H, D]`` against the keys at positions ``0 .. positions`` of the rows ``tables [t, W]``."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, block_size = keys.shape[1], keys.shape[2]
@@ -217,7 +219,7 @@ def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window, sof
     if sliding_window is not None:
         visible = visible & (key_pos.view(1, span) > positions.view(num_tokens, 1) - sliding_window)
     scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, span), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
+    weights = sink_softmax(scores, None if sinks is None else sinks.view(1, kv_heads, groups, 1))
     out = torch.einsum("thgs,thsd->thgd", weights, v.to(compute))
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
 
@@ -225,6 +227,17 @@ def _attend_chunk(q, keys, values, tables, positions, scale, sliding_window, sof
 def soft_capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """``tanh(scores / softcap) * softcap`` (Gemma 2's attention scores), or ``scores`` for None."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores)`` over the last dimension, or, with ``sinks`` (broadcastable to
+    ``scores[..., :1]``: one logit per head), the softmax of each row with its head's sink logit
+    appended, the sink's share dropped: GPT-OSS's attention sinks take probability mass and give no
+    value. A row whose keys are all masked (``-inf``) then weighs nothing, finitely."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand_as(scores[..., :1])
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 @dataclasses.dataclass(frozen=True)

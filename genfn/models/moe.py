@@ -32,7 +32,7 @@ from genfn.kernels import MAX_DECODE_ROWS, decode_linear_available, linear
 from genfn.kernels import moe_quant
 from genfn.quant.experts import QuantizedExperts
 
-__all__ = ["route", "moe_mlp", "native_moe_takes"]
+__all__ = ["route", "moe_mlp", "native_moe_takes", "route_top_k_softmax", "clamped_swiglu", "biased_moe_mlp"]
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,4 +110,76 @@ def moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tenso
         out = _dense(x, weights, experts, gate_up, down)
     else:
         out = _grouped(x, weights, experts, gate_up, down)
+    return out.reshape(shape)
+
+
+# ---- GPT-OSS's variant: biased router and experts, softmax over the chosen k, clamped SwiGLU ----
+
+
+def route_top_k_softmax(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
+                        top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's router (transformers' ``GptOssTopKRouter``): the ``k`` largest of ``x @ router.T +
+    bias``, softmaxed over those ``k`` alone. ``(weights [T, k] in x's dtype, experts [T, k])``."""
+    top, experts = torch.topk(F.linear(x, router, bias), top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation of ``gate_up [..., 2I]`` (gate columns, then up): the gate clamped from
+    above and the up projection on both sides at ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _biased_expert(x: torch.Tensor, layer: Mapping[str, Any], e: int, alpha: float, limit: float) -> torch.Tensor:
+    gate_up = _linear(x, _expert(layer["experts_gate_up"], e)) + layer["experts_gate_up_bias"][e]
+    return _linear(clamped_swiglu(gate_up, alpha, limit), _expert(layer["experts_down"], e)) \
+        + layer["experts_down_bias"][e]
+
+
+def _biased_gathered(x: torch.Tensor, layer: Mapping[str, Any], weights: torch.Tensor, experts: torch.Tensor,
+                     alpha: float, limit: float) -> torch.Tensor:
+    """Each row's ``k`` chosen experts, their weights gathered from the float stacks: static shapes
+    (a compiled step's few rows) that read ``T * k`` experts, not all ``E``."""
+    gate_up = torch.einsum("th,tkoh->tko", x, layer["experts_gate_up"][experts])
+    act = clamped_swiglu(gate_up + layer["experts_gate_up_bias"][experts], alpha, limit)
+    out = torch.einsum("tki,tkhi->tkh", act, layer["experts_down"][experts]) + layer["experts_down_bias"][experts]
+    return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def biased_moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's MoE MLP on ``h [..., H]``: ``route_top_k_softmax`` over the layer's ``router`` and
+    ``router_bias``, experts ``experts_gate_up [E, 2I, H]`` (gate rows, then up) and ``experts_down
+    [E, H, I]`` (float, or ``QuantizedExperts``) with their biases, ``clamped_swiglu`` between them
+    (``spec.swiglu_alpha``, ``spec.swiglu_limit``). Eagerly each chosen expert runs once on the rows
+    that chose it (ascending expert order, as transformers adds them); inside a compiled step a few
+    rows gather their chosen float experts, more rows (or quantized stacks) run every expert
+    weighted zero where unchosen."""
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    weights, experts = route_top_k_softmax(x, layer["router"], layer["router_bias"], spec.experts_per_token)
+    alpha, limit = spec.swiglu_alpha, spec.swiglu_limit
+    gate_up = layer["experts_gate_up"]
+    num_experts = gate_up.shape[0]
+    if not torch.compiler.is_compiling():  # the groups' sizes are data: eager only
+        out = torch.zeros_like(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert, ascending
+        start = 0
+        for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+            if count:
+                pairs = order[start:start + count]
+                rows = pairs // spec.experts_per_token
+                y = _biased_expert(x[rows], layer, e, alpha, limit) * weights.reshape(-1)[pairs, None]
+                out.index_copy_(0, rows, out.index_select(0, rows) + y)
+            start += count
+    elif isinstance(gate_up, torch.Tensor) and x.shape[0] * spec.experts_per_token < num_experts:
+        out = _biased_gathered(x, layer, weights, experts, alpha, limit)
+    else:
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            weight = (weights * (experts == e)).sum(dim=-1, keepdim=True)
+            out = out + _biased_expert(x, layer, e, alpha, limit) * weight
     return out.reshape(shape)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
-from genfn.cache.paged import PlannedAttention, planned_attention, soft_capped, write
+from genfn.cache.paged import PlannedAttention, planned_attention, sink_softmax, soft_capped, write
 from genfn.kernels import decode_linear_available, invariant
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
@@ -183,9 +183,11 @@ def _slot_visibility(inputs, num_slots: int, block_size: int, sliding_window: in
 
 
 def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visible: torch.Tensor,
-                        scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [T, H, D]`` against every slot of the layer's cache, masked by ``visible [T, S]``;
-    float32 (float64 for float64) accumulation, as ``paged_attention`` (``scale``, ``softcap`` as there)."""
+    float32 (float64 for float64) accumulation, as ``paged_attention`` (``scale``, ``softcap``,
+    ``sinks`` as there)."""
     num_tokens, num_heads, head_dim = q.shape
     keys, values = cache.keys[layer], cache.values[layer]  # [NB + 1, Hkv, bs, D]
     kv_heads = keys.shape[1]
@@ -194,11 +196,13 @@ def _attend_whole_cache(q: torch.Tensor, cache: PagedKVCache, layer: int, visibl
     # Every query reads every slot, its weight 0 where masked; but 0 * NaN is NaN, so one request's
     # non-finite values (or a freed block's stale ones) would reach every row of the batch.
     v = torch.nan_to_num(values.transpose(0, 1).reshape(kv_heads, -1, head_dim).to(compute), 0.0, 0.0, 0.0)
-    qg = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).to(compute)
+    groups = num_heads // kv_heads
+    qg = q.reshape(num_tokens, kv_heads, groups, head_dim).to(compute)
     scale = head_dim ** -0.5 if scale is None else scale
     scores = soft_capped(torch.einsum("thgd,hsd->thgs", qg, k) * scale, softcap)
     scores = scores.masked_fill(~visible.view(num_tokens, 1, 1, -1), float("-inf"))
-    out = torch.einsum("thgs,hsd->thgd", torch.softmax(scores, dim=-1), v)
+    weights = sink_softmax(scores, None if sinks is None else sinks.view(1, kv_heads, groups, 1))
+    out = torch.einsum("thgs,hsd->thgd", weights, v)
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype)
 
 
@@ -230,17 +234,19 @@ def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None, slidi
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, layer: int, route: PackedAttention, scale: float | None = None,
-           softcap: float | None = None) -> torch.Tensor:
-    """``q [T, H, D]`` of the packed tokens against their own requests' cached keys of ``layer``."""
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [T, H, D]`` of the packed tokens against their own requests' cached keys of ``layer``
+    (``sinks [H]``: GPT-OSS's attention sinks, ``genfn.cache.paged.sink_softmax``)."""
     if route.planned is not None:
-        if softcap is not None:
-            raise ValueError("planned attention cannot soft-cap scores: build the route with use_plan=False")
+        if softcap is not None or sinks is not None:
+            raise ValueError("planned attention cannot soft-cap scores or add sinks: build the route with "
+                             "use_plan=False")
         return planned_attention(q, cache, layer, route.planned, scale)
     if route.visible is not None:
-        return _attend_whole_cache(q, cache, layer, route.visible, scale, softcap)
+        return _attend_whole_cache(q, cache, layer, route.visible, scale, softcap, sinks)
     inputs = route.inputs
     return paged_attention(q, cache, layer, inputs.block_tables, inputs.request_index, inputs.positions,
-                           scale=scale, sliding_window=route.sliding_window, softcap=softcap)
+                           scale=scale, sliding_window=route.sliding_window, softcap=softcap, sinks=sinks)
 
 
 def check_plan(plan: PackedPlan | None, num_tokens: int) -> None:

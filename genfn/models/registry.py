@@ -40,6 +40,7 @@ ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "genfn.models.llama",
     "Gemma2ForCausalLM": "genfn.models.gemma",
     "Gemma3ForCausalLM": "genfn.models.gemma",
+    "GptOssForCausalLM": "genfn.models.gpt_oss",
 }
 
 # config.json ``model_type`` -> architecture, for configs that name no architecture.
@@ -56,12 +57,14 @@ MODEL_TYPES: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 # The module of a family's spec class -> the module holding its packed forward over the paged cache.
 PACKED_FORWARDS: dict[str, str] = {
     "genfn.models.llama": "genfn.models.packed",  # Llama, Mistral (sliding window), Qwen2 (q/k/v bias), LongRoPE
     "genfn.models.gemma": "genfn.models.gemma_packed",  # Gemma 2 / Gemma 3 (text)
+    "genfn.models.gpt_oss": "genfn.models.gpt_oss_packed",  # GPT-OSS (sinks: the reference attention paths)
     "genfn.models.adapter": "genfn.models.module_packed",  # any wrapped module: a key/value slot per request
 }
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genfn.models import gemma, llama_variants, registry
+from genfn.models import gemma, gpt_oss, llama_variants, registry
 from genfn.models.adapter import ModuleSpec
 from genfn.models.llama import LlamaSpec
 
@@ -130,6 +130,24 @@ def _gemma_config(spec: gemma.GemmaSpec, config: dict[str, Any], dtype: torch.dt
     return out
 
 
+def _gpt_oss_config(spec: gpt_oss.GptOssSpec, config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if v is not None and k not in ("rope_scaling", "rope_theta", "num_experts")}
+    out.update({
+        "architectures": [spec.architecture], "model_type": "gpt_oss", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps,
+        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.attention_bias, "sliding_window": spec.sliding_window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in spec.sliding_layers],
+        "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+        "swiglu_alpha": spec.swiglu_alpha, "swiglu_limit": spec.swiglu_limit,
+        "rope_parameters": {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {"rope_type": "default"})},
+        "dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    })
+    return out
+
+
 def _save_tokenizer(tokenizer, directory: str) -> None:
     tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
     settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
@@ -163,12 +181,13 @@ def save(model, directory: str | os.PathLike) -> str:
                   metadata={"format": "pt"})
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(_llama_config(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
-    elif isinstance(spec, gemma.GemmaSpec):
-        state = gemma.state_dict_of(spec, model.params, _plain)
+    elif isinstance(spec, (gemma.GemmaSpec, gpt_oss.GptOssSpec)):
+        family, config_of = (gemma, _gemma_config) if isinstance(spec, gemma.GemmaSpec) else (gpt_oss, _gpt_oss_config)
+        state = family.state_dict_of(spec, model.params, _plain)
         save_file({name: t.detach().contiguous().clone() for name, t in state.items()},
                   os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(_gemma_config(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
+            json.dump(config_of(spec, dict(model.config), model.dtype), f, indent=2, sort_keys=True)
     else:
         raise TypeError(f"genfn.save supports native Llama-family models and wrapped modules; got a model with "
                         f"spec {type(spec).__name__}")

@@ -30,7 +30,7 @@ from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
 from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 
-from . import LoadedCheckpoint
+from . import LoadedCheckpoint, gguf_gpt_oss
 from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
 
@@ -48,10 +48,11 @@ SUPPORTED_ARCHITECTURES = {
     "olmoe": ("OlmoeForCausalLM", "olmoe", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
 }
 # Whether llama.cpp renormalizes the chosen experts' weights, where the file does not say
 # (``{arch}.expert_weights_norm``): Mixtral (a llama file with experts) and Qwen3-MoE do, OLMoE not.
-_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "gpt-oss": False}
 # llama.cpp's converter stores Gemma's norm weights plus one (Gemma multiplies by 1 + w).
 _NORM_SHIFTED = frozenset({"gemma2", "gemma3"})
 # llama.cpp runs SmolLM3 with every fourth layer unrotated and writes no key for it.
@@ -305,6 +306,8 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
             config["intermediate_size"] = config["moe_intermediate_size"]
     if arch in _NORM_SHIFTED:
         config.update(_gemma_fields(gguf, arch, head_dim, hidden // heads))
+    if arch == gguf_gpt_oss.ARCH:
+        config.update(gguf_gpt_oss.config_fields(md, config))
     if arch == "smollm3":
         config["no_rope_layer_interval"] = int(get("no_rope_layer_interval", _SMOLLM3_NO_ROPE_INTERVAL))
     if arch == "phi3":
@@ -406,7 +409,8 @@ _BLOCK_NAMES = {
 # Where an architecture names a block tensor otherwise (Phi-3's ffn_up holds gate and up, fused).
 _ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
                      "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
-                     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+                     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+                     gguf_gpt_oss.ARCH: gguf_gpt_oss.BLOCK_NAMES}
 # Present in some files but not model parameters: llama.cpp's precomputed RoPE tables (Phi-3's
 # LongRoPE factors are read into the config).
 _IGNORED = re.compile(r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
@@ -477,7 +481,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             elif not _IGNORED.match(name):
                 unknown.append(name)
             continue
-        t = _tensor(gguf, name, keep_blocks, dtype, None if plan is None else plan(hf_name))
+        keep = keep_blocks and (arch != gguf_gpt_oss.ARCH or gguf_gpt_oss.keeps_blocks(name))
+        t = _tensor(gguf, name, keep, dtype, None if plan is None else plan(hf_name))
         if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
             t = (t.float() - 1.0).to(dtype)
         heads = None
@@ -497,6 +502,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             f"{gguf.path}: GGUF holds tensors genfn cannot map to a {config['architectures'][0]}: "
             + ", ".join(unknown[:8])
         )
+    if arch == gguf_gpt_oss.ARCH:
+        return gguf_gpt_oss.transformers_layout(state_dict, gguf.path)
     return _stacked_experts(state_dict, gguf.path, config.get("num_experts"))
 
 
