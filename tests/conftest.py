@@ -22,7 +22,9 @@ def tiny_hf_model(arch: str = "LlamaForCausalLM", seed: int = 0, **overrides):
     """A tiny random transformers model and the config dict genfn loads it from."""
     import transformers
 
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))  # LlamaConfig, Qwen3Config, ...
+    # LlamaConfig, Qwen3Config, ...; Gemma 3's text model has a config class of its own
+    config_cls = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        arch, arch.replace("ForCausalLM", "Config")))
     settings = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -26,8 +26,8 @@ def quantized_state(state: dict, fmt: str) -> dict:
     """The linears of ``state`` as ``RowBlocks`` in ``fmt`` (as a GGUF file would hold them)."""
     from genfn.quant.blocks import quantize
 
-    linear_names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                    "up_proj.weight", "down_proj.weight")
+    linear_names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "qkv_proj.weight", "o_proj.weight",
+                    "gate_proj.weight", "up_proj.weight", "gate_up_proj.weight", "down_proj.weight")
     return {k: quantize(v.float(), fmt) if k.endswith(linear_names) else v for k, v in state.items()}
 
 
@@ -105,6 +105,33 @@ def arch_check(arch: str, shard, quantize: str | None = None, compiled: bool = F
     if quantize is not None:
         state = quantized_state(state, quantize)
     return model_checks(config, state, shard, quantized=quantize is not None, compiled=compiled)
+
+
+def family_check(arch: str, shard, quantize: str | None = None, batch: bool = True, **overrides) -> dict:
+    """A family's tiny model (its linears as ``quantize`` blocks, or float), whole and as this
+    rank's shard: greedy tokens, the prefill's and every decode step's logits, and (``batch``) a
+    continuous batch (8 greedy requests, chunked prefill, preemption) through each model's manager
+    (rank 0 leads the shard's, rank 1 follows)."""
+    import genfn
+    from genfn.config.batching import ContinuousBatchingConfig
+
+    config, state = tiny_state(arch, **overrides)
+    if quantize is not None:
+        state = quantized_state(state, quantize)
+    whole, mine = _pair(config, state, shard, quantized=quantize is not None)
+    ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                  return_dict_in_generate=True, output_logits=True)
+    one, split = genfn.generate(whole, **kwargs), genfn.generate(mine, **kwargs)
+    out = {"greedy": (_tokens(one), _tokens(split)),
+           "logit_gap": (whole(ids, mask).logits - mine(ids, mask).logits).abs().max().item(),
+           "step_gap": max(float((a - b).abs().max()) for a, b in zip(one.logits, split.logits)),
+           "kv_heads": mine.spec.num_kv_heads}
+    if batch:
+        cb = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, max_requests_per_batch=4)
+        requests = _batch_requests()[:8]
+        out["batch"] = (_run_manager(whole, cb, requests), _run_manager(mine, cb, requests))
+    return out
 
 
 def kv_error_check(shard) -> str:

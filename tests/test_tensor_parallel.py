@@ -123,16 +123,6 @@ def test_shard_specs_cover_the_model():
     assert [vocab_range(101, TensorShard(r, 2, "g")) for r in range(2)] == [(0, 51), (51, 101)]
 
 
-def test_variants_not_split_are_refused_by_name():
-    from conftest import tiny_hf_model
-
-    from genfn.models.llama import spec_from_config
-
-    _, config = tiny_hf_model("Olmo2ForCausalLM")  # q/k norms over the whole projection, post-norms
-    with pytest.raises(ValueError, match="q/k norms over the whole projection, post-norms run on one process"):
-        shard_spec(spec_from_config(config), TensorShard(0, 2, "g"))
-
-
 def test_quantized_matrices_split_between_blocks():
     from conftest import tiny_hf_model
 

@@ -45,18 +45,52 @@ def checkpoints(tmp_path_factory):
             "gguf_q8_0": write_gguf(root / "q8.gguf", model, quantize=Q8_0)}
 
 
-@pytest.mark.parametrize("kind, quantize", [("hf", None), ("gguf_f32", None), ("gguf_q8_0", "gguf"),
-                                            ("gguf_q8_0", None)])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_sliced_read_equals_the_sliced_checkpoint(checkpoints, kind, quantize, rank):
-    shard = TensorShard(rank, 2, "g")
-    spec, params = _whole_then_sliced(checkpoints[kind], shard, quantize)
-    loaded = genfn.load(checkpoints[kind], quantize=quantize, tensor_shard=shard)
-    assert loaded.spec == spec and loaded.spec.num_kv_heads == (1, 2)[rank]
+def _check_sliced_read(path, shard, quantize):
+    """``genfn.load(path, tensor_shard=shard)`` (only the rank's slices read) equals the whole
+    checkpoint loaded and then cut; returns the loaded model."""
+    spec, params = _whole_then_sliced(path, shard, quantize)
+    loaded = genfn.load(path, quantize=quantize, tensor_shard=shard)
+    assert loaded.spec == spec
     (mine, tree), (reference, reference_tree) = tree_flatten(loaded.params), tree_flatten(params)
     assert tree == reference_tree  # the same structure, formats and shapes
     for a, b in zip(mine, reference):
         assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b))
+    return loaded
+
+
+@pytest.mark.parametrize("kind, quantize", [("hf", None), ("gguf_f32", None), ("gguf_q8_0", "gguf"),
+                                            ("gguf_q8_0", None)])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sliced_read_equals_the_sliced_checkpoint(checkpoints, kind, quantize, rank):
+    loaded = _check_sliced_read(checkpoints[kind], TensorShard(rank, 2, "g"), quantize)
+    assert loaded.spec.num_kv_heads == (1, 2)[rank]
+
+
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    """OLMo 2 (q/k norm weights cut with the heads), Phi-4-mini (fused q/k/v and gate/up, read
+    part by part) and Gemma 3: a safetensors directory and a GGUF file with Q8_0 linears each."""
+    from test_families import _GGUF_ARCH, _gguf_name, pair, write_family_gguf
+
+    root = tmp_path_factory.mktemp("tp_families")
+    out = {}
+    for name in ("olmo2", "phi4_mini", "gemma3_llama_cpp"):
+        hf, _ = pair(name)
+        hf.save_pretrained(root / name)
+        names = {g for g in (_gguf_name(_GGUF_ARCH[type(hf).__name__], n) for n in hf.state_dict())
+                 if g.endswith(".weight") and g.split(".")[-2] in _LINEARS}
+        out[name] = {"hf": root / name, "gguf": write_family_gguf(root / f"{name}.gguf", hf, frozenset(names))}
+    return out
+
+
+@pytest.mark.parametrize("name", ["olmo2", "phi4_mini", "gemma3_llama_cpp"])
+@pytest.mark.parametrize("kind, quantize", [("hf", None), ("gguf", "gguf")])
+def test_a_familys_sliced_read_equals_the_sliced_checkpoint(family_checkpoints, name, kind, quantize):
+    loaded = _check_sliced_read(family_checkpoints[name][kind], TensorShard(1, 2, "g"), quantize)
+    assert loaded.spec.num_kv_heads == 1 and loaded.spec.tensor_shard.rank == 1
 
 
 def test_a_slice_is_a_view_of_the_file(checkpoints):

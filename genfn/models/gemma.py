@@ -10,7 +10,10 @@ and of the final logits where the config sets it (Gemma 2); per-head q/k norms (
 The caches, the masks, RoPE, the linears (float or quantized blocks) and the LM head are Llama's
 (``genfn.models.llama``, ``genfn.models.rope``); only the layer differs. Parameters use the
 same names as Llama's where they mean the same thing (``wqkv``, ``wo``, ``w_gate_up``,
-``w_down``), so quantization and the weight arena treat them alike.
+``w_down``), so quantization and the weight arena treat them alike. Split over tensor-parallel
+ranks (``tensor_shard``) as the Llama family is (``genfn.models.tensor_parallel``): the embedding's
+rows are assembled before the scale, the post-norms take the all-reduced o and down outputs, and
+the final soft-cap takes the gathered logits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache
 from genfn.kernels import linear
+from genfn.models import tensor_parallel
 from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
@@ -63,6 +67,7 @@ class GemmaSpec:
     attn_logit_softcapping: float | None
     final_logit_softcapping: float | None
     qk_norm: bool  # Gemma 3
+    tensor_shard: tensor_parallel.TensorShard | None = None  # this rank's slice (genfn.models.tensor_parallel)
 
     @property
     def rope_scaling(self) -> dict | None:
@@ -257,21 +262,27 @@ def project_qkv(spec: GemmaSpec, layer, x: torch.Tensor):
 
 def finish_layer(spec: GemmaSpec, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """The rest of the layer from the attention's heads ``attn [..., H * D]``: the output projection
-    under its post-norm, then the GeGLU MLP between its pre- and post-norms, each added to ``x``."""
-    x = x + _norm(linear(attn, layer["wo"]), layer["post_attn_norm"], spec.rms_norm_eps)
+    under its post-norm, then the GeGLU MLP between its pre- and post-norms, each added to ``x``.
+    Under tensor parallelism the post-norms take the row-parallel outputs summed over the ranks."""
+    attn_out = tensor_parallel.row_parallel(spec, attn, layer["wo"])
+    x = x + _norm(attn_out, layer["post_attn_norm"], spec.rms_norm_eps)
     gate, up = linear(_norm(x, layer["mlp_norm"], spec.rms_norm_eps), layer["w_gate_up"]).chunk(2, dim=-1)
-    mlp = linear(F.gelu(gate, approximate="tanh") * up, layer["w_down"])
+    mlp = tensor_parallel.row_parallel(spec, F.gelu(gate, approximate="tanh") * up, layer["w_down"])
     return x + _norm(mlp, layer["post_mlp_norm"], spec.rms_norm_eps)
 
 
 def embed(spec: GemmaSpec, params, tokens: torch.Tensor) -> torch.Tensor:
-    x = F.embedding(tokens, params["embed"])
+    """The tokens' embeddings scaled by ``sqrt(hidden_size)`` (under tensor parallelism: the rows
+    assembled over the ranks, then scaled)."""
+    x = tensor_parallel.embedding(spec, tokens, params["embed"], params["norm"].dtype)
     return x * torch.tensor(math.sqrt(spec.hidden_size), dtype=x.dtype)  # rounded to the dtype, as transformers
 
 
 def final_logits(spec: GemmaSpec, params, x: torch.Tensor) -> torch.Tensor:
-    """float32 logits ``[N, V]`` of the last layer's ``x [N, hidden]``: final norm, head, soft-cap."""
+    """float32 logits ``[N, V]`` of the last layer's ``x [N, hidden]``: final norm, head, soft-cap
+    (under tensor parallelism: of the whole vocabulary's logits, gathered from the ranks)."""
     logits = linear(_norm(x, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    logits = tensor_parallel.gathered_logits(spec, logits)
     if spec.final_logit_softcapping is not None:
         cap = spec.final_logit_softcapping
         logits = torch.tanh(logits / cap) * cap

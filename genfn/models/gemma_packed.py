@@ -8,6 +8,8 @@ request (the window counted in the paged cache, as ``generate`` counts it) and r
 local RoPE base, a global layer sees the whole request under the global base; and the scores are
 scaled by ``query_pre_attn_scalar ** -0.5`` and, for Gemma 2, soft-capped. Soft-capped scores do
 not run through the plan's SDPA or native paths, so Gemma 2 attends through the reference ones.
+Under tensor parallelism the shared pieces (``embed``, ``finish_layer``, ``final_logits``) hold
+the collectives, so this forward runs a rank's shard unchanged.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput", "mtp_head", "attention_mask"]
+           "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -227,13 +227,25 @@ class ModelOutput:
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              mean_square: torch.Tensor | None = None) -> torch.Tensor:
     # Normalize in float32 and cast back before scaling, in transformers' order, so bfloat16
-    # rounds at the same places.
+    # rounds at the same places. ``mean_square``: x's, when it spans more than x (projection_norms).
     dtype = x.dtype
     xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt((xf.pow(2).mean(-1, keepdim=True) if mean_square is None else mean_square) + eps)
     return weight * xf.to(dtype)
+
+
+def projection_norms(spec: LlamaSpec, layer: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor):
+    """OLMo 2's RMSNorms over the whole q and k projections (``[..., H * D]``, ``[..., Hkv * D]``).
+    Under tensor parallelism a rank holds its heads' part of each (and of the norm weights): the
+    mean squares are the whole projections', summed over the ranks (``tensor_parallel.mean_squares``)."""
+    eps = spec.rms_norm_eps
+    if spec.tensor_shard is None:
+        return _rms_norm(q, layer["q_norm"], eps), _rms_norm(k, layer["k_norm"], eps)
+    q_square, k_square = tensor_parallel.mean_squares(spec, (q, k))
+    return _rms_norm(q, layer["q_norm"], eps, q_square), _rms_norm(k, layer["k_norm"], eps, k_square)
 
 
 def _attention_mask(spec: LlamaSpec, cache: StaticCache, slots: torch.Tensor, attend_len: int) -> torch.Tensor:
@@ -288,7 +300,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     if spec.qk_norm == "projection":
-        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+        q, k = projection_norms(spec, layer, q, k)
     q = q.view(batch, seq, spec.num_heads, spec.head_dim)
     k = k.view(batch, seq, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == "head":

@@ -30,6 +30,7 @@ from genfn.kernels import decode_linear_available, invariant
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
 from genfn.models.llama import LlamaSpec, _rms_norm, check_invariant_spec, invariant_layers, invariant_logits
+from genfn.models.llama import projection_norms
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -118,7 +119,7 @@ def _variant_qkv(spec: LlamaSpec, layer: Mapping[str, Any], i: int, qkv: torch.T
     q_size, kv_size = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     if spec.qk_norm == "projection":
-        q, k = _rms_norm(q, layer["q_norm"], spec.rms_norm_eps), _rms_norm(k, layer["k_norm"], spec.rms_norm_eps)
+        q, k = projection_norms(spec, layer, q, k)
     q = q.reshape(num_tokens, spec.num_heads, head_dim)
     k = k.reshape(num_tokens, spec.num_kv_heads, head_dim)
     if spec.qk_norm == "head":

@@ -8,15 +8,23 @@ all-reduce adds them before the residual add), the embedding and LM head split b
 (each token's embedding comes from the rank that holds its row; each rank computes the logits of
 its rows and one all-reduce assembles the whole vocabulary's on every rank, so processors and
 token choice run unchanged and every rank picks the same token). The KV cache holds the rank's
-heads only. Norms and rotary tables are replicated.
+heads only. Norms and rotary tables are replicated; a norm after a row-parallel linear (OLMo 2's
+and Gemma's post-norms) runs after the all-reduce, on the whole hidden vector. Per-head norms
+(Qwen3, Gemma 3) go with the heads; a norm over a whole projection's heads (OLMo 2's q/k norms)
+has its weight cut with the heads and its mean square summed over the ranks (``mean_squares``).
+Phi-3's fused q/k/v and gate/up matrices are cut part by part (a rank's heads' rows of each of
+q, k and v; its slice of each of gate and up). What only changes per head or per layer (partial
+rotary, LongRoPE, layers without RoPE, sliding windows, Gemma's soft-capping and scaled
+embedding) needs nothing: Gemma's final logit soft-cap is applied to the gathered logits.
 
 Heads go to the ranks in whole key/value groups, as evenly as they divide: a model with 3 KV
 heads over 2 ranks gives one rank 2 groups and the other 1 (SmolLM2-135M has 3). A model with
 fewer KV heads than ranks is refused (its heads would have to be replicated).
 
 A family supports tensor parallelism by keeping a ``tensor_shard`` field (None: one process) in
-its spec and calling ``embedding``, ``reduced`` and ``gathered_logits`` where its forward meets
-a split; ``shard_params`` here builds a rank's spec and params from a Hugging Face state dict.
+its spec and calling ``embedding``, ``row_parallel`` (or ``reduced``), ``mean_squares`` and
+``gathered_logits`` where its forward meets a split; ``shard_params`` here builds a rank's spec
+and params from a Hugging Face state dict.
 Inside a ``torch.compile``d step the collectives are torch's traceable functional collectives;
 in the eager loop, the cheaper in-place ``dist.all_reduce``.
 """
@@ -31,11 +39,16 @@ import torch.nn.functional as F
 
 from genfn import kernels
 
-from genfn.quant.blocks import BLOCK, RowBlocks
+from genfn.quant.blocks import BLOCK, RowBlocks, cat_rows
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["TensorShard", "current_shard", "shard_spec", "slice_plan", "shard_state_dict", "shard_params", "embedding",
-           "reduced", "row_parallel", "gathered_logits", "vocab_range", "head_range"]
+__all__ = ["TensorShard", "SPLIT_FAMILIES", "Pieces", "current_shard", "shard_spec", "slice_plan", "shard_state_dict",
+           "shard_params", "embedding", "reduced", "mean_squares", "row_parallel", "gathered_logits", "vocab_range",
+           "head_range"]
+
+
+# The families whose layers split (what the refusals name).
+SPLIT_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +114,9 @@ def shard_spec(spec, shard: TensorShard):
     ``vocab_size`` stays the whole vocabulary (the gathered logits have it)."""
     if not hasattr(spec, "tensor_shard"):
         raise ValueError(f"{type(spec).__name__} has no tensor-parallel support (no tensor_shard field)")
-    # Qwen3's q/k norms are per head (one [head_dim] weight every head shares): replicated, they go
-    # with the heads. A norm over a whole projection needs every rank's heads; the rest is not split yet.
-    unsplit = [what for what, present in (
-        ("q/k norms over the whole projection", getattr(spec, "qk_norm", None) == "projection"),
-        ("layers without RoPE", getattr(spec, "rope_layers", None) is not None),
-        ("post-norms", getattr(spec, "post_norms", False)), ("partial rotary", getattr(spec, "rotary_dim", None)),
-        ("experts", getattr(spec, "num_experts", 0)),
-        ("fused q/k/v and gate/up matrices", getattr(spec, "architecture", None) == "Phi3ForCausalLM")) if present]
-    if unsplit:
-        raise ValueError(f"tensor parallelism runs the Llama family's layers with per-head q/k norms at most (Llama, "
-                         f"Mistral, Qwen2, Qwen3); this model's {', '.join(unsplit)} run on one process (drop --tp)")
+    if getattr(spec, "num_experts", 0):
+        raise ValueError(f"tensor parallelism splits the dense decoder families ({SPLIT_FAMILIES}); this model's "
+                         f"experts run on one process (drop --tp)")
     kv_start, kv_stop = head_range(spec, shard)
     groups = spec.num_heads // spec.num_kv_heads
     unit = _intermediate_unit(spec, shard.world_size)
@@ -138,33 +143,50 @@ def _narrow(tensor, dim: int, start: int, stop: int, name: str):
                      tensor.scales[:, start // group:stop // group].contiguous(), mins)
 
 
-def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
-    """name -> ``(dim, start, stop)`` of the slice this rank keeps, or None for a replicated tensor."""
+# What a plan gives for a tensor: the pieces ``(dim, start, stop)`` this rank keeps, concatenated
+# along their dim: one piece for most tensors, one per part for a fused matrix (Phi-3's
+# ``qkv_proj`` rows ``[q | k | v]`` and ``gate_up_proj`` rows ``[gate | up]``: a rank keeps its
+# heads' rows of each part and its slice of each half).
+Pieces = tuple[tuple[int, int, int], ...]
+
+
+def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
+    """name -> the ``Pieces`` of the tensor this rank keeps, or None for a replicated tensor."""
     kv_start, _ = head_range(spec, shard)
     groups = spec.num_heads // spec.num_kv_heads
     d = spec.head_dim
+    q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
     q = (kv_start * groups * d, (kv_start * groups + local.num_heads) * d)
     kv = (kv_start * d, (kv_start + local.num_kv_heads) * d)
     mlp = _split(spec.intermediate_size, shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
     vocab = vocab_range(spec.vocab_size, shard)
-    rules = {"self_attn.q_proj": (0, *q), "self_attn.k_proj": (0, *kv), "self_attn.v_proj": (0, *kv),
-             "self_attn.o_proj": (1, *q), "mlp.gate_proj": (0, *mlp), "mlp.up_proj": (0, *mlp),
-             "mlp.down_proj": (1, *mlp), "embed_tokens": (0, *vocab), "lm_head": (0, *vocab)}
+
+    def rows(*ranges, offsets=(0, 0, 0)):
+        return tuple((0, start + offset, stop + offset) for (start, stop), offset in zip(ranges, offsets))
+
+    rules = {"self_attn.q_proj": rows(q), "self_attn.k_proj": rows(kv), "self_attn.v_proj": rows(kv),
+             "self_attn.qkv_proj": rows(q, kv, kv, offsets=(0, q_rows, q_rows + kv_rows)),
+             "self_attn.o_proj": ((1, *q),), "mlp.gate_proj": rows(mlp), "mlp.up_proj": rows(mlp),
+             "mlp.gate_up_proj": rows(mlp, mlp, offsets=(0, spec.intermediate_size)),
+             "mlp.down_proj": ((1, *mlp),), "embed_tokens": rows(vocab), "lm_head": rows(vocab)}
+    if getattr(spec, "qk_norm", None) == "projection":  # OLMo 2: one weight per projection row, cut with the heads
+        rules.update({"self_attn.q_norm": rows(q), "self_attn.k_norm": rows(kv)})
 
     def plan(name: str):
         stem, _, kind = name.rpartition(".")
-        for key, (dim, start, stop) in rules.items():
-            if stem.endswith(key):
-                return None if (kind == "bias" and dim == 1) else (0 if kind == "bias" else dim, start, stop)
+        for key, pieces in rules.items():
+            if ("." + stem).endswith("." + key):
+                return None if (kind == "bias" and pieces[0][0] == 1) else pieces
         return None
     return plan
 
 
-def slice_plan(spec, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
-    """``name -> (dim, start, stop)`` of the slice of the checkpoint's tensor ``name`` (a Hugging
-    Face name, with or without its ``model.`` prefix) this rank keeps, or None for a tensor it
-    keeps whole: what the loaders read (``load_checkpoint(..., shard_plan=...)``) so that a rank
-    never reads the others' slices. ``spec`` is the whole model's; refuses what ``shard_spec`` refuses."""
+def slice_plan(spec, shard: TensorShard) -> Callable[[str], Pieces | None]:
+    """``name -> pieces`` (``Pieces``: ``(dim, start, stop)`` slices, concatenated along their dim)
+    of the checkpoint's tensor ``name`` (a Hugging Face name, with or without its ``model.`` prefix)
+    this rank keeps, or None for a tensor it keeps whole: what the loaders read
+    (``load_checkpoint(..., shard_plan=...)``) so that a rank never reads the others' slices.
+    ``spec`` is the whole model's; refuses what ``shard_spec`` refuses."""
     return _plan(spec, shard_spec(spec, shard), shard)
 
 
@@ -174,8 +196,8 @@ def shard_state_dict(spec, state_dict: Mapping[str, Any], shard: TensorShard) ->
     plan = slice_plan(spec, shard)
     out = {}
     for name, tensor in state_dict.items():
-        cut = plan(name)
-        out[name] = tensor if cut is None else _narrow(tensor, *cut, name=name)
+        pieces = plan(name)
+        out[name] = tensor if pieces is None else cat_rows([_narrow(tensor, *piece, name=name) for piece in pieces])
     return out
 
 
@@ -220,6 +242,23 @@ def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
     partial = partial.contiguous()  # gloo reduces dense buffers only
     dist.all_reduce(partial, group=dist.distributed_c10d._resolve_process_group(shard.group_name))
     return partial
+
+
+def mean_squares(spec, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Each part's float32 mean square over its last axis (``[..., 1]``), for parts whose last axis
+    is split over the ranks (OLMo 2's q and k projections, normed over all their heads).
+
+    Under tensor parallelism each rank holds its heads' part of the axis: the ranks add their rows'
+    partial sums of squares, and their parts' lengths, in one all-reduce for every part together;
+    the mean is the sum over the whole axis divided by its length. (A float32 sum in another order:
+    it differs from one process's mean by rounding only.) On one process: ``mean(-1)``."""
+    squares = [part.to(torch.float32).pow(2) for part in parts]
+    if spec.tensor_shard is None:
+        return [square.mean(-1, keepdim=True) for square in squares]
+    lengths = [torch.full_like(square[..., 0], square.shape[-1]) for square in squares]
+    sums = reduced(spec, torch.stack([square.sum(-1) for square in squares] + lengths, dim=-1))
+    count = len(parts)
+    return [sums[..., i:i + 1] / sums[..., count + i:count + i + 1] for i in range(count)]
 
 
 def row_parallel(spec, x: torch.Tensor, weight, linear: Callable = kernels.linear) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
+from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, cat_rows, from_gguf_bytes
 from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 
@@ -436,9 +436,13 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype,
-            cut: tuple[int, int, int] | None = None) -> torch.Tensor | RowBlocks:
+            pieces: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor | RowBlocks:
     """A tensor's float values, or (``keep_blocks``, a matrix in a format genfn's kernels run) its
-    blocks as stored; ``cut``: only that slice of it (see ``GGUFFile.raw``)."""
+    blocks as stored; ``pieces``: only those slices of it (see ``GGUFFile.raw``), one after the
+    other (rows of a fused matrix's parts)."""
+    if pieces is not None and len(pieces) > 1:
+        return cat_rows([_tensor(gguf, name, keep_blocks, dtype, (piece,)) for piece in pieces])
+    cut = None if pieces is None else pieces[0]
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
     shape = gguf.shape(name, cut)
@@ -464,8 +468,8 @@ def _mapped(raw: np.ndarray) -> torch.Tensor:
 
 def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
                 keep_blocks: bool = False, plan=None) -> dict[str, torch.Tensor | RowBlocks]:
-    """The state dict under Hugging Face names; ``plan(hf_name) -> (dim, start, stop) | None``: read
-    only that slice of each tensor it names (a tensor-parallel rank's)."""
+    """The state dict under Hugging Face names; ``plan(hf_name) -> pieces | None``: read only those
+    slices ``(dim, start, stop)`` of each tensor it names (a tensor-parallel rank's)."""
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
     arch = gguf.metadata["general.architecture"]
@@ -543,8 +547,8 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     over the file's mapped bytes, instead of dequantizing them; a mixture of experts' stacked
     projections in those formats become `genfn.quant.QuantizedExperts`.
 
-    `shard_plan(config) -> plan`, with `plan(hf_name) -> (dim, start, stop) | None`: read only
-    that slice of each tensor the plan names (a tensor-parallel rank's,
+    `shard_plan(config) -> plan`, with `plan(hf_name) -> pieces | None`: read only those slices
+    `(dim, start, stop)` of each tensor the plan names (a tensor-parallel rank's,
     `genfn.models.tensor_parallel.slice_plan`); the whole tensors' shapes are checked first."""
     check_dtype(dtype)
     path = os.fspath(path)

@@ -80,9 +80,9 @@ def load_safetensors(
     """Read tensors from one safetensors file; float16/32/64 and bfloat16 tensors are cast to `dtype`.
 
     A corrupt or truncated file raises CheckpointError naming the file; `names`, when given, are
-    tensors the index promised and that must be present. `plan(name) -> (dim, start, stop) | None`:
-    read only that slice of each tensor it names (`safe_open(...).get_slice`: the rest is never
-    read). `shapes_only`: meta tensors of each tensor's shape and dtype, read from the header alone.
+    tensors the index promised and that must be present. `plan(name) -> pieces | None`: read only
+    those slices `(dim, start, stop)` of each tensor it names, concatenated along their dim
+    (`safe_open(...).get_slice`: the rest is never read). `shapes_only`: meta tensors of each tensor's shape and dtype, read from the header alone.
     """
     out: dict[str, torch.Tensor] = {}
     try:
@@ -100,12 +100,13 @@ def load_safetensors(
                     out[key] = torch.empty(part.get_shape(), dtype=_SAFETENSORS_DTYPES.get(part.get_dtype(),
                                                                                          torch.uint8), device="meta")
                     continue
-                cut = None if plan is None else plan(key)
-                if cut is None:
+                pieces = None if plan is None else plan(key)
+                if pieces is None:
                     t = f.get_tensor(key)
                 else:
-                    dim, start, stop = cut
-                    t = f.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+                    part = f.get_slice(key)
+                    t = torch.cat([part[(slice(None),) * dim + (slice(start, stop),)] for dim, start, stop in pieces],
+                                  dim=pieces[0][0])
                 if dtype is not None and t.dtype in FLOAT_DTYPES:  # float8 and ints stay, for check_tensors
                     t = t.to(dtype)
                 out[key] = t
@@ -191,8 +192,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.
                        shard_plan=None) -> LoadedCheckpoint:
     """Load a Hugging Face model directory (see module docstring).
 
-    ``shard_plan(config) -> plan``, with ``plan(name) -> (dim, start, stop) | None``: read only
-    that slice of each tensor the plan names (a tensor-parallel rank's,
+    ``shard_plan(config) -> plan``, with ``plan(name) -> pieces | None``: read only those slices
+    ``(dim, start, stop)`` of each tensor the plan names (a tensor-parallel rank's,
     ``genfn.models.tensor_parallel.slice_plan``); the whole tensors are checked first from the
     files' headers."""
     check_dtype(dtype)
