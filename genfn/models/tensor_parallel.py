@@ -10,6 +10,12 @@ its rows and one all-reduce assembles the whole vocabulary's on every rank, so p
 token choice run unchanged and every rank picks the same token). The KV cache holds the rank's
 heads only. Norms and rotary tables are replicated.
 
+A mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ``genfn.models.moe``) keeps its router whole on
+every rank (every rank routes every token alike) and splits every expert's intermediate size as
+the MLP's: each rank holds rows ``[i0, i1)`` of each expert's gate and up and those input columns
+of its down, runs the chosen experts on its slice, and one all-reduce after the MoE block sums the
+ranks' partial outputs.
+
 Heads go to the ranks in whole key/value groups, as evenly as they divide: a model with 3 KV
 heads over 2 ranks gives one rank 2 groups and the other 1 (SmolLM2-135M has 3). A model with
 fewer KV heads than ranks is refused (its heads would have to be replicated).
@@ -32,10 +38,11 @@ import torch.nn.functional as F
 from genfn import kernels
 
 from genfn.quant.blocks import BLOCK, RowBlocks
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["TensorShard", "current_shard", "shard_spec", "slice_plan", "shard_state_dict", "shard_params", "embedding",
-           "reduced", "row_parallel", "gathered_logits", "vocab_range", "head_range"]
+__all__ = ["TensorShard", "current_shard", "shard_spec", "slice_plan", "shard_state_dict", "shard_params", "cut_pieces",
+           "embedding", "reduced", "row_parallel", "gathered_logits", "vocab_range", "head_range"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +86,18 @@ def head_range(spec, shard: TensorShard) -> tuple[int, int]:
     return _split(spec.num_kv_heads, shard.world_size, shard.rank)
 
 
+def _mlp_size(spec) -> int:
+    """The intermediate size the ranks split: each expert's (``moe_intermediate_size``) in a
+    mixture of experts, else the MLP's."""
+    return spec.moe_intermediate_size if getattr(spec, "num_experts", 0) else spec.intermediate_size
+
+
 def _intermediate_unit(spec, world_size: int) -> int:
     # The down projection is cut along its inputs: whole quantization groups (64 for int4) when
     # the size allows, so a quantized matrix splits between its blocks.
+    size = _mlp_size(spec)
     for unit in (64, BLOCK):
-        if spec.intermediate_size % unit == 0 and spec.intermediate_size // unit >= world_size:
+        if size % unit == 0 and size // unit >= world_size:
             return unit
     return 1
 
@@ -107,7 +121,6 @@ def shard_spec(spec, shard: TensorShard):
         ("q/k norms over the whole projection", getattr(spec, "qk_norm", None) == "projection"),
         ("layers without RoPE", getattr(spec, "rope_layers", None) is not None),
         ("post-norms", getattr(spec, "post_norms", False)), ("partial rotary", getattr(spec, "rotary_dim", None)),
-        ("experts", getattr(spec, "num_experts", 0)),
         ("fused q/k/v and gate/up matrices", getattr(spec, "architecture", None) == "Phi3ForCausalLM")) if present]
     if unsplit:
         raise ValueError(f"tensor parallelism runs the Llama family's layers with per-head q/k norms at most (Llama, "
@@ -115,11 +128,19 @@ def shard_spec(spec, shard: TensorShard):
     kv_start, kv_stop = head_range(spec, shard)
     groups = spec.num_heads // spec.num_kv_heads
     unit = _intermediate_unit(spec, shard.world_size)
-    i_start, i_stop = _split(spec.intermediate_size, shard.world_size, shard.rank, unit)
+    size = _mlp_size(spec)
+    i_start, i_stop = _split(size, shard.world_size, shard.rank, unit)
     if i_stop <= i_start:
-        raise ValueError(f"intermediate_size={spec.intermediate_size} is too small to split over {shard.world_size} ranks")
+        what = "moe_intermediate_size" if getattr(spec, "num_experts", 0) else "intermediate_size"
+        raise ValueError(f"{what}={size} is too small to split over {shard.world_size} ranks")
+    # A mixture of experts splits every expert's intermediate size (Qwen3-MoE's intermediate_size
+    # is a dense MLP's it does not have, and stays).
+    sizes = dict(intermediate_size=i_stop - i_start)
+    if getattr(spec, "num_experts", 0):
+        sizes = dict(moe_intermediate_size=i_stop - i_start,
+                     **(sizes if spec.intermediate_size == spec.moe_intermediate_size else {}))
     return dataclasses.replace(spec, num_heads=(kv_stop - kv_start) * groups, num_kv_heads=kv_stop - kv_start,
-                               intermediate_size=i_stop - i_start, tensor_shard=shard)
+                               tensor_shard=shard, **sizes)
 
 
 def _narrow(tensor, dim: int, start: int, stop: int, name: str):
@@ -138,6 +159,18 @@ def _narrow(tensor, dim: int, start: int, stop: int, name: str):
                      tensor.scales[:, start // group:stop // group].contiguous(), mins)
 
 
+def _narrow_pieces(tensor, cut, name: str):
+    """``_narrow`` for each of ``cut``'s pieces, concatenated (a float tensor; a single piece of
+    ``RowBlocks``). A GGUF file's quantized experts are sliced as the file is read."""
+    pieces = cut_pieces(cut)
+    if isinstance(tensor, QuantizedExperts):
+        raise ValueError(f"{name}: quantized experts are split as a GGUF file is read: load the model with "
+                         "genfn.load(path, quantize='gguf', tensor_shard=...)")
+    if len(pieces) == 1:
+        return _narrow(tensor, *pieces[0], name=name)
+    return torch.cat([_narrow(tensor, *piece, name=name) for piece in pieces], dim=pieces[0][0])
+
+
 def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
     """name -> ``(dim, start, stop)`` of the slice this rank keeps, or None for a replicated tensor."""
     kv_start, _ = head_range(spec, shard)
@@ -145,13 +178,15 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, in
     d = spec.head_dim
     q = (kv_start * groups * d, (kv_start * groups + local.num_heads) * d)
     kv = (kv_start * d, (kv_start + local.num_kv_heads) * d)
-    mlp = _split(spec.intermediate_size, shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
+    mlp = _split(_mlp_size(spec), shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
     vocab = vocab_range(spec.vocab_size, shard)
     rules = {"self_attn.q_proj": (0, *q), "self_attn.k_proj": (0, *kv), "self_attn.v_proj": (0, *kv),
              "self_attn.o_proj": (1, *q), "mlp.gate_proj": (0, *mlp), "mlp.up_proj": (0, *mlp),
              "mlp.down_proj": (1, *mlp), "embed_tokens": (0, *vocab), "lm_head": (0, *vocab)}
 
     def plan(name: str):
+        if ".mlp.experts." in name:
+            return _expert_cut(name, _mlp_size(spec), *mlp)
         stem, _, kind = name.rpartition(".")
         for key, (dim, start, stop) in rules.items():
             if stem.endswith(key):
@@ -160,10 +195,31 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], tuple[int, int, in
     return plan
 
 
+def _expert_cut(name: str, size: int, start: int, stop: int):
+    """The slice of a stacked expert projection a rank keeps: each expert's intermediate rows
+    ``[start, stop)`` of gate and of up (column-parallel), its down's input columns (row-parallel).
+    transformers 5 stores gate and up fused per expert (``experts.gate_up_proj [E, 2I, H]``: two
+    pieces, concatenated); a GGUF file stacks each projection alone (``[E, I, H]``, ``[E, H, I]``)."""
+    if name.endswith("experts.gate_up_proj"):
+        return [(1, start, stop), (1, size + start, size + stop)]
+    if name.endswith(("experts.down_proj", "experts.down_proj.weight")):
+        return (2, start, stop)
+    if name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight")):
+        return (1, start, stop)
+    raise ValueError(f"{name}: not a stacked expert projection tensor parallelism knows how to split")
+
+
+def cut_pieces(cut) -> list[tuple[int, int, int]]:
+    """A plan's cut as its pieces ``[(dim, start, stop), ...]`` (concatenated along ``dim``): one,
+    or two for a fused gate/up stack (``_expert_cut``)."""
+    return [cut] if isinstance(cut[0], int) else list(cut)
+
+
 def slice_plan(spec, shard: TensorShard) -> Callable[[str], tuple[int, int, int] | None]:
     """``name -> (dim, start, stop)`` of the slice of the checkpoint's tensor ``name`` (a Hugging
-    Face name, with or without its ``model.`` prefix) this rank keeps, or None for a tensor it
-    keeps whole: what the loaders read (``load_checkpoint(..., shard_plan=...)``) so that a rank
+    Face name, with or without its ``model.`` prefix) this rank keeps (a list of such pieces,
+    concatenated along their dim, for a fused gate/up expert stack: ``cut_pieces``), or None for a
+    tensor it keeps whole: what the loaders read (``load_checkpoint(..., shard_plan=...)``) so that a rank
     never reads the others' slices. ``spec`` is the whole model's; refuses what ``shard_spec`` refuses."""
     return _plan(spec, shard_spec(spec, shard), shard)
 
@@ -175,7 +231,7 @@ def shard_state_dict(spec, state_dict: Mapping[str, Any], shard: TensorShard) ->
     out = {}
     for name, tensor in state_dict.items():
         cut = plan(name)
-        out[name] = tensor if cut is None else _narrow(tensor, *cut, name=name)
+        out[name] = tensor if cut is None else _narrow_pieces(tensor, cut, name)
     return out
 
 

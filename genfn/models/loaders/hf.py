@@ -21,6 +21,7 @@ from . import LoadedCheckpoint
 from .checks import FLOAT_DTYPES, check_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
 from genfn.models.registry import MODEL_TYPES
+from genfn.models.tensor_parallel import cut_pieces
 
 __all__ = ["load_hf_checkpoint", "read_json", "normalize_config", "load_safetensors"]
 
@@ -80,9 +81,9 @@ def load_safetensors(
     """Read tensors from one safetensors file; float16/32/64 and bfloat16 tensors are cast to `dtype`.
 
     A corrupt or truncated file raises CheckpointError naming the file; `names`, when given, are
-    tensors the index promised and that must be present. `plan(name) -> (dim, start, stop) | None`:
-    read only that slice of each tensor it names (`safe_open(...).get_slice`: the rest is never
-    read). `shapes_only`: meta tensors of each tensor's shape and dtype, read from the header alone.
+    tensors the index promised and that must be present. `plan(name) -> (dim, start, stop) | None`
+    (or a list of such pieces, concatenated along their dim): read only that slice of each tensor
+    it names (`safe_open(...).get_slice`: the rest is never read). `shapes_only`: meta tensors of each tensor's shape and dtype, read from the header alone.
     """
     out: dict[str, torch.Tensor] = {}
     try:
@@ -103,9 +104,11 @@ def load_safetensors(
                 cut = None if plan is None else plan(key)
                 if cut is None:
                     t = f.get_tensor(key)
-                else:
-                    dim, start, stop = cut
-                    t = f.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)]
+                else:  # one piece, or several concatenated (a fused gate/up expert stack's two)
+                    part = f.get_slice(key)
+                    pieces = cut_pieces(cut)
+                    t = torch.cat([part[(slice(None),) * dim + (slice(start, stop),)] for dim, start, stop in pieces],
+                                  dim=pieces[0][0])
                 if dtype is not None and t.dtype in FLOAT_DTYPES:  # float8 and ints stay, for check_tensors
                     t = t.to(dtype)
                 out[key] = t
