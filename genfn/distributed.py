@@ -35,7 +35,7 @@ import time
 import torch
 
 __all__ = ["TensorParallelError", "init_tensor_parallel", "spawn_ranks", "launched_by_torchrun", "threads_per_rank",
-           "report_failure", "shutdown", "fail", "decided_by_rank0", "DEFAULT_TIMEOUT"]
+           "report_failure", "shutdown", "fail", "decided_by_rank0", "from_rank0", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait (a first compile on a busy machine is slow)
 HEARTBEAT_TIMEOUT = 30.0  # seconds without a beat before a rank is declared gone
@@ -210,6 +210,22 @@ def decided_by_rank0(shard, flag: bool, device=None) -> bool:
     group = dist.distributed_c10d._resolve_process_group(shard.group_name)
     dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
     return bool(value.item())
+
+
+def from_rank0(shard, value, device=None):
+    """Rank 0's ``value`` (any picklable object) on every rank of ``shard``'s group (one
+    broadcast): what rank 0 alone reads (a chat's next line from standard input, a batch's input
+    file) reaches every rank, which then run the same computation. ``shard`` None: ``value``."""
+    if shard is None or shard.world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    group = dist.distributed_c10d._resolve_process_group(shard.group_name)
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                               device=torch.device(device) if on_cuda else None)
+    return box[0]
 
 
 def shutdown(wait_children: float = 30.0) -> None:

@@ -194,8 +194,10 @@ def _run_manager(model, cb, requests, wait: float = 300.0) -> dict:
         out = manager.get_result(timeout=1.0)
         if out is not None and out.is_finished():
             outputs[out.request_id] = out
+    engine = manager.engine if manager.engine is not None else getattr(manager, "follower_engine", None)
+    compiled = engine is not None and engine.compiled
     manager.stop(block=True, timeout=wait)
-    return {"ids": ids, "tokens": [outputs[i].generated_tokens if i in outputs else None for i in ids],
+    return {"ids": ids, "compiled": compiled, "tokens": [outputs[i].generated_tokens if i in outputs else None for i in ids],
             "errors": [outputs[i].error for i in ids if i in outputs and outputs[i].error],
             "preempted": manager.stats["preempted"], "steps": manager.stats["steps"],
             "role": manager.tensor_parallel_role, "running": manager.is_running()}
@@ -251,3 +253,44 @@ def max_time_check(shard) -> dict:
                           max_time=0.0 if rank0 else 1e6)  # rank 0 has none: every rank stops after the first token
     free = genfn.generate(mine, input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     return {"plenty": _tokens(plenty), "none": _tokens(none), "free": _tokens(free), "prompt_len": ids.shape[1]}
+
+
+# ---- mixtures of experts (tests/test_tensor_parallel_moe.py) -------------------------------
+
+
+def moe_gguf_check(shard, path: str) -> dict:
+    """A GGUF file's quantized experts, each rank reading only its slice of every expert (blocks
+    kept): greedy tokens and every step's logits of the whole model and of this rank's shard."""
+    import genfn
+    from genfn.kernels import moe_quant
+
+    whole = genfn.load(path, quantize="gguf")
+    mine = genfn.load(path, quantize="gguf", tensor_shard=shard)
+    ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True, disable_compile=True)
+    one, split = genfn.generate(whole, ids, **kwargs), genfn.generate(mine, ids, **kwargs)
+    layer = mine.params["layers"][0]
+    single = dict(kwargs, attention_mask=None)  # one row: each decode step runs the native kernel where it can
+    alone, alone_split = genfn.generate(whole, ids[:1], **single), genfn.generate(mine, ids[:1], **single)
+    return {"greedy": (_tokens(one), _tokens(split)), "alone": (_tokens(alone), _tokens(alone_split)),
+            "step_gap": max(float((a - b).abs().max()) for a, b in zip(one.logits, split.logits)),
+            "alone_gap": max(float((a - b).abs().max()) for a, b in zip(alone.logits, alone_split.logits)),
+            "format": layer["experts_down"].format, "expert_rows": layer["experts_gate_up"].shape[1],
+            "native": moe_quant.takes(torch.zeros(1, mine.spec.hidden_size), layer["experts_gate_up"],
+                                      layer["experts_down"])}
+
+
+def compiled_batching_check(shard, arch: str = "LlamaForCausalLM", **overrides) -> dict:
+    """Continuous batching with the packed forward compiled (``default_compile_level=1``) on the
+    whole model and on this rank's shard: greedy requests only, rank 0's tokens."""
+    from genfn.config.batching import ContinuousBatchingConfig
+    from genfn.models.model import from_hf_state_dict
+
+    config, state = tiny_state(arch, **overrides)
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=8, max_requests_per_batch=4,
+                                  default_compile_level=1)
+    requests = [(prompt, limit, {"do_sample": False}) for prompt, limit, _ in _batch_requests()[:6]]
+    whole, mine = from_hf_state_dict(config, state), from_hf_state_dict(config, state, tensor_shard=shard)
+    return {"whole": _run_manager(whole, cb, requests, wait=1500),
+            "sharded": _run_manager(mine, cb, requests, wait=1500)}

@@ -51,7 +51,7 @@ def test_tp_spawns_its_ranks_and_prints_once(tiny_dir, one_process_tokens):
 
 
 def test_tp_refuses_what_the_ranks_cannot_share():
-    assert_user_error(run_cli("chat", "--tp", "2"), "--tp", "genfn chat")
+    assert_user_error(run_cli("determinism", "--tp", "2"), "--tp", "genfn determinism")
     assert_user_error(run_cli("generate", "-", "--tp", "2", stdin="hello"), "--tp", "standard input")
 
 

@@ -122,15 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "tp", 1) > 1:
             from genfn.distributed import run_command
 
-            if args.command not in ("generate", "serve"):  # chat and batch: not wired to the ranks yet
-                raise UserError(f"--tp is supported by `genfn generate` and `genfn serve` so far, not by "
+            if args.command not in ("generate", "serve", "chat", "batch"):
+                raise UserError(f"--tp is supported by `genfn generate`, `chat`, `batch` and `serve`, not by "
                                 f"`genfn {args.command}`")
             if args.command == "generate" and ("-" in (args.prompt_file, args.prompt)
                                                or (args.prompt is None and args.prompt_file is None)):
                 raise UserError("--tp reads the prompt from the command line or --file on every rank, "
                                 "not from standard input")
 
-            return run_command(args.tp, argv, lambda rank: module.main(args, status if rank == 0 else Status(quiet=True)))
+            return run_command(args.tp, argv,
+                               lambda rank: module.main(args, status if rank == 0 else Status(silent=True)))
         return module.main(args, status)
     except UserError as err:
         status.close()

@@ -30,8 +30,8 @@ import os
 import sys
 import time
 
-from genfn.cli.common import (UserError, add_model_arguments, load_model, positive_int, read_text_file,
-                              require_tokenizer)
+from genfn.cli.common import (UserError, add_model_arguments, load_model, on_rank0, positive_int, read_text_file,
+                              require_tokenizer, tensor_shard)
 from genfn.cli.generate import check_settings, eos_ids, finish_reason
 from genfn.cli.status import Status, watch_compiles
 from genfn.config.response_format import check_response_format
@@ -285,10 +285,13 @@ def main(args, status: Status) -> int:
     from genfn.config import ContinuousBatchingConfig
 
     bad: list[tuple[int, str]] = []
-    requests = read_requests(read_text_file(args.input, "input file"), args.max_new_tokens, args.skip_bad, bad)
-    if os.path.isdir(args.output):
-        raise UserError(f"output is a directory: {args.output}")
-    done = read_done_ids(args.output)
+    # Under --tp, rank 0 reads the files and every rank gets what it read (the same requests, the
+    # same mistakes); rank 0 alone writes OUTPUT.
+    shard = tensor_shard(args)
+    leader = shard is None or shard.rank == 0
+    text = on_rank0(shard, lambda: read_text_file(args.input, "input file"))
+    requests = read_requests(text, args.max_new_tokens, args.skip_bad, bad)
+    done = on_rank0(shard, lambda: _done_ids(args.output))
     todo = [r for r in requests if r.request_id not in done]
     if len(todo) < len(requests):
         status.line(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests are already in {args.output}")
@@ -318,6 +321,11 @@ def main(args, status: Status) -> int:
                           max_prompt_len=max(lengths),
                           max_new_tokens=longest_new)
     config = ContinuousBatchingConfig(max_requests_per_batch=args.max_requests)
+    if not leader:  # rank 0's manager schedules; this rank's runs its commands on its slice until rank 0 stops
+        with continuous_batching_context_manager(model, continuous_batching_config=config, workload_hints=hints,
+                                                 block=True):
+            pass
+        return 0
     eos = eos_ids(model)
     by_id = {r.request_id: r for r in todo}
     failed, written, start = [], [], time.perf_counter()
@@ -355,6 +363,12 @@ def main(args, status: Status) -> int:
         status.line(f"error: input line {r.line} (id {r.request_id!r}) failed: {error}; rerun to retry it",
                     always=True)
     return max(1 if failed else 0, _report_bad(status, bad))
+
+
+def _done_ids(output: str) -> set[str]:
+    if os.path.isdir(output):
+        raise UserError(f"output is a directory: {output}")
+    return read_done_ids(output)
 
 
 def _report_bad(status: Status, bad: list[tuple[int, str]]) -> int:

@@ -1,14 +1,18 @@
 """``genfn chat``: an interactive conversation. Each turn the whole history is rendered again
 through the model's chat template, so the model sees the conversation exactly as it was trained
-to; ``/reset`` forgets it, ``/exit`` (or end of input, or Ctrl-C at the prompt) leaves."""
+to; ``/reset`` forgets it, ``/exit`` (or end of input, or Ctrl-C at the prompt) leaves.
+
+With ``--tp N`` rank 0 reads standard input and hands every line to the other ranks, which run
+each turn with it on their slices (rank 0 alone prints); Ctrl-C during a reply ends the chat, since
+the ranks could not agree on where the interrupted reply stopped."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from genfn.cli.common import (UserError, add_model_arguments, load_model, require_tokenizer, sampling_defaults_flag,
-                              summary)
+from genfn.cli.common import (UserError, add_model_arguments, load_model, on_rank0, require_tokenizer,
+                              sampling_defaults_flag, summary, tensor_shard)
 from genfn.cli.generate import StatusStreamer, add_sampling_arguments, run_generation, sampling_settings
 from genfn.cli.status import Status, watch_compiles
 
@@ -44,6 +48,15 @@ def _read_line(interactive: bool) -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
+def _next_line(interactive: bool) -> str | None:
+    """The next line, or None at end of input or Ctrl-C at the prompt (both leave)."""
+    try:
+        return _read_line(interactive)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return None
+
+
 def main(args, status: Status) -> int:
     from genfn.serve.defaults import sampling_defaults
 
@@ -58,7 +71,10 @@ def main(args, status: Status) -> int:
         shown = ", ".join(f"{k} {settings[k]}" for k in ("temperature", "top_p", "top_k", "min_p") if k in settings)
         status.line(f"sampling ({shown or 'the model defaults'}; --temperature 0 is greedy)")
     tokenizer = require_tokenizer(model, chat=True, without_chat="genfn chat needs one (genfn generate does not)")
-    interactive = bool(sys.stdin is not None and sys.stdin.isatty())
+    # Under --tp, rank 0 reads the terminal and every rank gets each line: all run every turn alike.
+    shard = tensor_shard(args)
+    leader = shard is None or shard.rank == 0
+    interactive = leader and bool(sys.stdin is not None and sys.stdin.isatty())
     if interactive:
         try:
             import readline  # noqa: F401 - line editing and history for input()
@@ -69,11 +85,7 @@ def main(args, status: Status) -> int:
     history: list[dict] = []
     with watch_compiles(status) as compile_s:
         while True:
-            try:
-                line = _read_line(interactive)
-            except KeyboardInterrupt:
-                sys.stdout.write("\n")
-                return 0
+            line = on_rank0(shard, lambda: _next_line(interactive))
             if line is None:
                 return 0
             text = line.strip()
@@ -103,6 +115,8 @@ def main(args, status: Status) -> int:
                 continue
             except KeyboardInterrupt:
                 sys.stdout.write("\n")
+                if shard is not None:  # the ranks cannot agree where the reply stopped: the chat ends
+                    raise
                 status.line("reply interrupted; it is not kept in the conversation", always=True)
                 continue
             reply = tokenizer.decode(new_tokens, skip_special_tokens=True)

@@ -11,8 +11,8 @@ import sys
 from genfn.cli.status import Status, format_seconds
 
 __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_int", "integer", "number",
-           "add_model_arguments", "sampling_defaults_flag", "load_model", "require_tokenizer", "read_text_file", "summary", "StderrLines",
-           "GENFN_DIR"]
+           "add_model_arguments", "sampling_defaults_flag", "load_model", "require_tokenizer", "read_text_file",
+           "summary", "StderrLines", "GENFN_DIR", "tensor_shard", "on_rank0"]
 
 USER_ERROR = 2
 DTYPES = ("float32", "bfloat16", "float16")
@@ -148,6 +148,36 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
         status.end(f"native decode kernels not in use ({kernels.kernel_status()}); using torch's linear")
 
 
+def tensor_shard(args):
+    """This process's ``TensorShard`` under ``--tp N`` (``genfn.distributed`` started the ranks),
+    else None."""
+    if getattr(args, "tp", 1) <= 1:
+        return None
+    from genfn.models.tensor_parallel import current_shard
+
+    return current_shard()
+
+
+def on_rank0(shard, read):
+    """``read()`` run on rank 0 alone and its result on every rank (one broadcast), or the
+    ``UserError`` it raised, raised on every rank: the files and the terminal rank 0 reads (a
+    batch's input, a chat's next line). ``shard`` None: ``read()``."""
+    if shard is None:
+        return read()
+    from genfn.distributed import from_rank0
+
+    outcome = None
+    if shard.rank == 0:
+        try:
+            outcome = ("value", read())
+        except UserError as err:
+            outcome = ("error", str(err))
+    kind, value = from_rank0(shard, outcome)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
 def load_model(args, status: Status):
     """``genfn.load`` for ``--model/--dtype/--quantize`` with its phases on ``status``; a missing or
     broken model is a UserError."""
@@ -161,10 +191,9 @@ def load_model(args, status: Status):
     path = _resolve_path(args.model)
     status.begin(_describe(path, args))
     try:
-        if getattr(args, "tp", 1) > 1:  # this rank's slice of the weights (genfn.distributed started the ranks)
-            from genfn.models.tensor_parallel import current_shard
-
-            options["tensor_shard"] = current_shard()
+        shard = tensor_shard(args)
+        if shard is not None:  # this rank's slice of the weights (genfn.distributed started the ranks)
+            options["tensor_shard"] = shard
         model = genfn.load(args.model, dtype=getattr(torch, args.dtype), **options)
     except FileNotFoundError as err:
         status.close()

@@ -36,10 +36,12 @@ class Status:
     """Writes ``genfn: ...`` lines to the current ``sys.stderr`` (looked up per write, so tests
     that capture stderr see them). ``quiet`` drops the status lines but not those written with
     ``always=True`` (warnings, answers to chat commands); phases are timed either way. ``live``
-    (default: stderr is a terminal) turns on the in-place ticker."""
+    (default: stderr is a terminal) turns on the in-place ticker. ``silent``: not even those (a
+    tensor-parallel rank other than 0, whose lines rank 0 writes)."""
 
-    def __init__(self, quiet: bool = False, live: bool | None = None):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, live: bool | None = None, silent: bool = False):
+        self.quiet = quiet or silent
+        self.silent = silent
         self._live = live
         self._lock = threading.RLock()
         self._phase: tuple[str, float, bool] | None = None  # (text, start, after streamed text?)
@@ -56,7 +58,7 @@ class Status:
     def line(self, text: str, always: bool = False) -> None:
         """One status line (a live phase line on screen is redrawn after it); ``always`` shows it
         under ``quiet`` too (warnings)."""
-        if self.quiet and not always:
+        if (self.quiet and not always) or self.silent:
             return
         with self._lock:
             self._erase()

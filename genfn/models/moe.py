@@ -19,6 +19,11 @@ Three ways to run it, picked by the call:
   sizes are data, so this runs only where nothing is being traced;
 - inside a compiled step the rest run every expert on every row with the unchosen ones weighted
   zero: shapes that do not depend on the routing, the same sums in the same order.
+
+Under tensor parallelism (``genfn.models.tensor_parallel``) each rank holds a slice of every
+expert's intermediate size; the router is whole on every rank, so every rank picks the same
+experts, runs them on its slice by whichever path above, and one all-reduce sums the ranks'
+partial outputs (float rounding: the parts are added in another order than one process's sum).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 
 from genfn.kernels import MAX_DECODE_ROWS, decode_linear_available, linear
 from genfn.kernels import moe_quant
+from genfn.models import tensor_parallel
 from genfn.quant.experts import QuantizedExperts
 
 __all__ = ["route", "moe_mlp", "native_moe_takes", "route_top_k_softmax", "clamped_swiglu", "biased_moe_mlp"]
@@ -110,6 +116,8 @@ def moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tenso
         out = _dense(x, weights, experts, gate_up, down)
     else:
         out = _grouped(x, weights, experts, gate_up, down)
+    if getattr(spec, "tensor_shard", None) is not None:  # this rank's part of every chosen expert's output
+        out = tensor_parallel.reduced(spec, out)
     return out.reshape(shape)
 
 

@@ -17,6 +17,12 @@ q, k and v; its slice of each of gate and up). What only changes per head or per
 rotary, LongRoPE, layers without RoPE, sliding windows, Gemma's soft-capping and scaled
 embedding) needs nothing: Gemma's final logit soft-cap is applied to the gathered logits.
 
+A mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ``genfn.models.moe``) keeps its router whole on
+every rank (every rank routes every token alike) and splits every expert's intermediate size as
+the MLP's: each rank holds rows ``[i0, i1)`` of each expert's gate and up and those input columns
+of its down, runs the chosen experts on its slice, and one all-reduce after the MoE block sums the
+ranks' partial outputs.
+
 Heads go to the ranks in whole key/value groups, as evenly as they divide: a model with 3 KV
 heads over 2 ranks gives one rank 2 groups and the other 1 (SmolLM2-135M has 3). A model with
 fewer KV heads than ranks is refused (its heads would have to be replicated).
@@ -40,15 +46,17 @@ import torch.nn.functional as F
 from genfn import kernels
 
 from genfn.quant.blocks import BLOCK, RowBlocks, cat_rows
+from genfn.quant.experts import QuantizedExperts
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["TensorShard", "SPLIT_FAMILIES", "Pieces", "current_shard", "shard_spec", "slice_plan", "shard_state_dict",
-           "shard_params", "embedding", "reduced", "mean_squares", "row_parallel", "gathered_logits", "vocab_range",
-           "head_range"]
+           "shard_params", "cut_pieces", "embedding", "reduced", "mean_squares", "row_parallel", "gathered_logits",
+           "vocab_range", "head_range"]
 
 
 # The families whose layers split (what the refusals name).
-SPLIT_FAMILIES = "Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3"
+SPLIT_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3, "
+                  "Qwen3-MoE, Mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +100,18 @@ def head_range(spec, shard: TensorShard) -> tuple[int, int]:
     return _split(spec.num_kv_heads, shard.world_size, shard.rank)
 
 
+def _mlp_size(spec) -> int:
+    """The intermediate size the ranks split: each expert's (``moe_intermediate_size``) in a
+    mixture of experts, else the MLP's."""
+    return spec.moe_intermediate_size if getattr(spec, "num_experts", 0) else spec.intermediate_size
+
+
 def _intermediate_unit(spec, world_size: int) -> int:
     # The down projection is cut along its inputs: whole quantization groups (64 for int4) when
     # the size allows, so a quantized matrix splits between its blocks.
+    size = _mlp_size(spec)
     for unit in (64, BLOCK):
-        if spec.intermediate_size % unit == 0 and spec.intermediate_size // unit >= world_size:
+        if size % unit == 0 and size // unit >= world_size:
             return unit
     return 1
 
@@ -114,17 +129,22 @@ def shard_spec(spec, shard: TensorShard):
     ``vocab_size`` stays the whole vocabulary (the gathered logits have it)."""
     if not hasattr(spec, "tensor_shard"):
         raise ValueError(f"{type(spec).__name__} has no tensor-parallel support (no tensor_shard field)")
-    if getattr(spec, "num_experts", 0):
-        raise ValueError(f"tensor parallelism splits the dense decoder families ({SPLIT_FAMILIES}); this model's "
-                         f"experts run on one process (drop --tp)")
     kv_start, kv_stop = head_range(spec, shard)
     groups = spec.num_heads // spec.num_kv_heads
     unit = _intermediate_unit(spec, shard.world_size)
-    i_start, i_stop = _split(spec.intermediate_size, shard.world_size, shard.rank, unit)
+    size = _mlp_size(spec)
+    i_start, i_stop = _split(size, shard.world_size, shard.rank, unit)
     if i_stop <= i_start:
-        raise ValueError(f"intermediate_size={spec.intermediate_size} is too small to split over {shard.world_size} ranks")
+        what = "moe_intermediate_size" if getattr(spec, "num_experts", 0) else "intermediate_size"
+        raise ValueError(f"{what}={size} is too small to split over {shard.world_size} ranks")
+    # A mixture of experts splits every expert's intermediate size (Qwen3-MoE's intermediate_size
+    # is a dense MLP's it does not have, and stays).
+    sizes = dict(intermediate_size=i_stop - i_start)
+    if getattr(spec, "num_experts", 0):
+        sizes = dict(moe_intermediate_size=i_stop - i_start,
+                     **(sizes if spec.intermediate_size == spec.moe_intermediate_size else {}))
     return dataclasses.replace(spec, num_heads=(kv_stop - kv_start) * groups, num_kv_heads=kv_stop - kv_start,
-                               intermediate_size=i_stop - i_start, tensor_shard=shard)
+                               tensor_shard=shard, **sizes)
 
 
 def _narrow(tensor, dim: int, start: int, stop: int, name: str):
@@ -150,6 +170,20 @@ def _narrow(tensor, dim: int, start: int, stop: int, name: str):
 Pieces = tuple[tuple[int, int, int], ...]
 
 
+def _narrow_pieces(tensor, pieces, name: str):
+    """``_narrow`` for each of ``pieces``, joined along their dim (``cat_rows`` for quantized rows). A
+    GGUF file's quantized experts are sliced as the file is read, never here."""
+    if isinstance(tensor, QuantizedExperts):
+        raise ValueError(f"{name}: quantized experts are split as a GGUF file is read: load the model with "
+                         "genfn.load(path, quantize='gguf', tensor_shard=...)")
+    parts = [_narrow(tensor, *piece, name=name) for piece in cut_pieces(pieces)]
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat(parts, dim=pieces[0][0])
+    return cat_rows(parts)
+
+
 def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
     """name -> the ``Pieces`` of the tensor this rank keeps, or None for a replicated tensor."""
     kv_start, _ = head_range(spec, shard)
@@ -158,7 +192,7 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
     q = (kv_start * groups * d, (kv_start * groups + local.num_heads) * d)
     kv = (kv_start * d, (kv_start + local.num_kv_heads) * d)
-    mlp = _split(spec.intermediate_size, shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
+    mlp = _split(_mlp_size(spec), shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
     vocab = vocab_range(spec.vocab_size, shard)
 
     def rows(*ranges, offsets=(0, 0, 0)):
@@ -173,12 +207,34 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
         rules.update({"self_attn.q_norm": rows(q), "self_attn.k_norm": rows(kv)})
 
     def plan(name: str):
+        if ".mlp.experts." in name:
+            return _expert_cut(name, _mlp_size(spec), *mlp)
         stem, _, kind = name.rpartition(".")
         for key, pieces in rules.items():
             if ("." + stem).endswith("." + key):
                 return None if (kind == "bias" and pieces[0][0] == 1) else pieces
         return None
     return plan
+
+
+def _expert_cut(name: str, size: int, start: int, stop: int):
+    """The slice of a stacked expert projection a rank keeps: each expert's intermediate rows
+    ``[start, stop)`` of gate and of up (column-parallel), its down's input columns (row-parallel).
+    transformers 5 stores gate and up fused per expert (``experts.gate_up_proj [E, 2I, H]``: two
+    pieces, concatenated); a GGUF file stacks each projection alone (``[E, I, H]``, ``[E, H, I]``)."""
+    if name.endswith("experts.gate_up_proj"):
+        return ((1, start, stop), (1, size + start, size + stop))
+    if name.endswith(("experts.down_proj", "experts.down_proj.weight")):
+        return ((2, start, stop),)
+    if name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight")):
+        return ((1, start, stop),)
+    raise ValueError(f"{name}: not a stacked expert projection tensor parallelism knows how to split")
+
+
+def cut_pieces(cut) -> list[tuple[int, int, int]]:
+    """A plan's cut as its pieces ``[(dim, start, stop), ...]`` (concatenated along ``dim``): one,
+    or two for a fused gate/up stack (``_expert_cut``)."""
+    return [cut] if isinstance(cut[0], int) else list(cut)
 
 
 def slice_plan(spec, shard: TensorShard) -> Callable[[str], Pieces | None]:
@@ -197,7 +253,7 @@ def shard_state_dict(spec, state_dict: Mapping[str, Any], shard: TensorShard) ->
     out = {}
     for name, tensor in state_dict.items():
         pieces = plan(name)
-        out[name] = tensor if pieces is None else cat_rows([_narrow(tensor, *piece, name=name) for piece in pieces])
+        out[name] = tensor if pieces is None else _narrow_pieces(tensor, pieces, name)
     return out
 
 

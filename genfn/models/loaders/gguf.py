@@ -82,16 +82,17 @@ class GGUFFile:
 
     def raw(self, name: str, cut: tuple[int, int, int] | None = None) -> np.ndarray:
         """The tensor's bytes ``[*shape[:-1], row bytes]``, a view of the file mapping; ``cut = (dim,
-        start, stop)``: only rows (``dim=0`` of a matrix) or last-dimension values ``[start, stop)``
-        (whole blocks), still a view: nothing outside the slice is read."""
+        start, stop)``: only rows (``dim=0`` of a matrix, ``dim=1`` of an expert stack ``[E, rows,
+        cols]``) or last-dimension values ``[start, stop)`` (whole blocks), still a view: nothing
+        outside the slice is read."""
         info = self.tensors[name]
         data = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         data = data.reshape(_byte_shape(info.shape, info.ggml_type))
         if cut is None:
             return data
         dim, start, stop = cut
-        if dim != len(info.shape) - 1:
-            return data[start:stop]
+        if dim != len(info.shape) - 1:  # rows, or each expert's rows of a stack [E, rows, cols]
+            return data[(slice(None),) * dim + (slice(start, stop),)]
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
         if start % block or stop % block:
             raise CheckpointError(
