@@ -67,8 +67,10 @@ def _assert_every_row_as_alone(f, x, rows=tuple(range(1, 65))):
 @pytest.mark.parametrize("dtype", DTYPES)
 # Odd k (a masked last step of the k loop), odd n (rows past the last block of 4 weight rows),
 # weights of several L2 panels (300 x 256: 5 panels in float32, 3 in bfloat16) that two threads
-# share, and k = 1000, whose float32 rows fill the kernel's 24 KiB tile at 6 rows, not 8.
-@pytest.mark.parametrize("k, n", [(64, 97), (100, 48), (33, 13), (256, 300), (1000, 40)])
+# share, k = 1000, whose float32 rows fill the kernel's 24 KiB tile at 6 rows (bfloat16: 8), and
+# k = 1500 at 4 float32 rows: every tile of up to 6 (float32) or 8 (bfloat16) rows by blocks of
+# 4 or 2 weight rows, and the tails of fewer rows at 64 rows and below.
+@pytest.mark.parametrize("k, n", [(64, 97), (100, 48), (33, 13), (256, 300), (1000, 40), (1500, 22)])
 def test_invariant_linear_gives_every_row_its_bits_alone_at_1_to_64_rows(dtype, k, n):
     torch.manual_seed(0)
     weight = (torch.randn(n, k) / k ** 0.5).to(dtype)

@@ -166,7 +166,10 @@ class Engine:
         self.device = model.device
         self.compile_options = compile
         self._apply_packed = family.apply_packed
-        self.params = model.params if compile is not None else family.pack_params(model.params)
+        # The mode's linears read the plain weights (genfn.kernels.invariant): packing them would be
+        # work and memory for nothing.
+        packed = compile is None and not batch_invariant
+        self.params = family.pack_params(model.params) if packed else model.params
         self._forwards: dict[tuple[int, int], Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self.last_logits: torch.Tensor | None = None  # the latest forward's [R, V], for beam groups

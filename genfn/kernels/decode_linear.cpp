@@ -93,9 +93,9 @@ inline __m512 sum16(const __m512* v) {
   __m512 halves[8], quarters[4];
   for (int i = 0; i < 8; ++i) {
     const __m512 a = v[2 * i], b = v[2 * i + 1];
-    // [a0+a2, a1+a3, b0+b2, b1+b3] in 128-bit quarters
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    // [a0+a2, a1+a3, b2+b0, b3+b1] in 128-bit quarters: [a0, a1, b2, b3] + [a2, a3, b0, b1], a blend
+    // where a second shuffle would do (the sums are the same: addition commutes)
+    halves[i] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 3, 2)));
   }
   for (int i = 0; i < 4; ++i) {
     const __m512 c = halves[2 * i], d = halves[2 * i + 1];
@@ -111,24 +111,46 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(pd, sd)), _mm512_castpd_ps(_mm512_unpackhi_pd(pd, sd)));
 }
 
-// sums[i] = the lane sum of acc[i], i < C.
+// sums[i] = the lane sum of acc[i], i < C (fewer than 8: one reduction each).
 template <int C>
 inline void lane_sums(const __m512* acc, float* sums) {
-  if constexpr (C < 8) {
-    for (int i = 0; i < C; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
-  } else {
-    for (int c0 = 0; c0 < C; c0 += 16) {
-      __m512 group[16];
-      for (int i = 0; i < 16; ++i) group[i] = c0 + i < C ? acc[c0 + i] : _mm512_setzero_ps();
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, sum16(group));
-      for (int i = 0; i < 16 && c0 + i < C; ++i) sums[c0 + i] = lanes[4 * (i % 4) + i / 4];
-    }
-  }
+  for (int i = 0; i < C; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
 inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
+
+// The lane sums of acc[c0 .. c0 + 16) (zero past C) by sum16, lane i = the sum of acc[c0 + i]: sum16's
+// lanes put back in order by one permutation. _mm512_reduce_add_ps adds the lanes in the same tree
+// (i + 8, then i + 4, i + 2, i + 1), so a sum is the same bits whichever of the two computed it.
+template <int C>
+inline __m512 ordered_sums(const __m512* acc, int c0) {
+  __m512 group[16];
+  for (int i = 0; i < 16; ++i) group[i] = c0 + i < C ? acc[c0 + i] : _mm512_setzero_ps();
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sum16(group));
+}
+
+inline void store_lanes(float* p, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(p, keep, v); }
+inline void store_lanes(c10::BFloat16* p, __mmask16 keep, __m512 v) {
+  _mm256_mask_storeu_epi16(p, keep, genfn_kernels::round_to_bfloat16(v));
+}
+
+// y[m * N + n + r] = the lane sum of acc[m * R + r] for the M x R accumulators of a block (R divides 16,
+// so a row's R sums never straddle two groups of 16): one sum16 per 16 accumulators and one masked
+// store per row of x, in place of a scalar sum, rounding and store per element (by instruction
+// count a fifth to a third of a bfloat16 block at K = 576, whose elements take 18 vdpbf16ps each).
+template <int M, int R, typename Out>
+inline void store_block(const __m512* acc, Out* y, int64_t N, int64_t n) {
+  static_assert(16 % R == 0, "a row's sums must fall in one group of 16");
+  for (int c0 = 0; c0 < M * R; c0 += 16) {
+    const __m512 sums = ordered_sums<M * R>(acc, c0);
+    for (int m = c0 / R; m < M && m * R < c0 + 16; ++m) {
+      const int lane = m * R - c0;
+      store_lanes(y + m * N + n - lane, static_cast<__mmask16>(((1u << R) - 1) << lane), sums);
+    }
+  }
+}
 
 // Rows [n, n + R) of w against the M rows of x ([M, K]); results to y[m * N + n + r]. `ahead`:
 // prefetch distance in bytes from the block's own bytes (0: none).
@@ -164,10 +186,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
       for (int r = 0; r < R; ++r) acc[m * R + r] = Dot::madd(acc[m * R + r], wv[r], xv);
     }
   }
-  float sums[M * R];
-  lane_sums<M * R>(acc, sums);
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) store(y + m * N + n + r, sums[m * R + r]);
+  if constexpr (M * R < 8) {
+    float sums[M * R];
+    lane_sums<M * R>(acc, sums);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) store(y + m * N + n + r, sums[m * R + r]);
+  } else {
+    store_block<M, R>(acc, y, N, n);
+  }
 }
 
 // Weight rows a block takes, by rows of x. One row of x is far from the arithmetic limit, so it
@@ -274,9 +300,9 @@ void dispatch_rows(int64_t M, const typename Dot::Input* x, const typename Dot::
 // linear (genfn/kernels/invariant.py). Where the mode once ran tiles of 8 rows through the decode
 // kernel one after another, each streaming the whole weight from memory, the weight here streams
 // once: the output columns are cut into panels of weight rows small enough to stay in L2, each
-// thread takes a contiguous run of panels (columns, never k), and every tile of <= 8 rows of x
-// passes over a panel before the next; the first tile's pass fetches the stream ahead as
-// stream_blocks does, the others read the panel from L2. A tile holds as many rows (up to 8) as
+// thread takes a contiguous run of panels (columns, never k), and every tile of rows of x passes
+// over a panel before the next; the first tile's pass fetches the stream ahead as stream_blocks
+// does, the others read the panel from L2. A tile holds as many rows (up to TileShape::kRows) as
 // fit in kTileBytes, so that it stays in L1 while the panel's weight rows pass (SmolLM2's down
 // projection, 1536 inputs: 8 float32 rows of x are 48 KiB, and read from L2 the product ran at
 // half the speed of oneDNN's). Past kGroupBytes of x (a prefill's hundreds of rows) the rows go
@@ -285,13 +311,33 @@ constexpr int64_t kPanelBytes = 64 * 1024;
 constexpr int64_t kTileBytes = 24 * 1024;
 constexpr int64_t kGroupBytes = 256 * 1024;
 
-// Weight rows [n0, n1) against the M (<= 8) rows of x; results to y[m * N + n]. Blocks of R as
-// the decode kernel takes them (n0 is a multiple of 4), the odd rows at N one at a time.
+// The register tile of a pass: up to kRows rows of x by block(M) weight rows, an accumulator each.
+// Every multiply-add loads a chunk of x or of a weight row, so loads per multiply-add are
+// 1/block + 1/rows: 8 x 2 (the decode kernel's blocks) loads 0.63 a multiply-add, 6 x 4 0.42,
+// within the 32 vector registers (24 accumulators, 4 weight chunks, x from memory). Float32 at 32
+// rows, SmolLM2's shapes, one thread, best of 9 interleaved rounds against the packed GEMM
+// (oneDNN), 8 x 2 -> 6 x 4: gate/up 1.47x -> 1.07x, q/k/v 1.34x -> 1.15x, down 1.30x -> 1.22x
+// (benchmarks/results/determinism-cost-wave3.log). bfloat16 is not
+// bound by loads (vdpbf16ps does twice the work of an FMA per load, and the lane sums weigh twice
+// as much against it): 6 x 4 measured no better than 8 x 2 there (1.25-1.5x either way; the
+// packed GEMM runs at ~90 % of vdpbf16ps's peak), so it keeps the decode kernel's blocks.
+template <typename Dot>
+struct TileShape {
+  static constexpr int kRows = 6;
+  static constexpr int block(int) { return 4; }
+};
+template <>
+struct TileShape<Bfloat16Dot> {
+  static constexpr int kRows = 8;
+  static constexpr int block(int M) { return rows_per_block(M); }
+};
+
+// Weight rows [n0, n1) against the M rows of x; results to y[m * N + n]. Blocks of R weight rows
+// (n0 is a multiple of 4), the odd rows at N one at a time.
 // `stream_end`: the weight row where this thread's stream ends, to fetch ahead up to (0: none).
-template <typename Dot, int M, typename Out>
+template <typename Dot, int M, int R, typename Out>
 void panel_pass(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                 int64_t n0, int64_t n1, int64_t stream_end) {
-  constexpr int R = rows_per_block(M);
   constexpr int64_t window = prefetch_window<2>();  // 16 KiB, as for any tile of more than one row
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   int64_t n = n0;
@@ -305,16 +351,24 @@ void panel_pass(const typename Dot::Input* x, const typename Dot::Weight* w, int
 template <typename Dot, typename Out>
 void dispatch_panel(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                     Out* y, int64_t n0, int64_t n1, int64_t stream_end) {
+  using Shape = TileShape<Dot>;
+  static_assert(Shape::kRows <= 8, "tiles of up to 8 rows of x");
   switch (M) {
-    case 1: return panel_pass<Dot, 1>(x, w, K, N, y, n0, n1, stream_end);
-    case 2: return panel_pass<Dot, 2>(x, w, K, N, y, n0, n1, stream_end);
-    case 3: return panel_pass<Dot, 3>(x, w, K, N, y, n0, n1, stream_end);
-    case 4: return panel_pass<Dot, 4>(x, w, K, N, y, n0, n1, stream_end);
-    case 5: return panel_pass<Dot, 5>(x, w, K, N, y, n0, n1, stream_end);
-    case 6: return panel_pass<Dot, 6>(x, w, K, N, y, n0, n1, stream_end);
-    case 7: return panel_pass<Dot, 7>(x, w, K, N, y, n0, n1, stream_end);
-    default: return panel_pass<Dot, 8>(x, w, K, N, y, n0, n1, stream_end);
+#define GENFN_PANEL(MM) \
+  case MM: \
+    if constexpr (MM <= Shape::kRows) return panel_pass<Dot, MM, Shape::block(MM)>(x, w, K, N, y, n0, n1, stream_end); \
+    break;
+    GENFN_PANEL(1)
+    GENFN_PANEL(2)
+    GENFN_PANEL(3)
+    GENFN_PANEL(4)
+    GENFN_PANEL(5)
+    GENFN_PANEL(6)
+    GENFN_PANEL(7)
+    GENFN_PANEL(8)
+#undef GENFN_PANEL
   }
+  TORCH_CHECK(false, "invariant_linear: a tile of ", M, " rows of x (at most ", Shape::kRows, ")");
 }
 
 template <typename Dot, typename Out>
@@ -326,7 +380,7 @@ void panels_of_rows(int64_t M, const typename Dot::Input* x, const typename Dot:
   const int64_t panel = std::max<int64_t>(4, kPanelBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
   const int64_t panels = (N + panel - 1) / panel;
   const int64_t x_row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Input));
-  const int64_t tile = std::clamp<int64_t>(kTileBytes / x_row_bytes, 1, kMaxDecodeRows);
+  const int64_t tile = std::clamp<int64_t>(kTileBytes / x_row_bytes, 1, TileShape<Dot>::kRows);
   const int64_t group = std::max<int64_t>(1, kGroupBytes / x_row_bytes / tile) * tile;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t stream_end = std::min(N, p1 * panel);
