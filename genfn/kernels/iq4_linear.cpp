@@ -7,7 +7,9 @@
 // their signed values in one instruction. vpmaddubsw multiplies an unsigned by a signed byte, so
 // the product w * x is taken as |w| * (x with w's sign), as llama.cpp does (the table has no zero,
 // and Q8_K codes stay within [-127, 127], so neither side overflows: a pair sums to at most
-// 2 * 127 * 127 in 16 bits). Per block the dot product is an exact integer sum:
+// 2 * 127 * 127 in 16 bits). On AVX-512, |w| is a shuffle of the table's magnitudes and w < 0 where
+// the index is below 8 (the table is sorted): one test gives the mask that negates x. Per block the
+// dot product is an exact integer sum:
 //   IQ4_XS  the eight sub-block scales (ls - 32, 6 bits) multiply their sub-blocks' pair sums in
 //           vpmaddwd, so a super-block is one integer, scaled once by d_w * d_x (x in Q8_K per 256);
 //   IQ4_NL  x is quantized per 32 inputs (the block), so each block's integer is scaled by its own
@@ -24,6 +26,8 @@ namespace {
 using namespace genfn::kquant;
 
 alignas(16) constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// Their magnitudes; the table is sorted, so indices 0-7 are the negative values.
+alignas(16) constexpr uint8_t kMagnitudes[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // int16 lane k of a 64-byte run group belongs to run k / 8 (four runs of 16 bytes, 8 pair sums
 // each); for IQ4_XS's half h of a super-block that is sub-block 4h + k / 8.
@@ -56,10 +60,22 @@ struct Signed512 {
   __mmask64 negative;
 };
 
-// The values of 64 indices (nibbles) and their split into |w| and w's signs.
-GENFN_AVX512_INLINE inline Signed512 values512(__m512i table, __m512i nibbles) {
-  const __m512i w = _mm512_shuffle_epi8(table, nibbles);
-  return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+// The values of 64 indices (nibbles) as |w| (a shuffle of the magnitudes) and w's signs (index < 8).
+GENFN_AVX512_INLINE inline Signed512 values512(__m512i magnitudes, __m512i nibbles) {
+  return {_mm512_shuffle_epi8(magnitudes, nibbles), _mm512_testn_epi8_mask(nibbles, _mm512_set1_epi8(8))};
+}
+
+// IQ4_XS's eight sub-block scales (as iq4xs_scales) in SIMD: 8 int16.
+GENFN_AVX512_INLINE inline __m128i iq4xs_scales512(const uint8_t* w) {
+  uint32_t low;
+  std::memcpy(&low, w + 4, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i bits_low = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)),
+                                                              _mm256_slli_epi32(shifts, 2)), _mm256_set1_epi32(0x0F));
+  const __m256i bits_high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u16(w + 2)),
+                                                               _mm256_slli_epi32(shifts, 1)), _mm256_set1_epi32(0x03));
+  const __m256i scales = _mm256_sub_epi32(_mm256_or_si256(bits_low, _mm256_slli_epi32(bits_high, 4)), _mm256_set1_epi32(32));
+  return _mm256_cvtepi32_epi16(scales);
 }
 
 // w * x for 64 signed weight values and the 64 activation codes at x, adjacent pairs summed in 16 bits.
@@ -73,14 +89,12 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t K = a.K;
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i run_index[2] = {_mm512_load_si512(kRunIndex.lanes[0]), _mm512_load_si512(kRunIndex.lanes[1])};
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     const float d = half_to_float(load_u16(w));
-    alignas(16) int16_t ls[8];
-    iq4xs_scales(w, ls);
-    const __m512i ls16 = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(ls)));
+    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
     __m512i scales[2];
     Signed512 lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
@@ -123,8 +137,7 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
     tail[m] = _mm256_setzero_ps();
   }
   const int64_t K = a.K;
-  const __m128i table128 = _mm_load_si128(reinterpret_cast<const __m128i*>(kValues));
-  const __m512i table = _mm512_broadcast_i32x4(table128);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
   const __m512i spread = _mm512_load_si512(kSpread);
   int64_t b = 0;
@@ -147,7 +160,7 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
     }
   }
-  const __m256i table256 = _mm256_broadcastsi128_si256(table128);
+  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
   const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
   for (; b < nb; ++b, w += kBytes) {  // the last one to three blocks of a row not a multiple of 128
     const __m256i v = values256(w + 2, table256, low4_256);
