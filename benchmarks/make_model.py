@@ -22,11 +22,14 @@ format's type, the router (``ffn_gate_inp``) and the norms F32.
 
 Formats: f32, f16, bf16 (every matrix in that type), q8_0, q4_0, q4_1 (every linear; the tied
 embedding/output matrix in Q6_K for the 4-bit ones and Q8_0 for q8_0, as ``llama-quantize``
-keeps the output matrix), q4_k, q6_k (all linears and the embedding), and q4_k_m, llama.cpp's
+keeps the output matrix), q4_k, q6_k (all linears and the embedding), q4_k_m, llama.cpp's
 Q4_K_M mix: Q4_K everywhere except the v and down projections of the first and last eighth of
-the layers and of every third layer between (Q6_K) and the output matrix (Q6_K). Norms are F32.
-Blocks are written with genfn's round-to-nearest quantizers (``genfn.quant.quantize`` and
-``quantize_k``), not llama.cpp's searching ones: same layout, same bytes per weight.
+the layers and of every third layer between (Q6_K) and the output matrix (Q6_K), and iq4_nl,
+iq4_xs (every linear; the tied embedding/output matrix in Q6_K; an IQ4_XS matrix whose rows are
+not a multiple of 256 inputs is written IQ4_NL, as llama.cpp does, though every shape here is
+one). Norms are F32. Blocks are written with genfn's round-to-nearest quantizers
+(``genfn.quant.quantize`` and ``quantize_k``), not llama.cpp's searching ones: same layout, same
+bytes per weight.
 Files go to ``--out`` (default ``$GENFN_BENCH_DIR`` or ``~/.cache/genfn/models``) as
 ``<architecture>-<shape>-<format>.gguf`` (``llama-1b-q4_0.gguf``, ``qwen3moe-moe-q4_0.gguf``); an
 existing file is kept.
@@ -49,8 +52,9 @@ SHAPES = {
     "3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, head_dim=128),
     "moe": dict(layers=4, hidden=2048, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, experts_used=8),
 }
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m")
-_FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "bf16": 32}
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m", "iq4_nl", "iq4_xs")
+_FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "bf16": 32,
+              "iq4_nl": 25, "iq4_xs": 30}
 
 
 def model_dir() -> Path:
@@ -96,7 +100,9 @@ def encode(values: torch.Tensor, ggml_type: str) -> tuple[np.ndarray, object]:
     if ggml_type == "BF16":
         return values.bfloat16().view(torch.int16).numpy().view(np.uint16).reshape(values.shape).view(np.uint8).reshape(
             values.shape[0], -1), qtype
-    if ggml_type in ("Q4_K", "Q5_K", "Q6_K"):
+    if ggml_type == "IQ4_XS" and values.shape[1] % 256:
+        return encode(values, "IQ4_NL")
+    if ggml_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         return quantize_k(values, ggml_type.lower()).data.numpy(), qtype
     blocks = quantize(values, ggml_type.lower())
     n, nb = blocks.codes.shape[:2]

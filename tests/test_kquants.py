@@ -1,6 +1,7 @@
-"""K-quants (Q4_K, Q5_K, Q6_K) kept as the file stores them: dequantization bit for bit against
-the gguf package, the native kernel (both ISA paths) against the torch reference, and a GGUF
-model with K-quant tensors against the same weights run through the reference."""
+"""K-quants (Q4_K, Q5_K, Q6_K; IQ4_NL and IQ4_XS too, test_iq4.py has theirs alone) kept as the file
+stores them: dequantization bit for bit against the gguf package, the native kernel (both ISA paths)
+against the torch reference, and a GGUF model with K-quant tensors against the same weights run
+through the reference."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from genfn.kernels import kquant
 from genfn.quant import K_FORMATS, KQuantWeight, RowStack, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.kquants import BLOCK_BYTES, quantize_activations_k
 
-GGML = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+GGML = {fmt.lower(): fmt for fmt in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 NATIVE = kquant.kquant_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
@@ -46,7 +47,7 @@ def test_round_to_nearest_blocks_stay_close_to_the_weights(fmt):
     torch.manual_seed(1)
     w = torch.randn(8, 512)
     error = (quantize_k(w, fmt).dequantize() - w).abs().max() / w.abs().max()
-    assert error < {"q4_k": 0.15, "q5_k": 0.08, "q6_k": 0.04}[fmt]
+    assert error < {"q4_k": 0.15, "q5_k": 0.08, "q6_k": 0.04, "iq4_nl": 0.12, "iq4_xs": 0.12}[fmt]
 
 
 def test_activations_quantize_as_llama_cpps_q8_k():
@@ -162,7 +163,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_kquant_gguf(path, hf_model) -> None:
+def write_kquant_gguf(path, hf_model, types: dict[str, str] = _TYPES) -> None:
+    """``hf_model`` as a llama GGUF file, the matrices ``types`` names (GGUF stem -> format) quantized."""
     cfg = hf_model.config
     writer = GGUFWriter(str(path), arch="llama")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -186,9 +188,9 @@ def write_kquant_gguf(path, hf_model) -> None:
         elif part == "attn_k":
             values = _permute(values, cfg.num_key_value_heads)
         gguf_name = f"blk.{layer}.{part}.weight" if layer is not None else f"{part}.weight"
-        if part in _TYPES:
-            blocks = quantize_k(torch.from_numpy(values), _TYPES[part]).data.numpy()
-            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[GGML[_TYPES[part]]])
+        if part in types:
+            blocks = quantize_k(torch.from_numpy(values), types[part]).data.numpy()
+            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[GGML[types[part]]])
         else:
             writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()

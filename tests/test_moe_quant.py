@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 TILE_FORMATS = ["q8_0", "q4_0", "q4_1"]
-K_FORMATS = ["q4_k", "q6_k"]
+K_FORMATS = ["q4_k", "q6_k", "iq4_nl", "iq4_xs"]
 
 
 def _stack(values: torch.Tensor, fmt: str) -> QuantizedExperts:

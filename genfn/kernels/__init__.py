@@ -315,7 +315,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tenso
 
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
-    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs to 8 bits (see kquant_linear.cpp)."""
+    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (32 for iq4_nl) to 8 bits
+    (see kquant_linear.cpp)."""
     from genfn.kernels.kquant import kquant_linear as native
 
     return native(x, weight)

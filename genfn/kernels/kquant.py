@@ -1,4 +1,5 @@
-"""The K-quant linear (``kquant_linear.cpp``): ``x @ W.T`` for a ``genfn.quant.KQuantWeight``.
+"""The K-quant linear (``kquant_linear.cpp``; the IQ4_NL/IQ4_XS rows in ``iq4_linear.cpp``): ``x @ W.T``
+for a ``genfn.quant.KQuantWeight``.
 
 The library is built apart from the decode kernels and without global ISA flags: its AVX-512 and
 AVX2 paths are compiled per function and picked at run time, so it runs on any x86-64 CPU with
@@ -96,7 +97,8 @@ def force_isa(isa: str | None) -> str:
 
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
-    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs to 8 bits (llama.cpp's Q8_K)."""
+    """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (per 32 for iq4_nl) to 8 bits
+    (llama.cpp's Q8_K)."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the {weight.format} weight expects "
                          f"{weight.in_features}")

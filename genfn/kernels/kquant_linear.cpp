@@ -11,6 +11,9 @@
 // in registers; the row stays in L1 for the next 8), so a step of a few rows streams the weight
 // once, like one row.
 //
+// The ops here also run IQ4_NL and IQ4_XS weights, whose row kernels live in iq4_linear.cpp (IQ4_NL's
+// activations are quantized per 32 inputs, its block).
+//
 // Built as its own library without global ISA flags: an AVX-512 (BW) path and an AVX2 path are
 // compiled per function and chosen at run time, so it loads on every x86-64 CPU and refuses,
 // with a message, where neither runs.
@@ -18,26 +21,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <tuple>
-#include <vector>
 
-#define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
-#define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
-#define GENFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "kquant.h"
 
 namespace {
 
-constexpr int64_t kSuper = 256;
-enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
-constexpr int64_t block_bytes(int64_t f) { return f == kQ4K ? 144 : (f == kQ5K ? 176 : 210); }
-enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+using namespace genfn::kquant;
 
 Isa detect_isa() {
   __builtin_cpu_init();
@@ -50,63 +42,55 @@ Isa detect_isa() {
 const Isa kBestIsa = detect_isa();
 Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
 
-// Both ISA paths have F16C; a plain call from them would cross into baseline (SSE) code.
-__attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
-__attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
+// The order a format's row kernel on path isa reads the activation codes in (kquant.h).
+Order activation_order(Isa isa, int64_t format) {
+  if (isa != kAvx512) return kNatural;
+  return format == kQ4K || format == kQ5K ? kQ4KOrder : format == kQ6K ? kNatural : kIQ4Order;
 }
 
-// Q8_K activations of M rows: codes [M, K] (for Q4_K/Q5_K on the AVX-512 path each 128 inputs
-// reordered 0-31, 64-95, 32-63, 96-127, the order the weight's nibbles come out of one 64-byte
-// load), scales [M, K / 256], code sums per 16 inputs in natural order [M, K / 16].
-struct ActivationsK {
-  std::vector<int8_t> codes;
-  std::vector<float> scale;
-  std::vector<int16_t> sums;
-  int64_t M = 0, K = 0;
-};
-
-// llama.cpp's quantize_row_q8_K_ref, row by row (plain C++: the same numbers on every CPU).
-void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, bool nibble_order, ActivationsK& a) {
-  const int64_t nb = K / kSuper;
-  int8_t natural[kSuper];
+// Rows m0..m1 of x [M, K] as llama.cpp's quantize_row_q8_K_ref quantizes them, one scale per
+// `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order` (plain C++: the same numbers on
+// every CPU).
+void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order, ActivationsK& a) {
+  const int64_t nb = K / block;
   for (int64_t m = m0; m < m1; ++m) {
+    int8_t* out = a.codes.data() + m * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + m * K + b * kSuper;
+      const float* v = x + m * K + b * block;
       float amax = 0.0f, extreme = 0.0f;
-      for (int j = 0; j < kSuper; ++j) {
+      for (int j = 0; j < block; ++j) {
         const float ax = std::fabs(v[j]);
         if (ax > amax) { amax = ax; extreme = v[j]; }
       }
-      int16_t* sums = a.sums.data() + m * (K / 16) + b * 16;
-      int8_t* out = a.codes.data() + m * K + b * kSuper;
+      int8_t* codes = out + b * block;
       if (amax == 0.0f) {
         a.scale[m * nb + b] = 0.0f;
-        std::memset(out, 0, kSuper);
-        std::memset(sums, 0, 16 * sizeof(int16_t));
+        std::memset(codes, 0, block);
         continue;
       }
       const float inverse = -127.0f / extreme;
-      for (int j = 0; j < kSuper; ++j) {
+      for (int j = 0; j < block; ++j) {
         const int q = static_cast<int>(std::nearbyint(inverse * v[j]));  // ties to even
-        natural[j] = static_cast<int8_t>(std::min(127, q));
-      }
-      for (int g = 0; g < 16; ++g) {
-        int s = 0;
-        for (int j = 0; j < 16; ++j) s += natural[g * 16 + j];
-        sums[g] = static_cast<int16_t>(s);
+        codes[j] = static_cast<int8_t>(std::min(127, q));
       }
       a.scale[m * nb + b] = 1.0f / inverse;
-      if (!nibble_order) {
-        std::memcpy(out, natural, kSuper);
-      } else {
-        static constexpr int kFrom[4] = {0, 64, 32, 96};
-        for (int h = 0; h < 2; ++h)
-          for (int part = 0; part < 4; ++part) std::memcpy(out + h * 128 + part * 32, natural + h * 128 + kFrom[part], 32);
-      }
+    }
+    int16_t* sums = a.sums.data() + m * (K / 16);
+    for (int64_t g = 0; g < K / 16; ++g) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += out[g * 16 + j];
+      sums[g] = static_cast<int16_t>(s);
+    }
+    if (order == kNatural) continue;
+    // Runs of `run` inputs, taken from these offsets of each whole 128.
+    static constexpr int kQ4KFrom[4] = {0, 64, 32, 96};
+    static constexpr int kIQ4From[8] = {0, 32, 64, 96, 16, 48, 80, 112};
+    const int run = order == kQ4KOrder ? 32 : 16, runs = 128 / run;
+    const int* from = order == kQ4KOrder ? kQ4KFrom : kIQ4From;
+    int8_t natural[128];
+    for (int64_t start = 0; start + 128 <= K; start += 128) {
+      std::memcpy(natural, out + start, 128);
+      for (int r = 0; r < runs; ++r) std::memcpy(out + start + r * run, natural + from[r], run);
     }
   }
 }
@@ -150,13 +134,6 @@ GENFN_AVX512_INLINE inline __m512i q6_scales512(__m256i scales16, int quarter) {
 
 GENFN_AVX512_INLINE inline __m512i dot512(__m512i w, const int8_t* x, __m512i scales) {
   return _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(x)), scales);
-}
-
-GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
-GENFN_AVX512_INLINE inline float reduce256(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 // One weight row against M rows of x: y[m * N] += nothing; writes y[m * N].
@@ -269,11 +246,6 @@ GENFN_AVX2_INLINE inline __m256i dot256_pair(__m256i w, const int8_t* x, int16_t
 GENFN_AVX2_INLINE inline __m256i q6_bits(__m256i high, int shift, __m256i three) {
   return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, shift), three), 4);
 }
-GENFN_AVX2_INLINE inline float reduce256_avx2(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
 template <int M, int64_t F>
 GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
@@ -343,16 +315,14 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
     }
   }
   for (int m = 0; m < M; ++m) {
-    float value = reduce256_avx2(acc[m]);
-    if constexpr (F != kQ6K) value -= reduce256_avx2(acc_min[m]);
+    float value = reduce256(acc[m]);
+    if constexpr (F != kQ6K) value -= reduce256(acc_min[m]);
     y[m * N] = value;
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch
-
-using RowFn = void (*)(const uint8_t*, int64_t, const ActivationsK&, int64_t, float*, int64_t);
 
 template <int64_t F>
 RowFn pick_row(Isa isa, int rows) {
@@ -373,6 +343,7 @@ RowFn pick_row(Isa isa, int rows) {
 }
 
 RowFn pick(Isa isa, int64_t format, int rows) {
+  if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
   return pick_row<kQ6K>(isa, rows);
@@ -381,17 +352,17 @@ RowFn pick(Isa isa, int64_t format, int rows) {
 Isa active_isa() { return forced_isa != kNone ? forced_isa : kBestIsa; }
 
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features) {
-  TORCH_CHECK(format >= kQ4K && format <= kQ6K, "kquant_linear: format must be 0 (q4_k), 1 (q5_k) or 2 (q6_k), got ",
-              format);
+  TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
+              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl) or 4 (iq4_xs), got ", format);
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "
               "this CPU has neither. Load the model without quantize='gguf' to dequantize its weights instead.");
   TORCH_CHECK(x.device().is_cpu() && data.device().is_cpu(), "kquant_linear: CPU tensors only");
   TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.size(0) == out_features,
               "kquant_linear: data must be uint8 [out_features, row bytes]");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K % kSuper == 0, "kquant_linear: x's features (", K, ") must be a multiple of 256");
-  const int64_t nb = K / kSuper, row_bytes = nb * block_bytes(format);
+  const int64_t K = x.size(-1), block = block_inputs(format);
+  TORCH_CHECK(K % block == 0, "kquant_linear: x's features (", K, ") must be a multiple of ", block);
+  const int64_t nb = K / block, row_bytes = nb * block_bytes(format);
   TORCH_CHECK(data.size(1) == row_bytes, "kquant_linear: x has ", K, " features, the weight rows hold ", data.size(1),
               " bytes, not ", row_bytes);
   const int64_t N = out_features, M = K == 0 ? 0 : x.numel() / K;
@@ -410,10 +381,10 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   a.codes.resize(M * K);
   a.scale.resize(M * nb);
   a.sums.resize(M * (K / 16));
-  const bool nibble_order = isa == kAvx512 && format != kQ6K;
+  const Order order = activation_order(isa, format);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
-    quantize_rows_k(xp, m0, m1, K, nibble_order, a);
+    quantize_rows_k(xp, m0, m1, K, block, order, a);
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -444,7 +415,8 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_moe_decode: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C");
   for (const int64_t f : {gate_up_format, down_format})
-    TORCH_CHECK(f >= kQ4K && f <= kQ6K, "kquant_moe_decode: formats must be 0 (q4_k), 1 (q5_k) or 2 (q6_k), got ", f);
+    TORCH_CHECK(f >= kQ4K && f <= kLastFormat, "kquant_moe_decode: formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), "
+                "3 (iq4_nl) or 4 (iq4_xs), got ", f);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kquant_moe_decode: x must be [T, H] float32");
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == x.size(0),
               "kquant_moe_decode: experts must be [T, k] int64");
@@ -455,10 +427,12 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
               "kquant_moe_decode: gate_up and down must be contiguous uint8 [E, rows, row bytes]");
   const int64_t rows = x.size(0), hidden = x.size(1), top_k = experts.size(1), num_experts = gate_up.size(0);
   const int64_t inter = gate_up.size(1) / 2;
-  TORCH_CHECK(hidden % kSuper == 0 && inter % kSuper == 0 && gate_up.size(1) == 2 * inter && down.size(1) == hidden,
-              "kquant_moe_decode: hidden and expert sizes must be multiples of 256 (gate_up [E, 2I, H], down [E, H, I])");
-  const int64_t gu_blocks = hidden / kSuper, gu_row = gu_blocks * block_bytes(gate_up_format);
-  const int64_t dn_blocks = inter / kSuper, dn_row = dn_blocks * block_bytes(down_format);
+  const int64_t gu_block = block_inputs(gate_up_format), dn_block = block_inputs(down_format);
+  TORCH_CHECK(hidden % gu_block == 0 && inter % dn_block == 0 && gate_up.size(1) == 2 * inter && down.size(1) == hidden,
+              "kquant_moe_decode: hidden and expert sizes must be multiples of their formats' blocks "
+              "(gate_up [E, 2I, H], down [E, H, I])");
+  const int64_t gu_blocks = hidden / gu_block, gu_row = gu_blocks * block_bytes(gate_up_format);
+  const int64_t dn_blocks = inter / dn_block, dn_row = dn_blocks * block_bytes(down_format);
   TORCH_CHECK(gate_up.size(2) == gu_row && down.size(2) == dn_row, "kquant_moe_decode: row bytes disagree with x");
   auto ex = experts.contiguous();
   auto wt = weights.to(at::kFloat).contiguous();
@@ -483,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   const uint8_t* gp = gate_up.data_ptr<uint8_t>();
   const uint8_t* dp = down.data_ptr<uint8_t>();
   for (int64_t t = 0; t < rows; ++t) {
-    quantize_rows_k(xc.data_ptr<float>() + t * hidden, 0, 1, hidden, isa == kAvx512 && gate_up_format != kQ6K, xa);
+    quantize_rows_k(xc.data_ptr<float>() + t * hidden, 0, 1, hidden, gu_block, activation_order(isa, gate_up_format), xa);
     float* ot = out.data_ptr<float>() + t * hidden;
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t e = ex.data_ptr<int64_t>()[t * top_k + j];
@@ -495,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
         for (int64_t n = n0; n < n1; ++n) gu_fn(ge + n * gu_row, gu_blocks, xa, 0, gu.data() + n, 2 * inter);
       });
       for (int64_t i = 0; i < inter; ++i) act[i] = gu[i] / (1.0f + std::exp(-gu[i])) * gu[inter + i];
-      quantize_rows_k(act.data(), 0, 1, inter, isa == kAvx512 && down_format != kQ6K, aa);
+      quantize_rows_k(act.data(), 0, 1, inter, dn_block, activation_order(isa, down_format), aa);
       at::parallel_for(0, hidden, std::max<int64_t>(1, 16384 / dn_row), [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) dn_fn(de + n * dn_row, dn_blocks, aa, 0, dn.data() + n, hidden);
       });

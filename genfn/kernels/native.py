@@ -70,9 +70,10 @@ DECODE = NativeLibrary(
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using F.linear")
-# Its AVX-512 and AVX2 paths are compiled per function and chosen at run time (kquant_linear.cpp).
+# Its AVX-512 and AVX2 paths are compiled per function and chosen at run time (kquant.h).
 KQUANT = NativeLibrary(
-    stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp",), headers=(),
+    stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "iq4_linear.cpp"),
+    headers=(_HERE / "kquant.h",),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
 LIBRARIES = (DECODE, KQUANT)
 

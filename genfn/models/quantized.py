@@ -1,8 +1,8 @@
 """Turning a model's linear weights into ``QuantizedWeight``s: ``genfn.load(path, quantize=...)``.
 
 ``quantize="gguf"`` keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks (the loader hands them over as
-``RowBlocks``; they are only rearranged into the kernel's tiles) and its Q4_K/Q5_K/Q6_K blocks as
-stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
+``RowBlocks``; they are only rearranged into the kernel's tiles) and its Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS
+blocks as stored (``KQuantWeight``; a fused matrix whose parts differ in format is a ``RowStack``); ``"q8_0" | "q4_0" | "q4_1" |
 "int8" | "int4"`` quantizes the float weights (a GGUF file's after dequantizing them). Only the
 matrices that linears multiply by change: q/k/v, o, gate/up, down (a mixture of experts' stacked
 experts, as ``QuantizedExperts``) and the LM head. Norms stay float. A GGUF file's quantized

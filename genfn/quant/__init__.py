@@ -1,5 +1,5 @@
-"""Weight-only block quantization: GGUF's Q8_0/Q4_0/Q4_1, its K-quants Q4_K/Q5_K/Q6_K (kquants.py,
-kept as the file stores them) and channel/group-wise int8/int4.
+"""Weight-only block quantization: GGUF's Q8_0/Q4_0/Q4_1, its K-quants Q4_K/Q5_K/Q6_K and IQ4_NL/IQ4_XS
+(kquants.py and iq4.py, kept as the file stores them) and channel/group-wise int8/int4.
 
 ``RowBlocks`` (blocks.py) is the loading-time form, rows as stored; ``QuantizedWeight``
 (weight.py) the runtime pytree in the kernel's tile layout, which ``genfn.kernels.linear``

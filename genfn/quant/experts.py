@@ -9,7 +9,7 @@ kept as the kernels read it:
     q8_0 / q4_0 / q4_1 (and int8 / int4 when ``quantize=`` makes them): the tile layout of
         ``QuantizedWeight`` per expert, stacked: codes ``[E, tiles, blocks, bytes]``, scales (and
         mins) ``[E, tiles, blocks, 16]``; expert e is ``QuantizedWeight(codes[e], scales[e], ...)``
-    q4_k / q5_k / q6_k: the file's super-blocks row by row, ``codes`` uint8 ``[E, out, row bytes]``
+    q4_k / q5_k / q6_k / iq4_nl / iq4_xs: the file's blocks row by row, ``codes`` uint8 ``[E, out, row bytes]``
         (``scales``/``mins`` None); expert e is ``KQuantWeight(codes[e])``
 
 A decode step's native MoE kernels (``genfn/kernels/moe_decode.cpp`` for the tile formats,

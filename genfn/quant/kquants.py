@@ -1,4 +1,4 @@
-"""GGUF's K-quant formats kept as the file stores them: ``KQuantWeight``.
+"""GGUF's K-quant formats (and IQ4_NL/IQ4_XS) kept as the file stores them: ``KQuantWeight``.
 
 Q4_K, Q5_K and Q6_K pack 256 inputs into a super-block (llama.cpp's ``block_q4_K`` etc.):
 
@@ -8,33 +8,41 @@ Q4_K, Q5_K and Q6_K pack 256 inputs into a super-block (llama.cpp's ``block_q4_K
     q6_k  210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16
           inputs), d (float16);               w = d * sc_16 * (u - 32), u in [0, 63]
 
-A ``KQuantWeight`` holds a matrix's super-blocks row by row, byte for byte as in the file
-(``data`` uint8 ``[out_features, in_features / 256 * block_bytes]``): no repacking, so the
-loader can hand over the file's own memory. ``genfn.kernels.linear`` runs it through the native
-kernel (``kquant_linear.cpp``), which quantizes the activation as llama.cpp does for these
-formats (Q8_K: one scale per 256 inputs, ``quantize_activations_k``).
+IQ4_NL (32 inputs, 18 bytes) and IQ4_XS (256 inputs, 136 bytes) index a fixed non-linear table
+of 16 values (``genfn.quant.iq4``); ``KQuantWeight`` holds them too (formats ``iq4_nl``,
+``iq4_xs``).
+
+A ``KQuantWeight`` holds a matrix's blocks row by row, byte for byte as in the file (``data``
+uint8 ``[out_features, in_features / block_inputs * block_bytes]``): no repacking, so the loader
+can hand over the file's own memory. ``genfn.kernels.linear`` runs it through the native kernels
+(``kquant_linear.cpp``, ``iq4_linear.cpp``), which quantize the activation as llama.cpp's Q8_K
+does: one scale per 256 inputs (per 32 for iq4_nl, whose rows need not be multiples of 256),
+``quantize_activations_k``.
 
 ``dequantize_k`` is bit for bit the ``gguf`` package's ``gguf.quants.dequantize``; ``quantize_k``
 is a plain round-to-nearest quantizer (not llama.cpp's search for the best scales) that writes
-valid blocks, for tests and benchmark models.
+valid blocks, for tests and benchmark models (the gguf package quantizes none of these formats).
 """
 
 from __future__ import annotations
 
 import torch
 
+from genfn.quant.iq4 import IQ4_BLOCK_BYTES, IQ4_BLOCK_INPUTS, dequantize_iq4, quantize_iq4
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "dequantize_k", "quantize_k",
-           "quantize_activations_k", "reference_linear_k"]
+__all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "BLOCK_INPUTS",
+           "dequantize_k", "quantize_k", "quantize_activations_k", "reference_linear_k"]
 
 SUPER_BLOCK = 256
-BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES}
+# Inputs per block; the activations are quantized with one scale per as many inputs.
+BLOCK_INPUTS = {"q4_k": SUPER_BLOCK, "q5_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, **IQ4_BLOCK_INPUTS}
 K_FORMATS = tuple(BLOCK_BYTES)
-# ggml type names -> format: the K-quant GGUF types kept as blocks.
-GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
-# The native op's format argument.
-FORMAT_ID = {"q4_k": 0, "q5_k": 1, "q6_k": 2}
+# ggml type names -> format: the GGUF types kept as ``KQuantWeight`` blocks.
+GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
+# The native op's format argument (its index in K_FORMATS).
+FORMAT_ID = {fmt: i for i, fmt in enumerate(K_FORMATS)}
 
 
 def _check_format(fmt: str) -> None:
@@ -44,7 +52,7 @@ def _check_format(fmt: str) -> None:
 
 @pytree_dataclass
 class KQuantWeight:
-    """An ``[out_features, in_features]`` matrix of K-quant super-blocks, rows as stored in GGUF."""
+    """An ``[out_features, in_features]`` matrix of K-quant (or IQ4) blocks, rows as stored in GGUF."""
 
     data: torch.Tensor
     format: str = static_field()
@@ -53,9 +61,10 @@ class KQuantWeight:
 
     def __post_init__(self):
         _check_format(self.format)
-        if self.in_features % SUPER_BLOCK:
-            raise ValueError(f"{self.format} needs in_features to be a multiple of {SUPER_BLOCK}; got {self.in_features}")
-        row_bytes = self.in_features // SUPER_BLOCK * BLOCK_BYTES[self.format]
+        block = BLOCK_INPUTS[self.format]
+        if self.in_features % block:
+            raise ValueError(f"{self.format} needs in_features to be a multiple of {block}; got {self.in_features}")
+        row_bytes = self.in_features // block * BLOCK_BYTES[self.format]
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.out_features, row_bytes):
             raise ValueError(f"{self.format} data must be uint8 [{self.out_features}, {row_bytes}]; "
                              f"got {self.data.dtype} {list(self.data.shape)}")
@@ -115,9 +124,11 @@ def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
-    """float32 values of K-quant bytes (``[..., blocks * block_bytes]`` -> ``[..., blocks * 256]``),
+    """float32 values of K-quant bytes (``[..., blocks * block_bytes]`` -> ``[..., blocks * block_inputs]``),
     computed in the gguf package's order of float32 operations (bit for bit its result)."""
     _check_format(fmt)
+    if fmt in IQ4_BLOCK_BYTES:
+        return dequantize_iq4(data, fmt)
     size = BLOCK_BYTES[fmt]
     lead = data.shape[:-1]
     blocks = data.reshape(-1, size)
@@ -151,12 +162,15 @@ def _round(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_k(weight: torch.Tensor, fmt: str) -> KQuantWeight:
-    """Round-to-nearest K-quant blocks of a float ``[N, K]`` matrix (``K`` a multiple of 256)."""
+    """Round-to-nearest blocks of a float ``[N, K]`` matrix (``K`` a multiple of 256; of 32 for iq4_nl)."""
     _check_format(fmt)
-    if weight.dim() != 2 or weight.shape[1] % SUPER_BLOCK:
-        raise ValueError(f"quantize_k needs a 2-D weight with in_features a multiple of {SUPER_BLOCK}; "
+    block = BLOCK_INPUTS[fmt]
+    if weight.dim() != 2 or weight.shape[1] % block:
+        raise ValueError(f"quantize_k needs a 2-D weight with in_features a multiple of {block} for {fmt}; "
                          f"got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
+    if fmt in IQ4_BLOCK_BYTES:
+        return KQuantWeight(quantize_iq4(weight, fmt), fmt, rows, cols)
     w = weight.detach().to(torch.float32).reshape(-1, SUPER_BLOCK)
     n = w.shape[0]
     if fmt == "q6_k":
@@ -205,12 +219,13 @@ def quantize_k(weight: torch.Tensor, fmt: str) -> KQuantWeight:
 # Activations and the reference product
 
 
-def quantize_activations_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)`` of ``x [..., K]`` as llama.cpp's Q8_K: per 256 inputs, the value of
-    largest magnitude (the first, on ties) maps to -127, codes round half to even and are capped
-    at 127; codes are int8-valued float32 ``[..., K // 256, 256]``, scales float32 ``[..., K // 256]``."""
+def quantize_activations_k(x: torch.Tensor, block: int = SUPER_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``x [..., K]`` as llama.cpp's Q8_K: per ``block`` inputs (256; 32 for
+    iq4_nl), the value of largest magnitude (the first, on ties) maps to -127, codes round half to
+    even and are capped at 127; codes are int8-valued float32 ``[..., K // block, block]``, scales
+    float32 ``[..., K // block]``."""
     x = x.to(torch.float32)
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // SUPER_BLOCK, SUPER_BLOCK)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     index = blocks.abs().argmax(-1, keepdim=True)  # the first maximum, as ggml's strict '>'
     extreme = torch.gather(blocks, -1, index)
     inverse = torch.where(extreme != 0, -127.0 / extreme, torch.zeros_like(extreme))
@@ -223,6 +238,6 @@ def reference_linear_k(x: torch.Tensor, weight: KQuantWeight, dtype: torch.dtype
     """What ``genfn.kernels.linear(x, weight)`` computes for a ``KQuantWeight``, in ``dtype``."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"x has {x.shape[-1]} features; the weight expects {weight.in_features}")
-    codes, scale = quantize_activations_k(x)
+    codes, scale = quantize_activations_k(x, BLOCK_INPUTS[weight.format])
     values = (codes.to(dtype) * scale.to(dtype).unsqueeze(-1)).reshape(x.shape)
     return torch.nn.functional.linear(values, weight.dequantize().to(dtype)).to(x.dtype)

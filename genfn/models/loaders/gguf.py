@@ -544,7 +544,7 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring).
 
     `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
-    rows unpermuted like the float ones) and Q4_K/Q5_K/Q6_K ones as `genfn.quant.KQuantWeight`
+    rows unpermuted like the float ones) and Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS ones as `genfn.quant.KQuantWeight`
     over the file's mapped bytes, instead of dequantizing them; a mixture of experts' stacked
     projections in those formats become `genfn.quant.QuantizedExperts`.
 

@@ -1,0 +1,253 @@
+// Row kernels of y = x @ dequantize(W).T for W in GGUF's IQ4_NL and IQ4_XS, read in place (the
+// blocks row by row as the file stores them, genfn/quant/iq4.py); kquant_linear.cpp's ops quantize
+// x and call these per weight row (kquant.h's RowFn), for up to 8 rows of x at a time.
+//
+// Both formats hold 4-bit indices into one table of 16 int8 values (llama.cpp's kvalues_iq4nl).
+// The table fits one 128-bit lane, so a byte shuffle (vpshufb) of it by 64 (or 32) nibbles gives
+// their signed values in one instruction. vpmaddubsw multiplies an unsigned by a signed byte, so
+// the product w * x is taken as |w| * (x with w's sign), as llama.cpp does (the table has no zero,
+// and Q8_K codes stay within [-127, 127], so neither side overflows: a pair sums to at most
+// 2 * 127 * 127 in 16 bits). On AVX-512, |w| is a shuffle of the table's magnitudes and w < 0 where
+// the index is below 8 (the table is sorted): one test gives the mask that negates x. Per block the
+// dot product is an exact integer sum:
+//   IQ4_XS  the eight sub-block scales (ls - 32, 6 bits) multiply their sub-blocks' pair sums in
+//           vpmaddwd, so a super-block is one integer, scaled once by d_w * d_x (x in Q8_K per 256);
+//   IQ4_NL  x is quantized per 32 inputs (the block), so each block's integer is scaled by its own
+//           d_w * d_x; the AVX-512 path takes four blocks per 512-bit register, their scales lane
+//           by lane.
+// On the AVX-512 path a 64-byte load of indices holds four runs of 16 bytes (sub-blocks, or IQ4_NL
+// blocks); its low nibbles are inputs 0-15 of each run and its high nibbles 16-31, which is the
+// order the activation codes are laid out in (kquant.h's kIQ4Order), so each meets one plain load.
+// The AVX2 path unpacks one run at a time into 32 values in natural order.
+#include "kquant.h"
+
+namespace {
+
+using namespace genfn::kquant;
+
+alignas(16) constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// Their magnitudes; the table is sorted, so indices 0-7 are the negative values.
+alignas(16) constexpr uint8_t kMagnitudes[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// int16 lane k of a 64-byte run group belongs to run k / 8 (four runs of 16 bytes, 8 pair sums
+// each); for IQ4_XS's half h of a super-block that is sub-block 4h + k / 8.
+struct RunIndex {
+  alignas(64) uint16_t lanes[2][32];
+  constexpr RunIndex() : lanes() {
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 32; ++k) lanes[h][k] = static_cast<uint16_t>(4 * h + k / 8);
+  }
+};
+constexpr RunIndex kRunIndex;
+// float lane k of four blocks' scales: block k / 4.
+alignas(64) constexpr int32_t kSpread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+
+// IQ4_XS's eight sub-block scales (ls - 32) as int16: scales_h (2 bytes at w + 2) holds bits 4-5 of
+// sub-block i's at bits 2i, scales_l (4 bytes at w + 4) bits 0-3 at bits 4i.
+__attribute__((always_inline)) inline void iq4xs_scales(const uint8_t* w, int16_t out[8]) {
+  const uint32_t high = load_u16(w + 2);
+  uint32_t low;
+  std::memcpy(&low, w + 4, 4);
+  for (int i = 0; i < 8; ++i)
+    out[i] = static_cast<int16_t>((((low >> (4 * i)) & 0x0F) | (((high >> (2 * i)) & 0x03) << 4)) - 32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512
+
+struct Signed512 {
+  __m512i magnitude;
+  __mmask64 negative;
+};
+
+// The values of 64 indices (nibbles) as |w| (a shuffle of the magnitudes) and w's signs (index < 8).
+GENFN_AVX512_INLINE inline Signed512 values512(__m512i magnitudes, __m512i nibbles) {
+  return {_mm512_shuffle_epi8(magnitudes, nibbles), _mm512_testn_epi8_mask(nibbles, _mm512_set1_epi8(8))};
+}
+
+// IQ4_XS's eight sub-block scales (as iq4xs_scales) in SIMD: 8 int16.
+GENFN_AVX512_INLINE inline __m128i iq4xs_scales512(const uint8_t* w) {
+  uint32_t low;
+  std::memcpy(&low, w + 4, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i bits_low = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(low)),
+                                                              _mm256_slli_epi32(shifts, 2)), _mm256_set1_epi32(0x0F));
+  const __m256i bits_high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u16(w + 2)),
+                                                               _mm256_slli_epi32(shifts, 1)), _mm256_set1_epi32(0x03));
+  const __m256i scales = _mm256_sub_epi32(_mm256_or_si256(bits_low, _mm256_slli_epi32(bits_high, 4)), _mm256_set1_epi32(32));
+  return _mm256_cvtepi32_epi16(scales);
+}
+
+// w * x for 64 signed weight values and the 64 activation codes at x, adjacent pairs summed in 16 bits.
+GENFN_AVX512_INLINE inline __m512i pairs512(const Signed512& w, const int8_t* x) {
+  const __m512i v = _mm512_loadu_si512(x);
+  return _mm512_maddubs_epi16(w.magnitude, _mm512_mask_sub_epi8(v, w.negative, _mm512_setzero_si512(), v));
+}
+
+template <int M>
+GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex.lanes[0]), _mm512_load_si512(kRunIndex.lanes[1])};
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
+    const float d = half_to_float(load_u16(w));
+    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
+    __m512i scales[2];
+    Signed512 lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      scales[h] = _mm512_permutexvar_epi16(run_index[h], ls16);
+      const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
+      lo[h] = values512(table, _mm512_and_si512(q, low4));
+      hi[h] = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+      __m512i sum = _mm512_madd_epi16(pairs512(lo[0], x), scales[0]);
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(hi[0], x + 64), scales[0]));
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(lo[1], x + 128), scales[1]));
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(hi[1], x + 192), scales[1]));
+      const float dx = a.scale[(m0 + m) * nb + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+}
+
+// 16 index bytes at q (an IQ4_NL block's, an IQ4_XS sub-block's) as their 32 values in natural order.
+GENFN_AVX2_INLINE inline __m256i values256(const uint8_t* q, __m256i table, __m256i low4) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low4));
+}
+
+// w * x for 32 signed weight values w (|w| given) and the 32 activation codes at x, pairs summed in 16 bits.
+GENFN_AVX2_INLINE inline __m256i pairs256(__m256i magnitude, __m256i w, const int8_t* x) {
+  return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w));
+}
+
+template <int M>
+GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  constexpr int64_t kBytes = block_bytes(kIQ4NL);
+  __m512 acc[M];
+  __m256 tail[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    tail[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+  const __m512i spread = _mm512_load_si512(kSpread);
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {  // four blocks (128 inputs) per register
+    __m512i q = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2)));
+    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kBytes + 2)), 1);
+    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * kBytes + 2)), 2);
+    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 3 * kBytes + 2)), 3);
+    const Signed512 lo = values512(table, _mm512_and_si512(q, low4));
+    const Signed512 hi = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    const __m128i halves = _mm_setr_epi16(static_cast<int16_t>(load_u16(w)), static_cast<int16_t>(load_u16(w + kBytes)),
+                                          static_cast<int16_t>(load_u16(w + 2 * kBytes)),
+                                          static_cast<int16_t>(load_u16(w + 3 * kBytes)), 0, 0, 0, 0);
+    const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
+      const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(pairs512(lo, x), ones),
+                                           _mm512_madd_epi16(pairs512(hi, x + 64), ones));
+      const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + (m0 + m) * nb + b)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
+    }
+  }
+  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
+  for (; b < nb; ++b, w += kBytes) {  // the last one to three blocks of a row not a multiple of 128
+    const __m256i v = values256(w + 2, table256, low4_256);
+    const __m256i magnitude = _mm256_abs_epi8(v);
+    const float d = half_to_float(load_u16(w));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
+      const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones256);
+      tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), tail[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2
+
+template <int M>
+GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
+    const float d = half_to_float(load_u16(w));
+    int16_t ls[8];
+    iq4xs_scales(w, ls);
+    __m256i sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {  // sub-block i: inputs 32i..32i+31
+      const __m256i v = values256(w + 8 + 16 * i, table, low4);
+      const __m256i magnitude = _mm256_abs_epi8(v), scale = _mm256_set1_epi16(ls[i]);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 32 * i;
+        sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs256(magnitude, v, x), scale));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);
+}
+
+template <int M>
+GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL)) {
+    const __m256i v = values256(w + 2, table, low4);
+    const __m256i magnitude = _mm256_abs_epi8(v);
+    const float d = half_to_float(load_u16(w));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
+      const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);
+}
+
+}  // namespace
+
+namespace genfn::kquant {
+
+RowFn pick_iq4(Isa isa, int64_t format, int rows) {
+#define GENFN_CASES(KERNEL)       \
+  switch (rows) {                 \
+    case 1: return &KERNEL<1>;    \
+    case 2: return &KERNEL<2>;    \
+    case 3: return &KERNEL<3>;    \
+    case 4: return &KERNEL<4>;    \
+    case 5: return &KERNEL<5>;    \
+    case 6: return &KERNEL<6>;    \
+    case 7: return &KERNEL<7>;    \
+    default: return &KERNEL<8>;   \
+  }
+  if (isa == kAvx512) {
+    if (format == kIQ4NL) { GENFN_CASES(iq4nl_avx512) }
+    GENFN_CASES(iq4xs_avx512)
+  }
+  if (format == kIQ4NL) { GENFN_CASES(iq4nl_avx2) }
+  GENFN_CASES(iq4xs_avx2)
+#undef GENFN_CASES
+}
+
+}  // namespace genfn::kquant

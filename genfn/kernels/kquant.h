@@ -1,0 +1,77 @@
+// What the K-quant library's sources share: kquant_linear.cpp (Q4_K/Q5_K/Q6_K rows, the activations'
+// quantization, the ops and their dispatch) and iq4_linear.cpp (IQ4_NL/IQ4_XS rows). No torch here:
+// the row kernels are plain C++ over the blocks as GGUF stores them (genfn/quant/kquants.py).
+//
+// The library is built without global ISA flags; every SIMD function carries its own target
+// attribute (an AVX-512 path and an AVX2 path, picked at run time), and helpers are forced inline
+// into them, since a plain call from an ISA path would cross into baseline (SSE) code.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
+#define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
+#define GENFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace genfn::kquant {
+
+constexpr int64_t kSuper = 256;
+// The op's format argument (genfn.quant.kquants.FORMAT_ID).
+enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4 };
+constexpr int64_t kLastFormat = kIQ4XS;
+constexpr int64_t block_bytes(int64_t f) {
+  return f == kQ4K ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
+}
+// Inputs per weight block; the activations get one scale per as many inputs.
+constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
+
+enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// How the activation codes of a row are laid out, so that one load meets the nibbles a weight
+// register holds (each permutation applies per whole 128 inputs; a shorter tail stays natural):
+//   kNatural
+//   kQ4KOrder  0-31, 64-95, 32-63, 96-127 (Q4_K/Q5_K on AVX-512: a 64-byte load's low nibbles
+//              are inputs 0-31 and 64-95 of a 128)
+//   kIQ4Order  0-15, 32-47, 64-79, 96-111, 16-31, 48-63, 80-95, 112-127 (IQ4 on AVX-512: four
+//              16-byte runs of indices, low nibbles then high nibbles)
+enum Order : int { kNatural = 0, kQ4KOrder = 1, kIQ4Order = 2 };
+
+// Q8_K-quantized activations of M rows: codes [M, K] (in one of the orders above), scales
+// [M, K / block] (block = block_inputs of the weight's format), code sums per 16 inputs in natural
+// order [M, K / 16].
+struct ActivationsK {
+  std::vector<int8_t> codes;
+  std::vector<float> scale;
+  std::vector<int16_t> sums;
+  int64_t M = 0, K = 0;
+};
+
+// One weight row (its nb blocks at w) against rows m0.. m0 + M - 1 of the activations: writes
+// y[m * N] for each of them.
+using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N);
+
+// IQ4_NL / IQ4_XS rows (iq4_linear.cpp), for 1..8 rows of x (8: any more).
+RowFn pick_iq4(Isa isa, int64_t format, int rows);
+
+__attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+__attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+GENFN_AVX2_INLINE inline float reduce256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+}  // namespace genfn::kquant
