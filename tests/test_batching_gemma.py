@@ -94,3 +94,49 @@ def test_generate_batch_equals_generate_request_by_request(model):
         expected = _alone(model, prompt, limit, key=seed, **settings) if seed is not None else \
             _alone(model, prompt, limit, **settings)
         assert out.generated_tokens == expected, f"request {i} ({settings})"
+
+
+def test_gemma2_soft_capped_scores_take_the_native_paged_op():
+    """Gemma 2's decode rows (and short prefill chunks) attend through ``paged_decode_attention``
+    with the cap (once they took the reference attention), and its greedy tokens stay generate's."""
+    from genfn import kernels
+    from batching_support import drive
+
+    if not kernels.decode_linear_available():
+        pytest.skip(f"native kernels unavailable: {kernels.kernel_status()}")
+    model = _pair(*MODELS["gemma2"])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    with torch.profiler.profile() as profile:
+        tokens, *_ = drive(model, [(p, 8, {"do_sample": False}) for p in prompts])
+    calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::paged_decode_attention")
+    assert calls >= model.spec.num_layers
+    assert tokens == [_alone(model, p, 8, do_sample=False) for p in prompts]
+
+
+def test_longrope_prompts_share_cached_blocks_only_on_their_side_of_the_original_context():
+    """Prefix caching on, one prompt at a time so each finds the previous ones' blocks cached: the
+    prompt of 18 tokens (past the original context of 12, keys on the long factors) must not take
+    the blocks of the 10-token prompt it starts with (short factors); the 11-token prompt takes the
+    10-token one's 2 blocks, the 17-token one the 18-token one's 4. Tokens equal ``generate``'s."""
+    from batching_support import WAIT_S
+    from genfn.batching import ContinuousBatchingManager
+
+    model = _pair(*MODELS["phi3_longrope"])
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 97) for _ in range(18)]
+    prompts = [shared[:10], shared[:18], shared[:11], shared[:17]]
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=40, max_batch_tokens=16, max_requests_per_batch=4)
+    manager = ContinuousBatchingManager(model, None, cb)
+    manager.start()
+    try:
+        outputs = []
+        for prompt in prompts:
+            manager.add_request(prompt, max_new_tokens=6, do_sample=False)
+            outputs.append(manager.get_result(timeout=WAIT_S))
+            assert outputs[-1] is not None, "no result came"
+        reused = manager.stats["reused_tokens"]
+    finally:
+        manager.stop(timeout=WAIT_S)
+    assert reused == 8 + 16  # none for the long prompt after the short one
+    for out, prompt in zip(outputs, prompts):
+        assert out.generated_tokens == _alone(model, prompt, 6, do_sample=False), len(prompt)

@@ -188,9 +188,11 @@ def expert_stack_tensor(a: np.ndarray, ggml_type: str | None):
     return gguf.quants.quantize(np.ascontiguousarray(a), qtype), qtype
 
 
-def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: str | None = None):
+def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: str | None = None,
+                      vocab: bool = False):
     """``hf``'s weights and settings as llama.cpp's converter writes them (F32; ``quantize`` names
-    as Q8_0; the expert stacks as ``expert_type``, see ``expert_stack_tensor``)."""
+    as Q8_0; the expert stacks as ``expert_type``, see ``expert_stack_tensor``). ``vocab``: with a
+    stand-in SentencePiece vocabulary (token i is ``<i>``), which llama.cpp needs to load a file."""
     cfg = hf.config
     arch = _GGUF_ARCH[type(hf).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -231,6 +233,11 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: 
         else:
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
+    if vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
+        w.add_token_scores([0.0] * cfg.vocab_size)
+        w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
     for name, tensor in hf.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue

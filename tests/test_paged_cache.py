@@ -73,6 +73,23 @@ def test_full_blocks_are_shared_by_digest_and_reference_counted():
     assert B.match_prefix(alloc, prompt) == (0, 1)
 
 
+def test_a_salted_chain_shares_blocks_only_with_its_own_salt():
+    """LongRoPE's long prompts (``requests.prefix_salt``) hold other keys for the same tokens."""
+    from genfn.batching.requests import make_request, prefix_salt
+
+    prompt = [3, 4, 1, 2, 7]
+    alloc = _commit(B.init_allocator(8, 2), "short", prompt)
+    assert B.match_prefix(alloc, prompt) == (0, 1)
+    assert B.match_prefix(alloc, prompt, b"long prompt") == ()
+    alloc, reused = B.acquire_prefix(alloc, "long", prompt, max_tokens=4, salt=b"long prompt")
+    assert reused == 0
+    alloc = B.commit_full_blocks(B.ensure_capacity(alloc, "long", 5), "long", prompt, salt=b"long prompt")
+    assert B.match_prefix(alloc, prompt, b"long prompt") == B.block_table(alloc, "long")[:2] != (0, 1)
+    assert B.match_prefix(alloc, prompt) == (0, 1)
+    assert prefix_salt(make_request("r", prompt), 4) == b"long prompt"
+    assert prefix_salt(make_request("r", prompt), 5) is None and prefix_salt(make_request("r", prompt), None) is None
+
+
 def test_same_tokens_under_a_different_parent_are_a_different_block():
     assert B.block_digest(None, [1, 2]) != B.block_digest(B.block_digest(None, [3, 4]), [1, 2])
     assert B.block_digest(None, [1, 2]) == B.block_digest(None, (1, 2))

@@ -36,9 +36,11 @@ def _filled_cache(dtype, gen, num_blocks=24, kv_heads=3, size=4, dim=64):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_native_decode_attention_equals_the_reference(dtype, window):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_native_decode_attention_equals_the_reference(dtype, window, softcap):
     """Rows of different lengths (one key, a partial block, whole blocks) over shuffled blocks,
-    tables padded with the sink: the native op equals ``paged_attention`` (float32 arithmetic)."""
+    tables padded with the sink: the native op equals ``paged_attention`` (float32 arithmetic),
+    Gemma 2's soft-capped scores (a cap of 1.5 against scores of about one: it bites) included."""
     gen = torch.Generator().manual_seed(1)
     cache = _filled_cache(dtype, gen)
     lengths = torch.tensor([1, 3, 4, 9, 17, 20])
@@ -49,9 +51,13 @@ def test_native_decode_attention_equals_the_reference(dtype, window):
         tables[r, :used] = torch.randperm(cache.num_blocks, generator=gen)[:used]
     q = torch.randn(len(lengths), 9, 64, generator=gen).to(dtype)
     out = torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lengths,
-                                                         64 ** -0.5, window or 0)
-    expected = paged_attention(q, cache, 1, tables, torch.arange(len(lengths)), lengths - 1, sliding_window=window)
+                                                         64 ** -0.5, window or 0, softcap or 0.0)
+    expected = paged_attention(q, cache, 1, tables, torch.arange(len(lengths)), lengths - 1, sliding_window=window,
+                               softcap=softcap)
     assert out.dtype == dtype and out.shape == q.shape
+    if softcap is not None:  # the cap changes the result: a kernel that ignored it would fail here
+        uncapped = paged_attention(q, cache, 1, tables, torch.arange(len(lengths)), lengths - 1, sliding_window=window)
+        assert (uncapped.float() - expected.float()).abs().max() > 0.05
     # Both sum in float32; bfloat16 outputs differ by at most the last rounding.
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
@@ -84,6 +90,30 @@ def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
     pos = torch.tensor([10, 0])
     alone = planned_attention(q[5:7], cache, 1, plan_attention(decode_only, table, pos, size, native=True))
     torch.testing.assert_close(alone, gathered[5:7], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("native", [True, False])
+def test_soft_capped_planned_attention_equals_the_reference(native):
+    """Gemma 2's capped scores through a plan: the native op (decode rows, short chunks) or the
+    gathered rows and a prefill chunk of 70 tokens (past the op's 64) in float32, against
+    ``paged_attention`` with the same cap, under a window."""
+    gen = torch.Generator().manual_seed(4)
+    cache = _filled_cache(torch.float32, gen, num_blocks=40)
+    size, softcap, window = cache.block_size, 1.5, 9
+    table = torch.full((3, 20), cache.sink_block)
+    table[0, :18] = torch.randperm(cache.num_blocks, generator=gen)[:18]  # row 0: 70 tokens at 0..69
+    table[1, :3] = torch.tensor([11, 0, 5])
+    table[2, :1] = torch.tensor([19])
+    positions = torch.cat([torch.arange(70), torch.tensor([10, 0])])
+    request_index = torch.tensor([0] * 70 + [1, 2])
+    plan = PackedPlan(72, decode=((70, 1, 3), (71, 2, 1)), prefill=((0, 70, 0, 18),))
+    q = torch.randn(72, 9, 64, generator=gen)
+    planned = plan_attention(plan, table, positions, size, sliding_window=window, native=native)
+    assert (planned.native_decode is not None) == native and len(planned.prefill) == 1
+    out = planned_attention(q, cache, 1, planned, softcap=softcap)
+    expected = paged_attention(q, cache, 1, table, request_index, positions, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernel

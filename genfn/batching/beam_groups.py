@@ -30,7 +30,7 @@ import torch
 from genfn.batching import blocks as B
 from genfn.batching import groups as G
 from genfn.batching import scheduling as S
-from genfn.batching.requests import RequestState, RequestStatus, make_request
+from genfn.batching.requests import RequestState, RequestStatus, make_request, prefix_salt
 from genfn.state.beam import BeamState
 from genfn.strategies.beam import select_beams
 
@@ -152,7 +152,9 @@ def _commit(state: S.SchedulerState, batch: S.ScheduledBatch, members) -> S.Sche
     alloc = state.allocator
     for chunk in batch.chunks:
         if chunk.request_id in members and chunk.samples:
-            alloc = B.commit_full_blocks(alloc, chunk.request_id, state.requests[chunk.request_id].token_ids[:chunk.end])
+            request = state.requests[chunk.request_id]
+            alloc = B.commit_full_blocks(alloc, chunk.request_id, request.token_ids[:chunk.end],
+                                         prefix_salt(request, state.policy.prefix_cache_boundary))
     return state.replace(allocator=alloc)
 
 

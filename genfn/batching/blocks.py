@@ -7,7 +7,9 @@ position % block_size``.
 
 Prefix caching, as vLLM does it: once a block is full, it is identified by a digest of (its
 parent block's digest, its tokens), so equal digests mean equal token prefixes and the block's
-keys/values can be shared. Blocks are reference-counted; a request that ends releases its blocks,
+keys/values can be shared. A chain may start from a ``salt`` (vLLM's ``cache_salt``): requests whose
+keys differ for the same tokens (LongRoPE's long prompts, rotated by other factors) share blocks only
+with requests of the same salt. Blocks are reference-counted; a request that ends releases its blocks,
 and a full, registered block whose count drops to zero stays cached (its content intact) until
 the allocator needs room, when it is evicted least-recently-released first. A new request's
 prompt starts from the longest chain of cached blocks matching it.
@@ -188,11 +190,11 @@ def blocks_needed(alloc: BlockAllocator, request_id: RequestId, num_tokens: int)
     return max(0, wanted - len(block_table(alloc, request_id)))
 
 
-def match_prefix(alloc: BlockAllocator, tokens: Sequence[int]) -> tuple[int, ...]:
-    """The cached blocks holding the longest run of whole leading blocks of ``tokens``."""
+def match_prefix(alloc: BlockAllocator, tokens: Sequence[int], salt: bytes | None = None) -> tuple[int, ...]:
+    """The cached blocks holding the longest run of whole leading blocks of ``tokens`` (in ``salt``'s chains)."""
     size = alloc.block_size
     blocks = []
-    parent = None
+    parent = salt
     for start in range(0, len(tokens) - size + 1, size):
         digest = block_digest(parent, tokens[start:start + size])
         block = alloc.cached.get(digest)
@@ -209,7 +211,7 @@ def match_prefix(alloc: BlockAllocator, tokens: Sequence[int]) -> tuple[int, ...
 
 
 def acquire_prefix(alloc: BlockAllocator, request_id: RequestId, tokens: Sequence[int],
-                   max_tokens: int | None = None) -> tuple[BlockAllocator, int]:
+                   max_tokens: int | None = None, salt: bytes | None = None) -> tuple[BlockAllocator, int]:
     """Start the request's table with the cached blocks matching ``tokens``; returns (alloc, tokens reused).
 
     At most ``max_tokens`` tokens are reused (whole blocks only): the caller keeps at least the
@@ -218,7 +220,7 @@ def acquire_prefix(alloc: BlockAllocator, request_id: RequestId, tokens: Sequenc
     if block_table(alloc, request_id):
         raise ValueError(f"request {request_id!r} already holds blocks; a prefix is acquired only at admission")
     limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-    blocks = match_prefix(alloc, tokens[:limit - limit % alloc.block_size])
+    blocks = match_prefix(alloc, tokens[:limit - limit % alloc.block_size], salt)
     if not blocks:
         return alloc, 0
     refs = list(alloc.refs)
@@ -274,7 +276,8 @@ def ensure_capacity(alloc: BlockAllocator, request_id: RequestId, num_tokens: in
     )
 
 
-def commit_full_blocks(alloc: BlockAllocator, request_id: RequestId, tokens: Sequence[int]) -> BlockAllocator:
+def commit_full_blocks(alloc: BlockAllocator, request_id: RequestId, tokens: Sequence[int],
+                       salt: bytes | None = None) -> BlockAllocator:
     """Register the request's blocks that ``tokens`` (its tokens whose keys/values are written) fill.
 
     Called after the forward that wrote them, so a registered block's content is always there
@@ -289,7 +292,7 @@ def commit_full_blocks(alloc: BlockAllocator, request_id: RequestId, tokens: Seq
         return alloc
     digest_of = list(alloc.digest_of)
     cached = dict(alloc.cached)
-    parent = chain[-1] if chain else None
+    parent = chain[-1] if chain else salt
     new_chain = list(chain)
     for index in range(len(chain), full):
         digest = block_digest(parent, tokens[index * size:(index + 1) * size])

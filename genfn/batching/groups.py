@@ -19,7 +19,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from genfn.batching import blocks as B
-from genfn.batching.requests import RequestState, RequestStatus
+from genfn.batching.requests import RequestState, RequestStatus, prefix_salt
 
 __all__ = ["RequestGroup", "add_group", "admission_error", "admit_members", "group_ready", "last_to_compute",
            "member_index", "members_with", "unstick"]
@@ -114,7 +114,8 @@ def admit_members(draft, request_id: Hashable) -> None:
         request, reused = draft.requests[member], 0
         if draft.state.policy.prefix_caching:
             draft.alloc, reused = B.acquire_prefix(draft.alloc, member, request.token_ids,
-                                                   max_tokens=request.num_tokens - 1)
+                                                   max_tokens=request.num_tokens - 1,
+                                                   salt=prefix_salt(request, draft.state.policy.prefix_cache_boundary))
         draft.alloc = B.ensure_capacity(draft.alloc, member, reused)
         draft.waiting.remove(member)
         draft.active.append(member)

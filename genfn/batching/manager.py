@@ -159,7 +159,8 @@ class ContinuousBatchingManager(RankRoles):  # a tensor-parallel model's ranks: 
                                         max_requests_per_batch=sizes.max_requests_per_batch,
                                         chunked_prefill=self.chunked_prefill, prefix_caching=cb.allow_block_sharing,
                                         max_blocks_per_request=width,
-                                        prefill_tokens_while_decoding=self._prefill_cap(sizes.max_batch_tokens))
+                                        prefill_tokens_while_decoding=self._prefill_cap(sizes.max_batch_tokens),
+                                        prefix_cache_boundary=getattr(self.model.spec, "original_context", 0) or None)
 
     def _prefill_cap(self, token_budget: int) -> int:
         # A quarter: with a forward's time about linear in its tokens (the GEMMs dominate), 64

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from genfn.batching.records import replaced
 
-__all__ = ["RequestState", "RequestStatus", "make_request", "sequence_ids"]
+__all__ = ["RequestState", "RequestStatus", "make_request", "prefix_salt", "sequence_ids"]
 
 
 class RequestStatus(IntEnum):
@@ -122,6 +122,14 @@ def make_request(request_id: Hashable, prompt_ids: Iterable[int], max_new_tokens
         eos_token_ids=_eos_set(eos_token_id),
         settings=MappingProxyType(dict(settings or {})),
     )
+
+
+def prefix_salt(request: RequestState, boundary: int | None) -> bytes | None:
+    """The prefix-cache chains ``request`` joins (``blocks.block_digest``'s salt). A prompt longer than
+    ``boundary`` (``SchedulerPolicy.prefix_cache_boundary``: LongRoPE's original context, past which a
+    prompt's keys rotate by the long factors) shares blocks only with other such prompts; in the other
+    requests the token at position p is rotated by the factors of p alone, so they share freely."""
+    return b"long prompt" if boundary is not None and len(request.prompt_ids) > boundary else None
 
 
 def sequence_ids(request_id: Hashable, count: int) -> list[Hashable]:

@@ -26,18 +26,21 @@ class Scheduler:
 
     ``num_blocks`` x ``block_size``: the paged cache's geometry. ``safety_margin`` (``None``: the
     policy's default), ``max_requests_per_batch``, ``chunked_prefill``, ``prefix_caching``,
-    ``max_blocks_per_request`` and ``prefill_tokens_while_decoding`` are ``SchedulerPolicy``'s fields.
+    ``max_blocks_per_request``, ``prefill_tokens_while_decoding`` and ``prefix_cache_boundary`` are
+    ``SchedulerPolicy``'s fields.
     """
 
     kind = "fifo"
 
     def __init__(self, num_blocks: int, block_size: int, *, safety_margin: float | None = None,
                  max_requests_per_batch: int = 256, chunked_prefill: bool = True, prefix_caching: bool = True,
-                 max_blocks_per_request: int | None = None, prefill_tokens_while_decoding: int | None = None):
+                 max_blocks_per_request: int | None = None, prefill_tokens_while_decoding: int | None = None,
+                 prefix_cache_boundary: int | None = None):
         policy = S.SchedulerPolicy(kind=self.kind, safety_margin=safety_margin,
                                    max_requests_per_batch=max_requests_per_batch, chunked_prefill=chunked_prefill,
                                    prefix_caching=prefix_caching, max_blocks_per_request=max_blocks_per_request,
-                                   prefill_tokens_while_decoding=prefill_tokens_while_decoding)
+                                   prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+                                   prefix_cache_boundary=prefix_cache_boundary)
         self._lock = threading.Lock()
         self._state = S.init_scheduler(num_blocks, block_size, policy)
 

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from genfn.batching import blocks as B
 from genfn.batching import groups as G
 from genfn.batching.records import replaced
-from genfn.batching.requests import RequestState, RequestStatus
+from genfn.batching.requests import RequestState, RequestStatus, prefix_salt
 
 __all__ = ["POLICIES", "ScheduledBatch", "ScheduledChunk", "SchedulerPolicy", "SchedulerState", "add_request",
            "allocated_blocks", "apply_step", "clear_cancelled", "finish", "generated_tokens", "has_pending",
@@ -65,6 +65,7 @@ class SchedulerPolicy:
     prefix_caching: bool = True
     max_blocks_per_request: int | None = None
     prefill_tokens_while_decoding: int | None = None
+    prefix_cache_boundary: int | None = None  # see requests.prefix_salt
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -74,7 +75,8 @@ class SchedulerPolicy:
         if isinstance(self.safety_margin, bool) or not isinstance(self.safety_margin, (int, float)) \
                 or not 0.0 <= self.safety_margin <= 1.0:
             raise ValueError(f"`safety_margin` must be a number in [0, 1], got {self.safety_margin!r}")
-        for name in ("max_requests_per_batch", "max_blocks_per_request", "prefill_tokens_while_decoding"):
+        for name in ("max_requests_per_batch", "max_blocks_per_request", "prefill_tokens_while_decoding",
+                     "prefix_cache_boundary"):
             value = getattr(self, name)
             if value is None and name != "max_requests_per_batch":
                 continue
@@ -482,7 +484,8 @@ def schedule(state: SchedulerState, token_budget: int,
         trial, reused = draft.alloc, 0
         if policy.prefix_caching:
             # The last token is always computed: its logits give the next token.
-            trial, reused = B.acquire_prefix(trial, request_id, request.token_ids, max_tokens=request.num_tokens - 1)
+            trial, reused = B.acquire_prefix(trial, request_id, request.token_ids, max_tokens=request.num_tokens - 1,
+                                             salt=prefix_salt(request, policy.prefix_cache_boundary))
         count = chunk_size(request, reused)
         # A group member whose tokens but the last all came from the prefix cache is admitted
         # with nothing to compute: it waits for its group.
@@ -531,10 +534,11 @@ def _as_tokens(request_id, value) -> tuple[int, ...]:
 
 
 def _commit(state: SchedulerState, alloc: B.BlockAllocator, chunk: ScheduledChunk,
-            token_ids: tuple[int, ...]) -> B.BlockAllocator:
-    """Register the full blocks ``chunk`` completed in the prefix cache (its request's tokens given)."""
+            request: RequestState) -> B.BlockAllocator:
+    """Register the full blocks ``chunk`` completed in the prefix cache."""
     if state.policy.prefix_caching and chunk.end // alloc.block_size > len(alloc.chains.get(chunk.request_id, ())):
-        alloc = B.commit_full_blocks(alloc, chunk.request_id, token_ids[:chunk.end])
+        alloc = B.commit_full_blocks(alloc, chunk.request_id, request.token_ids[:chunk.end],
+                                     prefix_salt(request, state.policy.prefix_cache_boundary))
     return alloc
 
 
@@ -554,7 +558,7 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
         if request is None or request.num_computed < chunk.end:
             continue  # ended or preempted since it was scheduled
         if not chunk.samples:
-            alloc = _commit(state, alloc, chunk, request.token_ids)
+            alloc = _commit(state, alloc, chunk, request)
             continue
         if chunk.request_id not in new_tokens:
             raise ValueError(f"`new_tokens` has no token for request {chunk.request_id!r}, whose chunk samples")
@@ -568,7 +572,7 @@ def apply_step(state: SchedulerState, batch: ScheduledBatch,
         request = request.replace(generated_ids=request.generated_ids + tuple(taken),
                                   status=RequestStatus.FINISHED if done else RequestStatus.DECODING)
         # After the new tokens: a chunk that kept speculative drafts wrote them past the old tokens.
-        alloc = _commit(state, alloc, chunk, request.token_ids)
+        alloc = _commit(state, alloc, chunk, request)
         if done:
             alloc = B.free_request(alloc, chunk.request_id, keep_cached=state.policy.prefix_caching)
             del requests[chunk.request_id]

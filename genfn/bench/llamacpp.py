@@ -115,9 +115,11 @@ def _quiet(lc) -> None:
 
 
 class LlamaCpp:
-    """Greedy decoding of several sequences at once through ``llama_decode`` (one batch a step)."""
+    """Greedy decoding of several sequences at once through ``llama_decode`` (one batch a step).
+    ``float32_cache``: keys and values kept in float32 (llama.cpp's default is float16), for token
+    agreement tests on float weights."""
 
-    def __init__(self, path: str, threads: int, max_sequences: int, max_len: int):
+    def __init__(self, path: str, threads: int, max_sequences: int, max_len: int, float32_cache: bool = False):
         import llama_cpp as lc
 
         self.lc = lc
@@ -139,6 +141,8 @@ class LlamaCpp:
         ctx_params.n_seq_max = max_sequences
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
+        if float32_cache:
+            ctx_params.type_k = ctx_params.type_v = 0  # GGML_TYPE_F32
         new_context = getattr(lc, "llama_init_from_model", None) or lc.llama_new_context_with_model
         self.ctx = new_context(self.model, ctx_params)
         vocab = lc.llama_model_get_vocab(self.model) if hasattr(lc, "llama_model_get_vocab") else None

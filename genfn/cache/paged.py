@@ -344,10 +344,11 @@ def _gather_keys(blocks: torch.Tensor, table: torch.Tensor, rows: int) -> torch.
 
 
 def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned: PlannedAttention,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """``paged_attention``'s result for the tokens of ``planned`` (``q [T, H, D]``; tokens outside the
     plan, the padding, get zeros), reading only the blocks each row's keys occupy. ``scale``: of the
-    scores, ``head_dim ** -0.5`` when None."""
+    scores, ``head_dim ** -0.5`` when None; ``softcap`` as ``paged_attention``'s (the native op caps
+    in place; the gathered rows and chunks then run ``_masked_attention``'s float32 path, not SDPA)."""
     num_tokens, num_heads, head_dim = q.shape
     scale = head_dim ** -0.5 if scale is None else scale
     keys, values = cache.keys[layer], cache.values[layer]
@@ -361,11 +362,11 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         rows = tokens.shape[0]
         qd = q if rows == num_tokens else q.index_select(0, tokens)
         if _native_ok(keys, qd) and head_dim % 16 == 0 and head_dim <= 128 and groups <= 8:  # the op's limits
-            attn = _native_ops().paged_decode_attention(qd.to(keys.dtype), keys, values, tables, lengths,
-                                                        scale, planned.sliding_window or 0).to(q.dtype)
+            attn = _native_ops().paged_decode_attention(qd.to(keys.dtype), keys, values, tables, lengths, scale,
+                                                        planned.sliding_window or 0, softcap or 0.0).to(q.dtype)
         else:  # a cache the op does not take (dtype): the reference over the same tables
             attn = paged_attention(qd, cache, layer, tables, torch.arange(rows, device=q.device), lengths - 1,
-                                   scale=scale, sliding_window=planned.sliding_window)
+                                   scale=scale, sliding_window=planned.sliding_window, softcap=softcap)
         if rows == num_tokens and not planned.prefill:
             return attn  # the plan lists chunks in token order: these are tokens 0 .. T - 1
         out = q.new_zeros(num_tokens, num_heads, head_dim).index_copy_(0, tokens, attn)
@@ -374,9 +375,8 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         rows = tokens.shape[0]
         # One query per row: its ``groups`` heads that share a kv head are that head's queries.
         qd = q.index_select(0, tokens).view(rows, kv_heads, groups, head_dim)
-        attn = F.scaled_dot_product_attention(qd, _gather_keys(keys, table, rows).to(q.dtype),
-                                              _gather_keys(values, table, rows).to(q.dtype), attn_mask=mask,
-                                              scale=scale)
+        attn = _masked_attention(qd, _gather_keys(keys, table, rows).to(q.dtype),
+                                 _gather_keys(values, table, rows).to(q.dtype), mask, scale, softcap)
         attn = attn.reshape(rows, num_heads, head_dim)
         if rows == num_tokens and not planned.prefill:
             return attn  # the plan lists chunks in token order: these are tokens 0 .. T - 1
@@ -387,6 +387,20 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         qc = q[first:first + count].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         k = _gather_keys(keys, table, 1).to(q.dtype)
         v = _gather_keys(values, table, 1).to(q.dtype)
-        attn = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
+        attn = _masked_attention(qc, k, v, mask, scale, softcap)
         out[first:first + count] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+    """SDPA of ``q [..., H, n, D]`` over ``k``/``v [..., Hkv, s, D]`` (``H`` a multiple of ``Hkv``) under the
+    boolean ``mask``; with ``softcap``, the same in float32 (float64 for float64) with capped scores."""
+    groups = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1, scale=scale)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    k, v = k.repeat_interleave(groups, dim=-3).to(compute), v.repeat_interleave(groups, dim=-3).to(compute)
+    scores = soft_capped((q.to(compute) @ k.transpose(-1, -2)) * scale, softcap)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (weights @ v).to(q.dtype)

@@ -17,6 +17,9 @@
 // that a model's tokens stay those of transformers: scores = (q . k) * scale, e = exp(s - max),
 // the weighted sum of values over the unnormalized e (rounded to bfloat16 first when the cache is
 // bfloat16, as the flash kernel rounds its probabilities), divided by sum(e) at the end.
+//
+// The paged decode op soft-caps scores where softcap > 0 (Gemma 2): s = tanh(s / softcap) * softcap
+// after the scale and before the softmax, as the reference paged attention (soft_capped) does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -96,8 +99,8 @@ inline void softmax(float* s, int64_t n) {
 // first .. length - 1, head_dim = V * 16. keys/values point at the kv head's rows of block 0.
 template <typename T, int V>
 void attend_group(const T* q, const T* keys, const T* values, const int64_t* table, int64_t length,
-                  int64_t first, int64_t groups, int64_t block_size, int64_t block_stride, float scale, T* out,
-                  std::vector<float>& scores) {
+                  int64_t first, int64_t groups, int64_t block_size, int64_t block_stride, float scale,
+                  float softcap, T* out, std::vector<float>& scores) {
   constexpr int64_t D = V * kLanes;
   const int64_t span = length - first;
   scores.resize(groups * span);
@@ -118,6 +121,8 @@ void attend_group(const T* q, const T* keys, const T* values, const int64_t* tab
       }
     }
   }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < groups * span; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
   for (int64_t g = 0; g < groups; ++g) softmax(scores.data() + g * span, span);
   __m512 acc[kMaxGroups][V];
   for (int64_t g = 0; g < groups; ++g)
@@ -145,7 +150,7 @@ void attend_group(const T* q, const T* keys, const T* values, const int64_t* tab
 template <typename T, int V>
 void attend_rows(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op, int64_t rows,
                  int64_t heads, int64_t kv_heads, int64_t block_size, int64_t width, double scale,
-                 int64_t sliding_window) {
+                 int64_t sliding_window, double softcap) {
   constexpr int64_t D = V * kLanes;
   const int64_t groups = heads / kv_heads;
   const int64_t block_stride = kv_heads * block_size * D;
@@ -157,14 +162,15 @@ void attend_rows(const T* qp, const T* kp, const T* vp, const int64_t* tp, const
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
       const int64_t offset = (r * heads + h * groups) * D;
       attend_group<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, tp + r * width, length,
-                         first, groups, block_size, block_stride, static_cast<float>(scale), op + offset, scores);
+                         first, groups, block_size, block_stride, static_cast<float>(scale),
+                         static_cast<float>(softcap), op + offset, scores);
     }
   });
 }
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                const at::Tensor& lengths, double scale, int64_t sliding_window, at::Tensor& out) {
+                const at::Tensor& lengths, double scale, int64_t sliding_window, double softcap, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = keys.size(1), block_size = keys.size(2), width = tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -176,7 +182,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& v
   switch (head_dim / kLanes) {
 #define GENFN_ATTEND(V) \
   case V:               \
-    return attend_rows<T, V>(qp, kp, vp, tp, lp, op, rows, heads, kv_heads, block_size, width, scale, sliding_window);
+    return attend_rows<T, V>(qp, kp, vp, tp, lp, op, rows, heads, kv_heads, block_size, width, scale, sliding_window, \
+                             softcap);
     GENFN_ATTEND(1)
     GENFN_ATTEND(2)
     GENFN_ATTEND(3)
@@ -205,10 +212,11 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t n
 
 // q [N, H, D]; keys, values [num_blocks, Hkv, block_size, D] (one layer); tables [N, W] int64;
 // lengths [N] int64: query n attends positions 0 .. lengths[n] - 1 of its table (the last
-// sliding_window of them when sliding_window > 0). Returns [N, H, D] in q's dtype.
+// sliding_window of them when sliding_window > 0), its scores soft-capped when softcap > 0.
+// Returns [N, H, D] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   const at::Tensor& tables, const at::Tensor& lengths, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "paged_decode_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
   TORCH_CHECK(q.size(2) == keys.size(3), "paged_decode_attention: q's head_dim ", q.size(2), " != the cache's ",
@@ -226,14 +234,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
               "paged_decode_attention: q, keys and values must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be > 0 (or 0 for none), got ", softcap);
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
   const at::Tensor tc = tables.contiguous(), lc = lengths.contiguous();
   check_tables(tc, lc, kc.size(0), kc.size(2));
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kFloat)
-    attend_all<float>(qc, kc, vc, tc, lc, scale, sliding_window, out);
+    attend_all<float>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out);
   else
-    attend_all<c10::BFloat16>(qc, kc, vc, tc, lc, scale, sliding_window, out);
+    attend_all<c10::BFloat16>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out);
   return out;
 }
 
@@ -534,7 +543,7 @@ template void attend_group<c10::BFloat16>(const c10::BFloat16*, const c10::BFloa
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
-        "int sliding_window) -> Tensor");
+        "int sliding_window, float softcap=0.0) -> Tensor");
   m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale) -> Tensor");
   m.def("paged_query_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window) -> Tensor");

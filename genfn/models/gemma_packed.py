@@ -6,8 +6,9 @@ Gemma's embedding scale, norms, GeGLU MLP and final soft-capping from its own mo
 differ per layer: a sliding-window layer masks each token's keys by its own position in its
 request (the window counted in the paged cache, as ``generate`` counts it) and rotates by the
 local RoPE base, a global layer sees the whole request under the global base; and the scores are
-scaled by ``query_pre_attn_scalar ** -0.5`` and, for Gemma 2, soft-capped. Soft-capped scores do
-not run through the plan's SDPA or native paths, so Gemma 2 attends through the reference ones.
+scaled by ``query_pre_attn_scalar ** -0.5`` and, for Gemma 2, soft-capped: the native paged op
+caps them itself (``decode_attention.cpp``), the plan's gathered rows and chunks cap them in float32
+instead of running SDPA (``genfn.cache.paged.planned_attention``).
 Under tensor parallelism the shared pieces (``embed``, ``finish_layer``, ``final_logits``) hold
 the collectives, so this forward runs a rank's shard unchanged.
 """
@@ -58,7 +59,7 @@ def apply_packed(spec: GemmaSpec, params: Mapping[str, Any], inputs, cache: Page
             True: rope_cos_sin(params["local_inv_freq"], inputs.positions, x.dtype)}
     softcap = spec.attn_logit_softcapping
     windows = {False: None, True: spec.sliding_window}
-    routes = {sliding: packed_attention(inputs, cache, plan, windows[sliding], use_plan=softcap is None)
+    routes = {sliding: packed_attention(inputs, cache, plan, windows[sliding])
               for sliding in set(spec.sliding_layers)}
     scale = attention_scale(spec)
     for i, layer in enumerate(params["layers"]):

@@ -54,7 +54,7 @@ def apply_packed(spec: GptOssSpec, params: Mapping[str, Any], inputs, cache: Pag
     x = embedding(inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)
     windows = {False: None, True: spec.sliding_window}
-    routes = {sliding: packed_attention(inputs, cache, plan, windows[sliding], use_plan=False)
+    routes = {sliding: packed_attention(inputs, cache, None, windows[sliding])  # sinks: no plan
               for sliding in set(spec.sliding_layers)}
     scale = attention_scale(spec)
     for i, layer in enumerate(params["layers"]):

@@ -17,8 +17,11 @@ Three ways to run it, picked by the call:
   row chose runs once on the rows that chose it, its outputs weighted and added in ascending
   expert order (transformers' loop): the work of ``k`` experts per row, not ``E``. The groups'
   sizes are data, so this runs only where nothing is being traced;
-- inside a compiled step the rest run every expert on every row with the unchosen ones weighted
-  zero: shapes that do not depend on the routing, the same sums in the same order.
+- inside a compiled step the rest run that same grouping as one op (``genfn_moe::grouped``, a
+  ``torch.library`` custom op with a fake implementation of ``x``'s shape) that the compiler does
+  not look into: the graph's shapes do not depend on the routing, the work is ``k`` experts per
+  row whatever ``E`` is, and the numbers are the eager call's. On CUDA the op reads the group
+  sizes on the host, so it is tagged ``cudagraph_unsafe`` (CUDA graphs run around it).
 
 Under tensor parallelism (``genfn.models.tensor_parallel``) each rank holds a slice of every
 expert's intermediate size; the router is whole on every rank, so every rank picks the same
@@ -28,7 +31,7 @@ partial outputs (float rounding: the parts are added in another order than one p
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +77,8 @@ def _swiglu(x: torch.Tensor, gate_up, down) -> torch.Tensor:
 
 
 def _grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """Each chosen expert once, on the rows that chose it (eager only: the groups' sizes are data)."""
+    """Each chosen expert once, on the rows that chose it. The groups' sizes are data, so a compiled
+    step calls this through ``_grouped_op``."""
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert, ascending
@@ -93,13 +97,33 @@ def _grouped(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate
     return out
 
 
-def _dense(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """Every expert on every row, weighted zero where unchosen: shapes independent of the routing."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        weight = (weights * (experts == e)).sum(dim=-1, keepdim=True)  # [T, 1]; 0 where e was not chosen
-        out = out + _swiglu(x, _expert(gate_up, e), _expert(down, e)) * weight
-    return out
+@torch.library.custom_op("genfn_moe::grouped", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _grouped_op(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                gate_up_scales: Optional[torch.Tensor], gate_up_mins: Optional[torch.Tensor], gate_up_format: str,
+                gate_up_out: int, down: torch.Tensor, down_scales: Optional[torch.Tensor],
+                down_mins: Optional[torch.Tensor], down_format: str, down_out: int) -> torch.Tensor:
+    """``_grouped`` for a compiled step: each stack as its tensors (``_stack_parts``), rebuilt here."""
+    gate_up_stack = _stack(gate_up, gate_up_scales, gate_up_mins, gate_up_format, gate_up_out, x.shape[-1])
+    down_stack = _stack(down, down_scales, down_mins, down_format, down_out, gate_up_out // 2)
+    return _grouped(x, weights, experts, gate_up_stack, down_stack)
+
+
+@_grouped_op.register_fake
+def _(x, weights, experts, gate_up, gate_up_scales, gate_up_mins, gate_up_format, gate_up_out, down, down_scales,
+      down_mins, down_format, down_out):
+    return torch.empty_like(x)
+
+
+def _stack_parts(stack) -> tuple:
+    """A stacked projection as ``(codes, scales, mins, format, out_features)``; a float stack is
+    ``(stack, None, None, "float", out_features)``."""
+    if isinstance(stack, QuantizedExperts):
+        return stack.codes, stack.scales, stack.mins, stack.format, stack.out_features
+    return stack, None, None, "float", stack.shape[1]
+
+
+def _stack(codes, scales, mins, fmt: str, out_features: int, in_features: int):
+    return codes if fmt == "float" else QuantizedExperts(codes, scales, mins, fmt, out_features, in_features)
 
 
 def moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
@@ -113,7 +137,7 @@ def moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torch.Tenso
     elif moe_quant.takes(x, gate_up, down):
         out, _ = moe_quant.moe_decode(x, experts, weights, gate_up, down)
     elif torch.compiler.is_compiling():
-        out = _dense(x, weights, experts, gate_up, down)
+        out = _grouped_op(x, weights, experts, *_stack_parts(gate_up), *_stack_parts(down))
     else:
         out = _grouped(x, weights, experts, gate_up, down)
     if getattr(spec, "tensor_shard", None) is not None:  # this rank's part of every chosen expert's output

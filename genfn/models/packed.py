@@ -219,13 +219,12 @@ class PackedAttention:
     visible: torch.Tensor | None = None
 
 
-def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None, sliding_window: int | None,
-                     use_plan: bool = True) -> PackedAttention:
-    """The ``PackedAttention`` of ``inputs``; ``use_plan=False`` leaves the plan's SDPA and native
-    paths aside (they cannot soft-cap scores)."""
+def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None,
+                     sliding_window: int | None) -> PackedAttention:
+    """The ``PackedAttention`` of ``inputs``."""
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
-    if plan is not None and use_plan:
+    if plan is not None:
         planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, sliding_window)
         return PackedAttention(inputs, sliding_window, planned=planned)
     if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
@@ -239,10 +238,9 @@ def attend(q: torch.Tensor, cache: PagedKVCache, layer: int, route: PackedAttent
     """``q [T, H, D]`` of the packed tokens against their own requests' cached keys of ``layer``
     (``sinks [H]``: GPT-OSS's attention sinks, ``genfn.cache.paged.sink_softmax``)."""
     if route.planned is not None:
-        if softcap is not None or sinks is not None:
-            raise ValueError("planned attention cannot soft-cap scores or add sinks: build the route with "
-                             "use_plan=False")
-        return planned_attention(q, cache, layer, route.planned, scale)
+        if sinks is not None:
+            raise ValueError("planned attention cannot add sinks: build the route without a plan")
+        return planned_attention(q, cache, layer, route.planned, scale, softcap)
     if route.visible is not None:
         return _attend_whole_cache(q, cache, layer, route.visible, scale, softcap, sinks)
     inputs = route.inputs
