@@ -1,11 +1,12 @@
 """The batch-invariant mode (``genfn.deterministic``) on the families beyond Llama's plain layer:
 SmolLM3 (layers without RoPE), Phi-4-mini (partial rotary), Phi-3 with LongRoPE, Gemma 2 (soft-caps)
-and Gemma 3, the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE). Their kernels give every row
-its bits alone; and on a tiny random model of each family, every variant of the determinism report (alone, ``generate`` batches in order and
-shuffled, continuous batching with and without chunked prefill and with prefix caching, 1 and 2
-threads) gives every request bitwise the reference's tokens, logprobs and logits; and the mode
-computes the model the default mode computes (the same greedy tokens alone, logits within
-float32 rounding)."""
+and Gemma 3, the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE). Their ops give every row its
+bits alone (the experts float and GGUF-quantized); and on a tiny random model of each family,
+every variant of the determinism report (alone, ``generate`` batches in order and shuffled,
+continuous batching with and without chunked prefill and with prefix caching, 1 and 2 threads)
+gives every request bitwise the reference's tokens, logprobs and logits, and the mode computes
+the model the default mode computes (the same greedy tokens alone, logits within float32
+rounding)."""
 
 from __future__ import annotations
 
@@ -229,3 +230,24 @@ def test_the_experts_mlp_gives_every_row_its_bits_alone(dtype, normalize):
     spec = SimpleNamespace(experts_per_token=2, norm_topk_prob=normalize)
     reference = moe_mlp(spec, dict(router=router, experts_gate_up=gate_up, experts_down=down), x)
     assert (alone.float() - reference.float()).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_quantized_experts_give_every_row_its_bits_alone(fmt):
+    """A GGUF file's expert stacks (``QuantizedExperts``) in the mode: each row's sum its own,
+    grouped by expert (eager) or every expert on every row (inside a compiled step) alike."""
+    from genfn.quant import QuantizedExperts, quantize, quantize_k
+
+    def stack(values):
+        flat = values.reshape(-1, values.shape[-1])
+        return QuantizedExperts.from_blocks(quantize_k(flat, fmt) if fmt == "q4_k" else quantize(flat, fmt),
+                                            values.shape[0])
+
+    torch.manual_seed(8)
+    experts, hidden, inner = 4, 256, 256  # K-quant blocks span 256 inputs
+    router = torch.randn(experts, hidden)
+    gate_up, down = stack(torch.randn(experts, 2 * inner, hidden) / 16), stack(torch.randn(experts, hidden, inner) / 16)
+    x = torch.randn(33, hidden)
+    alone = _assert_every_row_as_alone(lambda rows: invariant_ops.moe_mlp(rows, router, gate_up, down, 2, True), x,
+                                       rows=(1, 2, 9, 33))
+    assert torch.equal(invariant_ops._moe_rows(x, router, gate_up, down, 2, True, grouped=False), alone)
