@@ -30,7 +30,7 @@ import torch
 
 from genfn.kernels import invariant, invariant_ops
 
-__all__ = ["check_invariant_spec", "invariant_layers", "invariant_logits", "long_rope_furthest"]
+__all__ = ["check_invariant_spec", "invariant_layers", "invariant_logits", "long_rope_furthest", "rotate_qkv"]
 
 
 def check_invariant_spec(spec: Any) -> None:
