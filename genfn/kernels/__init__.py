@@ -74,11 +74,11 @@ def _register_fake() -> None:
         return torch.empty_like(q)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
-    def _(q, keys, values, visible, scale):
+    def _(q, keys, values, visible, scale, softcap=0.0):
         return torch.empty_like(q)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_query_attention")
-    def _(q, keys, values, tables, lengths, scale, sliding_window):
+    def _(q, keys, values, tables, lengths, scale, sliding_window, softcap=0.0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")

@@ -43,6 +43,7 @@ inline void narrow(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 constexpr int kLanes = 16;
 constexpr int64_t kMaxGroups = 8;   // query heads per kv head held in registers
 constexpr int64_t kMaxVectors = 8;  // head_dim / 16 held in registers (head_dim <= 128)
+constexpr int64_t kMaxQueryVectors = 16;  // the per-query walk (attend_rows_at) takes head_dim <= 256 (Gemma)
 
 inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_lanes(const c10::BFloat16* p) {
@@ -92,6 +93,20 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 k = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
+  }
+}
+
+// s[i] = tanh(s[i] / cap) * cap over s[0 .. n) (Gemma 2's soft-capped scores), tanh(z) as
+// 1 - 2 / (e^(2z) + 1) in 16 lanes (the tail masked): every score by the same arithmetic, wherever it sits.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const __m512 inv = _mm512_set1_ps(1.f / cap), capv = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.f);
+  const __m512 two = _mm512_set1_ps(2.f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 k = genfn_kernels::lanes_below(n - i);
+    const __m512 z = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
+    const __m512 e = genfn_kernels::exp16(_mm512_mul_ps(z, two));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+    _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(t, capv));
   }
 }
 
@@ -253,7 +268,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
 // share, so the two give the same bits for the same keys.
 template <typename T, int V>
 void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
-                    float scale, T* out, std::vector<float>& scores) {
+                    float scale, float softcap, T* out, std::vector<float>& scores) {
   constexpr int64_t D = V * kLanes;
   if (n == 0) {  // nothing visible: zeros, not the NaN of an empty softmax
     for (int64_t i = 0; i < groups * D; ++i) narrow(out + i, 0.f);
@@ -273,6 +288,7 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
       scores[g * n + i] = _mm512_reduce_add_ps(dot) * scale;
     }
   }
+  if (softcap > 0.f) soft_cap(scores.data(), groups * n, softcap);
   float totals[kMaxGroups];
   for (int64_t g = 0; g < groups; ++g) {
     float* s = scores.data() + g * n;
@@ -306,18 +322,18 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
 // keys/values point at the kv head's slot 0; slots are `slot_stride` elements apart.
 template <typename T, int V>
 void attend_visible(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
-                    int64_t slot_stride, int64_t groups, float scale, T* out, std::vector<float>& scores,
-                    std::vector<int64_t>& offsets) {
+                    int64_t slot_stride, int64_t groups, float scale, float softcap, T* out,
+                    std::vector<float>& scores, std::vector<int64_t>& offsets) {
   offsets.clear();
   for (int64_t s = 0; s < span; ++s)
     if (visible[s]) offsets.push_back(s * slot_stride);
-  attend_rows_at<T, V>(q, keys, values, offsets.data(), static_cast<int64_t>(offsets.size()), groups, scale, out,
-                       scores);
+  attend_rows_at<T, V>(q, keys, values, offsets.data(), static_cast<int64_t>(offsets.size()), groups, scale, softcap,
+                       out, scores);
 }
 
 template <typename T, int V>
 void attend_dense_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                       const at::Tensor& visible, double scale, at::Tensor& out) {
+                       const at::Tensor& visible, double scale, double softcap, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = keys.size(1), span = visible.size(1);
   const int64_t groups = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
@@ -339,15 +355,16 @@ void attend_dense_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
       const int64_t r = i / kv_heads, h = i % kv_heads;
       const int64_t offset = (r * heads + h * groups) * V * kLanes;
       attend_visible<T, V>(qp + offset, kp + r * kb + h * kh, vp + r * vb + h * vh, mp + r * span, span, ks,
-                           groups, static_cast<float>(scale), op + offset, scores, slots);
+                           groups, static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores, slots);
     }
   });
 }
 
 // q [B, H, D]; keys, values [B, Hkv, >= A, D] (any strides but a contiguous D); visible [B, A]
-// bool: row b's query attends slot s < A where visible[b, s]. Returns [B, H, D] in q's dtype.
+// bool: row b's query attends slot s < A where visible[b, s]; softcap > 0: scores soft-capped,
+// tanh(s / softcap) * softcap (Gemma 2). Returns [B, H, D] in q's dtype.
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                  const at::Tensor& visible, double scale) {
+                                  const at::Tensor& visible, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "dense_decode_attention: q must be [B, H, D] and keys/values [B, kv_heads, slots, D]");
   TORCH_CHECK(keys.size(0) == q.size(0) && keys.size(3) == q.size(2), "dense_decode_attention: keys ",
@@ -355,8 +372,8 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
               "dense_decode_attention: query heads (", q.size(1), ") must be a multiple of kv heads (",
               keys.size(1), "), at most ", kMaxGroups, " per kv head");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxVectors,
-              "dense_decode_attention: head_dim must be a multiple of 16 up to 128, got ", q.size(2));
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxQueryVectors,
+              "dense_decode_attention: head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   TORCH_CHECK(visible.dim() == 2 && visible.size(0) == q.size(0) && visible.size(1) <= keys.size(2) &&
                   visible.scalar_type() == at::kBool,
               "dense_decode_attention: visible must be a bool [B, A] with A <= the cache's ", keys.size(2), " slots");
@@ -373,9 +390,9 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
 #define GENFN_DENSE(V)                                                                      \
   case V:                                                                                   \
     if (bf16)                                                                               \
-      attend_dense_rows<c10::BFloat16, V>(qc, keys, values, mc, scale, out);                \
+      attend_dense_rows<c10::BFloat16, V>(qc, keys, values, mc, scale, softcap, out);       \
     else                                                                                    \
-      attend_dense_rows<float, V>(qc, keys, values, mc, scale, out);                        \
+      attend_dense_rows<float, V>(qc, keys, values, mc, scale, softcap, out);               \
     break;
     GENFN_DENSE(1)
     GENFN_DENSE(2)
@@ -385,6 +402,14 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
     GENFN_DENSE(6)
     GENFN_DENSE(7)
     GENFN_DENSE(8)
+    GENFN_DENSE(9)
+    GENFN_DENSE(10)
+    GENFN_DENSE(11)
+    GENFN_DENSE(12)
+    GENFN_DENSE(13)
+    GENFN_DENSE(14)
+    GENFN_DENSE(15)
+    GENFN_DENSE(16)
 #undef GENFN_DENSE
   }
   return out;
@@ -393,7 +418,7 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
 template <typename T, int V>
 void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                           const at::Tensor& tables, const at::Tensor& lengths, double scale, int64_t sliding_window,
-                          at::Tensor& out) {
+                          double softcap, at::Tensor& out) {
   constexpr int64_t D = V * kLanes;
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = keys.size(1), block_size = keys.size(2);
   const int64_t width = tables.size(1), groups = heads / kv_heads, block_stride = kv_heads * block_size * D;
@@ -416,8 +441,8 @@ void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at:
         offsets.push_back(tp[r * width + pos / block_size] * block_stride + (pos % block_size) * D);
       const int64_t offset = (r * heads + h * groups) * D;
       attend_rows_at<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, offsets.data(),
-                           static_cast<int64_t>(offsets.size()), groups, static_cast<float>(scale), op + offset,
-                           scores);
+                           static_cast<int64_t>(offsets.size()), groups, static_cast<float>(scale),
+                           static_cast<float>(softcap), op + offset, scores);
     }
   });
 }
@@ -426,14 +451,15 @@ void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at:
 // positions 0 .. lengths[n] - 1 of its block table (tables [N, W]; the last sliding_window of them
 // when sliding_window > 0), in position order, with the dense decode step's arithmetic
 // (attend_rows_at): a prefill chunk's queries, a decode step's and a lone request's all reduce a
-// query over the same keys in the same order. Returns [N, H, D] in q's dtype.
+// query over the same keys in the same order; softcap as dense_decode_attention's. Returns
+// [N, H, D] in q's dtype.
 at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& tables, const at::Tensor& lengths, double scale,
-                                 int64_t sliding_window) {
+                                 int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "paged_query_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
-  TORCH_CHECK(q.size(2) == keys.size(3) && q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxVectors,
-              "paged_query_attention: head_dim must match the cache's and be a multiple of 16 up to 128");
+  TORCH_CHECK(q.size(2) == keys.size(3) && q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxQueryVectors,
+              "paged_query_attention: head_dim must match the cache's and be a multiple of 16 up to 256");
   TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
               "paged_query_attention: query heads must be a multiple of kv heads, at most ", kMaxGroups, " per kv head");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0) &&
@@ -451,9 +477,9 @@ at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, co
 #define GENFN_QUERIES(V)                                                                        \
   case V:                                                                                       \
     if (bf16)                                                                                   \
-      attend_queries_paged<c10::BFloat16, V>(qc, kc, vc, tc, lc, scale, sliding_window, out);  \
-    else                                                                                        \
-      attend_queries_paged<float, V>(qc, kc, vc, tc, lc, scale, sliding_window, out);          \
+      attend_queries_paged<c10::BFloat16, V>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out); \
+    else                                                                                                \
+      attend_queries_paged<float, V>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out);          \
     break;
     GENFN_QUERIES(1)
     GENFN_QUERIES(2)
@@ -463,6 +489,14 @@ at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, co
     GENFN_QUERIES(6)
     GENFN_QUERIES(7)
     GENFN_QUERIES(8)
+    GENFN_QUERIES(9)
+    GENFN_QUERIES(10)
+    GENFN_QUERIES(11)
+    GENFN_QUERIES(12)
+    GENFN_QUERIES(13)
+    GENFN_QUERIES(14)
+    GENFN_QUERIES(15)
+    GENFN_QUERIES(16)
 #undef GENFN_QUERIES
   }
   return out;
@@ -521,7 +555,8 @@ void attend_group(const T* q, const T* keys, const T* values, const bool* visibl
   thread_local std::vector<int64_t> slots;
   switch (head_dim / kLanes) {
 #define GENFN_GROUP(V) \
-  case V: return attend_visible<T, V>(q, keys, values, visible, span, slot_stride, groups, scale, out, scores, slots);
+  case V:                \
+    return attend_visible<T, V>(q, keys, values, visible, span, slot_stride, groups, scale, 0.f, out, scores, slots);
     GENFN_GROUP(1)
     GENFN_GROUP(2)
     GENFN_GROUP(3)
@@ -544,9 +579,10 @@ template void attend_group<c10::BFloat16>(const c10::BFloat16*, const c10::BFloa
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window, float softcap=0.0) -> Tensor");
-  m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale) -> Tensor");
+  m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale, "
+        "float softcap=0.0) -> Tensor");
   m.def("paged_query_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
-        "int sliding_window) -> Tensor");
+        "int sliding_window, float softcap=0.0) -> Tensor");
   m.def("paged_write(Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 

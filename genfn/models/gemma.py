@@ -28,13 +28,12 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache
-from genfn.kernels import linear
-from genfn.models import tensor_parallel
+from genfn.kernels import invariant, linear
+from genfn.models import gemma_invariant, tensor_parallel
 from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
-from genfn.kernels.invariant import refuse_outside_plain_llama
 
 __all__ = ["GemmaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "state_dict_of"]
@@ -308,8 +307,8 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
           cache: StaticCache, attention_mask: torch.Tensor | None = None, *, logits_to_keep: int = 0,
           attend_len: int | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
           num_layers: int | None = None):
-    """As ``genfn.models.llama.apply`` (same arguments and results), for Gemma 2 / Gemma 3 text."""
-    refuse_outside_plain_llama("Gemma")
+    """As ``genfn.models.llama.apply`` (same arguments and results), for Gemma 2 / Gemma 3 text
+    (in the batch-invariant mode: ``genfn.models.gemma_invariant``)."""
     layers = params["layers"]
     if num_layers is not None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
@@ -322,6 +321,12 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
     x = embed(spec, params, tokens)
     rope = {False: rope_cos_sin(params["inv_freq"], positions, x.dtype),
             True: rope_cos_sin(params["local_inv_freq"], positions, x.dtype)}
+    if invariant.batch_invariant():
+        if output_hidden_states or output_attentions:
+            raise ValueError("the batch-invariant mode (genfn.deterministic) does not return hidden states or "
+                             "attentions")
+        logits = gemma_invariant.forward(spec, params, layers, x, rope, cache, slots, masks, attend_len, logits_to_keep)
+        return logits, cache
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
     for i, layer in enumerate(layers):

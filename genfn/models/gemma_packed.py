@@ -22,8 +22,9 @@ import torch
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, write
 from genfn.models.gemma import GemmaSpec, attention_scale, embed, final_logits, finish_layer, project_qkv
 from genfn.models.packed import attend, check_plan, packed_attention, rotate_heads, sampled_logits
+from genfn.kernels import invariant
+from genfn.models import gemma_invariant
 from genfn.models.rope import rope_cos_sin
-from genfn.kernels.invariant import refuse_outside_plain_llama
 
 __all__ = ["apply_packed", "init_packed_cache", "pack_params"]
 
@@ -49,14 +50,17 @@ def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def apply_packed(spec: GemmaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
                  plan: PackedPlan | None = None) -> tuple[torch.Tensor, PagedKVCache]:
-    """As ``genfn.models.packed.apply_packed`` (same arguments and results), for Gemma 2 / Gemma 3."""
-    refuse_outside_plain_llama("Gemma")
+    """As ``genfn.models.packed.apply_packed`` (same arguments and results), for Gemma 2 / Gemma 3
+    (in the batch-invariant mode: ``genfn.models.gemma_invariant``)."""
     _check_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     check_plan(plan, num_tokens)
     x = embed(spec, params, inputs.input_ids)  # [T, hidden]
     rope = {False: rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype),
             True: rope_cos_sin(params["local_inv_freq"], inputs.positions, x.dtype)}
+    if invariant.batch_invariant():
+        return gemma_invariant.forward_packed(spec, params, inputs, cache, x, rope, lambda logits_of: sampled_logits(
+            inputs, plan, spec.vocab_size, x.device, logits_of))
     softcap = spec.attn_logit_softcapping
     windows = {False: None, True: spec.sliding_window}
     routes = {sliding: packed_attention(inputs, cache, plan, windows[sliding])

@@ -25,6 +25,7 @@ from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, invariant, linear
 from genfn.models import llama_variants as variants
 from genfn.models import tensor_parallel
+from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits, long_rope_furthest
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
@@ -428,9 +429,13 @@ def apply(
     mask = _attention_mask(spec, cache, slots, attend_len)
 
     x = tensor_parallel.embedding(spec, tokens, params["embed"], params["norm"].dtype)
-    cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor,
-                            params.get("long_inv_freq"), spec.original_context)
-    if invariant.batch_invariant():
+    in_mode = invariant.batch_invariant()
+    long_inv_freq = params.get("long_inv_freq")
+    # In the mode LongRoPE picks its factors per row (the row's furthest position), not by the batch's.
+    cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor, long_inv_freq,
+                            spec.original_context,
+                            long_rope_furthest(positions) if in_mode and long_inv_freq is not None else None)
+    if in_mode:
         check_invariant_spec(spec)
         if output_hidden_states or output_attentions:
             raise ValueError("the batch-invariant mode (genfn.deterministic) does not return hidden states or "
@@ -462,68 +467,6 @@ def apply(
                            tuple(hidden_states) if hidden_states is not None else None,
                            tuple(attentions) if attentions is not None else None)
     return logits, cache
-
-
-def check_invariant_spec(spec: LlamaSpec) -> None:
-    """Refuse a model the batch-invariant mode has no invariant layer for."""
-    if (spec.rope_layers is not None or spec.rotary_dim is not None or spec.num_experts
-            or spec.tensor_shard is not None or spec.original_context):
-        raise ValueError(f"the batch-invariant mode (genfn.deterministic) runs Llama-family layers (Llama, "
-                         f"Mistral, Qwen2, SmolLM2; with q/k norms and post-norms Qwen3 and OLMo 2) on one "
-                         f"process; {spec.architecture} with layers without RoPE, partial rotary, experts, "
-                         f"LongRoPE or tensor parallelism has none yet")
-
-
-def _invariant_qk_norm(spec: LlamaSpec, layer: Mapping[str, Any], qkv: torch.Tensor) -> torch.Tensor:
-    """``qkv [T, (H + 2 Hkv) D]`` with q and k RMS-normed as ``_decoder_layer`` norms them (per
-    head: Qwen3; over the projection: OLMo 2), each row on its own (``invariant.rms_norm``)."""
-    eps, head_dim = spec.rms_norm_eps, spec.head_dim
-    q_size, kv_size = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    if spec.qk_norm == "head":  # rows of one head each
-        q = invariant.rms_norm(q.reshape(-1, spec.num_heads, head_dim), layer["q_norm"], eps).reshape(-1, q_size)
-        k = invariant.rms_norm(k.reshape(-1, spec.num_kv_heads, head_dim), layer["k_norm"], eps).reshape(-1, kv_size)
-    else:
-        q, k = invariant.rms_norm(q, layer["q_norm"], eps), invariant.rms_norm(k, layer["k_norm"], eps)
-    return torch.cat([q, k, v], dim=-1)
-
-
-def invariant_layers(spec: LlamaSpec, layers, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend):
-    """The decoder layers in the batch-invariant mode (``genfn.kernels.invariant``): the tokens as
-    rows ``[T, hidden]`` (``cos, sin [T, D]``) through per-row ops; ``attend(i, q, k, v)`` writes
-    layer ``i``'s keys/values (``[T, Hkv, D]``) to the cache and returns each query's attention
-    ``[T, H, D]``. Shared by ``apply`` and the packed forward (``genfn.models.packed``), so a
-    request's logits are the same bits in ``generate`` and in continuous batching. Returns
-    ``(residual, last MLP output)``, to be summed by ``invariant_logits``' norm."""
-    ops = invariant
-    eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
-    mlp_out = None  # the previous layer's MLP output, added to the residual in the next norm's call
-    for i, layer in enumerate(layers):
-        if spec.post_norms:  # OLMo 2: no input norms; the outputs are normed before each residual add
-            h = rows = rows if mlp_out is None else rows + mlp_out
-        elif mlp_out is None:
-            h = ops.rms_norm(rows, layer["attn_norm"], eps)
-        else:
-            rows, h = ops.add_rms_norm(rows, mlp_out, layer["attn_norm"], eps)
-        qkv = ops.linear(h, layer["wqkv"], layer.get("bqkv"))
-        if spec.qk_norm is not None:
-            qkv = _invariant_qk_norm(spec, layer, qkv)
-        q, k, v = ops.rope_qkv(qkv, cos, sin, heads, kv_heads)
-        attn_out = ops.linear(attend(i, q, k, v).reshape(rows.shape[0], heads * spec.head_dim), layer["wo"])
-        if spec.post_norms:
-            rows = h = rows + ops.rms_norm(attn_out, layer["post_attn_norm"], eps)
-        else:
-            rows, h = ops.add_rms_norm(rows, attn_out, layer["mlp_norm"], eps)
-        mlp_out = ops.linear(ops.silu_mul(ops.linear(h, layer["w_gate_up"])), layer["w_down"])
-        if spec.post_norms:
-            mlp_out = ops.rms_norm(mlp_out, layer["post_mlp_norm"], eps)
-    return rows, mlp_out
-
-
-def invariant_logits(spec: LlamaSpec, params: Mapping[str, Any], rows: torch.Tensor, mlp_out: torch.Tensor):
-    """The final norm and LM head of ``invariant_layers``' rows: float32 ``[rows, V]``."""
-    _, h = invariant.add_rms_norm(rows, mlp_out, params["norm"], spec.rms_norm_eps)
-    return invariant.linear(h, params["lm_head"], out_float32=True)
 
 
 def _invariant_forward(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.Tensor, cos: torch.Tensor,

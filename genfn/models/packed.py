@@ -29,8 +29,8 @@ from genfn.cache.paged import PlannedAttention, planned_attention, sink_softmax,
 from genfn.kernels import decode_linear_available, invariant
 from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
-from genfn.models.llama import LlamaSpec, _rms_norm, check_invariant_spec, invariant_layers, invariant_logits
-from genfn.models.llama import projection_norms
+from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits
+from genfn.models.llama import LlamaSpec, _rms_norm, projection_norms
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -330,7 +330,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
 
 def _invariant_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
                       plan: PackedPlan | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``apply_packed`` in the batch-invariant mode: ``genfn.models.llama.invariant_layers`` (what
+    """``apply_packed`` in the batch-invariant mode: ``genfn.models.invariant_layers`` (what
     ``generate`` runs in the mode) with each query attending its own request's paged keys on its
     own (``genfn.kernels.invariant.paged_attention``); logits as ``sampled_logits`` picks them."""
     check_invariant_spec(spec)
