@@ -291,3 +291,15 @@ def test_weight_arena_hands_out_zeroed_tensors_each_with_its_storage():
         assert all(t.data_ptr() % 64 == 0 for t in (small, big, after))
         small.fill_(1)
         assert not big.any() and not after.any()
+
+
+def test_a_model_of_placed_blocks_runs_and_matches_the_old_path(mixed_file):
+    """The K-quant layer and every tiled matrix are the old path's bits (above); the mixed Q4_0/Q8_0
+    q/k/v now runs through the quantized kernels (a RowStack) where the old path multiplied its
+    float32 values, so logits agree to the activations' quantization, not bit for bit."""
+    model = genfn.load(mixed_file, quantize="gguf")
+    old = model_module.Model(model.spec, _old_params(mixed_file), model.apply_fn, model.init_cache_fn)
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    new_logits, old_logits = model(ids).logits, old(ids).logits
+    assert new_logits.shape == (1, 6, VOCAB) and torch.isfinite(new_logits).all()
+    torch.testing.assert_close(new_logits, old_logits, rtol=0.05, atol=0.05 * old_logits.abs().max().item())
