@@ -130,7 +130,7 @@ def test_op_registration_passes_torch_opcheck():
 
 
 def test_fusing_keeps_k_blocks_and_stacks_mixed_formats():
-    from genfn.quant.blocks import cat_rows
+    from genfn.quant.fuse import cat_rows
 
     q, k = quantize_k(torch.randn(8, 256), "q4_k"), quantize_k(torch.randn(4, 256), "q4_k")
     v = quantize_k(torch.randn(4, 256), "q6_k")

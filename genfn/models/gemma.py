@@ -33,7 +33,10 @@ from genfn.models import gemma_invariant, tensor_parallel
 from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
-from genfn.quant.blocks import RowBlocks, cat_rows, dequantize
+from genfn.quant.blocks import RowBlocks, dequantize
+from genfn.quant.fuse import cat_rows
+from genfn.quant.kquants import KQuantWeight
+from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["GemmaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "state_dict_of"]
@@ -180,6 +183,8 @@ def params_from_state_dict(spec: GemmaSpec, state_dict: Mapping[str, torch.Tenso
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
     if isinstance(embed, RowBlocks):
         embed = dequantize(embed).to(dtype or torch.float32)
+    elif isinstance(embed, (QuantizedWeight, KQuantWeight)):  # a GGUF file's blocks, as the loader placed them
+        embed = embed.dequantize().to(dtype or torch.float32)
     return {
         "embed": embed, "layers": layers, "norm": get("model.norm.weight"), "lm_head": lm_head,
         "inv_freq": inverse_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling),

@@ -37,7 +37,7 @@ from genfn.models.llama_variants import complete_rope_scaling
 from genfn.models.loaders.gguf_gpt_oss import alternate_rows
 from genfn.models.moe import biased_moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
-from genfn.quant.blocks import cat_rows
+from genfn.quant.fuse import cat_rows
 
 __all__ = ["GptOssSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "state_dict_of", "project_qkv", "finish_layer", "final_logits", "attention_scale"]

@@ -30,9 +30,7 @@ from genfn.models.loaders.checks import check_tensors
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, long_inverse_frequencies
 from genfn.models.rope import rope_cos_sin
-from genfn.quant.blocks import RowBlocks, cat_rows
-from genfn.quant.experts import QuantizedExperts
-from genfn.quant.kquants import KQuantWeight
+from genfn.quant.fuse import cat_rows
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms"]
@@ -166,8 +164,8 @@ def tensor_getter(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | N
             tensor = state_dict[name]
         except KeyError:
             raise ValueError(f"checkpoint is missing the tensor {name!r}") from None
-        return (tensor if dtype is None or isinstance(tensor, (RowBlocks, KQuantWeight, QuantizedExperts))
-                else tensor.to(dtype))
+        # Quantized weights (RowBlocks, tiles, K-quant blocks, experts) stay as they are.
+        return tensor if dtype is None or not isinstance(tensor, torch.Tensor) else tensor.to(dtype)
 
     return get
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from genfn.models.rope import attention_factor
-from genfn.quant.blocks import cat_rows
+from genfn.quant.fuse import cat_rows
 
 __all__ = ["VARIANT_MODEL_TYPES", "variant_fields", "norm_params", "fused", "norm_state", "FUSED_ARCHITECTURES",
            "mlp_params"]

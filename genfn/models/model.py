@@ -21,7 +21,7 @@ import torch
 
 from genfn.models import encoder_decoder, registry
 from genfn.models.functional import FunctionalModel
-from genfn.models.weight_arena import place_in_arena
+from genfn.models.weight_arena import WeightArena, place_in_arena
 from genfn.models.seq2seq import EncoderOutput
 
 __all__ = ["Model", "EncoderDecoderModel", "ModelCallOutput", "load", "from_hf_state_dict", "refuse_hub_id"]
@@ -270,6 +270,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     refuse_hub_id(path)
     quantize = check_quantize(quantize)
     shard_plan = None if tensor_shard is None else _slice_plan(tensor_shard)
+    # The weights' final place: a GGUF file's kept blocks are written into it as they are read.
+    arena = WeightArena()
     if quantize == "gguf":
         from genfn.models.loaders.gguf import load_gguf_checkpoint
 
@@ -277,7 +279,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         if kind != "gguf":
             raise ValueError(f"quantize='gguf' keeps a GGUF file's blocks, but {path} is a {kind} checkpoint; "
                              "pick a format to quantize to (q8_0, q4_0, q4_1, int8, int4)")
-        ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True, shard_plan=shard_plan)
+        ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True, shard_plan=shard_plan, arena=arena)
     else:
         ckpt = load_checkpoint(path, dtype=dtype, shard_plan=shard_plan)
     model = _from_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
@@ -289,8 +291,9 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
             raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "
                              f"unquantized (quantize=None)")
         model.params = quantize_params(model.params, quantize)
-    # Last, so the arena holds the weights the steps will read (a quantized model's codes, not floats).
-    model.params = place_in_arena(model.params)
+    # Last, so the arena holds the weights the steps will read (a quantized model's codes, not
+    # floats); what the loader already wrote there stays in place.
+    model.params = place_in_arena(model.params, arena)
     # Build (or find) the native kernels now, not in the middle of the first step.
     kernels.quant_linear_available()
     return model

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from genfn import kernels
 
-from genfn.quant.blocks import BLOCK, RowBlocks, cat_rows
+from genfn.quant.blocks import BLOCK, RowBlocks
+from genfn.quant.fuse import cat_rows
 from genfn.quant.experts import QuantizedExperts
 from genfn.quant.weight import QuantizedWeight
 

@@ -8,14 +8,18 @@ less time in every weight format (``benchmarks/huge_pages.py``). Linux backs ano
 huge pages only where a program asks (``transparent_hugepage`` set to ``madvise``, the common
 default), and only over 2 MiB-aligned ranges, which separate allocations of a few MB rarely span.
 
-``place_in_arena(params)`` copies every dense CPU tensor of a params pytree into one fresh
-anonymous mapping, asks for huge pages over it before the first write (``madvise(MADV_HUGEPAGE)``)
-and returns the same pytree over tensors placed in it, each with its own storage (inputs that share
-a storage are aliases to torch.compile, which its higher-order ops such as ``while_loop`` refuse).
-The mapping is its own, not the allocator's: a large ``torch.empty`` may be served from heap memory
-already written (after a compile, say), which huge pages no longer back. Identical leaves (tied embeddings) stay one tensor; dtypes, shapes and
-strides are kept. Where the kernel never gives huge pages, on other systems, or with
-``GENFN_HUGE_PAGES=0`` in the environment, the params come back unchanged.
+``WeightArena`` hands out zero-filled tensors from fresh anonymous mappings advised for huge
+pages before the first write (``madvise(MADV_HUGEPAGE)``), each tensor with its own storage
+(inputs that share a storage are aliases to torch.compile, which its higher-order ops such as
+``while_loop`` refuse). The mappings are the arena's own, not the allocator's: a large
+``torch.empty`` may be served from heap memory already written (after a compile, say), which huge
+pages no longer back. The GGUF loader writes a file's blocks straight into an arena
+(``genfn.models.loaders.gguf_blocks``); ``place_in_arena(params, arena)`` then copies in what is
+not there yet (norms, float weights), and ``place_in_arena(params)`` copies every dense CPU tensor
+of a params pytree into one new mapping, side by side. Identical leaves (tied embeddings) stay one
+tensor; dtypes, shapes and strides are kept. Where the kernel never gives huge pages, on other
+systems, or with ``GENFN_HUGE_PAGES=0`` in the environment, the params come back unchanged (and
+``WeightArena.empty`` is ``torch.zeros``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from genfn.state.base import NAMESPACE
 
-__all__ = ["place_in_arena", "huge_pages_available", "huge_page_bytes"]
+__all__ = ["WeightArena", "place_in_arena", "huge_pages_available", "huge_page_bytes"]
 
 HUGE_PAGE = 2 << 20
 # Each tensor starts on a cache line, where the kernels' vector loads want it.
@@ -66,35 +70,78 @@ def _view_key(t: torch.Tensor):
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 
-def place_in_arena(params):
-    """``params`` with its CPU tensors moved into one huge-page-backed buffer (see module doc)."""
-    if not huge_pages_available():
+class WeightArena:
+    """Bump allocation of zero-filled tensors, each with its own storage, in anonymous mappings
+    advised for huge pages: a loader writes a weight's final bytes here once, where the steps will
+    read them (``genfn.models.loaders.gguf_blocks``), instead of building it elsewhere and copying.
+
+    The arena grows a mapping of at least ``chunk_bytes`` at a time; the unused end of a mapping is
+    address space only (pages are backed when first written). Where huge pages are unavailable
+    (``huge_pages_available()``), ``enabled`` is False and ``empty`` is ``torch.zeros``.
+    """
+
+    def __init__(self, chunk_bytes: int = 256 << 20):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}")
+        self.enabled = huge_pages_available()
+        self.chunk_bytes = chunk_bytes
+        self._mapping: mmap.mmap | None = None
+        self._next = self._end = 0  # offsets into the current mapping
+        self._storages: set[int] = set()
+
+    def _grow(self, nbytes: int) -> None:
+        size = max(nbytes, self.chunk_bytes)
+        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:  # before the first write faults the pages in
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # refused (an old kernel, a sandbox): ordinary pages, slower, never wrong
+            pass
+        head = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # from a 2 MiB boundary
+        self._mapping, self._next, self._end = mapping, head, head + size
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled contiguous CPU tensor of ``shape`` and ``dtype`` in the arena."""
+        if not self.enabled:
+            return torch.zeros(shape, dtype=dtype)
+        count = 1
+        for size in shape:
+            count *= int(size)
+        nbytes = -(-max(count, 1) * dtype.itemsize // _ALIGN) * _ALIGN
+        if self._mapping is None or self._next + nbytes > self._end:
+            self._grow(nbytes)
+        # Each tensor keeps the mapping alive.
+        flat = torch.frombuffer(self._mapping, dtype=dtype, count=max(count, 1), offset=self._next)
+        self._next += nbytes
+        self._storages.add(flat.untyped_storage().data_ptr())
+        return flat[:count].view(shape)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or a view of it) was allocated here."""
+        return tensor.untyped_storage().data_ptr() in self._storages
+
+
+def place_in_arena(params, arena: WeightArena | None = None):
+    """``params`` with its CPU tensors moved into one huge-page-backed buffer (see module doc), or
+    into ``arena``, where the tensors already in it stay as they are."""
+    if not huge_pages_available() or (arena is not None and not arena.enabled):
         return params
     leaves, treedef = optree.tree_flatten(params, none_is_leaf=True, namespace=NAMESPACE)
     unique: dict = {}
     for leaf in leaves:
-        if _movable(leaf):
+        if _movable(leaf) and (arena is None or not arena.holds(leaf)):
             unique.setdefault(_view_key(leaf), leaf)
     if not unique:
         return params
-    offsets, total = {}, 0
-    for key, leaf in unique.items():
-        offsets[key] = total
-        total += -(-_span_elements(leaf) * leaf.element_size() // _ALIGN) * _ALIGN
-    mapping = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:  # before the copies fault the pages in
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # refused (an old kernel, a sandbox): ordinary pages, slower, never wrong
-        pass
-    head = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # from a 2 MiB boundary
+    spans = {key: _span_elements(leaf) for key, leaf in unique.items()}
+    if arena is None:  # one mapping, the tensors side by side
+        arena = WeightArena(chunk_bytes=sum(-(-spans[k] * leaf.element_size() // _ALIGN) * _ALIGN
+                                            for k, leaf in unique.items()))
     placed = {}
     for key, leaf in unique.items():
-        # Each tensor keeps the mapping alive.
-        flat = torch.frombuffer(mapping, dtype=leaf.dtype, count=_span_elements(leaf), offset=head + offsets[key])
-        view = flat.as_strided(leaf.shape, leaf.stride())
+        view = arena.empty((spans[key],), leaf.dtype).as_strided(leaf.shape, leaf.stride())
         view.copy_(leaf)
         placed[key] = view
-    out = [placed[_view_key(leaf)] if _movable(leaf) else leaf for leaf in leaves]
+    out = [placed.get(_view_key(leaf), leaf) if _movable(leaf) else leaf for leaf in leaves]
     return optree.tree_unflatten(treedef, out)
 
 

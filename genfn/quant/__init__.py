@@ -8,8 +8,9 @@ plain torch. ``QuantizedExperts`` (experts.py) is a mixture of experts' stacked 
 of these formats, each expert's blocks a slice the MoE kernels read alone.
 """
 
-from genfn.quant.blocks import FORMATS, GGUF_FORMATS, RowBlocks, cat_rows, dequantize, from_gguf_bytes, quantize
+from genfn.quant.blocks import FORMATS, GGUF_FORMATS, RowBlocks, dequantize, from_gguf_bytes, quantize
 from genfn.quant.experts import QuantizedExperts
+from genfn.quant.fuse import cat_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, K_FORMATS, KQuantWeight, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.reference import quantize_activations, reference_linear
 from genfn.quant.stack import RowStack

@@ -25,11 +25,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from genfn.quant.kquants import KQuantWeight, cat_k
-from genfn.quant.stack import RowStack
 
 __all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "BLOCK", "quantize", "dequantize", "from_gguf_bytes",
-           "cat_rows"]
+           "gguf_block_fields"]
 
 BLOCK = 32
 # Inputs per scale; None means one scale for the whole row.
@@ -76,55 +74,32 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}; got {fmt!r}")
 
 
-def cat_rows(parts: list) -> "RowBlocks | torch.Tensor":
-    """Row-concatenation of float tensors or of ``RowBlocks`` of one format (blocks untouched).
-
-    Mixed parts (float with blocks, or two formats) are dequantized to float32 first: exact, and
-    the only way to fuse them into one matrix.
-    """
-    if len(parts) == 1:
-        return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
-    if any(isinstance(p, KQuantWeight) for p in parts):
-        return _stack_k(parts)
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts, dim=0).contiguous()
-    formats = {p.format if isinstance(p, RowBlocks) else None for p in parts}
-    groups = {p.group_size for p in parts if isinstance(p, RowBlocks)}
-    if len(formats) != 1 or len(groups) != 1:
-        return torch.cat([dequantize(p) if isinstance(p, RowBlocks) else p.float() for p in parts], 0).contiguous()
-    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-    return RowBlocks(parts[0].format, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
-
-
-def _stack_k(parts: list):
-    """Parts among which some are K-quant blocks: runs of one K format (and width) are concatenated
-    as they are; a mix stays a ``RowStack`` of its runs, each kept in its own format (dequantizing
-    a K-quant run to fuse it would cost 7x its memory and its native kernel)."""
-    runs: list[list] = []
-    for part in parts:
-        last = runs[-1][-1] if runs else None
-        same = (isinstance(part, KQuantWeight) and isinstance(last, KQuantWeight) and part.format == last.format
-                and part.in_features == last.in_features)
-        if same:
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_rows(run) for run in runs]
-    return merged[0] if len(merged) == 1 else RowStack(tuple(merged))
-
-
 # ---------------------------------------------------------------------------------------------
 # GGUF bytes
+
+
+def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A GGUF tensor's blocks (``raw``: its uint8 data, e.g. a view of the file mapping) as a numpy
+    structured view ``[rows, cols // 32]``, no copy: fields ``d`` (float16 scale), ``m`` (float16
+    minimum, Q4_1 only), ``q`` (the code bytes) and ``words`` (the same codes as uint32, four bytes
+    a word: the unit the kernel's tiles interleave)."""
+    fmt = GGUF_FORMATS[ggml_type_name]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    code_bytes = 32 if fmt in EIGHT_BIT else 16
+    head = 4 if fmt == "q4_1" else 2
+    names, formats, offsets = ["d", "q", "words"], ["<f2", ("u1", code_bytes), ("<u4", code_bytes // 4)], [0, head, head]
+    if fmt == "q4_1":
+        names, formats, offsets = names + ["m"], formats + ["<f2"], offsets + [2]
+    block = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + code_bytes})
+    return np.ascontiguousarray(raw).reshape(-1).view(block).reshape(rows, cols // BLOCK)
 
 
 def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> RowBlocks:
     """``RowBlocks`` holding a GGUF tensor's blocks bit for bit (``raw``: its uint8 data)."""
     fmt = GGUF_FORMATS[ggml_type_name]
-    rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    # Each block: float16 d (and m for Q4_1), then the codes. A structured view splits the
-    # fields in numpy's fast copies rather than torch's strided byte copies (seconds per model).
-    fields = [("d", "<f2")] + ([("m", "<f2")] if fmt == "q4_1" else []) + [("q", "u1", 32 if fmt == "q8_0" else 16)]
-    blocks = np.ascontiguousarray(raw).reshape(-1).view(np.dtype(fields)).reshape(rows, cols // BLOCK)
+    # A structured view splits the fields in numpy's fast copies rather than torch's strided byte
+    # copies (seconds per model).
+    blocks = gguf_block_fields(raw, ggml_type_name, shape)
 
     def tensor(name: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[name]))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from genfn.quant.iq4 import IQ4_BLOCK_BYTES, IQ4_BLOCK_INPUTS, dequantize_iq4, quantize_iq4
+from genfn.quant.views import joined_rows
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "BLOCK_INPUTS",
@@ -101,8 +102,9 @@ def cat_k(parts: list) -> KQuantWeight:
     first = parts[0]
     if any(p.format != first.format or p.in_features != first.in_features for p in parts):
         raise ValueError("cat_k needs parts of one format and width")
-    return KQuantWeight(torch.cat([p.data for p in parts]), first.format, sum(p.out_features for p in parts),
-                        first.in_features)
+    data = joined_rows([p.data for p in parts])  # parts the GGUF loader wrote back to back: a view
+    return KQuantWeight(torch.cat([p.data for p in parts]) if data is None else data, first.format,
+                        sum(p.out_features for p in parts), first.in_features)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,12 +22,16 @@ recomputed.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from genfn.quant.blocks import BLOCK, EIGHT_BIT, WITH_MINIMUM, RowBlocks, _per_block, dequantize
+from genfn.quant.views import joined_rows
 from genfn.state.base import pytree_dataclass, static_field
 
-__all__ = ["QuantizedWeight", "TILE", "KERNEL_KIND"]
+__all__ = ["QuantizedWeight", "TILE", "KERNEL_KIND", "cat_tiles"]
 
 TILE = 16
 # The kernel's three dot products: 4-bit with a fixed offset of 8, 4-bit with a minimum, 8-bit.
@@ -86,6 +90,39 @@ class QuantizedWeight:
         mins = None if rows.mins is None else tiled(_per_block(rows.mins, rows.shape), (), (0, 2, 1))
         return cls(tiled_codes, scales, mins, rows.format, n, k)
 
+    @classmethod
+    def zeros(cls, fmt: str, out_features: int, in_features: int, empty=None) -> "QuantizedWeight":
+        """An all-zero weight of this shape in the tile layout, its tensors from ``empty(shape,
+        dtype)`` (which must give zero-filled memory; default ``torch.zeros``), to be filled by
+        ``fill_from_blocks``; ``fmt`` one of the GGUF formats (scales per block of 32)."""
+        if fmt not in ("q4_0", "q4_1", "q8_0"):
+            raise ValueError(f"fmt must be one of q4_0, q4_1, q8_0; got {fmt!r}")
+        empty = empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        tiles, blocks = -(-out_features // TILE), in_features // BLOCK
+        codes = empty((tiles, blocks, (32 if fmt in EIGHT_BIT else 16) * TILE), torch.uint8)
+        mins = empty((tiles, blocks, TILE), torch.float16) if fmt in WITH_MINIMUM else None
+        return cls(codes, empty((tiles, blocks, TILE), torch.float16), mins, fmt, out_features, in_features)
+
+    def fill_from_blocks(self, fields: np.ndarray) -> None:
+        """Write a GGUF matrix's blocks (``genfn.quant.blocks.gguf_block_fields``, ``[out_features,
+        K // 32]``, rows in this weight's order) into these tiles: what ``from_rows`` computes, a
+        slab of rows at a time (each field copied out of the records, then gathered into the tile
+        order), without a row-major copy of the whole matrix. Padding rows are left as they are (zero)."""
+        if fields.shape != (self.out_features, self.in_features // BLOCK):
+            raise ValueError(f"fields must be [{self.out_features}, {self.in_features // BLOCK}] blocks; "
+                             f"got {list(fields.shape)}")
+        tiles = self.codes.shape[0]
+        targets = [("words", self.codes.numpy().view(np.uint32)), ("d", self.scales.numpy())]
+        if self.mins is not None:
+            targets.append(("m", self.mins.numpy()))
+        for start in range(0, self.out_features, _SLAB_ROWS):
+            slab, first = fields[start:start + _SLAB_ROWS], start // TILE
+            for name, dst in targets:
+                src = np.ascontiguousarray(slab[name])
+                if name == "words" and self.format in EIGHT_BIT:
+                    np.bitwise_xor(src, np.uint32(0x80808080), out=src)  # stored offset by 128 (module docstring)
+                _interleave(src.reshape(src.shape[0], -1), dst.reshape(tiles, -1)[first:first + -(-src.shape[0] // TILE)])
+
     def to_rows(self) -> RowBlocks:
         """The row-major blocks (scales per block of 32; int8/int4 read as q8_0/q4_1)."""
         tiles, blocks, width = self.codes.shape
@@ -129,3 +166,50 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.format}, {self.out_features}x{self.in_features}, {self.layout})"
+
+
+# Rows of a matrix moved into tiles per step of ``fill_from_blocks`` (a slab's fields stay in cache).
+_SLAB_ROWS = 512
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_order(width: int) -> np.ndarray:
+    """For a tile's 16 rows of ``width`` items, row-major: the item at each place of the tile
+    layout, which interleaves the 16 rows item by item."""
+    return np.arange(TILE * width).reshape(TILE, width).T.reshape(-1)
+
+
+def _interleave(src: np.ndarray, dst: np.ndarray) -> None:
+    """``src`` ``[rows, width]`` into ``dst`` ``[ceil(rows / 16), width * 16]``, each tile's rows
+    interleaved (item ``j`` of row ``i`` of a tile at ``16 * j + i``); a last, partial tile's
+    missing rows are left as they are."""
+    rows, width = src.shape
+    full = rows // TILE
+    # mode="clip": indices known in range, and numpy then writes into `out` directly (no buffer).
+    np.take(src[:full * TILE].reshape(full, TILE * width), _tile_order(width), axis=1, out=dst[:full], mode="clip")
+    if rows % TILE:
+        dst[full].reshape(width, TILE)[:, :rows % TILE] = src[full * TILE:].T
+
+
+def cat_tiles(parts: list) -> QuantizedWeight:
+    """Row-concatenation of ``QuantizedWeight``s of one format and width: their tiles joined, as a
+    view where the parts lie back to back in one allocation (as the GGUF loader writes a layer's
+    q/k/v), else copied; a part that ends inside a tile goes through the row-major blocks."""
+    first = parts[0]
+    if any(p.format != first.format or p.in_features != first.in_features or p.layout != first.layout for p in parts):
+        raise ValueError("cat_tiles needs parts of one format, width and layout")
+    rows = sum(p.out_features for p in parts)
+    if any(p.out_features % TILE for p in parts[:-1]):
+        blocks = [p.to_rows() for p in parts]
+        mins = None if blocks[0].mins is None else torch.cat([b.mins for b in blocks])
+        fused = RowBlocks(blocks[0].format, torch.cat([b.codes for b in blocks]), torch.cat([b.scales for b in blocks]),
+                          mins)
+        return QuantizedWeight.from_rows(fused).replace(format=first.format)
+
+    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+        view = joined_rows(tensors)
+        return torch.cat(tensors) if view is None else view
+
+    mins = None if first.mins is None else join([p.mins for p in parts])
+    return QuantizedWeight(join([p.codes for p in parts]), join([p.scales for p in parts]), mins, first.format, rows,
+                           first.in_features, first.layout)

@@ -26,13 +26,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, cat_rows, from_gguf_bytes
+from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
+from genfn.quant.fuse import cat_rows
 from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 
 from . import LoadedCheckpoint, gguf_gpt_oss
 from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
+from .gguf_blocks import place_blocks
 
 __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "SUPPORTED_ARCHITECTURES"]
 
@@ -100,6 +102,15 @@ class GGUFFile:
                 f"{block} values; a slice of values [{start}, {stop}) would cut a block (pick a --tp that splits "
                 "the layer into whole blocks)")
         return data[..., start // block * size: stop // block * size]
+
+    def release(self, name: str) -> None:
+        """Let go of the tensor's pages of the file mapping once its bytes are copied elsewhere: they
+        leave this process's resident memory (the page cache keeps them; a later read maps them again)."""
+        info = self.tensors[name]
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._buffer.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def shape(self, name: str, cut: tuple[int, int, int] | None = None) -> tuple[int, ...]:
         """The tensor's numpy-order shape, or its slice's (see ``raw``)."""
@@ -468,12 +479,30 @@ def _mapped(raw: np.ndarray) -> torch.Tensor:
 
 
 def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
-                keep_blocks: bool = False, plan=None) -> dict[str, torch.Tensor | RowBlocks]:
+                keep_blocks: bool = False, plan=None, arena=None) -> dict[str, torch.Tensor | RowBlocks]:
     """The state dict under Hugging Face names; ``plan(hf_name) -> pieces | None``: read only those
-    slices ``(dim, start, stop)`` of each tensor it names (a tensor-parallel rank's)."""
+    slices ``(dim, start, stop)`` of each tensor it names (a tensor-parallel rank's); ``arena`` (with
+    ``keep_blocks``, no plan): write the kept matrices straight into it (``gguf_blocks``)."""
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
     arch = gguf.metadata["general.architecture"]
+
+    def qk_heads(name: str, hf_name: str) -> int | None:
+        """The heads a Q/K projection's rows were permuted over (a slice's own count), or None."""
+        heads = None
+        if permuted and ".self_attn.q_proj." in hf_name:
+            heads = config["num_attention_heads"]
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            heads = config["num_key_value_heads"]
+        cut = None if plan is None else plan(hf_name)
+        return None if heads is None else heads * gguf.shape(name, cut)[0] // gguf.tensors[name].shape[0]
+
+    def row_order(name: str) -> np.ndarray | None:
+        hf_name = hf_tensor_name(name, arch)
+        heads = None if hf_name is None else qk_heads(name, hf_name)
+        return None if heads is None else unpermute_qk(torch.arange(gguf.tensors[name].shape[0]), heads).numpy()
+
+    placed = place_blocks(gguf, row_order, arena) if keep_blocks and plan is None and arena is not None else {}
     for name in gguf.tensors:
         hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
@@ -486,18 +515,15 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             elif not _IGNORED.match(name):
                 unknown.append(name)
             continue
+        if name in placed:  # already unpermuted
+            state_dict[hf_name] = placed.pop(name)
+            continue
         keep = keep_blocks and (arch != gguf_gpt_oss.ARCH or gguf_gpt_oss.keeps_blocks(name))
         t = _tensor(gguf, name, keep, dtype, None if plan is None else plan(hf_name))
         if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
             t = (t.float() - 1.0).to(dtype)
-        heads = None
-        if permuted and ".self_attn.q_proj." in hf_name:
-            heads = config["num_attention_heads"]
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            heads = config["num_key_value_heads"]
+        heads = qk_heads(name, hf_name)
         if heads is not None:
-            # Per head: a slice of whole heads is unpermuted with its own count of heads.
-            heads = heads * t.shape[0] // gguf.tensors[name].shape[0]
             # The permutation moves whole rows, so quantized rows move with their blocks intact.
             t = (t.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(t, (RowBlocks, KQuantWeight))
                  else unpermute_qk(t, heads))
@@ -540,7 +566,7 @@ def _stacked_experts(state_dict: dict[str, Any], path: str, num_experts: int | N
 
 
 def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                         keep_blocks: bool = False, shard_plan=None) -> LoadedCheckpoint:
+                         keep_blocks: bool = False, shard_plan=None, arena=None) -> LoadedCheckpoint:
     """Load a GGUF file: dequantize every tensor to `dtype` under HF names (see module docstring).
 
     `keep_blocks=True` keeps Q8_0/Q4_0/Q4_1 matrices as they are stored (`genfn.quant.RowBlocks`,
@@ -550,7 +576,12 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
 
     `shard_plan(config) -> plan`, with `plan(hf_name) -> pieces | None`: read only those slices
     `(dim, start, stop)` of each tensor the plan names (a tensor-parallel rank's,
-    `genfn.models.tensor_parallel.slice_plan`); the whole tensors' shapes are checked first."""
+    `genfn.models.tensor_parallel.slice_plan`); the whole tensors' shapes are checked first.
+
+    `arena` (a `genfn.models.weight_arena.WeightArena`, with `keep_blocks` and no plan): the kept
+    matrices are written once, straight from the file mapping into it, Q8_0/Q4_0/Q4_1 ones already
+    as the kernel's tiles (`QuantizedWeight`), a layer's fused parts back to back (see
+    `gguf_blocks`); the file's pages are let go as they are read."""
     check_dtype(dtype)
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -564,7 +595,7 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
         check_state_dict(shapes, config, path)
         check_gguf_tensors(gguf, shapes, config)
         plan = shard_plan(config)
-    state_dict = _state_dict(gguf, config, permuted, dtype, keep_blocks, plan)
+    state_dict = _state_dict(gguf, config, permuted, dtype, keep_blocks, plan, arena)
     if plan is None:
         check_state_dict(state_dict, config, path)
         check_gguf_tensors(gguf, state_dict, config)

@@ -1,0 +1,79 @@
+"""Load time and memory of GGUF files: ``genfn.load(file, quantize="gguf")`` in a fresh process each.
+
+    python benchmarks/load_memory.py --model ~/.cache/genfn/models/llama-1b-q4_0.gguf
+    python benchmarks/load_memory.py --model A.gguf,B.gguf --repeats 3 --json out.json
+
+Per file and repeat, one child process imports genfn and loads the native kernels first (so that
+neither is counted), forgets its peak resident memory (``/proc/self/clear_refs``), then times
+``genfn.load`` and reads ``VmRSS`` before and after and ``VmHWM`` (the peak) from
+``/proc/self/status``. Printed and written to JSON: load seconds, resident memory before, after
+and at the peak, and the peak over the process's own (the load's cost) against the file size.
+Issue 31's bars: load <= 1 s per GB of file; peak <= 1.15x the file for quantized files.
+The file's pages stay in the page cache between repeats (a warm read, as on a second start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CHILD = """
+import json, sys, time
+import genfn
+from genfn import kernels
+from genfn.models.loaders import gguf
+kernels.quant_linear_available()
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS:")
+t = time.perf_counter()
+model = genfn.load(sys.argv[1], quantize="gguf")
+seconds = time.perf_counter() - t
+print(json.dumps({"load_s": seconds, "rss_before": before, "rss_after": status("VmRSS:"), "peak": status("VmHWM:")}))
+"""
+
+
+def measure(path: str, timeout: float) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"loading {path} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="GGUF files, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", default=None, help="default: benchmarks/results/load-memory-<time>.json")
+    args = parser.parse_args(argv)
+    from genfn.bench.results import write_results
+
+    report = {"load_avg_start": os.getloadavg()[0], "files": []}
+    for path in args.model.split(","):
+        size = os.path.getsize(path)
+        runs = [measure(path, args.timeout) for _ in range(args.repeats)]
+        best = min(runs, key=lambda r: r["load_s"])
+        extra = min(r["peak"] - r["rss_before"] for r in runs)
+        report["files"].append({"model": path, "file_bytes": size, "runs": runs})
+        print(f"{os.path.basename(path)} ({size / 1e9:.2f} GB): load {best['load_s']:.2f} s "
+              f"({best['load_s'] / (size / 1e9):.2f} s/GB); resident before {best['rss_before'] / 1e9:.2f} GB, "
+              f"after {best['rss_after'] / 1e9:.2f} GB, peak {best['peak'] / 1e9:.2f} GB; the load's peak over the "
+              f"process's: {extra / 1e9:.2f} GB = {extra / size:.2f}x the file", flush=True)
+    report["load_avg_end"] = os.getloadavg()[0]
+    report["when"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print(f"# wrote {write_results('load-memory', report, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

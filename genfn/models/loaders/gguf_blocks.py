@@ -1,0 +1,110 @@
+"""A GGUF file's quantized matrices written once, from the file mapping straight to where the
+decode steps read them: ``place_blocks``.
+
+Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) and each
+Q4_K/Q5_K/Q6_K matrix row by row as stored (``KQuantWeight``), in memory from ``arena.empty``
+(``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final place). The parts a
+layer fuses (q/k/v, gate/up) are written back to back in one allocation, so the family's
+``cat_rows`` joins them as a view. Llama's Q/K row permutation is undone on the way (a row
+gather of one matrix). Once a matrix is written, its pages of the file mapping are let go
+(``GGUFFile.release``), so at no time does the process hold the file twice: the peak is the
+arena plus one matrix, where building row-major blocks, fusing them, tiling them and copying
+them into the arena used to hold four copies of the model (4.3x the file for a 1B Q4_0 file).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
+from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
+from genfn.quant.weight import TILE, QuantizedWeight
+
+__all__ = ["place_blocks", "FUSED_PARTS"]
+
+# The GGUF parts each family concatenates into one matrix, in its order.
+FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_GROUP_OF = {part: group for group in FUSED_PARTS for part in group}
+_LAYER_WEIGHT = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+
+
+def _kept_type(gguf, name: str) -> str | None:
+    """The ggml type name of a matrix whose blocks are kept (2-D, a format genfn's kernels run), else None."""
+    info = gguf.tensors[name]
+    type_name = GGMLQuantizationType(info.ggml_type).name
+    kept = type_name in GGUF_FORMATS or type_name in GGUF_K_FORMATS
+    return type_name if kept and len(info.shape) == 2 else None
+
+
+def _group(gguf, name: str) -> list[str]:
+    """``name`` and the kept matrices it is fused with, in the fusing order."""
+    m = _LAYER_WEIGHT.match(name)
+    if m is None or m.group(2) not in _GROUP_OF:
+        return [name]
+    names = [f"blk.{m.group(1)}.{part}.weight" for part in _GROUP_OF[m.group(2)]]
+    return [n for n in names if n in gguf.tensors and _kept_type(gguf, n) is not None]
+
+
+def _runs(gguf, names: list[str]) -> list[list[str]]:
+    """``names`` split where the type or width changes, or where a tiled part ends inside a tile."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs:
+            last = runs[-1][-1]
+            same = (_kept_type(gguf, name) == _kept_type(gguf, last)
+                    and gguf.tensors[name].shape[1] == gguf.tensors[last].shape[1]
+                    and (_kept_type(gguf, last) in GGUF_K_FORMATS or gguf.tensors[last].shape[0] % TILE == 0))
+            if same:
+                runs[-1].append(name)
+                continue
+        runs.append([name])
+    return runs
+
+
+def place_blocks(gguf, row_order: Callable[[str], np.ndarray | None], arena) -> dict[str, QuantizedWeight | KQuantWeight]:
+    """GGUF tensor name -> its weight, for every kept matrix of ``gguf`` (see the module docstring);
+    ``row_order(name)``: the rows to take, in order (Q/K unpermuted), or None for the file's."""
+    placed: dict[str, QuantizedWeight | KQuantWeight] = {}
+    for name in gguf.tensors:
+        if name in placed or _kept_type(gguf, name) is None:
+            continue
+        for run in _runs(gguf, _group(gguf, name)):
+            placed.update(_write_run(gguf, run, row_order, arena))
+    return placed
+
+
+def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
+    type_name = _kept_type(gguf, run[0])
+    cols = gguf.tensors[run[0]].shape[1]
+    rows = [gguf.tensors[name].shape[0] for name in run]
+    out: dict[str, QuantizedWeight | KQuantWeight] = {}
+    if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
+        data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
+        start = 0
+        for name, n in zip(run, rows):
+            dst, order = data.numpy()[start:start + n], row_order(name)
+            if order is None:
+                np.copyto(dst, gguf.raw(name))
+            else:
+                np.take(gguf.raw(name), order, axis=0, out=dst, mode="clip")  # "clip": no buffered copy of out
+            out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
+            gguf.release(name)
+            start += n
+        return out
+    whole = QuantizedWeight.zeros(GGUF_FORMATS[type_name], sum(rows), cols, arena.empty)
+    tile = 0
+    for name, n in zip(run, rows):
+        tiles = slice(tile, tile + -(-n // TILE))
+        part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
+                               whole.format, n, cols)
+        fields, order = gguf_block_fields(gguf.raw(name), type_name, (n, cols)), row_order(name)
+        part.fill_from_blocks(fields if order is None else fields[order])
+        out[name] = part
+        gguf.release(name)
+        tile = tiles.stop
+    return out

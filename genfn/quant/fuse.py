@@ -1,0 +1,58 @@
+"""``cat_rows``: the row-concatenation of the parts a layer fuses (q/k/v, gate/up), whatever form
+each part comes in: float tensors, ``RowBlocks``, ``QuantizedWeight`` tiles, K-quant blocks.
+
+Parts a loader wrote back to back in one allocation (``genfn.models.loaders.gguf_blocks`` does
+for a GGUF file's blocks) are joined as a view; others are copied once. No code or scale is ever
+recomputed: parts in different quantized formats stay a ``RowStack`` of runs, each in its own
+format, rather than being dequantized to be fused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.quant.blocks import RowBlocks, dequantize
+from genfn.quant.kquants import KQuantWeight, cat_k
+from genfn.quant.stack import RowStack
+from genfn.quant.weight import QuantizedWeight, cat_tiles
+
+__all__ = ["cat_rows"]
+
+
+def cat_rows(parts: list) -> "RowBlocks | QuantizedWeight | KQuantWeight | RowStack | torch.Tensor":
+    """Row-concatenation of float tensors, of ``RowBlocks`` of one format (blocks untouched), or of
+    tiles / K-quant blocks (runs of one format and width joined, a mix kept as a ``RowStack``).
+
+    Float mixed with ``RowBlocks`` (or ``RowBlocks`` of two formats) are dequantized to float32
+    first: exact, and the only way to fuse them into one matrix.
+    """
+    if len(parts) == 1:
+        return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
+    if any(isinstance(p, (KQuantWeight, QuantizedWeight)) for p in parts):
+        return _stack_runs(parts)
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0).contiguous()
+    formats = {p.format if isinstance(p, RowBlocks) else None for p in parts}
+    groups = {p.group_size for p in parts if isinstance(p, RowBlocks)}
+    if len(formats) != 1 or len(groups) != 1:
+        return torch.cat([dequantize(p) if isinstance(p, RowBlocks) else p.float() for p in parts], 0).contiguous()
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return RowBlocks(parts[0].format, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+
+def _stack_runs(parts: list):
+    """Parts among which some are tiles or K-quant blocks: runs of one type, format and width are
+    concatenated as they are; a mix stays a ``RowStack`` of its runs, each kept in its own format
+    (dequantizing a K-quant run to fuse it would cost 7x its memory and its native kernel)."""
+    runs: list[list] = []
+    for part in parts:
+        last = runs[-1][-1] if runs else None
+        same = (isinstance(part, (KQuantWeight, QuantizedWeight)) and type(part) is type(last)
+                and part.format == last.format and part.in_features == last.in_features)
+        if same:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_tiles(run) if isinstance(run[0], QuantizedWeight)
+              else cat_rows(run) for run in runs]
+    return merged[0] if len(merged) == 1 else RowStack(tuple(merged))
