@@ -35,6 +35,7 @@ from . import LoadedCheckpoint, gguf_gpt_oss
 from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
 from .gguf_blocks import place_blocks
+from .gguf_rope import longrope_scaling, rope_scaling_from_metadata
 
 __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "SUPPORTED_ARCHITECTURES"]
 
@@ -277,7 +278,7 @@ def _config_from_metadata(gguf: GGUFFile) -> dict[str, Any]:
     if vocab_size is None and "token_embd.weight" in gguf.tensors:
         vocab_size = gguf.tensors["token_embd.weight"].shape[0]
     rope_theta = float(get("rope.freq_base", 10000.0))
-    rope_scaling = _rope_scaling(md, arch) if arch != "phi3" else _longrope_scaling(gguf, arch)
+    rope_scaling = rope_scaling_from_metadata(md, arch) if arch != "phi3" else longrope_scaling(gguf, arch)
     head_dim = head_dim or hidden // heads
 
     config = {
@@ -351,42 +352,6 @@ def _gemma_fields(gguf: GGUFFile, arch: str, head_dim: int, hidden_per_head: int
     if arch == "gemma3":
         fields["rope_local_base_freq"] = 10000.0
     return fields
-
-
-def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """Phi-3's LongRoPE: llama.cpp keeps the per-frequency factors as two tensors."""
-    if "rope_factors_long.weight" not in gguf.tensors:
-        return None
-    md = gguf.metadata
-    scaling: dict[str, Any] = {
-        "rope_type": "longrope",
-        "long_factor": gguf.tensor("rope_factors_long.weight").tolist(),
-        "short_factor": gguf.tensor("rope_factors_short.weight").tolist(),
-        "original_max_position_embeddings": int(md.get(f"{arch}.rope.scaling.original_context_length")
-                                                or md.get(f"{arch}.context_length")),
-    }
-    if f"{arch}.rope.scaling.attn_factor" in md:
-        scaling["attention_factor"] = float(md[f"{arch}.rope.scaling.attn_factor"])
-    return scaling
-
-
-def _rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """HF `rope_scaling` from llama.cpp's `{arch}.rope.scaling.*` keys (None when unscaled)."""
-    kind = md.get(f"{arch}.rope.scaling.type")
-    factor = md.get(f"{arch}.rope.scale_linear") or md.get(f"{arch}.rope.scaling.factor")
-    if kind is None and factor is not None:
-        kind = "linear"
-    if kind in (None, "none") or (factor in (None, 1.0) and kind == "linear"):
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor or 1.0)}
-    original = md.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    for gguf_key, hf_key in (("attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
-                             ("yarn_beta_slow", "beta_slow")):
-        if f"{arch}.rope.scaling.{gguf_key}" in md:
-            scaling[hf_key] = float(md[f"{arch}.rope.scaling.{gguf_key}"])
-    return scaling
 
 
 # ---------------------------------------------------------------------------------------------
