@@ -88,10 +88,3 @@ def test_olmo2_norm_weights_and_phi3_fused_rows_are_cut_with_the_heads():
     assert phi("model.layers.1.mlp.down_proj.weight") == ((1, 32, 96),)
     qwen3 = slice_plan(_spec("qwen3"), TensorShard(1, 2, "g"))
     assert qwen3("model.layers.0.self_attn.q_norm.weight") is None  # per head: one weight every head shares
-
-
-def test_experts_are_refused_by_name():
-    from genfn.models.tensor_parallel import TensorShard, shard_spec
-
-    with pytest.raises(ValueError, match="Gemma 2 / Gemma 3\\); this model's experts run on one process"):
-        shard_spec(_spec("qwen3_moe"), TensorShard(0, 2, "g"))

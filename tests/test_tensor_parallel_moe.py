@@ -88,9 +88,9 @@ def test_every_expert_is_split_and_the_router_kept_whole(arch):
     assert [s.moe_intermediate_size for s in shards] == [32, 32] and all(s.num_experts == 4 for s in shards)
     plan = slice_plan(spec, TensorShard(1, 2, "g"))
     assert plan("model.layers.0.mlp.gate.weight") is None  # the router
-    assert plan("model.layers.0.mlp.experts.gate_up_proj") == [(1, 32, 64), (1, 96, 128)]  # gate rows, then up rows
-    assert plan("model.layers.0.mlp.experts.down_proj") == (2, 32, 64)
-    assert plan("model.layers.0.mlp.experts.up_proj.weight") == (1, 32, 64)  # a GGUF file's own stack
+    assert plan("model.layers.0.mlp.experts.gate_up_proj") == ((1, 32, 64), (1, 96, 128))  # gate rows, then up rows
+    assert plan("model.layers.0.mlp.experts.down_proj") == ((2, 32, 64),)
+    assert plan("model.layers.0.mlp.experts.up_proj.weight") == ((1, 32, 64),)  # a GGUF file's own stack
 
 
 def test_sliced_reads_equal_the_whole_model_sliced(tmp_path, gguf_files):

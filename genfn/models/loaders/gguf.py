@@ -459,7 +459,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
             heads = config["num_attention_heads"]
         elif permuted and ".self_attn.k_proj." in hf_name:
             heads = config["num_key_value_heads"]
-        cut = None if plan is None else plan(hf_name)
+        pieces = None if plan is None else plan(hf_name)  # a permuted q/k projection's: one piece
+        cut = pieces[0] if pieces else None
         return None if heads is None else heads * gguf.shape(name, cut)[0] // gguf.tensors[name].shape[0]
 
     def row_order(name: str) -> np.ndarray | None:
