@@ -19,9 +19,10 @@ from typing import Any, Mapping
 
 import torch
 
-from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, write
+from genfn.cache.paged import PackedPlan, PagedKVCache, write
 from genfn.models.gemma import GemmaSpec, attention_scale, embed, final_logits, finish_layer, project_qkv
-from genfn.models.packed import attend, check_plan, packed_attention, rotate_heads, sampled_logits
+from genfn.models.packed import attend, check_plan, packed_attention, paged_cache_for, refuse_other_family
+from genfn.models.packed import rotate_heads, sampled_logits, unpacked_params
 from genfn.kernels import invariant
 from genfn.models import gemma_invariant
 from genfn.models.rope import rope_cos_sin
@@ -30,22 +31,17 @@ __all__ = ["apply_packed", "init_packed_cache", "pack_params"]
 
 
 def _check_spec(spec) -> None:
-    if not isinstance(spec, GemmaSpec):
-        raise ValueError(f"genfn.models.gemma_packed runs Gemma 2 / Gemma 3, not {spec.architecture}: "
-                         "see genfn.models.registry.PACKED_FORWARDS")
+    refuse_other_family(spec, GemmaSpec, "genfn.models.gemma_packed", "Gemma 2 / Gemma 3")
 
 
 def init_packed_cache(spec: GemmaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
                       device=None) -> PagedKVCache:
     """A paged cache shaped for ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
     _check_spec(spec)
-    return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
-                            dtype=dtype, device=device)
+    return paged_cache_for(spec, num_blocks, block_size, dtype, device)
 
 
-def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The weights as they are: Gemma's layer runs on ``genfn.kernels.linear``, as ``generate``'s."""
-    return params
+pack_params = unpacked_params
 
 
 def apply_packed(spec: GemmaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,

@@ -35,15 +35,28 @@ from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
 __all__ = ["PackedAttention", "apply_packed", "attend", "furthest_positions", "init_packed_cache", "pack_params",
-           "packed_attention", "rotate_heads", "sampled_logits"]
+           "packed_attention", "paged_cache_for", "refuse_other_family", "rotate_heads", "sampled_logits",
+           "unpacked_params"]
 
 
 def init_packed_cache(spec: LlamaSpec, num_blocks: int, block_size: int, dtype=torch.float32,
                       device=None) -> PagedKVCache:
     """A paged cache shaped for ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
     check_packed_spec(spec)
+    return paged_cache_for(spec, num_blocks, block_size, dtype, device)
+
+
+def paged_cache_for(spec, num_blocks: int, block_size: int, dtype=torch.float32, device=None) -> PagedKVCache:
+    """The paged cache of any decoder family's packed forward: its layers, kv heads and head size
+    from ``spec`` (``num_blocks`` allocator blocks plus the sink)."""
     return init_paged_cache(spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim,
                             dtype=dtype, device=device)
+
+
+def unpacked_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``pack_params`` of a family whose packed layer runs on ``genfn.kernels.linear``, as its
+    ``generate`` does: the weights as they are."""
+    return params
 
 
 def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -131,8 +144,13 @@ def _variant_qkv(spec: LlamaSpec, layer: Mapping[str, Any], i: int, qkv: torch.T
 
 def check_packed_spec(spec: LlamaSpec) -> None:
     """Refuse a spec of another family (Gemma's is ``genfn.models.gemma_packed``)."""
-    if not isinstance(spec, LlamaSpec):
-        raise ValueError(f"genfn.models.packed runs the Llama family, not {spec.architecture}: "
+    refuse_other_family(spec, LlamaSpec, "genfn.models.packed", "the Llama family")
+
+
+def refuse_other_family(spec, spec_type: type, module: str, family: str) -> None:
+    """A ValueError unless ``spec`` is a ``spec_type``: ``module``'s packed forward runs ``family`` only."""
+    if not isinstance(spec, spec_type):
+        raise ValueError(f"{module} runs {family}, not {spec.architecture}: "
                          "see genfn.models.registry.PACKED_FORWARDS")
 
 
