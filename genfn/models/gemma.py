@@ -30,7 +30,8 @@ from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache
 from genfn.kernels import invariant, linear
 from genfn.models import gemma_invariant, tensor_parallel
-from genfn.models.llama import ModelOutput, init_cache, tensor_getter
+from genfn.models.decoder_config import check_head_groups, decoder_sizes, sliding_layers
+from genfn.models.llama import ModelOutput, first_layers, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.rope import SUPPORTED_ROPE_TYPES, apply_rope, inverse_frequencies, rope_cos_sin
 from genfn.quant.blocks import RowBlocks, dequantize
@@ -97,19 +98,9 @@ def spec_from_config(config: Mapping[str, Any]) -> GemmaSpec:
         raise ValueError(f"unsupported architecture {archs or [config.get('model_type')]}; supported architectures: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     gemma3 = arch == "Gemma3ForCausalLM"
-    try:
-        hidden, heads, layers = int(config["hidden_size"]), int(config["num_attention_heads"]), \
-            int(config["num_hidden_layers"])
-        vocab, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
-    except KeyError as missing:
-        raise ValueError(f"config.json is missing the required field {missing}") from None
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        pattern = int(config.get("sliding_window_pattern", 6 if gemma3 else 2))
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if len(layer_types) != layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    sizes = decoder_sizes(config)
+    full_every = int(config.get("sliding_window_pattern", 6 if gemma3 else 2))
+    sliding = sliding_layers(config, sizes["num_layers"], full_every)
     full, local = _layer_rope(config, "full_attention"), _layer_rope(config, "sliding_attention")
     rope_theta = float(full.get("rope_theta", config.get("rope_theta") or (1e6 if gemma3 else 10000.0)))
     scaling = dict(full) if full else config.get("rope_scaling")
@@ -121,16 +112,14 @@ def spec_from_config(config: Mapping[str, Any]) -> GemmaSpec:
         scaling = None if kind == "default" else {**scaling, "rope_type": kind}
     local_theta = local.get("rope_theta", config.get("rope_local_base_freq", 10000.0 if gemma3 else rope_theta))
     spec = GemmaSpec(
-        architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
-        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        architecture=arch, **sizes, rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
         rope_scaling_json=None if scaling is None else json.dumps(scaling, sort_keys=True),
         local_rope_theta=float(local_theta),
         max_position_embeddings=int(config.get("max_position_embeddings") or 8192),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         attention_bias=bool(config.get("attention_bias", False)),
         sliding_window=None if config.get("sliding_window") is None else int(config["sliding_window"]),
-        sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+        sliding_layers=sliding,
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
         # transformers' Gemma 3 attention never applies the config's attn_logit_softcapping (Gemma 3
         # checkpoints set none): genfn follows the oracle.
@@ -138,9 +127,7 @@ def spec_from_config(config: Mapping[str, Any]) -> GemmaSpec:
         final_logit_softcapping=_optional_float(config.get("final_logit_softcapping")),
         qk_norm=gemma3,
     )
-    if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
-                         f"num_key_value_heads ({spec.num_kv_heads})")
+    check_head_groups(spec)
     return spec
 
 
@@ -314,12 +301,7 @@ def apply(spec: GemmaSpec, params: Mapping[str, Any], tokens: torch.Tensor, posi
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for Gemma 2 / Gemma 3 text
     (in the batch-invariant mode: ``genfn.models.gemma_invariant``)."""
-    layers = params["layers"]
-    if num_layers is not None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
-                             f"got {num_layers!r}")
-        layers = layers[:num_layers]
+    layers = first_layers(params["layers"], num_layers)
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     masks = {False: slot_mask(cache, slots, attend_len, None),
              True: slot_mask(cache, slots, attend_len, spec.sliding_window)}

@@ -31,6 +31,7 @@ from genfn.cache.paged import sink_softmax
 from genfn.cache.static import StaticCache
 from genfn.kernels import embedding, linear
 from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.models.decoder_config import check_head_groups, decoder_sizes, required_field, sliding_layers
 from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.llama_variants import complete_rope_scaling
@@ -107,37 +108,24 @@ def spec_from_config(config: Mapping[str, Any]) -> GptOssSpec:
     if not (set(archs) & set(SUPPORTED_ARCHITECTURES) or (not archs and config.get("model_type") == "gpt_oss")):
         raise ValueError(f"unsupported architecture {archs or [config.get('model_type')]}; supported architectures: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    try:
-        hidden, heads, layers = int(config["hidden_size"]), int(config["num_attention_heads"]), \
-            int(config["num_hidden_layers"])
-        vocab, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
-        experts = int(config.get("num_local_experts") or config["num_experts"])
-        top_k = int(config["num_experts_per_tok"])
-    except KeyError as missing:
-        raise ValueError(f"config.json is missing the required field {missing}") from None
-    layer_types = config.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if len(layer_types) != layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+    sizes = decoder_sizes(config)
+    experts = int(config.get("num_local_experts") or required_field(config, "num_experts"))
+    top_k = int(required_field(config, "num_experts_per_tok"))
     theta, scaling = _rope(config)
     max_positions = int(config.get("max_position_embeddings") or 131072)
     window = config.get("sliding_window")
     spec = GptOssSpec(
-        architecture="GptOssForCausalLM", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_layers=layers, num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads), rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        architecture="GptOssForCausalLM", **sizes, rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=theta, rope_scaling_json=None if scaling is None else json.dumps(scaling, sort_keys=True),
         rope_attention_factor=attention_factor(scaling, max_positions), max_position_embeddings=max_positions,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", True)),
         sliding_window=None if window is None else int(window),
-        sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+        sliding_layers=sliding_layers(config, sizes["num_layers"], 2),
         num_experts=experts, experts_per_token=top_k,
         swiglu_alpha=float(config.get("swiglu_alpha", 1.702)), swiglu_limit=float(config.get("swiglu_limit", 7.0)),
     )
-    if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
-                         f"num_key_value_heads ({spec.num_kv_heads})")
+    check_head_groups(spec)
     if not 1 <= spec.experts_per_token <= spec.num_experts:
         raise ValueError(f"num_experts_per_tok ({spec.experts_per_token}) must be in [1, num_local_experts "
                          f"({spec.num_experts})]")

@@ -25,6 +25,7 @@ from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, invariant, linear
 from genfn.models import llama_variants as variants
 from genfn.models import tensor_parallel
+from genfn.models.decoder_config import check_head_groups, decoder_sizes
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits, long_rope_furthest
 from genfn.models.loaders.checks import check_tensors
 from genfn.models.moe import moe_mlp
@@ -33,7 +34,7 @@ from genfn.models.rope import rope_cos_sin
 from genfn.quant.fuse import cat_rows
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms"]
+           "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms", "first_layers"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -102,21 +103,7 @@ def _architecture(config: Mapping[str, Any]) -> str:
 def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
     """A ``LlamaSpec`` from a Hugging Face ``config.json`` dict, with transformers' defaults."""
     arch = _architecture(config)
-    try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        spec_fields = dict(
-            architecture=arch,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-        )
-    except KeyError as missing:
-        raise ValueError(f"config.json is missing the required field {missing}") from None
+    spec_fields = dict(architecture=arch, **decoder_sizes(config))
     rope_scaling = config.get("rope_scaling")
     rope_theta = config.get("rope_theta")
     rope_parameters = config.get("rope_parameters")  # transformers 5 folds theta and scaling into one dict
@@ -150,10 +137,18 @@ def spec_from_config(config: Mapping[str, Any]) -> LlamaSpec:
         sliding_window=None if sliding_window is None else int(sliding_window),
         **extra,
     )
-    if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"num_attention_heads ({spec.num_heads}) must be a multiple of "
-                         f"num_key_value_heads ({spec.num_kv_heads})")
+    check_head_groups(spec)
     return spec
+
+
+def first_layers(layers: list, num_layers: int | None) -> list:
+    """The layers an ``apply(..., num_layers=)`` runs: the first ``num_layers`` (None: all), or a
+    ValueError naming the allowed range."""
+    if num_layers is None:
+        return layers
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), got {num_layers!r}")
+    return layers[:num_layers]
 
 
 def tensor_getter(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None):
@@ -416,12 +411,7 @@ def apply(
     Returns ``(logits [B, S', V] float32, cache)``, or a ``ModelOutput`` when hidden states or
     attentions are requested.
     """
-    layers = params["layers"]
-    if num_layers is not None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
-                             f"got {num_layers!r}")
-        layers = layers[:num_layers]
+    layers = first_layers(params["layers"], num_layers)
     # slots [B, S]: rows fill their caches independently.
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     mask = _attention_mask(spec, cache, slots, attend_len)
