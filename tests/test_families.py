@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import genfn
-from conftest import tiny_pair
+from conftest import assert_prefill_and_cached_steps_match, finish_gguf, gguf_writer, llama_cpp_permute
+from conftest import padded_prompts, prefill_logits, tiny_pair
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -85,36 +86,9 @@ def pair(name):
     return _PAIRS[name]
 
 
-def padded_prompts(batch=3, length=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :5] = 0
-    return ids * mask, mask
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_prefill_and_every_cached_step_match_transformers(name):
-    hf, gm = pair(name)
-    ids, mask = padded_prompts()
-    batch = ids.shape[0]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        logits, cache = gm.apply(ids, positions, gm.init_cache(batch, 32), mask)
-        real = mask.bool()
-        assert (ref.logits[real] - logits[real]).abs().max() < 1e-4
-        hf_cache, hf_mask, pos = ref.past_key_values, mask, positions[:, -1]
-        for _ in range(8):
-            nxt = torch.randint(3, 97, (batch, 1))
-            hf_mask = torch.cat([hf_mask, torch.ones(batch, 1, dtype=torch.long)], 1)
-            pos = pos + 1
-            out = hf(input_ids=nxt, attention_mask=hf_mask, past_key_values=hf_cache, use_cache=True,
-                     position_ids=pos[:, None])
-            hf_cache = out.past_key_values
-            logits, cache = gm.apply(nxt, pos[:, None], cache)
-            assert (out.logits - logits).abs().max() < 1e-4
+    assert_prefill_and_cached_steps_match(*pair(name), *padded_prompts())
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -169,10 +143,6 @@ def _gguf_name(arch: str, hf_name: str) -> str:
     return f"blk.{layer}.{part_name}.{kind}"
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def expert_stack_tensor(a: np.ndarray, ggml_type: str | None):
     """``(array, raw_dtype)`` for ``GGUFWriter.add_tensor`` of a stacked expert projection
     ``[E, rows, cols]`` stored as ``ggml_type`` (None: F32; K-quants by genfn's quantizer)."""
@@ -196,14 +166,7 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: 
     cfg = hf.config
     arch = _GGUF_ARCH[type(hf).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, arch, cfg)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
@@ -257,29 +220,20 @@ def write_family_gguf(path, hf, quantize: frozenset = frozenset(), expert_type: 
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0  # llama.cpp stores Gemma's (1 + w) norms shifted
         if arch in ("smollm3", "llama") and ".attn_q." in g:
-            a = _llama_cpp_permute(a, cfg.num_attention_heads)
+            a = llama_cpp_permute(a, cfg.num_attention_heads)
         elif arch in ("smollm3", "llama") and ".attn_k." in g:
-            a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+            a = llama_cpp_permute(a, cfg.num_key_value_heads)
         if g in quantize:
             w.add_tensor(g, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(g, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 
 _GGUF_FAMILIES = ["qwen3", "qwen3_tied_mqa", "smollm3", "olmo2", "phi3_window", "phi4_mini", "phi3_longrope",
                   "gemma2_llama_cpp", "gemma3_llama_cpp", "qwen3_moe", "mixtral", "olmoe"]
-
-
-def _logits(model, ids, mask):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        return model.apply(ids, positions, model.init_cache(ids.shape[0], 32), mask)[0][mask.bool()]
 
 
 @pytest.mark.parametrize("name", _GGUF_FAMILIES)
@@ -292,7 +246,7 @@ def test_gguf_with_llama_cpp_names_gives_the_safetensors_logits(name, tmp_path):
                 "num_experts", "experts_per_token", "norm_topk_prob", "moe_intermediate_size")
     assert [getattr(from_gguf.spec, k, None) for k in switches] == [getattr(gm.spec, k, None) for k in switches]
     ids, mask = padded_prompts(seed=2)
-    assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
+    assert (prefill_logits(from_gguf, ids, mask) - prefill_logits(gm, ids, mask)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("name", ["qwen3", "smollm3", "olmo2", "phi4_mini", "gemma3_llama_cpp"])
@@ -306,8 +260,8 @@ def test_gguf_q8_0_blocks_run_through_the_quantized_kernel(name, tmp_path):
     assert type(blocks.params["layers"][0]["wo"]).__name__ == "QuantizedWeight"
     ids, mask = padded_prompts(seed=3)
     # The same blocks dequantized: the kernel (int8 activations against the blocks) stays close.
-    plain = _logits(genfn.load(path), ids, mask)
-    assert (_logits(blocks, ids, mask) - plain).abs().max() < 0.05 * plain.abs().max()
+    plain = prefill_logits(genfn.load(path), ids, mask)
+    assert (prefill_logits(blocks, ids, mask) - plain).abs().max() < 0.05 * plain.abs().max()
     settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
     assert genfn.generate(blocks, ids, attention_mask=mask, **settings).shape == (3, ids.shape[1] + 8)
 
@@ -323,7 +277,7 @@ def test_saved_directory_loads_in_transformers_with_the_same_logits(name, tmp_pa
     ids, mask = padded_prompts(seed=4)
     with torch.no_grad():
         theirs = back(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-    assert (theirs - _logits(gm, ids, mask)).abs().max() < 1e-4
+    assert (theirs - prefill_logits(gm, ids, mask)).abs().max() < 1e-4
     reloaded = genfn.load(directory)
     assert reloaded.spec == gm.spec
 
@@ -343,6 +297,41 @@ def test_sliding_windows_on_some_layers_only_are_refused_clearly():
               "num_hidden_layers": 2, "num_attention_heads": 2, "use_sliding_window": True, "sliding_window": 4}
     with pytest.raises(ValueError, match="use_sliding_window.*from_module"):
         llama.spec_from_config(config)
+
+
+@pytest.mark.parametrize("arch,extra", [("Qwen3ForCausalLM", {}), ("Gemma2ForCausalLM", {}),
+                                        ("GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2))])
+def test_every_decoder_family_refuses_a_bad_config_in_the_same_words(arch, extra):
+    import importlib
+
+    from genfn.models.registry import ARCHITECTURES
+
+    spec_from_config = importlib.import_module(ARCHITECTURES[arch]).spec_from_config
+    config = dict(architectures=[arch], vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, **extra)
+    spec = spec_from_config(config)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    with pytest.raises(ValueError, match="config.json is missing the required field 'intermediate_size'"):
+        spec_from_config({k: v for k, v in config.items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"):
+        spec_from_config({**config, "num_key_value_heads": 3})
+    if arch != "Qwen3ForCausalLM":  # the families with sliding and full layers
+        assert spec.sliding_layers == (True, False)
+        with pytest.raises(ValueError, match="layer_types has 1 entries for 2 layers"):
+            spec_from_config({**config, "layer_types": ["full_attention"]})
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_an_early_exit_past_the_models_layers_is_refused(name):
+    _, gm = pair(name)
+    ids, positions = torch.tensor([[5, 6]]), torch.tensor([[0, 1]])
+    layers = gm.spec.num_layers
+    with torch.no_grad():
+        logits, _ = gm.apply(ids, positions, gm.init_cache(1, 8), num_layers=1)
+        assert logits.shape == (1, 2, gm.spec.vocab_size)
+        for bad in (0, layers + 1, True, 1.0):
+            with pytest.raises(ValueError, match=rf"num_layers must be an int in \[1, {layers}\].*got {bad!r}"):
+                gm.apply(ids, positions, gm.init_cache(1, 8), num_layers=bad)
 
 
 # ---- continuous batching: the packed forward serves the variants -----------------------------

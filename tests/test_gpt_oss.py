@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import genfn
+from conftest import assert_prefill_and_cached_steps_match, finish_gguf, gguf_writer, padded_prompts, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 WINDOW = 4
+LENGTH = 11  # prompts past the window
 # Small clamp limit and larger weights than the default init: the clamps, the sinks and the router
 # bias all change the numbers, so a mistake in any of them shows in the logits.
 SETTINGS = dict(vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -59,21 +61,6 @@ def pair():
     return tuple(_PAIR)
 
 
-def padded_prompts(batch=3, length=11, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :5] = 0
-    return ids * mask, mask
-
-
-def _logits(model, ids, mask):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        return model.apply(ids, positions, model.init_cache(ids.shape[0], 32), mask)[0][mask.bool()]
-
-
 def test_the_config_picks_the_native_family_and_its_layers():
     _, gm = pair()
     assert type(gm.spec).__name__ == "GptOssSpec"
@@ -83,46 +70,28 @@ def test_the_config_picks_the_native_family_and_its_layers():
 
 
 def test_prefill_and_every_cached_step_match_transformers():
-    hf, gm = pair()
-    ids, mask = padded_prompts()  # 11 tokens: past the window of 4
-    batch = ids.shape[0]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        logits, cache = gm.apply(ids, positions, gm.init_cache(batch, 32), mask)
-        real = mask.bool()
-        assert (ref.logits[real] - logits[real]).abs().max() < 1e-4
-        assert ref.logits[real].std() > 0.1  # the comparison is not between near-constant logits
-        hf_cache, hf_mask, pos = ref.cache, mask, positions[:, -1]
-        for _ in range(8):
-            nxt = torch.randint(3, 97, (batch, 1))
-            hf_mask = torch.cat([hf_mask, torch.ones(batch, 1, dtype=torch.long)], 1)
-            pos = pos + 1
-            out = hf(input_ids=nxt, attention_mask=hf_mask, cache=hf_cache, use_cache=True,
-                     position_ids=pos[:, None])
-            hf_cache = out.cache
-            logits, cache = gm.apply(nxt, pos[:, None], cache)
-            assert (out.logits - logits).abs().max() < 1e-4
+    reference = assert_prefill_and_cached_steps_match(*pair(), *padded_prompts(length=LENGTH))
+    assert reference.std() > 0.1  # the comparison is not between near-constant logits
 
 
 def test_the_sinks_and_the_clamp_change_the_logits():
     """A check on the check: without sinks or with a loose clamp the oracle's logits move."""
     hf, gm = pair()
-    ids, mask = padded_prompts(seed=3)
-    plain = _logits(gm, ids, mask)
+    ids, mask = padded_prompts(length=LENGTH, seed=3)
+    plain = prefill_logits(gm, ids, mask)
     loose = _genfn_of(_hf_model(swiglu_limit=7.0))
-    assert (_logits(loose, ids, mask) - plain).abs().max() > 1e-3
+    assert (prefill_logits(loose, ids, mask) - plain).abs().max() > 1e-3
     from genfn.models.model import Model
 
     no_sinks = Model(gm.spec, {**gm.params, "layers": [
         {**layer, "sinks": torch.full_like(layer["sinks"], -1e4)} for layer in gm.params["layers"]]},
         gm.apply_fn, gm.init_cache_fn)
-    assert (_logits(no_sinks, ids, mask) - plain).abs().max() > 1e-3
+    assert (prefill_logits(no_sinks, ids, mask) - plain).abs().max() > 1e-3
 
 
 def test_greedy_and_beam_tokens_equal_transformers_over_32_steps():
     hf, gm = pair()
-    ids, mask = padded_prompts(seed=1)
+    ids, mask = padded_prompts(length=LENGTH, seed=1)
     settings = dict(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         greedy = hf.generate(ids, attention_mask=mask, **settings)
@@ -138,9 +107,9 @@ def test_bfloat16_runs_as_close_to_float32_as_transformers_does():
     """bfloat16 weights and activations (transformers' own bfloat16 attention takes the sink softmax
     in bfloat16, genfn in float32: close, not equal)."""
     _, gm = pair()
-    ids, mask = padded_prompts(seed=1)
-    reference = _logits(gm, ids, mask)
-    ours = _logits(gm.to(torch.bfloat16), ids, mask)
+    ids, mask = padded_prompts(length=LENGTH, seed=1)
+    reference = prefill_logits(gm, ids, mask)
+    ours = prefill_logits(gm.to(torch.bfloat16), ids, mask)
     with torch.no_grad():  # a fresh copy: casting the shared oracle back and forth would round its weights
         theirs = _hf_model().to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
     assert (ours - reference).abs().max() < 2 * (theirs - reference).abs().max() + 1e-3
@@ -151,7 +120,7 @@ def test_compiled_decode_equals_eager():
     """Batch 1: the compiled step gathers its row's 2 chosen experts of 4 (the padded batches above
     run every expert weighted zero when traced, which test_the_moe_paths_agree checks eagerly)."""
     _, gm = pair()
-    ids = padded_prompts(seed=5)[0][:1]
+    ids = padded_prompts(length=LENGTH, seed=5)[0][:1]
     settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                     cache_implementation="static", max_cache_len=32)
     eager = genfn.generate(gm, ids, disable_compile=True, **settings)
@@ -223,9 +192,9 @@ def test_quantize_q8_0_runs_the_experts_as_blocks():
 
     blocks = with_experts(lambda q, _: q)
     floats = with_experts(lambda q, plain: q.dequantize().reshape(plain.shape))
-    ids, mask = padded_prompts(seed=6)
-    reference = _logits(floats, ids, mask)
-    assert (_logits(blocks, ids, mask) - reference).abs().max() < 0.01 * reference.abs().max()
+    ids, mask = padded_prompts(length=LENGTH, seed=6)
+    reference = prefill_logits(floats, ids, mask)
+    assert (prefill_logits(blocks, ids, mask) - reference).abs().max() < 0.01 * reference.abs().max()
     whole = Model(gm.spec, quantized, gm.apply_fn, gm.init_cache_fn)
     settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, disable_compile=True)
     assert genfn.generate(whole, ids, attention_mask=mask, **settings).shape == (3, ids.shape[1] + 6)
@@ -276,16 +245,9 @@ def write_gpt_oss_gguf(path, hf, mxfp4: bool = False):
     """``hf`` as llama.cpp writes it: gate and up split out of their alternating columns, down
     transposed, the sinks as ``attn_sinks.weight``; the expert stacks F32 or MXFP4."""
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), arch="gpt-oss")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, "gpt-oss", cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_local_experts)
@@ -326,10 +288,7 @@ def write_gpt_oss_gguf(path, hf, mxfp4: bool = False):
         else:
             stem, kind = part.rsplit(".", 1)
             w.add_tensor(blk + f"{_BLOCK[stem]}.{kind}", a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 
@@ -344,8 +303,8 @@ def test_gguf_with_llama_cpp_names_gives_the_safetensors_logits(tmp_path):
     gm = _genfn_of(hf)
     from_gguf = genfn.load(write_gpt_oss_gguf(tmp_path / "gpt_oss.gguf", hf))
     assert _same_spec(from_gguf, gm)
-    ids, mask = padded_prompts(seed=2)
-    assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
+    ids, mask = padded_prompts(length=LENGTH, seed=2)
+    assert (prefill_logits(from_gguf, ids, mask) - prefill_logits(gm, ids, mask)).abs().max() < 1e-5
 
 
 def _mxfp4_round_trip(a: np.ndarray) -> np.ndarray:
@@ -376,11 +335,11 @@ def test_gguf_mxfp4_experts_dequantize_bit_exactly_and_give_the_safetensors_logi
         expected = gguf.quants.dequantize(info.data, info.tensor_type).reshape(layer["experts_down"].shape)
         assert torch.equal(layer["experts_down"], torch.from_numpy(expected))  # bit for bit
         assert torch.equal(layer["experts_gate_up"], gm.params["layers"][i]["experts_gate_up"])
-    ids, mask = padded_prompts(seed=2)
-    assert (_logits(from_gguf, ids, mask) - _logits(gm, ids, mask)).abs().max() < 1e-5
+    ids, mask = padded_prompts(length=LENGTH, seed=2)
+    assert (prefill_logits(from_gguf, ids, mask) - prefill_logits(gm, ids, mask)).abs().max() < 1e-5
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-    assert (theirs - _logits(from_gguf, ids, mask)).abs().max() < 1e-4
+    assert (theirs - prefill_logits(from_gguf, ids, mask)).abs().max() < 1e-4
 
 
 def test_saved_directory_loads_in_transformers_with_the_same_logits(tmp_path):
@@ -389,10 +348,10 @@ def test_saved_directory_loads_in_transformers_with_the_same_logits(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
     assert type(back) is type(hf)
-    ids, mask = padded_prompts(seed=4)
+    ids, mask = padded_prompts(length=LENGTH, seed=4)
     with torch.no_grad():
         theirs = back(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-    assert (theirs - _logits(gm, ids, mask)).abs().max() < 1e-4
+    assert (theirs - prefill_logits(gm, ids, mask)).abs().max() < 1e-4
     assert genfn.load(directory).spec == gm.spec
 
 

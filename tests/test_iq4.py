@@ -8,16 +8,15 @@ package, the kernels for 1..33 rows on both ISA paths (``test_kquants.py``), the
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import genfn
 from conftest import tiny_hf_model
 from genfn import kernels
-from genfn.models.loaders.gguf import read_gguf
 from genfn.quant import KQuantWeight, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.iq4 import KVALUES
+from test_kquants import assert_the_files_blocks_are_kept, greedy_with_logits, native_and_reference
 from test_kquants import isa, write_kquant_gguf  # noqa: F401  (isa: the ISA-path fixture)
 
 TABLE = torch.tensor(KVALUES, dtype=torch.float32)
@@ -111,26 +110,12 @@ def test_gguf_iq4_model_keeps_the_files_blocks_and_decodes_as_the_dequantized_mo
     layer = model.params["layers"][0]
     assert [layer[k].format for k in ("wqkv", "wo", "w_gate_up", "w_down")] == ["iq4_nl"] * 3 + ["iq4_xs"]
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "iq4_nl"
-    table = model.params["embed"]
-    assert isinstance(table, KQuantWeight) and table.format == "iq4_nl"
-    tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
-    assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
-    raw = read_gguf(str(iq4_file)).raw("blk.1.ffn_down.weight")
-    assert np.array_equal(model.params["layers"][1]["w_down"].data.numpy(), raw)
-
-    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 250, 7]])
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, disable_compile=True)
-    native = genfn.generate(model, prompt, **kw)
-    native_logits = torch.stack(native.logits)
-    # The same arithmetic in torch: the kernels add only float32 summation order, which can move an
-    # activation across a rounding boundary of its 8-bit code now and then (one of these 12 steps
-    # here, by 1e-3; the others agree to 3e-7).
-    with monkeypatch.context() as patch:
-        patch.setattr(kernels, "kquant_linear", reference_linear_k)
-        reference = genfn.generate(model, prompt, **kw)
-    assert torch.equal(native.sequences, reference.sequences)
-    reference_logits = torch.stack(reference.logits)
+    assert_the_files_blocks_are_kept(model, iq4_file, "iq4_nl")
+    # Against the same arithmetic in torch the kernels add only float32 summation order, which can
+    # move an activation across a rounding boundary of its 8-bit code now and then (one of these 12
+    # steps here, by 1e-3; the others agree to 3e-7).
+    native, reference = native_and_reference(model, monkeypatch, steps=12)
+    native_logits, reference_logits = torch.stack(native.logits), torch.stack(reference.logits)
     per_step = (native_logits - reference_logits).abs().amax((1, 2))
     assert per_step.max() < 2e-3 * reference_logits.abs().max()
     assert (per_step < 1e-5).sum() >= len(per_step) // 2
@@ -138,7 +123,7 @@ def test_gguf_iq4_model_keeps_the_files_blocks_and_decodes_as_the_dequantized_mo
     # float linears. The logits differ by the activations' 8-bit rounding only.
     dense = genfn.load(iq4_file)
     assert isinstance(dense.params["layers"][0]["w_down"], torch.Tensor)
-    plain = genfn.generate(dense, prompt, **kw)
+    plain = greedy_with_logits(dense, steps=12)
     plain_logits = torch.stack(plain.logits)
     assert torch.equal(native.sequences, plain.sequences)
     assert (native_logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()

@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import genfn
-from conftest import tiny_hf_model
+from conftest import finish_gguf, gguf_writer, llama_cpp_permute, tiny_hf_model
 from genfn import kernels
 from genfn.kernels import kquant
+from genfn.models.loaders.gguf import read_gguf
 from genfn.quant import K_FORMATS, KQuantWeight, RowStack, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.kquants import BLOCK_BYTES, quantize_activations_k
 
@@ -158,22 +159,10 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's Q/K row order."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_kquant_gguf(path, hf_model, types: dict[str, str] = _TYPES) -> None:
     """``hf_model`` as a llama GGUF file, the matrices ``types`` names (GGUF stem -> format) quantized."""
     cfg = hf_model.config
-    writer = GGUFWriter(str(path), arch="llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = gguf_writer(path, "llama", cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(cfg.head_dim)
     for name, tensor in hf_model.state_dict().items():
@@ -184,19 +173,16 @@ def write_kquant_gguf(path, hf_model, types: dict[str, str] = _TYPES) -> None:
         part = _NAMES[stem]
         values = tensor.numpy().astype(np.float32)
         if part == "attn_q":
-            values = _permute(values, cfg.num_attention_heads)
+            values = llama_cpp_permute(values, cfg.num_attention_heads)
         elif part == "attn_k":
-            values = _permute(values, cfg.num_key_value_heads)
+            values = llama_cpp_permute(values, cfg.num_key_value_heads)
         gguf_name = f"blk.{layer}.{part}.weight" if layer is not None else f"{part}.weight"
         if part in types:
             blocks = quantize_k(torch.from_numpy(values), types[part]).data.numpy()
             writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType[GGML[types[part]]])
         else:
             writer.add_tensor(gguf_name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.fixture(scope="module")
@@ -216,37 +202,48 @@ def _dequantized(params):
     return {**params, "embed": dense(params["embed"]), "lm_head": dense(params["lm_head"]), "layers": layers}
 
 
+def assert_the_files_blocks_are_kept(model, path, embed_format: str) -> None:
+    """The embedding table stays in the file's ``embed_format`` (a lookup dequantizes only its rows)
+    and the last layer's down projection holds the file's bytes."""
+    table = model.params["embed"]
+    assert isinstance(table, KQuantWeight) and table.format == embed_format
+    tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
+    assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
+    raw = read_gguf(str(path)).raw("blk.1.ffn_down.weight")
+    assert np.array_equal(model.params["layers"][1]["w_down"].data.numpy(), raw)
+
+
+def greedy_with_logits(model, steps: int):
+    """``steps`` greedy tokens (and their logits) after one fixed prompt, eagerly."""
+    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 250, 7]])
+    return genfn.generate(model, prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          return_dict_in_generate=True, output_logits=True, disable_compile=True)
+
+
+def native_and_reference(model, monkeypatch, steps: int):
+    """``greedy_with_logits`` on the native kernels and on the same arithmetic in torch (dequantized
+    weights, activations quantized as the kernel does), which must choose the same tokens."""
+    native = greedy_with_logits(model, steps)
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "kquant_linear", reference_linear_k)
+        reference = greedy_with_logits(model, steps)
+    assert torch.equal(native.sequences, reference.sequences)
+    return native, reference
+
+
 def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
     model = genfn.load(kquant_file, quantize="gguf")
     layer = model.params["layers"][0]
     assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k", "q6_k"]
     assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k" and layer["w_down"].format == "q6_k"
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
-    # The embedding table stays in the file's Q4_K; a lookup dequantizes only its rows.
-    table = model.params["embed"]
-    assert isinstance(table, KQuantWeight) and table.format == "q4_k"
-    tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
-    assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
-    # The down projection's bytes are the file's.
-    from genfn.models.loaders.gguf import read_gguf
-
-    raw = read_gguf(str(kquant_file)).raw("blk.1.ffn_down.weight")
-    assert np.array_equal(model.params["layers"][1]["w_down"].data.numpy(), raw)
-
-    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 250, 7]])
-    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, disable_compile=True)
-    native = genfn.generate(model, prompt, **kw)
-    # The same arithmetic in torch (dequantized weights, activations quantized as the kernel does).
-    with monkeypatch.context() as patch:
-        patch.setattr(kernels, "kquant_linear", reference_linear_k)
-        reference = genfn.generate(model, prompt, **kw)
-    assert torch.equal(native.sequences, reference.sequences)
+    assert_the_files_blocks_are_kept(model, kquant_file, "q4_k")
+    native, reference = native_and_reference(model, monkeypatch, steps=8)
     torch.testing.assert_close(torch.stack(native.logits), torch.stack(reference.logits), rtol=1e-4, atol=1e-4)
     # Against float linears on the dequantized weights (no activation rounding) the logits differ
     # by the 8-bit activations' rounding only.
     model.params = _dequantized(model.params)
-    plain = genfn.generate(model, prompt, **kw)
+    plain = greedy_with_logits(model, steps=8)
     native_logits, plain_logits = torch.stack(native.logits), torch.stack(plain.logits)
     assert (native_logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()
 

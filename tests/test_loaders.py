@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import finish_gguf, gguf_writer, llama_cpp_permute
 from genfn.default_model import INSTALL_COMMAND, default_model_path
 from genfn.models.loaders import CheckpointError, LoadedCheckpoint, load_checkpoint
 from genfn.models.loaders.gguf import read_gguf
@@ -279,11 +280,6 @@ def gguf_name(hf_name: str) -> str:
     return f"{HF_TO_GGUF[stem]}.{kind}"
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to llama Q/K rows (written independently of genfn)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def byte_level_vocab():
     alphabet = list(bytes_to_unicode().values())
     merges = ["Ġ t", "h e", "Ġt he", "l l", "ll o"]
@@ -295,15 +291,8 @@ def byte_level_vocab():
 def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, extra=None, integers=()):
     """Write a transformers model as llama.cpp's converter would (F32, `quantize` names as Q8_0)."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch=arch)
+    w = gguf_writer(path, arch, cfg)
     w.add_name("tiny test model")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":
         w.add_rope_dimension_count(cfg.head_dim)
@@ -337,10 +326,7 @@ def write_gguf(path, model, arch="llama", quantize=(), drop=(), tokenizer=True, 
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(g, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

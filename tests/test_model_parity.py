@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_pair
+from conftest import assert_prefill_and_cached_steps_match, padded_prompts, tiny_pair
 from genfn.models import llama
 
 ARCHS = [
@@ -22,28 +22,7 @@ ARCHS = [
 @pytest.mark.parametrize("arch,overrides", ARCHS)
 def test_prefill_and_decode_logits_match_transformers(arch, overrides):
     hf, gm = tiny_pair(arch, **overrides)
-    batch, prompt = 3, 9
-    ids = torch.randint(3, 97, (batch, prompt))
-    mask = torch.ones(batch, prompt, dtype=torch.long)
-    mask[1, :2] = 0
-    mask[2, :5] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = gm.init_cache(batch, 32)
-        logits, cache = gm.apply(ids, positions, cache, mask)
-        real = mask.bool()
-        assert (ref.logits[real] - logits[real]).abs().max() < 1e-4
-        hf_cache, hf_mask, pos = ref.past_key_values, mask, positions[:, -1]
-        for _ in range(6):
-            nxt = torch.randint(3, 97, (batch, 1))
-            hf_mask = torch.cat([hf_mask, torch.ones(batch, 1, dtype=torch.long)], 1)
-            pos = pos + 1
-            out = hf(input_ids=nxt, attention_mask=hf_mask, past_key_values=hf_cache, use_cache=True,
-                     position_ids=pos[:, None])
-            hf_cache = out.past_key_values
-            logits, cache = gm.apply(nxt, pos[:, None], cache)
-            assert (out.logits - logits).abs().max() < 1e-4
+    assert_prefill_and_cached_steps_match(hf, gm, *padded_prompts(), steps=6)
 
 
 def test_attend_len_limits_attention_without_changing_results():

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import genfn
-from conftest import tiny_pair
+from conftest import padded_prompts, prefill_logits, tiny_pair
 from genfn import kernels
 from genfn.kernels import moe_quant
 from genfn.models import moe
 from genfn.quant import QuantizedExperts, quantize, quantize_k
-from test_families import _logits, pair, padded_prompts, write_family_gguf
+from test_families import pair, write_family_gguf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -144,7 +144,7 @@ def test_gguf_quantized_experts_stay_blocks_and_give_the_dequantized_logits(name
     plain = genfn.load(path)  # every weight dequantized to float32 (the gguf package's values)
     torch.testing.assert_close(layer["experts_down"].dequantize(), plain.params["layers"][0]["experts_down"])
     ids, mask = padded_prompts(seed=3)
-    blocks_logits, plain_logits = _logits(model, ids, mask), _logits(plain, ids, mask)
+    blocks_logits, plain_logits = prefill_logits(model, ids, mask), prefill_logits(plain, ids, mask)
     assert (blocks_logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()
     # Greedy decoding, batch 1 (the native kernel at each step): the same tokens as the float
     # model, logits within the activations' 8-bit rounding; and the same arithmetic one expert at
