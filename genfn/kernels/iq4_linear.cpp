@@ -127,6 +127,22 @@ GENFN_AVX2_INLINE inline __m256i pairs256(__m256i magnitude, __m256i w, const in
   return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w));
 }
 
+// Block b of nb (at w) of an IQ4_NL row against M rows of activations, one block at a time: the AVX2
+// path's every block, the AVX-512 path's last one to three. Each row's exact integer sum, scaled by
+// d_w * d_x, is added to its acc[m] (table: kValues in both lanes, low4: 0x0F, ones: int16 1).
+template <int M>
+GENFN_AVX2_INLINE inline void iq4nl_block256(const uint8_t* w, int64_t b, int64_t nb, const ActivationsK& a,
+                                             int64_t m0, __m256i table, __m256i low4, __m256i ones, __m256 acc[M]) {
+  const __m256i v = values256(w + 2, table, low4);
+  const __m256i magnitude = _mm256_abs_epi8(v);
+  const float d = half_to_float(load_u16(w));
+  for (int m = 0; m < M; ++m) {
+    const int8_t* x = a.codes.data() + (m0 + m) * a.K + b * 32;
+    const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones);
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
+  }
+}
+
 template <int M>
 GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   constexpr int64_t kBytes = block_bytes(kIQ4NL);
@@ -162,16 +178,8 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   }
   const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
   const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
-  for (; b < nb; ++b, w += kBytes) {  // the last one to three blocks of a row not a multiple of 128
-    const __m256i v = values256(w + 2, table256, low4_256);
-    const __m256i magnitude = _mm256_abs_epi8(v);
-    const float d = half_to_float(load_u16(w));
-    for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
-      const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones256);
-      tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), tail[m]);
-    }
-  }
+  for (; b < nb; ++b, w += kBytes)  // the last one to three blocks of a row not a multiple of 128
+    iq4nl_block256<M>(w, b, nb, a, m0, table256, low4_256, ones256, tail);
   for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
 }
 
@@ -209,19 +217,10 @@ template <int M>
 GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t K = a.K;
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL)) {
-    const __m256i v = values256(w + 2, table, low4);
-    const __m256i magnitude = _mm256_abs_epi8(v);
-    const float d = half_to_float(load_u16(w));
-    for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
-      const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
-    }
-  }
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL))
+    iq4nl_block256<M>(w, b, nb, a, m0, table, low4, ones, acc);
   for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);
 }
 
