@@ -40,15 +40,9 @@ class DynamicCache(CacheBase):
 
     def advance(self, slots: torch.Tensor, new_valid: torch.Tensor) -> DynamicCache:
         """Grow every buffer by the ``S`` new tokens (concatenation)."""
-        num_new = slots.shape[1]
-        L, B, H, _, D = self.keys.shape
-        room = torch.zeros((L, B, H, num_new, D), dtype=self.keys.dtype, device=self.keys.device)
-        return self.replace(
-            keys=torch.cat([self.keys, room], dim=3),
-            values=torch.cat([self.values, room], dim=3),
-            valid=torch.cat([self.valid, new_valid.to(torch.bool)], dim=1),
-            length=torch.full_like(self.length, self.max_cache_len + num_new),
-        )
+        keys, values, valid = appended_slots(self.keys, self.values, self.valid, new_valid.to(torch.bool))
+        return self.replace(keys=keys, values=values, valid=valid,
+                            length=torch.full_like(self.length, self.max_cache_len + slots.shape[1]))
 
     def rewind(self, lengths: torch.Tensor) -> DynamicCache:
         """Truncate to the longest row (one host read: this cache runs eagerly); mask shorter rows' tails."""
@@ -83,12 +77,17 @@ def widen(cache, capacity: int):
     extra = capacity - cache.max_cache_len
     if extra <= 0:
         return cache
-    L, B, H, _, D = cache.keys.shape
-    room = torch.zeros((L, B, H, extra, D), dtype=cache.keys.dtype, device=cache.keys.device)
-    return cache.replace(keys=torch.cat([cache.keys, room], dim=3), values=torch.cat([cache.values, room], dim=3),
-                         valid=torch.cat([cache.valid, torch.zeros(B, extra, dtype=torch.bool,
-                                                                   device=cache.valid.device)], dim=1),
-                         length=torch.full_like(cache.length, capacity))
+    masked = torch.zeros(cache.valid.shape[0], extra, dtype=torch.bool, device=cache.valid.device)
+    keys, values, valid = appended_slots(cache.keys, cache.values, cache.valid, masked)
+    return cache.replace(keys=keys, values=values, valid=valid, length=torch.full_like(cache.length, capacity))
+
+
+def appended_slots(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, new_valid: torch.Tensor):
+    """``(keys, values, valid)`` of a growing cache with ``S`` more slots per row: zero keys and values
+    (``[L, B, H, S, D]`` appended on the slot axis) and ``new_valid [B, S]`` appended to ``valid``."""
+    L, B, H, _, D = keys.shape
+    room = torch.zeros((L, B, H, new_valid.shape[1], D), dtype=keys.dtype, device=keys.device)
+    return torch.cat([keys, room], dim=3), torch.cat([values, room], dim=3), torch.cat([valid, new_valid], dim=1)
 
 
 def init_dynamic_cache(

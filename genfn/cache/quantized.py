@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from genfn.cache.base import CacheBase, end_slots, rows_selected, valid_below
+from genfn.cache.dynamic import appended_slots
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = [
@@ -190,15 +191,9 @@ class QuantizedCache(CacheBase):
         cache = self
         if self.residual_len and self.residual_len >= self.residual_length:
             cache = self._flush()
-        num_new = slots.shape[1]
-        L, B, H, _, D = cache.rkeys.shape
-        room = torch.zeros((L, B, H, num_new, D), dtype=cache.rkeys.dtype, device=cache.rkeys.device)
-        return cache.replace(
-            rkeys=torch.cat([cache.rkeys, room], dim=3),
-            rvalues=torch.cat([cache.rvalues, room], dim=3),
-            valid=torch.cat([cache.valid, new_valid.to(torch.bool)], dim=1),
-            length=torch.full_like(cache.length, cache.max_cache_len + num_new),
-        )
+        rkeys, rvalues, valid = appended_slots(cache.rkeys, cache.rvalues, cache.valid, new_valid.to(torch.bool))
+        return cache.replace(rkeys=rkeys, rvalues=rvalues, valid=valid,
+                             length=torch.full_like(cache.length, cache.max_cache_len + slots.shape[1]))
 
     def _flush(self) -> QuantizedCache:
         qk, ks, kz = quantize(self.rkeys, self.nbits, self.q_group_size)
