@@ -294,3 +294,35 @@ def compiled_batching_check(shard, arch: str = "LlamaForCausalLM", **overrides) 
     whole, mine = from_hf_state_dict(config, state), from_hf_state_dict(config, state, tensor_shard=shard)
     return {"whole": _run_manager(whole, cb, requests, wait=1500),
             "sharded": _run_manager(mine, cb, requests, wait=1500)}
+
+
+# ---- GPT-OSS (tests/test_tensor_parallel_gpt_oss.py) ----------------------------------------
+
+# Two layers (one sliding, one full), 64 expert rows: two ranks hold 32 each, a whole MXFP4 block of down's inputs.
+GPT_OSS = dict(num_hidden_layers=2, intermediate_size=64)
+
+
+def gpt_oss_check(shard, gguf_path: str) -> dict:
+    """A tiny GPT-OSS (sinks, q/k/v/o and expert biases, a biased router), whole and as this rank's
+    shard: ``model_checks``' tokens and logit gaps, a continuous batch of greedy requests through
+    each model's manager, and the model's MXFP4 GGUF file read slice by slice (greedy tokens)."""
+    import genfn
+    from genfn.config.batching import ContinuousBatchingConfig
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS)
+    config, state = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}, dict(hf.state_dict())
+    out = model_checks(config, state, shard)
+    whole, mine = _pair(config, state, shard, quantized=False)
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, max_requests_per_batch=4)
+    requests = _batch_requests()[:8]
+    out["batch"] = (_run_manager(whole, cb, requests), _run_manager(mine, cb, requests))
+    layer = mine.params["layers"][0]
+    # what the bias checks rest on: o's and the experts' down biases are not zero
+    out["bias_sums"] = (float(layer["bo"].abs().sum()), float(layer["experts_down_bias"].abs().sum()))
+    ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    whole_file, mine_file = genfn.load(gguf_path), genfn.load(gguf_path, tensor_shard=shard)
+    out["gguf"] = (_tokens(genfn.generate(whole_file, ids, **kwargs)), _tokens(genfn.generate(mine_file, ids, **kwargs)))
+    out["gguf_expert_rows"] = mine_file.params["layers"][0]["experts_gate_up"].shape[1]
+    return out
