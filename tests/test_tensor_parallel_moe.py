@@ -1,6 +1,7 @@
-"""Tensor parallelism for the mixtures of experts (Qwen3-MoE, Mixtral; genfn.models.moe): the
-router whole on every rank, every expert's intermediate size split, one all-reduce after the MoE
-block. Two gloo ranks give one process's greedy tokens, on float experts built from transformers'
+"""Tensor parallelism for the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE; genfn.models.moe;
+GPT-OSS's in tests/test_tensor_parallel_gpt_oss.py): the router whole on every rank, every expert's
+intermediate size split, one all-reduce after the MoE block (OLMoE's q/k norms over the whole
+projections: their mean squares summed over the ranks, as OLMo 2's). Two gloo ranks give one process's greedy tokens, on float experts built from transformers'
 config classes and on a GGUF file's Q8_0 / Q4_0 experts read slice by slice; and continuous
 batching with the packed forward compiled gives one process's tokens under TP (slow).
 
@@ -22,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=5)
-FAMILIES = {"Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL}
+OLMOE = dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64)
+FAMILIES = {"Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL, "OlmoeForCausalLM": OLMOE}
 FORMATS = ("Q8_0", "Q4_0")
 
 
@@ -91,6 +93,9 @@ def test_every_expert_is_split_and_the_router_kept_whole(arch):
     assert plan("model.layers.0.mlp.experts.gate_up_proj") == ((1, 32, 64), (1, 96, 128))  # gate rows, then up rows
     assert plan("model.layers.0.mlp.experts.down_proj") == ((2, 32, 64),)
     assert plan("model.layers.0.mlp.experts.up_proj.weight") == ((1, 32, 64),)  # a GGUF file's own stack
+    # OLMoE normalizes the whole q and k projections: their weights are cut with the heads (Qwen3-MoE's are per head)
+    norm_cut = (plan("model.layers.0.self_attn.q_norm.weight"), plan("model.layers.0.self_attn.k_norm.weight"))
+    assert norm_cut == ((((0, 32, 64),), ((0, 16, 32),)) if arch == "OlmoeForCausalLM" else (None, None))
 
 
 def test_sliced_reads_equal_the_whole_model_sliced(tmp_path, gguf_files):
