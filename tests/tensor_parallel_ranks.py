@@ -326,3 +326,12 @@ def gpt_oss_check(shard, gguf_path: str) -> dict:
     out["gguf"] = (_tokens(genfn.generate(whole_file, ids, **kwargs)), _tokens(genfn.generate(mine_file, ids, **kwargs)))
     out["gguf_expert_rows"] = mine_file.params["layers"][0]["experts_gate_up"].shape[1]
     return out
+
+
+def gpt_oss_compiled_check(shard) -> dict:
+    """``model_checks`` with the shard's decode step compiled (greedy and sampled tokens)."""
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS)
+    config = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    return model_checks(config, dict(hf.state_dict()), shard, compiled=True)

@@ -2,8 +2,8 @@
 with their q/k/v rows, biases and attention sinks, the biased router whole on every rank, every
 expert's intermediate size split (transformers' interleaved gate/up columns cut in pairs), and o's
 and the experts' down biases added once, after the all-reduce. Two gloo ranks give one process's
-tokens: greedy, sampled with the same key, beam search, prompt lookup, continuous batching, and a
-GGUF file's MXFP4 experts read slice by slice.
+tokens: greedy, sampled with the same key, beam search, prompt lookup, continuous batching, a
+GGUF file's MXFP4 experts read slice by slice, and (slow) the compiled decode step.
 
 The ranks are spawned once per module (tests/tensor_parallel_ranks.py); every wait has a timeout.
 """
@@ -47,6 +47,18 @@ def test_continuous_batching_gives_one_process_tokens(results):
     assert None not in whole["tokens"], "a request did not finish on one process"
     assert sharded["tokens"] == whole["tokens"]
     assert sharded["role"] == "leader" and follower["batch"][1]["role"] == "follower"
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_one_process_tokens():
+    """The shard's compiled step (functional all-reduces, the gathered experts' path) against the
+    whole model's eager one: ~8 minutes of compiling on two loaded cores."""
+    results = run_ranks([("compiled", "gpt_oss_compiled_check", {})], timeout=1800)
+    for rank, result in enumerate(_result(results, "compiled")):
+        for mode in ("greedy", "sampled"):
+            whole, sharded = result[mode]
+            assert sharded == whole, f"compiled {mode} on rank {rank}: TP=2 {sharded} != TP=1 {whole}"
+        assert result["logit_gap"] < 1e-4, result["logit_gap"]
 
 
 # Sharding itself, in this process (no group needed)
