@@ -27,6 +27,7 @@ Under tensor parallelism (``genfn.models.tensor_parallel``) each rank holds a sl
 expert's intermediate size; the router is whole on every rank, so every rank picks the same
 experts, runs them on its slice by whichever path above, and one all-reduce sums the ranks'
 partial outputs (float rounding: the parts are added in another order than one process's sum).
+GPT-OSS's down biases are whole on every rank and added once, to that sum (``biased_moe_mlp``).
 """
 
 from __future__ import annotations
