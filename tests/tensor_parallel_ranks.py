@@ -323,7 +323,7 @@ def gpt_oss_check(shard, gguf_path: str) -> dict:
     ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
     whole_file, mine_file = genfn.load(gguf_path), genfn.load(gguf_path, tensor_shard=shard)
-    out["gguf"] = (_tokens(genfn.generate(whole_file, ids, **kwargs)), _tokens(genfn.generate(mine_file, ids, **kwargs)))
+    out["gguf"] = tuple(_tokens(genfn.generate(model, ids, **kwargs)) for model in (whole_file, mine_file))
     out["gguf_expert_rows"] = mine_file.params["layers"][0]["experts_gate_up"].shape[1]
     return out
 
