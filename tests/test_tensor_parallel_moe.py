@@ -1,9 +1,10 @@
 """Tensor parallelism for the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE; genfn.models.moe;
 GPT-OSS's in tests/test_tensor_parallel_gpt_oss.py): the router whole on every rank, every expert's
 intermediate size split, one all-reduce after the MoE block (OLMoE's q/k norms over the whole
-projections: their mean squares summed over the ranks, as OLMo 2's). Two gloo ranks give one process's greedy tokens, on float experts built from transformers'
-config classes and on a GGUF file's Q8_0 / Q4_0 experts read slice by slice; and continuous
-batching with the packed forward compiled gives one process's tokens under TP (slow).
+projections: their mean squares summed over the ranks, as OLMo 2's). Two gloo ranks give one
+process's greedy tokens, on float experts built from transformers' config classes and on a GGUF
+file's Q8_0 / Q4_0 experts read slice by slice; and continuous batching with the packed forward
+compiled gives one process's tokens under TP (slow).
 
 The ranks are spawned once per fixture (tests/tensor_parallel_ranks.py); every wait has a timeout.
 """
