@@ -281,6 +281,31 @@ def moe_gguf_check(shard, path: str) -> dict:
                                       layer["experts_down"])}
 
 
+def expert_tokens_check(shard, path: str, prompts: int = 16, steps: int = 24) -> dict:
+    """A deep model's quantized experts (the MoE sums added in another order than one process's):
+    greedy tokens of random prompts, whole and sharded; for each prompt whose tokens differ, the
+    step of the first difference and the whole model's top-2 logit margin there; the largest gap."""
+    import genfn
+
+    whole = genfn.load(path, quantize="gguf")
+    mine = genfn.load(path, quantize="gguf", tensor_shard=shard)
+    vocab = whole.spec.vocab_size
+    rng = torch.Generator().manual_seed(0)
+    kwargs = dict(max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                  disable_compile=True)
+    out = {"prompts": prompts, "differ": [], "gaps": []}
+    for _ in range(prompts):
+        ids = torch.randint(3, vocab, (1, int(torch.randint(4, 40, (1,), generator=rng))), generator=rng)
+        one, split = genfn.generate(whole, ids, **kwargs), genfn.generate(mine, ids, **kwargs)
+        new_one, new_split = one.sequences[0, ids.shape[1]:], split.sequences[0, ids.shape[1]:]
+        same = int((new_one == new_split).cumprod(0).sum())  # steps before the first difference
+        out["gaps"].append(max(float((a - b).abs().max()) for a, b in zip(one.logits[:same + 1], split.logits)))
+        if same < steps:
+            top = one.logits[same][0].topk(2).values
+            out["differ"].append((same, float(top[0] - top[1])))
+    return out
+
+
 def compiled_batching_check(shard, arch: str = "LlamaForCausalLM", **overrides) -> dict:
     """Continuous batching with the packed forward compiled (``default_compile_level=1``) on the
     whole model and on this rank's shard: greedy requests only, rank 0's tokens."""
@@ -325,6 +350,12 @@ def gpt_oss_check(shard, gguf_path: str) -> dict:
     whole_file, mine_file = genfn.load(gguf_path), genfn.load(gguf_path, tensor_shard=shard)
     out["gguf"] = tuple(_tokens(genfn.generate(model, ids, **kwargs)) for model in (whole_file, mine_file))
     out["gguf_expert_rows"] = mine_file.params["layers"][0]["experts_gate_up"].shape[1]
+    # quantize="q8_0": the linears and every expert as Q8_0 blocks, each rank quantizing its slice
+    from genfn.models.quantized import quantize_params
+
+    whole.params, mine.params = quantize_params(whole.params, "q8_0"), quantize_params(mine.params, "q8_0")
+    out["q8_0"] = tuple(_tokens(genfn.generate(model, ids, **kwargs)) for model in (whole, mine))
+    out["q8_0_experts"] = type(mine.params["layers"][0]["experts_down"]).__name__
     return out
 
 

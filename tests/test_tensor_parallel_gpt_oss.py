@@ -3,7 +3,8 @@ with their q/k/v rows, biases and attention sinks, the biased router whole on ev
 expert's intermediate size split (transformers' interleaved gate/up columns cut in pairs), and o's
 and the experts' down biases added once, after the all-reduce. Two gloo ranks give one process's
 tokens: greedy, sampled with the same key, beam search, prompt lookup, continuous batching, a
-GGUF file's MXFP4 experts read slice by slice, and (slow) the compiled decode step.
+GGUF file's MXFP4 experts read slice by slice, the model quantized to Q8_0 (experts too) and (slow)
+the compiled decode step.
 
 The ranks are spawned once per module (tests/tensor_parallel_ranks.py); every wait has a timeout.
 """
@@ -31,13 +32,14 @@ def results(tmp_path_factory):
 
 def test_every_mode_gives_one_process_tokens(results):
     for rank, result in enumerate(_result(results, "gpt_oss")):
-        for mode in ("greedy", "sampled", "beam", "prompt_lookup", "gguf"):
+        for mode in ("greedy", "sampled", "beam", "prompt_lookup", "gguf", "q8_0"):
             whole, sharded = result[mode]
             assert sharded == whole, f"{mode} on rank {rank}: TP=2 {sharded} != TP=1 {whole}"
         # An o or down bias added on both ranks moves the logits by the bias (~0.3 here), not by rounding.
         assert min(result["bias_sums"]) > 1.0, result["bias_sums"]
         assert result["logit_gap"] < 1e-4 and result["step_gap"] < 1e-4, (result["logit_gap"], result["step_gap"])
         assert result["kv_heads"] == 1 and result["gguf_expert_rows"] == 64  # 32 gate + 32 up rows of each expert
+        assert result["q8_0_experts"] == "QuantizedExperts"
 
 
 def test_continuous_batching_gives_one_process_tokens(results):
