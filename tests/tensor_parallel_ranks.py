@@ -359,6 +359,15 @@ def gpt_oss_check(shard, gguf_path: str) -> dict:
     return out
 
 
+def gpt_oss_uneven_check(shard) -> dict:
+    """``model_checks`` on 3 key/value groups of 2 heads over 2 ranks: 1 group on rank 0, 2 on rank 1."""
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS, num_attention_heads=6, num_key_value_heads=3)
+    config = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    return model_checks(config, dict(hf.state_dict()), shard)
+
+
 def gpt_oss_compiled_check(shard) -> dict:
     """``model_checks`` with the shard's decode step compiled (greedy and sampled tokens)."""
     from test_gpt_oss import tiny_gpt_oss

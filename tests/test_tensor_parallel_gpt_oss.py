@@ -27,7 +27,8 @@ def results(tmp_path_factory):
 
     path = write_gpt_oss_gguf(tmp_path_factory.mktemp("tp_gpt_oss") / "mxfp4.gguf", tiny_gpt_oss(**GPT_OSS),
                               mxfp4=True)
-    return run_ranks([("gpt_oss", "gpt_oss_check", dict(gguf_path=str(path)))])
+    return run_ranks([("gpt_oss", "gpt_oss_check", dict(gguf_path=str(path))),
+                      ("uneven", "gpt_oss_uneven_check", {})])
 
 
 def test_every_mode_gives_one_process_tokens(results):
@@ -40,6 +41,16 @@ def test_every_mode_gives_one_process_tokens(results):
         assert result["logit_gap"] < 1e-4 and result["step_gap"] < 1e-4, (result["logit_gap"], result["step_gap"])
         assert result["kv_heads"] == 1 and result["gguf_expert_rows"] == 64  # 32 gate + 32 up rows of each expert
         assert result["q8_0_experts"] == "QuantizedExperts"
+
+
+def test_an_uneven_head_split_gives_one_process_tokens(results):
+    per_rank = _result(results, "uneven")
+    assert [result["kv_heads"] for result in per_rank] == [1, 2]  # rank 1: two groups, four heads and sinks
+    for rank, result in enumerate(per_rank):
+        for mode in ("greedy", "sampled", "beam", "prompt_lookup"):
+            whole, sharded = result[mode]
+            assert sharded == whole, f"{mode} on rank {rank}: TP=2 {sharded} != TP=1 {whole}"
+        assert result["logit_gap"] < 1e-4 and result["step_gap"] < 1e-4, (result["logit_gap"], result["step_gap"])
 
 
 def test_continuous_batching_gives_one_process_tokens(results):
