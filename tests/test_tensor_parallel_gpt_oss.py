@@ -128,6 +128,25 @@ def test_sliced_params_are_the_whole_models_slices():
             assert torch.equal(layer[name], whole[name]), name
 
 
+def test_a_gguf_files_mxfp4_experts_are_read_slice_by_slice(tmp_path):
+    """Each rank dequantizes only its share of the MXFP4 blocks: the whole file's values, sliced."""
+    import genfn
+    from tensor_parallel_ranks import GPT_OSS
+    from test_gpt_oss import tiny_gpt_oss, write_gpt_oss_gguf
+
+    path = write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", tiny_gpt_oss(**GPT_OSS), mxfp4=True)
+    whole = genfn.load(path).params["layers"][0]
+    for rank in range(2):
+        layer = genfn.load(path, tensor_shard=TensorShard(rank, 2, "g")).params["layers"][0]
+        rows = slice(32 * rank, 32 * rank + 32)
+        for name in ("experts_gate_up", "experts_gate_up_bias"):
+            gate, up = whole[name].split(64, dim=1)
+            assert torch.equal(layer[name], torch.cat([gate[:, rows], up[:, rows]], dim=1)), name
+        assert torch.equal(layer["experts_down"], whole["experts_down"][:, :, rows])
+        assert torch.equal(layer["sinks"], whole["sinks"][2 * rank:2 * rank + 2])
+        assert torch.equal(layer["experts_down_bias"], whole["experts_down_bias"])
+
+
 def test_fewer_kv_heads_than_ranks_is_refused():
     with pytest.raises(ValueError, match=r"num_key_value_heads=1.*--tp <= 1"):
         shard_spec(_spec(num_key_value_heads=1), TensorShard(0, 2, "g"))
