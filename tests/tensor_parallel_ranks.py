@@ -281,6 +281,31 @@ def moe_gguf_check(shard, path: str) -> dict:
                                       layer["experts_down"])}
 
 
+def expert_tokens_check(shard, path: str, prompts: int = 16, steps: int = 24) -> dict:
+    """A deep model's quantized experts (the MoE sums added in another order than one process's):
+    greedy tokens of random prompts, whole and sharded; for each prompt whose tokens differ, the
+    step of the first difference and the whole model's top-2 logit margin there; the largest gap."""
+    import genfn
+
+    whole = genfn.load(path, quantize="gguf")
+    mine = genfn.load(path, quantize="gguf", tensor_shard=shard)
+    vocab = whole.spec.vocab_size
+    rng = torch.Generator().manual_seed(0)
+    kwargs = dict(max_new_tokens=steps, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                  disable_compile=True)
+    out = {"prompts": prompts, "differ": [], "gaps": []}
+    for _ in range(prompts):
+        ids = torch.randint(3, vocab, (1, int(torch.randint(4, 40, (1,), generator=rng))), generator=rng)
+        one, split = genfn.generate(whole, ids, **kwargs), genfn.generate(mine, ids, **kwargs)
+        new_one, new_split = one.sequences[0, ids.shape[1]:], split.sequences[0, ids.shape[1]:]
+        same = int((new_one == new_split).cumprod(0).sum())  # steps before the first difference
+        out["gaps"].append(max(float((a - b).abs().max()) for a, b in zip(one.logits[:same + 1], split.logits)))
+        if same < steps:
+            top = one.logits[same][0].topk(2).values
+            out["differ"].append((same, float(top[0] - top[1])))
+    return out
+
+
 def compiled_batching_check(shard, arch: str = "LlamaForCausalLM", **overrides) -> dict:
     """Continuous batching with the packed forward compiled (``default_compile_level=1``) on the
     whole model and on this rank's shard: greedy requests only, rank 0's tokens."""
@@ -294,3 +319,59 @@ def compiled_batching_check(shard, arch: str = "LlamaForCausalLM", **overrides) 
     whole, mine = from_hf_state_dict(config, state), from_hf_state_dict(config, state, tensor_shard=shard)
     return {"whole": _run_manager(whole, cb, requests, wait=1500),
             "sharded": _run_manager(mine, cb, requests, wait=1500)}
+
+
+# ---- GPT-OSS (tests/test_tensor_parallel_gpt_oss.py) ----------------------------------------
+
+# Two layers (one sliding, one full), 64 expert rows: two ranks hold 32 each, a whole MXFP4 block of down's inputs.
+GPT_OSS = dict(num_hidden_layers=2, intermediate_size=64)
+
+
+def gpt_oss_check(shard, gguf_path: str) -> dict:
+    """A tiny GPT-OSS (sinks, q/k/v/o and expert biases, a biased router), whole and as this rank's
+    shard: ``model_checks``' tokens and logit gaps, a continuous batch of greedy requests through
+    each model's manager, and the model's MXFP4 GGUF file read slice by slice (greedy tokens)."""
+    import genfn
+    from genfn.config.batching import ContinuousBatchingConfig
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS)
+    config, state = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}, dict(hf.state_dict())
+    out = model_checks(config, state, shard)
+    whole, mine = _pair(config, state, shard, quantized=False)
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=24, max_batch_tokens=16, max_requests_per_batch=4)
+    requests = _batch_requests()[:8]
+    out["batch"] = (_run_manager(whole, cb, requests), _run_manager(mine, cb, requests))
+    layer = mine.params["layers"][0]
+    # what the bias checks rest on: o's and the experts' down biases are not zero
+    out["bias_sums"] = (float(layer["bo"].abs().sum()), float(layer["experts_down_bias"].abs().sum()))
+    ids, mask = torch.tensor(PROMPTS), torch.tensor(MASK)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    whole_file, mine_file = genfn.load(gguf_path), genfn.load(gguf_path, tensor_shard=shard)
+    out["gguf"] = tuple(_tokens(genfn.generate(model, ids, **kwargs)) for model in (whole_file, mine_file))
+    out["gguf_expert_rows"] = mine_file.params["layers"][0]["experts_gate_up"].shape[1]
+    # quantize="q8_0": the linears and every expert as Q8_0 blocks, each rank quantizing its slice
+    from genfn.models.quantized import quantize_params
+
+    whole.params, mine.params = quantize_params(whole.params, "q8_0"), quantize_params(mine.params, "q8_0")
+    out["q8_0"] = tuple(_tokens(genfn.generate(model, ids, **kwargs)) for model in (whole, mine))
+    out["q8_0_experts"] = type(mine.params["layers"][0]["experts_down"]).__name__
+    return out
+
+
+def gpt_oss_uneven_check(shard) -> dict:
+    """``model_checks`` on 3 key/value groups of 2 heads over 2 ranks: 1 group on rank 0, 2 on rank 1."""
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS, num_attention_heads=6, num_key_value_heads=3)
+    config = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    return model_checks(config, dict(hf.state_dict()), shard)
+
+
+def gpt_oss_compiled_check(shard) -> dict:
+    """``model_checks`` with the shard's decode step compiled (greedy and sampled tokens)."""
+    from test_gpt_oss import tiny_gpt_oss
+
+    hf = tiny_gpt_oss(**GPT_OSS)
+    config = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    return model_checks(config, dict(hf.state_dict()), shard, compiled=True)

@@ -16,23 +16,28 @@ alternating columns and ``down_proj [E, I, H]`` (``x @ W``); genfn keeps them as
 families do, ``experts_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``experts_down [E, H,
 I]``, so the experts' linears and the quantized experts are the same code. The caches, the masks,
 RoPE and the linears (float or quantized blocks) are Llama's.
+
+Under tensor parallelism (``tensor_shard``; ``genfn.models.tensor_parallel``) a rank holds whole
+key/value groups of heads with their q/k/v rows, biases and sinks, and a slice of every expert's
+intermediate size; o's and the experts' down biases are added once, after the all-reduce.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from genfn.cache.base import begin_forward
 from genfn.cache.paged import sink_softmax
 from genfn.cache.static import StaticCache
-from genfn.kernels import embedding, linear
+from genfn.kernels import linear
 from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.models import tensor_parallel
 from genfn.models.decoder_config import check_head_groups, decoder_sizes, required_field, sliding_layers
-from genfn.models.llama import ModelOutput, init_cache, tensor_getter
+from genfn.models.llama import ModelOutput, first_layers, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.llama_variants import complete_rope_scaling
 from genfn.models.loaders.gguf_gpt_oss import alternate_rows
@@ -74,6 +79,11 @@ class GptOssSpec:
     experts_per_token: int
     swiglu_alpha: float
     swiglu_limit: float
+    tensor_shard: tensor_parallel.TensorShard | None = None  # this rank's slice (genfn.models.tensor_parallel)
+
+    # transformers' gate_up_proj [E, H, 2I] has gate and up in alternating columns (how
+    # tensor_parallel.slice_plan cuts it, keeping each pair on one rank).
+    experts_gate_up_interleaved: ClassVar[bool] = True
 
     @property
     def rope_scaling(self) -> dict | None:
@@ -247,13 +257,14 @@ def project_qkv(spec: GptOssSpec, layer, x: torch.Tensor):
 def finish_layer(spec: GptOssSpec, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """The rest of the layer from the attention's heads ``attn [..., H * D]``: the output projection
     added to ``x``, then the experts on the normed sum, added."""
-    x = x + linear(attn, layer["wo"], layer.get("bo"))
+    x = x + tensor_parallel.row_parallel(spec, attn, layer["wo"], bias=layer.get("bo"))
     return x + biased_moe_mlp(spec, layer, _norm(x, layer["mlp_norm"], spec.rms_norm_eps))
 
 
 def final_logits(spec: GptOssSpec, params, x: torch.Tensor) -> torch.Tensor:
     """float32 logits ``[N, V]`` of the last layer's ``x [N, hidden]``."""
-    return linear(_norm(x, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    logits = linear(_norm(x, params["norm"], spec.rms_norm_eps), params["lm_head"]).to(torch.float32)
+    return tensor_parallel.gathered_logits(spec, logits)
 
 
 def _attention(spec: GptOssSpec, q, keys, values, mask, sinks):
@@ -276,16 +287,11 @@ def apply(spec: GptOssSpec, params: Mapping[str, Any], tokens: torch.Tensor, pos
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for GPT-OSS."""
     refuse_outside_plain_llama("GPT-OSS")
-    layers = params["layers"]
-    if num_layers is not None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
-            raise ValueError(f"num_layers must be an int in [1, {len(layers)}] (the model's layers), "
-                             f"got {num_layers!r}")
-        layers = layers[:num_layers]
+    layers = first_layers(params["layers"], num_layers)
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     masks = {False: slot_mask(cache, slots, attend_len, None),
              True: slot_mask(cache, slots, attend_len, spec.sliding_window)}
-    x = embedding(tokens, params["embed"], params["norm"].dtype)
+    x = tensor_parallel.embedding(spec, tokens, params["embed"], params["norm"].dtype)
     cos, sin = rope_cos_sin(params["inv_freq"], positions, x.dtype, spec.rope_attention_factor)
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None

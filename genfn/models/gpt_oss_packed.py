@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import torch
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, write
-from genfn.kernels import embedding
 from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.models import tensor_parallel
 from genfn.models.gpt_oss import GptOssSpec, attention_scale, final_logits, finish_layer, project_qkv
 from genfn.models.packed import attend, check_plan, packed_attention, paged_cache_for, refuse_other_family
 from genfn.models.packed import rotate_heads, sampled_logits, unpacked_params
@@ -47,7 +47,7 @@ def apply_packed(spec: GptOssSpec, params: Mapping[str, Any], inputs, cache: Pag
     _check_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     check_plan(plan, num_tokens)
-    x = embedding(inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
+    x = tensor_parallel.embedding(spec, inputs.input_ids, params["embed"], params["norm"].dtype)  # [T, hidden]
     cos, sin = rope_cos_sin(params["inv_freq"], inputs.positions, x.dtype, spec.rope_attention_factor)
     windows = {False: None, True: spec.sliding_window}
     routes = {sliding: packed_attention(inputs, cache, None, windows[sliding])  # sinks: no plan

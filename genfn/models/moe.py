@@ -27,6 +27,7 @@ Under tensor parallelism (``genfn.models.tensor_parallel``) each rank holds a sl
 expert's intermediate size; the router is whole on every rank, so every rank picks the same
 experts, runs them on its slice by whichever path above, and one all-reduce sums the ranks'
 partial outputs (float rounding: the parts are added in another order than one process's sum).
+GPT-OSS's down biases are whole on every rank and added once, to that sum (``biased_moe_mlp``).
 """
 
 from __future__ import annotations
@@ -165,19 +166,22 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _biased_expert(x: torch.Tensor, layer: Mapping[str, Any], e: int, alpha: float, limit: float) -> torch.Tensor:
+def _biased_expert(x: torch.Tensor, layer: Mapping[str, Any], e: int, alpha: float, limit: float,
+                   down_bias: bool = True) -> torch.Tensor:
     gate_up = _linear(x, _expert(layer["experts_gate_up"], e)) + layer["experts_gate_up_bias"][e]
-    return _linear(clamped_swiglu(gate_up, alpha, limit), _expert(layer["experts_down"], e)) \
-        + layer["experts_down_bias"][e]
+    out = _linear(clamped_swiglu(gate_up, alpha, limit), _expert(layer["experts_down"], e))
+    return out + layer["experts_down_bias"][e] if down_bias else out
 
 
 def _biased_gathered(x: torch.Tensor, layer: Mapping[str, Any], weights: torch.Tensor, experts: torch.Tensor,
-                     alpha: float, limit: float) -> torch.Tensor:
+                     alpha: float, limit: float, down_bias: bool = True) -> torch.Tensor:
     """Each row's ``k`` chosen experts, their weights gathered from the float stacks: static shapes
     (a compiled step's few rows) that read ``T * k`` experts, not all ``E``."""
     gate_up = torch.einsum("th,tkoh->tko", x, layer["experts_gate_up"][experts])
     act = clamped_swiglu(gate_up + layer["experts_gate_up_bias"][experts], alpha, limit)
-    out = torch.einsum("tki,tkhi->tkh", act, layer["experts_down"][experts]) + layer["experts_down_bias"][experts]
+    out = torch.einsum("tki,tkhi->tkh", act, layer["experts_down"][experts])
+    if down_bias:
+        out = out + layer["experts_down_bias"][experts]
     return (out * weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -188,11 +192,15 @@ def biased_moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torc
     (``spec.swiglu_alpha``, ``spec.swiglu_limit``). Eagerly each chosen expert runs once on the rows
     that chose it (ascending expert order, as transformers adds them); inside a compiled step a few
     rows gather their chosen float experts, more rows (or quantized stacks) run every expert
-    weighted zero where unchosen."""
+    weighted zero where unchosen.
+
+    Under tensor parallelism each rank runs its slice of the chosen experts; one all-reduce sums
+    the slices, and the chosen down biases (whole on every rank), weighted, are added to the sum once."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     weights, experts = route_top_k_softmax(x, layer["router"], layer["router_bias"], spec.experts_per_token)
     alpha, limit = spec.swiglu_alpha, spec.swiglu_limit
+    sharded = spec.tensor_shard is not None
     gate_up = layer["experts_gate_up"]
     num_experts = gate_up.shape[0]
     if not torch.compiler.is_compiling():  # the groups' sizes are data: eager only
@@ -204,14 +212,17 @@ def biased_moe_mlp(spec: Any, layer: Mapping[str, Any], h: torch.Tensor) -> torc
             if count:
                 pairs = order[start:start + count]
                 rows = pairs // spec.experts_per_token
-                y = _biased_expert(x[rows], layer, e, alpha, limit) * weights.reshape(-1)[pairs, None]
+                y = _biased_expert(x[rows], layer, e, alpha, limit, not sharded) * weights.reshape(-1)[pairs, None]
                 out.index_copy_(0, rows, out.index_select(0, rows) + y)
             start += count
     elif isinstance(gate_up, torch.Tensor) and x.shape[0] * spec.experts_per_token < num_experts:
-        out = _biased_gathered(x, layer, weights, experts, alpha, limit)
+        out = _biased_gathered(x, layer, weights, experts, alpha, limit, not sharded)
     else:
         out = torch.zeros_like(x)
         for e in range(num_experts):
             weight = (weights * (experts == e)).sum(dim=-1, keepdim=True)
-            out = out + _biased_expert(x, layer, e, alpha, limit) * weight
+            out = out + _biased_expert(x, layer, e, alpha, limit, not sharded) * weight
+    if sharded:
+        out = tensor_parallel.reduced(spec, out) \
+            + (layer["experts_down_bias"][experts] * weights.unsqueeze(-1)).sum(dim=1)
     return out.reshape(shape)

@@ -17,11 +17,14 @@ q, k and v; its slice of each of gate and up). What only changes per head or per
 rotary, LongRoPE, layers without RoPE, sliding windows, Gemma's soft-capping and scaled
 embedding) needs nothing: Gemma's final logit soft-cap is applied to the gathered logits.
 
-A mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ``genfn.models.moe``) keeps its router whole on
-every rank (every rank routes every token alike) and splits every expert's intermediate size as
-the MLP's: each rank holds rows ``[i0, i1)`` of each expert's gate and up and those input columns
-of its down, runs the chosen experts on its slice, and one all-reduce after the MoE block sums the
-ranks' partial outputs.
+A mixture of experts (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS; ``genfn.models.moe``) keeps its router
+whole on every rank (every rank routes every token alike) and splits every expert's intermediate
+size as the MLP's: each rank holds rows ``[i0, i1)`` of each expert's gate and up and those input
+columns of its down, runs the chosen experts on its slice, and one all-reduce after the MoE block
+sums the ranks' partial outputs. GPT-OSS's biases follow the same cut: q/k/v's and the gate/up
+experts' are sliced with their rows, each head's attention sink goes with its head, and the
+row-parallel o and down biases are kept whole on every rank and added once, after the all-reduce
+(``row_parallel(..., bias=)``; the MoE adds its routed down biases the same way).
 
 Heads go to the ranks in whole key/value groups, as evenly as they divide: a model with 3 KV
 heads over 2 ranks gives one rank 2 groups and the other 1 (SmolLM2-135M has 3). A model with
@@ -57,7 +60,7 @@ __all__ = ["TensorShard", "SPLIT_FAMILIES", "Pieces", "current_shard", "shard_sp
 
 # The families whose layers split (what the refusals name).
 SPLIT_FAMILIES = ("Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3 / Phi-4-mini, Gemma 2 / Gemma 3, "
-                  "Qwen3-MoE, Mixtral")
+                  "Qwen3-MoE, Mixtral, OLMoE, GPT-OSS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +104,15 @@ def head_range(spec, shard: TensorShard) -> tuple[int, int]:
     return _split(spec.num_kv_heads, shard.world_size, shard.rank)
 
 
+def _splits_moe_size(spec) -> bool:
+    """Whether the experts' size is a field of its own (Qwen3-MoE, Mixtral, OLMoE: ``moe_intermediate_size``);
+    GPT-OSS's ``intermediate_size`` is each expert's."""
+    return bool(getattr(spec, "num_experts", 0)) and hasattr(spec, "moe_intermediate_size")
+
+
 def _mlp_size(spec) -> int:
-    """The intermediate size the ranks split: each expert's (``moe_intermediate_size``) in a
-    mixture of experts, else the MLP's."""
-    return spec.moe_intermediate_size if getattr(spec, "num_experts", 0) else spec.intermediate_size
+    """The intermediate size the ranks split: each expert's in a mixture of experts, else the MLP's."""
+    return spec.moe_intermediate_size if _splits_moe_size(spec) else spec.intermediate_size
 
 
 def _intermediate_unit(spec, world_size: int) -> int:
@@ -136,12 +144,12 @@ def shard_spec(spec, shard: TensorShard):
     size = _mlp_size(spec)
     i_start, i_stop = _split(size, shard.world_size, shard.rank, unit)
     if i_stop <= i_start:
-        what = "moe_intermediate_size" if getattr(spec, "num_experts", 0) else "intermediate_size"
+        what = "moe_intermediate_size" if _splits_moe_size(spec) else "intermediate_size"
         raise ValueError(f"{what}={size} is too small to split over {shard.world_size} ranks")
     # A mixture of experts splits every expert's intermediate size (Qwen3-MoE's intermediate_size
     # is a dense MLP's it does not have, and stays).
     sizes = dict(intermediate_size=i_stop - i_start)
-    if getattr(spec, "num_experts", 0):
+    if _splits_moe_size(spec):
         sizes = dict(moe_intermediate_size=i_stop - i_start,
                      **(sizes if spec.intermediate_size == spec.moe_intermediate_size else {}))
     return dataclasses.replace(spec, num_heads=(kv_stop - kv_start) * groups, num_kv_heads=kv_stop - kv_start,
@@ -191,7 +199,8 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
     groups = spec.num_heads // spec.num_kv_heads
     d = spec.head_dim
     q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
-    q = (kv_start * groups * d, (kv_start * groups + local.num_heads) * d)
+    heads = (kv_start * groups, kv_start * groups + local.num_heads)
+    q = (heads[0] * d, heads[1] * d)
     kv = (kv_start * d, (kv_start + local.num_kv_heads) * d)
     mlp = _split(_mlp_size(spec), shard.world_size, shard.rank, _intermediate_unit(spec, shard.world_size))
     vocab = vocab_range(spec.vocab_size, shard)
@@ -207,9 +216,13 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
     if getattr(spec, "qk_norm", None) == "projection":  # OLMo 2: one weight per projection row, cut with the heads
         rules.update({"self_attn.q_norm": rows(q), "self_attn.k_norm": rows(kv)})
 
+    interleaved = getattr(spec, "experts_gate_up_interleaved", False)
+
     def plan(name: str):
         if ".mlp.experts." in name:
-            return _expert_cut(name, _mlp_size(spec), *mlp)
+            return _expert_cut(name, _mlp_size(spec), *mlp, interleaved=interleaved)
+        if ("." + name).endswith((".self_attn.sinks", ".self_attn.sinks.weight")):  # GPT-OSS: one per query head
+            return rows(heads)
         stem, _, kind = name.rpartition(".")
         for key, pieces in rules.items():
             if ("." + stem).endswith("." + key):
@@ -218,16 +231,28 @@ def _plan(spec, local, shard: TensorShard) -> Callable[[str], Pieces | None]:
     return plan
 
 
-def _expert_cut(name: str, size: int, start: int, stop: int):
+def _expert_cut(name: str, size: int, start: int, stop: int, interleaved: bool = False):
     """The slice of a stacked expert projection a rank keeps: each expert's intermediate rows
     ``[start, stop)`` of gate and of up (column-parallel), its down's input columns (row-parallel).
     transformers 5 stores gate and up fused per expert (``experts.gate_up_proj [E, 2I, H]``: two
-    pieces, concatenated); a GGUF file stacks each projection alone (``[E, I, H]``, ``[E, H, I]``)."""
+    pieces, concatenated); a GGUF file stacks each projection alone (``[E, I, H]``, ``[E, H, I]``).
+    ``interleaved``: GPT-OSS's transformers layout, ``gate_up_proj [E, H, 2I]`` with gate j and up j
+    in columns 2j and 2j + 1 (one run of columns keeps the pairs the clamped SwiGLU joins) and
+    ``down_proj [E, I, H]``. The down biases (GPT-OSS) are whole on every rank: added after the sum."""
+    if name.endswith(("experts.down_proj_bias", "experts.down_proj.bias")):
+        return None
+    if interleaved and name.endswith("experts.gate_up_proj"):
+        return ((2, 2 * start, 2 * stop),)
+    if interleaved and name.endswith("experts.gate_up_proj_bias"):
+        return ((1, 2 * start, 2 * stop),)
+    if interleaved and name.endswith("experts.down_proj"):
+        return ((1, start, stop),)
     if name.endswith("experts.gate_up_proj"):
         return ((1, start, stop), (1, size + start, size + stop))
     if name.endswith(("experts.down_proj", "experts.down_proj.weight")):
         return ((2, start, stop),)
-    if name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight")):
+    if name.endswith(("experts.gate_proj.weight", "experts.up_proj.weight",
+                      "experts.gate_proj.bias", "experts.up_proj.bias")):
         return ((1, start, stop),)
     raise ValueError(f"{name}: not a stacked expert projection tensor parallelism knows how to split")
 
@@ -318,9 +343,10 @@ def mean_squares(spec, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [sums[..., i:i + 1] / sums[..., count + i:count + i + 1] for i in range(count)]
 
 
-def row_parallel(spec, x: torch.Tensor, weight, linear: Callable = kernels.linear) -> torch.Tensor:
+def row_parallel(spec, x: torch.Tensor, weight, linear: Callable = kernels.linear, bias=None) -> torch.Tensor:
     """``linear(x, weight)`` of a row-parallel weight (o, down: this rank holds its input columns
-    and ``x`` their values), summed over the ranks; on one process, just the linear.
+    and ``x`` their values), summed over the ranks; on one process, just the linear. ``bias`` (whole
+    on every rank) is added once, to the sum (on one process: ``linear(x, weight, bias)``).
 
     A block-quantized weight with float32 activations is summed in one process's order: rank r's
     kernel starts every output's sum where rank r - 1's ended (``quantized_linear(..., init)``),
@@ -335,17 +361,18 @@ def row_parallel(spec, x: torch.Tensor, weight, linear: Callable = kernels.linea
     """
     shard = spec.tensor_shard
     if shard is None:
-        return linear(x, weight)
+        return linear(x, weight) if bias is None else linear(x, weight, bias)
     if not (isinstance(weight, QuantizedWeight) and x.dtype == torch.float32):
-        return reduced(spec, linear(x, weight))
-    total = None
-    for rank in range(shard.world_size):
-        if rank == shard.rank:
-            mine = kernels.quantized_linear(x, weight, total)
-        else:
-            mine = x.new_zeros((*x.shape[:-1], weight.out_features))
-        total = reduced(spec, mine)
-    return total
+        total = reduced(spec, linear(x, weight))
+    else:
+        total = None
+        for rank in range(shard.world_size):
+            if rank == shard.rank:
+                mine = kernels.quantized_linear(x, weight, total)
+            else:
+                mine = x.new_zeros((*x.shape[:-1], weight.out_features))
+            total = reduced(spec, mine)
+    return total if bias is None else total + bias
 
 
 def embedding(spec, tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
