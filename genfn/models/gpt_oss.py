@@ -30,7 +30,7 @@ from genfn.cache.base import begin_forward
 from genfn.cache.paged import sink_softmax
 from genfn.cache.static import StaticCache
 from genfn.kernels import embedding, linear
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 from genfn.models.llama import ModelOutput, init_cache, tensor_getter
 from genfn.models.llama import attention_mask as slot_mask
 from genfn.models.llama_variants import complete_rope_scaling
@@ -287,7 +287,7 @@ def apply(spec: GptOssSpec, params: Mapping[str, Any], tokens: torch.Tensor, pos
           attend_len: int | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for GPT-OSS."""
-    refuse_outside_plain_llama("GPT-OSS")
+    refuse_without_invariant_forward("GPT-OSS")
     layers = params["layers"]
     if num_layers is not None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):

@@ -17,7 +17,7 @@ import torch
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, write
 from genfn.kernels import embedding
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 from genfn.models.gpt_oss import GptOssSpec, attention_scale, final_logits, finish_layer, project_qkv
 from genfn.models.packed import attend, check_plan, packed_attention, rotate_heads, sampled_logits
 from genfn.models.rope import rope_cos_sin
@@ -47,7 +47,7 @@ def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 def apply_packed(spec: GptOssSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
                  plan: PackedPlan | None = None) -> tuple[torch.Tensor, PagedKVCache]:
     """As ``genfn.models.packed.apply_packed`` (same arguments and results), for GPT-OSS."""
-    refuse_outside_plain_llama("GPT-OSS")
+    refuse_without_invariant_forward("GPT-OSS")
     _check_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     check_plan(plan, num_tokens)
