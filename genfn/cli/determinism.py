@@ -99,7 +99,8 @@ def main(args, status: Status) -> int:
     report = check(model, prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
                    batch_sizes=sizes, continuous_sizes=cb_sizes, chunk_tokens=args.chunk_tokens, threads=threads,
                    compiled=args.compile, side_batch_size=args.side_batch_size, prefix_cache=args.prefix_cache,
-                   batch_invariant=args.batch_invariant)
+                   batch_invariant=args.batch_invariant,
+                   progress=lambda name, seconds: status.line(f"{name}: {seconds:.0f} s"))
     status.end("done")
     print(json.dumps(report.to_dict()) if args.json else report.format(), flush=True)
     return 0
