@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from genfn import random as grandom
+from genfn.config.checks import int_check
 from genfn.kernels.invariant import batch_invariant as mode_on, deterministic
 from genfn.strategies.token_choice import chosen_logprobs
 
@@ -332,8 +333,7 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     for name, value in (("chunk_tokens", chunk_tokens), ("side_batch_size", side_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        int_check(minimum=1)(name, value)
     ids = _as_token_lists(model, prompts)
     seeds = [seed + i for i in range(len(ids))]
     settings = dict(generation_settings, max_new_tokens=max_new_tokens, do_sample=do_sample)

@@ -132,7 +132,7 @@ def test_bad_arguments_raise_clear_errors(models):
         check(model, [[5]], continuous_sizes=(8, 0))
     with pytest.raises(TypeError, match="threads must be a sequence"):
         check(model, [[5]], threads=2)
-    with pytest.raises(ValueError, match="side_batch_size must be a positive int"):
+    with pytest.raises(ValueError, match="side_batch_size` must be an int >= 1"):
         check(model, [[5]], side_batch_size=0)
     with pytest.raises(TypeError, match="prompts"):
         check(model, "a prompt")
