@@ -296,7 +296,8 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
           chunk_tokens: int = 16, threads: Sequence[int] = (1, 2), compiled: bool = False,
           side_batch_size: int = 1, prefix_cache: bool = True, batch_invariant: bool = False,
           variants: dict[str, Callable[[list[list[int]], list[int], dict], list[RequestRun]]] | None = None,
-          progress: Callable[[str, float], None] | None = None, **generation_settings) -> DeterminismReport:
+          progress: Callable[[str, float, Comparison | None], None] | None = None,
+          **generation_settings) -> DeterminismReport:
     """Run ``prompts`` (strings, or lists of token ids) in every variant and compare each against
     running them alone.
 
@@ -314,8 +315,9 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     they are still compared against the eager requests alone. ``batch_invariant``: every variant
     in the batch-invariant mode (``genfn.deterministic``; a check called inside it runs in it too,
     and the report's settings say which). ``variants``: more variants, ``name -> fn(prompts,
-    seeds, settings) -> [RequestRun]``. ``progress``: called with each variant's name and seconds
-    as it ends (a long check takes hours on a loaded machine). ``generation_settings``: more ``generate`` settings
+    seeds, settings) -> [RequestRun]``. ``progress``: called as each variant ends with its name, its
+    seconds and its comparison with the reference (``None`` for the reference itself), so that a
+    long check (hours on a loaded machine) shows its results as they come. ``generation_settings``: more ``generate`` settings
     (``temperature``, ``top_k``, ...), the same for every request. Request ``i`` samples with the
     key of ``seed + i`` in every variant.
     """
@@ -391,7 +393,8 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
             runs[name] = run()
             seconds[name] = round(time.perf_counter() - start, 3)
             if progress is not None:
-                progress(name, seconds[name])
+                against = None if name == "alone" else compare(runs["alone"], runs[name], "alone", name)
+                progress(name, seconds[name], against)
         mode = mode_on()
     comparisons = [compare(runs["alone"], runs[name], "alone", name) for name in plan if name != "alone"]
     report_settings = dict(prompts=len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,

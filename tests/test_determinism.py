@@ -90,8 +90,10 @@ def test_continuous_variants_and_thread_counts_are_reported(models):
     model, _ = models
     ended = []
     report = check(model, _prompts(4, seed=1), max_new_tokens=6, do_sample=True, batch_sizes=(),
-                   chunk_tokens=8, threads=(1, 2), progress=lambda name, seconds: ended.append((name, seconds)))
-    assert ended == list(report.seconds.items())
+                   chunk_tokens=8, threads=(1, 2),
+                   progress=lambda name, seconds, comparison: ended.append((name, seconds, comparison)))
+    assert [(name, seconds) for name, seconds, _ in ended] == list(report.seconds.items())
+    assert [comparison for _, _, comparison in ended] == [None, *report.comparisons]
     assert [c.variant for c in report.comparisons] == ["continuous, chunked prefill", "continuous, whole prompts",
                                                        "continuous, prefix cache", "alone, 1 thread",
                                                        "alone, 2 threads"]

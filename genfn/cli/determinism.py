@@ -86,6 +86,15 @@ def _int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def _progress_line(name: str, seconds: float, comparison) -> str:
+    if comparison is None:
+        return f"{name}: {seconds:.0f} s"
+    logit = "" if comparison.max_logit_diff is None else f", max |dlogit| {comparison.max_logit_diff:.3g}"
+    return (f"{name}: {seconds:.0f} s, {comparison.identical}/{comparison.total} identical, first divergent tokens "
+            f"{sorted(d.first_token for d in comparison.divergences)[:8] or '-'}, max |dlogprob| "
+            f"{comparison.max_logprob_diff:.3g}{logit}")
+
+
 def main(args, status: Status) -> int:
     from genfn.determinism import check
 
@@ -100,7 +109,7 @@ def main(args, status: Status) -> int:
                    batch_sizes=sizes, continuous_sizes=cb_sizes, chunk_tokens=args.chunk_tokens, threads=threads,
                    compiled=args.compile, side_batch_size=args.side_batch_size, prefix_cache=args.prefix_cache,
                    batch_invariant=args.batch_invariant,
-                   progress=lambda name, seconds: status.line(f"{name}: {seconds:.0f} s"))
+                   progress=lambda name, seconds, comparison: status.line(_progress_line(name, seconds, comparison)))
     status.end("done")
     print(json.dumps(report.to_dict()) if args.json else report.format(), flush=True)
     return 0
