@@ -83,8 +83,10 @@ class DeterminismReport:
         raise KeyError(f"no variant {variant!r}; the report has {[c.variant for c in self.comparisons]}")
 
     def to_dict(self) -> dict:
+        # Each variant's new tokens in all: identical runs of no tokens would prove nothing.
+        generated = {name: sum(len(run.tokens) for run in runs) for name, runs in self.runs.items()}
         return {"settings": self.settings, "seconds": self.seconds, "reused_tokens": self.reused_tokens,
-                "comparisons": [dict(dataclasses.asdict(c), identical_share=c.identical_share)
+                "generated_tokens": generated, "comparisons": [dict(dataclasses.asdict(c), identical_share=c.identical_share)
                                 for c in self.comparisons]}
 
     def format(self) -> str:

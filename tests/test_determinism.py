@@ -116,6 +116,7 @@ def test_continuous_sizes_and_side_batches_in_the_mode_are_named_counted_and_bit
     # for its logits); the first round's hits count too.
     assert report.reused_tokens >= sum((len(p) - 1) // 4 * 4 for p in prompts)
     assert "prompt tokens reused" in report.format() and report.to_dict()["reused_tokens"] == report.reused_tokens
+    assert report.to_dict()["generated_tokens"]["alone"] == sum(len(run.tokens) for run in report.runs["alone"]) > 0
     for comp in report.comparisons:
         assert (comp.identical, comp.max_logprob_diff) == (len(prompts), 0.0), comp.variant
 
