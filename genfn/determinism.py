@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from genfn import random as grandom
+from genfn.config.checks import int_check
 from genfn.kernels.invariant import batch_invariant as mode_on, deterministic
 from genfn.strategies.token_choice import chosen_logprobs
 
@@ -73,6 +74,7 @@ class DeterminismReport:
     runs: dict[str, list[RequestRun]]
     comparisons: list[Comparison]
     seconds: dict[str, float]
+    reused_tokens: int | None = None  # prompt tokens the prefix-cache variant took from the cache
 
     def comparison(self, variant: str) -> Comparison:
         for comp in self.comparisons:
@@ -81,8 +83,10 @@ class DeterminismReport:
         raise KeyError(f"no variant {variant!r}; the report has {[c.variant for c in self.comparisons]}")
 
     def to_dict(self) -> dict:
-        return {"settings": self.settings, "seconds": self.seconds,
-                "comparisons": [dict(dataclasses.asdict(c), identical_share=c.identical_share)
+        # Each variant's new tokens in all: identical runs of no tokens would prove nothing.
+        generated = {name: sum(len(run.tokens) for run in runs) for name, runs in self.runs.items()}
+        return {"settings": self.settings, "seconds": self.seconds, "reused_tokens": self.reused_tokens,
+                "generated_tokens": generated, "comparisons": [dict(dataclasses.asdict(c), identical_share=c.identical_share)
                                 for c in self.comparisons]}
 
     def format(self) -> str:
@@ -97,8 +101,9 @@ class DeterminismReport:
         line = lambda r: "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()  # noqa: E731
         settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
         reference = self.comparisons[0].reference if self.comparisons else "alone"
+        reused = [] if self.reused_tokens is None else [f"prefix cache: {self.reused_tokens} prompt tokens reused"]
         return "\n".join([f"determinism report ({settings}); reference: {reference}", line(head),
-                          line(tuple("-" * w for w in widths)), *map(line, rows)])
+                          line(tuple("-" * w for w in widths)), *map(line, rows), *reused])
 
     __str__ = format
 
@@ -199,10 +204,12 @@ def run_generate(model, prompts: list[list[int]], seeds: list[int], settings: di
 
 
 def _continuous(model, prompts, seeds, settings, order: list[int], chunked_prefill: bool,
-                max_batch_tokens: int, prefix_cache: bool = False) -> list[RequestRun]:
-    """The requests through one continuous-batching manager, added in ``order``. ``prefix_cache``:
-    with block sharing on small pages, every request run twice and its second run kept, so that
-    its prompt's full pages come from the prefix cache (the first run's blocks)."""
+                max_batch_tokens: int, max_requests: int, prefix_cache: bool = False,
+                counts: dict | None = None) -> list[RequestRun]:
+    """The requests through one continuous-batching manager of ``max_requests`` rows, added in
+    ``order``. ``prefix_cache``: with block sharing on small pages, every request run twice and
+    its second run kept, so that its prompt's full pages come from the prefix cache (the first
+    run's blocks); the prompt tokens the cache served are added to ``counts["reused_tokens"]``."""
     from genfn.batching.manager import ContinuousBatchingManager
     from genfn.config.batching import ContinuousBatchingConfig
 
@@ -210,7 +217,7 @@ def _continuous(model, prompts, seeds, settings, order: list[int], chunked_prefi
     page = 4 if prefix_cache else 16
     rounds = 2 if prefix_cache else 1
     cb = ContinuousBatchingConfig(page_size=page, num_blocks=rounds * len(prompts) * (longest // page + 2),
-                                  max_batch_tokens=max_batch_tokens, max_requests_per_batch=len(prompts),
+                                  max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests,
                                   max_blocks_per_request=longest // page + 2, allow_block_sharing=prefix_cache)
     manager = ContinuousBatchingManager(model, None, cb, chunked_prefill=chunked_prefill)
     manager.start()
@@ -219,8 +226,11 @@ def _continuous(model, prompts, seeds, settings, order: list[int], chunked_prefi
             results = _continuous_round(manager, prompts, seeds, settings, order, round_ * len(prompts))
     finally:
         manager.stop(timeout=_RESULT_WAIT_S)
-    if prefix_cache and not manager.stats["reused_tokens"]:
-        raise RuntimeError("the prefix-cache variant reused no prompt token: its prompts are shorter than a page")
+    if prefix_cache:
+        if not manager.stats["reused_tokens"]:
+            raise RuntimeError("the prefix-cache variant reused no prompt token: its prompts are shorter than a page")
+        if counts is not None:
+            counts["reused_tokens"] = counts.get("reused_tokens", 0) + manager.stats["reused_tokens"]
     return [RequestRun(list(results[i].generated_tokens), [float(x) for x in results[i].logprobs])
             for i in range(len(prompts))]
 
@@ -234,12 +244,13 @@ def _continuous_round(manager, prompts, seeds, settings, order: list[int], first
         manager.add_request(prompts[i], request_id=first_id + i, max_new_tokens=settings["max_new_tokens"],
                             **per_request, **extra)
     results = {}
-    deadline = time.monotonic() + _RESULT_WAIT_S
     while len(results) < len(order):
-        out = manager.get_result(timeout=max(0.0, deadline - time.monotonic()))
+        # A long run (64 requests x 256 tokens on a loaded machine) may take far longer than this
+        # in all; what signals a stuck manager is a long wait for the next result.
+        out = manager.get_result(timeout=_RESULT_WAIT_S)
         if out is None:
-            raise TimeoutError(f"continuous batching returned {len(results)} of {len(order)} requests "
-                               f"in {_RESULT_WAIT_S:.0f} s")
+            raise TimeoutError(f"continuous batching returned {len(results)} of {len(order)} requests, "
+                               f"then none for {_RESULT_WAIT_S:.0f} s")
         if out.status != RequestStatus.FINISHED:
             raise RuntimeError(f"request {out.request_id} ended {out.status}: {out.error}")
         results[out.request_id - first_id] = out
@@ -274,38 +285,59 @@ def _as_token_lists(model, prompts) -> list[list[int]]:
     return ids
 
 
+def _positive_ints(name: str, values) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of positive ints, got {type(values).__name__}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{name} must hold positive ints, got {list(values)!r}")
+    return sorted(set(values))
+
+
 def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, seed: int = 0,
-          batch_sizes: Sequence[int] = (4, 16), continuous: bool = True, chunk_tokens: int = 16,
-          threads: Sequence[int] = (1, 2), compiled: bool = False, prefix_cache: bool = True,
-          batch_invariant: bool = False,
+          batch_sizes: Sequence[int] = (4, 16), continuous: bool = True, continuous_sizes: Sequence[int] | None = None,
+          chunk_tokens: int = 16, threads: Sequence[int] = (1, 2), compiled: bool = False,
+          side_batch_size: int = 1, prefix_cache: bool = True, batch_invariant: bool = False,
           variants: dict[str, Callable[[list[list[int]], list[int], dict], list[RequestRun]]] | None = None,
+          progress: Callable[[str, float, Comparison | None], None] | None = None,
           **generation_settings) -> DeterminismReport:
     """Run ``prompts`` (strings, or lists of token ids) in every variant and compare each against
     running them alone.
 
     ``batch_sizes``: left-padded ``generate`` batches of these sizes (the largest also in a
-    shuffled order); ``continuous``: continuous batching with chunked prefill (``chunk_tokens``
-    per forward) and without it; ``threads``: alone under each of these torch thread counts (the
-    caller's count is restored); ``compiled``: alone with the compiled decode step (slow to
-    build); ``prefix_cache``: continuous batching with prefix caching, each request's prompt pages
-    taken from the cache of its own earlier run. ``batch_invariant``: every variant in the
-    batch-invariant mode (``genfn.deterministic``; a check called inside it runs in it too, and
-    the report's settings say which). ``variants``: more variants, ``name -> fn(prompts, seeds, settings) -> [RequestRun]``.
-    ``generation_settings``: more ``generate`` settings (``temperature``, ``top_k``, ...), the
-    same for every request. Request ``i`` samples with the key of ``seed + i`` in every variant.
+    shuffled order); ``continuous``: continuous batching, the prompts added in a shuffled order,
+    with chunked prefill (``chunk_tokens`` of prompt per forward beside the decoding rows) and
+    without it; ``continuous_sizes``: one such pair of managers per size, each running at most
+    that many requests per forward (``None``: one pair with room for every request);
+    ``prefix_cache``: continuous batching (the largest size) with prefix caching, each request's
+    prompt pages taken from the cache of its own earlier run (the report's ``reused_tokens``
+    counts the prompt tokens the cache served); ``threads``: alone under each of these torch
+    thread counts (the caller's count is restored); ``compiled``: alone with the compiled decode
+    step (slow to build). ``side_batch_size``: run the thread and compiled variants in
+    ``generate`` batches of this size instead of alone (1), which makes a long check affordable:
+    they are still compared against the eager requests alone. ``batch_invariant``: every variant
+    in the batch-invariant mode (``genfn.deterministic``; a check called inside it runs in it too,
+    and the report's settings say which). ``variants``: more variants, ``name -> fn(prompts,
+    seeds, settings) -> [RequestRun]``. ``progress``: called as each variant ends with its name, its
+    seconds and its comparison with the reference (``None`` for the reference itself), so that a
+    long check (hours on a loaded machine) shows its results as they come. ``generation_settings``: more ``generate`` settings
+    (``temperature``, ``top_k``, ...), the same for every request. Request ``i`` samples with the
+    key of ``seed + i`` in every variant.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    for name, values in (("batch_sizes", batch_sizes), ("threads", threads)):
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-            raise ValueError(f"{name} must hold positive ints, got {list(values)!r}")
-    for name, flag in (("prefix_cache", prefix_cache), ("batch_invariant", batch_invariant), ("compiled", compiled)):
+    batch_sizes, threads = _positive_ints("batch_sizes", batch_sizes), _positive_ints("threads", threads)
+    if continuous_sizes is not None:
+        continuous_sizes = _positive_ints("continuous_sizes", continuous_sizes)
+        if not continuous_sizes:
+            raise ValueError("continuous_sizes must hold at least one size (None: room for every request)")
+    for name, flag in (("continuous", continuous), ("prefix_cache", prefix_cache),
+                       ("batch_invariant", batch_invariant), ("compiled", compiled)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    for name, value in (("chunk_tokens", chunk_tokens), ("side_batch_size", side_batch_size)):
+        int_check(minimum=1)(name, value)
     ids = _as_token_lists(model, prompts)
     seeds = [seed + i for i in range(len(ids))]
     settings = dict(generation_settings, max_new_tokens=max_new_tokens, do_sample=do_sample)
@@ -313,10 +345,11 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
     shuffled = in_order[:]
     pyrandom.Random(seed).shuffle(shuffled)
     longest = max(len(p) for p in ids)
+    counts: dict[str, int] = {}
 
     plan: dict[str, Callable[[], list[RequestRun]]] = {
         "alone": lambda: run_generate(model, ids, seeds, settings, 1, in_order)}
-    for size in sorted(set(batch_sizes)):
+    for size in batch_sizes:
         if size > 1:
             plan[f"generate batch {size}"] = (
                 lambda size=size: run_generate(model, ids, seeds, settings, size, in_order))
@@ -325,21 +358,30 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
         plan[f"generate batch {size}, shuffled"] = lambda: run_generate(model, ids, seeds, settings, size,
                                                                              shuffled)
     if continuous:
-        plan["continuous, chunked prefill"] = lambda: _continuous(model, ids, seeds, settings, shuffled, True,
-                                                                  chunk_tokens)
-        plan["continuous, whole prompts"] = lambda: _continuous(model, ids, seeds, settings, shuffled, False,
-                                                                max(longest * len(ids), 64))
+        named = continuous_sizes is not None
+        for rows in continuous_sizes or [len(ids)]:
+            label = f"continuous {rows}" if named else "continuous"
+            # Chunked: the decoding rows plus chunk_tokens of prompt per forward, so a full batch
+            # still decodes every row in one forward while the prompts are cut.
+            plan[f"{label}, chunked prefill"] = lambda rows=rows: _continuous(
+                model, ids, seeds, settings, shuffled, True, min(rows, len(ids)) + chunk_tokens, rows)
+            plan[f"{label}, whole prompts"] = lambda rows=rows: _continuous(
+                model, ids, seeds, settings, shuffled, False, max(longest * min(rows, len(ids)), 64), rows)
         if prefix_cache and longest >= 5:  # at least one full page of 4 to share
-            plan["continuous, prefix cache"] = lambda: _continuous(model, ids, seeds, settings, shuffled, True,
-                                                                   chunk_tokens, prefix_cache=True)
-    for count in sorted(set(threads)):
-        def alone_with(count=count):
+            rows = max(continuous_sizes or [len(ids)])
+            label = f"continuous {rows}" if named else "continuous"
+            plan[f"{label}, prefix cache"] = lambda: _continuous(
+                model, ids, seeds, settings, shuffled, True, min(rows, len(ids)) + chunk_tokens, rows,
+                prefix_cache=True, counts=counts)
+    side = "alone" if side_batch_size == 1 else f"generate batch {side_batch_size}"
+    for count in threads:
+        def with_threads(count=count):
             with _threads(count):
-                return run_generate(model, ids, seeds, settings, 1, in_order)
-        plan[f"alone, {count} thread{'s' if count > 1 else ''}"] = alone_with
+                return run_generate(model, ids, seeds, settings, side_batch_size, in_order)
+        plan[f"{side}, {count} thread{'s' if count > 1 else ''}"] = with_threads
     if compiled:
         static = dict(settings, cache_implementation="static", max_cache_len=longest + max_new_tokens)
-        plan["alone, compiled"] = lambda: run_generate(model, ids, seeds, static, 1, in_order)
+        plan[f"{side}, compiled"] = lambda: run_generate(model, ids, seeds, static, side_batch_size, in_order)
     for name, fn in (variants or {}).items():
         if name in plan:
             raise ValueError(f"variant name {name!r} is taken; the built-in ones are {list(plan)}")
@@ -352,9 +394,12 @@ def check(model, prompts, *, max_new_tokens: int = 32, do_sample: bool = False, 
             start = time.perf_counter()
             runs[name] = run()
             seconds[name] = round(time.perf_counter() - start, 3)
+            if progress is not None:
+                against = None if name == "alone" else compare(runs["alone"], runs[name], "alone", name)
+                progress(name, seconds[name], against)
         mode = mode_on()
     comparisons = [compare(runs["alone"], runs[name], "alone", name) for name in plan if name != "alone"]
     report_settings = dict(prompts=len(ids), max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
                            dtype=str(getattr(model, "dtype", "?")).replace("torch.", ""),
                            threads=torch.get_num_threads(), batch_invariant=mode, **generation_settings)
-    return DeterminismReport(report_settings, runs, comparisons, seconds)
+    return DeterminismReport(report_settings, runs, comparisons, seconds, counts.get("reused_tokens"))

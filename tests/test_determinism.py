@@ -88,8 +88,12 @@ def test_report_finds_a_perturbed_model_at_its_first_divergent_token(models, do_
 
 def test_continuous_variants_and_thread_counts_are_reported(models):
     model, _ = models
+    ended = []
     report = check(model, _prompts(4, seed=1), max_new_tokens=6, do_sample=True, batch_sizes=(),
-                   chunk_tokens=8, threads=(1, 2))
+                   chunk_tokens=8, threads=(1, 2),
+                   progress=lambda name, seconds, comparison: ended.append((name, seconds, comparison)))
+    assert [(name, seconds) for name, seconds, _ in ended] == list(report.seconds.items())
+    assert [comparison for _, _, comparison in ended] == [None, *report.comparisons]
     assert [c.variant for c in report.comparisons] == ["continuous, chunked prefill", "continuous, whole prompts",
                                                        "continuous, prefix cache", "alone, 1 thread",
                                                        "alone, 2 threads"]
@@ -100,6 +104,23 @@ def test_continuous_variants_and_thread_counts_are_reported(models):
     json.dumps(report.to_dict())
 
 
+def test_continuous_sizes_and_side_batches_in_the_mode_are_named_counted_and_bitwise_equal(models):
+    model, _ = models
+    prompts = [p + [7] * 6 for p in _prompts(5, seed=2)]  # every prompt fills a page of 4: the cache hits
+    report = check(model, prompts, max_new_tokens=5, do_sample=True, batch_sizes=(), continuous_sizes=(4, 2, 4),
+                   chunk_tokens=5, threads=(1,), side_batch_size=3, batch_invariant=True)
+    assert [c.variant for c in report.comparisons] == [
+        "continuous 2, chunked prefill", "continuous 2, whole prompts", "continuous 4, chunked prefill",
+        "continuous 4, whole prompts", "continuous 4, prefix cache", "generate batch 3, 1 thread"]
+    # The second round takes every prompt's full pages but the one holding its last token (computed
+    # for its logits); the first round's hits count too.
+    assert report.reused_tokens >= sum((len(p) - 1) // 4 * 4 for p in prompts)
+    assert "prompt tokens reused" in report.format() and report.to_dict()["reused_tokens"] == report.reused_tokens
+    assert report.to_dict()["generated_tokens"]["alone"] == sum(len(run.tokens) for run in report.runs["alone"]) > 0
+    for comp in report.comparisons:
+        assert (comp.identical, comp.max_logprob_diff) == (len(prompts), 0.0), comp.variant
+
+
 def test_bad_arguments_raise_clear_errors(models):
     model, _ = models
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -108,6 +129,14 @@ def test_bad_arguments_raise_clear_errors(models):
         check(model, [[5]], batch_sizes=(0,))
     with pytest.raises(TypeError, match="prefix_cache"):
         check(model, [[5]], prefix_cache=1)
+    with pytest.raises(ValueError, match="continuous_sizes must hold at least one"):
+        check(model, [[5]], continuous_sizes=())
+    with pytest.raises(ValueError, match="continuous_sizes must hold positive ints"):
+        check(model, [[5]], continuous_sizes=(8, 0))
+    with pytest.raises(TypeError, match="threads must be a sequence"):
+        check(model, [[5]], threads=2)
+    with pytest.raises(ValueError, match="side_batch_size` must be an int >= 1"):
+        check(model, [[5]], side_batch_size=0)
     with pytest.raises(TypeError, match="prompts"):
         check(model, "a prompt")
     with pytest.raises(ValueError, match="at least one token"):
@@ -127,5 +156,12 @@ def test_cli_prints_the_report_as_json(tmp_path, capsys):
     names = [c["variant"] for c in out["comparisons"]]
     assert names[:2] == ["generate batch 2", "generate batch 2, shuffled"] and "continuous, chunked prefill" in names
     assert all(c["total"] == 3 and 0 <= c["identical_share"] <= 1 for c in out["comparisons"])
-    assert cli.main(["determinism", "--model", str(model_dir), "--batch-sizes", "0,x"]) == 2
-    assert "--batch-sizes" in capsys.readouterr().err
+    assert cli.main(["determinism", "--model", str(model_dir), "--prompts", str(prompts), "--max-new-tokens", "3",
+                     "--batch-sizes", "2", "--cb-sizes", "2", "--threads", "1", "--side-batch-size", "2",
+                     "--no-prefix-cache", "--json", "--quiet"]) == 0
+    names = [c["variant"] for c in json.loads(capsys.readouterr().out)["comparisons"]]
+    assert names == ["generate batch 2", "generate batch 2, shuffled", "continuous 2, chunked prefill",
+                     "continuous 2, whole prompts", "generate batch 2, 1 thread"]
+    for flag, value in (("--batch-sizes", "0,x"), ("--cb-sizes", "8,-1"), ("--threads", "")):
+        assert cli.main(["determinism", "--model", str(model_dir), flag, value]) == 2
+        assert f"{flag} must be positive integers" in capsys.readouterr().err

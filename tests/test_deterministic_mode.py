@@ -307,9 +307,28 @@ def test_the_mode_refuses_a_family_without_an_invariant_forward():
     # A wrapped module's forward reduces in shape-dependent orders: in the mode it must say so, not run.
     model = _gpt2_module()
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="batch-invariant mode.*no invariant forward"):
+    with pytest.raises(ValueError, match="batch-invariant mode .* runs Llama, .*Gemma 3 on one process; a wrapped "
+                                         "module .* has no invariant forward yet .*GPT-OSS.*: run it outside"):
         genfn.generate(model, ids, max_new_tokens=2, batch_invariant=True)
     with pytest.raises(ValueError, match="batch-invariant mode.*no invariant forward"):
         generate_batch(model, [[5, 6, 7]], max_new_tokens=2,
                        continuous_batching_config=ContinuousBatchingConfig(batch_invariant=True))
     assert genfn.generate(model, ids, max_new_tokens=2).shape == (1, 5)  # outside the mode it runs
+
+
+def test_the_refusal_names_every_registry_family_that_runs_in_the_mode():
+    # Each native architecture of the registry: the name the refusal gives it, None where it refuses.
+    from genfn.kernels.invariant import INVARIANT_FAMILIES, no_invariant_forward
+    from genfn.models.registry import ARCHITECTURES
+
+    names = {"LlamaForCausalLM": "Llama", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
+             "Qwen3ForCausalLM": "Qwen3", "SmolLM3ForCausalLM": "SmolLM3", "Olmo2ForCausalLM": "OLMo 2",
+             "Phi3ForCausalLM": "Phi-3", "Qwen3MoeForCausalLM": "Qwen3-MoE", "MixtralForCausalLM": "Mixtral",
+             "OlmoeForCausalLM": "OLMoE", "Gemma2ForCausalLM": "Gemma 2", "Gemma3ForCausalLM": "Gemma 3",
+             "GptOssForCausalLM": None}
+    assert set(ARCHITECTURES) == set(names), "a family joined the registry: say whether it runs in the mode"
+    running = INVARIANT_FAMILIES.split(", ")
+    for arch, name in names.items():
+        assert (name is None) == (not any(item.startswith(name or "-") for item in running)), arch
+    message = no_invariant_forward("GPT-OSS")
+    assert "GPT-OSS, T5, BART" in message and "tensor parallelism" in message and INVARIANT_FAMILIES in message

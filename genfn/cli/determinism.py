@@ -44,7 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument("--batch-sizes", default="4,16", metavar="N,N",
                         help="generate batch sizes to compare against running alone (default 4,16)")
-    parser.add_argument("--compile", action="store_true", help="also run each request alone with the compiled step")
+    parser.add_argument("--cb-sizes", default=None, metavar="N,N",
+                        help="continuous batching with at most N requests per forward, one manager per size "
+                             "(default: one with room for every request)")
+    parser.add_argument("--chunk-tokens", type=positive_int, default=16, metavar="N",
+                        help="chunked prefill: prompt tokens per forward beside the decoding rows (default 16)")
+    parser.add_argument("--threads", default="1,2", metavar="N,N",
+                        help="torch thread counts to run the requests under (default 1,2)")
+    parser.add_argument("--compile", action="store_true", help="also run the requests with the compiled step")
+    parser.add_argument("--side-batch-size", type=positive_int, default=1, metavar="N",
+                        help="run the --threads and --compile variants in generate batches of N instead of alone "
+                             "(a long check's time is mostly its runs alone; default 1)")
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="skip the continuous-batching variant with prefix caching")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="run every variant in the batch-invariant mode (genfn.deterministic)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -64,26 +76,40 @@ def _prompts(args) -> list[str]:
             for i in range(count)]
 
 
-def _batch_sizes(text: str) -> list[int]:
+def _int_list(flag: str, text: str) -> list[int]:
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        sizes = []
-    if not sizes or any(size < 1 for size in sizes):
-        raise UserError(f"--batch-sizes must be positive integers separated by commas, got {text!r}")
-    return sizes
+        values = []
+    if not values or any(value < 1 for value in values):
+        raise UserError(f"{flag} must be positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _progress_line(name: str, seconds: float, comparison) -> str:
+    if comparison is None:
+        return f"{name}: {seconds:.0f} s"
+    logit = "" if comparison.max_logit_diff is None else f", max |dlogit| {comparison.max_logit_diff:.3g}"
+    return (f"{name}: {seconds:.0f} s, {comparison.identical}/{comparison.total} identical, first divergent tokens "
+            f"{sorted(d.first_token for d in comparison.divergences)[:8] or '-'}, max |dlogprob| "
+            f"{comparison.max_logprob_diff:.3g}{logit}")
 
 
 def main(args, status: Status) -> int:
     from genfn.determinism import check
 
     prompts = _prompts(args)
-    sizes = _batch_sizes(args.batch_sizes)
+    sizes = _int_list("--batch-sizes", args.batch_sizes)
+    cb_sizes = None if args.cb_sizes is None else _int_list("--cb-sizes", args.cb_sizes)
+    threads = _int_list("--threads", args.threads)
     model = load_model(args, status)
     require_tokenizer(model)
     status.begin(f"running {len(prompts)} prompts x {args.max_new_tokens} tokens in every variant")
     report = check(model, prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, seed=args.seed,
-                   batch_sizes=sizes, compiled=args.compile, batch_invariant=args.batch_invariant)
+                   batch_sizes=sizes, continuous_sizes=cb_sizes, chunk_tokens=args.chunk_tokens, threads=threads,
+                   compiled=args.compile, side_batch_size=args.side_batch_size, prefix_cache=args.prefix_cache,
+                   batch_invariant=args.batch_invariant,
+                   progress=lambda name, seconds, comparison: status.line(_progress_line(name, seconds, comparison)))
     status.end("done")
     print(json.dumps(report.to_dict()) if args.json else report.format(), flush=True)
     return 0

@@ -40,8 +40,9 @@ from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["deterministic", "batch_invariant", "require_native", "refuse_outside_plain_llama", "mode_for_manager", "linear", "rms_norm", "add_rms_norm", "rope_qkv",
-           "silu_mul", "dense_attention", "paged_attention"]
+__all__ = ["deterministic", "batch_invariant", "require_native", "refuse_without_invariant_forward",
+           "no_invariant_forward", "INVARIANT_FAMILIES", "mode_for_manager", "linear", "rms_norm", "add_rms_norm",
+           "rope_qkv", "silu_mul", "dense_attention", "paged_attention"]
 
 _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("genfn_batch_invariant", default=False)
 
@@ -62,13 +63,24 @@ def require_native() -> None:
                            f"{kernels.kernel_status()}")
 
 
-def refuse_outside_plain_llama(family: str) -> None:
+# The families whose layers run in the mode (genfn.models.invariant_layers, gemma_invariant); every
+# architecture of genfn.models.registry but GPT-OSS (tests/test_deterministic_mode.py checks the list).
+INVARIANT_FAMILIES = ("Llama, Mistral, Qwen2, SmolLM2, SmolLM3, Qwen3, OLMo 2, Phi-3/Phi-4-mini, Qwen3-MoE, Mixtral, "
+                      "OLMoE, Gemma 2, Gemma 3")
+_NOT_INVARIANT = "GPT-OSS, T5, BART, a wrapped module (genfn.from_module), tensor parallelism"
+
+
+def no_invariant_forward(what: str, remedy: str = "run it outside the mode") -> str:
+    """The mode's refusal of ``what``: which families run in it, which do not, and ``remedy``."""
+    return (f"the batch-invariant mode (genfn.deterministic, batch_invariant=True) runs {INVARIANT_FAMILIES} on one "
+            f"process; {what} has no invariant forward yet (none of {_NOT_INVARIANT} has): {remedy}")
+
+
+def refuse_without_invariant_forward(family: str) -> None:
     """In the mode, refuse a forward that has no invariant path (it would reduce in shape-dependent
     orders and silently break the mode's promise); outside it, nothing."""
     if batch_invariant():
-        raise ValueError(f"the batch-invariant mode (genfn.deterministic, batch_invariant=True) runs "
-                         f"Llama-family layers (Llama, Mistral, Qwen2, SmolLM2, Qwen3, OLMo 2); {family} has no "
-                         f"invariant forward yet: run it outside the mode")
+        raise ValueError(no_invariant_forward(family))
 
 
 def mode_for_manager(configured: bool) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from genfn.cache.base import begin_forward
 from genfn.cache.static import init_static_cache
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 
 __all__ = ["ModuleSpec", "RowMask", "from_module", "apply", "init_cache", "ModuleOutput", "row_attention_mask"]
 
@@ -303,7 +303,7 @@ def apply(spec: ModuleSpec, params, tokens, positions, cache, attention_mask=Non
     The same contract as the native families' ``apply``: returns ``(logits [B, S', V] float32, cache)``,
     or a ``ModuleOutput`` when hidden states or attentions are asked for.
     """
-    refuse_outside_plain_llama("a wrapped module (genfn.from_module)")
+    refuse_without_invariant_forward("a wrapped module (genfn.from_module)")
     batch, seq = tokens.shape
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     view = spec.cache_view.bind(cache, slots, attend_len)

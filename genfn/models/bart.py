@@ -19,7 +19,7 @@ from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.models.seq2seq import (DecoderOutput, EncoderOutput, activation, attend, causal_mask, check_shape,
                                   get_tensor, merge_heads, padding_mask, split_heads)
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 
 __all__ = ["BartSpec", "SUPPORTED_ARCHITECTURES", "POSITION_OFFSET", "spec_from_config", "params_from_state_dict",
            "encode", "cross_attention_kv", "apply", "init_cache"]
@@ -209,7 +209,7 @@ def apply(spec: BartSpec, params: Mapping[str, Any], tokens: torch.Tensor, posit
     so ``positions`` is not read. Returns ``(logits [B, S', V] float32, cache)``, or a
     ``DecoderOutput`` when hidden states or attentions are requested.
     """
-    refuse_outside_plain_llama("BART")
+    refuse_without_invariant_forward("BART")
     dec = params["decoder"]
     batch, seq = tokens.shape
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)

@@ -34,7 +34,7 @@ from genfn.cache.base import begin_forward
 from genfn.cache.paged import sink_softmax
 from genfn.cache.static import StaticCache
 from genfn.kernels import linear
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 from genfn.models import tensor_parallel
 from genfn.models.decoder_config import check_head_groups, decoder_sizes, required_field, sliding_layers
 from genfn.models.llama import ModelOutput, first_layers, init_cache, tensor_getter
@@ -286,7 +286,7 @@ def apply(spec: GptOssSpec, params: Mapping[str, Any], tokens: torch.Tensor, pos
           attend_len: int | None = None, output_hidden_states: bool = False, output_attentions: bool = False,
           num_layers: int | None = None):
     """As ``genfn.models.llama.apply`` (same arguments and results), for GPT-OSS."""
-    refuse_outside_plain_llama("GPT-OSS")
+    refuse_without_invariant_forward("GPT-OSS")
     layers = first_layers(params["layers"], num_layers)
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
     masks = {False: slot_mask(cache, slots, attend_len, None),

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, write
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 from genfn.models import tensor_parallel
 from genfn.models.gpt_oss import GptOssSpec, attention_scale, final_logits, finish_layer, project_qkv
 from genfn.models.packed import attend, check_plan, packed_attention, paged_cache_for, refuse_other_family
@@ -43,7 +43,7 @@ pack_params = unpacked_params
 def apply_packed(spec: GptOssSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
                  plan: PackedPlan | None = None) -> tuple[torch.Tensor, PagedKVCache]:
     """As ``genfn.models.packed.apply_packed`` (same arguments and results), for GPT-OSS."""
-    refuse_outside_plain_llama("GPT-OSS")
+    refuse_without_invariant_forward("GPT-OSS")
     _check_spec(spec)
     num_tokens = inputs.input_ids.shape[0]
     check_plan(plan, num_tokens)

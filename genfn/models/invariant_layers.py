@@ -37,10 +37,8 @@ def check_invariant_spec(spec: Any) -> None:
     """Refuse a model the batch-invariant mode has no invariant layer for: a tensor-parallel shard
     (its row-parallel sums are not the mode's per-token order yet)."""
     if spec.tensor_shard is not None:
-        raise ValueError(f"the batch-invariant mode (genfn.deterministic) runs the Llama family (Llama, Mistral, "
-                         f"Qwen2, SmolLM2/3, Qwen3, OLMo 2, Phi-3/Phi-4-mini, Qwen3-MoE, Mixtral, OLMoE) and Gemma 2/3 "
-                         f"on one process; {spec.architecture} under tensor parallelism has no invariant forward yet: "
-                         f"run it on one process, or outside the mode")
+        raise ValueError(invariant.no_invariant_forward(f"{spec.architecture} under tensor parallelism",
+                                                        "run it on one process, or outside the mode"))
 
 
 def long_rope_furthest(positions: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch
 
 from genfn.cache.base import CacheBase
 from genfn.cache.static import StaticCache
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 from genfn.models import adapter
 from genfn.state.base import pytree_dataclass, static_field
 
@@ -346,7 +346,7 @@ def apply_packed(spec: adapter.ModuleSpec, params, inputs, cache: SlotCache, pla
     extra tokens ``inputs.logits_index[R:]`` (a speculative row's earlier positions). The batch's
     tokens go to the token store, their keys and values to their rows' slots (``cache`` is donated,
     written in place). ``plan.request_ids`` keys the slots (see the module docstring)."""
-    refuse_outside_plain_llama("a wrapped module (genfn.from_module)")
+    refuse_without_invariant_forward("a wrapped module (genfn.from_module)")
     flat = cache.tokens.view(-1)
     sink_slot = cache.num_blocks * cache.block_size
     slots = torch.where(inputs.slot_mapping < 0, torch.full_like(inputs.slot_mapping, sink_slot), inputs.slot_mapping)

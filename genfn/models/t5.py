@@ -20,7 +20,7 @@ from genfn.cache.base import begin_forward
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.models.seq2seq import (DecoderOutput, EncoderOutput, activation, attend, causal_mask, check_shape,
                                   get_tensor, merge_heads, padding_mask, split_heads)
-from genfn.kernels.invariant import refuse_outside_plain_llama
+from genfn.kernels.invariant import refuse_without_invariant_forward
 
 __all__ = ["T5Spec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "encode",
            "cross_attention_kv", "apply", "init_cache", "relative_position_buckets"]
@@ -259,7 +259,7 @@ def apply(spec: T5Spec, params: Mapping[str, Any], tokens: torch.Tensor, positio
     cache positions, so ``positions`` is not read. Returns ``(logits [B, S', V] float32, cache)``,
     or a ``DecoderOutput`` when hidden states or attentions are requested.
     """
-    refuse_outside_plain_llama("T5")
+    refuse_without_invariant_forward("T5")
     dec = params["decoder"]
     batch, seq = tokens.shape
     cache, slots, attend_len = begin_forward(cache, tokens, attention_mask, attend_len)
