@@ -33,18 +33,20 @@ namespace {
 
 constexpr int kTile = 16;                  // weight rows per panel
 constexpr int64_t kPanelBlock = 16 * 256;  // panel code bytes per super-block
-constexpr int kPairs = 8;                  // pairs of 16-input code sums per super-block
 constexpr int64_t kDefaultMinRows = 16;
 std::atomic<int64_t> min_rows{kDefaultMinRows};
 
 // Sub-blocks (one scale each) per super-block.
 constexpr int groups_of(int64_t format) { return format == kQ6K ? 16 : 8; }
+// Minimums per super-block, taken in int16 pairs against the activations' code sums: Q4_K/Q5_K
+// have one per 32 inputs, Q6_K's offset one per 16.
+constexpr int pairs_of(int64_t format) { return format == kQ6K ? 8 : 4; }
 
 // One tile of the weight, unpacked (see the top of this file).
 struct Panel {
   std::vector<uint8_t> codes;   // [nb][64][16][4], codes 0..63
   std::vector<int32_t> scales;  // [nb][groups][16]: the scale, or (AVX2) the scale in both int16 halves
-  std::vector<int32_t> mins;    // [nb][kPairs][16]: m_2p and m_2p+1 as int16
+  std::vector<int32_t> mins;    // [nb][pairs][16]: minimums 2p and 2p + 1 as int16
   std::vector<float> d, dmin;   // [nb][16]
 };
 
@@ -62,9 +64,10 @@ GENFN_AVX2_INLINE inline __m256i q6_high_bits(__m256i high, int shift) {
   return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, shift), _mm256_set1_epi8(3)), 4);
 }
 
-// A row's super-block as 256 codes in natural order, its group scales and minimums per 16 inputs.
+// A row's super-block as 256 codes in natural order, its group scales and minimums (one per 32
+// inputs for Q4_K/Q5_K, Q6_K's 32 sc per 16).
 template <int64_t F>
-GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* min16, float& d, float& dmin) {
+GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* minimum, float& d, float& dmin) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (F == kQ4K || F == kQ5K) {
     d = half_to_float(load_u16(w));
@@ -73,7 +76,7 @@ GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* 
     unpack_scales(w + 4, sc, mn);
     for (int g = 0; g < 8; ++g) {
       scale[g] = static_cast<int>((sc >> (8 * g)) & 0xFF);
-      min16[2 * g] = min16[2 * g + 1] = static_cast<int>((mn >> (8 * g)) & 0xFF);
+      minimum[g] = static_cast<int>((mn >> (8 * g)) & 0xFF);
     }
     const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
@@ -95,7 +98,7 @@ GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* 
     d = dmin = half_to_float(load_u16(w + 208));
     for (int j = 0; j < 16; ++j) {
       scale[j] = sc[j];
-      min16[j] = 32 * sc[j];
+      minimum[j] = 32 * sc[j];
     }
     for (int h = 0; h < 2; ++h) {
       const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
@@ -132,7 +135,7 @@ GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, 
 // Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p.
 template <int64_t F>
 GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
-  constexpr int kGroups = groups_of(F);
+  constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
   p.codes.resize(nb * kPanelBlock);
   p.scales.resize(nb * kGroups * kTile);
   p.mins.resize(nb * kPairs * kTile);
@@ -148,12 +151,13 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
   }
   for (int64_t b = 0; b < nb; ++b) {
     for (int n = 0; n < rows; ++n) {
-      int scale[16], min16[16];
+      int scale[16], minimum[16];
       const int64_t at = b * kTile + n;
-      unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, min16, p.d[at], p.dmin[at]);
+      unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
       for (int g = 0; g < kGroups; ++g)
         p.scales[(b * kGroups + g) * kTile + n] = scale_pairs ? int16_pair(scale[g], scale[g]) : scale[g];
-      for (int q = 0; q < kPairs; ++q) p.mins[(b * kPairs + q) * kTile + n] = int16_pair(min16[2 * q], min16[2 * q + 1]);
+      for (int q = 0; q < kPairs; ++q)
+        p.mins[(b * kPairs + q) * kTile + n] = int16_pair(minimum[2 * q], minimum[2 * q + 1]);
     }
     uint8_t* out = p.codes.data() + b * kPanelBlock;
     for (int g = 0; g < 8; ++g)  // inputs 32 g .. 32 g + 31 of rows 0-7, then of rows 8-15
@@ -161,21 +165,30 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
   }
 }
 
-// Where rows m0 .. m0 + R - 1 of the activations are.
+// The activations of M rows as the GEMM reads them: Q8_K (natural order) and, for Q4_K/Q5_K's
+// minimums, the code sums per 32 inputs.
+struct GemmActivations {
+  ActivationsK q8k;
+  std::vector<int16_t> sums32;  // [M, K / 32]
+};
+
+// Where rows m0 .. m0 + R - 1 of the activations are; `sums`: the code sums the format's minimums
+// pair with (2 * pairs of them per super-block).
 struct Rows {
   const int8_t* codes[8];
   const int16_t* sums[8];
   const float* scale[8];
 };
 
-template <int R>
-inline Rows rows_at(const ActivationsK& a, int64_t m0) {
+template <int R, int kPairs>
+inline Rows rows_at(const GemmActivations& a, int64_t m0) {
   Rows rows;
-  const int64_t K = a.K;
+  const int64_t K = a.q8k.K, per_row = K / kSuper * 2 * kPairs;
+  const int16_t* sums = kPairs == 8 ? a.q8k.sums.data() : a.sums32.data();
   for (int r = 0; r < R; ++r) {
-    rows.codes[r] = a.codes.data() + (m0 + r) * K;
-    rows.sums[r] = a.sums.data() + (m0 + r) * (K / 16);
-    rows.scale[r] = a.scale.data() + (m0 + r) * (K / kSuper);
+    rows.codes[r] = a.q8k.codes.data() + (m0 + r) * K;
+    rows.sums[r] = sums + (m0 + r) * per_row;
+    rows.scale[r] = a.q8k.scale.data() + (m0 + r) * (K / kSuper);
   }
   return rows;
 }
@@ -189,11 +202,11 @@ inline int32_t four_codes(const int8_t* p) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: rows m0 .. m0 + R - 1 of x against one panel; writes `keep` of its 16 columns.
 
-template <int R, int kGroups>
+template <int R, int kGroups, int kPairs>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) void panel_avx512(
-    const Panel& p, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N, __mmask16 keep) {
+    const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N, __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;  // groups of four inputs per sub-block
-  const Rows rows = rows_at<R>(a, m0);
+  const Rows rows = rows_at<R, kPairs>(a, m0);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -219,7 +232,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f1
       const __m512i m = _mm512_loadu_si512(p.mins.data() + (b * kPairs + q) * kTile);
       for (int r = 0; r < R; ++r)
         mins[r] = _mm512_dpwssd_epi32(
-            mins[r], m, _mm512_set1_epi32(four_codes(reinterpret_cast<const int8_t*>(rows.sums[r] + b * 16 + 2 * q))));
+            mins[r], m, _mm512_set1_epi32(four_codes(reinterpret_cast<const int8_t*>(rows.sums[r] + (b * kPairs + q) * 2))));
     }
     const __m512 d = _mm512_loadu_ps(p.d.data() + b * kTile), dmin = _mm512_loadu_ps(p.dmin.data() + b * kTile);
     for (int r = 0; r < R; ++r) {
@@ -234,11 +247,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f1
 // ---------------------------------------------------------------------------------------------
 // AVX2: the same over two halves of 8 weight rows; the scales come as int16 pairs.
 
-template <int R, int kGroups>
-GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N,
+template <int R, int kGroups, int kPairs>
+GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N,
                            __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;
-  const Rows rows = rows_at<R>(a, m0);
+  const Rows rows = rows_at<R, kPairs>(a, m0);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -267,7 +280,8 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const ActivationsK& a, in
       const __m256i m0v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m));
       const __m256i m1v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8));
       for (int r = 0; r < R; ++r) {
-        const __m256i s = _mm256_set1_epi32(four_codes(reinterpret_cast<const int8_t*>(rows.sums[r] + b * 16 + 2 * q)));
+        const __m256i s =
+            _mm256_set1_epi32(four_codes(reinterpret_cast<const int8_t*>(rows.sums[r] + (b * kPairs + q) * 2)));
         mins[r][0] = _mm256_add_epi32(mins[r][0], _mm256_madd_epi16(m0v, s));
         mins[r][1] = _mm256_add_epi32(mins[r][1], _mm256_madd_epi16(m1v, s));
       }
@@ -294,31 +308,31 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const ActivationsK& a, in
 // ---------------------------------------------------------------------------------------------
 // Dispatch
 
-using PanelFn = void (*)(const Panel&, int64_t, const ActivationsK&, int64_t, float*, int64_t, __mmask16);
+using PanelFn = void (*)(const Panel&, int64_t, const GemmActivations&, int64_t, float*, int64_t, __mmask16);
 
 // Rows of x one call of a panel kernel takes: AVX-512 keeps 8 rows' sums in its 32 registers,
 // AVX2 4 in its 16.
 constexpr int kRowsAvx512 = 8, kRowsAvx2 = 4;
 
-template <int kGroups>
+template <int kGroups, int kPairs>
 PanelFn pick_panel(bool vnni, int rows) {
   if (vnni) {
     switch (rows) {
-      case 1: return &panel_avx512<1, kGroups>;
-      case 2: return &panel_avx512<2, kGroups>;
-      case 3: return &panel_avx512<3, kGroups>;
-      case 4: return &panel_avx512<4, kGroups>;
-      case 5: return &panel_avx512<5, kGroups>;
-      case 6: return &panel_avx512<6, kGroups>;
-      case 7: return &panel_avx512<7, kGroups>;
-      default: return &panel_avx512<8, kGroups>;
+      case 1: return &panel_avx512<1, kGroups, kPairs>;
+      case 2: return &panel_avx512<2, kGroups, kPairs>;
+      case 3: return &panel_avx512<3, kGroups, kPairs>;
+      case 4: return &panel_avx512<4, kGroups, kPairs>;
+      case 5: return &panel_avx512<5, kGroups, kPairs>;
+      case 6: return &panel_avx512<6, kGroups, kPairs>;
+      case 7: return &panel_avx512<7, kGroups, kPairs>;
+      default: return &panel_avx512<8, kGroups, kPairs>;
     }
   }
   switch (rows) {
-    case 1: return &panel_avx2<1, kGroups>;
-    case 2: return &panel_avx2<2, kGroups>;
-    case 3: return &panel_avx2<3, kGroups>;
-    default: return &panel_avx2<4, kGroups>;
+    case 1: return &panel_avx2<1, kGroups, kPairs>;
+    case 2: return &panel_avx2<2, kGroups, kPairs>;
+    case 3: return &panel_avx2<3, kGroups, kPairs>;
+    default: return &panel_avx2<4, kGroups, kPairs>;
   }
 }
 
@@ -329,11 +343,11 @@ bool has_vnni() {
 }
 
 template <int64_t F>
-void run_tiles(const ActivationsK& a, const uint8_t* w, int64_t N, float* y, bool vnni) {
-  const int64_t M = a.M, K = a.K, nb = K / kSuper, row_bytes = nb * block_bytes(F);
+void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, bool vnni) {
+  const int64_t M = a.q8k.M, K = a.q8k.K, nb = K / kSuper, row_bytes = nb * block_bytes(F);
   const int step = vnni ? kRowsAvx512 : kRowsAvx2;
-  const PanelFn full = pick_panel<groups_of(F)>(vnni, step);
-  const PanelFn tail = pick_panel<groups_of(F)>(vnni, static_cast<int>(M % step));
+  const PanelFn full = pick_panel<groups_of(F), pairs_of(F)>(vnni, step);
+  const PanelFn tail = pick_panel<groups_of(F), pairs_of(F)>(vnni, static_cast<int>(M % step));
   const int64_t tiles = (N + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     thread_local Panel panel;  // each worker its own
@@ -361,15 +375,21 @@ int64_t set_gemm_min_rows(int64_t rows) {
 }
 
 void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa) {
-  thread_local ActivationsK buffers;  // reused across calls; the workers read the caller's
-  ActivationsK& a = buffers;
-  a.M = M;
-  a.K = K;
-  a.codes.resize(M * K);
-  a.scale.resize(M * (K / kSuper));
-  a.sums.resize(M * (K / 16));
+  thread_local GemmActivations buffers;  // reused across calls; the workers read the caller's
+  GemmActivations& a = buffers;
+  ActivationsK& q8k = a.q8k;
+  q8k.M = M;
+  q8k.K = K;
+  q8k.codes.resize(M * K);
+  q8k.scale.resize(M * (K / kSuper));
+  q8k.sums.resize(M * (K / 16));
+  const bool per32 = format != kQ6K;
+  if (per32) a.sums32.resize(M * (K / 32));
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
-    quantize_rows_k(x, m0, m1, K, kSuper, kNatural, a);
+    quantize_rows_k(x, m0, m1, K, kSuper, kNatural, q8k);
+    if (per32)
+      for (int64_t i = m0 * (K / 32); i < m1 * (K / 32); ++i)
+        a.sums32[i] = static_cast<int16_t>(q8k.sums[2 * i] + q8k.sums[2 * i + 1]);
   });
   const bool vnni = isa == kAvx512 && has_vnni();
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);

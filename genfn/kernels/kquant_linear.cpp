@@ -342,7 +342,10 @@ RowFn pick(Isa isa, int64_t format, int rows) {
 
 Isa active_isa() { return forced_isa != kNone ? forced_isa : kBestIsa; }
 
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features) {
+// row_kernels: every row count through the row kernels (whose per-row result is the same at any row
+// count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
+                         bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
               "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl) or 4 (iq4_xs), got ", format);
   const Isa isa = active_isa();
@@ -363,7 +366,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   if (M == 0 || N == 0) return y.view(out_sizes).to(x.scalar_type());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor w = data.contiguous();
-  if (gemm_takes(format, M)) {  // many rows: kquant_gemm.cpp
+  if (!row_kernels && gemm_takes(format, M)) {  // many rows: kquant_gemm.cpp
     kquant_gemm(xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), format, N, y.data_ptr<float>(), isa);
     return y.view(out_sizes).to(x.scalar_type());
   }
@@ -489,7 +492,7 @@ int64_t kquant_force_isa(int64_t isa) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
-  m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor");
+  m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features, bool row_kernels=False) -> Tensor");
   m.def("kquant_moe_decode(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, int gate_up_format, "
         "Tensor down, int down_format) -> (Tensor, Tensor)");
   m.def("kquant_isa", &kquant_isa);
