@@ -3,10 +3,17 @@ and IQ4_NL/IQ4_XS (kquant_linear) on one 8192 x 2048 matrix (Llama-3.2-1B's gate
 rows of x (``--rows``: any counts, e.g. 64 for a prefill chunk).
 
     python benchmarks/kquant_kernels.py [--threads 2] [--rows 1,9,64] [--isa avx2]
+    python benchmarks/kquant_kernels.py --gemm-ab --rows 9,16,64,512
+    python benchmarks/kquant_kernels.py --model llama-1b-q4_k_m.gguf --prefill 512
 
 Formats are interleaved over 4 rounds (best of each). GB/s counts the weight's bytes once per call;
 the matrices (5-17 MB) may sit in a large L3, so this compares the kernels' cost per byte, not the
 memory's bandwidth (the last line prints tensor.sum() over 256 MiB for that).
+
+``--gemm-ab``: Q4_K/Q5_K/Q6_K only, each row count through the row kernels and through the GEMM
+(``kquant_gemm.cpp``; ``kquant.gemm_min_rows`` picks the path), interleaved. ``--model``: a GGUF
+file loaded with ``quantize="gguf"``, the prefill of one ``--prefill``-token prompt (a 1-token
+``generate``, eager) with the K-quant products on the row kernels and on the GEMM, interleaved.
 """
 
 from __future__ import annotations
@@ -33,6 +40,65 @@ def best(fn, repeats: int = 5) -> float:
     return fastest
 
 
+# The path a K-quant product takes: gemm_min_rows for it.
+PATHS = {"rows": 10**9, "gemm": 1}
+
+
+def gemm_ab(counts: list[int], rounds: int) -> None:
+    """Row kernels against the GEMM per format and row count, interleaved."""
+    w = torch.randn(ROWS, COLUMNS) * 0.02
+    weights = {fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q5_k", "q6_k")}
+    results: dict[tuple[int, str, str], float] = {}
+    try:
+        for _ in range(rounds):
+            for rows in counts:
+                x = torch.randn(rows, COLUMNS)
+                for name, weight in weights.items():
+                    for path, min_rows in PATHS.items():
+                        kquant.gemm_min_rows(min_rows)
+                        seconds = best(lambda: kernels.linear(x, weight), 3)
+                        results[(rows, name, path)] = min(results.get((rows, name, path), float("inf")), seconds)
+    finally:
+        kquant.gemm_min_rows(None)
+    print(f"K-quant path: {kquant.kquant_isa()}; {ROWS} x {COLUMNS}; ms per call, row kernels / GEMM")
+    for rows in counts:
+        print(f"rows {rows}: " + "  ".join(
+            f"{name} {results[(rows, name, 'rows')] * 1e3:.2f} / {results[(rows, name, 'gemm')] * 1e3:.2f} "
+            f"({results[(rows, name, 'rows')] / results[(rows, name, 'gemm')]:.2f}x)" for name in weights), flush=True)
+
+
+def prefill_ab(model_path: str, length: int, rounds: int) -> None:
+    """A GGUF model's prefill of one prompt, row kernels against the GEMM, interleaved."""
+    import genfn
+
+    model = genfn.load(model_path, quantize="gguf")
+    ids = torch.randint(100, model.spec.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0))
+
+    def prefill():
+        with torch.no_grad():
+            genfn.generate(model, ids, max_new_tokens=1, do_sample=False, pad_token_id=0, disable_compile=True)
+
+    seconds: dict[str, list[float]] = {path: [] for path in PATHS}
+    try:
+        for path, min_rows in PATHS.items():  # warm-up of both
+            kquant.gemm_min_rows(min_rows)
+            prefill()
+        for _ in range(rounds):
+            for path, min_rows in PATHS.items():
+                kquant.gemm_min_rows(min_rows)
+                start = time.perf_counter()
+                prefill()
+                seconds[path].append(time.perf_counter() - start)
+    finally:
+        kquant.gemm_min_rows(None)
+    print(f"{model_path}: prefill of {length} tokens, {torch.get_num_threads()} threads, K-quant path "
+          f"{kquant.kquant_isa()}, {rounds} interleaved rounds")
+    for path, times in seconds.items():
+        print(f"  {path:4s}  best {length / min(times):7.1f} tok/s  median {length / sorted(times)[len(times) // 2]:7.1f} "
+              f"tok/s  ({', '.join(f'{t:.2f}' for t in times)} s)")
+    print(f"  GEMM / row kernels, best: {min(seconds['rows']) / min(seconds['gemm']):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -40,11 +106,18 @@ def main() -> None:
     parser.add_argument("--rows", default="1,9", help="comma list of row counts of x")
     parser.add_argument("--isa", choices=("avx2", "avx512"), default=None,
                         help="pin the K-quant kernels' path (default: the best this CPU has)")
+    parser.add_argument("--gemm-ab", action="store_true", help="K-quants only: row kernels against the GEMM")
+    parser.add_argument("--model", help="a GGUF file: its prefill with the row kernels against the GEMM")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(r) for r in args.rows.split(",")]
     if args.isa:
         kquant.force_isa(args.isa)
+    if args.model:
+        return prefill_ab(args.model, args.prefill, args.rounds)
+    if args.gemm_ab:
+        return gemm_ab(counts, args.rounds)
     w = torch.randn(ROWS, COLUMNS) * 0.02
     weights = {"q4_0": QuantizedWeight.from_rows(quantize(w, "q4_0")),
                "q8_0": QuantizedWeight.from_rows(quantize(w, "q8_0")),

@@ -314,12 +314,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tenso
     return ops.quant_linear_from(init, x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
 
 
-def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
+def kquant_linear(x: torch.Tensor, weight: KQuantWeight, *, row_kernels: bool = False) -> torch.Tensor:
     """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (32 for iq4_nl) to 8 bits
-    (see kquant_linear.cpp)."""
+    (see kquant_linear.cpp; ``row_kernels``: ``genfn.kernels.kquant.kquant_linear``'s)."""
     from genfn.kernels.kquant import kquant_linear as native
 
-    return native(x, weight)
+    return native(x, weight, row_kernels=row_kernels)
 
 
 def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:

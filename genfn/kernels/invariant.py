@@ -128,7 +128,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *, out_flo
     else:
         rows = x.reshape(-1, x.shape[-1])
         with torch.no_grad() if rows.requires_grad else contextlib.nullcontext():
-            if isinstance(weight, (QuantizedWeight, KQuantWeight)):
+            if isinstance(weight, KQuantWeight):  # one path at every row count: the row kernels
+                y = kernels.kquant_linear(rows, weight, row_kernels=True)
+            elif isinstance(weight, QuantizedWeight):
                 y = kernels.linear(rows, weight)
             else:
                 _check_plain(x, weight)

@@ -1,5 +1,6 @@
 // What the K-quant library's sources share: kquant_linear.cpp (Q4_K/Q5_K/Q6_K rows, the activations'
-// quantization, the ops and their dispatch) and iq4_linear.cpp (IQ4_NL/IQ4_XS rows). No torch here:
+// quantization, the ops and their dispatch), kquant_gemm.cpp (the GEMM for many rows) and
+// iq4_linear.cpp (IQ4_NL/IQ4_XS rows). No torch here:
 // the row kernels are plain C++ over the blocks as GGUF stores them (genfn/quant/kquants.py).
 //
 // The library is built without global ISA flags; every SIMD function carries its own target
@@ -58,12 +59,36 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 // IQ4_NL / IQ4_XS rows (iq4_linear.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
 
+// Rows m0..m1 of x [M, K] into a (sized for M rows already) as llama.cpp's quantize_row_q8_K_ref
+// quantizes them, one scale per `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order`
+// (kquant_linear.cpp).
+void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order, ActivationsK& a);
+
+// The GEMM for many rows of x (kquant_gemm.cpp): whether it takes `rows` rows of a matrix in
+// `format`, and y [M, N] = x [M, K] @ W.T for W's rows (N of them, K / 256 super-blocks each) at w.
+bool gemm_takes(int64_t format, int64_t rows);
+void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa);
+// The fewest rows of x the GEMM takes (rows <= 0: the default); returns the count now in force.
+int64_t set_gemm_min_rows(int64_t rows);
+
 __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 __attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
+}
+
+// The 8 six-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): scales in bytes 0-7 of sc,
+// mins in bytes 0-7 of mn.
+__attribute__((always_inline)) inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
+  uint32_t u[3];
+  std::memcpy(u, p, 12);
+  const uint32_t sc_low = u[0] & 0x3F3F3F3Fu, mn_low = u[1] & 0x3F3F3F3Fu;
+  const uint32_t sc_high = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_high = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+  sc = sc_low | (static_cast<uint64_t>(sc_high) << 32);
+  mn = mn_low | (static_cast<uint64_t>(mn_high) << 32);
 }
 
 GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }

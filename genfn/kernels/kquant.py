@@ -17,7 +17,8 @@ import torch
 from genfn.kernels import native
 from genfn.quant.kquants import FORMAT_ID, K_FORMATS, KQuantWeight, reference_linear_k
 
-__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "kquant_status", "needs_build"]
+__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows", "kquant_status",
+           "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
@@ -44,7 +45,7 @@ def _load() -> bool:
 
 def _register_fake(native_ops: bool) -> None:
     @torch.library.register_fake(f"{_NAMESPACE}::kquant_linear")
-    def _(x, data, format, out_features):
+    def _(x, data, format, out_features, row_kernels=False):
         return x.new_empty((*x.shape[:-1], out_features))
 
     if native_ops:  # the MoE step exists only in the native library
@@ -56,9 +57,10 @@ def _register_fake(native_ops: bool) -> None:
 def _define_reference_op() -> None:
     """The op in plain torch under the native name and schema, where the library is not built."""
     library = torch.library.Library(_NAMESPACE, "FRAGMENT")
-    library.define("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor")
+    library.define("kquant_linear(Tensor x, Tensor data, int format, int out_features, bool row_kernels=False) "
+                   "-> Tensor")
 
-    def reference(x, data, format, out_features):
+    def reference(x, data, format, out_features, row_kernels=False):
         weight = KQuantWeight(data, K_FORMATS[format], out_features, x.shape[-1])
         return reference_linear_k(x, weight, dtype=torch.float32)
 
@@ -96,11 +98,26 @@ def force_isa(isa: str | None) -> str:
     return _ISA_NAMES[int(torch.ops.genfn_kquant.kquant_force_isa(codes[isa]))]
 
 
-def kquant_linear(x: torch.Tensor, weight: KQuantWeight) -> torch.Tensor:
+def gemm_min_rows(rows: int | None) -> int:
+    """Set the fewest rows of ``x`` that a Q4_K/Q5_K/Q6_K product hands to the GEMM
+    (``kquant_gemm.cpp``) instead of the row kernels (``None``: the default, 16), for tests and
+    benchmarks of either path; returns the count now in force."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows must be None or a positive int; got {rows!r}")
+    if not kquant_available():
+        raise RuntimeError(f"the K-quant kernels are {_status}")
+    return int(torch.ops.genfn_kquant.kquant_gemm_min_rows(0 if rows is None else rows))
+
+
+def kquant_linear(x: torch.Tensor, weight: KQuantWeight, *, row_kernels: bool = False) -> torch.Tensor:
     """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (per 32 for iq4_nl) to 8 bits
-    (llama.cpp's Q8_K)."""
+    (llama.cpp's Q8_K). Q4_K/Q5_K/Q6_K products of many rows (``gemm_min_rows``) run the GEMM, whose
+    float32 sums run in another order than the row kernels' (a few ulp apart); ``row_kernels``
+    keeps every row count on the row kernels, so a row's result never depends on how many rows
+    came with it (the batch-invariant mode)."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the {weight.format} weight expects "
                          f"{weight.in_features}")
     kquant_available()
-    return torch.ops.genfn_kquant.kquant_linear(x, weight.data, FORMAT_ID[weight.format], weight.out_features)
+    return torch.ops.genfn_kquant.kquant_linear(x, weight.data, FORMAT_ID[weight.format], weight.out_features,
+                                                row_kernels)

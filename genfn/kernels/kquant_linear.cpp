@@ -48,10 +48,11 @@ Order activation_order(Isa isa, int64_t format) {
   return format == kQ4K || format == kQ5K ? kQ4KOrder : format == kQ6K ? kNatural : kIQ4Order;
 }
 
-// Rows m0..m1 of x [M, K] as llama.cpp's quantize_row_q8_K_ref quantizes them, one scale per
-// `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order` (plain C++: the same numbers on
-// every CPU).
-void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order, ActivationsK& a) {
+}  // namespace
+
+// Plain C++: the same numbers on every CPU.
+void genfn::kquant::quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order,
+                                    ActivationsK& a) {
   const int64_t nb = K / block;
   for (int64_t m = m0; m < m1; ++m) {
     int8_t* out = a.codes.data() + m * K;
@@ -70,7 +71,10 @@ void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t 
       }
       const float inverse = -127.0f / extreme;
       for (int j = 0; j < block; ++j) {
-        const int q = static_cast<int>(std::nearbyint(inverse * v[j]));  // ties to even
+        // Rounded half to even as nearbyint rounds (|inverse * v| <= 127: adding 1.5 * 2^23 leaves no
+        // fraction bits), without a call to nearbyintf per input (this code is baseline x86-64: no
+        // SSE4.1 round, and no FMA to fuse the product into the sum).
+        const int q = static_cast<int>((inverse * v[j] + 12582912.0f) - 12582912.0f);
         codes[j] = static_cast<int8_t>(std::min(127, q));
       }
       a.scale[m * nb + b] = 1.0f / inverse;
@@ -95,17 +99,7 @@ void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t 
   }
 }
 
-// The 8 six-bit scales and mins of a Q4_K/Q5_K super-block (12 bytes): scales in bytes 0-7 of sc,
-// mins in bytes 0-7 of mn.
-__attribute__((always_inline)) inline void unpack_scales(const uint8_t* p, uint64_t& sc, uint64_t& mn) {
-  uint32_t u[3];
-  std::memcpy(u, p, 12);
-  const uint32_t sc_low = u[0] & 0x3F3F3F3Fu, mn_low = u[1] & 0x3F3F3F3Fu;
-  const uint32_t sc_high = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-  const uint32_t mn_high = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-  sc = sc_low | (static_cast<uint64_t>(sc_high) << 32);
-  mn = mn_low | (static_cast<uint64_t>(mn_high) << 32);
-}
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // AVX-512
@@ -351,7 +345,10 @@ RowFn pick(Isa isa, int64_t format, int rows) {
 
 Isa active_isa() { return forced_isa != kNone ? forced_isa : kBestIsa; }
 
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features) {
+// row_kernels: every row count through the row kernels (whose per-row result is the same at any row
+// count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
+                         bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
               "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl) or 4 (iq4_xs), got ", format);
   const Isa isa = active_isa();
@@ -372,6 +369,10 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   if (M == 0 || N == 0) return y.view(out_sizes).to(x.scalar_type());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor w = data.contiguous();
+  if (!row_kernels && gemm_takes(format, M)) {  // many rows: kquant_gemm.cpp
+    kquant_gemm(xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), format, N, y.data_ptr<float>(), isa);
+    return y.view(out_sizes).to(x.scalar_type());
+  }
   // Reused across calls (a decode step makes dozens); the workers read the caller's buffers
   // through this reference.
   thread_local ActivationsK buffers;
@@ -494,7 +495,7 @@ int64_t kquant_force_isa(int64_t isa) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
-  m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features) -> Tensor");
+  m.def("kquant_linear(Tensor x, Tensor data, int format, int out_features, bool row_kernels=False) -> Tensor");
   m.def("kquant_moe_decode(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, int gate_up_format, "
         "Tensor down, int down_format) -> (Tensor, Tensor)");
   m.def("kquant_isa", &kquant_isa);

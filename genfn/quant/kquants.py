@@ -230,7 +230,10 @@ def quantize_activations_k(x: torch.Tensor, block: int = SUPER_BLOCK) -> tuple[t
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     index = blocks.abs().argmax(-1, keepdim=True)  # the first maximum, as ggml's strict '>'
     extreme = torch.gather(blocks, -1, index)
-    inverse = torch.where(extreme != 0, -127.0 / extreme, torch.zeros_like(extreme))
+    # A tensor divided by a tensor: torch computes `-127.0 / extreme` as -127 * (1 / extreme), which
+    # rounds differently from C's -127.f / max now and then, and moves a code where the product
+    # lands on a half.
+    inverse = torch.where(extreme != 0, torch.full_like(extreme, -127.0) / extreme, torch.zeros_like(extreme))
     codes = torch.round(blocks * inverse).clamp(max=127)
     scale = torch.where(extreme != 0, 1.0 / inverse, torch.zeros_like(inverse)).squeeze(-1)
     return codes, scale

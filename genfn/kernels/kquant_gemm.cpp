@@ -1,0 +1,409 @@
+// y = x @ dequantize(W).T for many rows of x (prefill, large batches) and W in Q4_K, Q5_K or Q6_K:
+// an int8 GEMM over the super-blocks as the file stores them (genfn/quant/kquants.py).
+//
+// The row kernels of kquant_linear.cpp decode a weight row once per 8 rows of x, so a 512-row
+// prefill decodes every row 64 times and spends two multiply instructions (vpmaddubsw + vpmaddwd)
+// per 64 products. Here each thread takes tiles of 16 weight rows; a tile is unpacked once per
+// call into a scratch panel, its codes as bytes with four inputs of one row per 32-bit lane
+// ([super-block][inputs / 4][16 rows][4]), its scales, minimums and d beside them; then every row
+// of x runs over the panel, which stays in L1/L2:
+// - AVX-512 VNNI: `vpdpbusd` (unsigned weight code x signed activation code, four products into
+//   one int32 lane) against a broadcast of four activation codes gives one sub-block's sum for 16
+//   weight rows; `vpmulld` by the sub-block scales adds it to the super-block's integer sum.
+// - AVX2: `vpmaddubsw` then `vpmaddwd` against the sub-block scale (pairs of int16) does both steps
+//   at once, 8 weight rows per register.
+// The activations are quantized once per call as the row kernels quantize them (llama.cpp's Q8_K,
+// natural order), so a super-block's integer sum is the row kernels' bit for bit; the float32
+// sums over super-blocks run in another order (a few ulp apart). Minimums (Q4_K/Q5_K, one per 32
+// inputs) and Q6_K's offset of 32 (as a minimum of 32 sc per 16 inputs) are one more integer sum,
+// `vpdpwssd` against the activations' code sums per 32 or 16 inputs:
+//   y = d d_x sum_g sc_g sum_g(u q) - dmin d_x sum_j m_j sum_j(q),   Q6_K: m_j = 32 sc_j, dmin = d.
+// Nothing is repacked at load: the decode kernels keep reading the file's layout, and the panel
+// (16 bytes per input, 32 KiB at K = 2048) is rebuilt per call: a 16-row product of an 8192 x 2048
+// matrix, unpacking included, took 1.07 ms on two Zen 4 cores.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "kquant.h"
+
+namespace genfn::kquant {
+namespace {
+
+constexpr int kTile = 16;                  // weight rows per panel
+constexpr int64_t kPanelBlock = 16 * 256;  // panel code bytes per super-block
+constexpr int64_t kDefaultMinRows = 16;
+std::atomic<int64_t> min_rows{kDefaultMinRows};
+
+// Sub-blocks (one scale each) per super-block.
+constexpr int groups_of(int64_t format) { return format == kQ6K ? 16 : 8; }
+// Minimums per super-block, taken in int16 pairs against the activations' code sums: Q4_K/Q5_K
+// have one per 32 inputs, Q6_K's offset one per 16.
+constexpr int pairs_of(int64_t format) { return format == kQ6K ? 8 : 4; }
+
+// One tile of the weight, unpacked (see the top of this file).
+struct Panel {
+  std::vector<uint8_t> codes;   // [nb][64][16][4], codes 0..63
+  std::vector<int32_t> scales;  // [nb][groups][16]: the scale, or (AVX2) the scale in both int16 halves
+  std::vector<int32_t> mins;    // [nb][pairs][16]: minimums 2p and 2p + 1 as int16
+  std::vector<float> d, dmin;   // [nb][16]
+};
+
+inline int32_t int16_pair(int low, int high) {
+  return static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16) |
+                              static_cast<uint16_t>(low));
+}
+
+GENFN_AVX2_INLINE inline void store_group(uint8_t* codes, int group, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * group), v);
+}
+
+// Q6_K's two high bits of each code (at `shift` in qh's bytes), moved to bits 4-5.
+GENFN_AVX2_INLINE inline __m256i q6_high_bits(__m256i high, int shift) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, shift), _mm256_set1_epi8(3)), 4);
+}
+
+// A row's super-block as 256 codes in natural order, its group scales and minimums (one per 32
+// inputs for Q4_K/Q5_K, Q6_K's 32 sc per 16).
+template <int64_t F>
+GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* minimum, float& d, float& dmin) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (F == kQ4K || F == kQ5K) {
+    d = half_to_float(load_u16(w));
+    dmin = half_to_float(load_u16(w + 2));
+    uint64_t sc, mn;
+    unpack_scales(w + 4, sc, mn);
+    for (int g = 0; g < 8; ++g) {
+      scale[g] = static_cast<int>((sc >> (8 * g)) & 0xFF);
+      minimum[g] = static_cast<int>((mn >> (8 * g)) & 0xFF);
+    }
+    const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+    const __m256i one = _mm256_set1_epi8(1);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      if constexpr (F == kQ5K) {  // bit g of qh's byte l: the fifth bit of input 32 g + l
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+      }
+      store_group(codes, 2 * c, lo);
+      store_group(codes, 2 * c + 1, hi);
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    d = dmin = half_to_float(load_u16(w + 208));
+    for (int j = 0; j < 16; ++j) {
+      scale[j] = sc[j];
+      minimum[j] = 32 * sc[j];
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+      const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      store_group(codes, 4 * h, _mm256_or_si256(_mm256_and_si256(la, low4), q6_high_bits(high, 0)));
+      store_group(codes, 4 * h + 1, _mm256_or_si256(_mm256_and_si256(lb, low4), q6_high_bits(high, 2)));
+      const __m256i la_high = _mm256_and_si256(_mm256_srli_epi16(la, 4), low4);
+      const __m256i lb_high = _mm256_and_si256(_mm256_srli_epi16(lb, 4), low4);
+      store_group(codes, 4 * h + 2, _mm256_or_si256(la_high, q6_high_bits(high, 4)));
+      store_group(codes, 4 * h + 3, _mm256_or_si256(lb_high, q6_high_bits(high, 6)));
+    }
+  }
+}
+
+// 8 rows of 8 dwords at `from` (stride `pitch` bytes) written as 8 columns at `to` (stride 64 bytes).
+GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, uint8_t* to) {
+  __m256i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i * pitch));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * i), _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * (i + 4)), _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
+  }
+}
+
+// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p.
+template <int64_t F>
+GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
+  constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
+  p.codes.resize(nb * kPanelBlock);
+  p.scales.resize(nb * kGroups * kTile);
+  p.mins.resize(nb * kPairs * kTile);
+  p.d.resize(nb * kTile);
+  p.dmin.resize(nb * kTile);
+  alignas(64) uint8_t natural[kTile][kSuper];
+  if (rows < kTile) {  // the last tile of a matrix whose rows are not a multiple of 16: zeros past them
+    std::memset(natural, 0, sizeof(natural));
+    std::fill(p.scales.begin(), p.scales.end(), 0);
+    std::fill(p.mins.begin(), p.mins.end(), 0);
+    std::fill(p.d.begin(), p.d.end(), 0.0f);
+    std::fill(p.dmin.begin(), p.dmin.end(), 0.0f);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int n = 0; n < rows; ++n) {
+      int scale[16], minimum[16];
+      const int64_t at = b * kTile + n;
+      unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
+      for (int g = 0; g < kGroups; ++g)
+        p.scales[(b * kGroups + g) * kTile + n] = scale_pairs ? int16_pair(scale[g], scale[g]) : scale[g];
+      for (int q = 0; q < kPairs; ++q)
+        p.mins[(b * kPairs + q) * kTile + n] = int16_pair(minimum[2 * q], minimum[2 * q + 1]);
+    }
+    uint8_t* out = p.codes.data() + b * kPanelBlock;
+    for (int g = 0; g < 8; ++g)  // inputs 32 g .. 32 g + 31 of rows 0-7, then of rows 8-15
+      for (int h = 0; h < 2; ++h) transpose_8x8(&natural[8 * h][32 * g], kSuper, out + 8 * g * 64 + 32 * h);
+  }
+}
+
+// The activations of M rows as the GEMM reads them: Q8_K (natural order) and, for Q4_K/Q5_K's
+// minimums, the code sums per 32 inputs.
+struct GemmActivations {
+  ActivationsK q8k;
+  std::vector<int16_t> sums32;  // [M, K / 32]
+};
+
+// Where rows m0 .. m0 + R - 1 of the activations are; `sums`: the code sums the format's minimums
+// pair with (2 * pairs of them per super-block).
+struct Rows {
+  const int8_t* codes[8];
+  const int16_t* sums[8];
+  const float* scale[8];
+};
+
+template <int R, int kPairs>
+inline Rows rows_at(const GemmActivations& a, int64_t m0) {
+  Rows rows;
+  const int64_t K = a.q8k.K, per_row = K / kSuper * 2 * kPairs;
+  const int16_t* sums = kPairs == 8 ? a.q8k.sums.data() : a.sums32.data();
+  for (int r = 0; r < R; ++r) {
+    rows.codes[r] = a.q8k.codes.data() + (m0 + r) * K;
+    rows.sums[r] = sums + (m0 + r) * per_row;
+    rows.scale[r] = a.q8k.scale.data() + (m0 + r) * (K / kSuper);
+  }
+  return rows;
+}
+
+inline int32_t four_codes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI: rows m0 .. m0 + R - 1 of x against one panel; writes `keep` of its 16 columns.
+
+template <int R, int kGroups, int kPairs>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) void panel_avx512(
+    const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N, __mmask16 keep) {
+  constexpr int kSteps = 64 / kGroups;  // groups of four inputs per sub-block
+  const Rows rows = rows_at<R, kPairs>(a, m0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = p.codes.data() + b * kPanelBlock;
+    const int32_t* sc = p.scales.data() + b * kGroups * kTile;
+    __m512i total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_si512();
+    for (int g = 0; g < kGroups; ++g) {
+      __m512i sum[R];
+      for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+      for (int s = 0; s < kSteps; ++s) {
+        const int step = g * kSteps + s;
+        const __m512i w = _mm512_loadu_si512(c + 64 * step);
+        for (int r = 0; r < R; ++r)
+          sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(four_codes(rows.codes[r] + b * kSuper + 4 * step)));
+      }
+      const __m512i scale = _mm512_loadu_si512(sc + g * kTile);
+      for (int r = 0; r < R; ++r) total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(sum[r], scale));
+    }
+    __m512i mins[R];
+    for (int r = 0; r < R; ++r) mins[r] = _mm512_setzero_si512();
+    for (int q = 0; q < kPairs; ++q) {
+      const __m512i m = _mm512_loadu_si512(p.mins.data() + (b * kPairs + q) * kTile);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* pair = reinterpret_cast<const int8_t*>(rows.sums[r] + (b * kPairs + q) * 2);
+        mins[r] = _mm512_dpwssd_epi32(mins[r], m, _mm512_set1_epi32(four_codes(pair)));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(p.d.data() + b * kTile), dmin = _mm512_loadu_ps(p.dmin.data() + b * kTile);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(rows.scale[r][b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N, keep, acc[r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: the same over two halves of 8 weight rows; the scales come as int16 pairs.
+
+template <int R, int kGroups, int kPairs>
+GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N,
+                           __mmask16 keep) {
+  constexpr int kSteps = 64 / kGroups;
+  const Rows rows = rows_at<R, kPairs>(a, m0);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = p.codes.data() + b * kPanelBlock;
+    const int32_t* sc = p.scales.data() + b * kGroups * kTile;
+    __m256i total[R][2];
+    for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < kGroups; ++g) {
+      const __m256i scale[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kTile)),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kTile + 8))};
+      for (int s = 0; s < kSteps; ++s) {
+        const int step = g * kSteps + s;
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step + 32));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_set1_epi32(four_codes(rows.codes[r] + b * kSuper + 4 * step));
+          total[r][0] = _mm256_add_epi32(total[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), scale[0]));
+          total[r][1] = _mm256_add_epi32(total[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), scale[1]));
+        }
+      }
+    }
+    __m256i mins[R][2];
+    for (int r = 0; r < R; ++r) mins[r][0] = mins[r][1] = _mm256_setzero_si256();
+    for (int q = 0; q < kPairs; ++q) {
+      const int32_t* m = p.mins.data() + (b * kPairs + q) * kTile;
+      const __m256i m0v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m));
+      const __m256i m1v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8));
+      for (int r = 0; r < R; ++r) {
+        const __m256i s =
+            _mm256_set1_epi32(four_codes(reinterpret_cast<const int8_t*>(rows.sums[r] + (b * kPairs + q) * 2)));
+        mins[r][0] = _mm256_add_epi32(mins[r][0], _mm256_madd_epi16(m0v, s));
+        mins[r][1] = _mm256_add_epi32(mins[r][1], _mm256_madd_epi16(m1v, s));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(p.d.data() + b * kTile + 8 * h);
+      const __m256 dmin = _mm256_loadu_ps(p.dmin.data() + b * kTile + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(rows.scale[r][b]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][h]), _mm256_mul_ps(d, dx), acc[r][h]);
+        acc[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r][h]), _mm256_mul_ps(dmin, dx), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    for (int n = 0; n < kTile; ++n)
+      if (keep >> n & 1) y[(m0 + r) * N + n] = out[n];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+
+using PanelFn = void (*)(const Panel&, int64_t, const GemmActivations&, int64_t, float*, int64_t, __mmask16);
+
+// Rows of x one call of a panel kernel takes: AVX-512 keeps 8 rows' sums in its 32 registers,
+// AVX2 4 in its 16.
+constexpr int kRowsAvx512 = 8, kRowsAvx2 = 4;
+
+template <int kGroups, int kPairs>
+PanelFn pick_panel(bool vnni, int rows) {
+  if (vnni) {
+    switch (rows) {
+      case 1: return &panel_avx512<1, kGroups, kPairs>;
+      case 2: return &panel_avx512<2, kGroups, kPairs>;
+      case 3: return &panel_avx512<3, kGroups, kPairs>;
+      case 4: return &panel_avx512<4, kGroups, kPairs>;
+      case 5: return &panel_avx512<5, kGroups, kPairs>;
+      case 6: return &panel_avx512<6, kGroups, kPairs>;
+      case 7: return &panel_avx512<7, kGroups, kPairs>;
+      default: return &panel_avx512<8, kGroups, kPairs>;
+    }
+  }
+  switch (rows) {
+    case 1: return &panel_avx2<1, kGroups, kPairs>;
+    case 2: return &panel_avx2<2, kGroups, kPairs>;
+    case 3: return &panel_avx2<3, kGroups, kPairs>;
+    default: return &panel_avx2<4, kGroups, kPairs>;
+  }
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+template <int64_t F>
+void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, bool vnni) {
+  const int64_t M = a.q8k.M, K = a.q8k.K, nb = K / kSuper, row_bytes = nb * block_bytes(F);
+  const int step = vnni ? kRowsAvx512 : kRowsAvx2;
+  const PanelFn full = pick_panel<groups_of(F), pairs_of(F)>(vnni, step);
+  const PanelFn tail = pick_panel<groups_of(F), pairs_of(F)>(vnni, static_cast<int>(M % step));
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    thread_local Panel panel;  // each worker its own
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTile;
+      const int rows = static_cast<int>(std::min<int64_t>(kTile, N - n0));
+      unpack_tile<F>(w + n0 * row_bytes, row_bytes, rows, nb, !vnni, panel);
+      const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+      int64_t m0 = 0;
+      for (; m0 + step <= M; m0 += step) full(panel, nb, a, m0, y + n0, N, keep);
+      if (m0 < M) tail(panel, nb, a, m0, y + n0, N, keep);
+    }
+  });
+}
+
+}  // namespace
+
+bool gemm_takes(int64_t format, int64_t rows) {
+  return (format == kQ4K || format == kQ5K || format == kQ6K) && rows >= min_rows.load(std::memory_order_relaxed);
+}
+
+int64_t set_gemm_min_rows(int64_t rows) {
+  min_rows.store(rows > 0 ? rows : kDefaultMinRows, std::memory_order_relaxed);
+  return min_rows.load(std::memory_order_relaxed);
+}
+
+void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa) {
+  thread_local GemmActivations buffers;  // reused across calls; the workers read the caller's
+  GemmActivations& a = buffers;
+  ActivationsK& q8k = a.q8k;
+  q8k.M = M;
+  q8k.K = K;
+  q8k.codes.resize(M * K);
+  q8k.scale.resize(M * (K / kSuper));
+  q8k.sums.resize(M * (K / 16));
+  const bool per32 = format != kQ6K;
+  if (per32) a.sums32.resize(M * (K / 32));
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
+    quantize_rows_k(x, m0, m1, K, kSuper, kNatural, q8k);
+    if (per32)
+      for (int64_t i = m0 * (K / 32); i < m1 * (K / 32); ++i)
+        a.sums32[i] = static_cast<int16_t>(q8k.sums[2 * i] + q8k.sums[2 * i + 1]);
+  });
+  const bool vnni = isa == kAvx512 && has_vnni();
+  if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
+  else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
+  else run_tiles<kQ6K>(a, w, N, y, vnni);
+}
+
+}  // namespace genfn::kquant
+
+TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
+  // The fewest rows of x that take the GEMM (0: the default); returns the count now in force.
+  m.def("kquant_gemm_min_rows", &genfn::kquant::set_gemm_min_rows);
+}
