@@ -14,18 +14,21 @@ them into the arena used to hold four copies of the model (4.3x the file for a 1
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from typing import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from genfn import kernels
 from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 from genfn.quant.weight import TILE, QuantizedWeight
 
-__all__ = ["place_blocks", "FUSED_PARTS"]
+__all__ = ["place_blocks", "FUSED_PARTS", "mapped", "native_tiles_available"]
 
 # The GGUF parts each family concatenates into one matrix, in its order.
 FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -87,12 +90,14 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
         start = 0
         for name, n in zip(run, rows):
-            dst, order = data.numpy()[start:start + n], row_order(name)
+            # torch's copies run on all its threads (numpy's on one), so the first writes' page
+            # faults of the fresh arena overlap.
+            dst, src, order = data[start:start + n], mapped(gguf.raw(name)), row_order(name)
             if order is None:
-                np.copyto(dst, gguf.raw(name))
+                dst.copy_(src)
             else:
-                np.take(gguf.raw(name), order, axis=0, out=dst, mode="clip")  # "clip": no buffered copy of out
-            out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
+                torch.index_select(src, 0, torch.from_numpy(order), out=dst)
+            out[name] = KQuantWeight(dst, GGUF_K_FORMATS[type_name], n, cols)
             gguf.release(name)
             start += n
         return out
@@ -102,9 +107,35 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         tiles = slice(tile, tile + -(-n // TILE))
         part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
                                whole.format, n, cols)
-        fields, order = gguf_block_fields(gguf.raw(name), type_name, (n, cols)), row_order(name)
-        part.fill_from_blocks(fields if order is None else fields[order])
+        _fill_tiles(part, gguf.raw(name), type_name, row_order(name))
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
     return out
+
+
+def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order: np.ndarray | None) -> None:
+    """Write a matrix's blocks ``raw`` (its rows ``order``, or all in the file's order) into
+    ``weight``'s tiles: in one pass on all threads by the native kernels (``gguf_tiles.cpp``),
+    else in numpy (``QuantizedWeight.fill_from_blocks``), bit for bit the same."""
+    if native_tiles_available():
+        rows = None if order is None else torch.from_numpy(order).long()
+        torch.ops.genfn_kernels.gguf_blocks_to_tiles(mapped(raw), rows, weight.codes, weight.scales, weight.mins,
+                                                     weight.kind, weight.out_features)
+        return
+    fields = gguf_block_fields(raw, type_name, weight.shape)
+    weight.fill_from_blocks(fields if order is None else fields[order])
+
+
+def native_tiles_available() -> bool:
+    """Whether the native kernels (built now if need be) write tiles; ``GENFN_NATIVE_TILES=0``
+    in the environment keeps numpy's path (benchmarks/load_memory.py's A/B)."""
+    return os.environ.get("GENFN_NATIVE_TILES", "1") != "0" and kernels.decode_linear_available()
+
+
+def mapped(raw: np.ndarray) -> torch.Tensor:
+    """A tensor over the file mapping's own bytes (no copy). The mapping is read-only, which torch
+    cannot mark: nothing in genfn writes a weight in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
