@@ -15,7 +15,7 @@ from test_load_memory import _leaves, _same_weight, write_file
 import genfn
 from genfn import kernels
 from genfn.models.loaders import gguf_blocks
-from genfn.quant import QuantizedWeight, quantize
+from genfn.quant import KQuantWeight, QuantizedWeight, quantize
 from genfn.quant.blocks import gguf_block_fields
 
 needs_kernels = pytest.mark.skipif(not kernels.decode_linear_available(), reason=kernels.kernel_status())
@@ -87,3 +87,34 @@ def test_a_load_leaves_the_process_settings_as_they_were(mixed_file):
     model = genfn.load(mixed_file, quantize="gguf")
     assert model.params["embed"].shape == (300, 256)
     assert _process_settings() == before
+
+
+def _file_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps ``path`` (``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                ranges.append((low, high))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
+    """Layer 1's K-quant gate/up (fused: back to back in the file), o and down projections are
+    the file mapping's bytes, not copies; its q/k rows (llama's permutation undone) are copied."""
+    params = genfn.load(mixed_file, quantize="gguf").params
+    layer = params["layers"][1]
+
+    def in_file(weight) -> bool:
+        start, end = weight.data.data_ptr(), weight.data.data_ptr() + weight.data.numel()
+        return any(low <= start and end <= high for low, high in _file_ranges(mixed_file))
+
+    assert isinstance(layer["w_gate_up"], KQuantWeight) and layer["w_gate_up"].shape == (1024, 256)
+    assert in_file(layer["w_gate_up"]) and in_file(layer["wo"]) and in_file(layer["w_down"])
+    qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
+    assert not in_file(qk) and in_file(v)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.isfinite(genfn.load(mixed_file, quantize="gguf")(ids).logits).all()

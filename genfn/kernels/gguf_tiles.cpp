@@ -14,6 +14,7 @@
 // Rows of the last tile past out_features are written as zeros.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -37,11 +38,63 @@ BlockLayout layout_of(int64_t kind) {
   return {34, 32, 2};
 }
 
+constexpr int64_t kTile = 16;
+
+// A tile of 16 rows, block by block: each 32-bit gather takes one word of each row's record, which
+// is a whole chunk of the tile (16 rows' four code bytes) or the rows' scales (with the minimums
+// above them for Q4_1).
+void full_tile(const uint8_t* src, const int64_t* row_offset, const BlockLayout& lay, int64_t nblocks, uint32_t flip,
+               uint8_t* code_tile, uint16_t* scale_tile, uint16_t* min_tile) {
+  const __m512i low = _mm512_loadu_si512(row_offset), high = _mm512_loadu_si512(row_offset + 8);
+  const __m512i flip_words = _mm512_set1_epi32(static_cast<int>(flip));
+  const int64_t width = lay.code_bytes * kTile, chunks = lay.code_bytes / 4;
+  auto gather = [&](const uint8_t* base) {
+    const __m256i a = _mm512_i64gather_epi32(low, base, 1), b = _mm512_i64gather_epi32(high, base, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  };
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* block = src + b * lay.bytes;
+    const __m512i head = gather(block);  // d in the low half of each lane, m (Q4_1) in the high half
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale_tile + b * kTile), _mm512_cvtepi32_epi16(head));
+    if (min_tile)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(min_tile + b * kTile),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_si512(code_tile + b * width + c * 64,
+                          _mm512_xor_si512(gather(block + lay.head + 4 * c), flip_words));
+  }
+}
+
+// The last tile of a matrix whose rows do not fill it: the missing rows written as zeros.
+void partial_tile(const uint8_t* src, const int64_t* row_offset, int64_t live, const BlockLayout& lay,
+                  int64_t nblocks, uint32_t flip, uint8_t* code_tile, uint16_t* scale_tile, uint16_t* min_tile) {
+  const int64_t width = lay.code_bytes * kTile, chunks = lay.code_bytes / 4;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t r = 0; r < kTile; ++r) {
+      uint16_t scale = 0, minimum = 0;
+      const uint8_t* record = r < live ? src + row_offset[r] + b * lay.bytes : nullptr;
+      if (record) {
+        std::memcpy(&scale, record, 2);
+        std::memcpy(&minimum, record + 2, 2);
+      }
+      scale_tile[b * kTile + r] = scale;
+      if (min_tile) min_tile[b * kTile + r] = minimum;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t word = 0;
+        if (record) {
+          std::memcpy(&word, record + lay.head + 4 * c, 4);
+          word ^= flip;
+        }
+        std::memcpy(code_tile + b * width + c * 64 + r * 4, &word, 4);
+      }
+    }
+  }
+}
+
 void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, at::Tensor codes,
                           at::Tensor scales, const std::optional<at::Tensor>& mins, int64_t kind,
                           int64_t out_features) {
   const BlockLayout lay = layout_of(kind);
-  constexpr int64_t kTile = 16;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
               "gguf_blocks_to_tiles: blocks must be uint8 [rows, row bytes] with contiguous rows");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
@@ -82,39 +135,24 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   uint8_t* code_out = codes.data_ptr<uint8_t>();
   uint16_t* scale_out = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* min_out = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-  const int64_t width = lay.code_bytes * kTile, chunks = lay.code_bytes / 4;
+  const int64_t width = lay.code_bytes * kTile;
   const uint32_t flip = kind == 2 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
 
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    const uint8_t* row_start[kTile];
     for (int64_t tile = first; tile < last; ++tile) {
       const int64_t live = std::min(kTile, out_features - tile * kTile);
+      int64_t row_offset[kTile];
       for (int64_t r = 0; r < live; ++r) {
         const int64_t row = tile * kTile + r;
-        row_start[r] = src + (order ? order[row] : row) * row_stride;
+        row_offset[r] = (order ? order[row] : row) * row_stride;
       }
-      for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t at = tile * nblocks + b;
-        uint8_t* code_tile = code_out + at * width;
-        uint16_t* scale_tile = scale_out + at * kTile;
-        for (int64_t r = 0; r < kTile; ++r) {
-          if (r >= live) {
-            for (int64_t c = 0; c < chunks; ++c) std::memset(code_tile + c * 64 + r * 4, 0, 4);
-            scale_tile[r] = 0;
-            if (min_out) min_out[at * kTile + r] = 0;
-            continue;
-          }
-          const uint8_t* record = row_start[r] + b * lay.bytes;
-          std::memcpy(scale_tile + r, record, 2);
-          if (min_out) std::memcpy(min_out + at * kTile + r, record + 2, 2);
-          const uint8_t* code_in = record + lay.head;
-          for (int64_t c = 0; c < chunks; ++c) {
-            uint32_t word;
-            std::memcpy(&word, code_in + c * 4, 4);
-            word ^= flip;
-            std::memcpy(code_tile + c * 64 + r * 4, &word, 4);
-          }
-        }
+      uint8_t* code_tile = code_out + tile * nblocks * width;
+      uint16_t* scale_tile = scale_out + tile * nblocks * kTile;
+      uint16_t* min_tile = min_out ? min_out + tile * nblocks * kTile : nullptr;
+      if (live == kTile) {
+        full_tile(src, row_offset, lay, nblocks, flip, code_tile, scale_tile, min_tile);
+      } else {
+        partial_tile(src, row_offset, live, lay, nblocks, flip, code_tile, scale_tile, min_tile);
       }
     }
   });

@@ -104,6 +104,18 @@ class GGUFFile:
                 "the layer into whole blocks)")
         return data[..., start // block * size: stop // block * size]
 
+    def raw_run(self, names: list[str]) -> np.ndarray | None:
+        """The bytes of matrices ``names`` of one row width that lie back to back in the file, as one
+        view of the mapping ``[their rows, row bytes]``; None where they do not."""
+        infos = [self.tensors[name] for name in names]
+        if any(a.offset + a.nbytes != b.offset for a, b in zip(infos, infos[1:])):
+            return None
+        widths = {_byte_shape(info.shape, info.ggml_type)[-1] for info in infos}
+        if len(widths) != 1 or any(len(info.shape) != 2 for info in infos):
+            return None
+        data = np.frombuffer(self._buffer, dtype=np.uint8, count=sum(i.nbytes for i in infos), offset=infos[0].offset)
+        return data.reshape(-1, widths.pop())
+
     def release(self, name: str) -> None:
         """Let go of the tensor's pages of the file mapping once its bytes are copied elsewhere: they
         leave this process's resident memory (the page cache keeps them; a later read maps them again)."""

@@ -1,15 +1,20 @@
-"""A GGUF file's quantized matrices written once, from the file mapping straight to where the
-decode steps read them: ``place_blocks``.
+"""A GGUF file's quantized matrices, from the file mapping to where the decode steps read them,
+each byte written once at most: ``place_blocks``.
 
-Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) and each
-Q4_K/Q5_K/Q6_K matrix row by row as stored (``KQuantWeight``), in memory from ``arena.empty``
-(``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final place). The parts a
-layer fuses (q/k/v, gate/up) are written back to back in one allocation, so the family's
-``cat_rows`` joins them as a view. Llama's Q/K row permutation is undone on the way (a row
-gather of one matrix). Once a matrix is written, its pages of the file mapping are let go
-(``GGUFFile.release``), so at no time does the process hold the file twice: the peak is the
-arena plus one matrix, where building row-major blocks, fusing them, tiling them and copying
-them into the arena used to hold four copies of the model (4.3x the file for a 1B Q4_0 file).
+Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in memory
+from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
+place), by the native kernels in one pass on all threads (``gguf_tiles.cpp``), else by numpy.
+A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks: where its rows keep the
+file's order and a fused run's parts lie back to back in the file, it is used where it lies in
+the mapping, not copied at all (no fresh page to fault in: on these machines' virtual memory a
+fresh page's first write cost up to 10x its copy); else (llama's permuted Q/K) its rows are
+copied into the arena. The parts a layer fuses (q/k/v, gate/up) are back to back in one
+allocation, so the family's ``cat_rows`` joins them as a view. Llama's Q/K row permutation is
+undone on the way (a row gather of one matrix). Once a matrix is copied, its pages of the file
+mapping are let go (``GGUFFile.release``), so at no time does the process hold the file twice:
+the peak is the arena plus one matrix, where building row-major blocks, fusing them, tiling them
+and copying them into the arena used to hold four copies of the model (4.3x the file for a 1B
+Q4_0 file).
 """
 
 from __future__ import annotations
@@ -87,12 +92,21 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
-        data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
+        orders = [row_order(name) for name in run]
+        in_file = gguf.raw_run(run) if all(order is None for order in orders) else None
+        if in_file is not None:  # the file's own bytes, used where they lie (module docstring)
+            data = arena.hold(mapped(in_file))
+        else:
+            data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
         start = 0
-        for name, n in zip(run, rows):
+        for name, n, order in zip(run, rows, orders):
+            if in_file is not None:
+                out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
+                start += n
+                continue
             # torch's copies run on all its threads (numpy's on one), so the first writes' page
             # faults of the fresh arena overlap.
-            dst, src, order = data[start:start + n], mapped(gguf.raw(name)), row_order(name)
+            dst, src = data[start:start + n], mapped(gguf.raw(name))
             if order is None:
                 dst.copy_(src)
             else:
