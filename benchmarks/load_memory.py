@@ -51,8 +51,10 @@ print(json.dumps({"load_s": seconds, "rss_before": before, "rss_after": status("
 
 
 def measure(path: str, timeout: float, env: dict | None = None) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    # -P: where the variant names a PYTHONPATH, the working directory's genfn must not come first.
+    isolate = ["-P"] if env and "PYTHONPATH" in env else []
+    done = subprocess.run([sys.executable, *isolate, "-c", CHILD, path], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
     if done.returncode:
         raise RuntimeError(f"loading {path} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
         report["files"].append({"model": path, "variant": label, "file_bytes": size, "runs": done})
         times = ", ".join(f"{r['load_s']:.2f}" for r in done)
         print(f"{os.path.basename(path)} ({size / 1e9:.2f} GB){' ' + label if label else ''}: load {best['load_s']:.2f} s "
-              f"({best['load_s'] / (size / 1e9):.2f} s/GB; all {', '.join(f'{r[chr(108) + 'oad_s']:.2f}' for r in done)}); "
+              f"({best['load_s'] / (size / 1e9):.2f} s/GB; all {times}); "
               f"resident before {best['rss_before'] / 1e9:.2f} GB, after {best['rss_after'] / 1e9:.2f} GB, peak "
               f"{best['peak'] / 1e9:.2f} GB; the load's peak over the process's: {extra / 1e9:.2f} GB = "
               f"{extra / size:.2f}x the file", flush=True)
