@@ -1,19 +1,22 @@
 // A GGUF file's Q4_0 / Q4_1 / Q8_0 blocks written into QuantizedWeight's tiles (genfn/quant/weight.py)
-// in one pass, on all of torch's threads: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py).
+// in one pass: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py).
 //
 // numpy's version of this (QuantizedWeight.fill_from_blocks) copies each field out of the
-// records, then gathers it into the tile order: two passes over the matrix on one thread, and the
-// second one also takes the first-write faults of the destination's fresh pages. That was most of
-// a 1B model's load (7.3 of 10.9 s for a Q4_0 file). Here each thread takes whole tiles, reads the
-// 16 source rows of a tile block by block and writes the tile's bytes in order, so the faults of
-// the file mapping and of the destination are spread over the threads too.
+// records, then gathers it into the tile order: two passes over the matrix. Here a tile's 16
+// source rows are read block by block and the tile's bytes written in order, each 32-bit gather
+// taking one word of each row's record: a whole chunk of the tile, or the 16 rows' scales.
+//
+// One thread, on purpose: on the shared 2-core VM at load average 21, filling a 1B Q4_0 file's
+// tiles (into pages already present) took 1.07-1.15 s on one thread, 3.3-4.3 s on torch's two
+// (each of the 112 matrices' parallel regions waits for a descheduled thread) and 1.4-1.6 s in
+// numpy. On an idle machine two threads could save a fraction of a second per GB at most; under
+// contention they cost seconds.
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
 //   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80)
 //   scales[tile, b, r] = the block's float16 scale; mins[tile, b, r] = its float16 minimum (Q4_1)
 // Rows of the last tile past out_features are written as zeros.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -138,24 +141,22 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   const int64_t width = lay.code_bytes * kTile;
   const uint32_t flip = kind == 2 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
 
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t tile = first; tile < last; ++tile) {
-      const int64_t live = std::min(kTile, out_features - tile * kTile);
-      int64_t row_offset[kTile];
-      for (int64_t r = 0; r < live; ++r) {
-        const int64_t row = tile * kTile + r;
-        row_offset[r] = (order ? order[row] : row) * row_stride;
-      }
-      uint8_t* code_tile = code_out + tile * nblocks * width;
-      uint16_t* scale_tile = scale_out + tile * nblocks * kTile;
-      uint16_t* min_tile = min_out ? min_out + tile * nblocks * kTile : nullptr;
-      if (live == kTile) {
-        full_tile(src, row_offset, lay, nblocks, flip, code_tile, scale_tile, min_tile);
-      } else {
-        partial_tile(src, row_offset, live, lay, nblocks, flip, code_tile, scale_tile, min_tile);
-      }
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t live = std::min(kTile, out_features - tile * kTile);
+    int64_t row_offset[kTile];
+    for (int64_t r = 0; r < live; ++r) {
+      const int64_t row = tile * kTile + r;
+      row_offset[r] = (order ? order[row] : row) * row_stride;
     }
-  });
+    uint8_t* code_tile = code_out + tile * nblocks * width;
+    uint16_t* scale_tile = scale_out + tile * nblocks * kTile;
+    uint16_t* min_tile = min_out ? min_out + tile * nblocks * kTile : nullptr;
+    if (live == kTile) {
+      full_tile(src, row_offset, lay, nblocks, flip, code_tile, scale_tile, min_tile);
+    } else {
+      partial_tile(src, row_offset, live, lay, nblocks, flip, code_tile, scale_tile, min_tile);
+    }
+  }
 }
 
 }  // namespace

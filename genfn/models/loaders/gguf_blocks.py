@@ -3,11 +3,11 @@ each byte written once at most: ``place_blocks``.
 
 Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in memory
 from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
-place), by the native kernels in one pass on all threads (``gguf_tiles.cpp``), else by numpy.
+place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
 A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks: where its rows keep the
 file's order and a fused run's parts lie back to back in the file, it is used where it lies in
-the mapping, not copied at all (no fresh page to fault in: on these machines' virtual memory a
-fresh page's first write cost up to 10x its copy); else (llama's permuted Q/K) its rows are
+the mapping, not copied at all (no fresh memory: on the shared VMs genfn is measured on, the
+first write to 0.63 GB of fresh memory took 5-7 s and a second write 0.1-0.2 s); else (llama's permuted Q/K) its rows are
 copied into the arena. The parts a layer fuses (q/k/v, gate/up) are back to back in one
 allocation, so the family's ``cat_rows`` joins them as a view. Llama's Q/K row permutation is
 undone on the way (a row gather of one matrix). Once a matrix is copied, its pages of the file
@@ -104,14 +104,12 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
                 out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
                 start += n
                 continue
-            # torch's copies run on all its threads (numpy's on one), so the first writes' page
-            # faults of the fresh arena overlap.
-            dst, src = data[start:start + n], mapped(gguf.raw(name))
+            dst = data.numpy()[start:start + n]
             if order is None:
-                dst.copy_(src)
+                np.copyto(dst, gguf.raw(name))
             else:
-                torch.index_select(src, 0, torch.from_numpy(order), out=dst)
-            out[name] = KQuantWeight(dst, GGUF_K_FORMATS[type_name], n, cols)
+                np.take(gguf.raw(name), order, axis=0, out=dst, mode="clip")  # "clip": no buffered copy of out
+            out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
             gguf.release(name)
             start += n
         return out
@@ -130,7 +128,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
 
 def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order: np.ndarray | None) -> None:
     """Write a matrix's blocks ``raw`` (its rows ``order``, or all in the file's order) into
-    ``weight``'s tiles: in one pass on all threads by the native kernels (``gguf_tiles.cpp``),
+    ``weight``'s tiles: in one pass by the native kernels (``gguf_tiles.cpp``),
     else in numpy (``QuantizedWeight.fill_from_blocks``), bit for bit the same."""
     if native_tiles_available():
         rows = None if order is None else torch.from_numpy(order).long()
