@@ -10,6 +10,14 @@ neither is counted), forgets its peak resident memory (``/proc/self/clear_refs``
 and at the peak, and the peak over the process's own (the load's cost) against the file size.
 Issue 31's bars: load <= 1 s per GB of file; peak <= 1.15x the file for quantized files.
 The file's pages stay in the page cache between repeats (a warm read, as on a second start).
+
+``--variants`` compares settings in one session, each repeat running every file under every
+variant in turn (interleaved, so a busy machine's load falls on all of them alike): a variant is
+``label:NAME=VALUE,...``, environment variables for its child; ``PYTHONPATH`` picks another
+source tree (an export of the previous commit: the "before"). For example
+
+    python benchmarks/load_memory.py --model A.gguf --repeats 3 \
+        --variants "before:PYTHONPATH=/tmp/base;numpy tiles:GENFN_NATIVE_TILES=0;after:"
 """
 
 from __future__ import annotations
@@ -42,11 +50,26 @@ print(json.dumps({"load_s": seconds, "rss_before": before, "rss_after": status("
 """
 
 
-def measure(path: str, timeout: float) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=timeout)
+def measure(path: str, timeout: float, env: dict | None = None) -> dict:
+    # -P: where the variant names a PYTHONPATH, the working directory's genfn must not come first.
+    isolate = ["-P"] if env and "PYTHONPATH" in env else []
+    done = subprocess.run([sys.executable, *isolate, "-c", CHILD, path], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
     if done.returncode:
         raise RuntimeError(f"loading {path} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_variants(text: str) -> dict[str, dict[str, str]]:
+    """``"a:X=1,Y=2;b:"`` -> ``{"a": {"X": "1", "Y": "2"}, "b": {}}``."""
+    variants = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        label, _, settings = item.partition(":")
+        try:
+            variants[label.strip()] = dict(pair.split("=", 1) for pair in filter(None, settings.split(",")))
+        except ValueError:
+            raise ValueError(f"--variants: {item!r} is not label:NAME=VALUE,...") from None
+    return variants
 
 
 def main(argv=None) -> int:
@@ -55,20 +78,32 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", default=None, help="default: benchmarks/results/load-memory-<time>.json")
+    parser.add_argument("--variants", default=None,
+                        help='"label:NAME=VALUE,...;label:..." environments to compare, interleaved (see above)')
     args = parser.parse_args(argv)
     from genfn.bench.results import write_results
 
-    report = {"load_avg_start": os.getloadavg()[0], "files": []}
-    for path in args.model.split(","):
+    variants = parse_variants(args.variants) if args.variants else {"": {}}
+    paths = args.model.split(",")
+    report = {"load_avg_start": os.getloadavg()[0], "variants": variants, "files": []}
+    runs: dict = {(path, label): [] for path in paths for label in variants}
+    for _ in range(args.repeats):
+        for path in paths:
+            for label, env in variants.items():
+                run = measure(path, args.timeout, env)
+                run["load_avg"] = os.getloadavg()[0]
+                runs[path, label].append(run)
+    for (path, label), done in runs.items():
         size = os.path.getsize(path)
-        runs = [measure(path, args.timeout) for _ in range(args.repeats)]
-        best = min(runs, key=lambda r: r["load_s"])
-        extra = min(r["peak"] - r["rss_before"] for r in runs)
-        report["files"].append({"model": path, "file_bytes": size, "runs": runs})
-        print(f"{os.path.basename(path)} ({size / 1e9:.2f} GB): load {best['load_s']:.2f} s "
-              f"({best['load_s'] / (size / 1e9):.2f} s/GB); resident before {best['rss_before'] / 1e9:.2f} GB, "
-              f"after {best['rss_after'] / 1e9:.2f} GB, peak {best['peak'] / 1e9:.2f} GB; the load's peak over the "
-              f"process's: {extra / 1e9:.2f} GB = {extra / size:.2f}x the file", flush=True)
+        best = min(done, key=lambda r: r["load_s"])
+        extra = min(r["peak"] - r["rss_before"] for r in done)
+        report["files"].append({"model": path, "variant": label, "file_bytes": size, "runs": done})
+        times = ", ".join(f"{r['load_s']:.2f}" for r in done)
+        print(f"{os.path.basename(path)} ({size / 1e9:.2f} GB){' ' + label if label else ''}: load {best['load_s']:.2f} s "
+              f"({best['load_s'] / (size / 1e9):.2f} s/GB; all {times}); "
+              f"resident before {best['rss_before'] / 1e9:.2f} GB, after {best['rss_after'] / 1e9:.2f} GB, peak "
+              f"{best['peak'] / 1e9:.2f} GB; the load's peak over the process's: {extra / 1e9:.2f} GB = "
+              f"{extra / size:.2f}x the file", flush=True)
     report["load_avg_end"] = os.getloadavg()[0]
     report["when"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"# wrote {write_results('load-memory', report, args.json)}")

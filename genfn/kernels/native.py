@@ -65,7 +65,7 @@ DECODE = NativeLibrary(
     stem="decode_linear", what="decode kernels",
     sources=tuple(_HERE / name for name in ("decode_linear.cpp", "quant_linear.cpp", "decode_attention.cpp",
                                             "decode_layer.cpp", "token_ops.cpp", "thread_pool.cpp",
-                                            "bf16_gemm.cpp", "moe_decode.cpp")),
+                                            "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp")),
     headers=(_HERE / "decode_kernels.h",),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),

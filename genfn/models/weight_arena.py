@@ -115,6 +115,12 @@ class WeightArena:
         self._storages.add(flat.untyped_storage().data_ptr())
         return flat[:count].view(shape)
 
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, counted as placed though it lies elsewhere (a file mapping's blocks, used
+        where they are): ``holds`` it, so ``place_in_arena`` leaves it where it is."""
+        self._storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a view of it) was allocated here."""
         return tensor.untyped_storage().data_ptr() in self._storages

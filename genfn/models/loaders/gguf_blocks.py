@@ -1,31 +1,39 @@
-"""A GGUF file's quantized matrices written once, from the file mapping straight to where the
-decode steps read them: ``place_blocks``.
+"""A GGUF file's quantized matrices, from the file mapping to where the decode steps read them,
+each byte written once at most: ``place_blocks``.
 
-Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) and each
-Q4_K/Q5_K/Q6_K matrix row by row as stored (``KQuantWeight``), in memory from ``arena.empty``
-(``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final place). The parts a
-layer fuses (q/k/v, gate/up) are written back to back in one allocation, so the family's
-``cat_rows`` joins them as a view. Llama's Q/K row permutation is undone on the way (a row
-gather of one matrix). Once a matrix is written, its pages of the file mapping are let go
-(``GGUFFile.release``), so at no time does the process hold the file twice: the peak is the
-arena plus one matrix, where building row-major blocks, fusing them, tiling them and copying
-them into the arena used to hold four copies of the model (4.3x the file for a 1B Q4_0 file).
+Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in memory
+from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
+place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
+A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks: where its rows keep the
+file's order and a fused run's parts lie back to back in the file, it is used where it lies in
+the mapping, not copied at all (no fresh memory: on the shared VMs genfn is measured on, the
+first write to 0.63 GB of fresh memory took 5-7 s and a second write 0.1-0.2 s); else (llama's permuted Q/K) its rows are
+copied into the arena. The parts a layer fuses (q/k/v, gate/up) are back to back in one
+allocation, so the family's ``cat_rows`` joins them as a view. Llama's Q/K row permutation is
+undone on the way (a row gather of one matrix). Once a matrix is copied, its pages of the file
+mapping are let go (``GGUFFile.release``), so at no time does the process hold the file twice:
+the peak is the arena plus one matrix, where building row-major blocks, fusing them, tiling them
+and copying them into the arena used to hold four copies of the model (4.3x the file for a 1B
+Q4_0 file).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from typing import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from genfn import kernels
 from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 from genfn.quant.weight import TILE, QuantizedWeight
 
-__all__ = ["place_blocks", "FUSED_PARTS"]
+__all__ = ["place_blocks", "FUSED_PARTS", "mapped", "native_tiles_available"]
 
 # The GGUF parts each family concatenates into one matrix, in its order.
 FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -84,10 +92,19 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
-        data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
+        orders = [row_order(name) for name in run]
+        in_file = gguf.raw_run(run) if all(order is None for order in orders) else None
+        if in_file is not None:  # the file's own bytes, used where they lie (module docstring)
+            data = arena.hold(mapped(in_file))
+        else:
+            data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
         start = 0
-        for name, n in zip(run, rows):
-            dst, order = data.numpy()[start:start + n], row_order(name)
+        for name, n, order in zip(run, rows, orders):
+            if in_file is not None:
+                out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
+                start += n
+                continue
+            dst = data.numpy()[start:start + n]
             if order is None:
                 np.copyto(dst, gguf.raw(name))
             else:
@@ -102,9 +119,35 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         tiles = slice(tile, tile + -(-n // TILE))
         part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
                                whole.format, n, cols)
-        fields, order = gguf_block_fields(gguf.raw(name), type_name, (n, cols)), row_order(name)
-        part.fill_from_blocks(fields if order is None else fields[order])
+        _fill_tiles(part, gguf.raw(name), type_name, row_order(name))
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
     return out
+
+
+def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order: np.ndarray | None) -> None:
+    """Write a matrix's blocks ``raw`` (its rows ``order``, or all in the file's order) into
+    ``weight``'s tiles: in one pass by the native kernels (``gguf_tiles.cpp``),
+    else in numpy (``QuantizedWeight.fill_from_blocks``), bit for bit the same."""
+    if native_tiles_available():
+        rows = None if order is None else torch.from_numpy(order).long()
+        torch.ops.genfn_kernels.gguf_blocks_to_tiles(mapped(raw), rows, weight.codes, weight.scales, weight.mins,
+                                                     weight.kind, weight.out_features)
+        return
+    fields = gguf_block_fields(raw, type_name, weight.shape)
+    weight.fill_from_blocks(fields if order is None else fields[order])
+
+
+def native_tiles_available() -> bool:
+    """Whether the native kernels (built now if need be) write tiles; ``GENFN_NATIVE_TILES=0``
+    in the environment keeps numpy's path (benchmarks/load_memory.py's A/B)."""
+    return os.environ.get("GENFN_NATIVE_TILES", "1") != "0" and kernels.decode_linear_available()
+
+
+def mapped(raw: np.ndarray) -> torch.Tensor:
+    """A tensor over the file mapping's own bytes (no copy). The mapping is read-only, which torch
+    cannot mark: nothing in genfn writes a weight in place."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)

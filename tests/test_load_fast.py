@@ -1,0 +1,120 @@
+"""The GGUF loader's fast paths (issue 31): Q4_0/Q4_1/Q8_0 blocks written into the tiles by the
+native kernels (``gguf_tiles.cpp``) bit for bit as numpy's path writes them, and a load that
+leaves the process's settings as it found them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_load_memory import _leaves, _same_weight, write_file
+
+import genfn
+from genfn import kernels
+from genfn.models.loaders import gguf_blocks
+from genfn.quant import KQuantWeight, QuantizedWeight, quantize
+from genfn.quant.blocks import gguf_block_fields
+
+needs_kernels = pytest.mark.skipif(not kernels.decode_linear_available(), reason=kernels.kernel_status())
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    # The embedding's and output's 300 rows end half way through a tile; layer 0 has all three
+    # tiled formats and llama's permuted q/k rows.
+    return write_file(tmp_path_factory.mktemp("loadfast") / "mixed.gguf")
+
+
+def _gguf_bytes(blocks) -> np.ndarray:
+    """A RowBlocks matrix's GGUF records ``[rows, row bytes]`` (scale, minimum, codes per block)."""
+    n, nb = blocks.codes.shape[:2]
+    parts = [blocks.scales.view(torch.uint8).reshape(n, nb, 2)]
+    if blocks.mins is not None:
+        parts.append(blocks.mins.view(torch.uint8).reshape(n, nb, 2))
+    return torch.cat(parts + [blocks.codes], dim=-1).reshape(n, -1).numpy()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_native_tiles_equal_numpy_tiles_over_garbage(fmt):
+    """Into memory that is not zero (the arena need not clear it): rows gathered in a given order,
+    the last tile half full, every byte (padding rows included) as numpy's path writes it into
+    zeros."""
+    torch.manual_seed(0)
+    blocks = quantize(torch.randn(40, 96), fmt)
+    raw = _gguf_bytes(blocks)
+    order = np.random.default_rng(0).permutation(40)
+    numpy_weight = QuantizedWeight.zeros(fmt, 40, 96)
+    numpy_weight.fill_from_blocks(gguf_block_fields(raw, fmt.upper(), (40, 96))[order])
+    native = QuantizedWeight.zeros(fmt, 40, 96, lambda shape, dtype: torch.full(shape, 7, dtype=dtype))
+    gguf_blocks._fill_tiles(native, raw, fmt.upper(), order)
+    assert _same_weight(native, numpy_weight)
+    with pytest.raises(RuntimeError, match="outside the 40 rows"):
+        gguf_blocks._fill_tiles(native, raw, fmt.upper(), np.full(40, 40))
+
+
+@needs_kernels
+def test_a_native_load_equals_the_numpy_load_bit_for_bit(mixed_file, monkeypatch):
+    native = genfn.load(mixed_file, quantize="gguf").params
+    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
+    numpy_params = genfn.load(mixed_file, quantize="gguf").params
+    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
+    assert paths == numpy_paths
+    tiled = 0
+    for path, a, b in zip(paths, native_leaves, numpy_leaves):
+        assert type(a) is type(b) and _same_weight(a, b), path
+        tiled += isinstance(a, QuantizedWeight)
+    assert tiled >= 4  # the embedding, the output, o_proj, gate/up and down of layer 0
+
+
+def _process_settings() -> dict:
+    """What a library must not change behind its user's back: the environment, torch's threads,
+    and the process's transparent-huge-page switch (``prctl(PR_GET_THP_DISABLE)``)."""
+    settings = {"environ": dict(os.environ), "threads": torch.get_num_threads(),
+                "interop": torch.get_num_interop_threads()}
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_get_thp_disable = 42
+    settings["thp_disable"] = libc.prctl(pr_get_thp_disable, 0, 0, 0, 0)
+    return settings
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's prctl")
+def test_a_load_leaves_the_process_settings_as_they_were(mixed_file):
+    before = _process_settings()
+    model = genfn.load(mixed_file, quantize="gguf")
+    assert model.params["embed"].shape == (300, 256)
+    assert _process_settings() == before
+
+
+def _file_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps ``path`` (``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                ranges.append((low, high))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
+    """Layer 1's K-quant gate/up (fused: back to back in the file), o and down projections are
+    the file mapping's bytes, not copies; its q/k rows (llama's permutation undone) are copied."""
+    params = genfn.load(mixed_file, quantize="gguf").params
+    layer = params["layers"][1]
+
+    def in_file(weight) -> bool:
+        start, end = weight.data.data_ptr(), weight.data.data_ptr() + weight.data.numel()
+        return any(low <= start and end <= high for low, high in _file_ranges(mixed_file))
+
+    assert isinstance(layer["w_gate_up"], KQuantWeight) and layer["w_gate_up"].shape == (1024, 256)
+    assert in_file(layer["w_gate_up"]) and in_file(layer["wo"]) and in_file(layer["w_down"])
+    qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
+    assert not in_file(qk) and in_file(v)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.isfinite(genfn.load(mixed_file, quantize="gguf")(ids).logits).all()
