@@ -289,9 +289,15 @@ def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Calla
 
 # What dynamo raises when the traced code itself raised, or failed on values a plain run would
 # report better (a shape error seen on fake tensors): the step is re-run eagerly to surface it.
-_TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in
-                      ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
-                       "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(torch._dynamo.exc, name))
+# Read when a compiled step fails (dynamo is imported by then), not at import: ``import genfn``
+# stays free of dynamo's seconds for an eager run.
+@functools.cache
+def _trace_errors() -> tuple[type[BaseException], ...]:
+    import torch._dynamo.exc as dynamo_errors
+
+    return tuple(getattr(dynamo_errors, name) for name in
+                 ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
+                  "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(dynamo_errors, name))
 
 
 def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Callable[[Any], Any]:
@@ -307,7 +313,7 @@ def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Cal
             return eager_step(step, model)(state)
         try:
             return compiled(state)
-        except _TRACE_ERRORS as traced:
+        except _trace_errors() as traced:
             result = eager_step(step, model)(state)
             if not getattr(functional(model).spec, "compile_fallback", False):
                 raise traced
@@ -376,7 +382,7 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
         steps = torch.tensor(num_steps, dtype=torch.int64, device=state.done.device)
         try:
             return _call_on_leaves(fn, state, steps)
-        except _TRACE_ERRORS as traced:
+        except _trace_errors() as traced:
             # while_loop traces its body even when run eagerly, and reports whatever the step raised
             # as its own "higher order operator" error: one eager step on the same state (tracing
             # touched no real buffer) raises the step's exception itself, type and message.
