@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 __all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
-           "while_loop", "constant_result", "CONSTANT_RESULT_MARK"]
+           "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors"]
 
 # The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
 TESTED_TORCH = ("2.13",)
@@ -103,6 +103,17 @@ def constant_result(fn: Callable) -> Callable:
         return torch.compiler.assume_constant_result(fn)
     setattr(fn, CONSTANT_RESULT_MARK, True)
     return fn
+
+
+@functools.cache
+def trace_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises when the traced code raised, or failed on values a plain run would report
+    better. Read when a compiled step fails (dynamo is loaded by then), never at ``import genfn``."""
+    import torch._dynamo.exc as dynamo_errors
+
+    return tuple(getattr(dynamo_errors, name) for name in
+                 ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
+                  "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(dynamo_errors, name))
 
 
 def inductor_wrapper_base() -> type | None:
