@@ -261,6 +261,24 @@ def test_constant_result_leaves_the_mark_torchs_own_decorator_leaves():
     assert getattr(invariant.batch_invariant, CONSTANT_RESULT_MARK) is True
 
 
+_TRACE_THE_MODE_IN_A_FRESH_PROCESS = """
+import sys, torch, genfn
+from genfn.kernels.invariant import batch_invariant, deterministic
+assert "torch._dynamo" not in sys.modules
+def step(x):
+    return x + 1 if batch_invariant() else x - 1
+print(torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(1)).item())
+"""
+
+
+def test_the_mode_marked_before_dynamo_loads_still_traces_as_a_constant():
+    # A ContextVar read that dynamo was not told is constant fails a fullgraph trace (Unsupported).
+    done = subprocess.run([sys.executable, "-c", _TRACE_THE_MODE_IN_A_FRESH_PROCESS], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "-1.0"
+
+
 # ------------------------------------------------------------------------------------------
 # OpenMP wait policy
 
