@@ -1,6 +1,6 @@
 """The private torch internals genfn's driver relies on, behind one module.
 
-genfn is tested on torch 2.13 (``TESTED_TORCH``). Three things it uses are not public API and may
+genfn is tested on torch 2.13 (``TESTED_TORCH``). What it uses that is not public API, and may
 move between releases:
 
 - ``tensor._dynamo_weak_dynamic_indices`` / ``_dynamo_dynamic_indices``: which dims
@@ -14,8 +14,8 @@ move between releases:
   ``genfn.compile_backend`` subclasses to decide ``freezing`` per graph. Without it the step
   compiles with plain ``backend="inductor"`` (a later process may miss inductor's caches).
 - ``fn._dynamo_marked_constant``: the mark ``torch.compiler.assume_constant_result`` leaves,
-  set by ``constant_result`` without importing dynamo (the public decorator imports it: ~1-3 s
-  of every ``import genfn``, for an eager run that never traces). A test checks that the public
+  set by ``constant_result`` without importing dynamo (the public decorator imports it: 1.1-1.3
+  CPU s of every ``import genfn``, for an eager run that never traces). A test checks that the public
   decorator still leaves this mark.
 
 Each accessor falls back to public API when the internal is missing and says so once, in one

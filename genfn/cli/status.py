@@ -198,7 +198,6 @@ def watch_compiles(status: Status, what: str = "compiling the decode step (torch
         return
     from torch._dynamo import callback as dynamo_callback
 
-
     def started(_args) -> None:
         status.begin(what)
 
