@@ -36,7 +36,7 @@ from genfn.models.functional import FunctionalModel
 from genfn.quant import QUANTIZED_TYPES
 from genfn.strategies.request import StepTrace
 from genfn.streamers import close_stream
-from genfn.torch_compat import dynamic_dims, trusted_guards
+from genfn.torch_compat import dynamic_dims, trace_errors, trusted_guards
 from genfn.torch_compat import while_loop as torch_while_loop
 from genfn.traced_unflatten import Bindings, tree_source, unflattener
 
@@ -287,13 +287,6 @@ def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Calla
     return tensors_to_tensors
 
 
-# What dynamo raises when the traced code itself raised, or failed on values a plain run would
-# report better (a shape error seen on fake tensors): the step is re-run eagerly to surface it.
-_TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in
-                      ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
-                       "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(torch._dynamo.exc, name))
-
-
 def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Callable[[Any], Any]:
     """``compiled``, except that an exception the step raises while it is traced reaches the caller
     as itself (its type and message), not as dynamo's wrapper: the step runs eagerly once on the same
@@ -307,7 +300,7 @@ def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Cal
             return eager_step(step, model)(state)
         try:
             return compiled(state)
-        except _TRACE_ERRORS as traced:
+        except trace_errors() as traced:
             result = eager_step(step, model)(state)
             if not getattr(functional(model).spec, "compile_fallback", False):
                 raise traced
@@ -376,7 +369,7 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
         steps = torch.tensor(num_steps, dtype=torch.int64, device=state.done.device)
         try:
             return _call_on_leaves(fn, state, steps)
-        except _TRACE_ERRORS as traced:
+        except trace_errors() as traced:
             # while_loop traces its body even when run eagerly, and reports whatever the step raised
             # as its own "higher order operator" error: one eager step on the same state (tracing
             # touched no real buffer) raises the step's exception itself, type and message.

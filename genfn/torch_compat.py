@@ -1,6 +1,6 @@
 """The private torch internals genfn's driver relies on, behind one module.
 
-genfn is tested on torch 2.13 (``TESTED_TORCH``). Three things it uses are not public API and may
+genfn is tested on torch 2.13 (``TESTED_TORCH``). What it uses that is not public API, and may
 move between releases:
 
 - ``tensor._dynamo_weak_dynamic_indices`` / ``_dynamo_dynamic_indices``: which dims
@@ -13,6 +13,10 @@ move between releases:
 - ``torch._TorchCompileInductorWrapper``: the inductor backend ``torch.compile`` builds, which
   ``genfn.compile_backend`` subclasses to decide ``freezing`` per graph. Without it the step
   compiles with plain ``backend="inductor"`` (a later process may miss inductor's caches).
+- ``fn._dynamo_marked_constant``: the mark ``torch.compiler.assume_constant_result`` leaves,
+  set by ``constant_result`` without importing dynamo (the public decorator imports it: 1.1-1.3
+  CPU s of every ``import genfn``, for an eager run that never traces). A test checks that the public
+  decorator still leaves this mark.
 
 Each accessor falls back to public API when the internal is missing and says so once, in one
 line on the ``genfn.torch_compat`` logger; an untested torch version is noted the same way.
@@ -23,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
+from typing import Callable
 
 import torch
 
 __all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
-           "while_loop"]
+           "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors"]
 
 # The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
 TESTED_TORCH = ("2.13",)
@@ -84,6 +90,30 @@ def trusted_guards() -> contextlib.AbstractContextManager:
     if current.stance != "default" or current.skip_guard_eval_unsafe:
         return contextlib.nullcontext()
     return set_stance("default", skip_guard_eval_unsafe=True, force_backend=current.backend)
+
+
+# The attribute torch.compiler.assume_constant_result sets on the function it marks (torch 2.13).
+CONSTANT_RESULT_MARK = "_dynamo_marked_constant"
+
+
+def constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)``, without importing dynamo when nothing has:
+    dynamo reads the mark when it traces a call to ``fn``, and that import is then dynamo's own."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    setattr(fn, CONSTANT_RESULT_MARK, True)
+    return fn
+
+
+@functools.cache
+def trace_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises when the traced code raised, or failed on values a plain run would report
+    better. Read when a compiled step fails (dynamo is loaded by then), never at ``import genfn``."""
+    import torch._dynamo.exc as dynamo_errors
+
+    return tuple(getattr(dynamo_errors, name) for name in
+                 ("Unsupported", "UserError", "UncapturedHigherOrderOpError", "TorchRuntimeError",
+                  "BackendCompilerFailed", "InternalTorchDynamoError") if hasattr(dynamo_errors, name))
 
 
 def inductor_wrapper_base() -> type | None:

@@ -401,6 +401,31 @@ def test_compiling_status_comes_before_any_text(tiny, monkeypatch, capsys):
     assert streamer.tokens_at_first == 2  # the summary's rate starts after both
 
 
+def test_an_eager_run_watches_no_compiles_and_a_run_that_may_compile_does():
+    """Registering dynamo's callbacks imports dynamo (seconds of an eager start): only a run that
+    may compile (--compile, or the model's own config asking for a static cache) registers them."""
+    from types import SimpleNamespace
+
+    from torch._dynamo import callback as dynamo_callback
+
+    from genfn.cli.common import may_compile
+    from genfn.cli.status import watch_compiles
+
+    def model(cache_implementation):
+        return SimpleNamespace(generation_config=SimpleNamespace(cache_implementation=cache_implementation))
+
+    assert not may_compile(SimpleNamespace(compile=False), model(None))
+    assert may_compile(SimpleNamespace(compile=True), model(None))
+    assert may_compile(SimpleNamespace(compile=False), model("static"))
+    handler = dynamo_callback.callback_handler
+    before = len(handler.start_callbacks)
+    with watch_compiles(Status(live=False), compiles=False) as seconds:
+        assert len(handler.start_callbacks) == before
+    with watch_compiles(Status(live=False), compiles=True):
+        assert len(handler.start_callbacks) == before + 1
+    assert seconds == [] and len(handler.start_callbacks) == before
+
+
 def test_commands_load_the_float_copy_unless_told_otherwise():
     from genfn.default_model import command_quantize
 

@@ -1,5 +1,6 @@
 """Start-up machinery, without timing anything: the kernel build cache key, the per-graph freezing
-decision of the compile backend, and the OpenMP wait policy genfn sets at import."""
+decision of the compile backend, what ``import genfn`` imports, and the OpenMP wait policy genfn
+sets at import."""
 
 from __future__ import annotations
 
@@ -228,6 +229,54 @@ def test_a_second_process_loads_the_quantized_step_from_aot_autograds_cache(tmp_
         counts.append(done.stdout.strip().splitlines()[-1])
     assert "autograd_cache_miss" in counts[0] and "autograd_cache_hit" not in counts[0], counts
     assert "autograd_cache_hit" in counts[1] and "autograd_cache_miss" not in counts[1], counts
+
+
+# ------------------------------------------------------------------------------------------
+# what import genfn costs
+
+
+def test_importing_genfn_and_its_command_line_leaves_dynamo_inductor_and_transformers_unimported():
+    # Dynamo's import alone was ~1-3 s of every eager run's start (an import-time decorator).
+    script = ("import sys, genfn, genfn.cli; print(sorted(name for name in ('torch._dynamo', 'torch._inductor', "
+              "'transformers') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_constant_result_leaves_the_mark_torchs_own_decorator_leaves():
+    from genfn.kernels import invariant
+    from genfn.torch_compat import CONSTANT_RESULT_MARK, constant_result
+
+    def by_torch():
+        return 1
+
+    def by_genfn():
+        return 1
+
+    torch.compiler.assume_constant_result(by_torch)
+    constant_result(by_genfn)
+    assert getattr(by_torch, CONSTANT_RESULT_MARK) is True and getattr(by_genfn, CONSTANT_RESULT_MARK) is True
+    assert getattr(invariant.batch_invariant, CONSTANT_RESULT_MARK) is True
+
+
+_TRACE_THE_MODE_IN_A_FRESH_PROCESS = """
+import sys, torch, genfn
+from genfn.kernels.invariant import batch_invariant, deterministic
+assert "torch._dynamo" not in sys.modules
+def step(x):
+    return x + 1 if batch_invariant() else x - 1
+print(torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(1)).item())
+"""
+
+
+def test_the_mode_marked_before_dynamo_loads_still_traces_as_a_constant():
+    # A ContextVar read that dynamo was not told is constant fails a fullgraph trace (Unsupported).
+    done = subprocess.run([sys.executable, "-c", _TRACE_THE_MODE_IN_A_FRESH_PROCESS], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "-1.0"
 
 
 # ------------------------------------------------------------------------------------------

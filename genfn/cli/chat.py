@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from genfn.cli.common import (UserError, add_model_arguments, load_model, on_rank0, require_tokenizer,
+from genfn.cli.common import (UserError, add_model_arguments, load_model, may_compile, on_rank0, require_tokenizer,
                               sampling_defaults_flag, summary, tensor_shard)
 from genfn.cli.generate import StatusStreamer, add_sampling_arguments, run_generation, sampling_settings
 from genfn.cli.status import Status, watch_compiles
@@ -83,7 +83,7 @@ def main(args, status: Status) -> int:
         sys.stderr.write("genfn: chatting; /reset forgets the conversation, /exit leaves\n")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = []
-    with watch_compiles(status) as compile_s:
+    with watch_compiles(status, compiles=may_compile(args, model)) as compile_s:
         while True:
             line = on_rank0(shard, lambda: _next_line(interactive))
             if line is None:

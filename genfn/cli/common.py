@@ -11,7 +11,8 @@ import sys
 from genfn.cli.status import Status, format_seconds
 
 __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_int", "integer", "number",
-           "add_model_arguments", "sampling_defaults_flag", "load_model", "require_tokenizer", "read_text_file",
+           "add_model_arguments", "sampling_defaults_flag", "load_model", "may_compile", "require_tokenizer",
+           "read_text_file",
            "summary", "StderrLines", "GENFN_DIR", "tensor_shard", "on_rank0"]
 
 USER_ERROR = 2
@@ -84,6 +85,15 @@ def resolve_quantize(args) -> str | None:
     from genfn.default_model import command_quantize
 
     return command_quantize(args.quantize, args.model, args.dtype)
+
+
+def may_compile(args, model) -> bool:
+    """Whether a ``generate``/``chat`` run may compile its step: ``--compile``, or a model whose own
+    generation config asks for a fixed-shape cache (the condition ``genfn.driver`` compiles on)."""
+    from genfn.config import COMPILABLE_CACHES
+
+    config = getattr(model, "generation_config", None)
+    return bool(getattr(args, "compile", False)) or getattr(config, "cache_implementation", None) in COMPILABLE_CACHES
 
 
 def read_text_file(path: str, what: str) -> str:

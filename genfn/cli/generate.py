@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from genfn.cli.common import (UserError, add_model_arguments, integer, load_model, number, positive_int,
+from genfn.cli.common import (UserError, add_model_arguments, integer, load_model, may_compile, number, positive_int,
                               read_text_file, require_tokenizer, summary)
 from genfn.cli.status import Status, watch_compiles
 
@@ -260,7 +260,7 @@ def main(args, status: Status) -> int:
         streamer = StatusStreamer(tokenizer, status, show=not args.json, hold_first=args.compile)
     elif not args.json:
         status.line(f"beam search with {args.num_beams} beams: the text is printed when it is done")
-    with watch_compiles(status) as compile_s:
+    with watch_compiles(status, compiles=may_compile(args, model)) as compile_s:
         new_tokens, start, seconds = run_generation(model, input_ids, settings, args, streamer)
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     if streamer is None and not args.json:

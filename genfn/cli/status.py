@@ -187,12 +187,16 @@ def _raw_stderr():
 
 
 @contextlib.contextmanager
-def watch_compiles(status: Status, what: str = "compiling the decode step (torch.compile)"):
+def watch_compiles(status: Status, what: str = "compiling the decode step (torch.compile)", compiles: bool = True):
     """Show each torch.compile run (dynamo's compile start/end callbacks, on whichever thread
-    compiles) as a status phase; yields a list that collects each compile's seconds."""
-    from torch._dynamo import callback as dynamo_callback
-
+    compiles) as a status phase; yields a list that collects each compile's seconds.
+    ``compiles=False`` (a run that stays eager) watches nothing: registering the callbacks imports
+    dynamo, seconds of an eager command's start."""
     seconds: list[float] = []
+    if not compiles:
+        yield seconds
+        return
+    from torch._dynamo import callback as dynamo_callback
 
     def started(_args) -> None:
         status.begin(what)

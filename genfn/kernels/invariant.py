@@ -39,6 +39,7 @@ from genfn.kernels.packed_gemm import PackedWeight
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
+from genfn.torch_compat import constant_result
 
 __all__ = ["deterministic", "batch_invariant", "require_native", "refuse_without_invariant_forward",
            "no_invariant_forward", "INVARIANT_FAMILIES", "mode_for_manager", "linear", "rms_norm", "add_rms_norm",
@@ -49,7 +50,7 @@ _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("genfn_batch_invari
 
 # Dynamo cannot trace a ContextVar read; read while tracing, the mode is a constant of the graph
 # (no guard: genfn keys its compiled steps on the mode instead, genfn.driver).
-@torch.compiler.assume_constant_result
+@constant_result
 def batch_invariant() -> bool:
     """Whether the calling context is in the batch-invariant mode."""
     return _MODE.get()
