@@ -9,9 +9,12 @@ Two gloo ranks are spawned, each with one intra-op thread. Rounds alternate, sid
 ``tp1``: rank 0 alone decodes with the whole model (the fused native decode layer) while rank 1
 waits; ``tp1-2threads`` (``--two-threads``): the same with two threads; ``tp1-op-by-op``:
 rank 0 alone with a one-rank tensor-parallel shard (the op-by-op layer TP takes, collectives over
-a group of one); ``tp2``: both ranks decode their halves. Then the collectives of a decode step
-alone: one all-reduce of a hidden vector per row-parallel linear (2 per layer) plus the embedding's,
-and the logits' all-reduce, timed in isolation with functional collectives and with
+a group of one); ``tp2``: both ranks decode their halves, reducing through shared memory
+(``genfn.local_all_reduce``, the default between ranks of one machine); ``tp2-gloo``: the same over
+gloo's loopback TCP (a second group of both ranks, for which no shared memory is opened). Then the
+collectives of a decode step alone: the hidden vector's all-reduces (per row-parallel linear one,
+or one per rank where quantized blocks chain their sums, 2 linears a layer, plus the embedding's)
+and the logits' all-reduce, timed in isolation through shared memory, functional collectives and
 ``dist.all_reduce``. Prints medians and writes JSON under benchmarks/results/.
 """
 
@@ -59,10 +62,16 @@ def _collective_ms(group_name: str, numel: int, calls: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from genfn import local_all_reduce
+
     x = torch.randn(1, numel)
     out = {}
-    for name, fn in (("functional", lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))),
-                     ("dist.all_reduce", lambda: dist.all_reduce(x.clone()))):
+    kinds = [("functional", lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))),
+             ("dist.all_reduce", lambda: dist.all_reduce(x.clone()))]
+    shared = local_all_reduce.for_group(group_name)
+    if shared is not None and shared.fits(x):
+        kinds.append(("shared memory", lambda: shared.all_reduce(x.clone())))
+    for name, fn in kinds:
         for _ in range(20):
             fn()
         dist.barrier()
@@ -83,9 +92,11 @@ def rank_main(rank: int, port: int, args, results) -> None:
 
     shard = init_tensor_parallel(2, rank=rank, init_method=f"tcp://127.0.0.1:{port}", timeout=1800, set_threads=False)
     solo = dist.new_group([0])  # every rank must create it; rank 0 uses it for the one-rank shard
+    gloo_only = dist.new_group([0, 1])  # the same ranks without a shared-memory reducer
     options = {} if args.quantize == "none" else {"quantize": args.quantize}
     rss_before = _rss_mib()
     sharded = genfn.load(args.model, **options, tensor_shard=shard)
+    over_gloo = genfn.load(args.model, **options, tensor_shard=TensorShard(rank, 2, gloo_only.group_name))
     report = {"rank": rank, "tp2_param_mib": _param_mib(sharded), "tp2_rss_mib": _rss_mib(),
               "rss_before_load_mib": rss_before}
     ids = torch.tensor([sharded.tokenizer.encode(PROMPT)])
@@ -94,7 +105,8 @@ def rank_main(rank: int, port: int, args, results) -> None:
         whole = genfn.load(args.model, **options)
         one_rank = genfn.load(args.model, **options, tensor_shard=TensorShard(0, 1, solo.group_name))
         report["tp1_param_mib"] = _param_mib(whole)
-    runs = {"tp1": [], **({"tp1-2threads": []} if args.two_threads else {}), "tp1-op-by-op": [], "tp2": []}
+    runs = {"tp1": [], **({"tp1-2threads": []} if args.two_threads else {}), "tp1-op-by-op": [], "tp2": [],
+            "tp2-gloo": []}
     tokens = {}
     modes = [False] + ([True] if args.compile else [])
     for compiled in modes:
@@ -113,6 +125,8 @@ def rank_main(rank: int, port: int, args, results) -> None:
             dist.barrier()
             rows["tp2"] = _decode_seconds(sharded, ids, args.new_tokens, compiled)
             dist.barrier()
+            rows["tp2-gloo"] = _decode_seconds(over_gloo, ids, args.new_tokens, compiled)
+            dist.barrier()
             for name, (seconds, toks) in rows.items():
                 runs[name + suffix].append(seconds)
                 tokens[name + suffix] = toks
@@ -120,12 +134,15 @@ def rank_main(rank: int, port: int, args, results) -> None:
                               for name, times in runs.items() if len(times) > 1}
     report["tokens_equal_tp1"] = {name: toks == tokens.get("tp1") for name, toks in tokens.items()}
     spec = sharded.spec
-    report["collectives_per_step"] = 2 * spec.num_layers + 2
+    # float32 activations over quantized blocks chain o's and down's sums rank by rank (exact)
+    per_linear = shard.world_size if args.quantize != "none" else 1
+    hidden_calls = 2 * spec.num_layers * per_linear + 1
+    report["collectives_per_step"] = hidden_calls + 1
     report["hidden_all_reduce_ms"] = _collective_ms(shard.group_name, spec.hidden_size, args.calls)
     report["logits_all_reduce_ms"] = _collective_ms(shard.group_name, spec.vocab_size, max(50, args.calls // 10))
-    report["collectives_ms_per_step"] = {  # eager steps use dist.all_reduce, compiled ones the functional form
-        kind: (2 * spec.num_layers + 1) * report["hidden_all_reduce_ms"][kind] + report["logits_all_reduce_ms"][kind]
-        for kind in ("dist.all_reduce", "functional")}
+    report["collectives_ms_per_step"] = {  # eager: shared memory, else dist.all_reduce; compiled: functional
+        kind: hidden_calls * report["hidden_all_reduce_ms"][kind] + report["logits_all_reduce_ms"][kind]
+        for kind in report["hidden_all_reduce_ms"] if kind in report["logits_all_reduce_ms"]}
     results.put(report)
     shutdown()
 

@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from genfn import local_all_reduce
+
 __all__ = ["TensorParallelError", "init_tensor_parallel", "spawn_ranks", "launched_by_torchrun", "threads_per_rank",
            "report_failure", "shutdown", "fail", "decided_by_rank0", "from_rank0", "DEFAULT_TIMEOUT"]
 
@@ -128,7 +130,8 @@ def _default_on_failure(message: str) -> None:
 
 def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = None, init_method: str | None = None,
                          device: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                         heartbeat_timeout: float = HEARTBEAT_TIMEOUT, set_threads: bool = True, on_failure=None):
+                         heartbeat_timeout: float = HEARTBEAT_TIMEOUT, set_threads: bool = True, on_failure=None,
+                         shared_memory: bool = True):
     """Join (or, with ``rank`` and ``init_method``, form) the tensor-parallel process group and
     return this process's ``genfn.models.tensor_parallel.TensorShard``.
 
@@ -136,7 +139,9 @@ def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = No
     equal ``WORLD_SIZE``). ``timeout``: seconds a collective waits for a peer. ``set_threads``:
     give this process ``threads_per_rank`` intra-op threads (``torch.set_num_threads``; the
     environment is left alone). ``on_failure(message)``: what the watchdog does when a peer goes
-    (default: print the message and end the process with status 1).
+    (default: print the message and end the process with status 1). ``shared_memory``: reduce
+    through shared memory between the ranks of one machine (``genfn.local_all_reduce``; gloo
+    otherwise, and always across machines).
     """
     import torch.distributed as dist
 
@@ -165,6 +170,8 @@ def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = No
     if set_threads:
         torch.set_num_threads(threads_per_rank(local_ranks))
     shard = current_shard()
+    if shard.world_size > 1 and shared_memory:
+        local_all_reduce.open_for_group(timeout=timeout)
     if shard.world_size > 1:
         store = dist.distributed_c10d._get_default_store()
         _state["on_failure"] = on_failure or _default_on_failure
@@ -233,6 +240,7 @@ def shutdown(wait_children: float = 30.0) -> None:
     import torch.distributed as dist
 
     _state.pop("on_failure", None)
+    local_all_reduce.close_all()
     watchdog = _state.pop("watchdog", None)
     if watchdog is not None:
         watchdog.stop()

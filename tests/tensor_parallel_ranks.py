@@ -375,3 +375,43 @@ def gpt_oss_compiled_check(shard) -> dict:
     hf = tiny_gpt_oss(**GPT_OSS)
     config = {**hf.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
     return model_checks(config, dict(hf.state_dict()), shard, compiled=True)
+
+
+def local_all_reduce_check(shard) -> dict:
+    """The shared-memory all-reduce against gloo's on the same inputs (float32, bfloat16, shapes of
+    one value to a full slot, one over it), several calls in a row (the slots are reused)."""
+    import torch.distributed as dist
+
+    from genfn import local_all_reduce
+
+    reducer = local_all_reduce.for_group(shard.group_name)
+    out = {"opened": reducer is not None, "equal": []}
+    generator = torch.Generator().manual_seed(100 + shard.rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        full = local_all_reduce.DEFAULT_CAPACITY // torch.finfo(dtype).bits * 8
+        for size in (1, 576, 49152, 3, full, full + 1):
+            x = torch.randn(size, generator=generator).to(dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            fits = reducer is not None and reducer.fits(x)
+            got = reducer.all_reduce(x.clone()) if fits else None
+            out["equal"].append((str(dtype), size, fits, got is not None and torch.equal(got, expected)))
+    return out
+
+
+def dead_peer_check(shard) -> str:
+    """Rank 1 leaves without reducing; rank 0's reduction names it instead of waiting forever."""
+    import os
+    import time
+
+    from genfn import local_all_reduce
+
+    reducer = local_all_reduce.for_group(shard.group_name)
+    if shard.rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        reducer.all_reduce(torch.ones(8))
+    except RuntimeError as err:
+        return f"{time.monotonic() - start:.1f} s: {err}"
+    return "no error"

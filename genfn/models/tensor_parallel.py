@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from genfn import kernels
+from genfn import kernels, local_all_reduce
 
 from genfn.quant.blocks import BLOCK, RowBlocks
 from genfn.quant.fuse import cat_rows
@@ -310,9 +310,11 @@ def _functional():
 def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of a row-parallel linear's partial output (one all-reduce).
 
-    Inside a compiled step: torch's traceable functional all-reduce. Eagerly: ``dist.all_reduce``
-    in place on ``partial`` (the caller's own fresh output), which cost a third of the functional
-    one's time per call here (0.40 vs 1.16 ms for SmolLM2's hidden vector, benchmarks/tp.py)."""
+    Inside a compiled step: torch's traceable functional all-reduce. Eagerly, in place on
+    ``partial`` (the caller's own fresh output): through shared memory when the group's ranks share
+    this machine (``genfn.local_all_reduce``: microseconds where gloo's loopback TCP takes a
+    millisecond), else ``dist.all_reduce``, which cost a third of the functional one's time per
+    call (0.40 vs 1.16 ms for SmolLM2's hidden vector on a loaded machine, benchmarks/tp.py)."""
     shard = spec.tensor_shard
     if shard is None:
         return partial
@@ -321,7 +323,10 @@ def reduced(spec, partial: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(partial, "sum", shard.group_name))
     import torch.distributed as dist
 
-    partial = partial.contiguous()  # gloo reduces dense buffers only
+    partial = partial.contiguous()  # both reduce dense buffers only
+    local = local_all_reduce.for_group(shard.group_name)
+    if local is not None and local.fits(partial):
+        return local.all_reduce(partial)
     dist.all_reduce(partial, group=dist.distributed_c10d._resolve_process_group(shard.group_name))
     return partial
 
