@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 
 import pytest
+from test_tensor_parallel import _free_port, run_ranks
 
 TIMEOUT = 180  # seconds for a test's ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sums_equal_gloos_bit_for_bit_and_large_tensors_fall_back():
-    from test_tensor_parallel import run_ranks
-
     (rank0, rank1), = run_ranks([("reduce", "local_all_reduce_check", {})], timeout=TIMEOUT).values()
     for result in (rank0, rank1):
         assert not isinstance(result, str), result
