@@ -415,3 +415,22 @@ def dead_peer_check(shard) -> str:
     except RuntimeError as err:
         return f"{time.monotonic() - start:.1f} s: {err}"
     return "no error"
+
+
+def three_rank_sum_check(shard) -> list:
+    """Three ranks: each rank's shared-memory sum of the same inputs (every rank should hold the same
+    bits, the sum in rank order) beside gloo's."""
+    import torch.distributed as dist
+
+    from genfn import local_all_reduce
+
+    reducer = local_all_reduce.for_group(shard.group_name)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(7 + shard.rank))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    parts = [torch.randn(1000, generator=torch.Generator().manual_seed(7 + r)) for r in range(shard.world_size)]
+    in_rank_order = parts[0] + parts[1]
+    for part in parts[2:]:
+        in_rank_order += part
+    got = reducer.all_reduce(x.clone())
+    return [got.tolist(), torch.equal(got, in_rank_order), float((got - expected).abs().max())]

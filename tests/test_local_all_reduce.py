@@ -23,6 +23,14 @@ def test_sums_equal_gloos_bit_for_bit_and_large_tensors_fall_back():
     assert rank0 == rank1
 
 
+def test_three_ranks_hold_the_same_bits_summed_in_rank_order():
+    results, = run_ranks([("three", "three_rank_sum_check", {})], world=3, timeout=TIMEOUT).values()
+    assert all(not isinstance(r, str) for r in results), results
+    assert results[0][0] == results[1][0] == results[2][0]
+    assert all(in_order for _, in_order, _ in results)
+    assert all(gap < 1e-5 for _, _, gap in results)  # gloo adds in its own order: rounding only
+
+
 def _dead_peer_rank(rank: int, port: int, results) -> None:
     import torch
 
