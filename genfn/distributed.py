@@ -170,9 +170,9 @@ def init_tensor_parallel(world_size: int | None = None, *, rank: int | None = No
     if set_threads:
         torch.set_num_threads(threads_per_rank(local_ranks))
     shard = current_shard()
-    if shard.world_size > 1 and shared_memory:
-        local_all_reduce.open_for_group(timeout=timeout)
     if shard.world_size > 1:
+        if shared_memory:
+            local_all_reduce.open_for_group(timeout=timeout)
         store = dist.distributed_c10d._get_default_store()
         _state["on_failure"] = on_failure or _default_on_failure
         _state["watchdog"] = _Watchdog(store, shard.rank, shard.world_size, heartbeat_timeout, _state["on_failure"])

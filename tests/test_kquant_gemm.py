@@ -13,7 +13,7 @@ from conftest import tiny_hf_model
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.quant import quantize_k, reference_linear_k
-from test_kquants import write_kquant_gguf
+from test_kquants import isa, write_kquant_gguf  # noqa: F401  (isa: the ISA-path fixture)
 
 FORMATS = ("q4_k", "q5_k", "q6_k")
 NATIVE = kquant.kquant_available()
@@ -25,15 +25,6 @@ def gemm_rows():
     """``gemm_min_rows`` for the test's body, the default restored after it."""
     yield kquant.gemm_min_rows
     kquant.gemm_min_rows(None)
-
-
-@pytest.fixture(params=["avx512", "avx2"])
-def isa(request):
-    if request.param == "avx512" and torch.ops.genfn_kquant.kquant_isa() < 2:
-        pytest.skip("this CPU has no AVX-512")
-    kquant.force_isa(request.param)
-    yield request.param
-    kquant.force_isa(None)
 
 
 def _problem(fmt: str, out_features: int, in_features: int, rows: int, seed: int = 0):
@@ -61,12 +52,13 @@ def test_gemm_matches_the_reference_at_odd_sizes_and_row_counts(isa, gemm_rows, 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx2_and_avx512_gemms_give_the_same_bits(gemm_rows, fmt):
     if torch.ops.genfn_kquant.kquant_isa() < 2:
-        pytest.skip("this CPU has no AVX-512")
+        pytest.skip("this CPU has no AVX-512: only the AVX2 GEMM runs here (its own tests do), there is no "
+                    "second path to compare it with")
     weight, x = _problem(fmt, 45, 768, 70)
     gemm_rows(1)
     try:
         # The same integer per super-block and the same float32 operations per output, in the same order.
-        results = {isa: (kquant.force_isa(isa), kernels.linear(x, weight))[1] for isa in ("avx512", "avx2")}
+        results = {path: (kquant.force_isa(path), kernels.linear(x, weight))[1] for path in ("avx512", "avx2")}
     finally:
         kquant.force_isa(None)
     assert torch.equal(results["avx512"], results["avx2"])

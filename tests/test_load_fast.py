@@ -81,7 +81,7 @@ def _process_settings() -> dict:
     return settings
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's prctl")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux only: reads prctl(PR_GET_THP_DISABLE), which other systems lack")
 def test_a_load_leaves_the_process_settings_as_they_were(mixed_file):
     before = _process_settings()
     model = genfn.load(mixed_file, quantize="gguf")
@@ -101,7 +101,7 @@ def _file_ranges(path) -> list[tuple[int, int]]:
     return ranges
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only: finds the file mapping in /proc/self/maps")
 def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
     """Layer 1's K-quant gate/up (fused: back to back in the file), o and down projections are
     the file mapping's bytes, not copies; its q/k rows (llama's permutation undone) are copied."""
