@@ -100,17 +100,14 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
             data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
         start = 0
         for name, n, order in zip(run, rows, orders):
-            if in_file is not None:
-                out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
-                start += n
-                continue
-            dst = data.numpy()[start:start + n]
-            if order is None:
-                np.copyto(dst, gguf.raw(name))
-            else:
-                np.take(gguf.raw(name), order, axis=0, out=dst, mode="clip")  # "clip": no buffered copy of out
+            if in_file is None:  # copied into the arena, its rows in the family's order
+                dst = data.numpy()[start:start + n]
+                if order is None:
+                    np.copyto(dst, gguf.raw(name))
+                else:
+                    np.take(gguf.raw(name), order, axis=0, out=dst, mode="clip")  # "clip": no buffered copy of out
+                gguf.release(name)
             out[name] = KQuantWeight(data[start:start + n], GGUF_K_FORMATS[type_name], n, cols)
-            gguf.release(name)
             start += n
         return out
     whole = QuantizedWeight.zeros(GGUF_FORMATS[type_name], sum(rows), cols, arena.empty)
