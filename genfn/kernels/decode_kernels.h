@@ -161,6 +161,11 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 // shares rows (queue.prepare_blocks(w.tiles, T) before the region).
 void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
                         RowQueue& queue);
+// The fewest rows of x that quant_linear hands to quant_gemm.
+constexpr int64_t kQuantGemmMinRows = 16;
+// y[M, N] = x[M, K] @ dequantize(w).T for many rows (quant_gemm.cpp, needs AVX512_VNNI): the same
+// bits as quant_linear's tiles; each output's chain starts at init's value where given.
+void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* y, const float* init);
 
 // One row's `groups` query heads q[groups, head_dim] that share a kv head, against that head's
 // keys/values (slot s at s * slot_stride) where visible[s], s < span: dense_decode_attention's

@@ -268,9 +268,12 @@ at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::T
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
   const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
   const bool vnni = has_vnni();
-  // Reused across calls: a decode step makes ~120 of them, each needing a few KiB. The worker
-  // threads must read the calling thread's buffers, so the lambda captures this reference
-  // (naming the thread_local inside it would reach each worker's own, empty, copy).
+  float* yp = y.data_ptr<float>();
+  if (vnni && M >= genfn_kernels::kQuantGemmMinRows) {  // a prefill or a large batch: the blocked GEMM
+    const genfn_kernels::QuantWeight weight{cp, sp, mp, kind, tiles, nb, N};
+    genfn_kernels::quant_gemm(xf.data_ptr<float>(), M, K, weight, yp, ip);
+    return y.view(out_sizes).to(x.scalar_type());
+  }
   // Groups of up to kMaxRows rows of x, each quantized once, in buffers reused across calls (a
   // decode step makes ~120 calls, each needing a few KiB). The worker threads must read the
   // calling thread's buffers, so the lambda captures this reference (naming the thread_local
@@ -281,7 +284,6 @@ at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::T
   std::vector<Activations>& acts = buffers;
   for (int64_t g = 0; g < groups; ++g)
     quantize_activations(xf.data_ptr<float>() + g * kMaxRows * K, std::min(kMaxRows, M - g * kMaxRows), K, acts[g]);
-  float* yp = y.data_ptr<float>();
   if (!vnni) {
     for (int64_t g = 0; g < groups; ++g)
       run_tiles_scalar(std::min(kMaxRows, M - g * kMaxRows), kind, tiles, nb, cp,
