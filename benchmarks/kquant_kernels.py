@@ -10,10 +10,14 @@ Formats are interleaved over 4 rounds (best of each). GB/s counts the weight's b
 the matrices (5-17 MB) may sit in a large L3, so this compares the kernels' cost per byte, not the
 memory's bandwidth (the last line prints tensor.sum() over 256 MiB for that).
 
-``--gemm-ab``: Q4_K/Q5_K/Q6_K only, each row count through the row kernels and through the GEMM
-(``kquant_gemm.cpp``; ``kquant.gemm_min_rows`` picks the path), interleaved. ``--model``: a GGUF
-file loaded with ``quantize="gguf"``, the prefill of one ``--prefill``-token prompt (a 1-token
-``generate``, eager) with the K-quant products on the row kernels and on the GEMM, interleaved.
+``--gemm-ab``: Q4_K/Q5_K/Q6_K and Q8_0/Q4_1/Q4_0, each row count through the row kernels and
+through the GEMM (``kquant_gemm.cpp``, ``quant_gemm.cpp``; ``kquant.gemm_min_rows`` and
+``kernels.quant_gemm_min_rows`` pick the path), interleaved; ``--shape 1536x576`` for another
+matrix (SmolLM2's gate/up half). ``--model``: a GGUF file loaded with ``quantize="gguf"``, the
+prefill of one ``--prefill``-token prompt (a 1-token ``generate``, eager) with the quantized
+products on the row kernels and on the GEMMs, interleaved.
+
+    python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
 """
 
 from __future__ import annotations
@@ -31,40 +35,60 @@ ROWS, COLUMNS = 8192, 2048
 
 
 def best(fn, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` calls; on one thread in the thread's CPU time, which the other
+    processes of a loaded machine do not stretch (on more, wall time)."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     fastest = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        fastest = min(fastest, time.perf_counter() - start)
+        fastest = min(fastest, clock() - start)
     return fastest
 
 
-# The path a K-quant product takes: gemm_min_rows for it.
+# The path a quantized product takes: the fewest rows that go to the GEMMs.
 PATHS = {"rows": 10**9, "gemm": 1}
+GEMM_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
 
 
-def gemm_ab(counts: list[int], rounds: int) -> None:
+def set_path(min_rows: int | None) -> None:
+    """Both GEMMs' hand-over (K-quants and Q8_0/Q4_0/Q4_1 tiles); ``None``: the defaults."""
+    kquant.gemm_min_rows(min_rows)
+    kernels.quant_gemm_min_rows(min_rows)
+
+
+def gemm_weight(w: torch.Tensor, fmt: str):
+    return QuantizedWeight.from_rows(quantize(w, fmt)) if fmt in ("q8_0", "q4_1", "q4_0") else quantize_k(w, fmt)
+
+
+def gemm_ab(counts: list[int], rounds: int, shape: tuple[int, int]) -> None:
     """Row kernels against the GEMM per format and row count, interleaved."""
-    w = torch.randn(ROWS, COLUMNS) * 0.02
-    weights = {fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q5_k", "q6_k")}
+    out_features, in_features = shape
+    w = torch.randn(out_features, in_features) * 0.02
+    # The K-quants need in_features a multiple of 256.
+    weights = {fmt: gemm_weight(w, fmt) for fmt in GEMM_FORMATS if in_features % 256 == 0 or fmt.startswith("q")
+               and not fmt.endswith("_k")}
     results: dict[tuple[int, str, str], float] = {}
     try:
         for _ in range(rounds):
             for rows in counts:
-                x = torch.randn(rows, COLUMNS)
+                x = torch.randn(rows, in_features)
                 for name, weight in weights.items():
                     for path, min_rows in PATHS.items():
-                        kquant.gemm_min_rows(min_rows)
+                        set_path(min_rows)
                         seconds = best(lambda: kernels.linear(x, weight), 3)
                         results[(rows, name, path)] = min(results.get((rows, name, path), float("inf")), seconds)
     finally:
-        kquant.gemm_min_rows(None)
-    print(f"K-quant path: {kquant.kquant_isa()}; {ROWS} x {COLUMNS}; ms per call, row kernels / GEMM")
+        set_path(None)
+    print(f"K-quant path: {kquant.kquant_isa()}; {out_features} x {in_features}, {torch.get_num_threads()} threads; "
+          f"ms per call, row kernels / GEMM (GEMM int8 GOP/s)")
     for rows in counts:
         print(f"rows {rows}: " + "  ".join(
             f"{name} {results[(rows, name, 'rows')] * 1e3:.2f} / {results[(rows, name, 'gemm')] * 1e3:.2f} "
-            f"({results[(rows, name, 'rows')] / results[(rows, name, 'gemm')]:.2f}x)" for name in weights), flush=True)
+            f"({results[(rows, name, 'rows')] / results[(rows, name, 'gemm')]:.2f}x, "
+            f"{2 * rows * out_features * in_features / results[(rows, name, 'gemm')] / 1e9:.0f})"
+            for name in weights), flush=True)
 
 
 def prefill_ab(model_path: str, length: int, rounds: int) -> None:
@@ -79,20 +103,22 @@ def prefill_ab(model_path: str, length: int, rounds: int) -> None:
             genfn.generate(model, ids, max_new_tokens=1, do_sample=False, pad_token_id=0, disable_compile=True)
 
     seconds: dict[str, list[float]] = {path: [] for path in PATHS}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter  # as best()
     try:
         for path, min_rows in PATHS.items():  # warm-up of both
-            kquant.gemm_min_rows(min_rows)
+            set_path(min_rows)
             prefill()
         for _ in range(rounds):
             for path, min_rows in PATHS.items():
-                kquant.gemm_min_rows(min_rows)
-                start = time.perf_counter()
+                set_path(min_rows)
+                start = clock()
                 prefill()
-                seconds[path].append(time.perf_counter() - start)
+                seconds[path].append(clock() - start)
     finally:
-        kquant.gemm_min_rows(None)
-    print(f"{model_path}: prefill of {length} tokens, {torch.get_num_threads()} threads, K-quant path "
-          f"{kquant.kquant_isa()}, {rounds} interleaved rounds")
+        set_path(None)
+    print(f"{model_path}: prefill of {length} tokens, {torch.get_num_threads()} threads "
+          f"({'thread CPU' if clock is time.thread_time else 'wall'} time), K-quant path {kquant.kquant_isa()}, "
+          f"{rounds} interleaved rounds")
     for path, times in seconds.items():
         print(f"  {path:4s}  best {length / min(times):7.1f} tok/s  median {length / sorted(times)[len(times) // 2]:7.1f} "
               f"tok/s  ({', '.join(f'{t:.2f}' for t in times)} s)")
@@ -106,7 +132,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,9", help="comma list of row counts of x")
     parser.add_argument("--isa", choices=("avx2", "avx512"), default=None,
                         help="pin the K-quant kernels' path (default: the best this CPU has)")
-    parser.add_argument("--gemm-ab", action="store_true", help="K-quants only: row kernels against the GEMM")
+    parser.add_argument("--gemm-ab", action="store_true", help="row kernels against the GEMMs")
+    parser.add_argument("--shape", default=f"{ROWS}x{COLUMNS}", help="with --gemm-ab: the matrix, OUTxIN")
     parser.add_argument("--model", help="a GGUF file: its prefill with the row kernels against the GEMM")
     parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
     args = parser.parse_args()
@@ -117,7 +144,8 @@ def main() -> None:
     if args.model:
         return prefill_ab(args.model, args.prefill, args.rounds)
     if args.gemm_ab:
-        return gemm_ab(counts, args.rounds)
+        out_features, in_features = (int(v) for v in args.shape.split("x"))
+        return gemm_ab(counts, args.rounds, (out_features, in_features))
     w = torch.randn(ROWS, COLUMNS) * 0.02
     weights = {"q4_0": QuantizedWeight.from_rows(quantize(w, "q4_0")),
                "q8_0": QuantizedWeight.from_rows(quantize(w, "q8_0")),

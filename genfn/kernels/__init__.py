@@ -31,7 +31,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available",
-           "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
+           "quant_gemm_min_rows", "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
 
 _OP_NAMESPACE = "genfn_kernels"
 
@@ -294,6 +294,18 @@ def quant_linear_available() -> bool:
         if not _quant_native:
             _define_reference_op()
     return _quant_native
+
+
+def quant_gemm_min_rows(rows: int | None) -> int:
+    """Set the fewest rows of ``x`` that a Q8_0/Q4_0/Q4_1 product hands to the GEMM
+    (``quant_gemm.cpp``, on CPUs with AVX512_VNNI) instead of the row kernels (``None``: the
+    default, 16), for tests and benchmarks of either path; returns the count now in force. Both
+    give every output the same bits."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"rows must be None or a positive int; got {rows!r}")
+    if not decode_linear_available():
+        raise RuntimeError(f"the native kernels are {_status}")
+    return int(getattr(torch.ops, _OP_NAMESPACE).quant_gemm_min_rows(0 if rows is None else rows))
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tensor | None = None) -> torch.Tensor:

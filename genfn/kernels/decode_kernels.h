@@ -161,8 +161,9 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 // shares rows (queue.prepare_blocks(w.tiles, T) before the region).
 void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
                         RowQueue& queue);
-// The fewest rows of x that quant_linear hands to quant_gemm.
-constexpr int64_t kQuantGemmMinRows = 16;
+// Whether quant_linear hands a product of this many rows of x to quant_gemm (from 16 rows unless
+// the op quant_gemm_min_rows set another count).
+bool quant_gemm_takes(int64_t rows);
 // y[M, N] = x[M, K] @ dequantize(w).T for many rows (quant_gemm.cpp, needs AVX512_VNNI): the same
 // bits as quant_linear's tiles; each output's chain starts at init's value where given.
 void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* y, const float* init);

@@ -23,10 +23,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -47,6 +49,16 @@ enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
 constexpr int64_t kRunBytes = 256 * 1024;
 
 constexpr int64_t code_bytes(int64_t kind) { return kind == kQ8 ? 512 : 256; }
+// From 16 rows the GEMM beat the row kernels' groups of 8 (each group streams the tiles again
+// from L1/L2 with one chain in flight).
+constexpr int64_t kDefaultMinRows = 16;
+std::atomic<int64_t> min_rows{kDefaultMinRows};
+
+// The op quant_gemm_min_rows: set the count (0: the default); returns the count now in force.
+int64_t set_min_rows(int64_t rows) {
+  min_rows.store(rows > 0 ? rows : kDefaultMinRows, std::memory_order_relaxed);
+  return min_rows.load(std::memory_order_relaxed);
+}
 
 // Rows of x quantized as quant_linear quantizes them, laid out for the steps below: per group of
 // kRows rows and block, the rows' 32 codes one after another, then per row the code sum times
@@ -209,6 +221,8 @@ void run_pairs(int64_t p0, int64_t p1, int64_t M, const GroupedActivations& a, c
 
 namespace genfn_kernels {
 
+bool quant_gemm_takes(int64_t rows) { return rows >= min_rows.load(std::memory_order_relaxed); }
+
 void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* y, const float* init) {
   // Reused across calls; the threads of the region below read the caller's.
   thread_local GroupedActivations buffer;
@@ -237,3 +251,8 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, floa
 }
 
 }  // namespace genfn_kernels
+
+TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  // The fewest rows of x that take the GEMM (0: the default); returns the count now in force.
+  m.def("quant_gemm_min_rows", &set_min_rows);
+}

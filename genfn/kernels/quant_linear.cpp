@@ -7,8 +7,9 @@
 // block adds d_w * d_x * sum in float32. Minimums (Q4_1) and code offsets (8 for Q4_0, 128 for
 // the 8-bit formats) fold into the activation block sums:
 //   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
-// The weight is streamed once per call: more than 8 rows of x run in groups of 8 over a few tiles
-// at a time while those are in L1.
+// The weight is streamed once per call: 9-15 rows of x run in groups of 8 over a few tiles at a
+// time while those are in L1; from 16 rows (with VNNI) quant_gemm.cpp's GEMM takes the product,
+// with these bits.
 //
 // Each output is one float32 chain over the blocks in order (per block: the product's fma, then
 // the minimum's). `init`, when given, is where the chains start instead of zero: a tensor-parallel
@@ -269,7 +270,7 @@ at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::T
   const uint16_t* mp = has_min ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
   const bool vnni = has_vnni();
   float* yp = y.data_ptr<float>();
-  if (vnni && M >= genfn_kernels::kQuantGemmMinRows) {  // a prefill or a large batch: the blocked GEMM
+  if (vnni && genfn_kernels::quant_gemm_takes(M)) {  // a prefill or a large batch: the blocked GEMM
     const genfn_kernels::QuantWeight weight{cp, sp, mp, kind, tiles, nb, N};
     genfn_kernels::quant_gemm(xf.data_ptr<float>(), M, K, weight, yp, ip);
     return y.view(out_sizes).to(x.scalar_type());
