@@ -1,0 +1,109 @@
+"""The K-quant row kernels (``kquant_linear``) of this tree against those of a git revision, in one
+process, at Llama-3.2-1B's linear shapes with the weights out of cache.
+
+The revision's K-quant library (``kquant_linear.cpp``, ``kquant_gemm.cpp``, ``iq4_linear.cpp``,
+``kquant.h``) is built into a separate library with its op namespace renamed
+(``genfn_kquant_base``), so both run side by side, interleaved call set by call set. Each shape
+(q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) is held as copies of one
+random matrix, ``--megabytes`` of them, called in turn so that every call reads its weight from
+memory as a decode step does. Checks that both give the same bits (``--allow-diff``: only report
+the largest relative difference), then prints GB/s (weight bytes / time) of the best and the median
+of ``--rounds`` rounds per format, shape and row count, and this tree's time over the revision's.
+
+    python benchmarks/kquant_linear_ab.py --baseline main [--rows 1,2,4,8] [--formats q4_k,q6_k]
+    python benchmarks/kquant_linear_ab.py --baseline main --threads 1 --megabytes 4   # in cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from genfn.kernels import kquant, native
+from genfn.quant import quantize_k
+from genfn.quant.kquants import FORMAT_ID
+from genfn.state.base import tree_map
+
+# Llama-3.2-1B's linear shapes: (name, out_features, in_features).
+SHAPES = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
+_SOURCES = ("kquant_linear.cpp", "kquant_gemm.cpp", "iq4_linear.cpp", "kquant.h")
+
+
+def _build_baseline(revision: str, directory: Path) -> Path:
+    """The revision's K-quant library with its ops in namespace genfn_kquant_base (and its C++ in
+    genfn::kquant_base, so that no symbol of one library stands in for the other's), built once per
+    commit into the kernel cache (a build takes minutes on a busy 2-core machine)."""
+    commit = subprocess.run(["git", "rev-parse", revision], check=True, capture_output=True, text=True).stdout.strip()
+    output = native.cache_dir() / f"kquant_base-{commit[:16]}.so"
+    if output.exists():
+        return output
+    for name in _SOURCES:
+        text = subprocess.run(["git", "show", f"{revision}:genfn/kernels/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        (directory / name).write_text(text.replace("genfn_kquant", "genfn_kquant_base")
+                                      .replace("genfn::kquant", "genfn::kquant_base"))
+    library = native.NativeLibrary(stem="base", what="baseline",
+                                   sources=tuple(directory / n for n in _SOURCES if n.endswith(".cpp")),
+                                   headers=(), isa_flags=native.KQUANT.isa_flags, cpu_features=(), fallback="")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(native.compile_command(library, directory / "base.so"), check=True)
+    shutil.move(directory / "base.so", output)
+    return output
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="git revision whose K-quant kernels to compare with")
+    parser.add_argument("--rows", default="1,2,4,8", help="comma list of row counts of x")
+    parser.add_argument("--formats", default="q4_k,q6_k")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--megabytes", type=int, default=96, help="copies of each matrix, in MB (default: past L3)")
+    parser.add_argument("--allow-diff", action="store_true", help="report, rather than refuse, differing bits")
+    args = parser.parse_args()
+    if not kquant.kquant_available():
+        raise SystemExit(f"the K-quant kernels are not available: {kquant.kquant_status()}")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.ops.load_library(str(_build_baseline(args.baseline, Path(tmp))))
+    ops = {args.baseline: torch.ops.genfn_kquant_base.kquant_linear, "this tree": torch.ops.genfn_kquant.kquant_linear}
+    counts = [int(r) for r in args.rows.split(",")]
+    formats = args.formats.split(",")
+    print(f"K-quant path {kquant.kquant_isa()}, {args.threads} thread(s), {args.megabytes} MB of copies per shape, "
+          f"{args.rounds} interleaved rounds; GB/s best / median, time ratio this tree / {args.baseline} (median)")
+    for fmt in formats:
+        for name, n, k in SHAPES:
+            torch.manual_seed(0)
+            one = quantize_k(torch.randn(n, k) * 0.02, fmt)
+            copies = [one] + [tree_map(torch.clone, one) for _ in range(max(1, args.megabytes * 2**20 // one.nbytes) - 1)]
+            for rows in counts:
+                x = torch.randn(rows, k)
+                base, new = (op(x, one.data, FORMAT_ID[fmt], n, False) for op in ops.values())
+                if not torch.equal(base, new):
+                    diff = ((base - new).abs().max() / base.abs().max()).item()
+                    if not args.allow_diff:
+                        raise SystemExit(f"{fmt} {name} rows {rows}: the kernels' bits differ (max {diff:.2e} of max)")
+                    print(f"  {fmt} {name} rows {rows}: bits differ, max |diff| {diff:.2e} of max |y|")
+                seconds = {key: [] for key in ops}
+                for _ in range(args.rounds):  # interleaved, so that the machine's load hits each alike
+                    for key, op in ops.items():
+                        op(x, copies[-1].data, FORMAT_ID[fmt], n, False)
+                        start = time.perf_counter()
+                        for w in copies:
+                            op(x, w.data, FORMAT_ID[fmt], n, False)
+                        seconds[key].append((time.perf_counter() - start) / len(copies))
+                cells = "  ".join(f"{key} {one.nbytes / min(s) / 1e9:6.2f} / {one.nbytes / statistics.median(s) / 1e9:6.2f}"
+                                  for key, s in seconds.items())
+                ratio = statistics.median(seconds["this tree"]) / statistics.median(seconds[args.baseline])
+                print(f"{fmt} {name:8s} rows {rows}: {cells}  ratio {ratio:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
