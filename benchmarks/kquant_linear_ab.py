@@ -12,6 +12,11 @@ of ``--rounds`` rounds per format, shape and row count, and this tree's time ove
 
     python benchmarks/kquant_linear_ab.py --baseline main [--rows 1,2,4,8] [--formats q4_k,q6_k]
     python benchmarks/kquant_linear_ab.py --baseline main --threads 1 --megabytes 4   # in cache
+    python benchmarks/kquant_linear_ab.py --baseline main --model llama-1b-q4_k_m.gguf --new-tokens 32
+
+``--model``: a GGUF file loaded once with ``quantize="gguf"``, its batch-1 greedy decode (eager,
+``--new-tokens`` tokens after a 16-token prompt) with every K-quant product on one library or the
+other, alternating round by round: tok/s per round, and whether both decoded the same tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +63,44 @@ def _build_baseline(revision: str, directory: Path) -> Path:
     return output
 
 
+def decode_ab(path: str, ops: dict, new_tokens: int, rounds: int) -> None:
+    """One model's decode with the K-quant products on each library in turn (both in this process)."""
+    import genfn
+
+    model = genfn.load(path, quantize="gguf")
+    prompt = torch.randint(100, model.spec.vocab_size - 100, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def decode(op, tokens: int) -> torch.Tensor:
+        kquant.kquant_linear = lambda x, weight, *, row_kernels=False: op(
+            x, weight.data, FORMAT_ID[weight.format], weight.out_features, row_kernels)
+        with torch.no_grad():
+            return genfn.generate(model, prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+    native = kquant.kquant_linear
+    seconds: dict[str, list[float]] = {key: [] for key in ops}
+    try:
+        outputs = {key: decode(op, new_tokens) for key, op in ops.items()}  # warm-up, and the tokens
+        for _ in range(rounds):
+            for key, op in ops.items():
+                start = time.perf_counter()
+                decode(op, new_tokens + 1)
+                middle = time.perf_counter()
+                decode(op, 1)  # the prompt's prefill and first token, taken off
+                seconds[key].append(2 * middle - start - time.perf_counter())
+    finally:
+        kquant.kquant_linear = native
+    same = all(torch.equal(out, next(iter(outputs.values()))) for out in outputs.values())
+    print(f"{path}: batch-1 greedy decode, {new_tokens} tokens, {torch.get_num_threads()} threads, {rounds} "
+          f"alternating rounds; same tokens: {same}")
+    for key, times in seconds.items():
+        rates = [new_tokens / t for t in times]
+        print(f"  {key:10s} best {max(rates):6.1f} tok/s  median {statistics.median(rates):6.1f} tok/s  "
+              f"({', '.join(f'{r:.1f}' for r in rates)})")
+    keys = list(ops)
+    print(f"  median time {keys[1]} / {keys[0]}: "
+          f"{statistics.median(seconds[keys[1]]) / statistics.median(seconds[keys[0]]):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="git revision whose K-quant kernels to compare with")
@@ -66,6 +109,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--megabytes", type=int, default=96, help="copies of each matrix, in MB (default: past L3)")
+    parser.add_argument("--model", help="a GGUF file: its batch-1 decode on each library, alternating")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per round with --model")
     parser.add_argument("--allow-diff", action="store_true", help="report, rather than refuse, differing bits")
     args = parser.parse_args()
     if not kquant.kquant_available():
@@ -74,6 +119,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.ops.load_library(str(_build_baseline(args.baseline, Path(tmp))))
     ops = {args.baseline: torch.ops.genfn_kquant_base.kquant_linear, "this tree": torch.ops.genfn_kquant.kquant_linear}
+    if args.model:
+        return decode_ab(args.model, ops, args.new_tokens, args.rounds)
     counts = [int(r) for r in args.rows.split(",")]
     formats = args.formats.split(",")
     print(f"K-quant path {kquant.kquant_isa()}, {args.threads} thread(s), {args.megabytes} MB of copies per shape, "
