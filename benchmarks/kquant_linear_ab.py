@@ -16,7 +16,7 @@ of ``--rounds`` rounds per format, shape and row count, and this tree's time ove
 
 ``--model``: a GGUF file loaded once with ``quantize="gguf"``, its batch-1 greedy decode (eager,
 ``--new-tokens`` tokens after a 16-token prompt) with every K-quant product on one library or the
-other, alternating round by round: tok/s per round, and whether both decoded the same tokens.
+other, alternating round by round (each first in every other round): tok/s per round, and whether both decoded the same tokens.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from genfn.kernels import kquant, native
 from genfn.quant import quantize_k
 from genfn.quant.kquants import FORMAT_ID
 from genfn.state.base import tree_map
+from kquant_kernels import SHAPES_1B as SHAPES  # this folder's: Llama-3.2-1B's linear shapes
 
-# Llama-3.2-1B's linear shapes: (name, out_features, in_features).
-SHAPES = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
 _SOURCES = ("kquant_linear.cpp", "kquant_gemm.cpp", "iq4_linear.cpp", "kquant.h")
 
 
@@ -80,8 +79,10 @@ def decode_ab(path: str, ops: dict, new_tokens: int, rounds: int) -> None:
     seconds: dict[str, list[float]] = {key: [] for key in ops}
     try:
         outputs = {key: decode(op, new_tokens) for key, op in ops.items()}  # warm-up, and the tokens
-        for _ in range(rounds):
-            for key, op in ops.items():
+        for round_ in range(rounds):
+            # Each library first in every other round, so that a load that comes and goes in step
+            # with the rounds hits both alike.
+            for key, op in list(ops.items())[::1 if round_ % 2 == 0 else -1]:
                 start = time.perf_counter()
                 decode(op, new_tokens + 1)
                 middle = time.perf_counter()
