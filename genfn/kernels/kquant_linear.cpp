@@ -108,9 +108,10 @@ namespace {
 // AVX-512
 
 // Q4_K/Q5_K: which byte of a super-block's 8 scales (broadcast to every 8 bytes of a register) each
-// byte of a vpshufb result takes, for the int16 multipliers of vpmaddwd. Scales: for the 64 codes
-// of register half j's pair (a, b), int16 lanes 0-15 scale a and 16-31 scale b (128-bit lanes 0-1
-// and 2-3); mins: the 8 mins twice each, one per 16-input code sum. A high byte is 0x80: zero.
+// byte of a vpshufb result takes, for the int16 multipliers of vpmaddwd. scales[p]: the four code
+// registers (lo[0], hi[0], lo[1], hi[1]) hold groups (a, b) = (0, 2), (1, 3), (4, 6), (5, 7), so
+// int16 lanes 0-15 take scale a and 16-31 scale b; mins: the 8 mins twice each, one per 16-input
+// code sum. An index byte of 0x80 zeroes the high byte of each int16.
 struct Q4Index {
   alignas(64) uint8_t scales[4][64];
   alignas(32) uint8_t mins[32];
@@ -405,23 +406,24 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // Every weight row is decoded once per 8 rows of x, and stays in L1 between them. The rows are
-  // shared out balanced (row_queue.h): each thread streams an even contiguous run of them, and one
-  // that finishes early takes chunks from the back of the other's run. A static split waited on
-  // the slower half of every product (on a loaded 2-core machine, often by a whole time slice).
+  // shared out balanced (row_queue.h), as the decode kernels' linears share theirs: each thread
+  // streams an even contiguous run of them, and one that finishes early takes chunks from the back
+  // of another's run, where a static split left it waiting for the slower half.
   const RowFn full = pick(isa, format, 8), last = pick(isa, format, static_cast<int>((M - 1) % 8 + 1));
   auto rows = [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += 8) (m0 + 8 <= M ? full : last)(wp + n * row_bytes, nb, a, m0, yp + m0 * N + n, N);
   };
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
-  if (threads == 1) {
+  const int64_t passes = (M + 7) / 8;
+  if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
     rows(0, N);
     return y.view(out_sizes).to(x.scalar_type());
   }
   genfn_kernels::RowQueue queue;
   queue.prepare_blocks(N, threads);
   // ~8 KiB of weight a claim (per 8 rows of x), as the decode kernels' balanced linears claim.
-  const int64_t chunk = std::max<int64_t>(1, 8192 / std::max<int64_t>(row_bytes * ((M + 7) / 8), 1));
+  const int64_t chunk = std::max<int64_t>(1, 8192 / (row_bytes * passes));
 #pragma omp parallel num_threads(threads)
   genfn_kernels::run_balanced(
       queue, omp_get_thread_num(), chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
