@@ -5,6 +5,7 @@ rows of x (``--rows``: any counts, e.g. 64 for a prefill chunk).
     python benchmarks/kquant_kernels.py [--threads 2] [--rows 1,9,64] [--isa avx2]
     python benchmarks/kquant_kernels.py --gemm-ab --rows 9,16,64,512
     python benchmarks/kquant_kernels.py --model llama-1b-q4_k_m.gguf --prefill 512
+    python benchmarks/kquant_kernels.py --stream --rows 1,2,4,8
 
 Formats are interleaved over 4 rounds (best of each). GB/s counts the weight's bytes once per call;
 the matrices (5-17 MB) may sit in a large L3, so this compares the kernels' cost per byte, not the
@@ -18,6 +19,11 @@ prefill of one ``--prefill``-token prompt (a 1-token ``generate``, eager) with t
 products on the row kernels and on the GEMMs, interleaved.
 
     python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
+
+``--stream``: Q4_0 (quant_linear) against Q4_K and Q6_K (kquant_linear) at Llama-3.2-1B's shapes
+(q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
+copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
+L3), so every call reads its weight from memory: GB/s here is the kernel against DRAM, as in decode.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.quant import QuantizedWeight, quantize, quantize_k
+from genfn.state.base import tree_map
 
 ROWS, COLUMNS = 8192, 2048
 
@@ -91,6 +98,45 @@ def gemm_ab(counts: list[int], rounds: int, shape: tuple[int, int]) -> None:
             for name in weights), flush=True)
 
 
+# Llama-3.2-1B's linear shapes: (name, out_features, in_features).
+SHAPES_1B = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), ("down", 2048, 8192))
+
+
+def stream(counts: list[int], rounds: int, megabytes: int) -> None:
+    """GB/s per format, shape and row count, each call on a matrix out of cache (copies in turn)."""
+    formats = ("q4_0", "q4_k", "q6_k")
+    results: dict[tuple[str, str, int], float] = {}
+    copies: dict[tuple[str, str], list] = {}
+    for name, rows_out, cols in SHAPES_1B:
+        w = torch.randn(rows_out, cols) * 0.02
+        for fmt in formats:
+            one = QuantizedWeight.from_rows(quantize(w, fmt)) if fmt == "q4_0" else quantize_k(w, fmt)
+            count = max(2, megabytes * 2**20 // one.nbytes)
+            copies[(name, fmt)] = [one] + [tree_map(torch.clone, one) for _ in range(count - 1)]
+    for _ in range(rounds):
+        for rows in counts:
+            xs = {cols: torch.randn(rows, cols) for _, _, cols in SHAPES_1B}
+            for name, _, cols in SHAPES_1B:
+                for fmt in formats:
+                    weights = copies[(name, fmt)]
+                    kernels.linear(xs[cols], weights[0])
+                    start = time.perf_counter()
+                    for w in weights:
+                        kernels.linear(xs[cols], w)
+                    seconds = (time.perf_counter() - start) / len(weights)
+                    key = (name, fmt, rows)
+                    results[key] = min(results.get(key, float("inf")), seconds)
+    print(f"K-quant path: {kquant.kquant_isa()}, {torch.get_num_threads()} threads, matrices out of cache; "
+          f"GB/s (us per call), best of {rounds}")
+    for rows in counts:
+        for name, _, _ in SHAPES_1B:
+            print(f"rows {rows} {name:8s} " + "  ".join(
+                f"{fmt} {copies[(name, fmt)][0].nbytes / results[(name, fmt, rows)] / 1e9:6.2f} "
+                f"({results[(name, fmt, rows)] * 1e6:6.0f})" for fmt in formats), flush=True)
+    big = torch.ones(256 * 2**20 // 4)
+    print(f"sum {big.numel() * 4 / best(big.sum) / 1e9:.1f} GB/s")
+
+
 def prefill_ab(model_path: str, length: int, rounds: int) -> None:
     """A GGUF model's prefill of one prompt, row kernels against the GEMM, interleaved."""
     import genfn
@@ -136,6 +182,8 @@ def main() -> None:
     parser.add_argument("--shape", default=f"{ROWS}x{COLUMNS}", help="with --gemm-ab: the matrix, OUTxIN")
     parser.add_argument("--model", help="a GGUF file: its prefill with the row kernels against the GEMM")
     parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
+    parser.add_argument("--stream", action="store_true", help="Q4_0/Q4_K/Q6_K at the 1B shapes, out of cache")
+    parser.add_argument("--stream-mb", type=int, default=128, help="megabytes of copies per shape for --stream")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(r) for r in args.rows.split(",")]
@@ -146,6 +194,8 @@ def main() -> None:
     if args.gemm_ab:
         out_features, in_features = (int(v) for v in args.shape.split("x"))
         return gemm_ab(counts, args.rounds, (out_features, in_features))
+    if args.stream:
+        return stream(counts, args.rounds, args.stream_mb)
     w = torch.randn(ROWS, COLUMNS) * 0.02
     weights = {"q4_0": QuantizedWeight.from_rows(quantize(w, "q4_0")),
                "q8_0": QuantizedWeight.from_rows(quantize(w, "q8_0")),

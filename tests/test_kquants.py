@@ -106,6 +106,30 @@ def test_kernel_matches_the_reference_on_odd_shapes(isa, fmt, out_features, in_f
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs"])
+def test_every_weight_row_is_summed_once_whatever_the_thread_count(isa, fmt):
+    # The row kernels share a weight's rows out balanced (row_queue.h): threads claim chunks of
+    # their own run and steal from the back of the others'. A row skipped or claimed twice, a
+    # chunk cut wrong at a run's end, would leave garbage or a different sum; every row's result
+    # is one thread's sum, so it is the same bits at any thread count (here more threads than the
+    # 2-core machine has, and more than some runs have chunks).
+    torch.manual_seed(4)
+    weight = quantize_k(torch.randn(301, 512), fmt)
+    x = torch.randn(9, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = {rows: kernels.linear(x[:rows], weight) for rows in (1, 9)}
+        for threads in (2, 3, 7):
+            torch.set_num_threads(threads)
+            for rows, expected in alone.items():
+                assert torch.equal(kernels.linear(x[:rows], weight), expected), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_linear_k(x, weight)
+    torch.testing.assert_close(alone[9], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @needs_native
 def test_kernel_takes_bfloat16_activations_and_rejects_mismatches():
     weight = quantize_k(torch.randn(8, 256), "q6_k")

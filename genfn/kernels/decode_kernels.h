@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "row_queue.h"
+
 namespace genfn_kernels {
 
 // 16 bfloat16 values widened to float32 lanes (exact).
@@ -63,71 +65,9 @@ constexpr int64_t kMaxDecodeRows = 8;
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
 
-// The rows of one product shared out to T threads that balance their work: each thread owns an
-// even contiguous run of row blocks and streams it from the front in small chunks; one that
-// finishes takes chunks from the back of another's run. On two cores the two halves of a
-// weight do not stream equally fast (perf: each thread waited ~10 % of a static split's time at
-// the barrier after each linear). prepare() before the parallel region, then every thread calls
-// linear_balanced with it once: y[M, N] = x[M, K] @ w[N, K].T (M <= kMaxDecodeRows), summed as decode_linear
-// sums it.
-struct RowQueue {
-  static constexpr int kMaxThreads = 64;
-  // (end << 32) | next, in row blocks; a cache line each, or every claim would pull the line
-  // from the other core.
-  struct alignas(64) Run {
-    std::atomic<uint64_t> bounds;
-  };
-  Run runs[kMaxThreads];
-  int64_t threads = 0;
-  void prepare(int64_t M, int64_t N, int64_t T);  // for linear_balanced
-  void prepare_blocks(int64_t blocks, int64_t T);  // any unit of work: even runs of `blocks`
-};
-
-// Claim up to `chunk` blocks from the front (own run) or the back (another's) of a run: [begin, end).
-inline bool claim_front(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
-  uint64_t seen = run.load(std::memory_order_relaxed);
-  for (;;) {
-    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
-    if (next >= last) return false;
-    begin = next;
-    end = std::min(last, next + chunk);
-    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(last) << 32) | static_cast<uint64_t>(end),
-                                  std::memory_order_relaxed))
-      return true;
-  }
-}
-
-inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
-  uint64_t seen = run.load(std::memory_order_relaxed);
-  for (;;) {
-    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
-    if (next >= last) return false;
-    begin = std::max(next, last - chunk);
-    end = last;
-    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(begin) << 32) | static_cast<uint64_t>(next),
-                                  std::memory_order_relaxed))
-      return true;
-  }
-}
-
-// Thread t's share of queue's work: its own run front to back, `chunk` blocks a claim, then chunks
-// from the back of the other threads' runs. own(begin, end, start, stop) sums a chunk [begin, end)
-// of the own run [start, stop) (a stream it may fetch ahead in up to stop); stolen(begin, end) one
-// taken from another's (past end lies that thread's stream).
-template <typename Own, typename Stolen>
-void run_balanced(RowQueue& queue, int64_t t, int64_t chunk, Own&& own, Stolen&& stolen) {
-  const int64_t T = queue.threads;
-  if (t >= T) return;
-  const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
-  const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
-  int64_t begin, end;
-  while (claim_front(queue.runs[t].bounds, chunk, begin, end)) own(begin, end, start, stop);
-  for (int64_t step = 1; step < T; ++step) {
-    auto& other = queue.runs[(t + step) % T].bounds;
-    while (claim_back(other, chunk, begin, end)) stolen(begin, end);
-  }
-}
-
+// The rows of one product shared out to T threads that balance their work: row_queue.h.
+// prepare() before the parallel region, then every thread calls linear_balanced with it once:
+// y[M, N] = x[M, K] @ w[N, K].T (M <= kMaxDecodeRows), summed as decode_linear sums it.
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue);
 void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,

@@ -484,14 +484,6 @@ bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 
 void RowQueue::prepare(int64_t M, int64_t N, int64_t T) { prepare_blocks(N / rows_per_block(M), T); }
 
-void RowQueue::prepare_blocks(int64_t blocks, int64_t T) {
-  threads = std::min<int64_t>(T, kMaxThreads);
-  for (int64_t t = 0; t < threads; ++t) {
-    const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;
-    runs[t].bounds.store((end << 32) | next, std::memory_order_relaxed);
-  }
-}
-
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue) {
   dispatch_balanced<Float32Fma>(M, x, w, K, N, y, t, queue);

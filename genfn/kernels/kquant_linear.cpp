@@ -21,11 +21,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 
 #include "kquant.h"
+#include "row_queue.h"
 
 namespace {
 
@@ -104,11 +107,25 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // AVX-512
 
-GENFN_AVX512_INLINE inline __m512i pair_scales512(__m128i scales16, int a, int b) {
-  // 32 int16 lanes: lanes 0-15 hold scale a, lanes 16-31 scale b (of 8 or 16 int16 in scales16).
-  const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(a))),
-                                           _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
-  return _mm512_permutexvar_epi16(index, _mm512_castsi128_si512(scales16));
+// Q4_K/Q5_K: which byte of a super-block's 8 scales (broadcast to every 8 bytes of a register) each
+// byte of a vpshufb result takes, for the int16 multipliers of vpmaddwd. scales[p]: the four code
+// registers (lo[0], hi[0], lo[1], hi[1]) hold groups (a, b) = (0, 2), (1, 3), (4, 6), (5, 7), so
+// int16 lanes 0-15 take scale a and 16-31 scale b; mins: the 8 mins twice each, one per 16-input
+// code sum. An index byte of 0x80 zeroes the high byte of each int16.
+struct Q4Index {
+  alignas(64) uint8_t scales[4][64];
+  alignas(32) uint8_t mins[32];
+  constexpr Q4Index() : scales(), mins() {
+    constexpr int kPairs[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+    for (int p = 0; p < 4; ++p)
+      for (int k = 0; k < 64; ++k) scales[p][k] = k % 2 ? 0x80 : static_cast<uint8_t>(kPairs[p][k / 32]);
+    for (int k = 0; k < 32; ++k) mins[k] = k % 2 ? 0x80 : static_cast<uint8_t>(k / 4);
+  }
+};
+constexpr Q4Index kQ4Index;
+
+GENFN_AVX512_INLINE inline __m512i q4_scales512(__m512i scales8, int pair) {
+  return _mm512_shuffle_epi8(scales8, _mm512_load_si512(kQ4Index.scales[pair]));
 }
 
 // Q6_K: the scales of the 64 inputs of quarter `quarter` (one per 16, so one per 8 int16 lanes of a
@@ -146,10 +163,9 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
       const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
       uint64_t sc, mn;
       unpack_scales(w + 4, sc, mn);
-      const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc)));
-      // Each min twice, one per 16-input code sum.
-      const __m128i mn8 = _mm_cvtsi64_si128(static_cast<long long>(mn));
-      const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+      const __m512i scales8 = _mm512_set1_epi64(static_cast<long long>(sc));
+      const __m256i mins16 = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<long long>(mn)),
+                                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Index.mins)));
       const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
       __m512i lo[2], hi[2];
       for (int j = 0; j < 2; ++j) {
@@ -170,8 +186,8 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
           hi[j] = _mm512_mask_add_epi8(hi[j], _mm512_test_epi8_mask(qh, sel_hi), hi[j], sixteen);
         }
       }
-      const __m512i s_lo0 = pair_scales512(sc16, 0, 2), s_hi0 = pair_scales512(sc16, 1, 3);
-      const __m512i s_lo1 = pair_scales512(sc16, 4, 6), s_hi1 = pair_scales512(sc16, 5, 7);
+      const __m512i s_lo0 = q4_scales512(scales8, 0), s_hi0 = q4_scales512(scales8, 1);
+      const __m512i s_lo1 = q4_scales512(scales8, 2), s_hi1 = q4_scales512(scales8, 3);
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
         __m512i sum = dot512(lo[0], x, s_lo0);
@@ -389,16 +405,29 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // Rows of the weight in contiguous runs per thread (one sequential stream each); every row is
-  // decoded once per 8 rows of x, and stays in L1 between them.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_bytes * ((M + 7) / 8), 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  // Every weight row is decoded once per 8 rows of x, and stays in L1 between them. The rows are
+  // shared out balanced (row_queue.h), as the decode kernels' linears share theirs: each thread
+  // streams an even contiguous run of them, and one that finishes early takes chunks from the back
+  // of another's run, where a static split left it waiting for the slower half.
+  const RowFn full = pick(isa, format, 8), last = pick(isa, format, static_cast<int>((M - 1) % 8 + 1));
+  auto rows = [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int rows = static_cast<int>(std::min<int64_t>(8, M - m0));
-        pick(isa, format, rows)(wp + n * row_bytes, nb, a, m0, yp + m0 * N + n, N);
-      }
-  });
+      for (int64_t m0 = 0; m0 < M; m0 += 8) (m0 + 8 <= M ? full : last)(wp + n * row_bytes, nb, a, m0, yp + m0 * N + n, N);
+  };
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  const int64_t passes = (M + 7) / 8;
+  if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
+    rows(0, N);
+    return y.view(out_sizes).to(x.scalar_type());
+  }
+  genfn_kernels::RowQueue queue;
+  queue.prepare_blocks(N, threads);
+  // ~8 KiB of weight a claim (per 8 rows of x), as the decode kernels' balanced linears claim.
+  const int64_t chunk = std::max<int64_t>(1, 8192 / (row_bytes * passes));
+#pragma omp parallel num_threads(threads)
+  genfn_kernels::run_balanced(
+      queue, omp_get_thread_num(), chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
+      rows);
   return y.view(out_sizes).to(x.scalar_type());
 }
 

@@ -67,7 +67,7 @@ DECODE = NativeLibrary(
                                             "decode_layer.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp")),
-    headers=(_HERE / "decode_kernels.h",),
+    headers=(_HERE / "decode_kernels.h", _HERE / "row_queue.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using F.linear")
@@ -75,7 +75,7 @@ DECODE = NativeLibrary(
 KQUANT = NativeLibrary(
     stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "kquant_gemm.cpp",
                                                       _HERE / "iq4_linear.cpp"),
-    headers=(_HERE / "kquant.h",),
+    headers=(_HERE / "kquant.h", _HERE / "row_queue.h"),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
 LIBRARIES = (DECODE, KQUANT)
 

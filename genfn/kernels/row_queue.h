@@ -1,0 +1,82 @@
+// Work shared out to the threads of a parallel region so that they balance it (RowQueue,
+// run_balanced): plain C++ with no ISA of its own, for both kernel libraries (the decode kernels'
+// linears and fused layers, the K-quant row kernels).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace genfn_kernels {
+
+// The rows of one product shared out to T threads that balance their work: each thread owns an
+// even contiguous run of row blocks and streams it from the front in small chunks; one that
+// finishes takes chunks from the back of another's run. On two cores the two halves of a
+// weight do not stream equally fast (perf: each thread waited ~10 % of a static split's time at
+// the barrier after each linear).
+struct RowQueue {
+  static constexpr int kMaxThreads = 64;
+  // (end << 32) | next, in row blocks; a cache line each, or every claim would pull the line
+  // from the other core.
+  struct alignas(64) Run {
+    std::atomic<uint64_t> bounds;
+  };
+  Run runs[kMaxThreads];
+  int64_t threads = 0;
+  void prepare(int64_t M, int64_t N, int64_t T);  // for linear_balanced (decode_linear.cpp)
+  // Any unit of work: even runs of `blocks`.
+  void prepare_blocks(int64_t blocks, int64_t T) {
+    threads = std::min<int64_t>(T, kMaxThreads);
+    for (int64_t t = 0; t < threads; ++t) {
+      const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;
+      runs[t].bounds.store((end << 32) | next, std::memory_order_relaxed);
+    }
+  }
+};
+
+// Claim up to `chunk` blocks from the front (own run) or the back (another's) of a run: [begin, end).
+inline bool claim_front(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = next;
+    end = std::min(last, next + chunk);
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(last) << 32) | static_cast<uint64_t>(end),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
+inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin, int64_t& end) {
+  uint64_t seen = run.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t next = static_cast<int64_t>(seen & 0xffffffffu), last = static_cast<int64_t>(seen >> 32);
+    if (next >= last) return false;
+    begin = std::max(next, last - chunk);
+    end = last;
+    if (run.compare_exchange_weak(seen, (static_cast<uint64_t>(begin) << 32) | static_cast<uint64_t>(next),
+                                  std::memory_order_relaxed))
+      return true;
+  }
+}
+
+// Thread t's share of queue's work: its own run front to back, `chunk` blocks a claim, then chunks
+// from the back of the other threads' runs. own(begin, end, start, stop) sums a chunk [begin, end)
+// of the own run [start, stop) (a stream it may fetch ahead in up to stop); stolen(begin, end) one
+// taken from another's (past end lies that thread's stream).
+template <typename Own, typename Stolen>
+void run_balanced(RowQueue& queue, int64_t t, int64_t chunk, Own&& own, Stolen&& stolen) {
+  const int64_t T = queue.threads;
+  if (t >= T) return;
+  const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
+  const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
+  int64_t begin, end;
+  while (claim_front(queue.runs[t].bounds, chunk, begin, end)) own(begin, end, start, stop);
+  for (int64_t step = 1; step < T; ++step) {
+    auto& other = queue.runs[(t + step) % T].bounds;
+    while (claim_back(other, chunk, begin, end)) stolen(begin, end);
+  }
+}
+
+}  // namespace genfn_kernels
