@@ -39,6 +39,8 @@ from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
+from . import gguf_gpt_oss
+
 __all__ = ["place_blocks", "place_dequantized", "FUSED_PARTS", "mapped", "native_tiles_available"]
 
 # The GGUF parts each family concatenates into one matrix, in its order.
@@ -102,8 +104,9 @@ def _dequantized_type(gguf, name: str) -> str | None:
 def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena,
                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> its ``dtype`` values in ``arena``, for every Q8_0/Q4_0/Q4_1 matrix of
-    ``gguf`` (see the module docstring), rows in ``row_order``; {} without the native kernels."""
-    if not native_tiles_available():
+    ``gguf`` (see the module docstring), rows in ``row_order``; {} without the native kernels or
+    for GPT-OSS (whose loader rearranges its matrices after reading them)."""
+    if not native_tiles_available() or gguf.metadata["general.architecture"] == gguf_gpt_oss.ARCH:
         return {}
     placed: dict[str, torch.Tensor] = {}
     for name in gguf.tensors:
