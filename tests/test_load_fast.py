@@ -1,22 +1,29 @@
-"""The GGUF loader's fast paths (issue 31): Q4_0/Q4_1/Q8_0 blocks written into the tiles by the
-native kernels (``gguf_tiles.cpp``) bit for bit as numpy's path writes them, and a load that
-leaves the process's settings as it found them."""
+"""The GGUF loader's fast paths (issue 31): Q4_0/Q4_1/Q8_0 blocks written into the tiles, or
+dequantized to floats, by the native kernels (``gguf_tiles.cpp``) bit for bit as numpy's path
+writes them, and a load that leaves the process's settings as it found them."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from test_load_memory import _leaves, _same_weight, write_file
 
 import genfn
 from genfn import kernels
 from genfn.models.loaders import gguf_blocks
+from genfn.models.loaders.gguf import load_gguf_checkpoint
+from genfn.models.weight_arena import WeightArena
 from genfn.quant import KQuantWeight, QuantizedWeight, quantize
 from genfn.quant.blocks import gguf_block_fields
+from genfn.quant.fuse import cat_rows
+from genfn.quant.weight import KERNEL_KIND
 
 needs_kernels = pytest.mark.skipif(not kernels.decode_linear_available(), reason=kernels.kernel_status())
 
@@ -118,3 +125,60 @@ def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
     assert not in_file(qk) and in_file(v)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert torch.isfinite(genfn.load(mixed_file, quantize="gguf")(ids).logits).all()
+
+
+def _random_records(rows: int, cols: int, type_name: str, rng) -> np.ndarray:
+    """GGUF records of random codes with random finite float16 scales and minimums (subnormals,
+    signed zeros and large values among them): every code and scale bit pattern the kernel meets."""
+    block, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    heads = 2 if type_name == "Q4_1" else 1
+    halves = rng.integers(0, 1 << 16, (rows, cols // block, heads), dtype=np.uint16)
+    halves[(halves & 0x7C00) == 0x7C00] &= 0xBBFF  # no inf/NaN (a NaN's payload is not a value to compare)
+    data[..., :2 * heads] = halves.view(np.uint8).reshape(rows, cols // block, 2 * heads)
+    return data.reshape(rows, -1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_dequantization_equals_the_gguf_package_bit_for_bit(type_name):
+    """Rows gathered in a given order into memory that is not zero: every float32 bit as
+    ``gguf.quants.dequantize`` computes it (Q4_1's d * u + m rounded twice, never as one FMA)."""
+    rng = np.random.default_rng(1)
+    raw = _random_records(48, 128, type_name, rng)
+    order = rng.permutation(48)
+    expected = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, GGMLQuantizationType[type_name])[order]))
+    out = torch.full((48, 128), 7.0)
+    kind = KERNEL_KIND[type_name.lower()]
+    torch.ops.genfn_kernels.gguf_dequantize_rows(torch.from_numpy(raw), torch.from_numpy(order), kind, out)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(RuntimeError, match="outside the 48 rows"):
+        torch.ops.genfn_kernels.gguf_dequantize_rows(torch.from_numpy(raw), torch.full((48,), 48), kind, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_native_float_load_equals_the_numpy_float_load_bit_for_bit(mixed_file, monkeypatch, dtype):
+    """``genfn.load`` without ``quantize``: the Q8_0/Q4_0/Q4_1 matrices dequantized natively into
+    the arena equal the gguf package's values (llama's q/k rows unpermuted), layer 0's fused
+    q/k/v (Q4_0, Q4_0, Q8_0) is one allocation, and the K-quant layer takes numpy's path."""
+    native = genfn.load(mixed_file, dtype=dtype).params
+    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
+    numpy_params = genfn.load(mixed_file, dtype=dtype).params
+    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
+    assert paths == numpy_paths
+    for path, a, b in zip(paths, native_leaves, numpy_leaves):
+        assert a.dtype == b.dtype == (dtype if a.dim() == 2 else a.dtype), path
+        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), path
+
+
+@needs_kernels
+def test_dequantized_matrices_are_written_into_the_arena_and_fused_as_views(mixed_file):
+    arena = WeightArena()
+    state_dict = load_gguf_checkpoint(mixed_file, arena=arena).state_dict
+    qkv = [state_dict[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]  # Q4_0, Q4_0, Q8_0
+    fused = cat_rows(qkv)
+    assert fused.shape == (256 + 2 * 128, 256) and fused.data_ptr() == qkv[0].data_ptr()  # a view, not a copy
+    assert all(arena.holds(t) for t in (*qkv, state_dict["model.embed_tokens.weight"])) == arena.enabled
+    assert not arena.holds(state_dict["model.layers.1.self_attn.q_proj.weight"])  # Q4_K: numpy's path

@@ -133,3 +133,18 @@ def test_loaded_models_hold_their_weights_in_one_arena_and_generate_the_same_tok
     if huge_pages_available():
         _assert_packed_in_one_buffer(flat_cast)
     assert cast.params["embed"].dtype == torch.bfloat16
+
+
+def test_without_huge_pages_a_large_tensor_is_zeroed_by_the_kernel_not_written(monkeypatch):
+    """GENFN_HUGE_PAGES=0: a large tensor lies on an anonymous mapping of its own (zero until
+    written, with no write of genfn's), not in torch's allocator after a zero fill."""
+    monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
+    arena = weight_arena.WeightArena()
+    assert not arena.enabled
+    big, small = arena.empty((512, 1024), torch.float32), arena.empty((3, 4), torch.float16)
+    assert big.shape == (512, 1024) and big.dtype == torch.float32 and big.is_contiguous() and not big.any()
+    assert small.shape == (3, 4) and not small.any()
+    # Memory torch allocated (and zero-filled) is resizable; a buffer's, like the mapping's, is not.
+    assert not big.untyped_storage().resizable() and small.untyped_storage().resizable()
+    big.fill_(1)
+    assert not small.any() and big.sum() == big.numel()

@@ -1,5 +1,6 @@
 // A GGUF file's Q4_0 / Q4_1 / Q8_0 blocks written into QuantizedWeight's tiles (genfn/quant/weight.py)
-// in one pass: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py).
+// in one pass: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py). And the same blocks
+// dequantized to float32 rows in one pass (gguf_dequantize_rows), the float load's path.
 //
 // numpy's version of this (QuantizedWeight.fill_from_blocks) copies each field out of the
 // records, then gathers it into the tile order: two passes over the matrix. Here a tile's 16
@@ -34,14 +35,32 @@ struct BlockLayout {
   int64_t head;        // bytes before the codes: the scale, and the minimum for Q4_1
 };
 
-BlockLayout layout_of(int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "gguf_blocks_to_tiles: kind must be 0 (q4_0), 1 (q4_1) or 2 (q8_0); got ", kind);
+BlockLayout layout_of(const char* op, int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": kind must be 0 (q4_0), 1 (q4_1) or 2 (q8_0); got ", kind);
   if (kind == 0) return {18, 16, 2};
   if (kind == 1) return {20, 16, 4};
   return {34, 32, 2};
 }
 
 constexpr int64_t kTile = 16;
+
+// The rows of blocks to read, in order, checked against the `available` rows; nullptr (rows 0..n-1)
+// where none are given. `holder` keeps a contiguous copy of `rows` alive.
+const int64_t* checked_rows(const char* op, const std::optional<at::Tensor>& rows, at::Tensor& holder, int64_t n,
+                            int64_t available) {
+  if (!rows) {
+    TORCH_CHECK(available == n, op, ": ", available, " rows of blocks for ", n, " output rows");
+    return nullptr;
+  }
+  holder = rows->contiguous();
+  TORCH_CHECK(holder.scalar_type() == at::kLong && holder.dim() == 1 && holder.size(0) == n, op,
+              ": rows must be int64 [", n, "]");
+  const int64_t* order = holder.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(order[i] >= 0 && order[i] < available, op, ": row ", order[i], " is outside the ", available,
+                " rows of blocks");
+  return order;
+}
 
 // A tile of 16 rows, block by block: each 32-bit gather takes one word of each row's record, which
 // is a whole chunk of the tile (16 rows' four code bytes) or the rows' scales (with the minimums
@@ -97,7 +116,7 @@ void partial_tile(const uint8_t* src, const int64_t* row_offset, int64_t live, c
 void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, at::Tensor codes,
                           at::Tensor scales, const std::optional<at::Tensor>& mins, int64_t kind,
                           int64_t out_features) {
-  const BlockLayout lay = layout_of(kind);
+  const BlockLayout lay = layout_of("gguf_blocks_to_tiles", kind);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
               "gguf_blocks_to_tiles: blocks must be uint8 [rows, row bytes] with contiguous rows");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
@@ -117,21 +136,8 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   check_half(scales, "scales");
   TORCH_CHECK(mins.has_value() == (kind == 1), "gguf_blocks_to_tiles: mins are given for q4_1 and only for it");
   if (mins) check_half(*mins, "mins");
-  const int64_t* order = nullptr;
   at::Tensor order_tensor;
-  if (rows) {
-    order_tensor = rows->contiguous();
-    TORCH_CHECK(order_tensor.scalar_type() == at::kLong && order_tensor.dim() == 1 &&
-                    order_tensor.size(0) == out_features,
-                "gguf_blocks_to_tiles: rows must be int64 [out_features]");
-    order = order_tensor.data_ptr<int64_t>();
-    for (int64_t i = 0; i < out_features; ++i)
-      TORCH_CHECK(order[i] >= 0 && order[i] < blocks.size(0), "gguf_blocks_to_tiles: row ", order[i],
-                  " is outside the ", blocks.size(0), " rows of blocks");
-  } else {
-    TORCH_CHECK(blocks.size(0) == out_features, "gguf_blocks_to_tiles: ", blocks.size(0), " rows of blocks for ",
-                out_features, " output rows");
-  }
+  const int64_t* order = checked_rows("gguf_blocks_to_tiles", rows, order_tensor, out_features, blocks.size(0));
 
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   const int64_t row_stride = blocks.stride(0);
@@ -159,11 +165,71 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   }
 }
 
+// One block's 32 values, as the gguf package's numpy dequantization computes them (one rounding per
+// operation, never fused: d * q for Q8_0 and Q4_0 with q = u - 8, (d * u) + m for Q4_1). The
+// _round_ intrinsics are compiler builtins, which -ffp-contract never merges into an FMA.
+inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
+  constexpr int kRound = _MM_FROUND_CUR_DIRECTION;
+  uint16_t half_scale, half_min = 0;
+  std::memcpy(&half_scale, record, 2);
+  const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_scale)));
+  if (kind == 2) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(record + 2);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
+      const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      _mm512_storeu_ps(out + 16 * half, _mm512_mul_round_ps(values, d, kRound));
+    }
+    return;
+  }
+  if (kind == 1) std::memcpy(&half_min, record + 2, 2);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + (kind == 1 ? 4 : 2)));
+  const __m512i wide = _mm512_cvtepu8_epi32(packed);
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const __m512i codes[2] = {_mm512_and_si512(wide, nibble), _mm512_and_si512(_mm512_srli_epi32(wide, 4), nibble)};
+  const __m512 m = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_min)));
+  for (int half = 0; half < 2; ++half) {  // low nibbles are values 0..15, high nibbles 16..31
+    if (kind == 0) {
+      const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(codes[half], _mm512_set1_epi32(8)));
+      _mm512_storeu_ps(out + 16 * half, _mm512_mul_round_ps(d, values, kRound));
+    } else {
+      const __m512 scaled = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(codes[half]), kRound);
+      _mm512_storeu_ps(out + 16 * half, _mm512_add_round_ps(scaled, m, kRound));
+    }
+  }
+}
+
+// out[i] = the float32 values of blocks' row rows[i] (or row i). One thread, as the tile fill.
+void gguf_dequantize_rows(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, int64_t kind,
+                          at::Tensor out) {
+  const BlockLayout lay = layout_of("gguf_dequantize_rows", kind);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
+              "gguf_dequantize_rows: blocks must be uint8 [rows, row bytes] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1,
+              "gguf_dequantize_rows: out must be float32 [rows, cols] with contiguous rows");
+  const int64_t n = out.size(0), cols = out.size(1), nblocks = cols / 32;
+  TORCH_CHECK(cols % 32 == 0 && blocks.size(1) == nblocks * lay.bytes, "gguf_dequantize_rows: a row of ", cols,
+              " values is ", nblocks * lay.bytes, " bytes of blocks; got ", blocks.size(1));
+  at::Tensor order_tensor;
+  const int64_t* order = checked_rows("gguf_dequantize_rows", rows, order_tensor, n, blocks.size(0));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = src + (order ? order[i] : i) * blocks.stride(0);
+    float* values = dst + i * out.stride(0);
+    for (int64_t b = 0; b < nblocks; ++b) dequantize_block(row + b * lay.bytes, kind, values + 32 * b);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("gguf_blocks_to_tiles(Tensor blocks, Tensor? rows, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? mins, "
         "int kind, int out_features) -> ()");
+  m.def("gguf_dequantize_rows(Tensor blocks, Tensor? rows, int kind, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("gguf_blocks_to_tiles", &gguf_blocks_to_tiles); }
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("gguf_blocks_to_tiles", &gguf_blocks_to_tiles);
+  m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
+}

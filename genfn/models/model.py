@@ -281,7 +281,9 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
                              "pick a format to quantize to (q8_0, q4_0, q4_1, int8, int4)")
         ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True, shard_plan=shard_plan, arena=arena)
     else:
-        ckpt = load_checkpoint(path, dtype=dtype, shard_plan=shard_plan)
+        # Weights quantized on load pass through floats that are not kept: only unquantized ones go
+        # straight to the arena.
+        ckpt = load_checkpoint(path, dtype=dtype, shard_plan=shard_plan, arena=None if quantize else arena)
     model = _from_state_dict(ckpt.config, ckpt.state_dict, dtype=dtype, tokenizer=ckpt.tokenizer,
                              generation_config=ckpt.generation_config, source=ckpt.source, tensor_shard=tensor_shard,
                              sliced=tensor_shard is not None)

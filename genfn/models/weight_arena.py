@@ -19,7 +19,8 @@ not there yet (norms, float weights), and ``place_in_arena(params)`` copies ever
 of a params pytree into one new mapping, side by side. Identical leaves (tied embeddings) stay one
 tensor; dtypes, shapes and strides are kept. Where the kernel never gives huge pages, on other
 systems, or with ``GENFN_HUGE_PAGES=0`` in the environment, the params come back unchanged (and
-``WeightArena.empty`` is ``torch.zeros``).
+``WeightArena.empty`` gives a large tensor a mapping of ordinary pages of its own, zeroed by the
+kernel as it is first written, and a small one ``torch.zeros``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ HUGE_PAGE = 2 << 20
 # Each tensor starts on a cache line, where the kernels' vector loads want it.
 _ALIGN = 64
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+# Without huge pages, tensors from this size up get a mapping of their own (``_lazily_zeroed``).
+_OWN_MAPPING_BYTES = 1 << 20
 
 
 def huge_pages_available() -> bool:
@@ -77,7 +80,7 @@ class WeightArena:
 
     The arena grows a mapping of at least ``chunk_bytes`` at a time; the unused end of a mapping is
     address space only (pages are backed when first written). Where huge pages are unavailable
-    (``huge_pages_available()``), ``enabled`` is False and ``empty`` is ``torch.zeros``.
+    (``huge_pages_available()``), ``enabled`` is False and ``empty`` hands out ordinary memory.
     """
 
     def __init__(self, chunk_bytes: int = 256 << 20):
@@ -101,12 +104,12 @@ class WeightArena:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled contiguous CPU tensor of ``shape`` and ``dtype`` in the arena."""
-        if not self.enabled:
-            return torch.zeros(shape, dtype=dtype)
         count = 1
         for size in shape:
             count *= int(size)
         nbytes = -(-max(count, 1) * dtype.itemsize // _ALIGN) * _ALIGN
+        if not self.enabled:
+            return _lazily_zeroed(shape, dtype, count, nbytes)
         if self._mapping is None or self._next + nbytes > self._end:
             self._grow(nbytes)
         # Each tensor keeps the mapping alive.
@@ -124,6 +127,17 @@ class WeightArena:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a view of it) was allocated here."""
         return tensor.untyped_storage().data_ptr() in self._storages
+
+
+def _lazily_zeroed(shape, dtype: torch.dtype, count: int, nbytes: int) -> torch.Tensor:
+    """A large tensor on its own anonymous mapping of ordinary pages, which the kernel zeroes as they
+    are first written: the loader's write is then the only one (``torch.zeros`` writes every byte
+    first, and on the VMs genfn is measured on a first write to fresh memory costs 0.6 s/GB on 4 KiB
+    pages, ``benchmarks/fresh_memory.py``). Small ones, or without anonymous mappings: ``torch.zeros``."""
+    if nbytes < _OWN_MAPPING_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 def place_in_arena(params, arena: WeightArena | None = None):

@@ -14,6 +14,7 @@ import torch
 from genfn.quant.blocks import RowBlocks, dequantize
 from genfn.quant.kquants import KQuantWeight, cat_k
 from genfn.quant.stack import RowStack
+from genfn.quant.views import joined_rows
 from genfn.quant.weight import QuantizedWeight, cat_tiles
 
 __all__ = ["cat_rows"]
@@ -31,7 +32,8 @@ def cat_rows(parts: list) -> "RowBlocks | QuantizedWeight | KQuantWeight | RowSt
     if any(isinstance(p, (KQuantWeight, QuantizedWeight)) for p in parts):
         return _stack_runs(parts)
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts, dim=0).contiguous()
+        view = joined_rows(parts)
+        return torch.cat(parts, dim=0).contiguous() if view is None else view
     formats = {p.format if isinstance(p, RowBlocks) else None for p in parts}
     groups = {p.group_size for p in parts if isinstance(p, RowBlocks)}
     if len(formats) != 1 or len(groups) != 1:

@@ -87,14 +87,16 @@ def find_checkpoint_format(path: str | os.PathLike) -> tuple[str, str]:
     )
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, shard_plan=None) -> LoadedCheckpoint:
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, shard_plan=None,
+                    arena=None) -> LoadedCheckpoint:
     """Load a Hugging Face directory or a GGUF file into a LoadedCheckpoint (``shard_plan``: only
-    a tensor-parallel rank's slices, see ``load_hf_checkpoint``)."""
+    a tensor-parallel rank's slices, see ``load_hf_checkpoint``; ``arena``: where a GGUF file's
+    dequantized matrices are written, see ``load_gguf_checkpoint``)."""
     check_dtype(dtype)
     kind, resolved = find_checkpoint_format(path)
     if kind == "hf":
         return load_hf_checkpoint(resolved, dtype=dtype, shard_plan=shard_plan)
-    return load_gguf_checkpoint(resolved, dtype=dtype, shard_plan=shard_plan)
+    return load_gguf_checkpoint(resolved, dtype=dtype, shard_plan=shard_plan, arena=arena)
 
 
 # Imported last: both modules build LoadedCheckpoint, defined above.

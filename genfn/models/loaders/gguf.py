@@ -34,7 +34,7 @@ from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 from . import LoadedCheckpoint, gguf_gpt_oss
 from .checks import check_gguf_tensors
 from .errors import CheckpointError, check_dtype, check_state_dict
-from .gguf_blocks import mapped, place_blocks
+from .gguf_blocks import mapped, place_blocks, place_dequantized
 from .gguf_rope import longrope_scaling, rope_scaling_from_metadata
 
 __all__ = ["load_gguf_checkpoint", "read_gguf", "GGUFFile", "GGUFTensorInfo", "SUPPORTED_ARCHITECTURES"]
@@ -468,8 +468,8 @@ def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype,
 def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: torch.dtype,
                 keep_blocks: bool = False, plan=None, arena=None) -> dict[str, torch.Tensor | RowBlocks]:
     """The state dict under Hugging Face names; ``plan(hf_name) -> pieces | None``: read only those
-    slices ``(dim, start, stop)`` of each tensor it names (a tensor-parallel rank's); ``arena`` (with
-    ``keep_blocks``, no plan): write the kept matrices straight into it (``gguf_blocks``)."""
+    slices ``(dim, start, stop)`` of each tensor it names (a tensor-parallel rank's); ``arena`` (no
+    plan): write the kept matrices (or Q8_0/Q4_0/Q4_1 values) straight into it (``gguf_blocks``)."""
     state_dict: dict[str, torch.Tensor | RowBlocks] = {}
     unknown = []
     arch = gguf.metadata["general.architecture"]
@@ -490,7 +490,8 @@ def _state_dict(gguf: GGUFFile, config: dict[str, Any], permuted: bool, dtype: t
         heads = None if hf_name is None else qk_heads(name, hf_name)
         return None if heads is None else unpermute_qk(torch.arange(gguf.tensors[name].shape[0]), heads).numpy()
 
-    placed = place_blocks(gguf, row_order, arena) if keep_blocks and plan is None and arena is not None else {}
+    placed = {} if plan is not None or arena is None else (
+        place_blocks(gguf, row_order, arena) if keep_blocks else place_dequantized(gguf, row_order, arena, dtype))
     for name in gguf.tensors:
         hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
@@ -566,10 +567,10 @@ def load_gguf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.flo
     `(dim, start, stop)` of each tensor the plan names (a tensor-parallel rank's,
     `genfn.models.tensor_parallel.slice_plan`); the whole tensors' shapes are checked first.
 
-    `arena` (a `genfn.models.weight_arena.WeightArena`, with `keep_blocks` and no plan): the kept
-    matrices are written once, straight from the file mapping into it, Q8_0/Q4_0/Q4_1 ones already
-    as the kernel's tiles (`QuantizedWeight`), a layer's fused parts back to back (see
-    `gguf_blocks`); the file's pages are let go as they are read."""
+    `arena` (a `genfn.models.weight_arena.WeightArena`, no plan): the kept matrices (without
+    `keep_blocks`: the Q8_0/Q4_0/Q4_1 ones' `dtype` values, bit for bit numpy's) are written once,
+    straight from the file mapping into it, tiles already in the kernel's layout, a layer's fused
+    parts back to back (see `gguf_blocks`); the file's pages are let go as they are read."""
     check_dtype(dtype)
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -15,6 +15,12 @@ mapping are let go (``GGUFFile.release``), so at no time does the process hold t
 the peak is the arena plus one matrix, where building row-major blocks, fusing them, tiling them
 and copying them into the arena used to hold four copies of the model (4.3x the file for a 1B
 Q4_0 file).
+
+``place_dequantized`` is the float load's counterpart (``genfn.load()`` without ``quantize``): each
+Q8_0/Q4_0/Q4_1 matrix dequantized by the native kernels (``gguf_dequantize_rows``) straight into
+its rows of the arena, a fused layer's parts back to back, bit for bit the gguf package's numpy
+values. That numpy path, then the fusing and the arena placement, wrote the model's floats three
+times into fresh memory, and fresh memory is what a load pays for most on these VMs.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from gguf import GGMLQuantizationType
 from genfn import kernels
 from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
-from genfn.quant.weight import TILE, QuantizedWeight
+from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
-__all__ = ["place_blocks", "FUSED_PARTS", "mapped", "native_tiles_available"]
+from . import gguf_gpt_oss
+
+__all__ = ["place_blocks", "place_dequantized", "FUSED_PARTS", "mapped", "native_tiles_available"]
 
 # The GGUF parts each family concatenates into one matrix, in its order.
 FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -49,13 +57,13 @@ def _kept_type(gguf, name: str) -> str | None:
     return type_name if kept and len(info.shape) == 2 else None
 
 
-def _group(gguf, name: str) -> list[str]:
-    """``name`` and the kept matrices it is fused with, in the fusing order."""
+def _group(gguf, name: str, kept=_kept_type) -> list[str]:
+    """``name`` and the matrices it is fused with that ``kept`` takes, in the fusing order."""
     m = _LAYER_WEIGHT.match(name)
     if m is None or m.group(2) not in _GROUP_OF:
         return [name]
     names = [f"blk.{m.group(1)}.{part}.weight" for part in _GROUP_OF[m.group(2)]]
-    return [n for n in names if n in gguf.tensors and _kept_type(gguf, n) is not None]
+    return [n for n in names if n in gguf.tensors and kept(gguf, n) is not None]
 
 
 def _runs(gguf, names: list[str]) -> list[list[str]]:
@@ -84,6 +92,52 @@ def place_blocks(gguf, row_order: Callable[[str], np.ndarray | None], arena) -> 
         for run in _runs(gguf, _group(gguf, name)):
             placed.update(_write_run(gguf, run, row_order, arena))
     return placed
+
+
+def _dequantized_type(gguf, name: str) -> str | None:
+    """The ggml type name of a matrix the native kernels dequantize (Q8_0/Q4_0/Q4_1, 2-D), else None."""
+    info = gguf.tensors[name]
+    type_name = GGMLQuantizationType(info.ggml_type).name
+    return type_name if type_name in GGUF_FORMATS and len(info.shape) == 2 else None
+
+
+def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """GGUF tensor name -> its ``dtype`` values in ``arena``, for every Q8_0/Q4_0/Q4_1 matrix of
+    ``gguf`` (see the module docstring), rows in ``row_order``; {} without the native kernels or
+    for GPT-OSS (whose loader rearranges its matrices after reading them)."""
+    if not native_tiles_available() or gguf.metadata["general.architecture"] == gguf_gpt_oss.ARCH:
+        return {}
+    placed: dict[str, torch.Tensor] = {}
+    for name in gguf.tensors:
+        if name in placed or _dequantized_type(gguf, name) is None:
+            continue
+        group = _group(gguf, name, _dequantized_type)
+        cols = {gguf.tensors[n].shape[1] for n in group}
+        for run in [group] if len(cols) == 1 else [[n] for n in group]:
+            placed.update(_dequantize_run(gguf, run, row_order, arena, dtype))
+    return placed
+
+
+def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    rows = [gguf.tensors[name].shape[0] for name in run]
+    whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype)
+    out: dict[str, torch.Tensor] = {}
+    start = 0
+    for name, n in zip(run, rows):
+        part = whole[start:start + n]
+        # Another dtype goes through float32 values, as the numpy path's ``.to(dtype)`` does.
+        values = part if dtype == torch.float32 else torch.empty(part.shape, dtype=torch.float32)
+        order = row_order(name)
+        torch.ops.genfn_kernels.gguf_dequantize_rows(mapped(gguf.raw(name)),
+                                                      None if order is None else torch.from_numpy(order).long(),
+                                                      KERNEL_KIND[GGUF_FORMATS[_dequantized_type(gguf, name)]], values)
+        if values is not part:
+            part.copy_(values)
+        out[name] = part
+        gguf.release(name)
+        start += n
+    return out
 
 
 def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
