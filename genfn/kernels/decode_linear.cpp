@@ -412,6 +412,8 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight);
+
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "decode_linear: weight must be 2-D, got ", weight.dim(), "-D");
   TORCH_CHECK(x.size(-1) == weight.size(1), "decode_linear: x has ", x.size(-1),
@@ -421,8 +423,12 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   const auto dtype = weight.scalar_type();
   const bool supported = (dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype &&
-                         M >= 1 && M <= kMaxDecodeRows && x.device().is_cpu() && weight.device().is_cpu();
+                         M >= 1 && x.device().is_cpu() && weight.device().is_cpu();
   if (!supported) return at::linear(x, weight);
+  // More rows than a tile holds: every tile of them over one L2-sized panel of the weight before
+  // the next, so the weight still streams from memory once (genfn.kernels.MAX_LINEAR_ROWS says
+  // up to where that beats the library's GEMM).
+  if (M > kMaxDecodeRows) return invariant_linear(x, weight);
   const at::Tensor w = weight.contiguous();
   const at::Tensor rows = x.contiguous();
   auto out_sizes = x.sizes().vec();
