@@ -68,8 +68,8 @@ bool cpu_has_avx512_bf16();
 // finishes takes chunks from the back of another's run. On two cores the two halves of a
 // weight do not stream equally fast (perf: each thread waited ~10 % of a static split's time at
 // the barrier after each linear). prepare() before the parallel region, then every thread calls
-// linear_balanced with it once: y[M, N] = x[M, K] @ w[N, K].T (M <= kMaxDecodeRows), summed as decode_linear
-// sums it.
+// linear_balanced with it once: y[M, N] = x[M, K] @ w[N, K].T, summed as decode_linear sums it (M <=
+// 2 * kMaxDecodeRows: groups of kMaxDecodeRows rows over each chunk, the weight streamed once).
 struct RowQueue {
   static constexpr int kMaxThreads = 64;
   // (end << 32) | next, in row blocks; a cache line each, or every claim would pull the line

@@ -48,8 +48,8 @@ using genfn_kernels::RowQueue;
 
 using genfn_kernels::kMaxDecodeRows;
 
-// The most rows a layer call takes: the linears run them in groups of kMaxDecodeRows, one weight
-// stream a group. A row is one token; a cache row may hold several of them (a speculative
+// The most rows a layer call takes: the linears run them in groups of kMaxDecodeRows (float weights
+// every group over each chunk of weight rows, one stream; block-quantized ones one stream a group). A row is one token; a cache row may hold several of them (a speculative
 // verification's positions of one sequence), each attending its own visible slots, so that each
 // gets the bits a step of that token alone gets.
 constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
@@ -112,26 +112,13 @@ void rotate(T* x, const T* cos, const T* sin, int64_t D) {
 
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
 // then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
-// More than kMaxDecodeRows rows run a group at a time; between groups the threads meet and the
-// first refills the work queue for the next.
 template <typename T>
-struct DenseLinear {  // rows of T, shared out balanced
+struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, groups of 8 over each chunk)
   const T* w;
   RowQueue rows;
-  int64_t threads = 1;
-  void prepare(int64_t M, int64_t N, int64_t team) {
-    threads = team;
-    rows.prepare(group_rows(M, 0), N, team);
-  }
+  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads); }
   void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows) {
-      if (m0 > 0) {
-#pragma omp barrier
-        if (t == 0) rows.prepare(group_rows(M, m0), N, threads);
-#pragma omp barrier
-      }
-      linear_balanced(group_rows(M, m0), x + m0 * K, w, K, N, y + m0 * N, t, rows);
-    }
+    linear_balanced(M, x, w, K, N, y, t, rows);
   }
 };
 
