@@ -4,6 +4,7 @@
     python benchmarks/assisted.py --compiled       # the compiled step (minutes of compiling per engine on CPU)
     python benchmarks/assisted.py --quick          # 32 new tokens, one timed repeat
     python benchmarks/assisted.py --engines prompt-lookup --repeats 3   # greedy vs prompt lookup only
+    python benchmarks/assisted.py --engines prompt-lookup --quantize gguf   # the file's Q4_1 blocks kept
 
 The task is input-grounded: the model rewrites a passage given in the prompt (chat template), so
 its output copies long spans of the prompt, which is where prompt lookup drafts well. Engines
@@ -85,6 +86,8 @@ def main() -> None:
     parser.add_argument("--early-exit", type=int, default=8)
     parser.add_argument("--assistant-tokens", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--quantize", choices=["gguf"], default=None,
+                        help="keep the file's Q4_1/Q8_0 blocks (genfn.load(quantize='gguf')) instead of float32")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4], choices=[1, 2, 3, 4])
     parser.add_argument("--engines", nargs="+", default=["greedy", "prompt-lookup", "early-exit", "draft-bf16"],
@@ -95,8 +98,9 @@ def main() -> None:
     if args.quick:
         args.new_tokens, args.repeats = 32, 1
 
-    model = genfn.load()
-    draft = genfn.load(dtype=torch.bfloat16)
+    model = genfn.load(quantize=args.quantize)
+    draft = genfn.load(dtype=torch.bfloat16) if "draft-bf16" in args.engines else None
+    weights = "its Q4_1/Q8_0 blocks kept" if args.quantize else "dequantized to float32"
     settings = dict(max_new_tokens=args.new_tokens, cache_implementation="static",
                     max_cache_len=512, return_dict_in_generate=True)
     if not args.compiled:
@@ -112,11 +116,11 @@ def main() -> None:
     args.engines = ["greedy"] + [name for name in args.engines if name != "greedy"]
     plan = {batch: list(engines) if batch == 1 else ["greedy", "prompt-lookup"] for batch in args.batches}
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)", "torch": torch.__version__,
+               "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF, {weights})", "torch": torch.__version__,
                "threads": torch.get_num_threads(), "compiled": args.compiled, "new_tokens": args.new_tokens,
                "settings": {k: v for k, v in vars(args).items() if k != "out"},
                "load_average_at_start": os.getloadavg(), "runs": []}
-    print(f"# assisted decoding, SmolLM2-135M float32, {args.new_tokens} new tokens, "
+    print(f"# assisted decoding, SmolLM2-135M ({weights}), {args.new_tokens} new tokens, "
           f"{'compiled' if args.compiled else 'eager'}, {torch.get_num_threads()} threads")
     for batch, names in plan.items():
         ids, mask = prompts(model.tokenizer, batch)

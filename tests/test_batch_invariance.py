@@ -38,7 +38,7 @@ def _assert_row_zero_invariant(f, x, rows):
 def test_decode_linear_row_zero_is_the_same_for_every_row_count_it_takes(dtype, k, n):
     torch.manual_seed(0)
     weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
-    x = torch.randn(kernels.MAX_DECODE_ROWS[dtype], k).to(dtype)
+    x = torch.randn(kernels.MAX_LINEAR_ROWS[dtype], k).to(dtype)
     _assert_row_zero_invariant(lambda rows: kernels.linear(rows, weight), x, range(2, len(x) + 1))
 
 

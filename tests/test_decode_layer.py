@@ -114,9 +114,13 @@ def test_bad_arguments_name_the_op_and_the_argument():
     mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="decode_layer_output: visible must be a bool"):
         decode_layer.layer_output(x, q, keys, keys, mask.float(), layer, EPS)
+    rows = decode_layer.MAX_LAYER_ROWS + 1
     with pytest.raises(RuntimeError, match="decode_layer_output: x must be \\[M, hidden\\]"):
-        decode_layer.layer_output(torch.randn(9, 1, HIDDEN), q.expand(9, -1, -1), keys.expand(9, -1, -1, -1),
-                                  keys.expand(9, -1, -1, -1), mask.expand(9, -1, -1, -1), layer, EPS)
+        decode_layer.layer_output(torch.randn(rows, 1, HIDDEN), q.expand(rows, -1, -1), keys.expand(rows, -1, -1, -1),
+                                  keys.expand(rows, -1, -1, -1), mask.expand(rows, -1, -1, -1), layer, EPS)
+    with pytest.raises(RuntimeError, match="decode_layer_output: keys and values must be \\[B, kv_heads"):
+        decode_layer.layer_output(torch.randn(3, 1, HIDDEN), q.expand(3, -1, -1), keys.expand(2, -1, -1, -1),
+                                  keys.expand(2, -1, -1, -1), mask.expand(3, -1, -1, -1), layer, EPS)
 
 
 @needs_kernel
@@ -125,8 +129,11 @@ def test_what_the_native_layer_does_not_take_runs_op_by_op():
     keys = torch.zeros(1, dtype=torch.float32)
     x = torch.randn(2, 1, HIDDEN)
     assert decode_layer.takes(x, layer, keys, HEAD_DIM)
-    assert not decode_layer.takes(torch.randn(2, 5, HIDDEN), layer, keys, HEAD_DIM)  # prefill
-    assert not decode_layer.takes(torch.randn(9, 1, HIDDEN), layer, keys, HEAD_DIM)  # past 8 rows
+    assert decode_layer.takes(torch.randn(2, 5, HIDDEN), layer, keys, HEAD_DIM)  # a verification's drafts
+    rows = decode_layer.MAX_LAYER_ROWS
+    assert decode_layer.takes(torch.randn(rows, 1, HIDDEN), layer, keys, HEAD_DIM)
+    assert not decode_layer.takes(torch.randn(rows + 1, 1, HIDDEN), layer, keys, HEAD_DIM)  # a GEMM's work
+    assert not decode_layer.takes(torch.randn(1, rows + 1, HIDDEN), layer, keys, HEAD_DIM)  # a prefill
     assert not decode_layer.takes(x, {**layer, "bqkv": torch.zeros(1)}, keys, HEAD_DIM)
     assert not decode_layer.takes(x, layer, keys, 24)  # head_dim not a multiple of 16
     assert not decode_layer.takes(x, layer, keys.bfloat16(), HEAD_DIM)  # cache in another dtype
@@ -159,9 +166,10 @@ def test_the_static_cache_decode_takes_the_native_layer_and_keeps_transformers_t
     hf, model = tiny_pair_f32
     calls = []
     takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda *a: calls.append(takes(*a)) or calls[-1])
+    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
     ours = genfn.generate(model, PROMPTS, **GENERATE)
-    assert calls and all(calls)  # every decode layer of every step
+    assert calls and all(took for seq, took in calls if seq == 1)  # every decode layer of every step
+    assert not any(took for seq, took in calls if seq > 1)  # the prompts' 18 tokens are a prefill
     monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
     plain = genfn.generate(model, PROMPTS, **GENERATE)
     assert torch.equal(ours.sequences, plain.sequences)
@@ -259,10 +267,79 @@ def test_a_quantized_static_cache_decode_takes_the_quantized_layer(tiny_pair_f32
     quantized = Model(model.spec, quantize_params(model.params, "q8_0"), model.apply_fn, model.init_cache_fn)
     calls = []
     takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda *a: calls.append(takes(*a)) or calls[-1])
+    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
     ours = genfn.generate(quantized, PROMPTS, **GENERATE)
-    assert calls and all(calls)
+    assert calls and all(took for seq, took in calls if seq == 1)
     monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
     plain = genfn.generate(quantized, PROMPTS, **GENERATE)
     # float32 sums in another order can move an activation's 8-bit code by one: close, not equal.
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-3, rtol=2e-3)
+
+
+def _positions_rope(positions, dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    emb = torch.cat([positions.float().unsqueeze(-1) * inv_freq] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+FORMATS = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not decode_layer._BF16_DOT, reason="the bfloat16 layer needs AVX512_BF16 (this CPU has none)")),
+    pytest.param("q4_1", marks=needs_vnni), pytest.param("q8_0", marks=needs_vnni)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch, seq", [(1, 11), (2, 3), (1, 16)])
+def test_a_rows_drafts_get_the_bits_of_each_token_alone(fmt, batch, seq):
+    """A verification's S tokens of a row, in one call (keys of the row shared, a causal mask, more
+    tokens than a linear group holds), equal each token's own one-token call bit for bit."""
+    dtype = torch.float32 if isinstance(fmt, str) else fmt
+    layer = _quantized_layer(fmt, seed=8) if isinstance(fmt, str) else _layer(dtype, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    span = 40
+    x = torch.randn(batch, seq, HIDDEN, generator=gen).to(dtype)
+    cos, sin = _positions_rope(span - seq + torch.arange(seq).expand(batch, seq), dtype)
+    keys = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    values = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.8
+    mask = mask & (torch.arange(span) <= span - seq + torch.arange(seq)[:, None])  # [B, 1, S, A], causal
+    q = torch.randn(batch * seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    # (Eager bfloat16 takes the ops inside compiled steps only; the ops themselves run here.)
+    assert decode_layer.takes(x, layer, keys, HEAD_DIM) or dtype == torch.bfloat16
+    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, HEADS, KV_HEADS)
+    out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
+    assert out.shape == x.shape
+    for b in range(batch):
+        for s in range(seq):
+            token = x[b:b + 1, s:s + 1]
+            alone = decode_layer.attention_input(token, layer, cos[b:b + 1, s:s + 1], sin[b:b + 1, s:s + 1], EPS,
+                                                 HEADS, KV_HEADS)
+            assert torch.equal(qkv[b * seq + s], alone[0]), (b, s)
+            alone = decode_layer.layer_output(token, q[b * seq + s:b * seq + s + 1], keys[b:b + 1], values[b:b + 1],
+                                              mask[b:b + 1, :, s:s + 1], layer, EPS)
+            assert torch.equal(out[b, s], alone[0, 0]), (b, s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [None, pytest.param("q4_1", marks=needs_vnni)])
+def test_prompt_lookup_verifies_in_the_native_layer_and_keeps_greedy_tokens(tiny_pair_f32, monkeypatch, fmt):
+    """Quantized activations turn the op-by-op layer's other float32 rounding into other tokens;
+    the drafts verified as tokens of the fused layer give greedy's own, every time."""
+    import genfn
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair_f32
+    if fmt:
+        model = Model(model.spec, quantize_params(model.params, fmt), model.apply_fn, model.init_cache_fn)
+    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 5, 17, 3, 88, 41, 9, 5, 17, 3]])
+    settings = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0, cache_implementation="static",
+                    max_cache_len=64, disable_compile=True, return_dict_in_generate=True)
+    greedy = genfn.generate(model, prompt, **settings)
+    seqs = []
+    takes = decode_layer.takes
+    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: seqs.append((x.shape[1], takes(x, *a))) or seqs[-1][1])
+    looked_up = genfn.generate(model, prompt, prompt_lookup_num_tokens=10, **settings)
+    assert any(seq > 1 and took for seq, took in seqs)  # verifications ran in the fused layer
+    assert looked_up.acceptance["total_accepted"] > 0
+    assert torch.equal(looked_up.sequences, greedy.sequences)

@@ -37,7 +37,7 @@ def _reference(x, w):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 12), 16, 33, 64])  # tiles of rows, then panels past 8
 @pytest.mark.parametrize("out_features,in_features", [(7, 37), (131, 576), (576, 1536), (4, 16), (9, 5)])
 def test_float32_matches_float64_reference(rows, out_features, in_features):
     torch.manual_seed(rows * 1000 + out_features)
@@ -50,7 +50,7 @@ def test_float32_matches_float64_reference(rows, out_features, in_features):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 12), 16, 32])
 @pytest.mark.parametrize("out_features,in_features", [(131, 576), (33, 40), (576, 1536), (7, 37), (5, 16)])
 def test_bfloat16_accumulates_in_float32_and_rounds_once(rows, out_features, in_features):
     torch.manual_seed(rows)
@@ -71,14 +71,17 @@ def test_linear_routes_few_rows_to_the_kernel_and_the_rest_to_f_linear(monkeypat
     w, b = torch.randn(24, 32), torch.randn(24)
     few = torch.randn(2, 1, 32)  # [batch, seq, features]: 2 rows
     torch.testing.assert_close(kernels.linear(few, w, b), F.linear(few, w, b))
-    assert calls == [(2, 1, 32)]
-    many = torch.randn(3, 3, 32)  # 9 rows: past the float32 limit of 8
+    verification = torch.randn(1, 11, 32)  # a prompt-lookup round: 11 positions, panels of the weight
+    torch.testing.assert_close(kernels.linear(verification, w, b), F.linear(verification, w, b))
+    assert calls == [(2, 1, 32), (1, 11, 32)]
+    limit = kernels.MAX_LINEAR_ROWS[torch.float32]
+    many = torch.randn(limit + 1, 32)  # past the float32 limit: the library GEMM
     assert torch.equal(kernels.linear(many, w, b), F.linear(many, w, b))
-    bf16_rows = torch.randn(9, 32).bfloat16()  # past the bfloat16 limit of 8
+    bf16_rows = torch.randn(kernels.MAX_LINEAR_ROWS[torch.bfloat16] + 1, 32).bfloat16()
     assert torch.equal(kernels.linear(bf16_rows, w.bfloat16()), F.linear(bf16_rows, w.bfloat16()))
     half = torch.randn(1, 32).half()  # no half kernel
     assert torch.equal(kernels.linear(half, w.half()), F.linear(half, w.half()))
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @needs_kernel

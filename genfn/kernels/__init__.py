@@ -31,7 +31,8 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available",
-           "quant_gemm_min_rows", "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS"]
+           "quant_gemm_min_rows", "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS",
+           "MAX_LINEAR_ROWS"]
 
 _OP_NAMESPACE = "genfn_kernels"
 
@@ -39,6 +40,17 @@ _OP_NAMESPACE = "genfn_kernels"
 # bfloat16 with vdpbf16ps, CPU time per SmolLM2 step at 4/6/8 rows was 0.49/0.45/0.74 of
 # F.linear's (Zen 4, one thread); the widening kernel (CPUs without AVX512_BF16) 0.78/0.83/0.83.
 MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+
+# Rows of x up to which ``linear`` takes the kernel at all: past MAX_DECODE_ROWS it runs its tiles
+# of rows over L2-sized panels of the weight, which still streams the weight once. Against
+# F.linear on one thread of the Zen 4 (`benchmarks/gemv_kernels.py step float32,bfloat16 8,11,16,32,64
+# --threads 1`: a SmolLM2 step's linears),
+# float32 at 11-64 rows took 0.45-0.7 of its time (MKL picks its AVX2 code on AMD CPUs), bfloat16
+# with vdpbf16ps 0.6-0.9 up to 32 rows and about the same at 64. A speculative round (the prompt
+# lookup's 11 positions), a beam step or a small batch stays a weight stream, not a GEMM. The
+# widening bfloat16 kernel (no AVX512_BF16) gains only at a few rows. Read at import: a compiled
+# step must not open files while it is traced.
+MAX_LINEAR_ROWS = {torch.float32: 64, torch.bfloat16: 32 if native.cpu_has("avx512_bf16") else 8}
 
 _status = "not loaded yet"
 # None until the first call of decode_linear_available(); a plain global (not functools.cache)
@@ -179,7 +191,7 @@ def release_thread_pool() -> bool:
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    limit = MAX_DECODE_ROWS.get(weight.dtype)
+    limit = MAX_LINEAR_ROWS.get(weight.dtype)
     return (
         limit is not None
         and x.dtype == weight.dtype

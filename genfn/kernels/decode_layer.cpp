@@ -48,6 +48,15 @@ using genfn_kernels::RowQueue;
 
 using genfn_kernels::kMaxDecodeRows;
 
+// The most rows a layer call takes: the linears run them in groups of kMaxDecodeRows (float weights
+// every group over each chunk of weight rows, one stream; block-quantized ones one stream a group). A row is one token; a cache row may hold several of them (a speculative
+// verification's positions of one sequence), each attending its own visible slots, so that each
+// gets the bits a step of that token alone gets.
+constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
+
+// The groups of at most kMaxDecodeRows rows that M rows are run in: for (m0 = 0; m0 < M; m0 += ...).
+inline int64_t group_rows(int64_t M, int64_t m0) { return std::min(kMaxDecodeRows, M - m0); }
+
 inline float wide(float v) { return v; }
 inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
@@ -104,7 +113,7 @@ void rotate(T* x, const T* cos, const T* sin, int64_t D) {
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
 // then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
 template <typename T>
-struct DenseLinear {  // rows of T, shared out balanced
+struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, groups of 8 over each chunk)
   const T* w;
   RowQueue rows;
   void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads); }
@@ -117,16 +126,26 @@ struct DenseLinear {  // rows of T, shared out balanced
 // each, meet, and sum the tiles shared out balanced.
 struct QuantLinear {
   QuantWeight w;
-  genfn_kernels::QuantActivations x8;
+  genfn_kernels::QuantActivations x8[kMaxLayerRows / kMaxDecodeRows];  // a group's rows each
   RowQueue tiles;
-  void prepare(int64_t M, int64_t, int64_t threads) {
-    x8.resize(M, w.blocks * 32);
-    tiles.prepare_blocks(w.tiles, threads);
+  int64_t threads = 1;
+  void prepare(int64_t M, int64_t, int64_t team) {
+    threads = team;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows) x8[m0 / kMaxDecodeRows].resize(group_rows(M, m0), w.blocks * 32);
+    tiles.prepare_blocks(w.tiles, team);
   }
-  void operator()(int64_t M, const float* x, int64_t K, int64_t, float* y, int64_t t, int64_t team) {
-    genfn_kernels::quantize_rows_share(x, M, K, x8, t, team);
+  void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
+      genfn_kernels::quantize_rows_share(x + m0 * K, group_rows(M, m0), K, x8[m0 / kMaxDecodeRows], t, team);
 #pragma omp barrier
-    genfn_kernels::quant_linear_share(M, x8, K, w, y, t, tiles);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows) {
+      if (m0 > 0) {
+#pragma omp barrier
+        if (t == 0) tiles.prepare_blocks(w.tiles, threads);
+#pragma omp barrier
+      }
+      genfn_kernels::quant_linear_share(group_rows(M, m0), x8[m0 / kMaxDecodeRows], K, w, y + m0 * N, t, tiles);
+    }
   }
 };
 
@@ -171,10 +190,12 @@ void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int
 template <typename T, typename Linear>
 void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, Linear& wo,
                   const T* mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads,
-                  int64_t kv_heads, int64_t D, int64_t span, int64_t key_row_stride, int64_t key_head_stride,
+                  int64_t kv_heads, int64_t D, int64_t span, int64_t cache_rows, int64_t key_row_stride,
+                  int64_t key_head_stride,
                   int64_t value_row_stride, int64_t value_head_stride, int64_t slot_stride, int64_t F, float eps,
                   float scale, T* out) {
   const int64_t HD = heads * D, groups = heads / kv_heads;
+  const int64_t per_cache_row = M / cache_rows;  // tokens m * per_cache_row .. attend cache row m
   // Buffers every thread reads: the attention output, the o projection, the gate/up projection,
   // the SwiGLU activation, the down projection.
   thread_local std::vector<T> shared;
@@ -197,17 +218,17 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
       // times over, ~12 % of a Q4_1 step).
       const auto [begin, end] = share(M * kv_heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
-        attend_group(q + first * D, keys + m * key_row_stride + kv * key_head_stride,
-                     values + m * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
+        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups, c = m / per_cache_row;
+        attend_group(q + first * D, keys + c * key_row_stride + kv * key_head_stride,
+                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
                      groups, D, scale, attn + first * D);
       }
     } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
       const auto [begin, end] = share(M * heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / heads, head = i % heads, kv = head / groups;
-        attend_group(q + i * D, keys + m * key_row_stride + kv * key_head_stride,
-                     values + m * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
+        const int64_t m = i / heads, head = i % heads, kv = head / groups, c = m / per_cache_row;
+        attend_group(q + i * D, keys + c * key_row_stride + kv * key_head_stride,
+                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
                      int64_t{1}, D, scale, attn + i * D);
       }
     }
@@ -231,8 +252,8 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
 }
 
 void check_rows(const at::Tensor& x, const char* op, bool quantized) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxDecodeRows, op,
-              ": x must be [M, hidden] with 1 <= M <= ", kMaxDecodeRows, ", got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows, op,
+              ": x must be [M, hidden] with 1 <= M <= ", kMaxLayerRows, ", got ", x.sizes());
   if (quantized) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && genfn_kernels::cpu_has_avx512_vnni(), op,
                 ": float32 activations on a CPU with AVX512_VNNI; got ", x.scalar_type());
@@ -332,9 +353,10 @@ void check_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tens
   TORCH_CHECK(q.dim() == 3 && q.size(0) == M && q.scalar_type() == x.scalar_type(), op,
               ": q must be [M, heads, head_dim] in x's dtype, got ", q.sizes());
   const int64_t heads = q.size(1), D = q.size(2);
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.size(0) == M && keys.size(3) == D &&
-                  keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
-              op, ": keys and values must be [M, kv_heads, slots, head_dim] in x's dtype, got ", keys.sizes());
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.size(0) >= 1 && M % keys.size(0) == 0 &&
+                  keys.size(3) == D && keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
+              op, ": keys and values must be [B, kv_heads, slots, head_dim] in x's dtype with B dividing M = ", M,
+              " (each cache row's tokens consecutive in x), got ", keys.sizes());
   const int64_t kv_heads = keys.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && D % 16 == 0 && D <= 128, op, ": ", heads, " query heads over ", kv_heads,
               " kv heads of head_dim ", D, " (a multiple of 16 up to 128) are not supported");
@@ -357,7 +379,7 @@ at::Tensor run_layer_output(const at::Tensor& x, const at::Tensor& q, const at::
   at::Tensor out = at::empty({M, E}, x.options());
   layer_output(xc.data_ptr<T>(), qc.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), vis.data_ptr<bool>(), wo,
                nc.data_ptr<T>(), w_gate_up, w_down, M, E, q.size(1), keys.size(1), q.size(2), vis.size(1),
-               keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), keys.stride(2), F,
+               keys.size(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), keys.stride(2), F,
                static_cast<float>(eps), static_cast<float>(scale), out.data_ptr<T>());
   return out;
 }

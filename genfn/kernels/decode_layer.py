@@ -26,6 +26,10 @@ from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["takes", "quantized", "attention_input", "layer_output", "mlp_input"]
 
+# The most tokens one call takes (decode_layer.cpp's kMaxLayerRows): a decode step's rows, or a
+# speculative verification's positions (each of them the bits of a step of that token alone).
+MAX_LAYER_ROWS = 2 * MAX_DECODE_ROWS[torch.float32]
+
 _NORMS = ("attn_norm", "mlp_norm")
 _LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 _WEIGHTS = _NORMS + _LINEARS
@@ -43,12 +47,14 @@ def quantized(layer: Mapping[str, Any]) -> bool:
 
 
 def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_dim: int) -> bool:
-    """Whether ``layer``'s step on ``x [B, 1, hidden]`` (one token per row) runs natively: float32,
-    or bfloat16 inside a compiled step on a CPU with AVX512_BF16; at most ``MAX_DECODE_ROWS`` rows; plain weights of
-    ``x``'s dtype, or every linear block-quantized with float32 ``x`` on a CPU with AVX512_VNNI; no q/k/v bias; the
-    cache in ``x``'s dtype; nothing to differentiate."""
+    """Whether ``layer``'s step on ``x [B, S, hidden]`` (S tokens of each row, a decode step's one or a
+    verification's drafts) runs natively: float32, or bfloat16 inside a compiled step on a CPU with
+    AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
+    block-quantized with float32 ``x`` on a CPU with AVX512_VNNI; no q/k/v bias; the cache in ``x``'s
+    dtype; nothing to differentiate."""
     dtype = x.dtype
-    if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] > MAX_DECODE_ROWS.get(dtype, 0) or x.device.type != "cpu":
+    if (x.dim() != 3 or dtype not in MAX_DECODE_ROWS or x.shape[0] * x.shape[1] > MAX_LAYER_ROWS
+            or x.device.type != "cpu"):
         return False
     if "bqkv" in layer or keys.dtype != dtype or head_dim % 16 or head_dim > 128:
         return False
@@ -82,10 +88,9 @@ def _ops():
 
 def attention_input(x: torch.Tensor, layer: Mapping[str, Any], cos: torch.Tensor, sin: torch.Tensor, eps: float,
                     heads: int, kv_heads: int) -> torch.Tensor:
-    """``qkv [B, (heads + 2 kv_heads) * D]`` for ``x [B, 1, hidden]``: q and k rotated by
-    ``cos, sin [B, 1, D]``."""
-    batch = x.shape[0]
-    rows, cos, sin = x.reshape(batch, x.shape[-1]), cos.reshape(batch, cos.shape[-1]), sin.reshape(batch, sin.shape[-1])
+    """``qkv [B * S, (heads + 2 kv_heads) * D]`` for ``x [B, S, hidden]``: q and k rotated by
+    ``cos, sin [B, S, D]``."""
+    rows, cos, sin = x.reshape(-1, x.shape[-1]), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     wqkv = layer["wqkv"]
     if isinstance(wqkv, QuantizedWeight):
         return _ops().decode_attention_input_quant(rows, layer["attn_norm"], *_parts(wqkv), cos, sin, eps, heads,
@@ -100,11 +105,11 @@ def _parts(weight: QuantizedWeight) -> tuple:
 
 def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                  layer: Mapping[str, Any], eps: float) -> torch.Tensor:
-    """The layer's new residual stream ``[B, 1, hidden]``: ``q [B, H, D]`` attends ``keys``/``values
-    [B, Hkv, A, D]`` where ``mask [B, 1, 1, A]`` is set, then the output projection, the MLP and
-    both residual adds."""
-    batch, hidden = x.shape[0], x.shape[-1]
-    rows, visible, scale = x.reshape(batch, hidden), mask.reshape(batch, mask.shape[-1]), q.shape[-1] ** -0.5
+    """The layer's new residual stream ``[B, S, hidden]``: each of ``q [B * S, H, D]`` attends its
+    row's ``keys``/``values [B, Hkv, A, D]`` where its line of ``mask [B, 1, S, A]`` is set, then the
+    output projection, the MLP and both residual adds."""
+    hidden = x.shape[-1]
+    rows, visible, scale = x.reshape(-1, hidden), mask.reshape(-1, mask.shape[-1]), q.shape[-1] ** -0.5
     if isinstance(layer["wo"], QuantizedWeight):
         out = _ops().decode_layer_output_quant(
             rows, q, keys, values, visible, *_parts(layer["wo"]), layer["mlp_norm"], *_parts(layer["w_gate_up"]),
@@ -112,7 +117,7 @@ def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: t
     else:
         out = _ops().decode_layer_output(rows, q, keys, values, visible, layer["wo"], layer["mlp_norm"],
                                          layer["w_gate_up"], layer["w_down"], eps, scale)
-    return out.view(batch, 1, hidden)
+    return out.view(x.shape)
 
 
 def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.Tensor:

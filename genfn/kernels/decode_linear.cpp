@@ -264,9 +264,61 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
     for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
 }
 
+// Blocks [b0, b1) of R weight rows against a group of M rows of x (at most 8; M a runtime value).
+template <typename Dot, int R, typename Out>
+void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
+                  Out* y, int64_t b0, int64_t b1, int64_t ahead) {
+  switch (M) {
+#define GENFN_GROUP(MM) \
+  case MM: \
+    for (int64_t b = b0; b < b1; ++b) row_block<Dot, MM, R>(x, w, K, N, b * R, ahead, y); \
+    return;
+    GENFN_GROUP(1)
+    GENFN_GROUP(2)
+    GENFN_GROUP(3)
+    GENFN_GROUP(4)
+    GENFN_GROUP(5)
+    GENFN_GROUP(6)
+    GENFN_GROUP(7)
+    GENFN_GROUP(8)
+#undef GENFN_GROUP
+  }
+}
+
+// More rows of x than a tile holds (up to kMaxDecodeRows a group): each claimed chunk of weight
+// rows (8 KiB, in L1) passes under every group before the next chunk, so the weight streams once.
+// A row's sums are those of a tile of it alone (the block size R changes none of them).
+template <typename Dot, typename Out>
+void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
+                     Out* y, int64_t t, genfn_kernels::RowQueue& queue) {
+  constexpr int R = rows_per_block(kMaxDecodeRows);  // RowQueue::prepare's blocks for M > 4
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+  constexpr int64_t window = prefetch_window<kMaxDecodeRows>();
+  auto groups = [&](int64_t begin, int64_t end, int64_t ahead) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
+      group_blocks<Dot, R>(std::min(kMaxDecodeRows, M - m0), x + m0 * K, w, K, N, y + m0 * N, begin, end,
+                           m0 == 0 ? ahead : 0);
+  };
+  genfn_kernels::run_balanced(
+      queue, t, chunk,
+      [&](int64_t begin, int64_t end, int64_t start, int64_t stop) {
+        const int64_t length = (stop - start) * block_bytes;
+        if (begin == start) fetch_first_window(w + start * R * K, length, window);
+        // The window ahead of the chunk, if it lies within the own run.
+        groups(begin, end, (end - start) * block_bytes + window <= length ? window : 0);
+      },
+      [&](int64_t begin, int64_t end) { groups(begin, end, 0); });
+  if (t == 0)
+    for (int64_t n = (N / R) * R; n < N; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
+        group_blocks<Dot, 1>(std::min(kMaxDecodeRows, M - m0), x + m0 * K, w, K, N, y + m0 * N, n, n + 1, 0);
+}
+
 template <typename Dot, typename Out>
 void dispatch_balanced(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K,
                        int64_t N, Out* y, int64_t t, genfn_kernels::RowQueue& queue) {
+  if (M > kMaxDecodeRows) return balanced_groups<Dot>(M, x, w, K, N, y, t, queue);
   switch (M) {
     case 1: return balanced_rows<Dot, 1>(x, w, K, N, y, t, queue);
     case 2: return balanced_rows<Dot, 2>(x, w, K, N, y, t, queue);
@@ -412,6 +464,8 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight);
+
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "decode_linear: weight must be 2-D, got ", weight.dim(), "-D");
   TORCH_CHECK(x.size(-1) == weight.size(1), "decode_linear: x has ", x.size(-1),
@@ -421,8 +475,12 @@ at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   const auto dtype = weight.scalar_type();
   const bool supported = (dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype &&
-                         M >= 1 && M <= kMaxDecodeRows && x.device().is_cpu() && weight.device().is_cpu();
+                         M >= 1 && x.device().is_cpu() && weight.device().is_cpu();
   if (!supported) return at::linear(x, weight);
+  // More rows than a tile holds: every tile of them over one L2-sized panel of the weight before
+  // the next, so the weight still streams from memory once (genfn.kernels.MAX_LINEAR_ROWS says
+  // up to where that beats the library's GEMM).
+  if (M > kMaxDecodeRows) return invariant_linear(x, weight);
   const at::Tensor w = weight.contiguous();
   const at::Tensor rows = x.contiguous();
   auto out_sizes = x.sizes().vec();

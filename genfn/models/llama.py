@@ -284,11 +284,13 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     # add, which the fused native layer does inside one call: a rank runs its native pieces with
     # the sums between them (quantized layers, which must match one process bit for bit), or the
     # op-by-op path, which has the seams.
-    if (seq == 1 and not output_attentions and type(cache) is StaticCache and spec.is_plain_llama
+    # A verification's S drafts of a row take the fused layer as S tokens of that row, each with
+    # the bits its own decode step gives, so speculation cannot change the greedy tokens.
+    if (not output_attentions and type(cache) is StaticCache and spec.is_plain_llama
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         if spec.tensor_shard is None:
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
-        if decode_layer.quantized(layer):
+        if seq == 1 and decode_layer.quantized(layer):
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
@@ -347,7 +349,7 @@ def _native_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: t
     """``_decoder_layer`` for one token per row, in two native calls around the cache write
     (genfn.kernels.decode_layer): the same numbers, a fraction of the per-op overhead."""
     q, keys, values = _native_attention_input(spec, layer, i, x, cos, sin, cache, slots)
-    return decode_layer.layer_output(x, q.reshape(x.shape[0], spec.num_heads, spec.head_dim), keys[:, :, :attend_len],
+    return decode_layer.layer_output(x, q.reshape(-1, spec.num_heads, spec.head_dim), keys[:, :, :attend_len],
                                      values[:, :, :attend_len], mask, layer, spec.rms_norm_eps)
 
 
@@ -355,13 +357,13 @@ def _native_attention_input(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x
                             sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor):
     """The fused layer's first native call and the cache write: ``(q, keys, values)``, the rows'
     queries (heads flattened) and the layer's whole cache after the write."""
-    batch = x.shape[0]
+    batch, seq = x.shape[0], x.shape[1]
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
     qkv = decode_layer.attention_input(x, layer, cos, sin, spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    k = k.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-    v = v.view(batch, 1, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    k = k.reshape(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = v.reshape(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     keys, values = cache.write_layer(i, slots, k, v)
     return q, keys, values
 
