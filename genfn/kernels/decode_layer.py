@@ -121,9 +121,9 @@ def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: t
 
 
 def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.Tensor:
-    """``act [B, F] = silu(g) * u`` for ``g, u = rms_norm(x1) @ w_gate_up.T`` (``x1 [B, 1, hidden]``, a
+    """``act [B * S, F] = silu(g) * u`` for ``g, u = rms_norm(x1) @ w_gate_up.T`` (``x1 [B, S, hidden]``, a
     block-quantized layer): ``layer_output``'s own code between the attention's residual and the
     down projection, so a tensor-parallel rank's values are one process's bit for bit."""
     w = layer["w_gate_up"]
-    return _ops().decode_mlp_input_quant(x1.reshape(x1.shape[0], x1.shape[-1]), layer["mlp_norm"], *_parts(w),
+    return _ops().decode_mlp_input_quant(x1.reshape(-1, x1.shape[-1]), layer["mlp_norm"], *_parts(w),
                                          w.out_features, eps)

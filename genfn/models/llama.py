@@ -290,7 +290,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         if spec.tensor_shard is None:
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
-        if seq == 1 and decode_layer.quantized(layer):
+        if decode_layer.quantized(layer):
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
@@ -374,18 +374,14 @@ def _sharded_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: 
     """``_native_decode_layer`` on a tensor-parallel rank's block-quantized shard: the fused layer's
     own pieces (its attention input, the native attention, its MLP input) around the row-parallel
     sums (``tensor_parallel.row_parallel``), so every value is one process's bit for bit."""
-    batch, hidden = x.shape[0], x.shape[-1]
     q_size = spec.num_heads * spec.head_dim
     q, keys, values = _native_attention_input(spec, layer, i, x, cos, sin, cache, slots)
-    q = q.reshape(batch, 1, spec.num_heads, spec.head_dim).transpose(1, 2)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-    attn = decode_attention(q, keys, values, mask)
-    if attn is None:  # no native attention for these arguments: the library's (not one process's bits)
-        attn = (F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-                if spec.num_query_groups > 1 else F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
-    x1 = x + tensor_parallel.row_parallel(spec, attn.reshape(batch, q_size), layer["wo"]).view(batch, 1, hidden)
+    # Each query on its own over its row's visible slots: the fused layer's attention.
+    attn = invariant.dense_attention(q.reshape(*x.shape[:2], spec.num_heads, spec.head_dim), keys, values, mask)
+    x1 = x + tensor_parallel.row_parallel(spec, attn.reshape(-1, q_size), layer["wo"]).view(x.shape)
     act = decode_layer.mlp_input(x1, layer, spec.rms_norm_eps)
-    return x1 + tensor_parallel.row_parallel(spec, act, layer["w_down"]).view(batch, 1, hidden)
+    return x1 + tensor_parallel.row_parallel(spec, act, layer["w_down"]).view(x.shape)
 
 
 def apply(
