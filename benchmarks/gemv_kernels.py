@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 # Before torch, so that GENFN_WAIT_POLICY=auto can choose the OpenMP wait policy as genfn's command line does.
 import genfn  # noqa: E402,F401
@@ -119,32 +118,10 @@ STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152,
 
 def build_baseline(rev: str):
     """The kernels' sources at ``rev``, built under the op namespace ``genfn_baseline``; its ops."""
-    import hashlib
-    import subprocess
-
+    from genfn.bench.revision_kernels import build_at_revision
     from genfn.kernels import native
 
-    root = Path(__file__).resolve().parents[1]
-    texts = [subprocess.run(["git", "show", f"{rev}:genfn/kernels/{s.name}"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout.replace("genfn_kernels", "genfn_baseline")
-             for s in native.DECODE.sources]
-    key = hashlib.sha256("".join(texts).encode()).hexdigest()[:12]
-    out_dir = native.cache_dir() / f"baseline-{key}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sources = []
-    for source, text in zip(native.DECODE.sources, texts):
-        sources.append(out_dir / source.name)
-        sources[-1].write_text(text)
-    for header in native.DECODE.headers:  # included by name, so it must lie beside the sources
-        shown = subprocess.run(["git", "show", f"{rev}:genfn/kernels/{header.name}"], cwd=root, capture_output=True,
-                               text=True)
-        if shown.returncode == 0:
-            (out_dir / header.name).write_text(shown.stdout)
-    library = out_dir / "baseline.so"
-    if not library.exists():
-        print(f"  building the kernels of {rev} ...", flush=True)
-        subprocess.run(native.compile_command(native.DECODE, library, sources), check=True, timeout=900)
-    torch.ops.load_library(str(library))
+    torch.ops.load_library(str(build_at_revision(native.DECODE, rev, {"genfn_kernels": "genfn_baseline"})))
     return torch.ops.genfn_baseline
 
 

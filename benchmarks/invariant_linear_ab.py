@@ -1,11 +1,12 @@
 """The batch-invariant mode's float linear (``invariant_linear``) of this tree against the one of a
 git revision, and both against continuous batching's packed GEMM, in one process.
 
-The revision's ``decode_linear.cpp`` (and ``decode_kernels.h``) are built into a separate library
-with the op namespace renamed (``genfn_kernels_base``), so the two kernels run side by side,
-interleaved round by round, on SmolLM2's linear shapes with random weights. Checks that both give
-the same bits (the mode's per-element order is the invariant), then prints the best (``--best``)
-or median milliseconds of ``--rounds`` rounds and each one's ratio to the packed GEMM.
+The revision's ``decode_linear.cpp`` (and its headers) are built (``genfn.bench.revision_kernels``)
+into a separate library with the op namespace renamed (``genfn_kernels_base``), so the two kernels
+run side by side, interleaved round by round, on SmolLM2's linear shapes with random weights.
+Checks that both give the same bits (the mode's per-element order is the invariant), then prints
+the best (``--best``) or median milliseconds of ``--rounds`` rounds and each one's ratio to the
+packed GEMM.
 
     python benchmarks/invariant_linear_ab.py --baseline main [--rows 32] [--rounds 9] [--threads 1] [--best]
 """
@@ -14,33 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from genfn import kernels
+from genfn.bench.revision_kernels import build_at_revision
 from genfn.kernels import native
 from genfn.kernels.packed_gemm import PackedWeight, packed_linear
 
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536),
           "lm_head": (49152, 576)}
-
-
-def _build_baseline(revision: str, directory: Path) -> Path:
-    """The revision's decode_linear.cpp as a library of ops in namespace genfn_kernels_base."""
-    for name in ("decode_linear.cpp", "decode_kernels.h"):
-        text = subprocess.run(["git", "show", f"{revision}:genfn/kernels/{name}"], check=True,
-                              capture_output=True, text=True).stdout
-        (directory / name.replace(".", "_base.", 1)).write_text(
-            text.replace("genfn_kernels", "genfn_kernels_base").replace('"decode_kernels.h"', '"decode_kernels_base.h"'))
-    library = native.NativeLibrary(stem="base", what="baseline", sources=(directory / "decode_linear_base.cpp",),
-                                   headers=(), isa_flags=native.DECODE.isa_flags, cpu_features=(), fallback="")
-    output = directory / "base.so"
-    subprocess.run(native.compile_command(library, output), check=True)
-    return output
 
 
 def main() -> None:
@@ -55,8 +40,8 @@ def main() -> None:
     if not kernels.decode_linear_available():
         raise SystemExit(f"the native kernels are not available: {kernels.kernel_status()}")
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.ops.load_library(str(_build_baseline(args.baseline, Path(tmp))))
+    torch.ops.load_library(str(build_at_revision(native.DECODE, args.baseline, {"genfn_kernels": "genfn_kernels_base"},
+                                                 sources=("decode_linear.cpp",))))
     base, new = torch.ops.genfn_kernels_base.invariant_linear, torch.ops.genfn_kernels.invariant_linear
     dtypes = [getattr(torch, args.dtype)] if args.dtype else [torch.float32, torch.bfloat16]
     pick = min if args.best else statistics.median

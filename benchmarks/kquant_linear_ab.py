@@ -1,8 +1,8 @@
 """The K-quant row kernels (``kquant_linear``) of this tree against those of a git revision, in one
 process, at Llama-3.2-1B's linear shapes with the weights out of cache.
 
-The revision's K-quant library (``kquant_linear.cpp``, ``kquant_gemm.cpp``, ``iq4_linear.cpp``,
-``kquant.h``) is built into a separate library with its op namespace renamed
+The revision's K-quant library (its sources and headers as the revision had them) is built
+(``genfn.bench.revision_kernels``) into a separate library with its op namespace renamed
 (``genfn_kquant_base``), so both run side by side, interleaved call set by call set. Each shape
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192) is held as copies of one
 random matrix, ``--megabytes`` of them, called in turn so that every call reads its weight from
@@ -22,45 +22,17 @@ other, alternating round by round (each first in every other round): tok/s per r
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from genfn.bench.revision_kernels import build_at_revision
 from genfn.kernels import kquant, native
 from genfn.quant import quantize_k
 from genfn.quant.kquants import FORMAT_ID
 from genfn.state.base import tree_map
 from kquant_kernels import SHAPES_1B as SHAPES  # this folder's: Llama-3.2-1B's linear shapes
-
-_SOURCES = ("kquant_linear.cpp", "kquant_gemm.cpp", "iq4_linear.cpp", "kquant.h")
-
-
-def _build_baseline(revision: str, directory: Path) -> Path:
-    """The revision's K-quant library with its ops in namespace genfn_kquant_base (and its C++ in
-    genfn::kquant_base, so that no symbol of one library stands in for the other's), built once per
-    commit into the kernel cache (a build takes minutes on a busy 2-core machine)."""
-    commit = subprocess.run(["git", "rev-parse", revision], check=True, capture_output=True, text=True).stdout.strip()
-    output = native.cache_dir() / f"kquant_base-{commit[:16]}.so"
-    if output.exists():
-        return output
-    for name in _SOURCES:
-        text = subprocess.run(["git", "show", f"{revision}:genfn/kernels/{name}"], check=True,
-                              capture_output=True, text=True).stdout
-        (directory / name).write_text(text.replace("genfn_kquant", "genfn_kquant_base")
-                                      .replace("genfn::kquant", "genfn::kquant_base"))
-    library = native.NativeLibrary(stem="base", what="baseline",
-                                   sources=tuple(directory / n for n in _SOURCES if n.endswith(".cpp")),
-                                   headers=(), isa_flags=native.KQUANT.isa_flags, cpu_features=(), fallback="")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(native.compile_command(library, directory / "base.so"), check=True)
-    shutil.move(directory / "base.so", output)
-    return output
-
 
 def decode_ab(path: str, ops: dict, new_tokens: int, rounds: int) -> None:
     """One model's decode with the K-quant products on each library in turn (both in this process)."""
@@ -117,8 +89,8 @@ def main() -> None:
     if not kquant.kquant_available():
         raise SystemExit(f"the K-quant kernels are not available: {kquant.kquant_status()}")
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.ops.load_library(str(_build_baseline(args.baseline, Path(tmp))))
+    torch.ops.load_library(str(build_at_revision(
+        native.KQUANT, args.baseline, {"genfn_kquant": "genfn_kquant_base", "genfn::kquant": "genfn::kquant_base"})))
     ops = {args.baseline: torch.ops.genfn_kquant_base.kquant_linear, "this tree": torch.ops.genfn_kquant.kquant_linear}
     if args.model:
         return decode_ab(args.model, ops, args.new_tokens, args.rounds)

@@ -289,7 +289,7 @@ FORMATS = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("batch, seq", [(1, 11), (2, 3), (1, 16)])
+@pytest.mark.parametrize("batch, seq", [(1, 11), (2, 3), (1, 16), (1, 9), (3, 5)])
 def test_a_rows_drafts_get_the_bits_of_each_token_alone(fmt, batch, seq):
     """A verification's S tokens of a row, in one call (keys of the row shared, a causal mask, more
     tokens than a linear group holds), equal each token's own one-token call bit for bit."""

@@ -204,5 +204,10 @@ def test_compiled_quantized_moe_step_equals_eager(name, ggml_type, tmp_path):
     eager = genfn.generate(model, ids, attention_mask=mask, disable_compile=True, **kw)
     compiled = genfn.generate(model, ids, attention_mask=mask, **kw)
     assert torch.equal(compiled.sequences, eager.sequences)
-    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
+    # Inductor fuses the float32 elementwise ops in another order than eager (logits ~2e-7 apart);
+    # where that moves one of the experts' 8-bit activation codes (Q8_K for Q4_K experts) a step's
+    # logits move ~1.6e-4 (this prompt's 6th step, since the prefill's linears run on the decode
+    # kernel's panels). A wrong expert, scale or row moves them by their own size (std ~0.34).
+    gap = (torch.stack(compiled.logits) - torch.stack(eager.logits)).abs()
+    assert gap.max() < 1e-3 and gap.median() < 1e-6, (gap.max(), gap.median())
     assert len(model.compiled_steps) == 1

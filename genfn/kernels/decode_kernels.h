@@ -62,6 +62,14 @@ inline __m512 exp16(__m512 x) {
 // The most rows of x the decode kernels take (genfn.kernels.MAX_DECODE_ROWS); more is a GEMM.
 constexpr int64_t kMaxDecodeRows = 8;
 
+// The rows of each group when M rows of x run in groups of at most kMaxDecodeRows: as even as they
+// split (11 rows as 6 and 5, not 8 and 3, whose 3-row tile has too few accumulators to hide the
+// multiply-add latency). A row's sums do not depend on its group.
+inline int64_t group_size(int64_t M) {
+  const int64_t groups = (M + kMaxDecodeRows - 1) / kMaxDecodeRows;
+  return (M + groups - 1) / groups;
+}
+
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
 
@@ -102,6 +110,10 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 // shares rows (queue.prepare_blocks(w.tiles, T) before the region).
 void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
                         RowQueue& queue);
+// quant_linear_share for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
+// every group over each claimed chunk of tiles: the weight streams once for all of them.
+void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
+                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue);
 // Whether quant_linear hands a product of this many rows of x to quant_gemm (from 16 rows unless
 // the op quant_gemm_min_rows set another count).
 bool quant_gemm_takes(int64_t rows);

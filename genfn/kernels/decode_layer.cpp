@@ -48,14 +48,11 @@ using genfn_kernels::RowQueue;
 
 using genfn_kernels::kMaxDecodeRows;
 
-// The most rows a layer call takes: the linears run them in groups of kMaxDecodeRows (float weights
-// every group over each chunk of weight rows, one stream; block-quantized ones one stream a group). A row is one token; a cache row may hold several of them (a speculative
+// The most rows a layer call takes: the linears run them in groups of at most kMaxDecodeRows, every
+// group over each chunk of weight rows while it is in L1 (one weight stream). A row is one token; a cache row may hold several of them (a speculative
 // verification's positions of one sequence), each attending its own visible slots, so that each
 // gets the bits a step of that token alone gets.
 constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
-
-// The groups of at most kMaxDecodeRows rows that M rows are run in: for (m0 = 0; m0 < M; m0 += ...).
-inline int64_t group_rows(int64_t M, int64_t m0) { return std::min(kMaxDecodeRows, M - m0); }
 
 inline float wide(float v) { return v; }
 inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -126,26 +123,25 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, groups of 
 // each, meet, and sum the tiles shared out balanced.
 struct QuantLinear {
   QuantWeight w;
-  genfn_kernels::QuantActivations x8[kMaxLayerRows / kMaxDecodeRows];  // a group's rows each
+  static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
+  genfn_kernels::QuantActivations x8[kGroups];  // a group's rows each
   RowQueue tiles;
-  int64_t threads = 1;
   void prepare(int64_t M, int64_t, int64_t team) {
-    threads = team;
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows) x8[m0 / kMaxDecodeRows].resize(group_rows(M, m0), w.blocks * 32);
+    const int64_t per = genfn_kernels::group_size(M);
+    for (int64_t m0 = 0; m0 < M; m0 += per) x8[m0 / per].resize(std::min(per, M - m0), w.blocks * 32);
     tiles.prepare_blocks(w.tiles, team);
   }
   void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
-      genfn_kernels::quantize_rows_share(x + m0 * K, group_rows(M, m0), K, x8[m0 / kMaxDecodeRows], t, team);
-#pragma omp barrier
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows) {
-      if (m0 > 0) {
-#pragma omp barrier
-        if (t == 0) tiles.prepare_blocks(w.tiles, threads);
-#pragma omp barrier
-      }
-      genfn_kernels::quant_linear_share(group_rows(M, m0), x8[m0 / kMaxDecodeRows], K, w, y + m0 * N, t, tiles);
+    const int64_t per = genfn_kernels::group_size(M);
+    int64_t rows[kGroups], groups = 0;
+    float* out[kGroups];
+    for (int64_t m0 = 0; m0 < M; m0 += per, ++groups) {
+      rows[groups] = std::min(per, M - m0);
+      out[groups] = y + m0 * N;
+      genfn_kernels::quantize_rows_share(x + m0 * K, rows[groups], K, x8[groups], t, team);
     }
+#pragma omp barrier
+    genfn_kernels::quant_linear_share_groups(groups, rows, x8, K, w, out, t, tiles);
   }
 };
 

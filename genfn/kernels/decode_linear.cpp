@@ -295,10 +295,10 @@ void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
   constexpr int64_t window = prefetch_window<kMaxDecodeRows>();
+  const int64_t per = genfn_kernels::group_size(M);
   auto groups = [&](int64_t begin, int64_t end, int64_t ahead) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
-      group_blocks<Dot, R>(std::min(kMaxDecodeRows, M - m0), x + m0 * K, w, K, N, y + m0 * N, begin, end,
-                           m0 == 0 ? ahead : 0);
+    for (int64_t m0 = 0; m0 < M; m0 += per)
+      group_blocks<Dot, R>(std::min(per, M - m0), x + m0 * K, w, K, N, y + m0 * N, begin, end, m0 == 0 ? ahead : 0);
   };
   genfn_kernels::run_balanced(
       queue, t, chunk,
@@ -311,8 +311,8 @@ void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot
       [&](int64_t begin, int64_t end) { groups(begin, end, 0); });
   if (t == 0)
     for (int64_t n = (N / R) * R; n < N; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxDecodeRows)
-        group_blocks<Dot, 1>(std::min(kMaxDecodeRows, M - m0), x + m0 * K, w, K, N, y + m0 * N, n, n + 1, 0);
+      for (int64_t m0 = 0; m0 < M; m0 += per)
+        group_blocks<Dot, 1>(std::min(per, M - m0), x + m0 * K, w, K, N, y + m0 * N, n, n + 1, 0);
 }
 
 template <typename Dot, typename Out>

@@ -346,11 +346,20 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 
 void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
                         RowQueue& queue) {
+  quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
+}
+
+void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
+                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue) {
   // ~8 KiB of codes a claim, as linear_balanced claims rows.
   const int64_t tile_bytes = w.blocks * chunks_of(w.kind) * 64;
   const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
+  // Every group over the claimed tiles while they are in L1: the first fetches ahead, the others
+  // read what it brought.
   auto tiles = [&](int64_t begin, int64_t end, int64_t fetch_end, bool first) {
-    run_share(M, w.kind, begin, end, fetch_end, first, w.blocks, w.codes, w.scales, w.mins, a, K, w.out_features, y);
+    for (int64_t g = 0; g < groups; ++g)
+      run_share(M[g], w.kind, begin, end, g == 0 ? fetch_end : end, g == 0 && first, w.blocks, w.codes, w.scales,
+                w.mins, a[g], K, w.out_features, y[g]);
   };
   run_balanced(
       queue, t, chunk,
