@@ -42,11 +42,11 @@ _OP_NAMESPACE = "genfn_kernels"
 MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 
 # Rows of x up to which ``linear`` takes the kernel at all: past MAX_DECODE_ROWS it runs its tiles
-# of rows over L2-sized panels of the weight, which still streams the weight once. Against
-# F.linear on one thread of the Zen 4 (`benchmarks/gemv_kernels.py step float32,bfloat16 8,11,16,32,64
-# --threads 1`: a SmolLM2 step's linears),
-# float32 at 11-64 rows took 0.45-0.7 of its time (MKL picks its AVX2 code on AMD CPUs), bfloat16
-# with vdpbf16ps 0.6-0.9 up to 32 rows and about the same at 64. A speculative round (the prompt
+# of rows over L2-sized panels of the weight, which still streams the weight once. Against F.linear
+# on one thread of the Zen 4 (`benchmarks/gemv_kernels.py step float32,bfloat16 8,11,16,32,64
+# --threads 1`: a SmolLM2 step's linears), float32 at 11-64 rows took 0.45-0.7 of its time (MKL
+# picks its AVX2 code on AMD CPUs), bfloat16 with vdpbf16ps 0.6-0.9 up to 32 rows and about the
+# same at 64. A speculative round (the prompt
 # lookup's 11 positions), a beam step or a small batch stays a weight stream, not a GEMM. The
 # widening bfloat16 kernel (no AVX512_BF16) gains only at a few rows. Read at import: a compiled
 # step must not open files while it is traced.

@@ -75,8 +75,8 @@ bool cpu_has_avx512_bf16();
 
 // The rows of one product shared out to T threads that balance their work: row_queue.h.
 // prepare() before the parallel region, then every thread calls linear_balanced with it once:
-// y[M, N] = x[M, K] @ w[N, K].T, summed as decode_linear sums it (M <= 2 * kMaxDecodeRows: groups
-// of kMaxDecodeRows rows over each chunk, the weight streamed once).
+// y[M, N] = x[M, K] @ w[N, K].T, summed as decode_linear sums it (M <= 2 * kMaxDecodeRows: past
+// kMaxDecodeRows, groups of group_size(M) rows over each chunk, the weight streamed once).
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue);
 void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,

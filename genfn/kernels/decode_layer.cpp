@@ -1,5 +1,5 @@
-// A Llama decoder layer's decode step (a few rows, one token each) in two calls, one on each side
-// of the KV-cache write, each a single parallel region.
+// A Llama decoder layer's decode step (a few tokens: one per row, or a row's several drafts) in
+// two calls, one on each side of the KV-cache write, each a single parallel region.
 //
 // Run op by op, a layer of SmolLM2 at batch 1 is four linears, an attention, and five small
 // elementwise kernels: ten calls through the dispatcher or inductor's wrapper, six thread-pool
@@ -48,10 +48,11 @@ using genfn_kernels::RowQueue;
 
 using genfn_kernels::kMaxDecodeRows;
 
-// The most rows a layer call takes: the linears run them in groups of at most kMaxDecodeRows, every
-// group over each chunk of weight rows while it is in L1 (one weight stream). A row is one token; a cache row may hold several of them (a speculative
-// verification's positions of one sequence), each attending its own visible slots, so that each
-// gets the bits a step of that token alone gets.
+// The most rows a layer call takes: the linears run them in even groups of at most kMaxDecodeRows
+// (group_size), every group over each chunk of weights while it is in L1 (one weight stream). A
+// row is one token; a cache row may hold several of them (a speculative verification's positions
+// of one sequence), each attending its own visible slots, so that each gets the bits a step of
+// that token alone gets.
 constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
 
 inline float wide(float v) { return v; }
@@ -110,7 +111,7 @@ void rotate(T* x, const T* cos, const T* sin, int64_t D) {
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
 // then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
 template <typename T>
-struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, groups of 8 over each chunk)
+struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups: linear_balanced)
   const T* w;
   RowQueue rows;
   void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads); }
@@ -120,25 +121,27 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, groups of 
 };
 
 // Tiles of quantized rows against float32 activations: the threads quantize x a share of rows
-// each, meet, and sum the tiles shared out balanced.
+// each (a group's rows into its own buffer), meet, and sum the tiles shared out balanced.
 struct QuantLinear {
-  QuantWeight w;
   static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
-  genfn_kernels::QuantActivations x8[kGroups];  // a group's rows each
+  QuantWeight w;
+  genfn_kernels::QuantActivations x8[kGroups];
+  int64_t per = 0, groups = 0, rows[kGroups] = {};  // prepare's split of the M rows (group_size)
   RowQueue tiles;
   void prepare(int64_t M, int64_t, int64_t team) {
-    const int64_t per = genfn_kernels::group_size(M);
-    for (int64_t m0 = 0; m0 < M; m0 += per) x8[m0 / per].resize(std::min(per, M - m0), w.blocks * 32);
+    per = genfn_kernels::group_size(M);
+    groups = (M + per - 1) / per;
+    for (int64_t g = 0; g < groups; ++g) {
+      rows[g] = std::min(per, M - g * per);
+      x8[g].resize(rows[g], w.blocks * 32);
+    }
     tiles.prepare_blocks(w.tiles, team);
   }
-  void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
-    const int64_t per = genfn_kernels::group_size(M);
-    int64_t rows[kGroups], groups = 0;
+  void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
     float* out[kGroups];
-    for (int64_t m0 = 0; m0 < M; m0 += per, ++groups) {
-      rows[groups] = std::min(per, M - m0);
-      out[groups] = y + m0 * N;
-      genfn_kernels::quantize_rows_share(x + m0 * K, rows[groups], K, x8[groups], t, team);
+    for (int64_t g = 0; g < groups; ++g) {
+      out[g] = y + g * per * N;
+      genfn_kernels::quantize_rows_share(x + g * per * K, rows[g], K, x8[g], t, team);
     }
 #pragma omp barrier
     genfn_kernels::quant_linear_share_groups(groups, rows, x8, K, w, out, t, tiles);
