@@ -579,8 +579,11 @@ template void attend_group<c10::BFloat16>(const c10::BFloat16*, const c10::BFloa
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window, float softcap=0.0) -> Tensor");
+  // Any layout: it reads keys and values through their strides and makes q and visible contiguous,
+  // so a step's one mask feeds every layer's call (decode_layer.cpp says why that matters).
   m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale, "
-        "float softcap=0.0) -> Tensor");
+        "float softcap=0.0) -> Tensor",
+        {at::Tag::flexible_layout});
   m.def("paged_query_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window, float softcap=0.0) -> Tensor");
   m.def("paged_write(Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, Tensor k, Tensor v) -> ()");

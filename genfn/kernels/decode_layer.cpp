@@ -450,19 +450,29 @@ at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_nor
 
 }  // namespace
 
+// Any layout (flexible_layout): each op makes contiguous what it reads as rows and reads the cache
+// through its strides, so inductor may hand a step's cos, sin and mask, computed once, to every
+// layer's call as one buffer. Under the default (exact strides) it realized a copy of each for
+// every call: SmolLM2's step computed its RoPE tables and mask 30 times in its first kernel.
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  const std::vector<at::Tag> any_layout{at::Tag::flexible_layout};
   m.def("decode_attention_input(Tensor x, Tensor norm, Tensor wqkv, Tensor cos, Tensor sin, float eps, int heads, "
-        "int kv_heads) -> Tensor");
+        "int kv_heads) -> Tensor",
+        any_layout);
   m.def("decode_layer_output(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor wo, "
-        "Tensor mlp_norm, Tensor w_gate_up, Tensor w_down, float eps, float scale) -> Tensor");
+        "Tensor mlp_norm, Tensor w_gate_up, Tensor w_down, float eps, float scale) -> Tensor",
+        any_layout);
   m.def("decode_attention_input_quant(Tensor x, Tensor norm, Tensor codes, Tensor scales, Tensor? mins, int kind, "
-        "Tensor cos, Tensor sin, float eps, int heads, int kv_heads) -> Tensor");
+        "Tensor cos, Tensor sin, float eps, int heads, int kv_heads) -> Tensor",
+        any_layout);
   m.def("decode_mlp_input_quant(Tensor x, Tensor mlp_norm, Tensor codes, Tensor scales, Tensor? mins, int kind, "
-        "int out_features, float eps) -> Tensor");
+        "int out_features, float eps) -> Tensor",
+        any_layout);
   m.def("decode_layer_output_quant(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, "
         "Tensor wo_codes, Tensor wo_scales, Tensor? wo_mins, int wo_kind, Tensor mlp_norm, Tensor gate_up_codes, "
         "Tensor gate_up_scales, Tensor? gate_up_mins, int gate_up_kind, Tensor down_codes, Tensor down_scales, "
-        "Tensor? down_mins, int down_kind, float eps, float scale) -> Tensor");
+        "Tensor? down_mins, int down_kind, float eps, float scale) -> Tensor",
+        any_layout);
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
