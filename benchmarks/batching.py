@@ -208,12 +208,12 @@ def run_llamacpp(runner, name, prompts, new_tokens):
             entries.append((token, p, s, p == len(ids) - 1))
         last.append(len(entries) - 1)
     runner._decode(entries)
-    out = [[runner._argmax(i)] for i in last]
+    out = [[int(runner._logits(i).argmax())] for i in last]
     stamps = [time.perf_counter()]
     for step in range(1, new_tokens):
         runner._decode([(out[s][-1], len(ids) + step - 1, s, True) for s, ids in enumerate(prompts)])
         for s in range(len(prompts)):
-            out[s].append(runner._argmax(s))
+            out[s].append(int(runner._logits(s).argmax()))
         stamps.append(time.perf_counter())
     wall = time.perf_counter() - start
     itls = [b - a for a, b in zip(stamps, stamps[1:])] * len(prompts)

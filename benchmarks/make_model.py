@@ -28,7 +28,7 @@ the layers and of every third layer between (Q6_K) and the output matrix (Q6_K),
 iq4_xs (every linear; the tied embedding/output matrix in Q6_K; an IQ4_XS matrix whose rows are
 not a multiple of 256 inputs is written IQ4_NL, as llama.cpp does, though every shape here is
 one). Norms are F32. Blocks are written with genfn's round-to-nearest quantizers
-(``genfn.quant.quantize`` and ``quantize_k``), not llama.cpp's searching ones: same layout, same
+(``genfn.bench.gguf_matrices.encode``), not llama.cpp's searching ones: same layout, same
 bytes per weight.
 Files go to ``--out`` (default ``$GENFN_BENCH_DIR`` or ``~/.cache/genfn/models``) as
 ``<architecture>-<shape>-<format>.gguf`` (``llama-1b-q4_0.gguf``, ``qwen3moe-moe-q4_0.gguf``); an
@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from genfn.bench.gguf_matrices import encode
 
 SHAPES = {
     "0.5b": dict(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=8, head_dim=64),
@@ -83,34 +85,6 @@ def tensor_type(fmt: str, part: str, layer: int | None, layers: int) -> str:
     if fmt == "q4_k_m":
         return "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else "Q4_K"
     return fmt.upper()
-
-
-def encode(values: torch.Tensor, ggml_type: str) -> tuple[np.ndarray, object]:
-    """(array, raw_dtype) for ``GGUFWriter.add_tensor``: the matrix stored as ``ggml_type``."""
-    import gguf
-
-    from genfn.quant.blocks import quantize
-    from genfn.quant.kquants import quantize_k
-
-    qtype = gguf.GGMLQuantizationType[ggml_type]
-    if ggml_type == "F32":
-        return values.float().numpy(), None
-    if ggml_type == "F16":
-        return values.half().numpy(), None
-    if ggml_type == "BF16":
-        return values.bfloat16().view(torch.int16).numpy().view(np.uint16).reshape(values.shape).view(np.uint8).reshape(
-            values.shape[0], -1), qtype
-    if ggml_type == "IQ4_XS" and values.shape[1] % 256:
-        return encode(values, "IQ4_NL")
-    if ggml_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
-        return quantize_k(values, ggml_type.lower()).data.numpy(), qtype
-    blocks = quantize(values, ggml_type.lower())
-    n, nb = blocks.codes.shape[:2]
-    parts = [blocks.scales.reshape(n, nb, 1).view(torch.uint8)]
-    if blocks.mins is not None:
-        parts.append(blocks.mins.reshape(n, nb, 1).view(torch.uint8))
-    parts.append(blocks.codes)
-    return torch.cat(parts, dim=-1).reshape(n, -1).numpy(), qtype
 
 
 def _tokenizer_fields(writer) -> None:

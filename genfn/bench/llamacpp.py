@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -27,21 +28,29 @@ def variant_dir() -> Path:
     return Path(os.environ.get("GENFN_BENCH_DIR") or Path.home() / ".cache" / "genfn" / "gguf-variants")
 
 
-def variant_path(source: str, ggml_type: str) -> str:
+def variant_path(source: str, ggml_type: str, matrix_types: Mapping[str, str] | None = None) -> str:
     """The file holding ``source``'s model with its matrices in ``ggml_type`` (the source itself
-    when it already is that type); made on first use."""
+    when it already is that type); made on first use. ``matrix_types`` (a GGUF tensor name's part,
+    e.g. ``"ffn_down"``, to a type) stores those matrices in their own type (``make_variant``)."""
     stem = Path(source).name.split(".")[0]
-    if Path(source).name.endswith(f".{ggml_type}.gguf"):
+    if Path(source).name.endswith(f".{ggml_type}.gguf") and not matrix_types:
         return source
-    target = variant_dir() / f"{stem}.{ggml_type}.gguf"
+    mix = "".join(f"+{part}-{t}" for part, t in sorted((matrix_types or {}).items()))
+    target = variant_dir() / f"{stem}.{ggml_type}{mix}.gguf"
     if not target.exists():
-        make_variant(source, str(target), ggml_type)
+        make_variant(source, str(target), ggml_type, matrix_types)
     return str(target)
 
 
-def make_variant(source: str, target: str, ggml_type: str) -> None:
+def make_variant(source: str, target: str, ggml_type: str, matrix_types: Mapping[str, str] | None = None) -> None:
+    """``source`` rewritten with its matrices in ``ggml_type`` (the gguf package's quantizers), and
+    those whose name holds a part in ``matrix_types`` (``blk.3.ffn_down.weight``: ``ffn_down``) in
+    that part's type (``genfn.bench.gguf_matrices.encode``: K-quants too)."""
     import gguf
+    import torch
     from gguf.quants import dequantize, quantize
+
+    from genfn.bench.gguf_matrices import encode
 
     qtype = gguf.GGMLQuantizationType[ggml_type]
     reader = gguf.GGUFReader(source)
@@ -60,8 +69,12 @@ def make_variant(source: str, target: str, ggml_type: str) -> None:
         writer.add_key_value(field.name, value, value_type, sub_type=sub_type)
     for tensor in reader.tensors:
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        own_type = next((t for part, t in (matrix_types or {}).items() if f".{part}." in tensor.name), None)
         if values.ndim < 2:
             writer.add_tensor(tensor.name, values)  # norms stay float32, as llama.cpp's tools keep them
+        elif own_type is not None:
+            array, raw = encode(torch.from_numpy(values.reshape(-1, values.shape[-1]).copy()), own_type)
+            writer.add_tensor(tensor.name, array, raw_dtype=raw)
         elif tensor.name in ("token_embd.weight", "output.weight") and ggml_type.startswith("Q4"):
             # The shipped file's mix: 4-bit matrices, an 8-bit embedding/output (kept as stored).
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
@@ -170,24 +183,40 @@ class LlamaCpp:
         if self.lc.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def _argmax(self, index: int) -> int:
+    def _logits(self, index: int) -> np.ndarray:
+        """The vocabulary's logits at batch entry ``index`` of the last decode (llama.cpp's buffer)."""
         ptr = self.lc.llama_get_logits_ith(self.ctx, index)
-        return int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,)).argmax())
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.n_vocab,))
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of every prompt by ``new_tokens`` tokens (EOS ignored)."""
+    def generate(self, prompts: list[list[int]], new_tokens: int, logits: list[list[np.ndarray]] | None = None,
+                 never: int | None = None) -> list[list[int]]:
+        """Greedy continuation of every prompt by ``new_tokens`` tokens (EOS ignored). ``logits``: a
+        list that receives, per prompt, a copy of each step's logits (float32 ``[vocab]``);
+        ``never``: a token the choice skips (as ``min_new_tokens`` keeps EOS out)."""
         self._clear()
         entries, last = [], []
         for s, ids in enumerate(prompts):
             for p, token in enumerate(ids):
                 entries.append((token, p, s, p == len(ids) - 1))
             last.append(len(entries) - 1)
+        if logits is not None:
+            logits[:] = [[] for _ in prompts]
+
+        def choose(s: int, index: int) -> int:
+            row = self._logits(index)
+            if logits is not None:
+                logits[s].append(row.copy())
+            if never is not None:
+                row = row.copy()
+                row[never] = -np.inf
+            return int(row.argmax())
+
         self._decode(entries)
-        out = [[self._argmax(i)] for i in last]
+        out = [[choose(s, i)] for s, i in enumerate(last)]
         for step in range(1, new_tokens):
             self._decode([(out[s][-1], len(ids) + step - 1, s, True) for s, ids in enumerate(prompts)])
             for s in range(len(prompts)):
-                out[s].append(self._argmax(s))
+                out[s].append(choose(s, s))
         return out
 
     def close(self) -> None:
