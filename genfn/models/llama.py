@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
-from genfn.kernels import decode_attention, decode_layer, invariant, linear
+from genfn.kernels import decode_attention, decode_layer, invariant, linear, prefill_attention
 from genfn.models import llama_variants as variants
 from genfn.models import tensor_parallel
 from genfn.models.decoder_config import check_head_groups, decoder_sizes
@@ -320,8 +320,12 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # layer's whole attended K and V, num_query_groups times over, every layer of every step.
         # A branch, not enable_gqa=grouped: SDPA takes a Python bool, and where dynamo holds the
         # spec's ints as symbols the comparison is a SymBool (a branch on it specializes).
-        # A decode step's single query per row takes the native kernel (genfn.kernels.decode_attention).
+        # A decode step's single query per row takes the native kernel (genfn.kernels.decode_attention),
+        # a prefill's many the native one that skips the key tiles the mask hides (a causal
+        # prefill's upper half, which the library kernel computes and then masks).
         attn = decode_attention(q, keys, values, mask)
+        if attn is None:
+            attn = prefill_attention(q, keys, values, mask)
         if attn is None and grouped:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         elif attn is None:
