@@ -118,7 +118,7 @@ def test_a_padded_prefill_through_the_kernel_matches_transformers(monkeypatch, a
     """A batch of left-padded 40-token prompts (past MIN_PREFILL_QUERIES, so every layer's
     attention is the native op's): transformers' logits at every real token."""
     from conftest import padded_prompts, tiny_pair
-    from genfn.models import llama
+    from genfn.models import llama, prefill_layer
 
     calls = []
 
@@ -128,6 +128,7 @@ def test_a_padded_prefill_through_the_kernel_matches_transformers(monkeypatch, a
         return out
 
     monkeypatch.setattr(llama, "prefill_attention", counted)
+    monkeypatch.setattr(prefill_layer, "prefill_attention", counted)
     hf, gm = tiny_pair(arch, **overrides)
     ids, mask = padded_prompts(length=40)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

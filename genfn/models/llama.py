@@ -24,6 +24,7 @@ from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
 from genfn.kernels import decode_attention, decode_layer, invariant, linear, prefill_attention
 from genfn.models import llama_variants as variants
+from genfn.models import prefill_layer
 from genfn.models import tensor_parallel
 from genfn.models.decoder_config import check_head_groups, decoder_sizes
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits, long_rope_furthest
@@ -292,6 +293,9 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
         if decode_layer.quantized(layer):
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
+    # A float32 prefill's many tokens per row: the same layer with its elementwise work in native passes.
+    if not output_attentions and prefill_layer.takes(spec, x):
+        return prefill_layer.prefill_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
