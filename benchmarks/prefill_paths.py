@@ -36,7 +36,7 @@ def compare(path: str, prefill: int, rounds: int) -> str:
     native_takes, native_attention = prefill_layer.takes, llama.prefill_attention
 
     def use(native: bool) -> None:
-        prefill_layer.takes = native_takes if native else (lambda spec, x: False)
+        prefill_layer.takes = native_takes if native else (lambda spec, layer, x: False)
         llama.prefill_attention = native_attention if native else (lambda *args: None)
 
     def run() -> int:

@@ -138,3 +138,22 @@ def test_a_padded_prefill_through_the_kernel_matches_transformers(monkeypatch, a
     assert calls and all(calls)
     real = mask.bool()
     assert (expected[real] - logits[real]).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_a_layer_to_differentiate_keeps_the_op_by_op_layer():
+    """The native ops have no backward: with a norm weight that needs a gradient (or x), under
+    grad mode, the layer stays op by op."""
+    from conftest import tiny_pair
+    from genfn.models import prefill_layer
+
+    _, gm = tiny_pair()
+    layer = dict(gm.params["layers"][0])
+    x = torch.randn(1, 20, gm.spec.hidden_size)
+    with torch.no_grad():
+        assert prefill_layer.takes(gm.spec, layer, x)
+    with torch.enable_grad():
+        assert prefill_layer.takes(gm.spec, layer, x)
+        layer["attn_norm"] = layer["attn_norm"].clone().requires_grad_(True)
+        assert not prefill_layer.takes(gm.spec, layer, x)
+        assert not prefill_layer.takes(gm.spec, dict(gm.params["layers"][0]), x.clone().requires_grad_(True))

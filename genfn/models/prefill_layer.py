@@ -22,14 +22,19 @@ from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invar
 __all__ = ["takes", "prefill_layer"]
 
 
-def takes(spec, x: torch.Tensor) -> bool:
+def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
     """Whether ``prefill_layer`` runs this layer: a plain Llama layer (no variant, no tensor
     parallelism, a head_dim the attention kernel takes) on float32 activations of at least
-    MIN_PREFILL_QUERIES tokens per row, the native kernels built, nothing to differentiate."""
+    MIN_PREFILL_QUERIES tokens per row, the native kernels built, nothing to differentiate (the
+    native ops have no backward: neither ``x`` nor a tensor of the layer may need a gradient)."""
     return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype == torch.float32
             and x.device.type == "cpu" and x.shape[1] >= MIN_PREFILL_QUERIES
             and spec.head_dim % 16 == 0 and spec.head_dim <= 256
-            and not (torch.is_grad_enabled() and x.requires_grad) and decode_attention_available())
+            and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and decode_attention_available())
+
+
+def _needs_gradient(layer: Mapping[str, Any], x: torch.Tensor) -> bool:
+    return x.requires_grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in layer.values())
 
 
 def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
