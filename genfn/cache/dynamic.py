@@ -85,8 +85,10 @@ def widen(cache, capacity: int):
 def appended_slots(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, new_valid: torch.Tensor):
     """``(keys, values, valid)`` of a growing cache with ``S`` more slots per row: zero keys and values
     (``[L, B, H, S, D]`` appended on the slot axis) and ``new_valid [B, S]`` appended to ``valid``."""
-    L, B, H, _, D = keys.shape
+    L, B, H, held, D = keys.shape
     room = torch.zeros((L, B, H, new_valid.shape[1], D), dtype=keys.dtype, device=keys.device)
+    if held == 0 and valid.shape[1] == 0:  # a first forward (a prefill): the room is all there is, no copy
+        return room, torch.zeros_like(room), new_valid.clone()
     return torch.cat([keys, room], dim=3), torch.cat([values, room], dim=3), torch.cat([valid, new_valid], dim=1)
 
 

@@ -30,9 +30,9 @@ from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["linear", "embedding", "decode_attention", "decode_linear_available", "quant_linear_available",
-           "quant_gemm_min_rows", "kernel_status", "needs_build", "release_thread_pool", "MAX_DECODE_ROWS",
-           "MAX_LINEAR_ROWS"]
+__all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
+           "decode_linear_available", "quant_linear_available", "quant_gemm_min_rows", "kernel_status", "needs_build",
+           "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS"]
 
 _OP_NAMESPACE = "genfn_kernels"
 
@@ -88,6 +88,11 @@ def _register_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
     def _(q, keys, values, visible, scale, softcap=0.0):
         return torch.empty_like(q)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
+    def _(q, keys, values, mask, scale):
+        batch, heads, seq, head_dim = q.shape
+        return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_query_attention")
     def _(q, keys, values, tables, lengths, scale, sliding_window, softcap=0.0):
@@ -260,6 +265,39 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     out = getattr(torch.ops, _OP_NAMESPACE).dense_decode_attention(
         q.reshape(batch, heads, head_dim), keys, values, mask.reshape(batch, mask.shape[3]), head_dim ** -0.5)
     return out.view(batch, heads, 1, head_dim)
+
+
+# Queries per row from which ``prefill_attention`` takes the native kernel: a prefill's or a
+# chunk's. Fewer (a speculative round's drafts, a beam step) stay where they were.
+MIN_PREFILL_QUERIES = 17
+
+
+def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
+    batch, heads, seq, head_dim = q.shape
+    return (
+        seq >= MIN_PREFILL_QUERIES
+        and q.dtype == keys.dtype == values.dtype == torch.float32
+        and q.device.type == keys.device.type == values.device.type == "cpu"
+        and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+        and mask.shape[0] == batch and mask.shape[2] == seq and mask.shape[3] == keys.shape[2]
+        and head_dim % 16 == 0 and head_dim <= 256 and keys.shape[3] == head_dim
+        and heads % keys.shape[1] == 0
+        and q.stride(-1) == 1 and keys.stride(-1) == 1 and keys.stride() == values.stride()
+        and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
+        and decode_attention_available()
+    )
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
+    queries per row (``q [B, H, S, D]`` float32, ``S >= MIN_PREFILL_QUERIES``; ``keys``/``values
+    [B, Hkv, A, D]`` read in place from the dense cache; boolean ``mask [B, 1, S, A]``) by the
+    native kernel (``prefill_attention.cpp``), which skips the tiles of keys the mask hides: half
+    of a causal prefill's. The result, ``[B, H, S, D]``, lies in ``[B, S, H, D]`` memory. ``None``
+    where the kernel does not take these arguments, so that the caller runs the library attention."""
+    if not _takes_prefill_attention(q, keys, values, mask):
+        return None
+    return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5)
 
 
 def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from genfn.cache.base import begin_forward, real_tokens_back
 from genfn.cache.static import StaticCache, init_static_cache
-from genfn.kernels import decode_attention, decode_layer, invariant, linear
+from genfn.kernels import decode_attention, decode_layer, invariant, linear, prefill_attention
 from genfn.models import llama_variants as variants
+from genfn.models import prefill_layer
 from genfn.models import tensor_parallel
 from genfn.models.decoder_config import check_head_groups, decoder_sizes
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits, long_rope_furthest
@@ -292,6 +293,9 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
         if decode_layer.quantized(layer):
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
+    # A float32 prefill's many tokens per row: the same layer with its elementwise work in native passes.
+    if not output_attentions and prefill_layer.takes(spec, layer, x):
+        return prefill_layer.prefill_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -320,8 +324,12 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # layer's whole attended K and V, num_query_groups times over, every layer of every step.
         # A branch, not enable_gqa=grouped: SDPA takes a Python bool, and where dynamo holds the
         # spec's ints as symbols the comparison is a SymBool (a branch on it specializes).
-        # A decode step's single query per row takes the native kernel (genfn.kernels.decode_attention).
+        # A decode step's single query per row takes the native kernel (genfn.kernels.decode_attention),
+        # a prefill's many the native one that skips the key tiles the mask hides (a causal
+        # prefill's upper half, which the library kernel computes and then masks).
         attn = decode_attention(q, keys, values, mask)
+        if attn is None:
+            attn = prefill_attention(q, keys, values, mask)
         if attn is None and grouped:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         elif attn is None:

@@ -1,0 +1,60 @@
+"""A plain Llama decoder layer over many float32 tokens per row (a prefill), with its work between
+the linears in native passes.
+
+Op by op, a 512-token SmolLM2 prefill spent ~20 % of its time in the elementwise ops between the
+linears (torch profiler, 2 threads): RMSNorm as five kernels, RoPE as ten per q and k, SwiGLU as
+a silu and a product, each a pass over the whole activation. Here each is one native pass
+(``genfn.kernels.invariant``'s row ops, ``token_ops.cpp``): the norm and the residual add fused,
+RoPE and the q/k/v split fused, silu and the product fused; attention is the native prefill
+kernel (``genfn.kernels.prefill_attention``). Every value is float32 as in the op-by-op layer
+(sums in another order: within rounding, as a prefill is promised). Which layer runs is decided
+from shapes and the spec alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invariant, linear, prefill_attention
+
+__all__ = ["takes", "prefill_layer"]
+
+
+def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
+    """Whether ``prefill_layer`` runs this layer: a plain Llama layer (no variant, no tensor
+    parallelism, a head_dim the attention kernel takes) on float32 activations of at least
+    MIN_PREFILL_QUERIES tokens per row, the native kernels built, nothing to differentiate (the
+    native ops have no backward: neither ``x`` nor a tensor of the layer may need a gradient)."""
+    return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.shape[1] >= MIN_PREFILL_QUERIES
+            and spec.head_dim % 16 == 0 and spec.head_dim <= 256
+            and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and decode_attention_available())
+
+
+def _needs_gradient(layer: Mapping[str, Any], x: torch.Tensor) -> bool:
+    return x.requires_grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in layer.values())
+
+
+def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache, slots: torch.Tensor, mask: torch.Tensor, attend_len) -> torch.Tensor:
+    """Decoder layer ``i`` on ``x [B, S, H]`` (writing its K, V at ``slots`` into the donated
+    ``cache``): the op-by-op layer's values, in fewer passes."""
+    batch, seq, hidden = x.shape
+    eps, heads, kv_heads, head_dim = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    rows = x.reshape(batch * seq, hidden)
+    qkv = linear(invariant.rms_norm(rows, layer["attn_norm"], eps), layer["wqkv"], layer.get("bqkv"))
+    q, k, v = invariant.rope_qkv(qkv, cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), heads, kv_heads)
+    q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
+    k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    keys, values = cache.write_layer(i, slots, k, v)
+    keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+    attn = prefill_attention(q, keys, values, mask)
+    if attn is None:  # a mask or cache layout the kernel does not take
+        attn = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    attn = attn.transpose(1, 2).reshape(batch * seq, heads * head_dim)
+    rows, h = invariant.add_rms_norm(rows, linear(attn, layer["wo"]), layer["mlp_norm"], eps)
+    out = rows + linear(invariant.silu_mul(linear(h, layer["w_gate_up"])), layer["w_down"])
+    return out.view(batch, seq, hidden)

@@ -1,0 +1,159 @@
+"""The dense cache's native prefill attention (genfn/kernels/prefill_attention.cpp,
+``genfn.kernels.prefill_attention``): many queries per row against a static cache's slots, equal to
+``scaled_dot_product_attention`` with the same boolean mask, never reading a tile of keys the mask
+hides from a whole tile of queries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genfn import kernels
+from genfn.cache.static import init_static_cache
+from genfn.models.llama import attention_mask
+from test_paged_native import needs_kernel
+
+
+def _case(batch, heads, kv_heads, seq, span, head_dim, *, pad=0, start=0, window=None, seed=0):
+    """q [B, H, S, D] laid out as the model's (heads transposed out of [B, S, H, D]), keys and
+    values a prefix slice of a longer cache, and the model's own mask for S queries from slot
+    ``start`` with row 0 left-padded by ``pad`` slots."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+    keys = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen)[:, :, :span]
+    values = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen)[:, :, :span]
+    cache = init_static_cache(1, batch, kv_heads, span + 8, head_dim)
+    cache.valid[:, :start + seq] = True
+    cache.valid[0, :pad] = False
+    slots = (start + torch.arange(seq)).expand(batch, seq)
+    return q, keys, values, attention_mask(cache, slots, span, window)
+
+
+def _sdpa(q, keys, values, mask):
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape, extra", [
+    ((1, 9, 3, 130, 130, 64), {}),                      # SmolLM2's heads, a partial last tile of each kind
+    ((2, 9, 3, 37, 45, 64), {"pad": 5, "start": 3}),    # left padding, slots filled before the chunk
+    ((1, 32, 8, 100, 160, 64), {"start": 60}),          # a later chunk over a filled cache
+    ((2, 4, 4, 20, 20, 128), {"pad": 19}),              # padding up to the last slot
+    ((2, 6, 2, 17, 17, 16), {}),
+    ((1, 8, 1, 33, 40, 256), {"start": 7}),
+    ((1, 4, 2, 150, 150, 32), {"window": 24}),          # a sliding window: tiles hidden on both sides
+])
+def test_prefill_attention_equals_sdpa(shape, extra):
+    q, keys, values, mask = _case(*shape, **extra)
+    out = kernels.prefill_attention(q, keys, values, mask)
+    assert out is not None and out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, _sdpa(q, keys, values, mask), atol=3e-6, rtol=3e-6)
+    # The result lies in [B, S, H, D] memory: the model's reshape to [B, S, H * D] copies nothing.
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@needs_kernel
+def test_a_tile_hidden_from_every_query_is_never_read():
+    """Causal queries 0..63 never see slots 64.. : NaN there cannot reach them (a kernel that
+    computed the hidden tile and masked afterwards would multiply NaN values by zero weights)."""
+    q, keys, values, mask = _case(1, 9, 3, 64, 192, 64, start=0)
+    mask[..., 64:] = False
+    keys, values = keys.clone(), values.clone()
+    keys[:, :, 64:], values[:, :, 64:] = float("nan"), float("nan")
+    out = kernels.prefill_attention(q, keys, values, mask)
+    clean = [t[:, :, :64] for t in (keys, values)]
+    torch.testing.assert_close(out, _sdpa(q, *clean, mask[..., :64]), atol=3e-6, rtol=3e-6)
+
+
+@needs_kernel
+def test_a_query_that_sees_nothing_gets_zeros_not_nan():
+    q, keys, values, mask = _case(2, 9, 3, 20, 20, 64)
+    mask[0, :, 3] = False
+    out = kernels.prefill_attention(q, keys, values, mask)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    torch.testing.assert_close(out[1], _sdpa(q, keys, values, mask)[1], atol=3e-6, rtol=3e-6)
+
+
+@needs_kernel
+def test_what_the_kernel_does_not_take_falls_back_to_the_caller():
+    q, keys, values, mask = _case(1, 9, 3, 20, 20, 64)
+    few = kernels.MIN_PREFILL_QUERIES - 1
+    assert kernels.prefill_attention(q[:, :, :few], keys, values, mask[:, :, :few]) is None
+    assert kernels.prefill_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(), mask) is None
+    assert kernels.prefill_attention(q, keys, values, mask.float()) is None  # an additive mask
+    with torch.enable_grad():
+        assert kernels.prefill_attention(q.requires_grad_(), keys, values, mask) is None
+
+
+@needs_kernel
+def test_bad_arguments_get_a_clear_error():
+    q, keys, values, mask = _case(1, 9, 3, 20, 20, 64)
+    op = torch.ops.genfn_kernels.prefill_attention
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        op(q, keys, values, mask.float(), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        op(q[:, :8], keys, values, mask, 0.125)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        op(q.double(), keys.double(), values.double(), mask, 0.125)
+
+
+@needs_kernel
+def test_compiled_the_op_is_one_graph_node():
+    """Inside ``torch.compile`` the op traces through its fake implementation (strides included:
+    the reshape after it sees the layout the op returns) and returns SDPA's values."""
+    q, keys, values, mask = _case(2, 9, 3, 24, 30, 64, pad=4, start=6)
+
+    def attend(q, keys, values, mask):
+        return kernels.prefill_attention(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    expected = _sdpa(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
+    torch.testing.assert_close(compiled(q, keys, values, mask), expected, atol=6e-6, rtol=6e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch, overrides", [("LlamaForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 6})])
+def test_a_padded_prefill_through_the_kernel_matches_transformers(monkeypatch, arch, overrides):
+    """A batch of left-padded 40-token prompts (past MIN_PREFILL_QUERIES, so every layer's
+    attention is the native op's): transformers' logits at every real token."""
+    from conftest import padded_prompts, tiny_pair
+    from genfn.models import llama, prefill_layer
+
+    calls = []
+
+    def counted(*args):
+        out = kernels.prefill_attention(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "prefill_attention", counted)
+    monkeypatch.setattr(prefill_layer, "prefill_attention", counted)
+    hf, gm = tiny_pair(arch, **overrides)
+    ids, mask = padded_prompts(length=40)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits, _ = gm.apply(ids, positions, gm.init_cache(ids.shape[0], 48), mask)
+    assert calls and all(calls)
+    real = mask.bool()
+    assert (expected[real] - logits[real]).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_a_layer_to_differentiate_keeps_the_op_by_op_layer():
+    """The native ops have no backward: with a norm weight that needs a gradient (or x), under
+    grad mode, the layer stays op by op."""
+    from conftest import tiny_pair
+    from genfn.models import prefill_layer
+
+    _, gm = tiny_pair()
+    layer = dict(gm.params["layers"][0])
+    x = torch.randn(1, 20, gm.spec.hidden_size)
+    with torch.no_grad():
+        assert prefill_layer.takes(gm.spec, layer, x)
+    with torch.enable_grad():
+        assert prefill_layer.takes(gm.spec, layer, x)
+        layer["attn_norm"] = layer["attn_norm"].clone().requires_grad_(True)
+        assert not prefill_layer.takes(gm.spec, layer, x)
+        assert not prefill_layer.takes(gm.spec, dict(gm.params["layers"][0]), x.clone().requires_grad_(True))
