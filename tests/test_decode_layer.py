@@ -295,25 +295,39 @@ def test_a_rows_drafts_get_the_bits_of_each_token_alone(fmt, batch, seq):
     tokens than a linear group holds), equal each token's own one-token call bit for bit."""
     dtype = torch.float32 if isinstance(fmt, str) else fmt
     layer = _quantized_layer(fmt, seed=8) if isinstance(fmt, str) else _layer(dtype, seed=8)
-    gen = torch.Generator().manual_seed(9)
+    inputs = _draft_inputs(batch, seq, HIDDEN, HEADS, KV_HEADS, dtype, seed=9)
+    # (Eager bfloat16 takes the ops inside compiled steps only; the ops themselves run here.)
+    assert decode_layer.takes(inputs[0], layer, inputs[3], HEAD_DIM) or dtype == torch.bfloat16
+    _assert_each_token_gets_its_bits_alone(layer, inputs, HEADS, KV_HEADS)
+
+
+def _draft_inputs(batch, seq, hidden, heads, kv_heads, dtype=torch.float32, seed=9):
+    """x, cos, sin, keys, values, mask and q of S tokens of each of B rows: a verification's drafts,
+    at the end of a 40-slot span of each row's cache, under a causal mask with holes."""
+    gen = torch.Generator().manual_seed(seed)
     span = 40
-    x = torch.randn(batch, seq, HIDDEN, generator=gen).to(dtype)
+    x = torch.randn(batch, seq, hidden, generator=gen).to(dtype)
     cos, sin = _positions_rope(span - seq + torch.arange(seq).expand(batch, seq), dtype)
-    keys = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
-    values = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    keys = torch.randn(batch, kv_heads, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    values = torch.randn(batch, kv_heads, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
     mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.8
     mask = mask & (torch.arange(span) <= span - seq + torch.arange(seq)[:, None])  # [B, 1, S, A], causal
-    q = torch.randn(batch * seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    # (Eager bfloat16 takes the ops inside compiled steps only; the ops themselves run here.)
-    assert decode_layer.takes(x, layer, keys, HEAD_DIM) or dtype == torch.bfloat16
-    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, HEADS, KV_HEADS)
+    q = torch.randn(batch * seq, heads, HEAD_DIM, generator=gen).to(dtype)
+    return x, cos, sin, keys, values, mask, q
+
+
+def _assert_each_token_gets_its_bits_alone(layer, inputs, heads, kv_heads):
+    """Both calls on all of ``inputs``' tokens at once equal, bit for bit, each token's own calls."""
+    x, cos, sin, keys, values, mask, q = inputs
+    batch, seq = x.shape[:2]
+    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, heads, kv_heads)
     out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
     assert out.shape == x.shape
     for b in range(batch):
         for s in range(seq):
             token = x[b:b + 1, s:s + 1]
             alone = decode_layer.attention_input(token, layer, cos[b:b + 1, s:s + 1], sin[b:b + 1, s:s + 1], EPS,
-                                                 HEADS, KV_HEADS)
+                                                 heads, kv_heads)
             assert torch.equal(qkv[b * seq + s], alone[0]), (b, s)
             alone = decode_layer.layer_output(token, q[b * seq + s:b * seq + s + 1], keys[b:b + 1], values[b:b + 1],
                                               mask[b:b + 1, :, s:s + 1], layer, EPS)
@@ -372,19 +386,6 @@ def _kquant_layer(mix, seed=10):
             "w_gate_up": w(2 * K_FFN, K_HIDDEN, "w_gate_up"), "w_down": w(K_HIDDEN, K_FFN, "w_down")}
 
 
-def _kquant_inputs(batch, seq, seed=11):
-    gen = torch.Generator().manual_seed(seed)
-    span = 40
-    x = torch.randn(batch, seq, K_HIDDEN, generator=gen)
-    cos, sin = _positions_rope(span - seq + torch.arange(seq).expand(batch, seq), torch.float32)
-    keys = torch.randn(batch, K_KV_HEADS, 64, HEAD_DIM, generator=gen)[:, :, :span]
-    values = torch.randn(batch, K_KV_HEADS, 64, HEAD_DIM, generator=gen)[:, :, :span]
-    mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.8
-    mask = mask & (torch.arange(span) <= span - seq + torch.arange(seq)[:, None])  # [B, 1, S, A], causal
-    q = torch.randn(batch * seq, K_HEADS, HEAD_DIM, generator=gen)
-    return x, cos, sin, keys, values, mask, q
-
-
 @pytest.fixture(params=["avx512", "avx2"])
 def kquant_isa(request):
     from genfn.kernels import kquant
@@ -418,7 +419,7 @@ def test_kquant_layer_equals_the_op_by_op_kquant_layer(kquant_isa, mix, batch, s
     from genfn.kernels import linear
 
     layer = _kquant_layer(mix)
-    x, cos, sin, keys, values, mask, q = _kquant_inputs(batch, seq)
+    x, cos, sin, keys, values, mask, q = _draft_inputs(batch, seq, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=11)
     assert decode_layer.kquantized(layer) and decode_layer.takes(x, layer, keys, HEAD_DIM)
     qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, K_HEADS, K_KV_HEADS)
     out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
@@ -452,19 +453,9 @@ def test_a_rows_kquant_drafts_get_the_bits_of_each_token_alone(kquant_isa, mix, 
     """test_a_rows_drafts_get_the_bits_of_each_token_alone for K-quant layers: the row kernels'
     groups of a call's tokens (11 as 6 and 5, 16 as 8 and 8) give each token its lone step's bits."""
     layer = _kquant_layer(mix, seed=12)
-    x, cos, sin, keys, values, mask, q = _kquant_inputs(batch, seq, seed=13)
-    assert decode_layer.takes(x, layer, keys, HEAD_DIM)
-    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, K_HEADS, K_KV_HEADS)
-    out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
-    for b in range(batch):
-        for s in range(seq):
-            token = x[b:b + 1, s:s + 1]
-            alone = decode_layer.attention_input(token, layer, cos[b:b + 1, s:s + 1], sin[b:b + 1, s:s + 1], EPS,
-                                                 K_HEADS, K_KV_HEADS)
-            assert torch.equal(qkv[b * seq + s], alone[0]), (b, s)
-            alone = decode_layer.layer_output(token, q[b * seq + s:b * seq + s + 1], keys[b:b + 1], values[b:b + 1],
-                                              mask[b:b + 1, :, s:s + 1], layer, EPS)
-            assert torch.equal(out[b, s], alone[0, 0]), (b, s)
+    inputs = _draft_inputs(batch, seq, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=13)
+    assert decode_layer.takes(inputs[0], layer, inputs[3], HEAD_DIM)
+    _assert_each_token_gets_its_bits_alone(layer, inputs, K_HEADS, K_KV_HEADS)
 
 
 @needs_kernel
@@ -474,7 +465,7 @@ def test_the_kquant_layer_takes_float32_and_names_bad_weights():
     if not kquant.kquant_available():
         pytest.skip(f"the K-quant kernels are {kquant.kquant_status()}")
     layer = _kquant_layer("q4_k_m")
-    x, cos, sin, keys, values, mask, q = _kquant_inputs(1, 1)
+    x, cos, sin, keys, values, mask, q = _draft_inputs(1, 1, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=11)
     assert not decode_layer.takes(x.bfloat16(), layer, keys.bfloat16(), HEAD_DIM)
     assert not decode_layer.takes(x, {**layer, "wo": layer["wo"].dequantize()}, keys, HEAD_DIM)  # mixed kinds
     ops = torch.ops.genfn_kernels
