@@ -365,7 +365,8 @@ def test_prompt_lookup_verifies_in_the_native_layer_and_keeps_greedy_tokens(tiny
 K_HEADS, K_KV_HEADS, K_HIDDEN, K_FFN = 8, 2, 512, 768
 K_MIXES = {"q4_k_m": {"wq_k": "q4_k", "wv": "q6_k", "wo": "q5_k", "w_gate_up": "q4_k", "w_down": "q6_k"},
            "q5_k": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "q5_k"),
-           "iq4_xs": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_xs")}
+           "iq4_xs": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_xs"),
+           "iq4_nl": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_nl")}
 
 
 def _kquant_layer(mix, seed=10):
