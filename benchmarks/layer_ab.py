@@ -2,11 +2,15 @@
 
     python benchmarks/layer_ab.py step bfloat16 1        # compiled decode step, native vs op by op
     python benchmarks/layer_ab.py layers bfloat16        # SmolLM2's 30 layers: native calls vs their linears
+    EAGER=1 python benchmarks/layer_ab.py step /work/models-tmp/llama-1b-q4_k_m.gguf 1   # a GGUF file, eager
 
 ``step``: SmolLM2 in the given format and batch size, ``genfn.generate(cache_implementation="static")``
 of 64 greedy tokens with the native layer and with it refused (``decode_layer.takes`` patched),
 each compiled first, then ``ROUNDS`` (env, default 12) rounds alternating the two; prints the median
-and 10th percentile of the compiled step's wall time and the median generate time per token.
+and 10th percentile of the compiled step's wall time and the median generate time per token. The
+format may be a GGUF file's path (loaded with ``quantize="gguf"``); ``EAGER=1`` runs the static
+cache's steps eagerly (no compiled step to time: generate's time per token only); ``LOOKUP=N``
+drafts up to N tokens by prompt lookup (a repetitive prompt), each round one verification.
 
 ``layers``: one decode row through all 30 layers, three ways alternated ``ROUNDS`` times: the two
 native calls per layer; only the four ``decode_linear`` calls per layer (no attention, norms or
@@ -35,9 +39,15 @@ def step_ab(dname: str, batch: int) -> None:
     import genfn.driver as driver
     from genfn.kernels import decode_layer
 
-    model = load(dname)
+    model = genfn.load(dname, quantize="gguf") if dname.endswith(".gguf") else load(dname)
     ids, mask = batch_inputs(model.tokenizer, batch, pad_id=2)
     new_tokens = 64
+    eager, lookup = os.environ.get("EAGER") == "1", int(os.environ.get("LOOKUP", "0"))
+    extra = {"disable_compile": True} if eager else {}
+    if lookup:
+        ids = ids[:, -8:].repeat(1, 4)
+        mask = torch.ones_like(ids)
+        extra["prompt_lookup_num_tokens"] = lookup
     step_times: list[float] = []
     compiled_step = driver.compiled_step
 
@@ -64,7 +74,7 @@ def step_ab(dname: str, batch: int) -> None:
         with torch.no_grad():
             return genfn.generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=2,
-                                  cache_implementation="static", max_cache_len=256)
+                                  cache_implementation="static", max_cache_len=256, **extra)
 
     tokens = {}
     for name, takes in variants.items():  # compile both
@@ -81,10 +91,11 @@ def step_ab(dname: str, batch: int) -> None:
             per_token[name].append((time.perf_counter() - start) / new_tokens * 1e3)
             steps[name] += step_times
     decode_layer.takes = native
-    print(f"# {dname} batch {batch}, {ROUNDS} rounds of {new_tokens} tokens; tokens equal: "
+    print(f"# {dname} batch {batch}{' eager' if eager else ''}{f' lookup {lookup}' if lookup else ''}, "
+          f"{ROUNDS} rounds of {new_tokens} tokens; tokens equal: "
           f"{torch.equal(tokens['native'], tokens['op-by-op'])}")
     for name in variants:
-        s = sorted(steps[name])
+        s = sorted(steps[name]) or [float("nan")]
         print(f"  {name:9s} step median {s[len(s) // 2] * 1e3:6.2f} ms  p10 {s[len(s) // 10] * 1e3:6.2f}  "
               f"generate median {statistics.median(per_token[name]):6.2f} ms/token")
 

@@ -295,25 +295,39 @@ def test_a_rows_drafts_get_the_bits_of_each_token_alone(fmt, batch, seq):
     tokens than a linear group holds), equal each token's own one-token call bit for bit."""
     dtype = torch.float32 if isinstance(fmt, str) else fmt
     layer = _quantized_layer(fmt, seed=8) if isinstance(fmt, str) else _layer(dtype, seed=8)
-    gen = torch.Generator().manual_seed(9)
+    inputs = _draft_inputs(batch, seq, HIDDEN, HEADS, KV_HEADS, dtype, seed=9)
+    # (Eager bfloat16 takes the ops inside compiled steps only; the ops themselves run here.)
+    assert decode_layer.takes(inputs[0], layer, inputs[3], HEAD_DIM) or dtype == torch.bfloat16
+    _assert_each_token_gets_its_bits_alone(layer, inputs, HEADS, KV_HEADS)
+
+
+def _draft_inputs(batch, seq, hidden, heads, kv_heads, dtype=torch.float32, seed=9):
+    """x, cos, sin, keys, values, mask and q of S tokens of each of B rows: a verification's drafts,
+    at the end of a 40-slot span of each row's cache, under a causal mask with holes."""
+    gen = torch.Generator().manual_seed(seed)
     span = 40
-    x = torch.randn(batch, seq, HIDDEN, generator=gen).to(dtype)
+    x = torch.randn(batch, seq, hidden, generator=gen).to(dtype)
     cos, sin = _positions_rope(span - seq + torch.arange(seq).expand(batch, seq), dtype)
-    keys = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
-    values = torch.randn(batch, KV_HEADS, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    keys = torch.randn(batch, kv_heads, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
+    values = torch.randn(batch, kv_heads, 64, HEAD_DIM, generator=gen).to(dtype)[:, :, :span]
     mask = torch.rand(batch, 1, 1, span, generator=gen) < 0.8
     mask = mask & (torch.arange(span) <= span - seq + torch.arange(seq)[:, None])  # [B, 1, S, A], causal
-    q = torch.randn(batch * seq, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    # (Eager bfloat16 takes the ops inside compiled steps only; the ops themselves run here.)
-    assert decode_layer.takes(x, layer, keys, HEAD_DIM) or dtype == torch.bfloat16
-    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, HEADS, KV_HEADS)
+    q = torch.randn(batch * seq, heads, HEAD_DIM, generator=gen).to(dtype)
+    return x, cos, sin, keys, values, mask, q
+
+
+def _assert_each_token_gets_its_bits_alone(layer, inputs, heads, kv_heads):
+    """Both calls on all of ``inputs``' tokens at once equal, bit for bit, each token's own calls."""
+    x, cos, sin, keys, values, mask, q = inputs
+    batch, seq = x.shape[:2]
+    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, heads, kv_heads)
     out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
     assert out.shape == x.shape
     for b in range(batch):
         for s in range(seq):
             token = x[b:b + 1, s:s + 1]
             alone = decode_layer.attention_input(token, layer, cos[b:b + 1, s:s + 1], sin[b:b + 1, s:s + 1], EPS,
-                                                 HEADS, KV_HEADS)
+                                                 heads, kv_heads)
             assert torch.equal(qkv[b * seq + s], alone[0]), (b, s)
             alone = decode_layer.layer_output(token, q[b * seq + s:b * seq + s + 1], keys[b:b + 1], values[b:b + 1],
                                               mask[b:b + 1, :, s:s + 1], layer, EPS)
@@ -343,3 +357,126 @@ def test_prompt_lookup_verifies_in_the_native_layer_and_keeps_greedy_tokens(tiny
     assert any(seq > 1 and took for seq, took in seqs)  # verifications ran in the fused layer
     assert looked_up.acceptance["total_accepted"] > 0
     assert torch.equal(looked_up.sequences, greedy.sequences)
+
+
+# GGUF K-quant layers: every linear K-quant rows, as a Q4_K_M file mixes them (q/k Q4_K stacked
+# beside a Q6_K v, o Q5_K, gate/up Q4_K, down Q6_K), or all of one format. K-quant rows need inputs
+# in multiples of 256 (576 is not): a layer of 512 wide, 8 heads over 2 kv heads.
+K_HEADS, K_KV_HEADS, K_HIDDEN, K_FFN = 8, 2, 512, 768
+K_MIXES = {"q4_k_m": {"wq_k": "q4_k", "wv": "q6_k", "wo": "q5_k", "w_gate_up": "q4_k", "w_down": "q6_k"},
+           "q5_k": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "q5_k"),
+           "iq4_xs": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_xs"),
+           "iq4_nl": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_nl")}
+
+
+def _kquant_layer(mix, seed=10):
+    from genfn.quant.kquants import cat_k, quantize_k
+    from genfn.quant.stack import RowStack
+
+    gen = torch.Generator().manual_seed(seed)
+    formats = K_MIXES[mix]
+
+    def w(rows, cols, name):
+        return quantize_k(torch.randn(rows, cols, generator=gen) * 0.05, formats[name])
+
+    q_k_rows, v_rows = (K_HEADS + K_KV_HEADS) * HEAD_DIM, K_KV_HEADS * HEAD_DIM
+    wq_k, wv = w(q_k_rows, K_HIDDEN, "wq_k"), w(v_rows, K_HIDDEN, "wv")
+    wqkv = RowStack((wq_k, wv)) if wq_k.format != wv.format else cat_k([wq_k, wv])  # as the loader fuses them
+    return {"attn_norm": 1 + torch.randn(K_HIDDEN, generator=gen) * 0.1, "wqkv": wqkv,
+            "wo": w(K_HIDDEN, K_HEADS * HEAD_DIM, "wo"), "mlp_norm": 1 + torch.randn(K_HIDDEN, generator=gen) * 0.1,
+            "w_gate_up": w(2 * K_FFN, K_HIDDEN, "w_gate_up"), "w_down": w(K_HIDDEN, K_FFN, "w_down")}
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def kquant_isa(request):
+    from genfn.kernels import kquant
+
+    if not kquant.kquant_available():
+        pytest.skip(f"the K-quant kernels are {kquant.kquant_status()}")
+    if request.param == "avx512" and torch.ops.genfn_kquant.kquant_isa() < 2:
+        pytest.skip("this CPU has no AVX-512 path (the avx2 case runs its AVX2 path)")
+    kquant.force_isa(request.param)
+    yield request.param
+    kquant.force_isa(None)
+
+
+def _serial_rms_norm(x, weight):
+    """The fused layer's RMS norm: each row's squares summed one after another in float32 (torch's
+    mean sums them in another order, a last bit apart, which can move an 8-bit input code)."""
+    rows = x.reshape(-1, x.shape[-1])
+    squares = torch.zeros(rows.shape[0])
+    for e in range(rows.shape[1]):
+        squares = squares + rows[:, e] * rows[:, e]
+    r = 1 / torch.sqrt(squares / rows.shape[1] + EPS)
+    return (weight * (rows * r[:, None])).view(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mix", list(K_MIXES))
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (8, 1), (2, 6)])
+def test_kquant_layer_equals_the_op_by_op_kquant_layer(kquant_isa, mix, batch, seq):
+    """The op-by-op layer's kquant_linear calls (each a RowStack part's own) between float32
+    elementwise ops: given the fused layer's norm, its q/k/v projection bit for bit."""
+    from genfn.kernels import linear
+
+    layer = _kquant_layer(mix)
+    x, cos, sin, keys, values, mask, q = _draft_inputs(batch, seq, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=11)
+    assert decode_layer.kquantized(layer) and decode_layer.takes(x, layer, keys, HEAD_DIM)
+    qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, K_HEADS, K_KV_HEADS)
+    out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
+    rows = batch * seq
+    expected = linear(_serial_rms_norm(x, layer["attn_norm"]), layer["wqkv"]).reshape(rows, -1)
+    q_size, kv_size = K_HEADS * HEAD_DIM, K_KV_HEADS * HEAD_DIM
+    qr, k, v = expected.split([q_size, kv_size, kv_size], dim=-1)
+    rope = (cos.reshape(rows, 1, HEAD_DIM), sin.reshape(rows, 1, HEAD_DIM))  # each row a batch of one token
+    qr = apply_rope(qr.view(rows, 1, K_HEADS, HEAD_DIM).transpose(1, 2), *rope).transpose(1, 2)
+    k = apply_rope(k.view(rows, 1, K_KV_HEADS, HEAD_DIM).transpose(1, 2), *rope).transpose(1, 2)
+    assert torch.equal(qkv[:, q_size + kv_size:], v)  # the same row kernels on the same 8-bit codes
+    # The layer's RoPE rounds a * cos - b * sin once (the compiler fuses a multiply-add), torch twice.
+    torch.testing.assert_close(qkv[:, :q_size + kv_size], torch.cat([qr.reshape(rows, -1), k.reshape(rows, -1)], -1),
+                               atol=1e-6, rtol=1e-6)
+    attn = F.scaled_dot_product_attention(q.view(batch, seq, K_HEADS, HEAD_DIM).transpose(1, 2), keys, values,
+                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    x1 = x + linear(attn.reshape(batch, seq, -1), layer["wo"])
+    gate, up = linear(_serial_rms_norm(x1, layer["mlp_norm"]), layer["w_gate_up"]).chunk(2, dim=-1)
+    expected_out = x1 + linear(F.silu(gate) * up, layer["w_down"])
+    # The rest is the same linears between ops whose float32 differs in a last bit (SDPA's softmax,
+    # the layer's SiLU within 2 ulp of expf), and each last bit can move an 8-bit input code by a
+    # step: outputs move by ~1e-3 then; a wrong part, row or scale moves them by their own size (~1).
+    torch.testing.assert_close(out, expected_out, atol=2e-2, rtol=0)
+    assert (out - expected_out).abs().mean() < 5e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("mix", list(K_MIXES))
+@pytest.mark.parametrize("batch, seq", [(1, 11), (1, 16), (3, 5)])
+def test_a_rows_kquant_drafts_get_the_bits_of_each_token_alone(kquant_isa, mix, batch, seq):
+    """test_a_rows_drafts_get_the_bits_of_each_token_alone for K-quant layers: the row kernels'
+    groups of a call's tokens (11 as 6 and 5, 16 as 8 and 8) give each token its lone step's bits."""
+    layer = _kquant_layer(mix, seed=12)
+    inputs = _draft_inputs(batch, seq, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=13)
+    assert decode_layer.takes(inputs[0], layer, inputs[3], HEAD_DIM)
+    _assert_each_token_gets_its_bits_alone(layer, inputs, K_HEADS, K_KV_HEADS)
+
+
+@needs_kernel
+def test_the_kquant_layer_takes_float32_and_names_bad_weights():
+    from genfn.kernels import kquant
+
+    if not kquant.kquant_available():
+        pytest.skip(f"the K-quant kernels are {kquant.kquant_status()}")
+    layer = _kquant_layer("q4_k_m")
+    x, cos, sin, keys, values, mask, q = _draft_inputs(1, 1, K_HIDDEN, K_HEADS, K_KV_HEADS, seed=11)
+    assert not decode_layer.takes(x.bfloat16(), layer, keys.bfloat16(), HEAD_DIM)
+    assert not decode_layer.takes(x, {**layer, "wo": layer["wo"].dequantize()}, keys, HEAD_DIM)  # mixed kinds
+    ops = torch.ops.genfn_kernels
+    wqkv = layer["wqkv"].parts
+    with pytest.raises(RuntimeError, match="decode_attention_input_kquant: wqkv's formats must be"):
+        ops.decode_attention_input_kquant(x[:, 0], layer["attn_norm"], [p.data for p in wqkv], [0, 9], cos[:, 0],
+                                          sin[:, 0], EPS, K_HEADS, K_KV_HEADS)
+    with pytest.raises(RuntimeError, match="decode_attention_input_kquant: wqkv must have 768 rows in all"):
+        ops.decode_attention_input_kquant(x[:, 0], layer["attn_norm"], [wqkv[0].data], [0], cos[:, 0], sin[:, 0],
+                                          EPS, K_HEADS, K_KV_HEADS)
+    short = {**layer, "w_down": layer["wo"]}  # [512, 512] where [512, 768] belongs
+    with pytest.raises(RuntimeError, match="decode_layer_output_kquant: w_down's part 0 must be uint8"):
+        decode_layer.layer_output(x, q, keys, values, mask, short, EPS)

@@ -282,3 +282,35 @@ def test_compiled_step_runs_the_k_quant_kernel_and_embedding_lookup(kquant_file)
     eager = genfn.generate(model, prompt, disable_compile=True, **kw)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_a_k_quant_static_cache_decode_takes_the_fused_layer_and_keeps_its_tokens(kquant_file, monkeypatch):
+    """Every decode step of the Q4_K_M-like file (q/k Q4_K beside a Q6_K v, o Q5_K, down Q6_K) runs
+    the fused K-quant layer, with the op-by-op layer's greedy tokens; prompt lookup verifies its
+    drafts in the fused layer, each as its own step, and keeps greedy's tokens."""
+    from genfn.kernels import decode_layer
+
+    if not kernels.decode_linear_available():
+        pytest.skip(f"the decode kernels are {kernels.kernel_status()}")
+    model = genfn.load(kquant_file, quantize="gguf")
+    # 18 tokens, a prefill on either side (up to 16 would take the fused layer's row kernels, whose
+    # bits differ from the op-by-op GEMM's at 16 rows by a few ulp).
+    prompt = torch.tensor([[5, 17, 3, 88, 41, 9, 250, 7, 5, 17, 3, 88, 41, 9, 250, 7, 5, 17]])
+
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, cache_implementation="static", max_cache_len=48, disable_compile=True)
+    calls = []
+    takes = decode_layer.takes
+    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
+    fused = genfn.generate(model, prompt, **kw)
+    assert calls and all(took for seq, took in calls if seq == 1)
+    looked_up = genfn.generate(model, prompt, prompt_lookup_num_tokens=6, **{**kw, "output_logits": False})
+    assert any(seq > 1 and took for seq, took in calls)  # verifications ran in the fused layer
+    assert torch.equal(looked_up.sequences, fused.sequences)
+    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    plain = genfn.generate(model, prompt, **kw)
+    assert torch.equal(fused.sequences, plain.sequences)
+    # The layer's norm, RoPE and SiLU round a last bit otherwise than torch's ops, which can move an
+    # 8-bit activation code by a step: the logits are close, not equal.
+    torch.testing.assert_close(torch.stack(fused.logits), torch.stack(plain.logits), atol=2e-3, rtol=2e-3)

@@ -115,6 +115,15 @@ def _register_fake() -> None:
           gate_up_scales, gate_up_mins, gate_up_kind, down_codes, down_scales, down_mins, down_kind, eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input_kquant")
+    def _(x, norm, wqkv, formats, cos, sin, eps, heads, kv_heads):
+        return x.new_empty((x.shape[0], (heads + 2 * kv_heads) * cos.shape[-1]))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_layer_output_kquant")
+    def _(x, q, keys, values, visible, wo, wo_formats, mlp_norm, w_gate_up, gate_up_formats, w_down, down_formats,
+          eps, scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")
     def _(x, mlp_norm, codes, scales, mins, kind, out_features, eps):
         return x.new_empty((x.shape[0], out_features // 2))

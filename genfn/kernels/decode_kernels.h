@@ -59,17 +59,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// The most rows of x the decode kernels take (genfn.kernels.MAX_DECODE_ROWS); more is a GEMM.
-constexpr int64_t kMaxDecodeRows = 8;
-
-// The rows of each group when M rows of x run in groups of at most kMaxDecodeRows: as even as they
-// split (11 rows as 6 and 5, not 8 and 3, whose 3-row tile has too few accumulators to hide the
-// multiply-add latency). A row's sums do not depend on its group.
-inline int64_t group_size(int64_t M) {
-  const int64_t groups = (M + kMaxDecodeRows - 1) / kMaxDecodeRows;
-  return (M + groups - 1) / groups;
-}
-
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
 

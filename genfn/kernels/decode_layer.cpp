@@ -22,12 +22,22 @@
 // quant_linear's, every thread quantizing the linear's input itself and summing an even run of
 // the weight's tiles.
 //
+// The `_kquant` forms take GGUF K-quant rows (Q4_K, Q5_K, Q6_K, IQ4; a linear may stack parts in
+// several formats, as a Q4_K_M file's q/k beside a Q6_K v) with float32 activations: each linear is
+// kquant_linear's row kernels on the same Q8_K-quantized input, so a token gets their bits. The
+// split sits at the row kernels: this layer (its attention and elementwise work, AVX-512 like the
+// rest of this library) is the one layer of all weight kinds, while the K-quant kernels stay in
+// their own library, whose per-function AVX-512/AVX2 paths and forced path (kquant.force_isa) the
+// op-by-op linear takes too; it hands this library its per-thread entry points (kquant.h's
+// LayerEntry: prepare, quantize a share of x, sum a share of the rows).
+//
 //   decode_mlp_input_quant: h = rms_norm(x1) * w; g, u = h @ w_gate_up.T; act = silu(g) * u: the
 //                           middle of decode_layer_output, the same code, for a tensor-parallel
 //                           rank, which sums the o and down projections over the ranks between.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -37,6 +47,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "kquant.h"
 
 namespace {
 
@@ -148,6 +159,30 @@ struct QuantLinear {
   }
 };
 
+// GGUF K-quant rows (Q4_K, Q5_K, Q6_K, IQ4; a matrix may stack parts in several formats) against
+// float32 activations: kquant_linear's row kernels, which live in the K-quant library
+// (kquant_linear.cpp, its own ISA per function) and are reached through its entry table.
+const genfn::kquant::LayerEntry& kquant_entry() {
+  static const genfn::kquant::LayerEntry* entry = [] {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("genfn_kquant::kquant_layer_entry", "");
+    const auto* found = reinterpret_cast<const genfn::kquant::LayerEntry*>(op.typed<int64_t()>().call());
+    TORCH_CHECK(found->size == static_cast<int64_t>(sizeof(genfn::kquant::SharedLinear)),
+                "the K-quant kernels were built from another kquant.h than the decode kernels");
+    return found;
+  }();
+  return *entry;
+}
+
+struct KQuantLinear {
+  genfn::kquant::SharedLinear shared;
+  void prepare(int64_t M, int64_t, int64_t team) { kquant_entry().prepare(shared, M, team); }
+  void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team) {
+    kquant_entry().quantize_share(shared, x, t, team);
+#pragma omp barrier
+    kquant_entry().rows_share(shared, y, t);
+  }
+};
+
 template <typename T, typename Linear>
 void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
                      int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv) {
@@ -250,10 +285,16 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
   }
 }
 
-void check_rows(const at::Tensor& x, const char* op, bool quantized) {
+// The layer's weights: plain (float32 or bfloat16 x), tiles16 blocks (float32 x and VNNI), K-quant
+// rows (float32 x; the K-quant kernels pick their own path).
+enum class Weights { kPlain, kTiles, kKQuant };
+
+void check_rows(const at::Tensor& x, const char* op, Weights weights) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows, op,
               ": x must be [M, hidden] with 1 <= M <= ", kMaxLayerRows, ", got ", x.sizes());
-  if (quantized) {
+  if (weights == Weights::kKQuant) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 activations; got ", x.scalar_type());
+  } else if (weights == Weights::kTiles) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && genfn_kernels::cpu_has_avx512_vnni(), op,
                 ": float32 activations on a CPU with AVX512_VNNI; got ", x.scalar_type());
   } else {
@@ -297,8 +338,8 @@ struct AttentionInputSizes {
 
 AttentionInputSizes check_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& cos,
                                           const at::Tensor& sin, int64_t heads, int64_t kv_heads, const char* op,
-                                          bool quantized) {
-  check_rows(x, op, quantized);
+                                          Weights weights) {
+  check_rows(x, op, weights);
   const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
@@ -312,7 +353,7 @@ at::Tensor decode_attention_input(const at::Tensor& x, const at::Tensor& norm, c
                                   const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
                                   int64_t kv_heads) {
   const char* op = "decode_attention_input";
-  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, false);
+  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, Weights::kPlain);
   check_weight(wqkv, x, N, E, op, "wqkv");
   const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), wc = wqkv.contiguous(), cc = cos.contiguous(),
                    sc = sin.contiguous();
@@ -336,7 +377,7 @@ at::Tensor decode_attention_input_quant(const at::Tensor& x, const at::Tensor& n
                                         const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
                                         int64_t kv_heads) {
   const char* op = "decode_attention_input_quant";
-  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, true);
+  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, Weights::kTiles);
   QuantLinear linear{quant_weight(codes, scales, mins, kind, N, E, op, "wqkv")};
   const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor qkv = at::empty({M, N}, x.options());
@@ -388,7 +429,7 @@ at::Tensor decode_layer_output(const at::Tensor& x, const at::Tensor& q, const a
                                const at::Tensor& mlp_norm, const at::Tensor& w_gate_up, const at::Tensor& w_down,
                                double eps, double scale) {
   const char* op = "decode_layer_output";
-  check_rows(x, op, false);
+  check_rows(x, op, Weights::kPlain);
   check_layer_output(x, q, keys, values, visible, mlp_norm, op);
   const int64_t E = x.size(1), F = w_down.size(1);
   check_weight(wo, x, E, q.size(1) * q.size(2), op, "wo");
@@ -412,7 +453,7 @@ at::Tensor decode_layer_output_quant(
     int64_t gate_up_kind, const at::Tensor& down_codes, const at::Tensor& down_scales,
     const c10::optional<at::Tensor>& down_mins, int64_t down_kind, double eps, double scale) {
   const char* op = "decode_layer_output_quant";
-  check_rows(x, op, true);
+  check_rows(x, op, Weights::kTiles);
   check_layer_output(x, q, keys, values, visible, mlp_norm, op);
   const int64_t E = x.size(1);
   TORCH_CHECK(down_codes.dim() == 3, op, ": w_down's codes must be [tiles, blocks, bytes]");
@@ -428,7 +469,7 @@ at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_nor
                                   const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t kind,
                                   int64_t out_features, double eps) {
   const char* op = "decode_mlp_input_quant";
-  check_rows(x, op, true);
+  check_rows(x, op, Weights::kTiles);
   const int64_t M = x.size(0), E = x.size(1), F = out_features / 2;
   TORCH_CHECK(out_features > 0 && out_features % 2 == 0, op, ": w_gate_up's rows must be even, got ", out_features);
   TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
@@ -446,6 +487,78 @@ at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_nor
             act.data_ptr<float>(), static_cast<int64_t>(omp_get_thread_num()),
             static_cast<int64_t>(omp_get_num_threads()));
   return act;
+}
+
+// linear: a K-quant matrix of [rows, cols] from its parts (uint8 [part rows, row bytes] in
+// formats[p]), checked; `keep` holds the contiguous parts the call reads.
+void kquant_weight(KQuantLinear& linear, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& formats,
+                   int64_t rows, int64_t cols, const char* op, const char* name, std::vector<at::Tensor>& keep) {
+  using namespace genfn::kquant;
+  TORCH_CHECK(!parts.empty() && parts.size() <= SharedLinear::kMaxParts && parts.size() == formats.size(), op, ": ",
+              name, " must be 1 to ", SharedLinear::kMaxParts, " parts with a format each, got ", parts.size(),
+              " parts and ", formats.size(), " formats");
+  SharedLinear& s = linear.shared;
+  s.K = cols;
+  int64_t total = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int64_t f = formats[p];
+    TORCH_CHECK(f >= kQ4K && f <= kLastFormat, op, ": ", name, "'s formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), ",
+                "3 (iq4_nl) or 4 (iq4_xs), got ", f);
+    const int64_t block = block_inputs(f), row_bytes = cols / block * block_bytes(f);
+    const at::Tensor& part = parts[p];
+    TORCH_CHECK(cols % block == 0 && part.dim() == 2 && part.scalar_type() == at::kByte && part.size(1) == row_bytes &&
+                    part.device().is_cpu(),
+                op, ": ", name, "'s part ", p, " must be uint8 [rows, ", row_bytes, "] (", cols,
+                " inputs in format ", f, "), got ", part.sizes(), " ", part.scalar_type());
+    keep.push_back(part.contiguous());
+    s.parts[p] = {keep.back().data_ptr<uint8_t>(), f, part.size(0)};
+    total += part.size(0);
+  }
+  s.count = static_cast<int64_t>(parts.size());
+  TORCH_CHECK(total == rows, op, ": ", name, " must have ", rows, " rows in all, got ", total);
+}
+
+int64_t kquant_rows(const std::vector<at::Tensor>& parts) {
+  int64_t rows = 0;
+  for (const auto& part : parts) rows += part.size(0);
+  return rows;
+}
+
+at::Tensor decode_attention_input_kquant(const at::Tensor& x, const at::Tensor& norm,
+                                         const std::vector<at::Tensor>& wqkv, const std::vector<int64_t>& formats,
+                                         const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
+                                         int64_t kv_heads) {
+  const char* op = "decode_attention_input_kquant";
+  const auto [M, E, N, D] = check_attention_input(x, norm, cos, sin, heads, kv_heads, op, Weights::kKQuant);
+  std::vector<at::Tensor> keep;
+  keep.reserve(genfn::kquant::SharedLinear::kMaxParts);
+  KQuantLinear linear;
+  kquant_weight(linear, wqkv, formats, N, E, op, "wqkv", keep);
+  const at::Tensor xc = x.contiguous(), nc = norm.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor qkv = at::empty({M, N}, x.options());
+  attention_input(xc.data_ptr<float>(), nc.data_ptr<float>(), linear, cc.data_ptr<float>(), sc.data_ptr<float>(), M,
+                  E, N, heads, kv_heads, D, static_cast<float>(eps), qkv.data_ptr<float>());
+  return qkv;
+}
+
+at::Tensor decode_layer_output_kquant(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
+                                      const at::Tensor& values, const at::Tensor& visible,
+                                      const std::vector<at::Tensor>& wo, const std::vector<int64_t>& wo_formats,
+                                      const at::Tensor& mlp_norm, const std::vector<at::Tensor>& w_gate_up,
+                                      const std::vector<int64_t>& gate_up_formats,
+                                      const std::vector<at::Tensor>& w_down, const std::vector<int64_t>& down_formats,
+                                      double eps, double scale) {
+  const char* op = "decode_layer_output_kquant";
+  check_rows(x, op, Weights::kKQuant);
+  check_layer_output(x, q, keys, values, visible, mlp_norm, op);
+  const int64_t E = x.size(1), F = kquant_rows(w_gate_up) / 2;
+  std::vector<at::Tensor> keep;
+  keep.reserve(3 * genfn::kquant::SharedLinear::kMaxParts);  // no reallocation: the linears point into it
+  KQuantLinear o, gate_up, down;
+  kquant_weight(o, wo, wo_formats, E, q.size(1) * q.size(2), op, "wo", keep);
+  kquant_weight(gate_up, w_gate_up, gate_up_formats, 2 * F, E, op, "w_gate_up", keep);
+  kquant_weight(down, w_down, down_formats, E, F, op, "w_down", keep);
+  return run_layer_output<float>(x, q, keys, values, visible, o, mlp_norm, gate_up, down, F, eps, scale);
 }
 
 }  // namespace
@@ -473,6 +586,13 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
         "Tensor gate_up_scales, Tensor? gate_up_mins, int gate_up_kind, Tensor down_codes, Tensor down_scales, "
         "Tensor? down_mins, int down_kind, float eps, float scale) -> Tensor",
         any_layout);
+  m.def("decode_attention_input_kquant(Tensor x, Tensor norm, Tensor[] wqkv, int[] formats, Tensor cos, "
+        "Tensor sin, float eps, int heads, int kv_heads) -> Tensor",
+        any_layout);
+  m.def("decode_layer_output_kquant(Tensor x, Tensor q, Tensor keys, Tensor values, Tensor visible, Tensor[] wo, "
+        "int[] wo_formats, Tensor mlp_norm, Tensor[] w_gate_up, int[] gate_up_formats, Tensor[] w_down, "
+        "int[] down_formats, float eps, float scale) -> Tensor",
+        any_layout);
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
@@ -481,4 +601,6 @@ TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("decode_attention_input_quant", &decode_attention_input_quant);
   m.impl("decode_layer_output_quant", &decode_layer_output_quant);
   m.impl("decode_mlp_input_quant", &decode_mlp_input_quant);
+  m.impl("decode_attention_input_kquant", &decode_attention_input_kquant);
+  m.impl("decode_layer_output_kquant", &decode_layer_output_kquant);
 }

@@ -9,7 +9,12 @@ bfloat16 step. The numbers are those of the op-by-op compiled layer (the same li
 attention kernels; elementwise work in float32, rounded where the model code rounds).
 
 Block-quantized layers (``QuantizedWeight`` linears, float32 activations) take the ``_quant``
-forms of both ops: the same layer around ``quant_linear``'s arithmetic.
+forms of both ops: the same layer around ``quant_linear``'s arithmetic. GGUF K-quant layers (every
+linear a ``KQuantWeight`` of Q4_K/Q5_K/Q6_K/IQ4, or a ``RowStack`` of them, as a Q4_K_M file's q/k
+beside a Q6_K v) take the ``_kquant`` forms: the same layer around ``kquant_linear``'s row kernels,
+which stay in the K-quant library (built per function for AVX-512 or AVX2) and are reached through
+its entry table (``kquant.h``'s ``LayerEntry``), so each token gets the bits the op-by-op row
+kernels give it.
 
 :func:`takes` says whether a layer's decode step can run here; the model code falls back to
 its op-by-op layer otherwise (prefill, biased or mixed weights, a dtype, grad, no kernels).
@@ -21,10 +26,12 @@ from typing import Any, Mapping
 
 import torch
 
-from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, native
+from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, kquant, native
+from genfn.quant.kquants import FORMAT_ID, KQuantWeight
+from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["takes", "quantized", "attention_input", "layer_output", "mlp_input"]
+__all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input"]
 
 # The most tokens one call takes (decode_layer.cpp's kMaxLayerRows): a decode step's rows, or a
 # speculative verification's positions (each of them the bits of a step of that token alone).
@@ -46,12 +53,32 @@ def quantized(layer: Mapping[str, Any]) -> bool:
                and layer[n].device.type == "cpu" for n in _LINEARS)
 
 
+# The most row ranges in other formats one K-quant linear may stack (kquant.h's SharedLinear::kMaxParts).
+_MAX_KQUANT_PARTS = 4
+
+
+def _kquant_parts(weight) -> tuple | None:
+    """A linear's K-quant parts (one, or a ``RowStack``'s), or None where it is not all K-quant on the CPU."""
+    parts = weight.parts if isinstance(weight, RowStack) else (weight,)
+    if len(parts) > _MAX_KQUANT_PARTS or not all(isinstance(p, KQuantWeight) and p.device.type == "cpu"
+                                                 for p in parts):
+        return None
+    return parts
+
+
+def kquantized(layer: Mapping[str, Any]) -> bool:
+    """Whether every linear of ``layer`` is GGUF K-quant rows (a ``KQuantWeight``, or a ``RowStack`` of
+    them) that the ``_kquant`` form reads with the native K-quant kernels."""
+    # Where the decode kernels load (AVX-512) the K-quant kernels have a path: only their library is asked.
+    return all(_kquant_parts(layer.get(n)) for n in _LINEARS) and kquant.kquant_available()
+
+
 def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_dim: int) -> bool:
     """Whether ``layer``'s step on ``x [B, S, hidden]`` (S tokens of each row, a decode step's one or a
     verification's drafts) runs natively: float32, or bfloat16 inside a compiled step on a CPU with
     AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
-    block-quantized with float32 ``x`` on a CPU with AVX512_VNNI; no q/k/v bias; the cache in ``x``'s
-    dtype; nothing to differentiate."""
+    block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
+    float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
     dtype = x.dtype
     if (x.dim() != 3 or dtype not in MAX_DECODE_ROWS or x.shape[0] * x.shape[1] > MAX_LAYER_ROWS
             or x.device.type != "cpu"):
@@ -63,6 +90,10 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
     if quantized(layer):
         if dtype != torch.float32 or not _VNNI:
+            return False
+        plain = _NORMS
+    elif kquantized(layer):
+        if dtype != torch.float32:
             return False
         plain = _NORMS
     elif dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
@@ -92,6 +123,9 @@ def attention_input(x: torch.Tensor, layer: Mapping[str, Any], cos: torch.Tensor
     ``cos, sin [B, S, D]``."""
     rows, cos, sin = x.reshape(-1, x.shape[-1]), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
     wqkv = layer["wqkv"]
+    if _kquant_parts(wqkv):
+        return _ops().decode_attention_input_kquant(rows, layer["attn_norm"], *_kquant_args(wqkv), cos, sin, eps,
+                                                    heads, kv_heads)
     if isinstance(wqkv, QuantizedWeight):
         return _ops().decode_attention_input_quant(rows, layer["attn_norm"], *_parts(wqkv), cos, sin, eps, heads,
                                                    kv_heads)
@@ -103,6 +137,14 @@ def _parts(weight: QuantizedWeight) -> tuple:
     return weight.codes, weight.scales, weight.mins, weight.kind
 
 
+def _kquant_args(weight) -> tuple[list, list]:
+    """A K-quant linear as the ``_kquant`` ops take it: its parts' rows and their formats (the K-quant
+    library loaded: the ops find its row kernels through it)."""
+    kquant.kquant_available()
+    parts = _kquant_parts(weight)
+    return [p.data for p in parts], [FORMAT_ID[p.format] for p in parts]
+
+
 def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                  layer: Mapping[str, Any], eps: float) -> torch.Tensor:
     """The layer's new residual stream ``[B, S, hidden]``: each of ``q [B * S, H, D]`` attends its
@@ -110,7 +152,11 @@ def layer_output(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: t
     output projection, the MLP and both residual adds."""
     hidden = x.shape[-1]
     rows, visible, scale = x.reshape(-1, hidden), mask.reshape(-1, mask.shape[-1]), q.shape[-1] ** -0.5
-    if isinstance(layer["wo"], QuantizedWeight):
+    if _kquant_parts(layer["wo"]):
+        out = _ops().decode_layer_output_kquant(
+            rows, q, keys, values, visible, *_kquant_args(layer["wo"]), layer["mlp_norm"],
+            *_kquant_args(layer["w_gate_up"]), *_kquant_args(layer["w_down"]), eps, scale)
+    elif isinstance(layer["wo"], QuantizedWeight):
         out = _ops().decode_layer_output_quant(
             rows, q, keys, values, visible, *_parts(layer["wo"]), layer["mlp_norm"], *_parts(layer["w_gate_up"]),
             *_parts(layer["w_down"]), eps, scale)

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "row_queue.h"
+
 #define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
 #define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
@@ -70,6 +72,42 @@ bool gemm_takes(int64_t format, int64_t rows);
 void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa);
 // The fewest rows of x the GEMM takes (rows <= 0: the default); returns the count now in force.
 int64_t set_gemm_min_rows(int64_t rows);
+
+// A K-quant matrix multiplied inside a parallel region that another library opens: the decode
+// library's fused layer (decode_layer.cpp) runs its linears through this, and kquant_linear's
+// row-kernel path runs on it too, so a row's numbers are those of the row kernels either way.
+// The matrix is up to kMaxParts row ranges stacked, each in its own format (a Q4_K_M file's q/k
+// in Q4_K beside v in Q6_K): x is quantized once per layout the parts read (order, block), and the
+// rows of all parts shared out together. The caller fills parts, count and K; then prepare before
+// the region, and in it every thread calls quantize_share, meets the others at a barrier, and
+// calls rows_share.
+struct MatrixPart {
+  const uint8_t* w;  // rows [rows, K / block_inputs(format) * block_bytes(format)], contiguous
+  int64_t format, rows;
+};
+struct SharedLinear {
+  static constexpr int kMaxParts = 4;
+  MatrixPart parts[kMaxParts];
+  int64_t count = 0, K = 0;
+  // prepare's: M rows of x in `groups` groups of `per` (the last may hold fewer), the parts' first
+  // output rows, each part's row functions and the layout of x it reads.
+  int64_t M = 0, per = 0, groups = 0, chunk = 1, layouts = 0;
+  int64_t first[kMaxParts + 1] = {}, row_bytes[kMaxParts] = {}, blocks[kMaxParts] = {}, layout_of[kMaxParts] = {};
+  RowFn full[kMaxParts] = {}, last[kMaxParts] = {};
+  int64_t block[kMaxParts] = {};
+  Order order[kMaxParts] = {};
+  ActivationsK x[kMaxParts];
+  genfn_kernels::RowQueue queue;
+};
+// The K-quant library's entry points for SharedLinear. The decode library is built with AVX-512
+// flags and these kernels without, and torch loads each library on its own (RTLD_LOCAL), so
+// neither links the other: the decode library asks the op kquant_layer_entry for this table.
+struct LayerEntry {
+  int64_t size;  // sizeof(SharedLinear) in the K-quant library's build, which the caller checks
+  void (*prepare)(SharedLinear& s, int64_t M, int64_t threads);
+  void (*quantize_share)(SharedLinear& s, const float* x, int64_t t, int64_t team);
+  void (*rows_share)(SharedLinear& s, float* y, int64_t t);
+};
 
 __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 

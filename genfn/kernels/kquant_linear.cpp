@@ -361,6 +361,82 @@ RowFn pick(Isa isa, int64_t format, int rows) {
 
 Isa active_isa() { return forced_isa != kNone ? forced_isa : kBestIsa; }
 
+// ---------------------------------------------------------------------------------------------
+// SharedLinear (kquant.h): the row kernels inside a parallel region, the op's and the fused layer's
+
+// The most rows of x a row function takes at once.
+constexpr int64_t kMaxRowsAtOnce = genfn_kernels::kMaxDecodeRows;
+
+void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
+  const Isa isa = active_isa();
+  TORCH_CHECK(isa != kNone, "the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512)");
+  TORCH_CHECK(s.count >= 1 && s.count <= SharedLinear::kMaxParts, "a K-quant matrix of 1 to ",
+              SharedLinear::kMaxParts, " parts, got ", s.count);
+  s.M = M;
+  s.per = genfn_kernels::group_size(M);
+  s.groups = (M + s.per - 1) / s.per;
+  const int rows_last = static_cast<int>(M - (s.groups - 1) * s.per);
+  s.layouts = 0;
+  int64_t widest = 1;
+  for (int64_t p = 0; p < s.count; ++p) {
+    const int64_t f = s.parts[p].format, block = block_inputs(f);
+    TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
+                " inputs");
+    s.first[p + 1] = s.first[p] + s.parts[p].rows;
+    s.blocks[p] = s.K / block;
+    s.row_bytes[p] = s.blocks[p] * block_bytes(f);
+    widest = std::max(widest, s.row_bytes[p]);
+    s.full[p] = pick(isa, f, static_cast<int>(s.per));
+    s.last[p] = pick(isa, f, rows_last);
+    // Parts that read x in the same layout share its quantized rows.
+    const Order order = activation_order(isa, f);
+    int64_t l = 0;
+    while (l < s.layouts && !(s.block[l] == block && s.order[l] == order)) ++l;
+    if (l == s.layouts) {
+      s.block[l] = block;
+      s.order[l] = order;
+      ActivationsK& a = s.x[l];
+      a.M = M;
+      a.K = s.K;
+      a.codes.resize(M * s.K);
+      a.scale.resize(M * (s.K / block));
+      a.sums.resize(M * (s.K / 16));
+      ++s.layouts;
+    }
+    s.layout_of[p] = l;
+  }
+  s.queue.prepare_blocks(s.first[s.count], threads);
+  // ~8 KiB of weight a claim (per group of rows), as the decode kernels' balanced linears claim.
+  s.chunk = std::max<int64_t>(1, 8192 / (widest * s.groups));
+}
+
+// Thread t of team quantizes its even share of x's rows in every layout.
+void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
+  const int64_t m0 = s.M * t / team, m1 = s.M * (t + 1) / team;
+  for (int64_t l = 0; l < s.layouts; ++l) quantize_rows_k(x, m0, m1, s.K, s.block[l], s.order[l], s.x[l]);
+}
+
+// Thread t's claimed rows of every part: each weight row decoded once per group of x's rows, and
+// still in L1 for the next group; y [M, N] with N all parts' rows.
+void rows_share(SharedLinear& s, float* y, int64_t t) {
+  const int64_t N = s.first[s.count];
+  auto rows = [&](int64_t n0, int64_t n1) {
+    int64_t p = 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      while (n >= s.first[p + 1]) ++p;
+      const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
+      const ActivationsK& a = s.x[s.layout_of[p]];
+      for (int64_t m0 = 0; m0 < s.M; m0 += s.per)
+        (m0 + s.per <= s.M ? s.full[p] : s.last[p])(w, s.blocks[p], a, m0, y + m0 * N + n, N);
+    }
+  };
+  genfn_kernels::run_balanced(s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
+                              rows);
+}
+
+constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &quantize_share,
+                                 &rows_share};
+
 // row_kernels: every row count through the row kernels (whose per-row result is the same at any row
 // count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
@@ -391,43 +467,29 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   }
   // Reused across calls (a decode step makes dozens); the workers read the caller's buffers
   // through this reference.
-  thread_local ActivationsK buffers;
-  ActivationsK& a = buffers;
-  a.M = M;
-  a.K = K;
-  a.codes.resize(M * K);
-  a.scale.resize(M * nb);
-  a.sums.resize(M * (K / 16));
-  const Order order = activation_order(isa, format);
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
-    quantize_rows_k(xp, m0, m1, K, block, order, a);
-  });
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  // Every weight row is decoded once per 8 rows of x, and stays in L1 between them. The rows are
-  // shared out balanced (row_queue.h), as the decode kernels' linears share theirs: each thread
-  // streams an even contiguous run of them, and one that finishes early takes chunks from the back
-  // of another's run, where a static split left it waiting for the slower half.
-  const RowFn full = pick(isa, format, 8), last = pick(isa, format, static_cast<int>((M - 1) % 8 + 1));
-  auto rows = [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) (m0 + 8 <= M ? full : last)(wp + n * row_bytes, nb, a, m0, yp + m0 * N + n, N);
-  };
+  thread_local SharedLinear buffers;
+  SharedLinear& s = buffers;
+  s.parts[0] = {w.data_ptr<uint8_t>(), format, N};
+  s.count = 1;
+  s.K = K;
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
-  const int64_t passes = (M + 7) / 8;
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t passes = (M + kMaxRowsAtOnce - 1) / kMaxRowsAtOnce;
   if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
-    rows(0, N);
+    prepare_shared(s, M, 1);
+    quantize_share(s, xp, 0, 1);
+    rows_share(s, yp, 0);
     return y.view(out_sizes).to(x.scalar_type());
   }
-  genfn_kernels::RowQueue queue;
-  queue.prepare_blocks(N, threads);
-  // ~8 KiB of weight a claim (per 8 rows of x), as the decode kernels' balanced linears claim.
-  const int64_t chunk = std::max<int64_t>(1, 8192 / (row_bytes * passes));
+  prepare_shared(s, M, threads);
 #pragma omp parallel num_threads(threads)
-  genfn_kernels::run_balanced(
-      queue, omp_get_thread_num(), chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
-      rows);
+  {
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    quantize_share(s, xp, t, team);
+#pragma omp barrier
+    rows_share(s, yp, t);
+  }
   return y.view(out_sizes).to(x.scalar_type());
 }
 
@@ -510,6 +572,9 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   return {out, at::scalar_tensor(read, x.options().dtype(at::kLong))};
 }
 
+// The address of kLayerEntry, for the decode library's fused layer (decode_layer.cpp) alone.
+int64_t kquant_layer_entry() { return reinterpret_cast<int64_t>(&kLayerEntry); }
+
 // 2 (AVX-512), 1 (AVX2) or 0 (neither): the path kquant_linear takes.
 int64_t kquant_isa() { return active_isa(); }
 
@@ -529,6 +594,7 @@ TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
         "Tensor down, int down_format) -> (Tensor, Tensor)");
   m.def("kquant_isa", &kquant_isa);
   m.def("kquant_force_isa", &kquant_force_isa);
+  m.def("kquant_layer_entry", &kquant_layer_entry);
 }
 
 TORCH_LIBRARY_IMPL(genfn_kquant, CPU, m) {

@@ -1,6 +1,7 @@
 // Work shared out to the threads of a parallel region so that they balance it (RowQueue,
-// run_balanced): plain C++ with no ISA of its own, for both kernel libraries (the decode kernels'
-// linears and fused layers, the K-quant row kernels).
+// run_balanced), and the rows of x split into groups (group_size): plain C++ with no ISA of its
+// own, for both kernel libraries (the decode kernels' linears and fused layers, the K-quant row
+// kernels).
 #pragma once
 
 #include <algorithm>
@@ -8,6 +9,18 @@
 #include <cstdint>
 
 namespace genfn_kernels {
+
+// The most rows of x the decode kernels take (genfn.kernels.MAX_DECODE_ROWS); more is a GEMM.
+constexpr int64_t kMaxDecodeRows = 8;
+
+// The rows of each group when M rows of x run in groups of at most kMaxDecodeRows: as even as they
+// split (11 rows as 6 and 5, not 8 and 3, whose 3-row tile has too few accumulators to hide the
+// multiply-add latency). A row's sums do not depend on its group.
+inline int64_t group_size(int64_t M) {
+  const int64_t groups = (M + kMaxDecodeRows - 1) / kMaxDecodeRows;
+  return (M + groups - 1) / groups;
+}
+
 
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
