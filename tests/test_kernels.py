@@ -64,30 +64,6 @@ def test_bfloat16_accumulates_in_float32_and_rounds_once(rows, out_features, in_
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_every_weight_row_is_summed_once_whatever_the_threads_interleaving(dtype, rows):
-    # The threads take turns at units of 64 weight rows (the last one short here, and owned by
-    # another thread at each count): a row left out would be uninitialized memory, one summed
-    # with the wrong row of x or stored twice at the wrong place would differ from the reference.
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 96).to(dtype)
-    w = (torch.randn(64 * 7 + 5, 96) * 0.05).to(dtype)
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append(torch.ops.genfn_kernels.decode_linear(x, w))
-    finally:
-        torch.set_num_threads(before)
-    exact = _reference(x, w)
-    assert torch.all((results[0].double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-5 * 96)
-    for other in results[1:]:
-        assert torch.equal(other, results[0])
-
-
-@needs_kernel
 def test_linear_routes_few_rows_to_the_kernel_and_the_rest_to_f_linear(monkeypatch):
     calls = []
     op = torch.ops.genfn_kernels.decode_linear
