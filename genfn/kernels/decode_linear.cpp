@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <vector>
 
@@ -198,10 +197,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
 }
 
 // Weight rows a block takes, by rows of x. One row of x is far from the arithmetic limit, so it
-// reads one weight row at a time: each unit of a thread's share is then a single sequential
-// stream, which streamed as fast as sum() (float32 31.2 GB/s against 26.4 for four rows at once;
-// one 226 MB weight, 2 threads, sum() 33.3; bfloat16, one thread, a 1B model's qkv, two or four
-// rows at once 0.73x / 0.50x of one). From two rows of x on, several weight rows give enough
+// reads one weight row at a time: a thread's whole share is then a single sequential stream,
+// which streamed as fast as sum() (float32 31.2 GB/s against 26.4 for four rows at once; one
+// 226 MB weight, 2 threads, sum() 33.3). From two rows of x on, several weight rows give enough
 // independent accumulators to hide the multiply-add latency, within the 32 vector registers.
 constexpr int rows_per_block(int64_t M) { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
 
@@ -209,6 +207,32 @@ constexpr int rows_per_block(int64_t M) { return M == 1 ? 1 : (M == 2 ? 2 : (M <
 inline void fetch_first_window(const void* start, int64_t length, int64_t window) {
   const char* bytes = static_cast<const char*>(start);
   for (int64_t off = 0; off < std::min(window, length); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T1);
+}
+
+// Row blocks [b0, b1) of w against the M rows of x, as one sequential stream: the window ahead of
+// the block being summed is fetched into L2, and blocks within a window of b1 fetch nothing (past
+// it lies another thread's share).
+template <typename Dot, int M, typename Out>
+void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
+                   int64_t b0, int64_t b1) {
+  constexpr int R = rows_per_block(M);
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+  const int64_t length = (b1 - b0) * block_bytes;
+  constexpr int64_t window = prefetch_window<M>();
+  fetch_first_window(w + b0 * R * K, length, window);
+  for (int64_t b = b0; b < b1; ++b) {
+    const bool ahead = window > 0 && (b - b0 + 1) * block_bytes + window <= length;
+    row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
+  }
+}
+
+template <typename Dot, int M, typename Out>
+void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y) {
+  constexpr int R = rows_per_block(M);
+  const int64_t blocks = N / R;
+  // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { stream_blocks<Dot, M>(x, w, K, N, y, b0, b1); });
+  for (int64_t n = blocks * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
 }
 
 // Weight bytes a balanced share claims at a time: small enough that the last chunk of a run
@@ -307,21 +331,19 @@ void dispatch_balanced(int64_t M, const typename Dot::Input* x, const typename D
   }
 }
 
-// Up to kMaxDecodeRows rows of x, in a parallel region of its own, shared out as the fused layer
-// shares its linears (RowQueue::prepare): one path for both, whose row blocks a thread sums do
-// not change a bit of any row's result.
 template <typename Dot, typename Out>
 void dispatch_rows(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                    Out* y) {
-  genfn_kernels::RowQueue queue;
-  // A weight of a few row blocks is summed where it is called, as at::parallel_for's grain did.
-  constexpr int64_t kFewBlocks = 16;
-  const bool alone = omp_in_parallel() || N / rows_per_block(M) <= kFewBlocks;
-  const int64_t threads = alone ? 1 : at::get_num_threads();
-  queue.prepare(M, N, threads);
-  if (threads == 1) return dispatch_balanced<Dot>(M, x, w, K, N, y, 0, queue);
-#pragma omp parallel num_threads(threads)
-  dispatch_balanced<Dot>(M, x, w, K, N, y, omp_get_thread_num(), queue);
+  switch (M) {
+    case 1: return rows_of_x<Dot, 1>(x, w, K, N, y);
+    case 2: return rows_of_x<Dot, 2>(x, w, K, N, y);
+    case 3: return rows_of_x<Dot, 3>(x, w, K, N, y);
+    case 4: return rows_of_x<Dot, 4>(x, w, K, N, y);
+    case 5: return rows_of_x<Dot, 5>(x, w, K, N, y);
+    case 6: return rows_of_x<Dot, 6>(x, w, K, N, y);
+    case 7: return rows_of_x<Dot, 7>(x, w, K, N, y);
+    default: return rows_of_x<Dot, 8>(x, w, K, N, y);
+  }
 }
 
 // Any number of rows of x, each output element summed exactly as one row alone is summed above
@@ -518,14 +540,7 @@ namespace genfn_kernels {
 
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 
-// Weight rows a unit of the threads' interleaved runs holds: llama.cpp's share of a batch-1 matrix
-// product (256 KiB of a 1B model's bfloat16 rows, 72 KiB of SmolLM2's).
-constexpr int64_t kInterleaveRows = 64;
-
-void RowQueue::prepare(int64_t M, int64_t N, int64_t T) {
-  const int64_t R = rows_per_block(M);
-  prepare_interleaved(N / R, kInterleaveRows / R, T);
-}
+void RowQueue::prepare(int64_t M, int64_t N, int64_t T) { prepare_blocks(N / rows_per_block(M), T); }
 
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue) {

@@ -23,55 +23,13 @@ struct RowQueue {
   };
   Run runs[kMaxThreads];
   int64_t threads = 0;
-  // Interleaved runs (prepare_interleaved): blocks per unit, and the span of run indices each
-  // thread's run may fill; 0 where each run is one contiguous part of the blocks.
-  int64_t unit = 0, span = 0, blocks = 0;
   void prepare(int64_t M, int64_t N, int64_t T);  // for linear_balanced (decode_linear.cpp)
   // Any unit of work: even runs of `blocks`.
-  void prepare_blocks(int64_t count, int64_t T) {
+  void prepare_blocks(int64_t blocks, int64_t T) {
     threads = std::min<int64_t>(T, kMaxThreads);
-    unit = span = 0;
-    blocks = count;
     for (int64_t t = 0; t < threads; ++t) {
-      const uint64_t next = count * t / threads, end = count * (t + 1) / threads;
+      const uint64_t next = blocks * t / threads, end = blocks * (t + 1) / threads;
       runs[t].bounds.store((end << 32) | next, std::memory_order_relaxed);
-    }
-  }
-  // The blocks dealt out in units of `per_unit`, in turn: thread t's run is units t, t + T, t + 2T...
-  // in order, so that the threads' streams advance side by side through the weight, a unit or
-  // two apart, where even runs put them half a weight apart. Run t holds run indices
-  // [t * span, t * span + its blocks); block_of maps them back.
-  void prepare_interleaved(int64_t count, int64_t per_unit, int64_t T) {
-    threads = std::min<int64_t>(T, kMaxThreads);
-    unit = std::max<int64_t>(1, per_unit);
-    blocks = count;
-    const int64_t units = (count + unit - 1) / unit;
-    span = (units + threads - 1) / threads * unit;
-    for (int64_t t = 0; t < threads; ++t) {
-      const int64_t owned_units = t < units ? (units - t + threads - 1) / threads : 0;
-      // The last unit may be short: it is its owner's last.
-      const int64_t short_by = units > 0 && (units - 1) % threads == t ? units * unit - count : 0;
-      const uint64_t next = t * span, end = next + owned_units * unit - short_by;
-      runs[t].bounds.store((end << 32) | next, std::memory_order_relaxed);
-    }
-  }
-  // The block at run index i.
-  int64_t block_of(int64_t i) const {
-    if (unit == 0) return i;
-    const int64_t run = i / span, offset = i % span;
-    return ((offset / unit) * threads + run) * unit + offset % unit;
-  }
-  // Run indices [begin, end) as blocks: fn(first, last, stream_start, stream_stop) for each piece
-  // that is contiguous in blocks, with the contiguous stream it lies in (the owner's run, or the
-  // unit where runs are interleaved).
-  template <typename Fn>
-  void for_each_piece(int64_t begin, int64_t end, int64_t start, int64_t stop, Fn&& fn) const {
-    if (unit == 0) return fn(begin, end, start, stop);
-    while (begin < end) {
-      const int64_t piece_end = std::min(end, (begin / unit + 1) * unit);
-      const int64_t first = block_of(begin), unit_start = first - first % unit;
-      fn(first, first + (piece_end - begin), unit_start, std::min(blocks, unit_start + unit));
-      begin = piece_end;
     }
   }
 };
@@ -104,10 +62,9 @@ inline bool claim_back(std::atomic<uint64_t>& run, int64_t chunk, int64_t& begin
 }
 
 // Thread t's share of queue's work: its own run front to back, `chunk` blocks a claim, then chunks
-// from the back of the other threads' runs. own(begin, end, start, stop) sums blocks [begin, end)
-// of its own stream [start, stop) (the own run, or its unit where runs are interleaved: a stream
-// it may fetch ahead in up to stop); stolen(begin, end) blocks taken from another's (past end
-// lies that thread's stream).
+// from the back of the other threads' runs. own(begin, end, start, stop) sums a chunk [begin, end)
+// of the own run [start, stop) (a stream it may fetch ahead in up to stop); stolen(begin, end) one
+// taken from another's (past end lies that thread's stream).
 template <typename Own, typename Stolen>
 void run_balanced(RowQueue& queue, int64_t t, int64_t chunk, Own&& own, Stolen&& stolen) {
   const int64_t T = queue.threads;
@@ -115,11 +72,10 @@ void run_balanced(RowQueue& queue, int64_t t, int64_t chunk, Own&& own, Stolen&&
   const uint64_t first = queue.runs[t].bounds.load(std::memory_order_relaxed);
   const int64_t start = static_cast<int64_t>(first & 0xffffffffu), stop = static_cast<int64_t>(first >> 32);
   int64_t begin, end;
-  while (claim_front(queue.runs[t].bounds, chunk, begin, end)) queue.for_each_piece(begin, end, start, stop, own);
+  while (claim_front(queue.runs[t].bounds, chunk, begin, end)) own(begin, end, start, stop);
   for (int64_t step = 1; step < T; ++step) {
     auto& other = queue.runs[(t + step) % T].bounds;
-    while (claim_back(other, chunk, begin, end))
-      queue.for_each_piece(begin, end, begin, end, [&](int64_t first, int64_t last, int64_t, int64_t) { stolen(first, last); });
+    while (claim_back(other, chunk, begin, end)) stolen(begin, end);
   }
 }
 
