@@ -173,6 +173,37 @@ def test_a_native_float_load_equals_the_numpy_float_load_bit_for_bit(mixed_file,
                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)), path
 
 
+@pytest.fixture(scope="module")
+def float_file(tmp_path_factory):
+    # Layer 0 fuses q/k/v of three float types and gate/up of one; llama's q/k rows are permuted.
+    types = {0: {"attn_q": "F16", "attn_k": "BF16", "attn_v": "F32", "attn_output": "BF16", "ffn_gate": "F16",
+                 "ffn_up": "F16", "ffn_down": "BF16"},
+             1: dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), "BF16")}
+    return write_file(tmp_path_factory.mktemp("loadfast") / "float.gguf", types, embed="BF16", output="F16")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(float_file, monkeypatch, dtype):
+    """F32/F16/BF16 matrices go from the mapping into the arena in one copy (converted to the load's
+    dtype there): bit for bit the gguf package's values through numpy, q/k rows unpermuted, and
+    layer 0's q/k/v (F16, BF16, F32) one allocation."""
+    arena = WeightArena()
+    state_dict = load_gguf_checkpoint(float_file, arena=arena, dtype=dtype).state_dict
+    qkv = [state_dict[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert cat_rows(qkv).data_ptr() == qkv[0].data_ptr()  # fused as a view, not a copy
+    assert all(arena.holds(t) for t in (*qkv, state_dict["model.layers.1.mlp.down_proj.weight"])) == arena.enabled
+    native = genfn.load(float_file, dtype=dtype).params
+    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
+    numpy_params = genfn.load(float_file, dtype=dtype).params
+    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
+    assert paths == numpy_paths
+    for path, a, b in zip(paths, native_leaves, numpy_leaves):
+        assert a.dtype == b.dtype, path
+        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), path
+
+
 @needs_kernels
 def test_dequantized_matrices_are_written_into_the_arena_and_fused_as_views(mixed_file):
     arena = WeightArena()

@@ -17,9 +17,9 @@ and copying them into the arena used to hold four copies of the model (4.3x the 
 Q4_0 file).
 
 ``place_dequantized`` is the float load's counterpart (``genfn.load()`` without ``quantize``): each
-Q8_0/Q4_0/Q4_1 matrix dequantized by the native kernels (``gguf_dequantize_rows``) straight into
-its rows of the arena, a fused layer's parts back to back, bit for bit the gguf package's numpy
-values. That numpy path, then the fusing and the arena placement, wrote the model's floats three
+Q8_0/Q4_0/Q4_1 matrix dequantized by the native kernels (``gguf_dequantize_rows``), and each
+F32/F16/BF16 matrix copied, straight into its rows of the arena, a fused layer's parts back to
+back, bit for bit the gguf package's numpy values. That numpy path, then the fusing and the arena placement, wrote the model's floats three
 times into fresh memory, and fresh memory is what a load pays for most on these VMs.
 """
 
@@ -94,11 +94,19 @@ def place_blocks(gguf, row_order: Callable[[str], np.ndarray | None], arena) -> 
     return placed
 
 
+# Float matrices a float load copies from the mapping into the arena, converted to the load's dtype
+# in the copy: the gguf package reads BF16 through numpy float32, which wrote a 1B BF16 file's
+# values twice more and held 4.2x the file at the load's peak.
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 def _dequantized_type(gguf, name: str) -> str | None:
-    """The ggml type name of a matrix the native kernels dequantize (Q8_0/Q4_0/Q4_1, 2-D), else None."""
+    """The ggml type name of a 2-D matrix a float load writes straight into the arena (Q8_0/Q4_0/Q4_1,
+    which the native kernels dequantize, or F32/F16/BF16, copied), else None."""
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
-    return type_name if type_name in GGUF_FORMATS and len(info.shape) == 2 else None
+    placed = type_name in GGUF_FORMATS or type_name in _FLOAT_TYPES
+    return type_name if placed and len(info.shape) == 2 else None
 
 
 def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena,
@@ -126,14 +134,20 @@ def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) 
     start = 0
     for name, n in zip(run, rows):
         part = whole[start:start + n]
-        # Another dtype goes through float32 values, as the numpy path's ``.to(dtype)`` does.
-        values = part if dtype == torch.float32 else torch.empty(part.shape, dtype=torch.float32)
         order = row_order(name)
-        torch.ops.genfn_kernels.gguf_dequantize_rows(mapped(gguf.raw(name)),
-                                                      None if order is None else torch.from_numpy(order).long(),
-                                                      KERNEL_KIND[GGUF_FORMATS[_dequantized_type(gguf, name)]], values)
-        if values is not part:
-            part.copy_(values)
+        rows_taken = None if order is None else torch.from_numpy(order).long()
+        type_name = _dequantized_type(gguf, name)
+        if type_name in _FLOAT_TYPES:
+            # A float's conversion to dtype rounds it once, as the numpy path's float32 then .to(dtype).
+            stored = mapped(gguf.raw(name)).view(_FLOAT_TYPES[type_name])
+            part.copy_(stored if rows_taken is None else stored.index_select(0, rows_taken))
+        else:
+            # Another dtype goes through float32 values, as the numpy path's ``.to(dtype)`` does.
+            values = part if dtype == torch.float32 else torch.empty(part.shape, dtype=torch.float32)
+            torch.ops.genfn_kernels.gguf_dequantize_rows(mapped(gguf.raw(name)), rows_taken,
+                                                          KERNEL_KIND[GGUF_FORMATS[type_name]], values)
+            if values is not part:
+                part.copy_(values)
         out[name] = part
         gguf.release(name)
         start += n
