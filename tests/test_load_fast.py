@@ -156,21 +156,27 @@ def test_native_dequantization_equals_the_gguf_package_bit_for_bit(type_name):
         torch.ops.genfn_kernels.gguf_dequantize_rows(torch.from_numpy(raw), torch.full((48,), 48), kind, out)
 
 
+def _assert_the_native_load_is_numpys(path, monkeypatch, dtype):
+    """``genfn.load(path, dtype=dtype)`` with the native placement equals, bit for bit, the load
+    through the gguf package's numpy values (placement turned off), matrices in ``dtype``."""
+    native = genfn.load(path, dtype=dtype).params
+    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
+    numpy_params = genfn.load(path, dtype=dtype).params
+    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
+    assert paths == numpy_paths
+    for name, a, b in zip(paths, native_leaves, numpy_leaves):
+        assert a.dtype == b.dtype == (dtype if a.dim() == 2 else a.dtype), name
+        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), name
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_native_float_load_equals_the_numpy_float_load_bit_for_bit(mixed_file, monkeypatch, dtype):
     """``genfn.load`` without ``quantize``: the Q8_0/Q4_0/Q4_1 matrices dequantized natively into
     the arena equal the gguf package's values (llama's q/k rows unpermuted), layer 0's fused
     q/k/v (Q4_0, Q4_0, Q8_0) is one allocation, and the K-quant layer takes numpy's path."""
-    native = genfn.load(mixed_file, dtype=dtype).params
-    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
-    numpy_params = genfn.load(mixed_file, dtype=dtype).params
-    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
-    assert paths == numpy_paths
-    for path, a, b in zip(paths, native_leaves, numpy_leaves):
-        assert a.dtype == b.dtype == (dtype if a.dim() == 2 else a.dtype), path
-        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), path
+    _assert_the_native_load_is_numpys(mixed_file, monkeypatch, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +199,7 @@ def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(f
     qkv = [state_dict[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
     assert cat_rows(qkv).data_ptr() == qkv[0].data_ptr()  # fused as a view, not a copy
     assert all(arena.holds(t) for t in (*qkv, state_dict["model.layers.1.mlp.down_proj.weight"])) == arena.enabled
-    native = genfn.load(float_file, dtype=dtype).params
-    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
-    numpy_params = genfn.load(float_file, dtype=dtype).params
-    (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
-    assert paths == numpy_paths
-    for path, a, b in zip(paths, native_leaves, numpy_leaves):
-        assert a.dtype == b.dtype, path
-        assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)), path
+    _assert_the_native_load_is_numpys(float_file, monkeypatch, dtype)
 
 
 @needs_kernels
