@@ -142,6 +142,23 @@ def test_kernel_matches_the_float64_reference(fmt, rows, out_features, in_featur
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [3, 9, 15])  # one group; 5 + 4; 8 + 7 (the GEMM takes 16)
+def test_rows_in_groups_get_each_rows_bits_alone_and_chain_from_init(fmt, rows):
+    """A verification step's rows share the weight's stream, never its sums: each row of the product
+    is bit for bit the row alone, with and without chains that start at init's values."""
+    torch.manual_seed(rows)
+    weight = QuantizedWeight.from_rows(quantize(torch.randn(200, 576) * 0.05, fmt))
+    x, init = torch.randn(rows, 576), torch.randn(rows, 200)
+    for start in (None, init):
+        y = kernels.quantized_linear(x, weight, start)
+        alone = [kernels.quantized_linear(x[i:i + 1], weight, None if start is None else start[i:i + 1])
+                 for i in range(rows)]
+        assert torch.equal(y, torch.cat(alone))
+    assert not torch.equal(kernels.quantized_linear(x, weight, init), kernels.quantized_linear(x, weight))
+
+
+@needs_kernel
 def test_kernel_takes_bfloat16_activations_and_adds_the_bias():
     torch.manual_seed(4)
     weight = QuantizedWeight.from_rows(quantize(torch.randn(48, 64), "q4_1"))

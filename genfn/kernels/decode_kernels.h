@@ -100,9 +100,11 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
                         RowQueue& queue);
 // quant_linear_share for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
-// every group over each claimed chunk of tiles: the weight streams once for all of them.
+// every group over each claimed chunk of tiles: the weight streams once for all of them. Group g's
+// chains start at init[g]'s values where init is given (quant_linear_from).
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
-                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue);
+                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
+                               const float* const* init = nullptr);
 // Whether quant_linear hands a product of this many rows of x to quant_gemm (from 16 rows unless
 // the op quant_gemm_min_rows set another count).
 bool quant_gemm_takes(int64_t rows);

@@ -7,9 +7,10 @@
 // block adds d_w * d_x * sum in float32. Minimums (Q4_1) and code offsets (8 for Q4_0, 128 for
 // the 8-bit formats) fold into the activation block sums:
 //   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
-// The weight is streamed once per call: 9-15 rows of x run in groups of 8 over a few tiles at a
-// time while those are in L1; from 16 rows (with VNNI) quant_gemm.cpp's GEMM takes the product,
-// with these bits.
+// The weight is streamed once per call: 9-15 rows of x run in even groups of at most 8 over a few
+// tiles at a time while those are in L1 (the fused layer's share of a linear, run by the op in a
+// region of its own); from 16 rows (with VNNI) quant_gemm.cpp's GEMM takes the product, with
+// these bits.
 //
 // Each output is one float32 chain over the blocks in order (per block: the product's fma, then
 // the minimum's). `init`, when given, is where the chains start instead of zero: a tensor-parallel
@@ -27,13 +28,14 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "decode_kernels.h"
 
 namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = genfn_kernels::kMaxDecodeRows;
 enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
 
 constexpr int chunks_of(int64_t kind) { return kind == kQ8 ? 8 : 4; }
@@ -275,43 +277,39 @@ at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::T
     genfn_kernels::quant_gemm(xf.data_ptr<float>(), M, K, weight, yp, ip);
     return y.view(out_sizes).to(x.scalar_type());
   }
-  // Groups of up to kMaxRows rows of x, each quantized once, in buffers reused across calls (a
-  // decode step makes ~120 calls, each needing a few KiB). The worker threads must read the
-  // calling thread's buffers, so the lambda captures this reference (naming the thread_local
-  // inside it would reach each worker's own, empty, copy).
+  // Groups of rows (group_size: as even as they split), each quantized once, in buffers reused
+  // across calls (a decode step makes ~120 calls, each needing a few KiB). The region's threads
+  // read the calling thread's buffers, so they are reached through these references (naming a
+  // thread_local inside the region would reach each thread's own, empty, copy).
   thread_local std::vector<Activations> buffers;
-  const int64_t groups = (M + kMaxRows - 1) / kMaxRows;
+  thread_local genfn_kernels::RowQueue queue;
+  const int64_t per = genfn_kernels::group_size(M), groups = (M + per - 1) / per;
   if (static_cast<int64_t>(buffers.size()) < groups) buffers.resize(groups);
   std::vector<Activations>& acts = buffers;
-  for (int64_t g = 0; g < groups; ++g)
-    quantize_activations(xf.data_ptr<float>() + g * kMaxRows * K, std::min(kMaxRows, M - g * kMaxRows), K, acts[g]);
+  std::vector<int64_t> rows(groups);
+  std::vector<float*> outs(groups);
+  std::vector<const float*> starts(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    rows[g] = std::min(per, M - g * per);
+    outs[g] = yp + g * per * N;
+    starts[g] = ip ? ip + g * per * N : nullptr;
+    quantize_activations(xf.data_ptr<float>() + g * per * K, rows[g], K, acts[g]);
+  }
   if (!vnni) {
     for (int64_t g = 0; g < groups; ++g)
-      run_tiles_scalar(std::min(kMaxRows, M - g * kMaxRows), kind, tiles, nb, cp,
-                       reinterpret_cast<const c10::Half*>(sp), reinterpret_cast<const c10::Half*>(mp), acts[g], K, N,
-                       yp + g * kMaxRows * N, ip ? ip + g * kMaxRows * N : nullptr);
+      run_tiles_scalar(rows[g], kind, tiles, nb, cp, reinterpret_cast<const c10::Half*>(sp),
+                       reinterpret_cast<const c10::Half*>(mp), acts[g], K, N, outs[g], starts[g]);
     return y.view(out_sizes).to(x.scalar_type());
   }
-  if (groups == 1) {
-    // Each thread takes a contiguous run of tiles (one sequential stream through the codes).
-    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-      run_share(M, kind, t0, t1, t1, true, nb, cp, sp, mp, acts[0], K, N, yp, ip);
-    });
-    return y.view(out_sizes).to(x.scalar_type());
-  }
-  // More rows than one pass takes (a speculative verification of 9 positions, a small batch):
-  // every group of rows runs over a few tiles while they are in L1, so the weight still streams
-  // from memory once, as for one row (it streamed once per group).
-  const int64_t tile_bytes = nb * chunks_of(kind) * 64;
-  const int64_t span = std::max<int64_t>(1, 32768 / tile_bytes);
-  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t tb = t0; tb < t1; tb += span) {
-      const int64_t te = std::min(t1, tb + span);
-      for (int64_t g = 0; g < groups; ++g)
-        run_share(std::min(kMaxRows, M - g * kMaxRows), kind, tb, te, g == 0 ? t1 : te, g == 0 && tb == t0, nb, cp,
-                  sp, mp, acts[g], K, N, yp + g * kMaxRows * N, ip ? ip + g * kMaxRows * N : nullptr);
-    }
-  });
+  // The fused layer's share of a linear, with the op's own region around it: tiles balanced over
+  // the threads, every group of rows over each claimed chunk, so the weight streams once.
+  const genfn_kernels::QuantWeight weight{cp, sp, mp, kind, tiles, nb, N};
+  genfn_kernels::RowQueue& shared = queue;
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  shared.prepare_blocks(tiles, threads);
+#pragma omp parallel num_threads(threads)
+  genfn_kernels::quant_linear_share_groups(groups, rows.data(), acts.data(), K, weight, outs.data(),
+                                           omp_get_thread_num(), shared, starts.data());
   return y.view(out_sizes).to(x.scalar_type());
 }
 
@@ -350,7 +348,8 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
 }
 
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
-                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue) {
+                               const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
+                               const float* const* init) {
   // ~8 KiB of codes a claim, as linear_balanced claims rows.
   const int64_t tile_bytes = w.blocks * chunks_of(w.kind) * 64;
   const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
@@ -359,7 +358,7 @@ void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActi
   auto tiles = [&](int64_t begin, int64_t end, int64_t fetch_end, bool first) {
     for (int64_t g = 0; g < groups; ++g)
       run_share(M[g], w.kind, begin, end, g == 0 ? fetch_end : end, g == 0 && first, w.blocks, w.codes, w.scales,
-                w.mins, a[g], K, w.out_features, y[g]);
+                w.mins, a[g], K, w.out_features, y[g], init ? init[g] : nullptr);
   };
   run_balanced(
       queue, t, chunk,
