@@ -46,6 +46,12 @@ Isa detect_isa() {
 const Isa kBestIsa = detect_isa();
 Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
 
+}  // namespace
+
+bool genfn::kquant::quantize_avx512() { return kBestIsa == kAvx512; }
+
+namespace {
+
 // The order a format's row kernel on path isa reads the activation codes in (kquant.h).
 Order activation_order(Isa isa, int64_t format) {
   if (isa != kAvx512) return kNatural;

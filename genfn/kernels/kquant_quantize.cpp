@@ -115,16 +115,7 @@ GENFN_AVX512 void quantize_span_avx512(const float* x, int64_t m, int64_t k0, in
   }
 }
 
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-const bool kAvx512Quantize = cpu_has_avx512();
-
 }  // namespace
-
-bool genfn::kquant::quantize_avx512() { return kAvx512Quantize; }
 
 void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64_t k1, int64_t block, Order order,
                                     bool avx512, ActivationsK& a) {
@@ -134,7 +125,7 @@ void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64
 
 void genfn::kquant::quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order,
                                     ActivationsK& a) {
-  for (int64_t m = m0; m < m1; ++m) quantize_span_k(x, m, 0, K, block, order, kAvx512Quantize, a);
+  for (int64_t m = m0; m < m1; ++m) quantize_span_k(x, m, 0, K, block, order, quantize_avx512(), a);
 }
 
 namespace {
@@ -147,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_quantize_activations(const
   TORCH_CHECK(block == 32 || block == 256, "kquant_quantize_activations: block must be 32 or 256, got ", block);
   TORCH_CHECK(order >= kNatural && order <= kIQ4Order, "kquant_quantize_activations: order must be 0, 1 or 2, got ",
               order);
-  TORCH_CHECK(!avx512 || kAvx512Quantize, "kquant_quantize_activations: this CPU has no AVX-512");
+  TORCH_CHECK(!avx512 || quantize_avx512(), "kquant_quantize_activations: this CPU has no AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % block == 0,
               "kquant_quantize_activations: x must be float32 [M, K] with K a multiple of ", block);
   const at::Tensor xc = x.contiguous();

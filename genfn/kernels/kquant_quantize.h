@@ -17,7 +17,8 @@ constexpr int64_t quantize_unit(int64_t block) { return block < 128 ? 128 : bloc
 void quantize_span_k(const float* x, int64_t m, int64_t k0, int64_t k1, int64_t block, Order order, bool avx512,
                      ActivationsK& a);
 
-// Whether this CPU runs quantize_span_k's AVX-512 form (quantize_rows_k takes it where it can).
+// Whether this CPU runs quantize_span_k's AVX-512 form (kquant_linear.cpp, from its ISA detection;
+// quantize_rows_k and the shared quantization take it where it can).
 bool quantize_avx512();
 
 }  // namespace genfn::kquant
