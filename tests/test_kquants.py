@@ -61,6 +61,41 @@ def test_activations_quantize_as_llama_cpps_q8_k():
     assert torch.equal(quantize_activations_k(torch.zeros(2, 256))[0], torch.zeros(2, 1, 256))
 
 
+def _in_order(codes: torch.Tensor, order: int) -> torch.Tensor:
+    """Natural codes [M, K] laid out as kquant.h's order `order` (whole 128s only)."""
+    if order == 0:
+        return codes
+    run, sources = {1: (32, (0, 64, 32, 96)), 2: (16, (0, 32, 64, 96, 16, 48, 80, 112))}[order]
+    out = codes.clone()
+    for start in range(0, codes.shape[1] - 127, 128):
+        out[:, start:start + 128] = torch.cat([codes[:, start + s:start + s + run] for s in sources], 1)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("form", ["plain", "avx512"])
+@pytest.mark.parametrize("block, order", [(256, 0), (256, 1), (32, 0), (32, 2)])
+def test_both_forms_of_the_native_activation_quantization_are_the_reference_bit_for_bit(form, block, order):
+    # The AVX-512 form (max of magnitudes, the first input of that magnitude, a rounding multiply)
+    # must give the plain loop's bits: a code one off, a tie taken by the wrong input, a sum or a
+    # run of the order misplaced would all show here.
+    if form == "avx512" and torch.ops.genfn_kquant.kquant_isa() < 2:
+        pytest.skip("this CPU has no AVX-512 form to run (the plain case runs)")
+    torch.manual_seed(9)
+    K = 1024 + (32 if block == 32 else 0)  # block 32: a tail short of 128 stays natural
+    x = torch.randn(4, K) * 3
+    x[0, 5], x[0, 20] = 20.0, -20.0  # a tie on the largest magnitude: the first maps to -127
+    x[1, :block] = 0.0  # an all-zero block
+    x[2] = torch.round(x[2] * 2) / 2  # products that land on halves
+    codes, scale, sums = torch.ops.genfn_kquant.kquant_quantize_activations(x, block, order, form == "avx512")
+    expected_codes, expected_scale = quantize_activations_k(x, block)
+    natural = expected_codes.reshape(4, K).to(torch.int8)
+    assert torch.equal(codes, _in_order(natural, order))
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(sums, natural.reshape(4, K // 16, 16).sum(-1).to(torch.int16))
+    assert natural[0, 5] == -127 and natural[0, 20] == 127 and not natural[1, :block].any()  # what was planted
+
+
 def test_kquant_weight_checks_its_bytes():
     with pytest.raises(ValueError, match="q4_k data must be uint8"):
         KQuantWeight(torch.zeros(4, 100, dtype=torch.uint8), "q4_k", 4, 256)
@@ -106,13 +141,15 @@ def test_kernel_matches_the_reference_on_odd_shapes(isa, fmt, out_features, in_f
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs", "iq4_nl"])
 def test_every_weight_row_is_summed_once_whatever_the_thread_count(isa, fmt):
     # The row kernels share a weight's rows out balanced (row_queue.h): threads claim chunks of
     # their own run and steal from the back of the others'. A row skipped or claimed twice, a
     # chunk cut wrong at a run's end, would leave garbage or a different sum; every row's result
     # is one thread's sum, so it is the same bits at any thread count (here more threads than the
-    # 2-core machine has, and more than some runs have chunks).
+    # 2-core machine has, and more than some runs have chunks). The threads also share out the
+    # quantization of x's rows in spans of 256 inputs (128 for iq4_nl), a single row too: a span
+    # skipped or cut wrong would leave stale codes.
     torch.manual_seed(4)
     weight = quantize_k(torch.randn(301, 512), fmt)
     x = torch.randn(9, 512)

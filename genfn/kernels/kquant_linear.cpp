@@ -28,6 +28,7 @@
 #include <tuple>
 
 #include "kquant.h"
+#include "kquant_quantize.h"
 #include "row_queue.h"
 
 namespace {
@@ -45,64 +46,18 @@ Isa detect_isa() {
 const Isa kBestIsa = detect_isa();
 Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
 
+}  // namespace
+
+bool genfn::kquant::quantize_avx512() { return kBestIsa == kAvx512; }
+
+namespace {
+
 // The order a format's row kernel on path isa reads the activation codes in (kquant.h).
 Order activation_order(Isa isa, int64_t format) {
   if (isa != kAvx512) return kNatural;
   return format == kQ4K || format == kQ5K ? kQ4KOrder : format == kQ6K ? kNatural : kIQ4Order;
 }
 
-}  // namespace
-
-// Plain C++: the same numbers on every CPU.
-void genfn::kquant::quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order,
-                                    ActivationsK& a) {
-  const int64_t nb = K / block;
-  for (int64_t m = m0; m < m1; ++m) {
-    int8_t* out = a.codes.data() + m * K;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + m * K + b * block;
-      float amax = 0.0f, extreme = 0.0f;
-      for (int j = 0; j < block; ++j) {
-        const float ax = std::fabs(v[j]);
-        if (ax > amax) { amax = ax; extreme = v[j]; }
-      }
-      int8_t* codes = out + b * block;
-      if (amax == 0.0f) {
-        a.scale[m * nb + b] = 0.0f;
-        std::memset(codes, 0, block);
-        continue;
-      }
-      const float inverse = -127.0f / extreme;
-      for (int j = 0; j < block; ++j) {
-        // Rounded half to even as nearbyint rounds (|inverse * v| <= 127: adding 1.5 * 2^23 leaves no
-        // fraction bits), without a call to nearbyintf per input (this code is baseline x86-64: no
-        // SSE4.1 round, and no FMA to fuse the product into the sum).
-        const int q = static_cast<int>((inverse * v[j] + 12582912.0f) - 12582912.0f);
-        codes[j] = static_cast<int8_t>(std::min(127, q));
-      }
-      a.scale[m * nb + b] = 1.0f / inverse;
-    }
-    int16_t* sums = a.sums.data() + m * (K / 16);
-    for (int64_t g = 0; g < K / 16; ++g) {
-      int s = 0;
-      for (int j = 0; j < 16; ++j) s += out[g * 16 + j];
-      sums[g] = static_cast<int16_t>(s);
-    }
-    if (order == kNatural) continue;
-    // Runs of `run` inputs, taken from these offsets of each whole 128.
-    static constexpr int kQ4KFrom[4] = {0, 64, 32, 96};
-    static constexpr int kIQ4From[8] = {0, 32, 64, 96, 16, 48, 80, 112};
-    const int run = order == kQ4KOrder ? 32 : 16, runs = 128 / run;
-    const int* from = order == kQ4KOrder ? kQ4KFrom : kIQ4From;
-    int8_t natural[128];
-    for (int64_t start = 0; start + 128 <= K; start += 128) {
-      std::memcpy(natural, out + start, 128);
-      for (int r = 0; r < runs; ++r) std::memcpy(out + start + r * run, natural + from[r], run);
-    }
-  }
-}
-
-namespace {
 
 // ---------------------------------------------------------------------------------------------
 // AVX-512
@@ -410,10 +365,17 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
   s.chunk = std::max<int64_t>(1, 8192 / (widest * s.groups));
 }
 
-// Thread t of team quantizes its even share of x's rows in every layout.
+// Thread t of team quantizes its even share of x's spans (quantize_unit inputs of a row each) in
+// every layout: a single row is shared out too.
 void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
-  const int64_t m0 = s.M * t / team, m1 = s.M * (t + 1) / team;
-  for (int64_t l = 0; l < s.layouts; ++l) quantize_rows_k(x, m0, m1, s.K, s.block[l], s.order[l], s.x[l]);
+  const bool avx512 = quantize_avx512();
+  for (int64_t l = 0; l < s.layouts; ++l) {
+    const int64_t unit = quantize_unit(s.block[l]), per_row = (s.K + unit - 1) / unit, spans = s.M * per_row;
+    for (int64_t i = spans * t / team; i < spans * (t + 1) / team; ++i) {
+      const int64_t m = i / per_row, k0 = i % per_row * unit;
+      quantize_span_k(x, m, k0, std::min(k0 + unit, s.K), s.block[l], s.order[l], avx512, s.x[l]);
+    }
+  }
 }
 
 // Thread t's claimed rows of every part: each weight row decoded once per group of x's rows, and
