@@ -1,0 +1,112 @@
+"""A cold compile's C++ side, shortened without changing what inductor builds.
+
+Two of inductor's g++ jobs sit on a cold CPU compile's critical path although nothing waits on
+them being serial:
+
+- **The ISA probes.** Before it generates its first CPU kernel, inductor checks which vector ISAs
+  this machine and compiler can build and load (``cpu_vec_isa.valid_vec_isa_list``: one small
+  g++ build of ``vec.h`` and one ``dlopen`` per ISA the CPU reports, six on an AVX-512 machine, 4-9
+  s of g++ on SmolLM2's cold compile). The builds land in inductor's cache directory, so only the
+  first compile per cache directory pays them, but that one pays them while its Python waits.
+  :func:`start_vec_isa_probes` runs the same probe in a thread when the backend is handed the
+  graph, so the g++ runs beside AOT autograd and inductor's lowering (several seconds of Python)
+  instead of after them. Inductor's own call then reads the answer from its ``functools.cache``;
+  if it comes first it waits on the probe's file lock and reuses what was built.
+- **The wrapper and the kernels.** With ``cpp_wrapper_build_separate`` the C++ wrapper (-O1) and
+  the kernels (-O3) are two translation units linked into one library, but inductor compiles them
+  one after the other. :func:`parallel_cpp_units` has the two compiled at once for the duration
+  of one compile (then the link, as before): the same commands, the same library.
+
+Neither changes an inductor setting or the environment: the probe is inductor's own code run
+earlier, and the build swap is undone when the compile returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Iterator
+
+import torch
+
+from genfn.torch_compat import inductor_cpp_worker, inductor_vec_isa_probe
+
+__all__ = ["start_vec_isa_probes", "parallel_cpp_units", "build_units_in_parallel"]
+
+_logger = logging.getLogger(__name__)
+
+
+def start_vec_isa_probes(example_inputs: Iterable, options: dict) -> threading.Thread | None:
+    """Start inductor's vector-ISA probe in a daemon thread when the graph runs on the CPU, and
+    return the thread; None when there is nothing to probe, or when ``options`` (the compile's
+    inductor options) set anything under ``cpp.`` (the probe would read the settings the compile
+    is about to patch, not the patched ones)."""
+    probe = inductor_vec_isa_probe()
+    if probe is None or probe.cache_info().currsize or any(key.startswith("cpp.") for key in options):
+        return None
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs):
+        return None
+
+    def run():
+        try:
+            probe()
+        except Exception:  # inductor's own call will probe again and report it
+            _logger.debug("the early vector-ISA probe failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="genfn-vec-isa-probe", daemon=True)
+    thread.start()
+    return thread
+
+
+def build_units_in_parallel(lock_path: str, builders) -> None:
+    """Inductor's ``_worker_compile_cpp`` with the compile-only units built at once: for
+    ``(wrapper, kernels, linker)`` the first two run in parallel, then the link; any other
+    sequence of builders is built in order, as inductor does."""
+    from torch.utils._filelock import FileLock
+    from torch._inductor.codecache import LOCK_TIMEOUT
+
+    def missing(builder) -> bool:
+        return not os.path.exists(builder.get_target_file_path())
+
+    with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+        units, rest = (builders[:2], builders[2:]) if len(builders) == 3 else ((), builders)
+        pending = [unit for unit in units if missing(unit)]
+        if len(pending) > 1:
+            with ThreadPoolExecutor(len(pending), thread_name_prefix="genfn-cpp-build") as pool:
+                for done in [pool.submit(unit.build) for unit in pending]:
+                    done.result()
+        else:
+            rest = [*pending, *rest]
+        for builder in rest:
+            if missing(builder):
+                builder.build()
+
+
+_swap_lock = threading.Lock()
+_swap = {"depth": 0, "original": None}
+
+
+@contextlib.contextmanager
+def parallel_cpp_units() -> Iterator[None]:
+    """Inductor's C++ units built by :func:`build_units_in_parallel` inside the block (nested and
+    concurrent blocks share one swap; the last to leave puts inductor's function back)."""
+    worker = inductor_cpp_worker()
+    if worker is None:
+        yield
+        return
+    module, current = worker
+    with _swap_lock:
+        if _swap["depth"] == 0:
+            _swap["original"] = current
+            module._worker_compile_cpp = build_units_in_parallel
+        _swap["depth"] += 1
+    try:
+        yield
+    finally:
+        with _swap_lock:
+            _swap["depth"] -= 1
+            if _swap["depth"] == 0:
+                module._worker_compile_cpp = _swap["original"]
