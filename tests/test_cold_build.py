@@ -93,6 +93,7 @@ def fake_probe(monkeypatch):
         return ["avx2"]
 
     monkeypatch.setattr(cold_build, "inductor_vec_isa_probe", lambda: probe)
+    monkeypatch.setattr(cold_build, "probe_store", lambda: Path("/nonexistent/genfn-probe-store"))
     return probe, calls
 
 
@@ -129,3 +130,48 @@ def test_the_backend_compiles_with_the_parallel_worker_and_puts_inductors_back(m
     assert torch.equal(torch.compile(lambda x: x * 2, **kwargs)(x), x * 2)
     assert workers == [cold_build.build_units_in_parallel]
     assert codecache._worker_compile_cpp is original
+
+
+def test_the_stored_probe_libraries_are_what_a_probe_built_in_a_temporary_inductor_cache(monkeypatch, tmp_path):
+    ran = []
+
+    def fake_probe_process(command, env, **kwargs):
+        cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+        ran.append((command[-1], cache))
+        for name in ("ab/cab1.so", "cd/ccd2.so"):
+            (cache / name).parent.mkdir(parents=True, exist_ok=True)
+            (cache / name).write_text(name)
+        (cache / "ab" / "cab1.cpp").write_text("source")
+
+    monkeypatch.setattr(cold_build.subprocess, "run", fake_probe_process)
+    stored = cold_build.store_vec_isa_probes(tmp_path / "store")
+    assert stored == [Path("ab/cab1.so"), Path("cd/ccd2.so")]
+    assert (tmp_path / "store" / "cd" / "ccd2.so").read_text() == "cd/ccd2.so"
+    assert not (tmp_path / "store" / "ab" / "cab1.cpp").exists(), "only the libraries are kept"
+    assert ran[0][0] == cold_build._PROBE_PROGRAM and not ran[0][1].exists(), "the temporary cache is removed"
+
+
+def test_seeding_copies_only_what_the_inductor_cache_lacks(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    for name in ("ab/cab1.so", "cd/ccd2.so"):
+        (store / name).parent.mkdir(parents=True, exist_ok=True)
+        (store / name).write_text("stored")
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "cab1.so").write_text("inductor's own")
+    assert cold_build.seed_vec_isa_probes(store, cache) == 1
+    assert (cache / "ab" / "cab1.so").read_text() == "inductor's own"
+    assert (cache / "cd" / "ccd2.so").read_text() == "stored"
+    assert not list(cache.rglob("*.partial"))
+    assert cold_build.seed_vec_isa_probes(tmp_path / "no-store", cache) == 0
+
+
+def test_the_cache_is_seeded_before_the_probe_runs(fake_probe, monkeypatch, tmp_path):
+    probe, calls = fake_probe
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    (store / "ab").mkdir(parents=True)
+    (store / "ab" / "cab1.so").write_text("stored")
+    monkeypatch.setattr(cold_build, "probe_store", lambda: store)
+    monkeypatch.setattr(cold_build, "inductor_cache_dir", lambda: cache)
+    thread = cold_build.start_vec_isa_probes([torch.zeros(2)], {})
+    thread.join(timeout=RENDEZVOUS_S)
+    assert calls and (cache / "ab" / "cab1.so").read_text() == "stored"
