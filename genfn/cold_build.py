@@ -100,9 +100,9 @@ def _copy_atomically(source: Path, target: Path) -> None:
 
 def start_vec_isa_probes(example_inputs: Iterable, options: dict) -> threading.Thread | None:
     """Start inductor's vector-ISA probe in a daemon thread when the graph runs on the CPU (first
-    seeding inductor's cache from :func:`probe_store`), and return the thread; None when there is nothing to probe, or when ``options`` (the compile's
-    inductor options) set anything under ``cpp.`` (the probe would read the settings the compile
-    is about to patch, not the patched ones)."""
+    seeding inductor's cache from :func:`probe_store`), and return the thread; None when this
+    process has probed already, or when ``options`` (the compile's inductor options) set anything
+    under ``cpp.`` (the probe would read the settings the compile is about to patch)."""
     probe = inductor_vec_isa_probe()
     if probe is None or probe.cache_info().currsize or any(key.startswith("cpp.") for key in options):
         return None
@@ -161,10 +161,10 @@ def parallel_cpp_units() -> Iterator[None]:
     if worker is None:
         yield
         return
-    module, current = worker
+    module = worker[0]
     with _swap_lock:
         if _swap["depth"] == 0:
-            _swap["original"] = current
+            _swap["original"] = module._worker_compile_cpp  # read under the lock: never our own swap
             module._worker_compile_cpp = build_units_in_parallel
         _swap["depth"] += 1
     try:
