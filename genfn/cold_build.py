@@ -18,7 +18,9 @@ them being serial:
   (:func:`store_vec_isa_probes`, under genfn's kernel cache); a compile copies any that its
   inductor cache lacks into it first (:func:`seed_vec_isa_probes`), so inductor's probe finds
   them built and only loads them. Inductor keys each file by its source, compiler version, flags
-  and torch version, so a stored library whose compiler or torch changed is never found.
+  and torch version, so a stored library whose compiler or torch changed is never found. (The
+  kernels' build inside ``pip install`` stores none: its isolated build environment's torch is not
+  the one the user runs.)
 - **The wrapper and the kernels.** With ``cpp_wrapper_build_separate`` the C++ wrapper (-O1) and
   the kernels (-O3) are two translation units linked into one library, but inductor compiles them
   one after the other. :func:`parallel_cpp_units` has the two compiled at once for the duration
