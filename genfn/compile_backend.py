@@ -9,7 +9,8 @@ bypasses AOT autograd's on-disk cache, so a second process re-runs the whole AOT
 freezing passes (SmolLM2 Q4_1: ~60 s under load, where the cached path loads the compiled graph).
 
 So the backend looks at the graph dynamo traced and turns freezing on only if it holds a
-``linear`` call; an explicit ``freezing`` in the user's ``options`` always wins.
+``linear`` call; an explicit ``freezing`` in the user's ``options`` always wins. It also starts
+inductor's ISA probe early and builds the C++ wrapper and kernels at once (``genfn.cold_build``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from genfn.cold_build import parallel_cpp_units, start_vec_isa_probes
 from genfn.torch_compat import inductor_wrapper_base
 
 __all__ = ["InductorFreezingWhereItPays", "library_linears", "with_genfn_backend"]
@@ -57,7 +59,10 @@ class InductorFreezingWhereItPays(_InductorWrapper):
                      "a minute or more of C++ build the first time", _graph_ops(model_))
         hits_before = _cache_hits()
         start = time.perf_counter()
-        compiled = super().__call__(model_, inputs_, config_patches=patches)
+        # A cold compile's ISA probes and C++ units run beside its Python (genfn.cold_build).
+        start_vec_isa_probes(inputs_, {**self.config, **patches})
+        with parallel_cpp_units():
+            compiled = super().__call__(model_, inputs_, config_patches=patches)
         _logger.info("inductor: %s in %.1f s", "loaded the compiled graph from its cache" if _cache_hits() > hits_before
                      else "generated and built the graph's C++", time.perf_counter() - start)
         return compiled

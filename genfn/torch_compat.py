@@ -18,6 +18,12 @@ move between releases:
   CPU s of every ``import genfn``, for an eager run that never traces). A test checks that the public
   decorator still leaves this mark.
 
+- ``torch._inductor.cpu_vec_isa.valid_vec_isa_list`` (inductor's cached vector-ISA probe) and
+  ``torch._inductor.codecache._worker_compile_cpp`` (the function that runs a C++ library's g++
+  jobs): ``genfn.cold_build`` runs the first earlier, in a thread, and has the second's separate
+  units built at once. Without them a cold compile runs both serially, as inductor does.
+  ``torch._inductor.runtime.cache_dir_utils.cache_dir``: where those probes' libraries go.
+
 Each accessor falls back to public API when the internal is missing and says so once, in one
 line on the ``genfn.torch_compat`` logger; an untested torch version is noted the same way.
 """
@@ -28,12 +34,14 @@ import contextlib
 import functools
 import logging
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 __all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
-           "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors"]
+           "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors", "inductor_vec_isa_probe",
+           "inductor_cpp_worker", "inductor_cache_dir"]
 
 # The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
 TESTED_TORCH = ("2.13",)
@@ -123,6 +131,38 @@ def inductor_wrapper_base() -> type | None:
     if base is None:
         _note_once("torch._TorchCompileInductorWrapper", "steps compile with plain backend='inductor'")
     return base
+
+
+def inductor_vec_isa_probe() -> Callable | None:
+    """Inductor's ``valid_vec_isa_list`` (a ``functools.cache``: it probes once per process), or
+    None when this torch has no such function. Imports inductor: call it from a compile."""
+    try:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    except ImportError:
+        valid_vec_isa_list = None
+    if not hasattr(valid_vec_isa_list, "cache_info"):
+        _note_once("torch._inductor.cpu_vec_isa.valid_vec_isa_list", "the ISA probe runs when inductor asks")
+        return None
+    return valid_vec_isa_list
+
+
+def inductor_cache_dir() -> Path:
+    """The directory inductor's on-disk caches live in (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def inductor_cpp_worker() -> tuple | None:
+    """``(torch._inductor.codecache, its _worker_compile_cpp)``, or None when this torch has no such
+    function. Imports inductor: call it from a compile."""
+    import torch._inductor.codecache as codecache
+
+    worker = getattr(codecache, "_worker_compile_cpp", None)
+    if worker is None:
+        _note_once("torch._inductor.codecache._worker_compile_cpp", "a C++ library's units build one after another")
+        return None
+    return codecache, worker
 
 
 def while_loop():

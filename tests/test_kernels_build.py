@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genfn import cli, kernels
+from genfn import cli, cold_build, kernels
 from genfn.cli.common import _prepare_kernels
 from genfn.cli.status import Status
 from genfn.kernels import kquant, native
@@ -44,12 +44,14 @@ def dirs(monkeypatch, tmp_path):
 
     monkeypatch.setattr(native.subprocess, "run", fake_run)
     monkeypatch.setattr(native.shutil, "which", lambda name: "/usr/bin/" + name)
+    probe_stores = []  # each `genfn kernels build` also keeps inductor's ISA probes (genfn.cold_build)
+    monkeypatch.setattr(cold_build, "store_vec_isa_probes", lambda: probe_stores.append(cold_build.probe_store()) or [])
 
     class Dirs:
         pass
 
     found = Dirs()
-    found.prebuilt, found.cache, found.builds = prebuilt, cache, builds
+    found.prebuilt, found.cache, found.builds, found.probe_stores = prebuilt, cache, builds, probe_stores
     return found
 
 
@@ -133,6 +135,7 @@ def test_genfn_kernels_build_compiles_only_what_is_missing(dirs, capsys):
     assert cli.main(["kernels", "build"]) == 0  # a second run finds both
     assert f"K-quant kernels: cached: {dirs.cache / native.file_name(native.KQUANT)}" in capsys.readouterr().out
     assert len(dirs.builds) == 1
+    assert dirs.probe_stores == [dirs.cache / "inductor-isa-probes"] * 2
 
 
 def test_genfn_kernels_build_without_a_compiler_fails(dirs, monkeypatch, capsys):

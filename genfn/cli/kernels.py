@@ -73,4 +73,25 @@ def main(args, status: Status) -> int:
         if args.action == "build" and found.action == "no compiler":
             failed = True
         print(f"{library.what}: {describe(found)}")
+    if args.action == "build" and not failed:
+        failed = not _store_inductor_probes(status)
     return 1 if failed else 0
+
+
+def _store_inductor_probes(status: Status) -> bool:
+    """Inductor's vector-ISA probe libraries, built once here so that a cold compile in any
+    inductor cache directory finds them (genfn.cold_build)."""
+    import subprocess
+
+    from genfn import cold_build
+
+    status.begin("building inductor's vector-ISA probes (seconds of g++)")
+    try:
+        stored = cold_build.store_vec_isa_probes()
+    except (OSError, subprocess.SubprocessError) as error:
+        status.end("building inductor's vector-ISA probes failed")
+        print(f"inductor ISA probes: build failed: {error}")
+        return False
+    status.end("built inductor's vector-ISA probes")
+    print(f"inductor ISA probes: {len(stored)} libraries in {cold_build.probe_store()}")
+    return True
