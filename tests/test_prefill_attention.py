@@ -180,7 +180,9 @@ def test_a_layer_to_differentiate_keeps_the_op_by_op_layer():
 def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_greedy_tokens(monkeypatch):
     """bfloat16 weights and activations, a batch of left-padded 40-token prompts: every layer runs
     the native prefill layer (row ops and attention in bfloat16), and at every real token the
-    greedy pick is transformers' (in bfloat16 too), the logits within bfloat16 rounding of its."""
+    greedy pick is transformers' (in bfloat16 too), the logits within bfloat16 rounding of its;
+    greedy decoding after the prefill gives transformers' tokens."""
+    import genfn
     from conftest import padded_prompts, tiny_hf_model
     from genfn.models import prefill_layer
     from genfn.models.model import from_hf_state_dict
@@ -205,3 +207,6 @@ def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_g
     real = mask.bool()
     assert torch.equal(logits[real].argmax(-1), expected[real].argmax(-1))
     assert (expected[real] - logits[real]).abs().max() < 0.05
+    greedy = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(genfn.generate(gm, ids, **greedy), hf.generate(input_ids=ids, **greedy))
