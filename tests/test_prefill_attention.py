@@ -116,17 +116,22 @@ def test_bad_arguments_get_a_clear_error():
 
 
 @needs_kernel
-def test_compiled_the_op_is_one_graph_node():
-    """Inside ``torch.compile`` the op traces through its fake implementation (strides included:
-    the reshape after it sees the layout the op returns) and returns SDPA's values."""
-    q, keys, values, mask = _case(2, 9, 3, 24, 30, 64, pad=4, start=6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_the_op_is_one_graph_node(dtype):
+    """Inside ``torch.compile`` the op traces through its fake implementation (strides and dtype
+    included: the reshape after it sees the layout the op returns) and returns the eager op's values."""
+    q, keys, values, mask = _case(2, 9, 3, 24, 30, 64, pad=4, start=6, dtype=dtype)
 
     def attend(q, keys, values, mask):
         return kernels.prefill_attention(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
 
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    expected = _sdpa(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
-    torch.testing.assert_close(compiled(q, keys, values, mask), expected, atol=6e-6, rtol=6e-6)
+    eager = attend(q, keys, values, mask)  # first: loads the kernels outside the trace
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, keys, values, mask)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    expected = _sdpa(q.float(), keys.float(), values.float(), mask).transpose(1, 2).reshape(2, 24, -1) * 2
+    tolerance = 6e-6 if dtype == torch.float32 else 2 ** -8  # bfloat16: half a step, as above
+    torch.testing.assert_close(out.float(), expected, atol=6e-6, rtol=tolerance)
 
 
 @needs_kernel
