@@ -299,11 +299,12 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
     """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
-    queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``; ``keys``/``values
-    [B, Hkv, A, D]`` read in place from the dense cache; boolean ``mask [B, 1, S, A]``) by the
-    native kernel (``prefill_attention.cpp``), which skips the tiles of keys the mask hides: half
-    of a causal prefill's. The result, ``[B, H, S, D]``, lies in ``[B, S, H, D]`` memory. ``None``
-    where the kernel does not take these arguments, so that the caller runs the library attention."""
+    queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``;
+    ``keys``/``values [B, Hkv, A, D]`` of q's dtype, read in place from the dense cache; boolean
+    ``mask [B, 1, S, A]``) by the native kernel (``prefill_attention.cpp``), which skips the tiles
+    of keys the mask hides: half of a causal prefill's. The result, ``[B, H, S, D]`` of q's dtype,
+    lies in ``[B, S, H, D]`` memory. ``None`` where the kernel does not take these arguments, so
+    that the caller runs the library attention."""
     if not _takes_prefill_attention(q, keys, values, mask):
         return None
     return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5)

@@ -221,10 +221,10 @@ void attend_tile(const T* q, const T* keys, const T* values, const bool* mask, T
   }
 }
 
-// q [B, H, S, D] float32 or bfloat16 (any strides, the last dimension contiguous), keys/values [B, Hkv, A, D]
-// of q's dtype (slots of a head equally spaced, the last dimension contiguous: a slice of the
-// static cache), mask [B, 1, S, A] bool. Returns [B, H, S, D] of q's dtype, a view of [B, S, H, D]
-// memory (so the model's transpose back to [B, S, H * D] is free).
+// q [B, H, S, D] float32 or bfloat16 (any strides, the last dimension contiguous), keys/values
+// [B, Hkv, A, D] of q's dtype (slots of a head equally spaced, the last dimension contiguous: a
+// slice of the static cache), mask [B, 1, S, A] bool. Returns [B, H, S, D] of q's dtype, a view of
+// [B, S, H, D] memory (so the model's transpose back to [B, S, H * D] is free).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                              const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
