@@ -2,13 +2,16 @@
 
     python benchmarks/prefill_paths.py --model smollm2 --prefill 512 --threads 2 --rounds 6
     python benchmarks/prefill_paths.py --model llama-1b-q8_0.gguf,llama-1b-q4_0.gguf --threads 1
+    python benchmarks/prefill_paths.py --model SmolLM2-135M-Instruct.F16.gguf --dtype bfloat16
 
-Loads each GGUF file with ``quantize="gguf"`` (``smollm2``: the embedded SmolLM2-135M Q4_1) and
-times the prefill of one random ``--prefill``-token prompt (a 1-token ``genfn.generate``, eager,
-as ``model_bench.py``'s pp figure) with the plain Llama layer on ``genfn.models.prefill_layer``
-and its native attention (``genfn.kernels.prefill_attention``) and with both turned off (the
-op-by-op layer and torch's SDPA), the two alternated every round so that machine noise hits them
-alike. Prints tok/s (best of the rounds), the ratio, the medians and the greedy token of each.
+Loads each GGUF file with ``quantize="gguf"`` (``--dtype``: in that float dtype instead;
+``smollm2``: the embedded SmolLM2-135M Q4_1) and times the prefill of one random
+``--prefill``-token prompt (a 1-token ``genfn.generate``, eager, as ``model_bench.py``'s pp
+figure) with the plain Llama layer on ``genfn.models.prefill_layer`` and its native attention
+(``genfn.kernels.prefill_attention``) and with both turned off (the op-by-op layer and torch's
+SDPA), the paths alternated every round so that machine noise hits them alike
+(``--attention-only``: a third path, the op-by-op layer with the native attention). Prints tok/s
+(best of the rounds), the ratios, the medians and the greedy token of each.
 """
 
 from __future__ import annotations
@@ -27,41 +30,50 @@ def smollm2_path() -> str:
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def compare(path: str, prefill: int, rounds: int) -> str:
+# Each path: (the native prefill layer on, the native attention on).
+PATHS = {"op-by-op": (False, False), "attention": (False, True), "native": (True, True)}
+
+
+def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention_only: bool = False) -> str:
     import genfn
     from genfn.models import llama, prefill_layer
 
-    model = genfn.load(path, quantize="gguf")
+    model = genfn.load(path, quantize="gguf") if dtype == "gguf" else genfn.load(path, dtype=getattr(torch, dtype))
     ids = torch.randint(100, model.spec.vocab_size - 100, (1, prefill), generator=torch.Generator().manual_seed(0))
     native_takes, native_attention = prefill_layer.takes, llama.prefill_attention
+    names = [name for name in PATHS if attention_only or name != "attention"]
 
-    def use(native: bool) -> None:
-        prefill_layer.takes = native_takes if native else (lambda spec, layer, x: False)
-        llama.prefill_attention = native_attention if native else (lambda *args: None)
+    def use(name: str) -> None:
+        layer, attention = PATHS[name]
+        prefill_layer.takes = native_takes if layer else (lambda spec, layer, x: False)
+        llama.prefill_attention = native_attention if attention else (lambda *args: None)
 
     def run() -> int:
         with torch.no_grad():
             return genfn.generate(model, ids, max_new_tokens=1, min_new_tokens=1, do_sample=False,
                                   pad_token_id=0)[0, -1].item()
 
-    tokens, seconds = {}, {False: [], True: []}
+    tokens, seconds = {}, {name: [] for name in names}
     try:
-        for native in (False, True):  # warm-up, and each path's greedy token
-            use(native)
-            tokens[native] = run()
+        for name in names:  # warm-up, and each path's greedy token
+            use(name)
+            tokens[name] = run()
         for _ in range(rounds):
-            for native in (False, True):
-                use(native)
+            for name in names:
+                use(name)
                 start = time.perf_counter()
                 run()
-                seconds[native].append(time.perf_counter() - start)
+                seconds[name].append(time.perf_counter() - start)
     finally:
-        use(True)
-    off, on = min(seconds[False]), min(seconds[True])
-    median = {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
-    return (f"{os.path.basename(path)} pp{prefill} threads {torch.get_num_threads()}: op-by-op {prefill / off:.1f} "
-            f"tok/s, native {prefill / on:.1f} tok/s, {off / on:.2f}x (medians {median[False]:.3f} s / "
-            f"{median[True]:.3f} s); greedy token {tokens[False]} / {tokens[True]}")
+        use("native")
+    best = {name: min(v) for name, v in seconds.items()}
+    median = {name: sorted(v)[len(v) // 2] for name, v in seconds.items()}
+    figures = ", ".join(f"{name} {prefill / best[name]:.1f} tok/s" for name in names)
+    ratios = ", ".join(f"{name} {best['op-by-op'] / best[name]:.2f}x (medians "
+                       f"{median['op-by-op'] / median[name]:.2f}x)" for name in names[1:])
+    return (f"{os.path.basename(path)} ({dtype}) pp{prefill} threads {torch.get_num_threads()}: {figures}; "
+            f"against op-by-op {ratios}; medians {' / '.join(f'{median[n]:.3f}' for n in names)} s; "
+            f"greedy token {' / '.join(str(tokens[n]) for n in names)}")
 
 
 def main(argv=None) -> None:
@@ -70,11 +82,16 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--dtype", default="gguf", choices=["gguf", "bfloat16", "float32"],
+                    help="gguf: quantized files' blocks as stored; else load the file's weights in this dtype")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="also time the op-by-op layer with the native attention alone")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"# load average {os.getloadavg()[0]:.2f} at start", flush=True)
     for name in args.model.split(","):
-        print(compare(smollm2_path() if name == "smollm2" else name, args.prefill, args.rounds), flush=True)
+        print(compare(smollm2_path() if name == "smollm2" else name, args.prefill, args.rounds, args.dtype,
+                      args.attention_only), flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f} at end", flush=True)
 
 

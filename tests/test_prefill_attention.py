@@ -15,14 +15,15 @@ from genfn.models.llama import attention_mask
 from test_paged_native import needs_kernel
 
 
-def _case(batch, heads, kv_heads, seq, span, head_dim, *, pad=0, start=0, window=None, seed=0):
+def _case(batch, heads, kv_heads, seq, span, head_dim, *, pad=0, start=0, window=None, seed=0,
+          dtype=torch.float32):
     """q [B, H, S, D] laid out as the model's (heads transposed out of [B, S, H, D]), keys and
     values a prefix slice of a longer cache, and the model's own mask for S queries from slot
     ``start`` with row 0 left-padded by ``pad`` slots."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
-    keys = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen)[:, :, :span]
-    values = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen)[:, :, :span]
+    q = torch.randn(batch, seq, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    keys = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen).to(dtype)[:, :, :span]
+    values = torch.randn(batch, kv_heads, span + 8, head_dim, generator=gen).to(dtype)[:, :, :span]
     cache = init_static_cache(1, batch, kv_heads, span + 8, head_dim)
     cache.valid[:, :start + seq] = True
     cache.valid[0, :pad] = False
@@ -34,7 +35,20 @@ def _sdpa(q, keys, values, mask):
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
+def _assert_attends_like_sdpa(out, q, keys, values, mask):
+    """float32: SDPA's values within float32 rounding. bfloat16: the kernel sums in float32 and
+    rounds once, so its output is float32 SDPA's on the same bfloat16 inputs within half a
+    bfloat16 step (2^-8 relative; torch's bfloat16 SDPA, which rounds its probabilities, is not)."""
+    assert out.dtype == q.dtype
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, _sdpa(q, keys, values, mask), atol=3e-6, rtol=3e-6)
+    else:
+        expected = _sdpa(q.float(), keys.float(), values.float(), mask)
+        torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2 ** -8)
+
+
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, extra", [
     ((1, 9, 3, 130, 130, 64), {}),                      # SmolLM2's heads, a partial last tile of each kind
     ((2, 9, 3, 37, 45, 64), {"pad": 5, "start": 3}),    # left padding, slots filled before the chunk
@@ -44,26 +58,26 @@ def _sdpa(q, keys, values, mask):
     ((1, 8, 1, 33, 40, 256), {"start": 7}),
     ((1, 4, 2, 150, 150, 32), {"window": 24}),          # a sliding window: tiles hidden on both sides
 ])
-def test_prefill_attention_equals_sdpa(shape, extra):
-    q, keys, values, mask = _case(*shape, **extra)
+def test_prefill_attention_equals_sdpa(shape, extra, dtype):
+    q, keys, values, mask = _case(*shape, **extra, dtype=dtype)
     out = kernels.prefill_attention(q, keys, values, mask)
-    assert out is not None and out.shape == q.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out, _sdpa(q, keys, values, mask), atol=3e-6, rtol=3e-6)
+    assert out is not None and out.shape == q.shape
+    _assert_attends_like_sdpa(out, q, keys, values, mask)
     # The result lies in [B, S, H, D] memory: the model's reshape to [B, S, H * D] copies nothing.
     assert out.transpose(1, 2).is_contiguous()
 
 
 @needs_kernel
-def test_a_tile_hidden_from_every_query_is_never_read():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_hidden_from_every_query_is_never_read(dtype):
     """Causal queries 0..63 never see slots 64.. : NaN there cannot reach them (a kernel that
     computed the hidden tile and masked afterwards would multiply NaN values by zero weights)."""
-    q, keys, values, mask = _case(1, 9, 3, 64, 192, 64, start=0)
+    q, keys, values, mask = _case(1, 9, 3, 64, 192, 64, start=0, dtype=dtype)
     mask[..., 64:] = False
-    keys, values = keys.clone(), values.clone()
     keys[:, :, 64:], values[:, :, 64:] = float("nan"), float("nan")
     out = kernels.prefill_attention(q, keys, values, mask)
     clean = [t[:, :, :64] for t in (keys, values)]
-    torch.testing.assert_close(out, _sdpa(q, *clean, mask[..., :64]), atol=3e-6, rtol=3e-6)
+    _assert_attends_like_sdpa(out, q, *clean, mask[..., :64])
 
 
 @needs_kernel
@@ -80,7 +94,8 @@ def test_what_the_kernel_does_not_take_falls_back_to_the_caller():
     q, keys, values, mask = _case(1, 9, 3, 20, 20, 64)
     few = kernels.MIN_PREFILL_QUERIES - 1
     assert kernels.prefill_attention(q[:, :, :few], keys, values, mask[:, :, :few]) is None
-    assert kernels.prefill_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(), mask) is None
+    assert kernels.prefill_attention(q.half(), keys.half(), values.half(), mask) is None
+    assert kernels.prefill_attention(q.bfloat16(), keys, values, mask) is None  # dtypes that differ
     assert kernels.prefill_attention(q, keys, values, mask.float()) is None  # an additive mask
     with torch.enable_grad():
         assert kernels.prefill_attention(q.requires_grad_(), keys, values, mask) is None
@@ -94,22 +109,29 @@ def test_bad_arguments_get_a_clear_error():
         op(q, keys, values, mask.float(), 0.125)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         op(q[:, :8], keys, values, mask, 0.125)
-    with pytest.raises(RuntimeError, match="must be float32"):
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16, all one dtype"):
         op(q.double(), keys.double(), values.double(), mask, 0.125)
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16, all one dtype"):
+        op(q.bfloat16(), keys, values, mask, 0.125)
 
 
 @needs_kernel
-def test_compiled_the_op_is_one_graph_node():
-    """Inside ``torch.compile`` the op traces through its fake implementation (strides included:
-    the reshape after it sees the layout the op returns) and returns SDPA's values."""
-    q, keys, values, mask = _case(2, 9, 3, 24, 30, 64, pad=4, start=6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_the_op_is_one_graph_node(dtype):
+    """Inside ``torch.compile`` the op traces through its fake implementation (strides and dtype
+    included: the reshape after it sees the layout the op returns) and returns the eager op's values."""
+    q, keys, values, mask = _case(2, 9, 3, 24, 30, 64, pad=4, start=6, dtype=dtype)
 
     def attend(q, keys, values, mask):
         return kernels.prefill_attention(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
 
-    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
-    expected = _sdpa(q, keys, values, mask).transpose(1, 2).reshape(2, 24, -1) * 2
-    torch.testing.assert_close(compiled(q, keys, values, mask), expected, atol=6e-6, rtol=6e-6)
+    eager = attend(q, keys, values, mask)  # first: loads the kernels outside the trace
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, keys, values, mask)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+    expected = _sdpa(q.float(), keys.float(), values.float(), mask).transpose(1, 2).reshape(2, 24, -1) * 2
+    tolerance = 6e-6 if dtype == torch.float32 else 2 ** -8  # bfloat16: half a step, as above
+    torch.testing.assert_close(out.float(), expected, atol=6e-6, rtol=tolerance)
 
 
 @needs_kernel
@@ -157,3 +179,39 @@ def test_a_layer_to_differentiate_keeps_the_op_by_op_layer():
         layer["attn_norm"] = layer["attn_norm"].clone().requires_grad_(True)
         assert not prefill_layer.takes(gm.spec, layer, x)
         assert not prefill_layer.takes(gm.spec, dict(gm.params["layers"][0]), x.clone().requires_grad_(True))
+
+
+@needs_kernel
+def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_greedy_tokens(monkeypatch):
+    """bfloat16 weights and activations, a batch of left-padded 40-token prompts: every layer runs
+    the native prefill layer (row ops and attention in bfloat16), and at every real token the
+    greedy pick is transformers' (in bfloat16 too), the logits within bfloat16 rounding of its;
+    greedy decoding after the prefill gives transformers' tokens."""
+    import genfn
+    from conftest import padded_prompts, tiny_hf_model
+    from genfn.models import prefill_layer
+    from genfn.models.model import from_hf_state_dict
+
+    layers = []
+    native_layer = prefill_layer.prefill_layer
+
+    def counted(spec, layer, i, x, *args):
+        layers.append(x.dtype)
+        return native_layer(spec, layer, i, x, *args)
+
+    monkeypatch.setattr(prefill_layer, "prefill_layer", counted)
+    hf, config = tiny_hf_model()
+    hf = hf.to(torch.bfloat16)
+    gm = from_hf_state_dict(config, hf.state_dict(), dtype=torch.bfloat16)
+    ids, mask = padded_prompts(length=40)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+        logits, _ = gm.apply(ids, positions, gm.init_cache(ids.shape[0], 48), mask)
+    assert layers == [torch.bfloat16] * gm.spec.num_layers
+    real = mask.bool()
+    assert torch.equal(logits[real].argmax(-1), expected[real].argmax(-1))
+    assert (expected[real] - logits[real]).abs().max() < 0.05
+    greedy = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(genfn.generate(gm, ids, **greedy), hf.generate(input_ids=ids, **greedy))

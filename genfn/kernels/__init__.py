@@ -285,7 +285,7 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     batch, heads, seq, head_dim = q.shape
     return (
         seq >= MIN_PREFILL_QUERIES
-        and q.dtype == keys.dtype == values.dtype == torch.float32
+        and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == keys.dtype == values.dtype
         and q.device.type == keys.device.type == values.device.type == "cpu"
         and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
         and mask.shape[0] == batch and mask.shape[2] == seq and mask.shape[3] == keys.shape[2]
@@ -299,11 +299,12 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
     """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
-    queries per row (``q [B, H, S, D]`` float32, ``S >= MIN_PREFILL_QUERIES``; ``keys``/``values
-    [B, Hkv, A, D]`` read in place from the dense cache; boolean ``mask [B, 1, S, A]``) by the
-    native kernel (``prefill_attention.cpp``), which skips the tiles of keys the mask hides: half
-    of a causal prefill's. The result, ``[B, H, S, D]``, lies in ``[B, S, H, D]`` memory. ``None``
-    where the kernel does not take these arguments, so that the caller runs the library attention."""
+    queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``;
+    ``keys``/``values [B, Hkv, A, D]`` of q's dtype, read in place from the dense cache; boolean
+    ``mask [B, 1, S, A]``) by the native kernel (``prefill_attention.cpp``), which skips the tiles
+    of keys the mask hides: half of a causal prefill's. The result, ``[B, H, S, D]`` of q's dtype,
+    lies in ``[B, S, H, D]`` memory. ``None`` where the kernel does not take these arguments, so
+    that the caller runs the library attention."""
     if not _takes_prefill_attention(q, keys, values, mask):
         return None
     return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5)

@@ -7,7 +7,9 @@
 // block is the whole span anyway). Here queries go in tiles of query_tile() positions, with all G
 // query heads of a kv head together (they read the same keys), and keys in tiles of kKeyTile
 // slots; a key tile that no query of the tile may see is never read. The rest is a flash
-// attention (running maximum and sum per query, rescaled per key tile), in float32:
+// attention (running maximum and sum per query, rescaled per key tile), in float32 whatever the
+// element type (float32 or bfloat16: q, keys and values widened as they are read, the output
+// rounded once):
 //
 //   scores  = (scale * q) . keys^T     keys transposed once per tile, 4 queries x 64 keys a step
 //   weights = exp(scores - running max) where the mask is set, 0 elsewhere
@@ -15,9 +17,11 @@
 //
 // Which tiles are skipped is read from the mask itself, so any mask (left padding, a cache
 // filled before, a sliding window) gives softmax(masked scores) . values, equal to the library
-// attention's within float32 rounding. A query that sees no slot gets zeros (the library's NaN).
+// attention's within float32 rounding (bfloat16: within the output's rounding). A query that sees
+// no slot gets zeros (the library's NaN).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -32,6 +36,7 @@
 namespace {
 
 using genfn_kernels::exp16;
+using genfn_kernels::load16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTileRows = 96;         // queries (positions x grouped heads) per tile
@@ -79,11 +84,12 @@ bool tile_visible(const bool* mask, int64_t stride, int64_t positions, int64_t f
   return _mm512_test_epi8_mask(any, any) != 0;
 }
 
-// keys_t[d * kKeyTile + j] = key j's element d, zeros past `count` keys.
-void transpose_keys(const float* keys, int64_t slot_stride, int64_t count, int64_t D, float* keys_t) {
+// keys_t[d * kKeyTile + j] = key j's element d (as float32), zeros past `count` keys.
+template <typename T>
+void transpose_keys(const T* keys, int64_t slot_stride, int64_t count, int64_t D, float* keys_t) {
   for (int64_t j = 0; j < count; ++j) {
-    const float* k = keys + j * slot_stride;
-    for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + j] = k[d];
+    const T* k = keys + j * slot_stride;
+    for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + j] = static_cast<float>(k[d]);
   }
   for (int64_t j = count; j < kKeyTile; ++j)
     for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + j] = 0.f;
@@ -138,8 +144,8 @@ inline float weigh_row(float* scores, const bool* visible, int64_t count, float&
 }
 
 // outputs[r, c0*16 .. (c0+W)*16) = outputs * rescale[r] + weights[r] . values, kRowBlock rows.
-template <int W>
-inline void accumulate_values(const float* weights, const float* values, int64_t slot_stride, int64_t count,
+template <int W, typename T>
+inline void accumulate_values(const float* weights, const T* values, int64_t slot_stride, int64_t count,
                               const float* rescale, int64_t D, int64_t c0, float* outputs) {
   __m512 acc[kRowBlock][W];
   for (int r = 0; r < kRowBlock; ++r) {
@@ -148,7 +154,7 @@ inline void accumulate_values(const float* weights, const float* values, int64_t
   }
   for (int64_t j = 0; j < count; ++j) {
     __m512 v[W];
-    for (int c = 0; c < W; ++c) v[c] = _mm512_loadu_ps(values + j * slot_stride + (c0 + c) * kLanes);
+    for (int c = 0; c < W; ++c) v[c] = load16(values + j * slot_stride + (c0 + c) * kLanes, 0xffff);
     for (int r = 0; r < kRowBlock; ++r) {
       const __m512 w = _mm512_set1_ps(weights[r * kKeyTile + j]);
       for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
@@ -158,23 +164,25 @@ inline void accumulate_values(const float* weights, const float* values, int64_t
     for (int c = 0; c < W; ++c) _mm512_storeu_ps(outputs + r * D + (c0 + c) * kLanes, acc[r][c]);
 }
 
-void accumulate_block(const float* weights, const float* values, int64_t slot_stride, int64_t count,
+template <typename T>
+void accumulate_block(const float* weights, const T* values, int64_t slot_stride, int64_t count,
                       const float* rescale, int64_t D, float* outputs) {
   const int64_t vectors = D / kLanes;
   int64_t c0 = 0;
   for (; c0 + 4 <= vectors; c0 += 4)
-    accumulate_values<4>(weights, values, slot_stride, count, rescale, D, c0, outputs);
+    accumulate_values<4, T>(weights, values, slot_stride, count, rescale, D, c0, outputs);
   switch (vectors - c0) {
-    case 3: accumulate_values<3>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
-    case 2: accumulate_values<2>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
-    case 1: accumulate_values<1>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
+    case 3: accumulate_values<3, T>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
+    case 2: accumulate_values<2, T>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
+    case 1: accumulate_values<1, T>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
     default: break;
   }
 }
 
 // Query positions [first, first + positions) of one batch row's kv head group: rows are
 // position-major (row = i * groups + g), padded to whole blocks by repeating the last row.
-void attend_tile(const float* q, const float* keys, const float* values, const bool* mask, float* out,
+template <typename T>
+void attend_tile(const T* q, const T* keys, const T* values, const bool* mask, T* out,
                  const Layout& L, float scale, int64_t first, int64_t positions, Scratch& s) {
   const int64_t G = L.groups, D = L.head_dim;
   const int64_t rows = positions * G;
@@ -182,8 +190,8 @@ void attend_tile(const float* q, const float* keys, const float* values, const b
   s.resize(padded, D);
   for (int64_t r = 0; r < padded; ++r) {
     const int64_t row = std::min(r, rows - 1), i = row / G, g = row % G;
-    const float* src = q + g * L.q_head + (first + i) * L.q_pos;
-    for (int64_t d = 0; d < D; ++d) s.queries[r * D + d] = src[d] * scale;
+    const T* src = q + g * L.q_head + (first + i) * L.q_pos;
+    for (int64_t d = 0; d < D; ++d) s.queries[r * D + d] = static_cast<float>(src[d]) * scale;
   }
   std::fill(s.outputs.begin(), s.outputs.end(), 0.f);
   std::fill(s.maxima.begin(), s.maxima.end(), kNegInf);
@@ -208,15 +216,15 @@ void attend_tile(const float* q, const float* keys, const float* values, const b
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r / G, g = r % G;
     const float inv = s.sums[r] > 0.f ? 1.f / s.sums[r] : 0.f;
-    float* dst = out + (first + i) * L.out_pos + g * L.out_head;
-    for (int64_t d = 0; d < D; ++d) dst[d] = s.outputs[r * D + d] * inv;
+    T* dst = out + (first + i) * L.out_pos + g * L.out_head;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(s.outputs[r * D + d] * inv);
   }
 }
 
-// q [B, H, S, D] float32 (any strides, the last dimension contiguous), keys/values [B, Hkv, A, D]
-// (slots of a head equally spaced, the last dimension contiguous: a slice of the static cache),
-// mask [B, 1, S, A] bool. Returns [B, H, S, D], a view of [B, S, H, D] memory (so the model's
-// transpose back to [B, S, H * D] is free).
+// q [B, H, S, D] float32 or bfloat16 (any strides, the last dimension contiguous), keys/values
+// [B, Hkv, A, D] of q's dtype (slots of a head equally spaced, the last dimension contiguous: a
+// slice of the static cache), mask [B, 1, S, A] bool. Returns [B, H, S, D] of q's dtype, a view of
+// [B, S, H, D] memory (so the model's transpose back to [B, S, H * D] is free).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                              const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
@@ -229,8 +237,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
   TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == S && mask.size(3) == A &&
                   mask.scalar_type() == at::kBool,
               "prefill_attention: mask must be bool [B, 1, S, A]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "prefill_attention: q, keys and values must be float32");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "prefill_attention: q, keys and values must be float32 or bfloat16, all one dtype; got ", q.scalar_type(),
+              ", ", keys.scalar_type(), ", ", values.scalar_type());
   TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1 && keys.strides() == values.strides(),
               "prefill_attention: q, keys and values need a contiguous last dimension, keys and values one layout");
   const at::Tensor mc = mask.contiguous();
@@ -238,26 +248,31 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
   const Layout L{H / Hkv, D, A, q.stride(1), q.stride(2), keys.stride(2), A, H * D, D};
   const int64_t positions = query_tile(H / Hkv);
   const int64_t tiles = (S + positions - 1) / positions;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   const bool* mp = mc.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
   const float scalef = static_cast<float>(scale);
-  // Tiles in the order first, last, second, second to last...: under a causal mask the late tiles
-  // see the most keys, and each thread's contiguous share of the items then holds light and heavy
-  // ones alike.
-  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t z = item % tiles, bh = item / tiles, b = bh / Hkv, h = bh % Hkv;
-      const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
-      const int64_t first = tile * positions;
-      attend_tile(qp + b * q.stride(0) + h * L.groups * q.stride(1), kp + b * keys.stride(0) + h * keys.stride(1),
-                  vp + b * values.stride(0) + h * values.stride(1), mp + b * S * A,
-                  op + b * S * H * D + h * L.groups * D, L, scalef, first, std::min(positions, S - first), scratch);
-    }
-  });
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = keys.data_ptr<scalar_t>();
+    const scalar_t* vp = values.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // Tiles in the order first, last, second, second to last...: under a causal mask the late tiles
+    // see the most keys, and each thread's contiguous share of the items then holds light and heavy
+    // ones alike.
+    at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t z = item % tiles, bh = item / tiles, b = bh / Hkv, h = bh % Hkv;
+        const int64_t tile = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
+        const int64_t first = tile * positions;
+        attend_tile(qp + b * q.stride(0) + h * L.groups * q.stride(1), kp + b * keys.stride(0) + h * keys.stride(1),
+                    vp + b * values.stride(0) + h * values.stride(1), mp + b * S * A,
+                    op + b * S * H * D + h * L.groups * D, L, scalef, first, std::min(positions, S - first), scratch);
+      }
+    });
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
   return out.transpose(1, 2);
 }
 

@@ -293,7 +293,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
         if decode_layer.quantized(layer):
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
-    # A float32 prefill's many tokens per row: the same layer with its elementwise work in native passes.
+    # A float32 or bfloat16 prefill's many tokens per row: the same layer with its elementwise work in native passes.
     if not output_attentions and prefill_layer.takes(spec, layer, x):
         return prefill_layer.prefill_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)

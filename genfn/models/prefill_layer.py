@@ -1,14 +1,17 @@
-"""A plain Llama decoder layer over many float32 tokens per row (a prefill), with its work between
-the linears in native passes.
+"""A plain Llama decoder layer over many float32 or bfloat16 tokens per row (a prefill), with its
+work between the linears in native passes.
 
 Op by op, a 512-token SmolLM2 prefill spent ~20 % of its time in the elementwise ops between the
 linears (torch profiler, 2 threads): RMSNorm as five kernels, RoPE as ten per q and k, SwiGLU as
 a silu and a product, each a pass over the whole activation. Here each is one native pass
 (``genfn.kernels.invariant``'s row ops, ``token_ops.cpp``): the norm and the residual add fused,
 RoPE and the q/k/v split fused, silu and the product fused; attention is the native prefill
-kernel (``genfn.kernels.prefill_attention``). Every value is float32 as in the op-by-op layer
-(sums in another order: within rounding, as a prefill is promised). Which layer runs is decided
-from shapes and the spec alone.
+kernel (``genfn.kernels.prefill_attention``). float32 activations keep the op-by-op layer's
+values (sums in another order: within rounding, as a prefill is promised). bfloat16 ones are
+widened inside each op and rounded once at its output, where the op-by-op layer rounds after
+every torch op (RoPE's products and sum, silu then the product; the norm rounds at the same two
+places): within bfloat16 rounding of it. Which layer runs is decided from shapes, dtypes and the
+spec alone.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ __all__ = ["takes", "prefill_layer"]
 
 def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
     """Whether ``prefill_layer`` runs this layer: a plain Llama layer (no variant, no tensor
-    parallelism, a head_dim the attention kernel takes) on float32 activations of at least
-    MIN_PREFILL_QUERIES tokens per row, the native kernels built, nothing to differentiate (the
-    native ops have no backward: neither ``x`` nor a tensor of the layer may need a gradient)."""
-    return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype == torch.float32
+    parallelism, a head_dim the attention kernel takes) on float32 or bfloat16 activations of at
+    least MIN_PREFILL_QUERIES tokens per row, with norm weights of their dtype (the row ops take one
+    dtype), the native kernels built, nothing to differentiate (the native ops have no backward:
+    neither ``x`` nor a tensor of the layer may need a gradient)."""
+    return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype in (torch.float32, torch.bfloat16)
+            and layer["attn_norm"].dtype == layer["mlp_norm"].dtype == x.dtype
             and x.device.type == "cpu" and x.shape[1] >= MIN_PREFILL_QUERIES
             and spec.head_dim % 16 == 0 and spec.head_dim <= 256
             and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and decode_attention_available())
