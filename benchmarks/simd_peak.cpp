@@ -1,0 +1,64 @@
+// The arithmetic ceiling of one core, against which a few-row decode step's kernels are measured
+// (docs/guides/k-quants-and-scale.md, "Steps of a few rows"): how many 512-bit vpdpbusd (int8,
+// 64 multiply-adds each: the quantized kernels) and vfmadd231ps (float32, 16 each: the float
+// kernels) one core retires a second, with 12 independent chains so that latency is hidden.
+// Zen 4 splits a 512-bit operation into two 256-bit halves, Zen 5 and Intel's AVX-512 cores do
+// not: the ceiling differs by ~2x between the VMs this project runs on, so measure it on the
+// machine whose steps you explain.
+//
+//   g++ -O2 -march=native -std=c++17 benchmarks/simd_peak.cpp -o /tmp/simd_peak && /tmp/simd_peak
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+
+template <class Body>
+double best_seconds(Body body, int rounds) {
+  double best = 1e30;
+  for (int r = 0; r < rounds; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s < best) best = s;
+  }
+  return best;
+}
+
+int main() {
+  constexpr long kIterations = 20000000;
+  constexpr int kChains = 12;
+  __m512i sums[kChains];
+  for (int i = 0; i < kChains; ++i) sums[i] = _mm512_set1_epi32(i);
+  __m512i w = _mm512_set1_epi8(3);
+  const __m512i x = _mm512_set1_epi8(5);
+  const double int8_s = best_seconds([&] {
+    for (long n = 0; n < kIterations; ++n) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) sums[i] = _mm512_dpbusd_epi32(sums[i], w, x);
+      asm volatile("" : "+v"(w));  // keeps the loop from being folded away
+    }
+  }, 15);
+  long long int_sink = 0;
+  for (int i = 0; i < kChains; ++i) int_sink += _mm512_reduce_add_epi32(sums[i]);
+
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512 scale = _mm512_set1_ps(1.0000001f);
+  const __m512 add = _mm512_set1_ps(1e-7f);
+  const double fma_s = best_seconds([&] {
+    for (long n = 0; n < kIterations; ++n) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], scale, add);
+      asm volatile("" : "+v"(scale));
+    }
+  }, 15);
+  float float_sink = 0;
+  for (int i = 0; i < kChains; ++i) float_sink += _mm512_reduce_add_ps(acc[i]);
+
+  const double ops = static_cast<double>(kIterations) * kChains;
+  std::printf("vpdpbusd zmm: %.2f G/s = %.0f G int8 multiply-adds/s a core\n", ops / int8_s / 1e9,
+              ops * 64 / int8_s / 1e9);
+  std::printf("vfmadd231ps zmm: %.2f G/s = %.0f G float32 multiply-adds/s a core\n", ops / fma_s / 1e9,
+              ops * 16 / fma_s / 1e9);
+  std::printf("(sinks %lld %g)\n", int_sink, float_sink);
+}
