@@ -32,6 +32,14 @@ def test_kernel_loads_wherever_it_can_be_built():
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="the decode kernel needs AVX-512 and a C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def _library_loaded():
+    """Several tests call the ops by name (torch.ops.genfn_kernels...), which exist once the library
+    is loaded: a test run on its own must not depend on an earlier test having loaded it."""
+    if CAN_BUILD:
+        assert kernels.decode_linear_available(), kernels.kernel_status()
+
+
 def _reference(x, w):
     return F.linear(x.double(), w.double())
 
