@@ -81,7 +81,10 @@ def other_load(window_s: float = SAMPLE_S) -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    return max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks_per_s / max(elapsed, 1e-3)
+    load = max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks_per_s / max(elapsed, 1e-3)
+    # Ticks are whole (10 ms each at 100 Hz): a short window can count one more than it held,
+    # which once read 2.18 cores of other work on a 2-core machine.
+    return min(load, float(os.cpu_count() or 1))
 
 
 def launched_as_cli(argv: list[str] | None = None) -> bool:
