@@ -159,11 +159,10 @@ _swap = {"depth": 0, "original": None}
 def parallel_cpp_units() -> Iterator[None]:
     """Inductor's C++ units built by :func:`build_units_in_parallel` inside the block (nested and
     concurrent blocks share one swap; the last to leave puts inductor's function back)."""
-    worker = inductor_cpp_worker()
-    if worker is None:
+    module = inductor_cpp_worker()
+    if module is None:
         yield
         return
-    module = worker[0]
     with _swap_lock:
         if _swap["depth"] == 0:
             _swap["original"] = module._worker_compile_cpp  # read under the lock: never our own swap

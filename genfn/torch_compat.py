@@ -153,16 +153,16 @@ def inductor_cache_dir() -> Path:
     return Path(cache_dir())
 
 
-def inductor_cpp_worker() -> tuple | None:
-    """``(torch._inductor.codecache, its _worker_compile_cpp)``, or None when this torch has no such
-    function. Imports inductor: call it from a compile."""
+def inductor_cpp_worker():
+    """``torch._inductor.codecache``, the module whose ``_worker_compile_cpp`` builds a C++
+    library's g++ jobs, or None when this torch has no such function. Imports inductor: call it
+    from a compile."""
     import torch._inductor.codecache as codecache
 
-    worker = getattr(codecache, "_worker_compile_cpp", None)
-    if worker is None:
+    if getattr(codecache, "_worker_compile_cpp", None) is None:
         _note_once("torch._inductor.codecache._worker_compile_cpp", "a C++ library's units build one after another")
         return None
-    return codecache, worker
+    return codecache
 
 
 def while_loop():
