@@ -11,15 +11,6 @@ freezing passes (SmolLM2 Q4_1: ~60 s under load, where the cached path loads the
 So the backend looks at the graph dynamo traced and turns freezing on only if it holds a
 ``linear`` call; an explicit ``freezing`` in the user's ``options`` always wins. It also starts
 inductor's ISA probe early and builds the C++ wrapper and kernels at once (``genfn.cold_build``).
-
-It also raises inductor's ``cpp.min_chunk_size`` (the work per thread below which a C++ kernel
-runs serially) to :data:`MIN_CHUNK_ELEMENTS`, unless the user's ``options`` set it. A decode
-step's own kernels between the native ops are a few thousand elements: a verification's k + 1
-tokens of K and V written into the cache at every layer, its attention mask, its final norm.
-At inductor's default (512) each of those became an OpenMP parallel region of its own, with a
-fork and two barriers, which a one-token step never had (its writes are too small): 33 regions in
-a SmolLM2 prompt-lookup round against one in a plain step. Serially they are microseconds of
-copying; as regions each waits for every thread, which a busy machine may have descheduled.
 """
 
 from __future__ import annotations
@@ -33,15 +24,11 @@ import torch.nn.functional as F
 from genfn.cold_build import parallel_cpp_units, start_vec_isa_probes
 from genfn.torch_compat import inductor_wrapper_base
 
-__all__ = ["InductorFreezingWhereItPays", "MIN_CHUNK_ELEMENTS", "library_linears", "with_genfn_backend"]
+__all__ = ["InductorFreezingWhereItPays", "library_linears", "with_genfn_backend"]
 
 _logger = logging.getLogger(__name__)
 
 _LIBRARY_LINEARS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
-
-# Elements per thread below which inductor's C++ kernels run serially (module docstring): 8192
-# float32 elements on two threads is a 32 KiB copy, about what a fork and join of the team cost.
-MIN_CHUNK_ELEMENTS = 4096
 
 
 def library_linears(graph_module: torch.fx.GraphModule) -> int:
@@ -67,8 +54,6 @@ class InductorFreezingWhereItPays(_InductorWrapper):
             patches["freezing"] = linears > 0 and not torch.is_grad_enabled()
             _logger.debug("inductor: %d library linears in the graph, freezing %s", linears,
                           "on" if patches["freezing"] else "off")
-        if "cpp.min_chunk_size" not in self.config and "cpp.min_chunk_size" not in patches:
-            patches["cpp.min_chunk_size"] = MIN_CHUNK_ELEMENTS
         # INFO, so that a CLI user waiting on a first compile reads that the wait is a C++ build.
         _logger.info("inductor: compiling the traced graph (%d ops): seconds from its on-disk cache, "
                      "a minute or more of C++ build the first time", _graph_ops(model_))

@@ -138,14 +138,6 @@ def test_an_explicit_freezing_option_wins(recorded_patches):
     assert [p["freezing"] for p in recorded_patches] == [True, False]
 
 
-def test_the_backend_runs_small_cpp_kernels_serially_unless_the_user_chose(recorded_patches):
-    x, w = torch.randn(1, 64), torch.randn(32, 64)
-    _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"fullgraph": True}, x, w)
-    _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"options": {"cpp.min_chunk_size": 512}}, x, w)
-    assert recorded_patches[0]["cpp.min_chunk_size"] == compile_backend.MIN_CHUNK_ELEMENTS
-    assert recorded_patches[1]["cpp.min_chunk_size"] == 512, "the user's own setting reaches inductor"
-
-
 def test_the_backend_says_when_inductor_starts_and_how_its_compile_went(recorded_patches, caplog):
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     with caplog.at_level("INFO", logger="genfn"):
