@@ -1,0 +1,112 @@
+"""One prompt-lookup verification round against one plain step, timed step by step in one process.
+
+    python benchmarks/lookup_steps.py --quantize gguf                   # eager and compiled, k = 7 and 10
+    python benchmarks/lookup_steps.py --inductor-option cpp.min_chunk_size=512 --calls 200
+
+``benchmarks/lookup_rounds.py`` times whole ``generate`` calls, so on a shared machine a round's
+figure carries every other process's bursts. Here each case's step function and state are taken
+from a ``generate`` call (SmolLM2, the rewriting task, static cache, ``--new-tokens`` tokens
+decoded before the state is kept), and then the cases run in turn, ``--calls`` times each, so a
+burst of load hits every case alike; each case keeps its fastest call. A step is pure and its
+state is left where it was (the cache writes the same slots again), so every call repeats the
+same round. Cases: the plain step and the round at each k, eager, compiled, and compiled with each
+``--inductor-option`` (``name=value``, an inductor config entry, e.g. the previous default of a
+setting genfn's backend changes). Prints one JSON line per engine: the step and round in ms
+and the round in plain steps (issue 31's bar: ~1.33).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import genfn  # noqa: E402
+from genfn import driver  # noqa: E402
+from assisted import prompts  # noqa: E402
+
+
+def kept_step(model, ids, mask, compiled: bool, new_tokens: int, **settings):
+    """``(strategy, state, compile_options)`` of the last state a ``generate`` call stepped from."""
+    kept = {}
+    run = driver.run
+
+    def keeping_run(strategy, model_, state, **kwargs):
+        kept["last"] = (strategy, state, kwargs.get("compile_options"))
+        return run(strategy, model_, state, **kwargs)
+
+    driver.run = keeping_run
+    try:
+        genfn.generate(model, ids, attention_mask=mask, cache_implementation="static", max_cache_len=512,
+                       max_new_tokens=new_tokens, disable_compile=not compiled, **settings)
+    finally:
+        driver.run = run
+    strategy, state, options = kept["last"]
+    # The driver's own span for this state (the compiled step attends over it, as in a real loop).
+    return strategy, driver.limit_attention(state, int(state.cur_len.max()) + strategy.tokens_per_step - 1), options
+
+
+def inductor_option(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--inductor-option takes name=value, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lookup-tokens", default="7,10", help="comma-separated prompt_lookup_num_tokens")
+    parser.add_argument("--quantize", choices=["gguf"], default=None, help="keep the file's blocks")
+    parser.add_argument("--calls", type=int, default=100, help="timed calls of each case (the fastest counts)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens decoded before the state is kept")
+    parser.add_argument("--inductor-option", type=inductor_option, action="append", default=[],
+                        help="name=value: one more compiled engine with this inductor option (repeatable)")
+    parser.add_argument("--no-eager", action="store_true")
+    args = parser.parse_args()
+    model = genfn.load(quantize=args.quantize)
+    ids, mask = prompts(model.tokenizer, 1)
+    engines = {"compiled": {}} if args.no_eager else {"eager": None, "compiled": {}}
+    for name, value in args.inductor_option:
+        engines[f"compiled {name}={value}"] = {name: value}
+    ks = [0] + [int(v) for v in args.lookup_tokens.split(",")]
+    cases = {}
+    for k in ks:
+        settings = {"prompt_lookup_num_tokens": k} if k else {}
+        for engine, options in engines.items():
+            strategy, state, compile_options = kept_step(model, ids, mask, options is not None, args.new_tokens,
+                                                         **settings)
+            if options is None:
+                fn = driver.eager_step(strategy.step, model)
+            else:
+                compile_options = dict(compile_options)
+                compile_options["options"] = {**compile_options.get("options", {}), **options}
+                fn = driver.compiled_step(strategy.step, model, state, compile_options)
+            fn(state)
+            cases[engine, k] = (fn, state)
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(args.calls):
+        for case, (fn, state) in cases.items():
+            start = time.perf_counter()
+            fn(state)
+            best[case] = min(best[case], time.perf_counter() - start)
+    for engine in engines:
+        step = best[engine, 0]
+        line = dict(engine=engine, weights="blocks" if args.quantize else "float32", threads=torch.get_num_threads(),
+                    load_average=round(os.getloadavg()[0], 2), calls=args.calls, step_ms=round(step * 1e3, 3))
+        for k in ks[1:]:
+            line[f"round_ms_k{k}"] = round(best[engine, k] * 1e3, 3)
+            line[f"steps_per_round_k{k}"] = round(best[engine, k] / step, 2)
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
