@@ -295,8 +295,9 @@ def native_and_reference(model, monkeypatch, steps: int):
 def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
     model = genfn.load(kquant_file, quantize="gguf")
     layer = model.params["layers"][0]
-    assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k", "q6_k"]
-    assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k" and layer["w_down"].format == "q6_k"
+    # A layer's Q4_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8).
+    assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k_r8", "q6_k"]
+    assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == "q6_k"
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
     assert_the_files_blocks_are_kept(model, kquant_file, "q4_k")
     native, reference = native_and_reference(model, monkeypatch, steps=8)
