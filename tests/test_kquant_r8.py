@@ -15,7 +15,7 @@ from genfn import kernels
 from genfn.kernels import kquant
 from genfn.quant import KQuantWeight, quantize_k, reference_linear_k
 from genfn.quant.kquants import repack_r8, unpack_r8
-from test_kquants import greedy_with_logits, write_kquant_gguf
+from test_kquants import greedy_with_logits, isa, write_kquant_gguf  # noqa: F401 (isa: a fixture)
 
 NATIVE = kquant.kquant_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
@@ -69,17 +69,6 @@ def test_the_native_repack_and_unpack_equal_the_torch_ones():
         torch.ops.genfn_kquant.kquant_repack_r8(weight.data[:12], None, torch.empty(12, 288, dtype=torch.uint8))
 
 
-@pytest.fixture(params=["avx512", "avx2"])
-def isa(request):
-    if not NATIVE:
-        pytest.skip(f"the K-quant kernels are {kquant.kquant_status()}")
-    if request.param == "avx512" and torch.ops.genfn_kquant.kquant_isa() < 2:
-        pytest.skip("this CPU has no AVX-512 path to run (the avx2 case of this test runs its AVX2 path)")
-    kquant.force_isa(request.param)
-    yield request.param
-    kquant.force_isa(None)
-
-
 def test_the_kernels_match_the_reference_and_q4_ks_at_every_row_count(isa):
     weight = _random_q4_k(48, 4, seed=3)
     packed = repack_r8(weight)
@@ -110,22 +99,6 @@ def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch():
         assert torch.equal(a, b)
     for rows, y in enumerate(results["avx512"], start=1):  # one row's result at any count of rows
         assert torch.equal(y, results["avx512"][-1][:rows])
-
-
-@needs_native
-def test_every_group_is_written_once_whatever_the_thread_count():
-    packed = quantize_k(torch.randn(304, 512), "q4_k_r8")
-    x = torch.randn(9, 512)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = {rows: kernels.linear(x[:rows], packed) for rows in (1, 9)}
-        for threads in (2, 3, 7):
-            torch.set_num_threads(threads)
-            for rows, expected in alone.items():
-                assert torch.equal(kernels.linear(x[:rows], packed), expected), (threads, rows)
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_native

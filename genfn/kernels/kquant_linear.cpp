@@ -28,6 +28,7 @@
 #include <tuple>
 
 #include "kquant.h"
+#include "kquant_rows.h"
 #include "kquant_quantize.h"
 #include "row_queue.h"
 
@@ -291,20 +292,8 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
 
 template <int64_t F>
 RowFn pick_row(Isa isa, int rows) {
-#define GENFN_CASES(KERNEL)                       \
-  switch (rows) {                                 \
-    case 1: return &KERNEL<1, F>;                 \
-    case 2: return &KERNEL<2, F>;                 \
-    case 3: return &KERNEL<3, F>;                 \
-    case 4: return &KERNEL<4, F>;                 \
-    case 5: return &KERNEL<5, F>;                 \
-    case 6: return &KERNEL<6, F>;                 \
-    case 7: return &KERNEL<7, F>;                 \
-    default: return &KERNEL<8, F>;                \
-  }
-  if (isa == kAvx512) { GENFN_CASES(row_avx512) }
-  GENFN_CASES(row_avx2)
-#undef GENFN_CASES
+  if (isa == kAvx512) { GENFN_ROW_CASES(rows, row_avx512, F) }
+  GENFN_ROW_CASES(rows, row_avx2, F)
 }
 
 RowFn pick(Isa isa, int64_t format, int rows) {

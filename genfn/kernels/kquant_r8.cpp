@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "kquant.h"
+#include "kquant_rows.h"
 
 namespace genfn::kquant {
 namespace {
@@ -47,18 +48,28 @@ struct R8Index {
 };
 constexpr R8Index kR8Index;
 
-// The 6-bit scales and minimums of 8 rows (kR8Scales: 3 runs of 8 dwords): dword r of sc[0] holds
-// scales 0-3 of row r, of sc[1] scales 4-7; mn the minimums alike.
-GENFN_AVX2_INLINE inline void unpack_scales8(const uint8_t* p, __m256i sc[2], __m256i mn[2]) {
+// A group's super-block header: d and dmin of its 8 rows, and their 6-bit scales and minimums
+// (kR8Scales: 3 runs of 8 dwords): dword r of sc[0] holds scales 0-3 of row r, of sc[1] scales
+// 4-7; mn the minimums alike.
+struct Header {
+  __m256 d, dmin;
+  __m256i sc[2], mn[2];
+};
+GENFN_AVX2_INLINE inline Header load_header(const uint8_t* w) {
+  Header h;
+  h.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8D)));
+  h.dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8DMin)));
+  const uint8_t* p = w + kR8Scales;
   const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
   const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
   const __m256i m3f = _mm256_set1_epi8(0x3F), m0f = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03);
-  sc[0] = _mm256_and_si256(u0, m3f);
-  mn[0] = _mm256_and_si256(u1, m3f);
-  sc[1] = _mm256_or_si256(_mm256_and_si256(u2, m0f), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m03), 4));
-  mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
-                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
+  h.sc[0] = _mm256_and_si256(u0, m3f);
+  h.mn[0] = _mm256_and_si256(u1, m3f);
+  h.sc[1] = _mm256_or_si256(_mm256_and_si256(u2, m0f), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m03), 4));
+  h.mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
+  return h;
 }
 
 // The activation row's code sums of a super-block's 8 groups of 32 as int16, in the two 64-bit
@@ -101,10 +112,9 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i dup = _mm512_load_si512(kR8Index.dup);
   for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8D)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8DMin)));
-    __m256i sc[2], mn[2];
-    unpack_scales8(w + kR8Scales, sc, mn);
+    const Header hd = load_header(w);
+    const __m256i* sc = hd.sc;
+    const __m256i* mn = hd.mn;
     const __m512i scales[2] = {_mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[0])),
                                _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[1]))};
     // dword 2r: minimums (4h, 4h + 1) of row r as int16, 2r + 1: (4h + 2, 4h + 3)
@@ -140,7 +150,7 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
       }
     }
     for (int m = 0; m < M; ++m)
-      accumulate(_mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])), d, dmin,
+      accumulate(_mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])), hd.d, hd.dmin,
                  a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
@@ -165,10 +175,9 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8D)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8DMin)));
-    __m256i sc[2], mn[2];
-    unpack_scales8(w + kR8Scales, sc, mn);
+    const Header hd = load_header(w);
+    const __m256i* sc = hd.sc;
+    const __m256i* mn = hd.mn;
     // [s][h]: scales s (0-3 or 4-7) of rows 4h .. 4h + 3, two lanes a row
     const __m256i scales[2][2] = {{_mm256_permutevar8x32_epi32(sc[0], dup_low), _mm256_permutevar8x32_epi32(sc[0], dup_high)},
                                   {_mm256_permutevar8x32_epi32(sc[1], dup_low), _mm256_permutevar8x32_epi32(sc[1], dup_high)}};
@@ -208,7 +217,7 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
       }
     }
     for (int m = 0; m < M; ++m)
-      accumulate(even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), d, dmin,
+      accumulate(even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), hd.d, hd.dmin,
                  a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
@@ -275,20 +284,8 @@ void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out) {
 }  // namespace
 
 RowFn pick_q4k_r8(Isa isa, int rows) {
-#define GENFN_CASES(KERNEL)    \
-  switch (rows) {              \
-    case 1: return &KERNEL<1>; \
-    case 2: return &KERNEL<2>; \
-    case 3: return &KERNEL<3>; \
-    case 4: return &KERNEL<4>; \
-    case 5: return &KERNEL<5>; \
-    case 6: return &KERNEL<6>; \
-    case 7: return &KERNEL<7>; \
-    default: return &KERNEL<8>; \
-  }
-  if (isa == kAvx512 && has_vnni()) { GENFN_CASES(rows_r8_avx512) }
-  GENFN_CASES(rows_r8_avx2)
-#undef GENFN_CASES
+  if (isa == kAvx512 && has_vnni()) { GENFN_ROW_CASES(rows, rows_r8_avx512) }
+  GENFN_ROW_CASES(rows, rows_r8_avx2)
 }
 
 }  // namespace genfn::kquant
