@@ -57,7 +57,7 @@ def best(fn, repeats: int = 5) -> float:
 
 # The path a quantized product takes: the fewest rows that go to the GEMMs.
 PATHS = {"rows": 10**9, "gemm": 1}
-GEMM_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
+GEMM_FORMATS = ("q4_k", "q4_k_r8", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
 
 
 def set_path(min_rows: int | None) -> None:
