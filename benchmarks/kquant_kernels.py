@@ -20,7 +20,8 @@ products on the row kernels and on the GEMMs, interleaved.
 
     python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
 
-``--stream``: Q4_0 (quant_linear) against Q4_K and Q6_K (kquant_linear) at Llama-3.2-1B's shapes
+``--stream``: Q4_0 (quant_linear) against Q4_K (as stored and interleaved, ``q4_k_r8``) and Q6_K
+(kquant_linear) at Llama-3.2-1B's shapes
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
 copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
 L3), so every call reads its weight from memory: GB/s here is the kernel against DRAM, as in decode.
@@ -56,7 +57,7 @@ def best(fn, repeats: int = 5) -> float:
 
 # The path a quantized product takes: the fewest rows that go to the GEMMs.
 PATHS = {"rows": 10**9, "gemm": 1}
-GEMM_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
+GEMM_FORMATS = ("q4_k", "q4_k_r8", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
 
 
 def set_path(min_rows: int | None) -> None:
@@ -104,7 +105,7 @@ SHAPES_1B = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), (
 
 def stream(counts: list[int], rounds: int, megabytes: int) -> None:
     """GB/s per format, shape and row count, each call on a matrix out of cache (copies in turn)."""
-    formats = ("q4_0", "q4_k", "q6_k")
+    formats = ("q4_0", "q4_k", "q4_k_r8", "q6_k")
     results: dict[tuple[str, str, int], float] = {}
     copies: dict[tuple[str, str], list] = {}
     for name, rows_out, cols in SHAPES_1B:
@@ -199,7 +200,7 @@ def main() -> None:
     w = torch.randn(ROWS, COLUMNS) * 0.02
     weights = {"q4_0": QuantizedWeight.from_rows(quantize(w, "q4_0")),
                "q8_0": QuantizedWeight.from_rows(quantize(w, "q8_0")),
-               **{fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q6_k", "iq4_nl", "iq4_xs")}}
+               **{fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q4_k_r8", "q6_k", "iq4_nl", "iq4_xs")}}
     results: dict[tuple[int, str], float] = {}
     for _ in range(args.rounds):
         for rows in counts:

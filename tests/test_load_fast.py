@@ -110,8 +110,9 @@ def _file_ranges(path) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only: finds the file mapping in /proc/self/maps")
 def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
-    """Layer 1's K-quant gate/up (fused: back to back in the file), o and down projections are
-    the file mapping's bytes, not copies; its q/k rows (llama's permutation undone) are copied."""
+    """Layer 1's K-quant o and down projections are the file mapping's bytes, not copies; its Q4_K
+    gate/up and q/k (llama's permutation undone) are repacked 8 rows to a group (q4_k_r8), which
+    the file layout can then not be used for: written into memory of their own."""
     params = genfn.load(mixed_file, quantize="gguf").params
     layer = params["layers"][1]
 
@@ -120,7 +121,8 @@ def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
         return any(low <= start and end <= high for low, high in _file_ranges(mixed_file))
 
     assert isinstance(layer["w_gate_up"], KQuantWeight) and layer["w_gate_up"].shape == (1024, 256)
-    assert in_file(layer["w_gate_up"]) and in_file(layer["wo"]) and in_file(layer["w_down"])
+    assert layer["w_gate_up"].format == "q4_k_r8" and not in_file(layer["w_gate_up"])
+    assert in_file(layer["wo"]) and in_file(layer["w_down"])
     qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
     assert not in_file(qk) and in_file(v)
     ids = torch.tensor([[3, 1, 4, 1, 5]])

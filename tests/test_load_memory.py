@@ -27,6 +27,7 @@ from genfn.models.quantized import quantize_params
 from genfn.models.weight_arena import WeightArena, huge_pages_available
 from genfn.quant import KQuantWeight, QuantizedWeight, RowBlocks, RowStack, quantize, quantize_k
 from genfn.quant.blocks import gguf_block_fields
+from genfn.quant.kquants import unpack_r8
 from genfn.state.base import NAMESPACE
 
 # Layer 0 mixes formats inside its fused q/k/v (a run of Q4_0, then Q8_0) and uses all three
@@ -115,7 +116,8 @@ def _same_weight(a, b) -> bool:
         return (a.format == b.format and a.shape == b.shape and torch.equal(a.codes, b.codes)
                 and torch.equal(a.scales, b.scales) and (a.mins is None) == (b.mins is None)
                 and (a.mins is None or torch.equal(a.mins, b.mins)))
-    if isinstance(a, KQuantWeight) and isinstance(b, KQuantWeight):
+    if isinstance(a, KQuantWeight) and isinstance(b, KQuantWeight):  # q4_k_r8: its rows as stored
+        a, b = (unpack_r8(w) if w.format == "q4_k_r8" else w for w in (a, b))
         return a.format == b.format and torch.equal(a.data, b.data)
     if isinstance(a, RowStack) and isinstance(b, RowStack):
         return len(a.parts) == len(b.parts) and all(map(_same_weight, a.parts, b.parts))
@@ -167,10 +169,15 @@ def test_the_arena_receives_each_byte_once(mixed_file, monkeypatch):
             allocated.append(int(np.prod(shape)) * dtype.itemsize)
             return super().empty(shape, dtype)
 
+        def ordinary(self, shape, dtype):  # a layer's Q4_K, repacked 8 rows to a group
+            allocated.append(int(np.prod(shape)) * dtype.itemsize)
+            return super().ordinary(shape, dtype)
+
     monkeypatch.setattr(model_module, "WeightArena", Counting)
     params = genfn.load(mixed_file, quantize="gguf").params
-    # Layer 1's K-quant matrices are used where they lie in the file, but for llama's permuted q/k.
-    in_place = {f"blk.1.{part}.weight" for part in ("attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    # Layer 1's K-quant matrices are used where they lie in the file, but for llama's permuted q/k
+    # and the Q4_K gate/up, repacked 8 rows to a group (q4_k_r8).
+    in_place = {f"blk.1.{part}.weight" for part in ("attn_v", "attn_output", "ffn_down")}
     kept = sum(info.nbytes for name, info in read_gguf(str(mixed_file)).tensors.items()
                if GGMLQuantizationType(info.ggml_type).name != "F32" and name not in in_place)
     floats = sum(leaf.numel() * leaf.element_size() for leaf in optree.tree_leaves(params, namespace=NAMESPACE)

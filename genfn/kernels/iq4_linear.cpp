@@ -20,6 +20,7 @@
 // order the activation codes are laid out in (kquant.h's kIQ4Order), so each meets one plain load.
 // The AVX2 path unpacks one run at a time into 32 values in natural order.
 #include "kquant.h"
+#include "kquant_rows.h"
 
 namespace {
 
@@ -229,24 +230,12 @@ GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 namespace genfn::kquant {
 
 RowFn pick_iq4(Isa isa, int64_t format, int rows) {
-#define GENFN_CASES(KERNEL)       \
-  switch (rows) {                 \
-    case 1: return &KERNEL<1>;    \
-    case 2: return &KERNEL<2>;    \
-    case 3: return &KERNEL<3>;    \
-    case 4: return &KERNEL<4>;    \
-    case 5: return &KERNEL<5>;    \
-    case 6: return &KERNEL<6>;    \
-    case 7: return &KERNEL<7>;    \
-    default: return &KERNEL<8>;   \
-  }
   if (isa == kAvx512) {
-    if (format == kIQ4NL) { GENFN_CASES(iq4nl_avx512) }
-    GENFN_CASES(iq4xs_avx512)
+    if (format == kIQ4NL) { GENFN_ROW_CASES(rows, iq4nl_avx512) }
+    GENFN_ROW_CASES(rows, iq4xs_avx512)
   }
-  if (format == kIQ4NL) { GENFN_CASES(iq4nl_avx2) }
-  GENFN_CASES(iq4xs_avx2)
-#undef GENFN_CASES
+  if (format == kIQ4NL) { GENFN_ROW_CASES(rows, iq4nl_avx2) }
+  GENFN_ROW_CASES(rows, iq4xs_avx2)
 }
 
 }  // namespace genfn::kquant

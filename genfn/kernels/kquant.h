@@ -1,6 +1,6 @@
 // What the K-quant library's sources share: kquant_linear.cpp (Q4_K/Q5_K/Q6_K rows, the activations'
-// quantization, the ops and their dispatch), kquant_gemm.cpp (the GEMM for many rows) and
-// iq4_linear.cpp (IQ4_NL/IQ4_XS rows). No torch here:
+// quantization, the ops and their dispatch), kquant_gemm.cpp (the GEMM for many rows),
+// iq4_linear.cpp (IQ4_NL/IQ4_XS rows) and kquant_r8.cpp (Q4_K rows interleaved 8 to a group). No torch here:
 // the row kernels are plain C++ over the blocks as GGUF stores them (genfn/quant/kquants.py).
 //
 // The library is built without global ISA flags; every SIMD function carries its own target
@@ -24,14 +24,44 @@
 namespace genfn::kquant {
 
 constexpr int64_t kSuper = 256;
-// The op's format argument (genfn.quant.kquants.FORMAT_ID).
-enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4 };
-constexpr int64_t kLastFormat = kIQ4XS;
+// The op's format argument (genfn.quant.kquants.FORMAT_ID). kQ4KR8: Q4_K with its rows
+// interleaved 8 to a group at load (below); a row of its data holds no one matrix row's blocks.
+enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5 };
+constexpr int64_t kLastFormat = kQ4KR8;
 constexpr int64_t block_bytes(int64_t f) {
-  return f == kQ4K ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
+  return f == kQ4K || f == kQ4KR8 ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
 }
 // Inputs per weight block; the activations get one scale per as many inputs.
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
+
+// q4_k_r8: rows 8g .. 8g + 7 of a Q4_K matrix, super-block by super-block, each super-block of the
+// group kR8Block bytes (8 x 144, no byte added; genfn/quant/kquants.py's repack_r8 is the same in
+// torch):
+//   kR8D      8 x d (float16)      kR8DMin  8 x dmin (float16)
+//   kR8Scales the 12 packed scale bytes of each row as 3 runs of 8 dwords (dword w of row r at
+//             32 w + 4 r), so 256-bit logic unpacks the 6-bit fields of 8 rows at once
+//   kR8Codes  per 64 inputs j (groups 2j, 2j + 1) four 64-byte runs k, each the 8 rows' bytes
+//             8k .. 8k + 7 of the row's 32-byte run j (row r at 8 r): 32-bit lane 2r + h holds
+//             inputs 8k + 4h .. + 3 of group 2j (low nibbles) and of group 2j + 1 (high), so a
+//             qword broadcast of 8 activation codes meets all 16 lanes (kquant_r8.cpp)
+constexpr int64_t kR8Rows = 8, kR8Block = kR8Rows * 144;
+constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128;
+
+// Row r's Q4_K super-block (144 bytes as GGUF stores it) into / out of its group's super-block.
+__attribute__((always_inline)) inline void r8_store(const uint8_t* block, int r, uint8_t* group) {
+  std::memcpy(group + kR8D + 2 * r, block, 2);
+  std::memcpy(group + kR8DMin + 2 * r, block + 2, 2);
+  for (int w = 0; w < 3; ++w) std::memcpy(group + kR8Scales + 32 * w + 4 * r, block + 4 + 4 * w, 4);
+  for (int j = 0; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8Codes + 256 * j + 64 * k + 8 * r, block + 16 + 32 * j + 8 * k, 8);
+}
+__attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, uint8_t* block) {
+  std::memcpy(block, group + kR8D + 2 * r, 2);
+  std::memcpy(block + 2, group + kR8DMin + 2 * r, 2);
+  for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, group + kR8Scales + 32 * w + 4 * r, 4);
+  for (int j = 0; j < 4; ++j)
+    for (int k = 0; k < 4; ++k) std::memcpy(block + 16 + 32 * j + 8 * k, group + kR8Codes + 256 * j + 64 * k + 8 * r, 8);
+}
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -60,6 +90,9 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 
 // IQ4_NL / IQ4_XS rows (iq4_linear.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
+// q4_k_r8 (kquant_r8.cpp), for 1..8 rows of x: a call takes w at a group's first super-block and
+// writes its 8 rows, y[m * N + r] for r < 8.
+RowFn pick_q4k_r8(Isa isa, int rows);
 
 // Rows m0..m1 of x [M, K] into a (sized for M rows already) as llama.cpp's quantize_row_q8_K_ref
 // quantizes them, one scale per `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order`

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from genfn.kernels import native
-from genfn.quant.kquants import FORMAT_ID, K_FORMATS, KQuantWeight, reference_linear_k
+from genfn.quant.kquants import FORMAT_ID, FORMAT_NAME, KQuantWeight, reference_linear_k
 
 __all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows", "kquant_status",
            "needs_build"]
@@ -61,7 +61,7 @@ def _define_reference_op() -> None:
                    "-> Tensor")
 
     def reference(x, data, format, out_features, row_kernels=False):
-        weight = KQuantWeight(data, K_FORMATS[format], out_features, x.shape[-1])
+        weight = KQuantWeight(data, FORMAT_NAME[format], out_features, x.shape[-1])
         return reference_linear_k(x, weight, dtype=torch.float32)
 
     library.impl("kquant_linear", reference, "CPU")

@@ -135,7 +135,8 @@ GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, 
   }
 }
 
-// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p.
+// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8:
+// a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
 GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
   constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
@@ -156,7 +157,13 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
     for (int n = 0; n < rows; ++n) {
       int scale[16], minimum[16];
       const int64_t at = b * kTile + n;
-      unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
+      if constexpr (F == kQ4KR8) {
+        uint8_t stored[144];
+        r8_load(w + n / kR8Rows * kR8Rows * row_bytes + b * kR8Block, n % kR8Rows, stored);
+        unpack_block<kQ4K>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at]);
+      } else {
+        unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
+      }
       for (int g = 0; g < kGroups; ++g)
         p.scales[(b * kGroups + g) * kTile + n] = scale_pairs ? int16_pair(scale[g], scale[g]) : scale[g];
       for (int q = 0; q < kPairs; ++q)
@@ -370,7 +377,8 @@ void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, 
 }  // namespace
 
 bool gemm_takes(int64_t format, int64_t rows) {
-  return (format == kQ4K || format == kQ5K || format == kQ6K) && rows >= min_rows.load(std::memory_order_relaxed);
+  return (format == kQ4K || format == kQ5K || format == kQ6K || format == kQ4KR8) &&
+         rows >= min_rows.load(std::memory_order_relaxed);
 }
 
 int64_t set_gemm_min_rows(int64_t rows) {
@@ -397,6 +405,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   });
   const bool vnni = isa == kAvx512 && has_vnni();
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
+  else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);
   else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
   else run_tiles<kQ6K>(a, w, N, y, vnni);
 }

@@ -28,6 +28,7 @@
 #include <tuple>
 
 #include "kquant.h"
+#include "kquant_rows.h"
 #include "kquant_quantize.h"
 #include "row_queue.h"
 
@@ -54,8 +55,8 @@ namespace {
 
 // The order a format's row kernel on path isa reads the activation codes in (kquant.h).
 Order activation_order(Isa isa, int64_t format) {
-  if (isa != kAvx512) return kNatural;
-  return format == kQ4K || format == kQ5K ? kQ4KOrder : format == kQ6K ? kNatural : kIQ4Order;
+  if (isa != kAvx512 || format == kQ6K || format == kQ4KR8) return kNatural;
+  return format == kQ4K || format == kQ5K ? kQ4KOrder : kIQ4Order;
 }
 
 
@@ -291,24 +292,13 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
 
 template <int64_t F>
 RowFn pick_row(Isa isa, int rows) {
-#define GENFN_CASES(KERNEL)                       \
-  switch (rows) {                                 \
-    case 1: return &KERNEL<1, F>;                 \
-    case 2: return &KERNEL<2, F>;                 \
-    case 3: return &KERNEL<3, F>;                 \
-    case 4: return &KERNEL<4, F>;                 \
-    case 5: return &KERNEL<5, F>;                 \
-    case 6: return &KERNEL<6, F>;                 \
-    case 7: return &KERNEL<7, F>;                 \
-    default: return &KERNEL<8, F>;                \
-  }
-  if (isa == kAvx512) { GENFN_CASES(row_avx512) }
-  GENFN_CASES(row_avx2)
-#undef GENFN_CASES
+  if (isa == kAvx512) { GENFN_ROW_CASES(rows, row_avx512, F) }
+  GENFN_ROW_CASES(rows, row_avx2, F)
 }
 
 RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
+  if (format == kQ4KR8) return pick_q4k_r8(isa, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
   return pick_row<kQ6K>(isa, rows);
@@ -337,6 +327,8 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
     const int64_t f = s.parts[p].format, block = block_inputs(f);
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
                 " inputs");
+    TORCH_CHECK(f != kQ4KR8 || s.parts[p].rows % kR8Rows == 0, "a q4_k_r8 part of ", s.parts[p].rows,
+                " rows: whole groups of ", kR8Rows, " only");
     s.first[p + 1] = s.first[p] + s.parts[p].rows;
     s.blocks[p] = s.K / block;
     s.row_bytes[p] = s.blocks[p] * block_bytes(f);
@@ -386,6 +378,8 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
     int64_t p = 0;
     for (int64_t n = n0; n < n1; ++n) {
       while (n >= s.first[p + 1]) ++p;
+      // A q4_k_r8 group's rows are written by the call that claims its first row.
+      if (s.parts[p].format == kQ4KR8 && (n - s.first[p]) % kR8Rows) continue;
       const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
       const ActivationsK& a = s.x[s.layout_of[p]];
       for (int64_t m0 = 0; m0 < s.M; m0 += s.per)
@@ -404,7 +398,8 @@ constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &pr
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
                          bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
-              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl) or 4 (iq4_xs), got ", format);
+              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs) or 5 (q4_k_r8), got ",
+              format);
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "
               "this CPU has neither. Load the model without quantize='gguf' to dequantize its weights instead.");
@@ -469,7 +464,7 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_moe_decode: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C");
   for (const int64_t f : {gate_up_format, down_format})
-    TORCH_CHECK(f >= kQ4K && f <= kLastFormat, "kquant_moe_decode: formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), "
+    TORCH_CHECK(f >= kQ4K && f <= kIQ4XS, "kquant_moe_decode: formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), "
                 "3 (iq4_nl) or 4 (iq4_xs), got ", f);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kquant_moe_decode: x must be [T, H] float32");
   TORCH_CHECK(experts.scalar_type() == at::kLong && experts.dim() == 2 && experts.size(0) == x.size(0),

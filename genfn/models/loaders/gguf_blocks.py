@@ -35,6 +35,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from genfn import kernels
+from genfn.kernels import kquant
 from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
@@ -159,6 +160,8 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     cols = gguf.tensors[run[0]].shape[1]
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
+    if _interleaved(run, type_name, rows):
+        return _write_r8_run(gguf, run, row_order, arena, rows, cols)
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
         in_file = gguf.raw_run(run) if all(order is None for order in orders) else None
@@ -188,6 +191,31 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
+    return out
+
+
+def _interleaved(run: list[str], type_name: str, rows: list[int]) -> bool:
+    """Whether a run is a layer's Q4_K matrices that the native kernels read interleaved 8 rows to a
+    group (``q4_k_r8``): the embedding and the LM head keep the file's rows, which a lookup reads
+    row by row; ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as stored."""
+    return (type_name == "Q4_K" and all(_LAYER_WEIGHT.match(name) for name in run) and all(n % 8 == 0 for n in rows)
+            and os.environ.get("GENFN_Q4K_R8", "1") != "0" and kquant.kquant_available())
+
+
+def _write_r8_run(gguf, run, row_order, arena, rows, cols) -> dict[str, KQuantWeight]:
+    """A run of Q4_K matrices repacked from the file mapping into ordinary pages (a first write
+    to huge pages cost ~4 s/GB on the VMs measured, ``arena.ordinary``), each matrix's mapping let
+    go once written, so the peak holds one matrix twice at most."""
+    data = arena.ordinary((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
+    out: dict[str, KQuantWeight] = {}
+    start = 0
+    for name, n in zip(run, rows):
+        order = row_order(name)
+        torch.ops.genfn_kquant.kquant_repack_r8(mapped(gguf.raw(name)), None if order is None else
+                                                torch.from_numpy(order).long(), data[start:start + n])
+        gguf.release(name)
+        out[name] = KQuantWeight(data[start:start + n], "q4_k_r8", n, cols)
+        start += n
     return out
 
 

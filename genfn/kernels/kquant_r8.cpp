@@ -1,0 +1,296 @@
+// Q4_K rows interleaved 8 to a group at load ("q4_k_r8"), and the row kernels over them, for the
+// decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs them as it runs the other
+// formats' rows). The layout of a group's super-block is in kquant.h (kR8*); the idea is
+// ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
+//
+// Why: the row kernels of the file's layout spend a vpmaddubsw + vpmaddwd pair and a scale
+// shuffle per 64 weight bytes of one row, and at one row of x they compute only ~1.5x the bytes
+// a core can read (benchmarks/q4k_r8_patterns.cpp). Here a qword broadcast of 8 activation codes
+// meets 16 lanes, two per weight row, of a 64-byte load, so one vpdpbusd does the work of that
+// pair for 8 rows at once, and the scales of 8 rows unpack in one pass of 256-bit logic.
+//
+// The integers are the row kernels': per group of 32 inputs each lane's dot of 16 inputs (at
+// most 16 x 15 x 127, an int16) is scaled by vpdpwssd against the group's scale in the low word,
+// the two lanes of a row added once per super-block, so a row's super-block sum is the same
+// exact integer as in the file's layout; minimums likewise, against the activations' code sums
+// per 32. The floats differ: one float32 accumulator per row (d * d_x times the super-block's
+// sum, added in order), where the file layout's kernel reduces 16 lanes at the end. The AVX2
+// form computes the same integers and the same floats, so both paths give the same bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "kquant.h"
+#include "kquant_rows.h"
+
+namespace genfn::kquant {
+namespace {
+
+#define GENFN_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define GENFN_VNNI_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"), always_inline))
+
+// Shuffles: byte g % 4 of each dword's scales into its low word (AVX-512: low byte only; AVX2:
+// both int16 halves, for vpmaddwd against int16 pairs), and dword r of 8 into lanes 2r, 2r + 1.
+struct R8Index {
+  alignas(64) uint8_t scale_word[4][64];
+  alignas(64) uint8_t scale_pair[4][32];
+  alignas(64) uint32_t dup[16];
+  constexpr R8Index() : scale_word(), scale_pair(), dup() {
+    for (int g = 0; g < 4; ++g) {
+      for (int k = 0; k < 64; ++k) scale_word[g][k] = k % 4 ? 0x80 : static_cast<uint8_t>(k % 16 + g);
+      for (int k = 0; k < 32; ++k) scale_pair[g][k] = k % 2 ? 0x80 : static_cast<uint8_t>(k % 16 / 4 * 4 + g);
+    }
+    for (int l = 0; l < 16; ++l) dup[l] = static_cast<uint32_t>(l / 2);
+  }
+};
+constexpr R8Index kR8Index;
+
+// A group's super-block header: d and dmin of its 8 rows, and their 6-bit scales and minimums
+// (kR8Scales: 3 runs of 8 dwords): dword r of sc[0] holds scales 0-3 of row r, of sc[1] scales
+// 4-7; mn the minimums alike.
+struct Header {
+  __m256 d, dmin;
+  __m256i sc[2], mn[2];
+};
+GENFN_AVX2_INLINE inline Header load_header(const uint8_t* w) {
+  Header h;
+  h.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8D)));
+  h.dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kR8DMin)));
+  const uint8_t* p = w + kR8Scales;
+  const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64));
+  const __m256i m3f = _mm256_set1_epi8(0x3F), m0f = _mm256_set1_epi8(0x0F), m03 = _mm256_set1_epi8(0x03);
+  h.sc[0] = _mm256_and_si256(u0, m3f);
+  h.mn[0] = _mm256_and_si256(u1, m3f);
+  h.sc[1] = _mm256_or_si256(_mm256_and_si256(u2, m0f), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m03), 4));
+  h.mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m0f),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m03), 4));
+  return h;
+}
+
+// The activation row's code sums of a super-block's 8 groups of 32 as int16, in the two 64-bit
+// halves the minimums take them: [0] groups 0-3, [1] groups 4-7.
+GENFN_AVX2_INLINE inline void group_sums(const int16_t* sums16, int64_t& low, int64_t& high) {
+  const __m256i s = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16)), _mm256_set1_epi16(1));
+  const __m256i packed = _mm256_packs_epi32(s, s);  // |sum of 32 codes| <= 4064: no saturation
+  low = _mm256_extract_epi64(packed, 0);
+  high = _mm256_extract_epi64(packed, 2);
+}
+
+GENFN_AVX2_INLINE inline int64_t load_u64(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// A row's super-block sums (the two lanes of a row added) and minimum sums into its float32
+// accumulator, rows 0-7 in order.
+GENFN_AVX2_INLINE inline void accumulate(__m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx, __m256& acc,
+                                         __m256& acc_min) {
+  const __m256 scale = _mm256_set1_ps(dx);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8), _mm256_mul_ps(d, scale), acc);
+  acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min8), _mm256_mul_ps(dmin, scale), acc_min);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI
+
+GENFN_VNNI_INLINE inline __m512i pair_total(__m512i v) {  // lanes 2r and 2r + 1 both their sum
+  return _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+}
+
+// One group of 8 weight rows against rows m0 .. m0 + M - 1 of x: writes y[m * N + r], r < 8.
+template <int M>
+GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M], acc_min[M];
+  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i dup = _mm512_load_si512(kR8Index.dup);
+  for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
+    const Header hd = load_header(w);
+    const __m256i* sc = hd.sc;
+    const __m256i* mn = hd.mn;
+    const __m512i scales[2] = {_mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[0])),
+                               _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[1]))};
+    // dword 2r: minimums (4h, 4h + 1) of row r as int16, 2r + 1: (4h + 2, 4h + 3)
+    const __m512i mins[2] = {_mm512_cvtepu8_epi16(mn[0]), _mm512_cvtepu8_epi16(mn[1])};
+    __m512i isum[M], imin[M];
+    for (int m = 0; m < M; ++m) {
+      int64_t low, high;
+      group_sums(a.sums.data() + (m0 + m) * (K / 16) + b * 16, low, high);
+      imin[m] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[0], _mm512_set1_epi64(low));
+      imin[m] = _mm512_dpwssd_epi32(imin[m], mins[1], _mm512_set1_epi64(high));
+      isum[m] = _mm512_setzero_si512();
+    }
+    const uint8_t* qs = w + kR8Codes;
+    for (int j = 0; j < 4; ++j) {  // groups 2j (low nibbles) and 2j + 1 (high)
+      const __m512i sc_low = _mm512_shuffle_epi8(scales[j / 2], _mm512_load_si512(kR8Index.scale_word[2 * j % 4]));
+      const __m512i sc_high = _mm512_shuffle_epi8(scales[j / 2], _mm512_load_si512(kR8Index.scale_word[(2 * j + 1) % 4]));
+      __m512i lo[4], hi[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i packed = _mm512_loadu_si512(qs + 256 * j + 64 * k);
+        lo[k] = _mm512_and_si512(packed, low4);
+        hi[k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 64 * j;
+        __m512i dot_low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi64(load_u64(x)));
+        __m512i dot_high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi64(load_u64(x + 32)));
+        for (int k = 1; k < 4; ++k) {
+          dot_low = _mm512_dpbusd_epi32(dot_low, lo[k], _mm512_set1_epi64(load_u64(x + 8 * k)));
+          dot_high = _mm512_dpbusd_epi32(dot_high, hi[k], _mm512_set1_epi64(load_u64(x + 32 + 8 * k)));
+        }
+        isum[m] = _mm512_dpwssd_epi32(isum[m], dot_low, sc_low);
+        isum[m] = _mm512_dpwssd_epi32(isum[m], dot_high, sc_high);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      accumulate(_mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])), hd.d, hd.dmin,
+                 a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: each 64-byte run as two halves (rows 0-3, rows 4-7), vpmaddubsw then vpmaddwd against the
+// group's scale in both int16 halves (the products of 16 inputs times the scale: the same integers)
+
+GENFN_AVX2_INLINE inline __m256i even_lanes(__m256i rows03, __m256i rows47) {  // lane 2r of each -> row r
+  const __m256i t0 = _mm256_add_epi32(rows03, _mm256_shuffle_epi32(rows03, 0xB1));
+  const __m256i t1 = _mm256_add_epi32(rows47, _mm256_shuffle_epi32(rows47, 0xB1));
+  const __m256 mixed = _mm256_shuffle_ps(_mm256_castsi256_ps(t0), _mm256_castsi256_ps(t1), 0x88);  // 0 1 4 5 | 2 3 6 7
+  return _mm256_permute4x64_epi64(_mm256_castps_si256(mixed), 0xD8);
+}
+
+template <int M>
+GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M], acc_min[M];
+  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
+    const Header hd = load_header(w);
+    const __m256i* sc = hd.sc;
+    const __m256i* mn = hd.mn;
+    // [s][h]: scales s (0-3 or 4-7) of rows 4h .. 4h + 3, two lanes a row
+    const __m256i scales[2][2] = {{_mm256_permutevar8x32_epi32(sc[0], dup_low), _mm256_permutevar8x32_epi32(sc[0], dup_high)},
+                                  {_mm256_permutevar8x32_epi32(sc[1], dup_low), _mm256_permutevar8x32_epi32(sc[1], dup_high)}};
+    const __m256i mins[2][2] = {{_mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn[0])), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn[0], 1))},
+                                {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(mn[1])), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mn[1], 1))}};
+    __m256i isum[M][2], imin[M][2];
+    for (int m = 0; m < M; ++m) {
+      int64_t low, high;
+      group_sums(a.sums.data() + (m0 + m) * (K / 16) + b * 16, low, high);
+      const __m256i bl = _mm256_set1_epi64x(low), bh = _mm256_set1_epi64x(high);
+      for (int h = 0; h < 2; ++h) {
+        imin[m][h] = _mm256_add_epi32(_mm256_madd_epi16(mins[0][h], bl), _mm256_madd_epi16(mins[1][h], bh));
+        isum[m][h] = _mm256_setzero_si256();
+      }
+    }
+    const uint8_t* qs = w + kR8Codes;
+    for (int j = 0; j < 4; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i sc_low = _mm256_shuffle_epi8(scales[j / 2][h], _mm256_load_si256(reinterpret_cast<const __m256i*>(kR8Index.scale_pair[2 * j % 4])));
+        const __m256i sc_high = _mm256_shuffle_epi8(scales[j / 2][h], _mm256_load_si256(reinterpret_cast<const __m256i*>(kR8Index.scale_pair[(2 * j + 1) % 4])));
+        __m256i lo[4], hi[4];
+        for (int k = 0; k < 4; ++k) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 * j + 64 * k + 32 * h));
+          lo[k] = _mm256_and_si256(packed, low4);
+          hi[k] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        }
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 64 * j;
+          __m256i sum = isum[m][h];
+          for (int k = 0; k < 4; ++k) {
+            // 2 x 15 x 127 per int16: no saturation
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi64x(load_u64(x + 8 * k))), sc_low));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], _mm256_set1_epi64x(load_u64(x + 32 + 8 * k))), sc_high));
+          }
+          isum[m][h] = sum;
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      accumulate(even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), hd.d, hd.dmin,
+                 a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
+}
+
+bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// Rows [r0, r1) of src (or the rows `order` names) written as 8-row groups at out.
+void repack_rows(const uint8_t* src, const int64_t* order, int64_t r0, int64_t r1, int64_t nb, uint8_t* out) {
+  const int64_t row_bytes = nb * 144;
+  for (int64_t g = r0 / 8; g < r1 / 8; ++g)
+    for (int r = 0; r < 8; ++r) {
+      const int64_t n = 8 * g + r;
+      const uint8_t* row = src + (order ? order[n] : n) * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) r8_store(row + b * 144, r, out + 8 * g * row_bytes + b * kR8Block);
+    }
+}
+
+// out [N, row bytes] = the Q4_K rows of src [rows, row bytes] (its rows `rows` in order, or all
+// of them) in 8-row groups, shared out over torch's threads.
+void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& rows, at::Tensor& out) {
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % 144 == 0,
+              "kquant_repack_r8: src must be contiguous uint8 [rows, super-blocks * 144]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kByte && out.is_contiguous() && out.size(1) == src.size(1),
+              "kquant_repack_r8: out must be contiguous uint8 with src's row bytes");
+  const int64_t N = out.size(0), nb = src.size(1) / 144;
+  TORCH_CHECK(N % 8 == 0, "kquant_repack_r8: out's rows must be a multiple of 8, got ", N);
+  const int64_t* order = nullptr;
+  at::Tensor index;
+  if (rows.has_value()) {
+    index = rows->to(at::kLong).contiguous();
+    TORCH_CHECK(index.dim() == 1 && index.size(0) == N, "kquant_repack_r8: rows must be int64 [", N, "]");
+    order = index.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n)
+      TORCH_CHECK(order[n] >= 0 && order[n] < src.size(0), "kquant_repack_r8: row index ", order[n], " out of range");
+  } else {
+    TORCH_CHECK(src.size(0) == N, "kquant_repack_r8: src has ", src.size(0), " rows, out ", N);
+  }
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) { repack_rows(s, order, 8 * g0, 8 * g1, nb, o); });
+}
+
+// The inverse: out [N, row bytes] the file's Q4_K rows of the groups in src.
+void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out) {
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % 144 == 0 &&
+                  src.size(0) % 8 == 0,
+              "kquant_unpack_r8: src must be contiguous uint8 [8 n, super-blocks * 144]");
+  TORCH_CHECK(out.sizes() == src.sizes() && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "kquant_unpack_r8: out must be contiguous uint8 of src's shape");
+  const int64_t nb = src.size(1) / 144, row_bytes = src.size(1);
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, src.size(0), 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) r8_load(s + n / 8 * 8 * row_bytes + b * kR8Block, n % 8, o + n * row_bytes + b * 144);
+  });
+}
+
+}  // namespace
+
+RowFn pick_q4k_r8(Isa isa, int rows) {
+  if (isa == kAvx512 && has_vnni()) { GENFN_ROW_CASES(rows, rows_r8_avx512) }
+  GENFN_ROW_CASES(rows, rows_r8_avx2)
+}
+
+}  // namespace genfn::kquant
+
+TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
+  m.def("kquant_repack_r8(Tensor src, Tensor? rows, Tensor(a!) out) -> ()", &genfn::kquant::kquant_repack_r8);
+  m.def("kquant_unpack_r8(Tensor src, Tensor(a!) out) -> ()", &genfn::kquant::kquant_unpack_r8);
+}

@@ -1,0 +1,120 @@
+"""Q4_K rows interleaved 8 to a group (``q4_k_r8``): the repack, its inverse, the decode kernels over
+it (``kquant_r8.cpp``) and a GGUF model loaded with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+import genfn
+from conftest import tiny_hf_model
+from genfn import kernels
+from genfn.kernels import kquant
+from genfn.quant import KQuantWeight, quantize_k, reference_linear_k
+from genfn.quant.kquants import repack_r8, unpack_r8
+from test_kquants import greedy_with_logits, isa, write_kquant_gguf  # noqa: F401 (isa: a fixture)
+
+NATIVE = kquant.kquant_available()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
+
+
+def _random_q4_k(rows: int, blocks: int, seed: int) -> KQuantWeight:
+    """Any bytes at all (every code, scale and minimum), with finite float16 d and dmin."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, blocks, 144), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(rows, blocks, 2, generator=g) * 4e-3 + 1e-4).to(torch.float16)
+    data[..., :4] = scales.view(torch.uint8).reshape(rows, blocks, 4)
+    return KQuantWeight(data.reshape(rows, -1), "q4_k", rows, 256 * blocks)
+
+
+def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_package():
+    weight = _random_q4_k(24, 3, seed=0)
+    packed = repack_r8(weight)
+    assert packed.format == "q4_k_r8" and packed.data.shape == weight.data.shape
+    assert torch.equal(packed.data.flatten().sort().values, weight.data.flatten().sort().values)
+    assert not torch.equal(packed.data, weight.data)
+    assert torch.equal(unpack_r8(packed).data, weight.data)
+    theirs = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType.Q4_K)
+    assert torch.equal(packed.dequantize(), torch.from_numpy(np.asarray(theirs, dtype=np.float32)))
+    # Row operations put the rows back first (the loader's Q/K unpermutation).
+    flipped = packed.map_rows(lambda a: a.flip(0))
+    assert flipped.format == "q4_k_r8" and torch.equal(flipped.dequantize(), weight.dequantize().flip(0))
+
+
+def test_repack_refuses_what_it_cannot_interleave():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        repack_r8(quantize_k(torch.randn(12, 256), "q4_k"))
+    with pytest.raises(ValueError, match="q4_k weight"):
+        repack_r8(quantize_k(torch.randn(8, 256), "q6_k"))
+    with pytest.raises(ValueError, match="q4_k_r8 needs out_features to be a multiple of 8"):
+        KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k_r8", 4, 256)
+
+
+@needs_native
+def test_the_native_repack_and_unpack_equal_the_torch_ones():
+    weight = _random_q4_k(40, 2, seed=1)
+    out = torch.empty_like(weight.data)
+    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, None, out)
+    assert torch.equal(out, repack_r8(weight).data)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(2))
+    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, order, out)
+    assert torch.equal(out, repack_r8(weight.map_rows(lambda a: a[order])).data)
+    back = torch.empty_like(out)
+    torch.ops.genfn_kquant.kquant_unpack_r8(out, back)
+    assert torch.equal(back, weight.data[order])
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.genfn_kquant.kquant_repack_r8(weight.data[:12], None, torch.empty(12, 288, dtype=torch.uint8))
+
+
+def test_the_kernels_match_the_reference_and_q4_ks_at_every_row_count(isa):
+    weight = _random_q4_k(48, 4, seed=3)
+    packed = repack_r8(weight)
+    x = torch.randn(33, 1024) * 4
+    x[1, :256] = 0  # a block of zeros has scale 0
+    reference = reference_linear_k(x, weight)
+    for rows in (1, 2, 3, 8, 9, 16, 33):  # the row kernels up to 15 rows, the GEMM from 16
+        y = kernels.linear(x[:rows], packed)
+        torch.testing.assert_close(y, reference[:rows], rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+        # The same integer sums as Q4_K's row kernels and GEMM, summed in float32 in another order.
+        torch.testing.assert_close(y, kernels.linear(x[:rows], weight), rtol=1e-5, atol=1e-6 * reference.abs().max().item())
+
+
+@needs_native
+def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch():
+    if torch.ops.genfn_kquant.kquant_isa() < 2:
+        pytest.skip("needs a CPU with both the AVX-512 and the AVX2 path")
+    packed = repack_r8(_random_q4_k(64, 8, seed=4))
+    x = torch.randn(9, 2048)
+    try:
+        results = {}
+        for isa in ("avx512", "avx2"):
+            kquant.force_isa(isa)
+            results[isa] = [kernels.linear(x[:rows], packed) for rows in range(1, 10)]
+    finally:
+        kquant.force_isa(None)
+    for a, b in zip(results["avx512"], results["avx2"]):
+        assert torch.equal(a, b)
+    for rows, y in enumerate(results["avx512"], start=1):  # one row's result at any count of rows
+        assert torch.equal(y, results["avx512"][-1][:rows])
+
+
+@needs_native
+def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path, monkeypatch):
+    hf, _ = tiny_hf_model(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_kquant_gguf(path, hf)
+    packed = genfn.load(path, quantize="gguf")
+    monkeypatch.setenv("GENFN_Q4K_R8", "0")
+    stored = genfn.load(path, quantize="gguf")
+    layer, plain = packed.params["layers"][1], stored.params["layers"][1]
+    assert layer["w_gate_up"].format == "q4_k_r8" and plain["w_gate_up"].format == "q4_k"
+    assert torch.equal(layer["w_gate_up"].dequantize(), plain["w_gate_up"].dequantize())
+    assert torch.equal(layer["wqkv"].dequantize(), plain["wqkv"].dequantize())  # q/k unpermuted alike
+    assert packed.params["embed"].format == "q4_k"  # a lookup reads the table's rows as stored
+    ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(theirs.logits), rtol=1e-4, atol=1e-4)
