@@ -364,19 +364,23 @@ def test_prompt_lookup_verifies_in_the_native_layer_and_keeps_greedy_tokens(tiny
 # in multiples of 256 (576 is not): a layer of 512 wide, 8 heads over 2 kv heads.
 K_HEADS, K_KV_HEADS, K_HIDDEN, K_FFN = 8, 2, 512, 768
 K_MIXES = {"q4_k_m": {"wq_k": "q4_k", "wv": "q6_k", "wo": "q5_k", "w_gate_up": "q4_k", "w_down": "q6_k"},
+           # as a GGUF load keeps a Q4_K_M layer: its Q4_K matrices interleaved 8 rows to a group
+           "q4_k_m_r8": {"wq_k": "q4_k_r8", "wv": "q6_k", "wo": "q4_k_r8", "w_gate_up": "q4_k_r8", "w_down": "q6_k"},
            "q5_k": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "q5_k"),
            "iq4_xs": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_xs"),
            "iq4_nl": dict.fromkeys(("wq_k", "wv", "wo", "w_gate_up", "w_down"), "iq4_nl")}
 
 
 def _kquant_layer(mix, seed=10):
-    from genfn.quant.kquants import cat_k, quantize_k
+    from genfn.quant.kquants import cat_k, quantize_k, repack_r8
     from genfn.quant.stack import RowStack
 
     gen = torch.Generator().manual_seed(seed)
     formats = K_MIXES[mix]
 
     def w(rows, cols, name):
+        if formats[name] == "q4_k_r8":
+            return repack_r8(quantize_k(torch.randn(rows, cols, generator=gen) * 0.05, "q4_k"))
         return quantize_k(torch.randn(rows, cols, generator=gen) * 0.05, formats[name])
 
     q_k_rows, v_rows = (K_HEADS + K_KV_HEADS) * HEAD_DIM, K_KV_HEADS * HEAD_DIM
