@@ -7,7 +7,8 @@ continuous-batching engines built on them, in one process.
 Kernels: for each of SmolLM2's linear shapes (the fused q/k/v, o, gate/up, down and LM head) and
 each row count, ``ROUNDS`` (env, default 5) alternations of oneDNN's GEMM on its packed weight
 (``torch.ops.mkldnn._linear_pointwise``, what ``genfn.kernels.packed_gemm`` used before) and
-genfn's ``bf16_gemm`` on its own packing; prints the median GFLOP/s of each and their ratio.
+genfn's ``bf16_gemm`` on its own packing, and ``bf16_gemm_plain`` (the prefill layer's: the plain
+weight, each panel packed as it goes); prints the median GFLOP/s of each and their ratios.
 Engines: ``generate_batch`` of the parallel workload (32 prompts of 30 random tokens, greedy,
 ``--new-tokens`` tokens) with each GEMM, alternating, ``ROUNDS`` rounds after one warm-up each;
 prints the wall times, their ratios, and how many requests got the same tokens (bfloat16 sums in
@@ -52,6 +53,7 @@ def kernels(rows_list):
             runs = {
                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
                 "genfn": lambda: ops.bf16_gemm(x, genfn, n, None, False),
+                "plain": lambda: ops.bf16_gemm_plain(x, weight, None, False),
             }
             reps = max(3, int(4e8 / (2 * rows * n * k)))
             times = {name: [] for name in runs}
@@ -64,7 +66,8 @@ def kernels(rows_list):
             rate = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
             out.append({"rows": rows, "out": n, "in": k, "gflops": rate})
             print(f"rows {rows:4d}  {n:5d} x {k:4d}  GFLOP/s oneDNN {rate['onednn']:6.1f}  genfn {rate['genfn']:6.1f}"
-                  f"  genfn/oneDNN {rate['genfn'] / rate['onednn']:.2f}x", flush=True)
+                  f"  genfn/oneDNN {rate['genfn'] / rate['onednn']:.2f}x  plain {rate['plain']:6.1f}"
+                  f"  plain/oneDNN {rate['plain'] / rate['onednn']:.2f}x", flush=True)
     return out
 
 
