@@ -8,9 +8,9 @@ Kernels: for each of SmolLM2's linear shapes (the fused q/k/v, o, gate/up, down 
 each row count, ``ROUNDS`` (env, default 5) alternations of oneDNN's GEMM on its packed weight
 (``torch.ops.mkldnn._linear_pointwise``, what ``genfn.kernels.packed_gemm`` used before) and
 genfn's ``bf16_gemm`` on its own packing, ``bf16_gemm_plain`` (the prefill layer's: the plain
-weight, each panel packed as it goes) and ``F.linear`` on the plain weight (what it ran before); prints the median GFLOP/s of each and their ratios. For the
-gate/up shape also oneDNN's GEMM then genfn's ``silu_mul`` against ``bf16_gemm_swiglu`` (both
-fused). ``--cpu-time`` (with ``--threads 1``) times by the thread's CPU time, which other
+weight, each panel packed as it goes) and ``F.linear`` on the plain weight (what it ran before);
+prints the median GFLOP/s of each and their ratios. For the gate/up shape also oneDNN's GEMM
+followed by genfn's ``silu_mul`` against ``bf16_gemm_swiglu`` (the two in one pass). ``--cpu-time`` (with ``--threads 1``) times by the thread's CPU time, which other
 processes' turns on a shared machine do not inflate.
 Engines: ``generate_batch`` of the parallel workload (32 prompts of 30 random tokens, greedy,
 ``--new-tokens`` tokens) with each GEMM, alternating, ``ROUNDS`` rounds after one warm-up each;
@@ -80,7 +80,8 @@ def kernels(rows_list):
                   f"  genfn/oneDNN {rate['genfn'] / rate['onednn']:.2f}x  plain {rate['plain']:6.1f}"
                   f"  plain/oneDNN {rate['plain'] / rate['onednn']:.2f}x  F.linear {rate['F.linear']:6.1f}"
                   f"  plain/F.linear {rate['plain'] / rate['F.linear']:.2f}x"
-                  + (f"  swiglu/(oneDNN+silu_mul) {rate['swiglu'] / rate['onednn+silu_mul']:.2f}x" if n == 3072 else ""),
+                  + (f"  swiglu/(oneDNN+silu_mul) {rate['swiglu'] / rate['onednn+silu_mul']:.2f}x"
+                     if n == 3072 else ""),
                   flush=True)
     return out
 

@@ -45,7 +45,8 @@ def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention
 
     model = genfn.load(path, quantize="gguf") if dtype == "gguf" else genfn.load(path, dtype=getattr(torch, dtype))
     ids = torch.randint(100, model.spec.vocab_size - 100, (1, prefill), generator=torch.Generator().manual_seed(0))
-    native_takes, native_attention, native_gemm = prefill_layer.takes, llama.prefill_attention, prefill_layer._on_bf16_gemm
+    native_takes, native_attention = prefill_layer.takes, llama.prefill_attention
+    native_gemm = prefill_layer._on_bf16_gemm
     optional = {"attention": attention_only, "torch-gemm": torch_gemm}
     names = [name for name in PATHS if optional.get(name, True)]
 
