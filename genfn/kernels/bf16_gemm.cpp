@@ -50,10 +50,11 @@ at::Tensor pack_bf16_gemm_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// The next panel's weight as two halves of K2 * 96 bytes (a packed panel's two halves, or the
-// rows of its first and last 24 columns); first null: nothing to fetch.
+// The next panel's weight: K2 * 192 contiguous bytes at `first` (a packed panel, or a plain
+// weight's 48 rows), or two halves of K2 * 96 at `first` and `second` (the SwiGLU panel's 24 gate
+// rows and their 24 up rows); first null: nothing to fetch.
 struct Ahead {
-  static constexpr int64_t kStepBytes = kPanel * 4 / 2;  // a step's words in each half
+  static constexpr int64_t kStepBytes = kPanel * 4;  // a step's words
   const char* first = nullptr;
   const char* second = nullptr;
 };
@@ -72,8 +73,13 @@ __attribute__((target("avx512bw,avx512bf16"))) void micro_kernel(const uint32_t*
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 3; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < K2; ++k2) {
-    if (ahead.first) {
-      const int64_t at = k2 * Ahead::kStepBytes;
+    if (ahead.first && !ahead.second) {
+      const char* step = ahead.first + k2 * Ahead::kStepBytes;
+      _mm_prefetch(step, _MM_HINT_T1);
+      _mm_prefetch(step + 64, _MM_HINT_T1);
+      _mm_prefetch(step + 128, _MM_HINT_T1);
+    } else if (ahead.first) {
+      const int64_t at = k2 * Ahead::kStepBytes / 2;
       _mm_prefetch(ahead.first + at, _MM_HINT_T1);
       _mm_prefetch(ahead.first + at + 64, _MM_HINT_T1);
       _mm_prefetch(ahead.second + at, _MM_HINT_T1);
@@ -299,8 +305,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   return linear_over_panels(rows, N, float_bias("bf16_gemm", bias, N), out_float32, x.options(),
                             [&](int64_t p, bool more, PanelBuffer&) {
                               const char* next = reinterpret_cast<const char*>(pp + (p + 1) * vectors);
-                              return std::pair{pp + p * vectors, more ? Ahead{next, next + rows.K2 * Ahead::kStepBytes}
-                                                                      : Ahead{}};
+                              return std::pair{pp + p * vectors, more ? Ahead{next} : Ahead{}};
                             });
 }
 
@@ -321,10 +326,8 @@ at::Tensor bf16_gemm_plain(const at::Tensor& x, const at::Tensor& weight, const 
                                 columns[c] = p * kPanel + c < N ? wp + (p * kPanel + c) * K : nullptr;
                               uint32_t* panel = buffer.get(rows.K2);
                               pack_panel(columns, K, panel);
-                              // The next panel's 48 rows are contiguous: its two halves of 24.
                               const char* next = reinterpret_cast<const char*>(wp + (p + 1) * kPanel * K);
-                              return std::pair{reinterpret_cast<const __m512bh*>(panel),
-                                               more ? Ahead{next, next + kPanel / 2 * K * 2} : Ahead{}};
+                              return std::pair{reinterpret_cast<const __m512bh*>(panel), more ? Ahead{next} : Ahead{}};
                             });
 }
 
