@@ -63,8 +63,8 @@ struct Ahead {
 // each row's 48 float32 sums to store(row, sums).
 // `ahead`: the weight the next panel is made of, fetched into L2 a step at a time while this one
 // is summed, so that it streams from memory under the arithmetic (few row blocks a panel) or is
-// in L2 when the next panel is packed from it (a plain weight, whose rows are otherwise read
-// at memory latency, 16 at a time: ~8 % of a 512-row GEMM's time).
+// in L2 when the next panel is packed from it (a plain weight, whose rows the transposes would
+// otherwise read at memory latency, 16 at a time).
 template <int R, typename Store>
 __attribute__((target("avx512bw,avx512bf16"))) void micro_kernel(const uint32_t* x, int64_t x_words,
                                                                   const __m512bh* panel, int64_t K2,
