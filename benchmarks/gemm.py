@@ -7,7 +7,11 @@ continuous-batching engines built on them, in one process.
 Kernels: for each of SmolLM2's linear shapes (the fused q/k/v, o, gate/up, down and LM head) and
 each row count, ``ROUNDS`` (env, default 5) alternations of oneDNN's GEMM on its packed weight
 (``torch.ops.mkldnn._linear_pointwise``, what ``genfn.kernels.packed_gemm`` used before) and
-genfn's ``bf16_gemm`` on its own packing; prints the median GFLOP/s of each and their ratio.
+genfn's ``bf16_gemm`` on its own packing, ``bf16_gemm_plain`` (the prefill layer's: the plain
+weight, each panel packed as it goes) and ``F.linear`` on the plain weight (what it ran before);
+prints the median GFLOP/s of each and their ratios. For the gate/up shape also oneDNN's GEMM
+followed by genfn's ``silu_mul`` against ``bf16_gemm_swiglu`` (the two in one pass). ``--cpu-time`` (with ``--threads 1``) times by the thread's CPU time, which other
+processes' turns on a shared machine do not inflate.
 Engines: ``generate_batch`` of the parallel workload (32 prompts of 30 random tokens, greedy,
 ``--new-tokens`` tokens) with each GEMM, alternating, ``ROUNDS`` rounds after one warm-up each;
 prints the wall times, their ratios, and how many requests got the same tokens (bfloat16 sums in
@@ -34,11 +38,14 @@ ROUNDS = int(os.environ.get("ROUNDS", "5"))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
+_clock = time.perf_counter
+
+
 def _seconds(fn, reps: int) -> float:
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - start) / reps
+    return (_clock() - start) / reps
 
 
 def kernels(rows_list):
@@ -52,7 +59,13 @@ def kernels(rows_list):
             runs = {
                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
                 "genfn": lambda: ops.bf16_gemm(x, genfn, n, None, False),
+                "plain": lambda: ops.bf16_gemm_plain(x, weight, None, False),
+                "F.linear": lambda: torch.nn.functional.linear(x, weight),  # what the prefill layer ran
             }
+            if n == 3072:  # gate/up: with the SwiGLU pass that follows it, or fused
+                runs["onednn+silu_mul"] = lambda: ops.silu_mul(
+                    torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
+                runs["swiglu"] = lambda: ops.bf16_gemm_swiglu(x, weight)
             reps = max(3, int(4e8 / (2 * rows * n * k)))
             times = {name: [] for name in runs}
             for fn in runs.values():
@@ -64,7 +77,12 @@ def kernels(rows_list):
             rate = {name: flops / statistics.median(t) / 1e9 for name, t in times.items()}
             out.append({"rows": rows, "out": n, "in": k, "gflops": rate})
             print(f"rows {rows:4d}  {n:5d} x {k:4d}  GFLOP/s oneDNN {rate['onednn']:6.1f}  genfn {rate['genfn']:6.1f}"
-                  f"  genfn/oneDNN {rate['genfn'] / rate['onednn']:.2f}x", flush=True)
+                  f"  genfn/oneDNN {rate['genfn'] / rate['onednn']:.2f}x  plain {rate['plain']:6.1f}"
+                  f"  plain/oneDNN {rate['plain'] / rate['onednn']:.2f}x  F.linear {rate['F.linear']:6.1f}"
+                  f"  plain/F.linear {rate['plain'] / rate['F.linear']:.2f}x"
+                  + (f"  swiglu/(oneDNN+silu_mul) {rate['swiglu'] / rate['onednn+silu_mul']:.2f}x"
+                     if n == 3072 else ""),
+                  flush=True)
     return out
 
 
@@ -107,13 +125,20 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--no-engines", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true", help="time the kernels by the thread's CPU time (--threads 1)")
     args = ap.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        raise ValueError("--cpu-time counts the calling thread's time only: it needs --threads 1")
+    if args.cpu_time:
+        global _clock
+        _clock = time.thread_time
     torch.set_num_threads(args.threads)
     from genfn.kernels.packed_gemm import bf16_gemm_available
 
     if not bf16_gemm_available():
         sys.exit("genfn's bfloat16 GEMM is not available here (it needs the native kernels and AVX512_BF16)")
-    print(f"# bfloat16 GEMM, torch {torch.__version__}, {args.threads} threads, {ROUNDS} rounds", flush=True)
+    print(f"# bfloat16 GEMM, torch {torch.__version__}, {args.threads} threads, {ROUNDS} rounds"
+          f"{', thread CPU time' if args.cpu_time else ''}, load average {os.getloadavg()[0]:.2f}", flush=True)
     payload = {"kernels": kernels(args.rows)}
     if not args.no_engines:
         payload["engines"] = engines(args.new_tokens)

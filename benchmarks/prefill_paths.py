@@ -10,7 +10,10 @@ Loads each GGUF file with ``quantize="gguf"`` (``--dtype``: in that float dtype 
 figure) with the plain Llama layer on ``genfn.models.prefill_layer`` and its native attention
 (``genfn.kernels.prefill_attention``) and with both turned off (the op-by-op layer and torch's
 SDPA), the paths alternated every round so that machine noise hits them alike
-(``--attention-only``: a third path, the op-by-op layer with the native attention). Prints tok/s
+(``--attention-only``: a third path, the op-by-op layer with the native attention;
+``--torch-gemm``: the native layer with torch's GEMM and SwiGLU pass instead of genfn's bfloat16
+GEMM, and with ``--cpu-time`` at ``--threads 1`` each prefill timed by the thread's CPU time,
+which other processes' turns on a shared machine do not inflate). Prints tok/s
 (best of the rounds), the ratios, the medians and the greedy token of each.
 """
 
@@ -30,23 +33,28 @@ def smollm2_path() -> str:
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-# Each path: (the native prefill layer on, the native attention on).
-PATHS = {"op-by-op": (False, False), "attention": (False, True), "native": (True, True)}
+# Each path: (the native prefill layer on, the native attention on, genfn's bfloat16 GEMM on).
+PATHS = {"op-by-op": (False, False, False), "attention": (False, True, False), "torch-gemm": (True, True, False),
+         "native": (True, True, True)}
 
 
-def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention_only: bool = False) -> str:
+def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention_only: bool = False,
+            torch_gemm: bool = False, clock=time.perf_counter) -> str:
     import genfn
     from genfn.models import llama, prefill_layer
 
     model = genfn.load(path, quantize="gguf") if dtype == "gguf" else genfn.load(path, dtype=getattr(torch, dtype))
     ids = torch.randint(100, model.spec.vocab_size - 100, (1, prefill), generator=torch.Generator().manual_seed(0))
     native_takes, native_attention = prefill_layer.takes, llama.prefill_attention
-    names = [name for name in PATHS if attention_only or name != "attention"]
+    native_gemm = prefill_layer._on_bf16_gemm
+    optional = {"attention": attention_only, "torch-gemm": torch_gemm}
+    names = [name for name in PATHS if optional.get(name, True)]
 
     def use(name: str) -> None:
-        layer, attention = PATHS[name]
+        layer, attention, gemm = PATHS[name]
         prefill_layer.takes = native_takes if layer else (lambda spec, layer, x: False)
         llama.prefill_attention = native_attention if attention else (lambda *args: None)
+        prefill_layer._on_bf16_gemm = native_gemm if gemm else (lambda x, weight: False)
 
     def run() -> int:
         with torch.no_grad():
@@ -61,9 +69,9 @@ def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention
         for _ in range(rounds):
             for name in names:
                 use(name)
-                start = time.perf_counter()
+                start = clock()
                 run()
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(clock() - start)
     finally:
         use("native")
     best = {name: min(v) for name, v in seconds.items()}
@@ -71,6 +79,9 @@ def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention
     figures = ", ".join(f"{name} {prefill / best[name]:.1f} tok/s" for name in names)
     ratios = ", ".join(f"{name} {best['op-by-op'] / best[name]:.2f}x (medians "
                        f"{median['op-by-op'] / median[name]:.2f}x)" for name in names[1:])
+    if torch_gemm:
+        rounds_ratio = " ".join(f"{a / b:.3f}" for a, b in zip(seconds["torch-gemm"], seconds["native"]))
+        ratios += f"; native against torch-gemm, round by round: {rounds_ratio}"
     return (f"{os.path.basename(path)} ({dtype}) pp{prefill} threads {torch.get_num_threads()}: {figures}; "
             f"against op-by-op {ratios}; medians {' / '.join(f'{median[n]:.3f}' for n in names)} s; "
             f"greedy token {' / '.join(str(tokens[n]) for n in names)}")
@@ -86,12 +97,18 @@ def main(argv=None) -> None:
                     help="gguf: quantized files' blocks as stored; else load the file's weights in this dtype")
     ap.add_argument("--attention-only", action="store_true",
                     help="also time the op-by-op layer with the native attention alone")
+    ap.add_argument("--torch-gemm", action="store_true",
+                    help="also time the native layer on torch's GEMM instead of genfn's bfloat16 one")
+    ap.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (for --threads 1)")
     args = ap.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        raise ValueError("--cpu-time counts the calling thread's time only: it needs --threads 1")
     torch.set_num_threads(args.threads)
     print(f"# load average {os.getloadavg()[0]:.2f} at start", flush=True)
     for name in args.model.split(","):
         print(compare(smollm2_path() if name == "smollm2" else name, args.prefill, args.rounds, args.dtype,
-                      args.attention_only), flush=True)
+                      args.attention_only, args.torch_gemm, time.thread_time if args.cpu_time else time.perf_counter),
+              flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f} at end", flush=True)
 
 

@@ -1,7 +1,9 @@
 // The arithmetic ceiling of one core, against which a few-row decode step's kernels are measured
 // (docs/guides/k-quants-and-scale.md, "Steps of a few rows"): how many 512-bit vpdpbusd (int8,
 // 64 multiply-adds each: the quantized kernels) and vfmadd231ps (float32, 16 each: the float
-// kernels) one core retires a second, with 12 independent chains so that latency is hidden.
+// kernels) one core retires a second, with 12 independent chains so that latency is hidden; and
+// vdpbf16ps (bfloat16 pairs, 32 multiply-adds each: genfn's bfloat16 GEMM, bf16_gemm.cpp) where
+// the CPU has AVX512_BF16.
 // Zen 4 splits a 512-bit operation into two 256-bit halves, Zen 5 and Intel's AVX-512 cores do
 // not: the ceiling differs by ~2x between the VMs this project runs on, so measure it on the
 // machine whose steps you explain.
@@ -21,6 +23,29 @@ double best_seconds(Body body, int rounds) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (s < best) best = s;
   }
+  return best;
+}
+
+// The best of `rounds` runs of `iterations` x 12 chains of vdpbf16ps, compiled for AVX512_BF16
+// alone so that the rest builds (and runs) on a CPU without it.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) double dpbf16_seconds(long iterations, int rounds, float* sink) {
+  constexpr int kMaxChains = 12;
+  __m512 acc[kMaxChains];
+  for (int i = 0; i < kMaxChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512bh pair = (__m512bh)_mm512_set1_epi32(0x3F803F80);         // (1.0, 1.0)
+  const __m512bh small = (__m512bh)_mm512_set1_epi32(0x33D633D6);  // ~1e-7 each
+  double best = 1e30;
+  for (int r = 0; r < rounds; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kMaxChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], pair, small);
+      asm volatile("" : "+v"(pair));
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s < best) best = s;
+  }
+  for (int i = 0; i < kMaxChains; ++i) *sink += _mm512_reduce_add_ps(acc[i]);
   return best;
 }
 
@@ -55,10 +80,17 @@ int main() {
   float float_sink = 0;
   for (int i = 0; i < kChains; ++i) float_sink += _mm512_reduce_add_ps(acc[i]);
 
+  double bf16_s = 0;
+  float bf16_sink = 0;
+  if (__builtin_cpu_supports("avx512bf16")) bf16_s = dpbf16_seconds(kIterations, 15, &bf16_sink);
+
   const double ops = static_cast<double>(kIterations) * kChains;
   std::printf("vpdpbusd zmm: %.2f G/s = %.0f G int8 multiply-adds/s a core\n", ops / int8_s / 1e9,
               ops * 64 / int8_s / 1e9);
   std::printf("vfmadd231ps zmm: %.2f G/s = %.0f G float32 multiply-adds/s a core\n", ops / fma_s / 1e9,
               ops * 16 / fma_s / 1e9);
-  std::printf("(sinks %lld %g)\n", int_sink, float_sink);
+  if (bf16_s > 0)
+    std::printf("vdpbf16ps zmm: %.2f G/s = %.0f G bfloat16 multiply-adds/s a core (%.0f GFLOP/s)\n",
+                ops / bf16_s / 1e9, ops * 32 / bf16_s / 1e9, ops * 64 / bf16_s / 1e9);
+  std::printf("(sinks %lld %g %g)\n", int_sink, float_sink, bf16_sink);
 }

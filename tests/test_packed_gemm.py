@@ -79,3 +79,64 @@ def test_bfloat16_weights_pack_for_genfn_s_gemm_and_refuse_a_wrong_packing():
     with pytest.raises(RuntimeError, match="packing"):
         torch.ops.genfn_kernels.bf16_gemm(torch.randn(4, 62).bfloat16(), packed.packed, 100, None, True)
     assert PackedWeight(torch.randn(5, 4)).kind == "onednn"
+
+
+# Row counts around the blocks of 8; column counts around the panels of 48 (and the SwiGLU
+# panels' 24 features); inner sizes with and without whole 16 x 16 blocks of k-pairs, and odd.
+_PLAIN_SHAPES = [(1, 50, 7), (9, 48, 32), (17, 100, 64), (64, 96, 70), (33, 130, 576), (8, 16, 33)]
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows,out_features,in_features", _PLAIN_SHAPES)
+def test_the_gemm_on_a_plain_weight_gives_the_packed_weight_s_bits(rows, out_features, in_features):
+    """bf16_gemm_plain packs each panel as it goes: the same words as pack_bf16_gemm_weight, so the
+    same sums, bit for bit, with and without a bias, in float32 and in bfloat16."""
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    ops = torch.ops.genfn_kernels
+    packed = ops.pack_bf16_gemm_weight(weight)
+    for b in (None, bias):
+        for out_float32 in (True, False):
+            assert torch.equal(ops.bf16_gemm_plain(x, weight, b, out_float32),
+                               ops.bf16_gemm(x, packed, out_features, b, out_float32))
+    # A non-contiguous weight is read as its values.
+    wide = torch.randn(out_features, in_features + 3, generator=gen).bfloat16()
+    assert torch.equal(ops.bf16_gemm_plain(x, wide[:, :in_features], None, True),
+                       ops.bf16_gemm_plain(x, wide[:, :in_features].contiguous(), None, True))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows,features,in_features", [(1, 24, 32), (9, 50, 7), (17, 48, 64), (64, 200, 576),
+                                                     (5, 7, 33)])
+def test_the_fused_swiglu_gemm_is_silu_mul_of_the_float32_gemm_rounded_once(rows, features, in_features):
+    """bf16_gemm_swiglu: genfn's silu_mul on the float32 gate/up sums, rounded to bfloat16 once,
+    bit for bit (the lanes it moves the up half through hold the same float32 sums)."""
+    gen = torch.Generator().manual_seed(rows * features + in_features)
+    gate_up = torch.randn(2 * features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    ops = torch.ops.genfn_kernels
+    sums = ops.bf16_gemm_plain(x, gate_up, None, True)
+    got = ops.bf16_gemm_swiglu(x, gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, features)
+    assert torch.equal(got, ops.silu_mul(sums).bfloat16())
+    # and so within bfloat16 rounding of the unfused path, which rounds gate and up first
+    unfused = ops.silu_mul(ops.bf16_gemm_plain(x, gate_up, None, False)).float()
+    torch.testing.assert_close(got.float(), unfused, rtol=2 ** -6, atol=2 ** -6)
+
+
+@needs_bf16_gemm
+def test_the_plain_weight_gemms_refuse_bad_arguments_by_name():
+    ops = torch.ops.genfn_kernels
+    x = torch.randn(4, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="`weight` has 30 columns, `x` has 32"):
+        ops.bf16_gemm_plain(x, torch.randn(8, 30).bfloat16(), None, False)
+    with pytest.raises(RuntimeError, match="`weight` must be a 2-D bfloat16"):
+        ops.bf16_gemm_plain(x, torch.randn(8, 32), None, False)
+    with pytest.raises(RuntimeError, match="`x` must be a 2-D bfloat16"):
+        ops.bf16_gemm_plain(x.float(), torch.randn(8, 32).bfloat16(), None, False)
+    with pytest.raises(RuntimeError, match="`bias` must be \\[8\\]"):
+        ops.bf16_gemm_plain(x, torch.randn(8, 32).bfloat16(), torch.randn(7), False)
+    with pytest.raises(RuntimeError, match="`gate_up` must have an even number of rows"):
+        ops.bf16_gemm_swiglu(x, torch.randn(7, 32).bfloat16())

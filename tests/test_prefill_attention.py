@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from genfn import kernels
 from genfn.cache.static import init_static_cache
+from genfn.kernels.packed_gemm import bf16_gemm_available
 from genfn.models.llama import attention_mask
 from test_paged_native import needs_kernel
 
@@ -200,6 +201,9 @@ def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_g
         return native_layer(spec, layer, i, x, *args)
 
     monkeypatch.setattr(prefill_layer, "prefill_layer", counted)
+    gemms = []
+    on_gemm = prefill_layer._on_bf16_gemm
+    monkeypatch.setattr(prefill_layer, "_on_bf16_gemm", lambda x, w: gemms.append(on_gemm(x, w)) or gemms[-1])
     hf, config = tiny_hf_model()
     hf = hf.to(torch.bfloat16)
     gm = from_hf_state_dict(config, hf.state_dict(), dtype=torch.bfloat16)
@@ -209,9 +213,38 @@ def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_g
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
         logits, _ = gm.apply(ids, positions, gm.init_cache(ids.shape[0], 48), mask)
     assert layers == [torch.bfloat16] * gm.spec.num_layers
+    # the four linears of every layer on genfn's bfloat16 GEMM, where it runs
+    assert gemms == [bf16_gemm_available()] * 4 * gm.spec.num_layers
     real = mask.bool()
     assert torch.equal(logits[real].argmax(-1), expected[real].argmax(-1))
     assert (expected[real] - logits[real]).abs().max() < 0.05
     greedy = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(genfn.generate(gm, ids, **greedy), hf.generate(input_ids=ids, **greedy))
+
+
+@needs_kernel
+@pytest.mark.skipif(not bf16_gemm_available(), reason="genfn's bfloat16 GEMM needs AVX512_BF16")
+def test_the_bfloat16_prefill_on_genfn_s_gemm_is_within_rounding_of_torch_s():
+    """The native layer's linears on genfn's GEMM (and SwiGLU fused into gate/up) against the same
+    layer on torch's GEMM and the separate SwiGLU pass: both sum in float32 and round once, in
+    another order, so the logits agree within bfloat16 rounding, and the greedy picks agree."""
+    from conftest import padded_prompts, tiny_hf_model
+    from genfn.models import prefill_layer
+    from genfn.models.model import from_hf_state_dict
+
+    hf, config = tiny_hf_model()
+    gm = from_hf_state_dict(config, hf.to(torch.bfloat16).state_dict(), dtype=torch.bfloat16)
+    ids, mask = padded_prompts(length=40)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
+    for on_gemm in (True, False):
+        with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+            if not on_gemm:
+                patch.setattr(prefill_layer, "_on_bf16_gemm", lambda x, w: False)
+            logits[on_gemm], _ = gm.apply(ids, positions, gm.init_cache(ids.shape[0], 48), mask)
+    real = mask.bool()
+    ours, torchs = logits[True][real].float(), logits[False][real].float()
+    assert not torch.equal(ours, torchs)  # the paths differ, so the comparison means something
+    assert (ours - torchs).abs().max() <= 4 * 2 ** -8 * torchs.abs().max()
+    assert torch.equal(ours.argmax(-1), torchs.argmax(-1))

@@ -79,6 +79,14 @@ def _register_fake() -> None:
     def _(x, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::bf16_gemm_plain")
+    def _(x, weight, bias, out_float32):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if out_float32 else x.dtype)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::bf16_gemm_swiglu")
+    def _(x, gate_up):
+        return x.new_empty((x.shape[0], gate_up.shape[0] // 2))
+
     _register_quant_fake()
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_decode_attention")

@@ -59,6 +59,11 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(g) = g / (1 + e^-g) in 16 float32 lanes, as every SwiGLU kernel computes it.
+inline __m512 silu16(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
 

@@ -81,12 +81,9 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
 
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, int64_t F, T* out) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t f = 0; f < F; f += kLanes) {
     const __mmask16 keep = lanes_below(F - f);
-    const __m512 g = load16(gate + f, keep);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, genfn_kernels::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    store16(out + f, _mm512_mul_ps(silu, load16(up + f, keep)), keep);
+    store16(out + f, _mm512_mul_ps(genfn_kernels::silu16(load16(gate + f, keep)), load16(up + f, keep)), keep);
   }
 }
 
