@@ -157,7 +157,10 @@ def run_child(args, model: str, engine: str) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"engine": engine, "model": model, "error": (done.stderr or done.stdout)[-800:]}
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    # JSON keys are strings; batch sizes are compared with llama-bench's (ints) in the ratios
+    result["decode_tok_s"] = {int(b): v for b, v in result.get("decode_tok_s", {}).items()}
+    return result
 
 
 def _best(runs: list[dict]) -> dict:
