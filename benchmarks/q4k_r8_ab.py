@@ -21,11 +21,15 @@ import genfn
 
 
 def load(path: str, interleaved: bool):
+    before = os.environ.get("GENFN_Q4K_R8")
     os.environ["GENFN_Q4K_R8"] = "1" if interleaved else "0"
     try:
         return genfn.load(path, quantize="gguf")
-    finally:
-        os.environ.pop("GENFN_Q4K_R8")
+    finally:  # the caller's setting back as it was
+        if before is None:
+            os.environ.pop("GENFN_Q4K_R8")
+        else:
+            os.environ["GENFN_Q4K_R8"] = before
 
 
 def main() -> None:
