@@ -224,7 +224,7 @@ def test_a_padded_bfloat16_prefill_through_the_native_layer_keeps_transformers_g
 
 
 @needs_kernel
-@pytest.mark.skipif(not bf16_gemm_available(), reason="genfn's bfloat16 GEMM needs AVX512_BF16")
+@pytest.mark.skipif(not bf16_gemm_available(), reason="compares the prefill on genfn's bfloat16 GEMM with torch's: that GEMM needs AVX512_BF16, which this CPU lacks (its prefill runs torch's GEMM, which the test above checks against transformers)")
 def test_the_bfloat16_prefill_on_genfn_s_gemm_is_within_rounding_of_torch_s():
     """The native layer's linears on genfn's GEMM (and SwiGLU fused into gate/up) against the same
     layer on torch's GEMM and the separate SwiGLU pass: both sum in float32 and round once, in
