@@ -25,6 +25,7 @@ kernel as it is first written, and a small one ``torch.zeros``).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -104,9 +105,7 @@ class WeightArena:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled contiguous CPU tensor of ``shape`` and ``dtype`` in the arena."""
-        count = 1
-        for size in shape:
-            count *= int(size)
+        count = _element_count(shape)
         nbytes = -(-max(count, 1) * dtype.itemsize // _ALIGN) * _ALIGN
         if not self.enabled:
             return _lazily_zeroed(shape, dtype, count, nbytes)
@@ -121,9 +120,7 @@ class WeightArena:
     def ordinary(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor on ordinary pages, counted as placed (``hold``): for a weight written
         once at load where a first write to huge pages costs more than it saves (``_lazily_zeroed``)."""
-        count = 1
-        for size in shape:
-            count *= int(size)
+        count = _element_count(shape)
         return self.hold(_lazily_zeroed(shape, dtype, count, max(count, 1) * dtype.itemsize))
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -135,6 +132,10 @@ class WeightArena:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or a view of it) was allocated here."""
         return tensor.untyped_storage().data_ptr() in self._storages
+
+
+def _element_count(shape) -> int:
+    return math.prod(int(size) for size in shape)
 
 
 def _lazily_zeroed(shape, dtype: torch.dtype, count: int, nbytes: int) -> torch.Tensor:
