@@ -29,27 +29,6 @@ constexpr int64_t kRowBlock = 8;  // rows of x per micro-kernel call
 inline int64_t panels_of(int64_t N) { return (N + kPanel - 1) / kPanel; }
 inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 
-// packed[p][k2][c][j] = w[p * 48 + c][2 * k2 + j], zero outside w.
-at::Tensor pack_bf16_gemm_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
-              "pack_bf16_gemm_weight: `weight` must be a 2-D bfloat16 CPU tensor, got ", weight.sizes(), " ",
-              weight.scalar_type());
-  const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = panels_of(N), K2 = pairs_of(K);
-  at::Tensor packed = at::zeros({P, K2, kPanel, 2}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
-        const uint16_t* row = src + (p * kPanel + c) * K;
-        uint16_t* out = dst + p * K2 * kPanel * 2 + c * 2;
-        for (int64_t k = 0; k < K; ++k) out[(k / 2) * kPanel * 2 + (k % 2)] = row[k];
-      }
-  });
-  return packed;
-}
-
 // The next panel's weight: K2 * 192 contiguous bytes at `first` (a packed panel, or a plain
 // weight's 48 rows), or two halves of K2 * 96 at `first` and `second` (the SwiGLU panel's 24 gate
 // rows and their 24 up rows); first null: nothing to fetch.
@@ -184,7 +163,7 @@ void transpose_words_16x16(const uint32_t* const* rows, uint32_t* out, int64_t o
 }
 
 // One panel ([K2][48] words) packed from plain bfloat16 weight rows, rows[c] the row of column c
-// (length K) or null for a column of zeros: pack_bf16_gemm_weight's values, so the same sums.
+// (length K) or null for a column of zeros; pack_bf16_gemm_weight keeps what it packs.
 void pack_panel(const uint16_t* const* rows, int64_t K, uint32_t* panel) {
   const int64_t K2 = pairs_of(K);
   // With K even a row's pairs are its 32-bit words; an odd K's rows start mid-word: pair by pair.
@@ -212,6 +191,32 @@ void pack_panel(const uint16_t* const* rows, int64_t K, uint32_t* panel) {
       panel[k2 * kPanel + c] = word;
     }
   }
+}
+
+// panel p's weight rows of a plain [N, K] weight, null past its last row (a column of zeros)
+void panel_rows(const uint16_t* w, int64_t p, int64_t N, int64_t K, const uint16_t** rows) {
+  for (int64_t c = 0; c < kPanel; ++c) rows[c] = p * kPanel + c < N ? w + (p * kPanel + c) * K : nullptr;
+}
+
+// packed[p][k2][c][j] = w[p * 48 + c][2 * k2 + j], zero outside w: every panel as bf16_gemm_plain
+// packs it on the fly, kept.
+at::Tensor pack_bf16_gemm_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack_bf16_gemm_weight: `weight` must be a 2-D bfloat16 CPU tensor, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = panels_of(N), K2 = pairs_of(K);
+  at::Tensor packed = at::empty({P, K2, kPanel, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* rows[kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      panel_rows(src, p, N, K, rows);
+      pack_panel(rows, K, dst + p * K2 * kPanel);
+    }
+  });
+  return packed;
 }
 
 // A thread's buffer for the panel it packs, 64-byte aligned for the kernel's loads.
@@ -322,8 +327,7 @@ at::Tensor bf16_gemm_plain(const at::Tensor& x, const at::Tensor& weight, const 
   return linear_over_panels(rows, N, float_bias("bf16_gemm_plain", bias, N), out_float32, x.options(),
                             [&](int64_t p, bool more, PanelBuffer& buffer) {
                               const uint16_t* columns[kPanel];
-                              for (int64_t c = 0; c < kPanel; ++c)
-                                columns[c] = p * kPanel + c < N ? wp + (p * kPanel + c) * K : nullptr;
+                              panel_rows(wp, p, N, K, columns);
                               uint32_t* panel = buffer.get(rows.K2);
                               pack_panel(columns, K, panel);
                               const char* next = reinterpret_cast<const char*>(wp + (p + 1) * kPanel * K);
