@@ -25,6 +25,15 @@ products on the row kernels and on the GEMMs, interleaved.
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
 copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
 L3), so every call reads its weight from memory: GB/s here is the kernel against DRAM, as in decode.
+
+``--decode-share``: with ``--model``, the file's K-quant products of one decode step (every layer
+matrix and the LM head, in the step's order; the embedding is a lookup) called one after another
+at one row of x, eagerly, so each reads its weight from memory as decode does; per format and
+shape the best round's time, its share of the chain, and GB/s; interleaved with the compiled
+static-cache step (ms per token, from a 64-token and a 1-token greedy decode) and ``tensor.sum``,
+so the chain's time can be set against the step's and the read's.
+
+    python benchmarks/kquant_kernels.py --model llama-1b-q4_k_m.gguf --decode-share [--threads 1]
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import torch
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.quant import QuantizedWeight, quantize, quantize_k
-from genfn.state.base import tree_map
+from genfn.quant.kquants import KQuantWeight
+from genfn.state.base import NAMESPACE, tree_map
 
 ROWS, COLUMNS = 8192, 2048
 
@@ -172,6 +182,69 @@ def prefill_ab(model_path: str, length: int, rounds: int) -> None:
     print(f"  GEMM / row kernels, best: {min(seconds['rows']) / min(seconds['gemm']):.2f}x")
 
 
+def decode_share(model_path: str, rounds: int) -> None:
+    """A decode step's K-quant products as one chain at one row, by format and shape, against the
+    compiled step and tensor.sum, interleaved."""
+    import optree
+
+    import genfn
+
+    model = genfn.load(model_path, quantize="gguf")
+    # The embedding is read one row per token; a tied LM head is the same matrix, kept once.
+    params = {name: value for name, value in model.params.items() if name != "embed"}
+    chain = optree.tree_leaves(params, is_leaf=lambda leaf: isinstance(leaf, KQuantWeight), namespace=NAMESPACE)
+    chain = [w for w in chain if isinstance(w, KQuantWeight)]
+    kinds = {}
+    for w in chain:
+        kinds.setdefault((w.format, w.out_features, w.in_features), []).append(w)
+    xs = {w.in_features: torch.randn(1, w.in_features) for w in chain}
+    prompt = torch.tensor([[1, 500, 1000, 42, 7, 300]])
+    new = 64
+    kw = dict(do_sample=False, pad_token_id=0, cache_implementation="static", max_cache_len=64 + new)
+
+    def decode(tokens: int) -> float:
+        start = time.perf_counter()
+        genfn.generate(model, prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        return time.perf_counter() - start
+
+    decode(new), decode(1)  # the compile
+    big = torch.ones(256 * 2**20 // 4)
+    per_kind: dict = {}  # the fastest chain's times, so the kinds add up to it
+    step = total = read = float("inf")
+    for r in range(rounds):
+        this_step = (decode(new) - decode(1)) / (new - 1)
+        this_total = float("inf")
+        for _ in range(3):
+            times = dict.fromkeys(kinds, 0.0)
+            for w in chain:
+                start = time.perf_counter()
+                kernels.linear(xs[w.in_features], w)
+                times[(w.format, w.out_features, w.in_features)] += time.perf_counter() - start
+            this_total = min(this_total, sum(times.values()))
+            if this_total < total:
+                total, per_kind = this_total, times
+        step, read = min(step, this_step), min(read, best(big.sum, 3))
+        print(f"round {r}: step {this_step * 1e3:.2f} ms, chain {this_total * 1e3:.2f} ms", flush=True)
+    nbytes = {kind: sum(w.nbytes for w in ws) for kind, ws in kinds.items()}
+    all_bytes, sum_rate = sum(nbytes.values()), big.numel() * 4 / read
+    print(f"{model_path}: {torch.get_num_threads()} threads, K-quant path {kquant.kquant_isa()}, best of {rounds} "
+          f"rounds; tensor.sum {sum_rate / 1e9:.1f} GB/s")
+    print(f"  compiled step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s): {all_bytes / sum_rate / step * 100:.0f} % of "
+          f"tensor.sum's time for its {all_bytes / 1e6:.0f} MB of K-quant weights")
+    print(f"  chain of {len(chain)} products {total * 1e3:.2f} ms ({all_bytes / total / 1e9:.1f} GB/s, "
+          f"{total / step * 100:.0f} % of the step)")
+    for kind in sorted(kinds, key=lambda k: -per_kind[k]):
+        fmt, out_features, in_features = kind
+        print(f"  {fmt:8s} {out_features:6d} x {in_features:5d} x{len(kinds[kind]):3d}  {nbytes[kind] / 1e6:6.1f} MB "
+              f"({nbytes[kind] / all_bytes * 100:4.1f} %)  {per_kind[kind] * 1e3:6.2f} ms "
+              f"({per_kind[kind] / total * 100:4.1f} % of the chain)  {nbytes[kind] / per_kind[kind] / 1e9:5.1f} GB/s")
+    for fmt in sorted({kind[0] for kind in kinds}):
+        fb = sum(b for kind, b in nbytes.items() if kind[0] == fmt)
+        ft = sum(t for kind, t in per_kind.items() if kind[0] == fmt)
+        print(f"  {fmt:8s} all: {fb / 1e6:6.1f} MB ({fb / all_bytes * 100:4.1f} %), {ft * 1e3:6.2f} ms "
+              f"({ft / total * 100:4.1f} % of the chain), {fb / ft / 1e9:5.1f} GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -183,6 +256,8 @@ def main() -> None:
     parser.add_argument("--shape", default=f"{ROWS}x{COLUMNS}", help="with --gemm-ab: the matrix, OUTxIN")
     parser.add_argument("--model", help="a GGUF file: its prefill with the row kernels against the GEMM")
     parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
+    parser.add_argument("--decode-share", action="store_true",
+                        help="with --model: a decode step's K-quant products by format and shape, against the step")
     parser.add_argument("--stream", action="store_true", help="Q4_0/Q4_K/Q6_K at the 1B shapes, out of cache")
     parser.add_argument("--stream-mb", type=int, default=128, help="megabytes of copies per shape for --stream")
     args = parser.parse_args()
@@ -190,6 +265,10 @@ def main() -> None:
     counts = [int(r) for r in args.rows.split(",")]
     if args.isa:
         kquant.force_isa(args.isa)
+    if args.decode_share and not args.model:
+        parser.error("--decode-share needs --model")
+    if args.decode_share:
+        return decode_share(args.model, args.rounds)
     if args.model:
         return prefill_ab(args.model, args.prefill, args.rounds)
     if args.gemm_ab:
