@@ -2,6 +2,10 @@
 
     python benchmarks/step_profile.py --dtype q8_0 --batch 1
     flock /tmp/genfn-bench.lock timeout 600 python benchmarks/step_profile.py --dtype float32 --batch 8 --no-warm
+    python benchmarks/step_profile.py --model /work/models-tmp/llama-1b-q4_k_m.gguf
+
+``--model``: a GGUF file loaded with ``quantize="gguf"`` instead of SmolLM2 in ``--dtype``; each
+native op's time per step is printed too (the fused layer's two calls, the K-quant LM head).
 
 Runs ``genfn.generate(cache_implementation="static")`` on SmolLM2 (greedy, ``--new-tokens``
 tokens), once to compile (untimed) and then under ``torch.profiler``, and splits the wall time of
@@ -24,13 +28,18 @@ import torch  # noqa: E402
 from genfn.bench.decode import GGUF_TYPE_OF, FLOAT_FORMATS, batch_inputs  # noqa: E402
 from genfn.bench import llamacpp  # noqa: E402
 
-_LINEAR_OPS = ("genfn_kernels::decode_linear", "genfn_kernels::quant_linear")
+# The native ops a step runs: the linears, and the fused layers that hold their own linears.
+_NATIVE_OPS = ("genfn_kernels::decode_linear", "genfn_kernels::quant_linear", "genfn_kquant::kquant_linear",
+               *(f"genfn_kernels::decode_{half}{form}" for half in ("attention_input", "layer_output")
+                 for form in ("", "_quant", "_kquant")))
 
 
-def load(dname: str):
+def load(dname: str, path: str | None = None):
     import genfn
     from genfn.default_model import default_model_path
 
+    if path is not None:
+        return genfn.load(path, quantize="gguf")
     if dname in FLOAT_FORMATS:
         return genfn.load(dtype=getattr(torch, dname))
     gguf_type = GGUF_TYPE_OF.get(dname)
@@ -39,9 +48,24 @@ def load(dname: str):
     return genfn.load(quantize=dname)
 
 
+def _native_in_region(events) -> dict[str, float]:
+    """ms per native op called inside a compiled region (the prefill's eager calls left out)."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if event.name not in _NATIVE_OPS:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("Torch-Compiled Region"):
+            parent = parent.cpu_parent
+        if parent is not None:
+            totals[event.name] = totals.get(event.name, 0.0) + event.cpu_time_total / 1e3
+    return totals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="q8_0")
+    ap.add_argument("--model", help="a GGUF file (quantize='gguf') instead of SmolLM2 in --dtype")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -52,7 +76,8 @@ def main(argv=None):
     import genfn
     from genfn.wait_policy import wait_policy
 
-    model = load(args.dtype)
+    model = load(args.dtype, args.model)
+    name = args.model or args.dtype
     input_ids, mask = batch_inputs(model.tokenizer, args.batch, pad_id=2)
     N = args.new_tokens
 
@@ -64,7 +89,7 @@ def main(argv=None):
 
     t = time.perf_counter()
     call()
-    print(f"# {args.dtype} b={args.batch}: first call (compile) {time.perf_counter() - t:.1f} s; "
+    print(f"# {name} b={args.batch}: first call (compile) {time.perf_counter() - t:.1f} s; "
           f"wait policy {wait_policy()}; load avg {os.getloadavg()[0]:.2f}", flush=True)
     best = float("inf")
     for _ in range(args.repeats):
@@ -85,11 +110,14 @@ def main(argv=None):
         totals[key] = totals.get(key, 0.0) + event.cpu_time_total / 1e3  # ms
     lookup = totals.get("TorchDynamo Cache Lookup", 0.0)
     region = totals.get("Torch-Compiled Region", 0.0)
-    linears = sum(totals.get(op, 0.0) for op in _LINEAR_OPS)
+    native = _native_in_region(prof.events())
+    linears = sum(native.values())
     print(f"  profiled call {wall * 1e3 / N:.2f} ms/token (profiler overhead included); per step:")
     print(f"    guard evaluation (dynamo cache lookup) {lookup / steps:7.3f} ms")
     print(f"    compiled region                        {region / steps:7.3f} ms")
-    print(f"      native linears                       {linears / steps:7.3f} ms")
+    print(f"      native linears and layers            {linears / steps:7.3f} ms")
+    for op, ms in native.items():
+        print(f"        {op.split('::')[1]:34s} {ms / steps:7.3f} ms")
     print(f"      rest of the graph                    {(region - linears) / steps:7.3f} ms")
     print(f"    outside (driver, prefill/N, profiler)  {(wall * 1e3 - region - lookup) / steps:7.3f} ms")
     if args.table:
