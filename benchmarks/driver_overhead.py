@@ -1,9 +1,10 @@
 """What the driver spends between compiled decode steps, per step.
 
     python benchmarks/driver_overhead.py bfloat16 1
+    python benchmarks/driver_overhead.py /work/models-tmp/llama-1b-q4_k_m.gguf 1
 
 Runs ``genfn.generate(cache_implementation="static")`` of 128 greedy tokens on SmolLM2 (once to
-compile, then ``ROUNDS`` times, env, default 3) with the driver's between-step functions wrapped in
+compile, then ``ROUNDS`` times, env, default 3; a ``.gguf`` path in place of the dtype: that file) with the driver's between-step functions wrapped in
 timers: ``_observe`` (the host read of done flags and lengths, user criteria, the finiteness check,
 per-step outputs; ``_HostView`` is its read), ``limit_attention`` (the attended span) and the
 compiled step's call (``advance``: flattening the state, dynamo, the compiled graph, the rebuild).
@@ -33,7 +34,7 @@ def main(argv=None) -> None:
     import genfn
     import genfn.driver as driver
 
-    model = load(dname)
+    model = load(dname, dname if dname.endswith(".gguf") else None)
     ids, mask = batch_inputs(model.tokenizer, batch, pad_id=2)
     new_tokens = 128
     spent: dict[str, float] = collections.defaultdict(float)
