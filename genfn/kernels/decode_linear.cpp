@@ -14,6 +14,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -484,56 +485,40 @@ void panels_of_rows(int64_t M, const typename Dot::Input* x, const typename Dot:
   });
 }
 
-void bf16_dot_panels(
-    int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
-  panels_of_rows<Bfloat16Dot>(M, x, w, K, N, y);
-}
-
-void bf16_dot_rows(
-    int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
-  dispatch_rows<Bfloat16Dot>(M, x, w, K, N, y);
-}
-
 bool has_avx512_bf16() {
   static const bool yes = __builtin_cpu_supports("avx512bf16");
   return yes;
 }
 
+// The bfloat16 path the linears take, set by the op bf16_linear_path (tests and benchmarks of the
+// widening path on a CPU with vdpbf16ps): 0 the best this CPU has, 1 widening, 2 vdpbf16ps.
+std::atomic<int64_t> forced_bf16_path{0};
+
+bool bf16_dot_in_use() { return has_avx512_bf16() && forced_bf16_path.load(std::memory_order_relaxed) != 1; }
+
+int64_t set_bf16_path(int64_t path) {
+  TORCH_CHECK(path >= 0 && path <= 2, "bf16_linear_path: path must be 0, 1 or 2, got ", path);
+  TORCH_CHECK(path != 2 || has_avx512_bf16(), "bf16_linear_path: this CPU has no AVX512_BF16 (vdpbf16ps)");
+  forced_bf16_path.store(path, std::memory_order_relaxed);
+  return bf16_dot_in_use() ? 2 : 1;
+}
+
 at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// Up to kMaxDecodeRows rows of x the decode kernel's blocks, past them every tile of rows over one
+// L2-sized panel of the weight before the next, so the weight still streams from memory once
+// (genfn.kernels.MAX_LINEAR_ROWS says up to where that beats the library's GEMM): invariant_linear,
+// which does both, for what it takes.
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "decode_linear: weight must be 2-D, got ", weight.dim(), "-D");
   TORCH_CHECK(x.size(-1) == weight.size(1), "decode_linear: x has ", x.size(-1),
               " features, weight expects ", weight.size(1));
   const int64_t K = weight.size(1);
-  const int64_t N = weight.size(0);
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   const auto dtype = weight.scalar_type();
   const bool supported = (dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype &&
                          M >= 1 && x.device().is_cpu() && weight.device().is_cpu();
-  if (!supported) return at::linear(x, weight);
-  // More rows than a tile holds: every tile of them over one L2-sized panel of the weight before
-  // the next, so the weight still streams from memory once (genfn.kernels.MAX_LINEAR_ROWS says
-  // up to where that beats the library's GEMM).
-  if (M > kMaxDecodeRows) return invariant_linear(x, weight);
-  const at::Tensor w = weight.contiguous();
-  const at::Tensor rows = x.contiguous();
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, weight.options());
-  if (dtype == at::kFloat) {
-    dispatch_rows<Float32Fma>(M, rows.data_ptr<float>(), w.data_ptr<float>(), K, N, y.data_ptr<float>());
-  } else if (has_avx512_bf16()) {
-    bf16_dot_rows(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
-  } else {
-    // x is a few KiB: widen it once here rather than in every row block.
-    thread_local std::vector<float> widened;
-    widened.resize(M * K);
-    const c10::BFloat16* src = rows.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    dispatch_rows<Bfloat16Widen>(M, widened.data(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
-  }
-  return y.view(out_sizes);
+  return supported ? invariant_linear(x, weight) : at::linear(x, weight);
 }
 
 // decode_linear for any number of rows, each summed as it is alone (panels_of_rows); float32 or
@@ -557,11 +542,13 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor y = at::empty({M, N}, weight.options());
   if (dtype == at::kFloat) {
     panels_of_rows<Float32Fma>(M, rows.data_ptr<float>(), w.data_ptr<float>(), K, N, y.data_ptr<float>());
-  } else if (has_avx512_bf16()) {
-    bf16_dot_panels(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N,
-                    y.data_ptr<c10::BFloat16>());
+  } else if (bf16_dot_in_use()) {
+    panels_of_rows<Bfloat16Dot>(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N,
+                                y.data_ptr<c10::BFloat16>());
   } else {
-    std::vector<float> widened(M * K);
+    // x is a few KiB at decode time: widened once here rather than in every row block.
+    thread_local std::vector<float> widened;
+    widened.resize(M * K);
     const c10::BFloat16* src = rows.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
     panels_of_rows<Bfloat16Widen>(M, widened.data(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
@@ -592,6 +579,8 @@ void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, 
 TORCH_LIBRARY(genfn_kernels, m) {
   m.def("decode_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("invariant_linear(Tensor x, Tensor weight) -> Tensor");
+  // The bfloat16 path of both (0: the best this CPU has, 1: widening, 2: vdpbf16ps); returns the one in force.
+  m.def("bf16_linear_path", &set_bf16_path);
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
