@@ -169,6 +169,19 @@ Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, int64_t ahead) 
   return {reinterpret_cast<const char*>(w + n * K) + ahead, (bytes + 63) / 64};
 }
 
+// One step of a block: chunk k of its R weight rows against chunk k of the M rows of x, into
+// acc[m * R + r].
+template <typename Dot, int M, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void dot_step(
+    const typename Dot::Input* x, const typename Dot::Weight* rows, int64_t K, int64_t k, __m512* acc) {
+  typename Dot::Chunk wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k);
+  for (int m = 0; m < M; ++m) {
+    const auto xv = Dot::load(x + m * K + k);
+    for (int r = 0; r < R; ++r) acc[m * R + r] = Dot::madd(acc[m * R + r], wv[r], xv);
+  }
+}
+
 // Rows [n, n + R) of w against the M rows of x ([M, K]); results to y[m * N + n + r]; `fetch`: what
 // to bring into L2 meanwhile.
 // Compiled for AVX512_BF16 so that Bfloat16Dot's intrinsics inline (the float instantiations use
@@ -181,21 +194,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
   __m512 acc[M * R];
   for (int i = 0; i < M * R; ++i) acc[i] = _mm512_setzero_ps();
   const Weight* rows = w + n * K;
-  // As many lines a step as the block consumes, so that a window ahead of the own stream keeps pace.
+  // As many lines a step as the block consumes, so that a window ahead of the own stream keeps pace;
+  // the steps past the last line run a loop of their own with no prefetch in it.
   constexpr int kLinesPerStep = (R * S * sizeof(Weight) + 63) / 64;
+  const int64_t fetch_end = std::min(K / S, (fetch.lines + kLinesPerStep - 1) / kLinesPerStep) * S;
   int64_t k = 0;
-  for (; k + S <= K; k += S) {
-    for (int j = 0; j < kLinesPerStep; ++j)
-      if (j < fetch.lines) _mm_prefetch(fetch.at + 64 * j, _MM_HINT_T1);
+  for (; k < fetch_end; k += S) {
+    for (int j = 0; j < kLinesPerStep; ++j) _mm_prefetch(fetch.at + 64 * j, _MM_HINT_T1);
     fetch.at += 64 * kLinesPerStep;
-    fetch.lines -= kLinesPerStep;
-    typename Dot::Chunk wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const auto xv = Dot::load(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m * R + r] = Dot::madd(acc[m * R + r], wv[r], xv);
-    }
+    dot_step<Dot, M, R>(x, rows, K, k, acc);
   }
+  for (; k + S <= K; k += S) dot_step<Dot, M, R>(x, rows, K, k, acc);
   if (k < K) {
     typename Dot::Chunk wv[R];
     for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k, K - k);
