@@ -395,7 +395,7 @@ struct TileShape {
 };
 // vdpbf16ps does twice an FMA's work per load, so bfloat16 tiles read x from L2 at full speed:
 // a tile is not cut to fit L1, where the 1B model's down projection (8192 inputs: 16 KiB a row
-// of x) ran one row of x at a time, 1 x 1, at ~40 GFLOP/s a thread (6 x 4 tiles: ~130-165), and
+// of x) ran one row of x at a time, 1 x 1, at ~40 GFLOP/s a thread (6 x 4 tiles: 125-155), and
 // a group holds a decode step's rows at the 1B shapes (33 x 8192 inputs: 528 KiB of x beside two
 // panels in a 1 MiB L2). 6 x 4 against 8 x 2 and 4 x 4 at 16 and 32 rows of the 1B shapes, one
 // thread: 8 x 2 0.8-0.85x at 2048 inputs, 4 x 4 alike within the noise (0.9-1.1x) and behind at
