@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from genfn import kernels
+from genfn.kernels import native
 from genfn.quant.blocks import quantize
 from genfn.quant.weight import QuantizedWeight
 from test_kernels import CAN_BUILD
@@ -40,6 +41,50 @@ def test_decode_linear_row_zero_is_the_same_for_every_row_count_it_takes(dtype, 
     weight = (torch.randn(n, k) / k ** 0.5).to(dtype)
     x = torch.randn(kernels.MAX_LINEAR_ROWS[dtype], k).to(dtype)
     _assert_row_zero_invariant(lambda rows: kernels.linear(rows, weight), x, range(2, len(x) + 1))
+
+
+# Every bfloat16 path of decode_linear this CPU has: the widening one everywhere the kernels load,
+# vdpbf16ps where the CPU has AVX512_BF16.
+BF16_PATHS = ("dot", "widen") if native.cpu_has("avx512_bf16") else ("widen",)
+
+
+@pytest.mark.parametrize("dtype, path", [(torch.float32, None), *((torch.bfloat16, p) for p in BF16_PATHS)])
+@pytest.mark.parametrize("k, n", [(2048, 300), (8192, 70), (1000, 37)])
+def test_every_row_keeps_its_one_row_bits_at_any_row_count(dtype, path, k, n):
+    """Each row of x[:m] through decode_linear is bitwise that row alone, within the decode kernel's
+    8 rows and past them (tiles of rows over panels of the weight, a decode step of 9-33 rows), on
+    1 and 2 threads: 1B-model widths (8192 inputs: bfloat16 tiles bigger than L1, float32 rows in
+    several groups), panels cut short at N, and a K with a masked tail. The second half of each
+    product nearly cancels the first, so that the sums pass through values ~100x their result and
+    any other order of summing changes ~1 % of the bfloat16 outputs (F.linear's, or the other path's)."""
+    assert kernels.decode_linear_available(), kernels.kernel_status()
+    torch.manual_seed(4)
+    half = k // 2
+    weight = torch.randn(n, k)
+    weight[:, half:2 * half] = 0.01 * torch.randn(n, half) - weight[:, :half]
+    weight = weight.to(dtype)
+    x = torch.randn(33, k)
+    x[:, half:2 * half] = x[:, :half]
+    x = x.to(dtype)
+    op = torch.ops.genfn_kernels.decode_linear
+    before = torch.get_num_threads()
+    try:
+        if path is not None:
+            assert kernels.force_bf16_linear_path(path) == path
+        alone = torch.cat([op(x[i:i + 1], weight) for i in range(len(x))])
+        for rows in (1, 2, 7, 8, 9, 16, 32, 33):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(op(x[:rows], weight), alone[:rows]), f"{threads} thread(s), {rows} rows"
+            torch.set_num_threads(before)
+    finally:
+        torch.set_num_threads(before)
+        kernels.force_bf16_linear_path(None)
+
+
+def test_force_bf16_linear_path_names_its_argument():
+    with pytest.raises(ValueError, match="path"):
+        kernels.force_bf16_linear_path("avx2")
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])

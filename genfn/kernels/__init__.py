@@ -31,7 +31,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
-           "decode_linear_available", "quant_linear_available", "quant_gemm_min_rows", "kernel_status", "needs_build",
+           "decode_linear_available", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
            "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS"]
 
 _OP_NAMESPACE = "genfn_kernels"
@@ -374,6 +374,22 @@ def quant_gemm_min_rows(rows: int | None) -> int:
     if not decode_linear_available():
         raise RuntimeError(f"the native kernels are {_status}")
     return int(getattr(torch.ops, _OP_NAMESPACE).quant_gemm_min_rows(0 if rows is None else rows))
+
+
+_BF16_PATHS = {None: 0, "widen": 1, "dot": 2}
+
+
+def force_bf16_linear_path(path: str | None) -> str:
+    """Pin the bfloat16 path of ``decode_linear``/``invariant_linear``: ``"widen"`` (the weights
+    widened to float32, the path of CPUs without AVX512_BF16), ``"dot"`` (``vdpbf16ps``) or
+    ``None`` (the best this CPU has), for tests and benchmarks of the widening path on a CPU that
+    has both; returns the path now in force. The fused decode layer keeps ``vdpbf16ps``."""
+    if path not in _BF16_PATHS:
+        raise ValueError(f"path must be None, 'widen' or 'dot'; got {path!r}")
+    if not decode_linear_available():
+        raise RuntimeError(f"the native kernels are {_status}")
+    active = int(getattr(torch.ops, _OP_NAMESPACE).bf16_linear_path(_BF16_PATHS[path]))
+    return {1: "widen", 2: "dot"}[active]
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -152,32 +153,58 @@ inline void store_block(const __m512* acc, Out* y, int64_t N, int64_t n) {
   }
 }
 
-// Rows [n, n + R) of w against the M rows of x ([M, K]); results to y[m * N + n + r]. `ahead`:
-// prefetch distance in bytes from the block's own bytes (0: none).
+// Lines to fetch into L2 while a block is summed: `lines` cache lines from `at` on, spread over the
+// block's steps a few at a time (none where lines is 0).
+struct Fetch {
+  const char* at = nullptr;
+  int64_t lines = 0;
+};
+
+// The R-row block at weight row n fetches the same bytes `ahead` bytes further on in its stream (0:
+// nothing): the window a thread's one stream keeps in flight.
+template <typename Weight>
+Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, int64_t ahead) {
+  if (ahead <= 0) return {};
+  const int64_t bytes = R * K * static_cast<int64_t>(sizeof(Weight));
+  return {reinterpret_cast<const char*>(w + n * K) + ahead, (bytes + 63) / 64};
+}
+
+// One step of a block: chunk k of its R weight rows against chunk k of the M rows of x, into
+// acc[m * R + r].
+template <typename Dot, int M, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void dot_step(
+    const typename Dot::Input* x, const typename Dot::Weight* rows, int64_t K, int64_t k, __m512* acc) {
+  typename Dot::Chunk wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k);
+  for (int m = 0; m < M; ++m) {
+    const auto xv = Dot::load(x + m * K + k);
+    for (int r = 0; r < R; ++r) acc[m * R + r] = Dot::madd(acc[m * R + r], wv[r], xv);
+  }
+}
+
+// Rows [n, n + R) of w against the M rows of x ([M, K]); results to y[m * N + n + r]; `fetch`: what
+// to bring into L2 meanwhile.
 // Compiled for AVX512_BF16 so that Bfloat16Dot's intrinsics inline (the float instantiations use
 // none of it; the bfloat16 one runs only where the CPU has it).
 template <typename Dot, int M, int R, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
-                      int64_t n, int64_t ahead, Out* y) {
+                      int64_t n, Fetch fetch, Out* y) {
   using Weight = typename Dot::Weight;
   constexpr int S = Dot::Step;
   __m512 acc[M * R];
   for (int i = 0; i < M * R; ++i) acc[i] = _mm512_setzero_ps();
   const Weight* rows = w + n * K;
-  const char* fetch = reinterpret_cast<const char*>(rows) + ahead;
-  // Bytes of the block consumed per step, spread over the step's prefetches a line each.
+  // As many lines a step as the block consumes, so that a window ahead of the own stream keeps pace;
+  // the steps past the last line run a loop of their own with no prefetch in it.
   constexpr int kLinesPerStep = (R * S * sizeof(Weight) + 63) / 64;
+  const int64_t fetch_end = std::min(K / S, (fetch.lines + kLinesPerStep - 1) / kLinesPerStep) * S;
   int64_t k = 0;
-  for (; k + S <= K; k += S) {
-    if (ahead > 0)
-      for (int j = 0; j < kLinesPerStep; ++j) _mm_prefetch(fetch + k * R * sizeof(Weight) + 64 * j, _MM_HINT_T1);
-    typename Dot::Chunk wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const auto xv = Dot::load(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m * R + r] = Dot::madd(acc[m * R + r], wv[r], xv);
-    }
+  for (; k < fetch_end; k += S) {
+    for (int j = 0; j < kLinesPerStep; ++j) _mm_prefetch(fetch.at + 64 * j, _MM_HINT_T1);
+    fetch.at += 64 * kLinesPerStep;
+    dot_step<Dot, M, R>(x, rows, K, k, acc);
   }
+  for (; k + S <= K; k += S) dot_step<Dot, M, R>(x, rows, K, k, acc);
   if (k < K) {
     typename Dot::Chunk wv[R];
     for (int r = 0; r < R; ++r) wv[r] = Dot::load(rows + r * K + k, K - k);
@@ -222,7 +249,7 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
   fetch_first_window(w + b0 * R * K, length, window);
   for (int64_t b = b0; b < b1; ++b) {
     const bool ahead = window > 0 && (b - b0 + 1) * block_bytes + window <= length;
-    row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
+    row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window : 0), y);
   }
 }
 
@@ -232,7 +259,7 @@ void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int6
   const int64_t blocks = N / R;
   // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { stream_blocks<Dot, M>(x, w, K, N, y, b0, b1); });
-  for (int64_t n = blocks * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+  for (int64_t n = blocks * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, {}, y);
 }
 
 // Weight bytes a balanced share claims at a time: small enough that the last chunk of a run
@@ -254,14 +281,14 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
         if (begin == start) fetch_first_window(w + start * R * K, length, window);
         for (int64_t b = begin; b < end; ++b) {
           const bool ahead = window > 0 && (b - start + 1) * block_bytes + window <= length;
-          row_block<Dot, M, R>(x, w, K, N, b * R, ahead ? window : 0, y);
+          row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window : 0), y);
         }
       },
       [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) row_block<Dot, M, R>(x, w, K, N, b * R, 0, y);
+        for (int64_t b = begin; b < end; ++b) row_block<Dot, M, R>(x, w, K, N, b * R, {}, y);
       });
   if (t == 0)
-    for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+    for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, {}, y);
 }
 
 // Blocks [b0, b1) of R weight rows against a group of M rows of x (at most 8; M a runtime value).
@@ -271,7 +298,7 @@ void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::W
   switch (M) {
 #define GENFN_GROUP(MM) \
   case MM: \
-    for (int64_t b = b0; b < b1; ++b) row_block<Dot, MM, R>(x, w, K, N, b * R, ahead, y); \
+    for (int64_t b = b0; b < b1; ++b) row_block<Dot, MM, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead), y); \
     return;
     GENFN_GROUP(1)
     GENFN_GROUP(2)
@@ -346,22 +373,7 @@ void dispatch_rows(int64_t M, const typename Dot::Input* x, const typename Dot::
   }
 }
 
-// Any number of rows of x, each output element summed exactly as one row alone is summed above
-// (one float32 accumulator of 16 lanes along k in steps of Dot::Step, then the same lane tree),
-// whatever the row count, the row's place or the thread count: the batch-invariant mode's float
-// linear (genfn/kernels/invariant.py). Where the mode once ran tiles of 8 rows through the decode
-// kernel one after another, each streaming the whole weight from memory, the weight here streams
-// once: the output columns are cut into panels of weight rows small enough to stay in L2, each
-// thread takes a contiguous run of panels (columns, never k), and every tile of rows of x passes
-// over a panel before the next; the first tile's pass fetches the stream ahead as stream_blocks
-// does, the others read the panel from L2. A tile holds as many rows (up to TileShape::kRows) as
-// fit in kTileBytes, so that it stays in L1 while the panel's weight rows pass (SmolLM2's down
-// projection, 1536 inputs: 8 float32 rows of x are 48 KiB, and read from L2 the product ran at
-// half the speed of oneDNN's). Past kGroupBytes of x (a prefill's hundreds of rows) the rows go
-// in groups that stay in L2 too, each streaming the weight again.
 constexpr int64_t kPanelBytes = 64 * 1024;
-constexpr int64_t kTileBytes = 24 * 1024;
-constexpr int64_t kGroupBytes = 256 * 1024;
 
 // The register tile of a pass: up to kRows rows of x by block(M) weight rows, an accumulator each.
 // Every multiply-add loads a chunk of x or of a weight row, so loads per multiply-add are
@@ -369,46 +381,61 @@ constexpr int64_t kGroupBytes = 256 * 1024;
 // within the 32 vector registers (24 accumulators, 4 weight chunks, x from memory). Float32 at 32
 // rows, SmolLM2's shapes, one thread, best of 9 interleaved rounds against the packed GEMM
 // (oneDNN), 8 x 2 -> 6 x 4: gate/up 1.47x -> 1.07x, q/k/v 1.34x -> 1.15x, down 1.30x -> 1.22x
-// (benchmarks/results/determinism-cost-wave3.log). bfloat16 is not
-// bound by loads (vdpbf16ps does twice the work of an FMA per load, and the lane sums weigh twice
-// as much against it): 6 x 4 measured no better than 8 x 2 there (1.25-1.5x either way; the
-// packed GEMM runs at ~90 % of vdpbf16ps's peak), so it keeps the decode kernel's blocks.
+// (benchmarks/results/determinism-cost-wave3.log). A tile holds as many rows as fit in
+// kTileBytes, so that it stays in L1 while the panel's weight rows pass (SmolLM2's down
+// projection, 1536 inputs: 8 float32 rows of x are 48 KiB, and read from L2 the product ran at
+// half the speed of oneDNN's). Past kGroupBytes of x (a prefill's hundreds of rows) the rows go
+// in groups that stay in L2, each streaming the weight again.
 template <typename Dot>
 struct TileShape {
   static constexpr int kRows = 6;
   static constexpr int block(int) { return 4; }
+  static constexpr int64_t kTileBytes = 24 * 1024;
+  static constexpr int64_t kGroupBytes = 256 * 1024;
 };
+// vdpbf16ps does twice an FMA's work per load, so bfloat16 tiles read x from L2 at full speed:
+// a tile is not cut to fit L1, where the 1B model's down projection (8192 inputs: 16 KiB a row
+// of x) ran one row of x at a time, 1 x 1, at ~40 GFLOP/s a thread (6 x 4 tiles: 125-155), and
+// a group holds a decode step's rows at the 1B shapes (33 x 8192 inputs: 528 KiB of x beside two
+// panels in a 1 MiB L2). 6 x 4 against 8 x 2 and 4 x 4 at 16 and 32 rows of the 1B shapes, one
+// thread: 8 x 2 0.8-0.85x at 2048 inputs, 4 x 4 alike within the noise (0.9-1.1x) and behind at
+// 8192 (docs/guides/k-quants-and-scale.md, *bfloat16 decode at 9-33 rows*).
 template <>
 struct TileShape<Bfloat16Dot> {
-  static constexpr int kRows = 8;
-  static constexpr int block(int M) { return rows_per_block(M); }
+  static constexpr int kRows = 6;
+  static constexpr int block(int) { return 4; }
+  static constexpr int64_t kTileBytes = 640 * 1024;
+  static constexpr int64_t kGroupBytes = 640 * 1024;
 };
 
 // Weight rows [n0, n1) against the M rows of x; results to y[m * N + n]. Blocks of R weight rows
-// (n0 is a multiple of 4), the odd rows at N one at a time.
-// `stream_end`: the weight row where this thread's stream ends, to fetch ahead up to (0: none).
+// (n0 is a multiple of 4), the odd rows at N one at a time. `next`: the lines this pass fetches
+// for a later one, shared out evenly over its blocks.
 template <typename Dot, int M, int R, typename Out>
 void panel_pass(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
-                int64_t n0, int64_t n1, int64_t stream_end) {
-  constexpr int64_t window = prefetch_window<2>();  // 16 KiB, as for any tile of more than one row
-  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Weight));
+                int64_t n0, int64_t n1, Fetch next) {
+  const int64_t blocks = (n1 - n0) / R + (n1 - n0) % R;
+  const int64_t per_block = (next.lines + blocks - 1) / blocks;
+  auto share = [&]() {
+    const Fetch part{next.at, std::min(per_block, next.lines)};
+    next.at += 64 * part.lines;
+    next.lines -= part.lines;
+    return part;
+  };
   int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    const bool ahead = stream_end > 0 && (n + R) * row_bytes + window <= stream_end * row_bytes;
-    row_block<Dot, M, R>(x, w, K, N, n, ahead ? window : 0, y);
-  }
-  for (; n < n1; ++n) row_block<Dot, M, 1>(x, w, K, N, n, 0, y);
+  for (; n + R <= n1; n += R) row_block<Dot, M, R>(x, w, K, N, n, share(), y);
+  for (; n < n1; ++n) row_block<Dot, M, 1>(x, w, K, N, n, share(), y);
 }
 
 template <typename Dot, typename Out>
 void dispatch_panel(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
-                    Out* y, int64_t n0, int64_t n1, int64_t stream_end) {
+                    Out* y, int64_t n0, int64_t n1, Fetch next) {
   using Shape = TileShape<Dot>;
   static_assert(Shape::kRows <= 8, "tiles of up to 8 rows of x");
   switch (M) {
 #define GENFN_PANEL(MM) \
   case MM: \
-    if constexpr (MM <= Shape::kRows) return panel_pass<Dot, MM, Shape::block(MM)>(x, w, K, N, y, n0, n1, stream_end); \
+    if constexpr (MM <= Shape::kRows) return panel_pass<Dot, MM, Shape::block(MM)>(x, w, K, N, y, n0, n1, next); \
     break;
     GENFN_PANEL(1)
     GENFN_PANEL(2)
@@ -423,40 +450,48 @@ void dispatch_panel(int64_t M, const typename Dot::Input* x, const typename Dot:
   TORCH_CHECK(false, "invariant_linear: a tile of ", M, " rows of x (at most ", Shape::kRows, ")");
 }
 
+// Any number of rows of x, each output element summed exactly as one row alone is summed above
+// (one float32 accumulator of 16 lanes along k in steps of Dot::Step, then the same lane tree),
+// whatever the row count, the row's place or the thread count: the batch-invariant mode's float
+// linear (genfn/kernels/invariant.py), and decode_linear's past kMaxDecodeRows. Where the mode
+// once ran tiles of 8 rows through the decode kernel one after another, each streaming the whole
+// weight from memory, the weight here streams once: the output columns are cut into panels of
+// weight rows small enough to stay in L2, each thread takes a contiguous run of panels (columns,
+// never k), and every tile of rows of x passes over a panel before the next. The tiles' passes
+// over a panel fetch the next panel of the run into L2, each pass a share: the weight's read
+// then overlaps all of the panel's arithmetic, where a window ahead of the first pass alone
+// (as stream_blocks fetches) left the memory idle while the other tiles summed from L2.
 template <typename Dot, typename Out>
 void panels_of_rows(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                     Out* y) {
   if (M <= kMaxDecodeRows) return dispatch_rows<Dot>(M, x, w, K, N, y);
+  using Shape = TileShape<Dot>;
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   // A multiple of 4 weight rows, so that every block size the tiles take (1, 2, 4) divides it.
   const int64_t panel = std::max<int64_t>(4, kPanelBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
   const int64_t panels = (N + panel - 1) / panel;
   const int64_t x_row_bytes = K * static_cast<int64_t>(sizeof(typename Dot::Input));
-  const int64_t tile = std::clamp<int64_t>(kTileBytes / x_row_bytes, 1, TileShape<Dot>::kRows);
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / x_row_bytes / tile) * tile;
+  const int64_t tile = std::clamp<int64_t>(Shape::kTileBytes / x_row_bytes, 1, Shape::kRows);
+  const int64_t group = std::max<int64_t>(1, Shape::kGroupBytes / x_row_bytes / tile) * tile;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t stream_end = std::min(N, p1 * panel);
     for (int64_t g0 = 0; g0 < M; g0 += group) {
-      const int64_t g1 = std::min(M, g0 + group);
-      fetch_first_window(w + p0 * panel * K, (stream_end - p0 * panel) * row_bytes, prefetch_window<2>());
+      const int64_t rows = std::min(M, g0 + group) - g0;
+      // Tiles as even as the rows split (32 rows as 6, 6, 5, 5, 5, 5, not 6 x 5 and 2).
+      const int64_t tiles = (rows + tile - 1) / tile;
+      fetch_first_window(w + p0 * panel * K, std::min(panel, stream_end - p0 * panel) * row_bytes, kPanelBytes);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);
-        for (int64_t m0 = g0; m0 < g1; m0 += tile)
-          dispatch_panel<Dot>(std::min<int64_t>(tile, g1 - m0), x + m0 * K, w, K, N, y + m0 * N, n0, n1,
-                              m0 == g0 ? stream_end : 0);
+        const int64_t next_lines = (std::min(stream_end, n1 + panel) - n1) * row_bytes / 64;
+        const char* next = reinterpret_cast<const char*>(w + n1 * K);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m0 = g0 + rows * t / tiles, m1 = g0 + rows * (t + 1) / tiles;
+          const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
+          dispatch_panel<Dot>(m1 - m0, x + m0 * K, w, K, N, y + m0 * N, n0, n1, Fetch{next + 64 * l0, l1 - l0});
+        }
       }
     }
   });
-}
-
-void bf16_dot_panels(
-    int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
-  panels_of_rows<Bfloat16Dot>(M, x, w, K, N, y);
-}
-
-void bf16_dot_rows(
-    int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N, c10::BFloat16* y) {
-  dispatch_rows<Bfloat16Dot>(M, x, w, K, N, y);
 }
 
 bool has_avx512_bf16() {
@@ -464,41 +499,35 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+// The bfloat16 path the linears take, set by the op bf16_linear_path (tests and benchmarks of the
+// widening path on a CPU with vdpbf16ps): 0 the best this CPU has, 1 widening, 2 vdpbf16ps.
+std::atomic<int64_t> forced_bf16_path{0};
+
+bool bf16_dot_in_use() { return has_avx512_bf16() && forced_bf16_path.load(std::memory_order_relaxed) != 1; }
+
+int64_t set_bf16_path(int64_t path) {
+  TORCH_CHECK(path >= 0 && path <= 2, "bf16_linear_path: path must be 0, 1 or 2, got ", path);
+  TORCH_CHECK(path != 2 || has_avx512_bf16(), "bf16_linear_path: this CPU has no AVX512_BF16 (vdpbf16ps)");
+  forced_bf16_path.store(path, std::memory_order_relaxed);
+  return bf16_dot_in_use() ? 2 : 1;
+}
+
 at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// Up to kMaxDecodeRows rows of x the decode kernel's blocks, past them every tile of rows over one
+// L2-sized panel of the weight before the next, so the weight still streams from memory once
+// (genfn.kernels.MAX_LINEAR_ROWS says up to where that beats the library's GEMM): invariant_linear,
+// which does both, for what it takes.
 at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "decode_linear: weight must be 2-D, got ", weight.dim(), "-D");
   TORCH_CHECK(x.size(-1) == weight.size(1), "decode_linear: x has ", x.size(-1),
               " features, weight expects ", weight.size(1));
   const int64_t K = weight.size(1);
-  const int64_t N = weight.size(0);
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   const auto dtype = weight.scalar_type();
   const bool supported = (dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype &&
                          M >= 1 && x.device().is_cpu() && weight.device().is_cpu();
-  if (!supported) return at::linear(x, weight);
-  // More rows than a tile holds: every tile of them over one L2-sized panel of the weight before
-  // the next, so the weight still streams from memory once (genfn.kernels.MAX_LINEAR_ROWS says
-  // up to where that beats the library's GEMM).
-  if (M > kMaxDecodeRows) return invariant_linear(x, weight);
-  const at::Tensor w = weight.contiguous();
-  const at::Tensor rows = x.contiguous();
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor y = at::empty({M, N}, weight.options());
-  if (dtype == at::kFloat) {
-    dispatch_rows<Float32Fma>(M, rows.data_ptr<float>(), w.data_ptr<float>(), K, N, y.data_ptr<float>());
-  } else if (has_avx512_bf16()) {
-    bf16_dot_rows(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
-  } else {
-    // x is a few KiB: widen it once here rather than in every row block.
-    thread_local std::vector<float> widened;
-    widened.resize(M * K);
-    const c10::BFloat16* src = rows.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    dispatch_rows<Bfloat16Widen>(M, widened.data(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
-  }
-  return y.view(out_sizes);
+  return supported ? invariant_linear(x, weight) : at::linear(x, weight);
 }
 
 // decode_linear for any number of rows, each summed as it is alone (panels_of_rows); float32 or
@@ -522,11 +551,13 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor y = at::empty({M, N}, weight.options());
   if (dtype == at::kFloat) {
     panels_of_rows<Float32Fma>(M, rows.data_ptr<float>(), w.data_ptr<float>(), K, N, y.data_ptr<float>());
-  } else if (has_avx512_bf16()) {
-    bf16_dot_panels(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N,
-                    y.data_ptr<c10::BFloat16>());
+  } else if (bf16_dot_in_use()) {
+    panels_of_rows<Bfloat16Dot>(M, rows.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), K, N,
+                                y.data_ptr<c10::BFloat16>());
   } else {
-    std::vector<float> widened(M * K);
+    // x is a few KiB at decode time: widened once here rather than in every row block.
+    thread_local std::vector<float> widened;
+    widened.resize(M * K);
     const c10::BFloat16* src = rows.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
     panels_of_rows<Bfloat16Widen>(M, widened.data(), w.data_ptr<c10::BFloat16>(), K, N, y.data_ptr<c10::BFloat16>());
@@ -557,6 +588,8 @@ void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, 
 TORCH_LIBRARY(genfn_kernels, m) {
   m.def("decode_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("invariant_linear(Tensor x, Tensor weight) -> Tensor");
+  // The bfloat16 path of both (0: the best this CPU has, 1: widening, 2: vdpbf16ps); returns the one in force.
+  m.def("bf16_linear_path", &set_bf16_path);
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
