@@ -144,12 +144,14 @@ def test_kernel_matches_the_float64_reference(fmt, rows, out_features, in_featur
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [3, 9, 15])  # one group; 5 + 4; 8 + 7 (the GEMM takes 16)
-def test_rows_in_groups_get_each_rows_bits_alone_and_chain_from_init(fmt, rows):
+# 1000 rows: 320-580 KB of codes, so from four rows of x the stream also runs fetched 32 KiB ahead.
+@pytest.mark.parametrize("out_features", [200, 1000])
+def test_rows_in_groups_get_each_rows_bits_alone_and_chain_from_init(fmt, rows, out_features):
     """A verification step's rows share the weight's stream, never its sums: each row of the product
     is bit for bit the row alone, with and without chains that start at init's values."""
     torch.manual_seed(rows)
-    weight = QuantizedWeight.from_rows(quantize(torch.randn(200, 576) * 0.05, fmt))
-    x, init = torch.randn(rows, 576), torch.randn(rows, 200)
+    weight = QuantizedWeight.from_rows(quantize(torch.randn(out_features, 576) * 0.05, fmt))
+    x, init = torch.randn(rows, 576), torch.randn(rows, out_features)
     for start in (None, init):
         y = kernels.quantized_linear(x, weight, start)
         alone = [kernels.quantized_linear(x[i:i + 1], weight, None if start is None else start[i:i + 1])
