@@ -44,6 +44,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -123,7 +124,7 @@ template <typename T>
 struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups: linear_balanced)
   const T* w;
   RowQueue rows;
-  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads); }
+  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads, std::is_same_v<T, c10::BFloat16>); }
   void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t) {
     linear_balanced(M, x, w, K, N, y, t, rows);
   }

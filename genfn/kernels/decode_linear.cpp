@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "decode_kernels.h"
@@ -189,6 +190,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) i
 template <typename Dot, int M, int R, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                       int64_t n, Fetch fetch, Out* y) {
+  // Past the 32 vector registers (accumulators, a chunk of each weight row, one of x): two tiles.
+  if constexpr (M * R + R + 1 > 32) {
+    constexpr int kFirst = (M + 1) / 2;
+    row_block<Dot, kFirst, R>(x, w, K, N, n, fetch, y);
+    row_block<Dot, M - kFirst, R>(x + kFirst * K, w, K, N, n, {}, y + kFirst * N);
+    return;
+  }
   using Weight = typename Dot::Weight;
   constexpr int S = Dot::Step;
   __m512 acc[M * R];
@@ -228,7 +236,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
 // which streamed as fast as sum() (float32 31.2 GB/s against 26.4 for four rows at once; one
 // 226 MB weight, 2 threads, sum() 33.3). From two rows of x on, several weight rows give enough
 // independent accumulators to hide the multiply-add latency, within the 32 vector registers.
-constexpr int rows_per_block(int64_t M) { return M == 1 ? 1 : (M == 2 ? 2 : (M <= 4 ? 4 : 2)); }
+// bfloat16 from 7 rows: 4 weight rows as two tiles of x (row_block), where 8 x 2 read all of x (16
+// KiB a row at 8192 inputs) from L2 per 2 weight rows; float32's 8-row head ran 0.75-0.85x so.
+template <typename Dot>
+constexpr int rows_per_block(int64_t M) {
+  return M <= 2 ? static_cast<int>(M) : (M <= 4 || (std::is_same_v<Dot, Bfloat16Dot> && M > 6) ? 4 : 2);
+}
 
 // The first `window` bytes of a stream of `length` bytes from `start`, which nothing fetched ahead.
 inline void fetch_first_window(const void* start, int64_t length, int64_t window) {
@@ -242,7 +255,7 @@ inline void fetch_first_window(const void* start, int64_t length, int64_t window
 template <typename Dot, int M, typename Out>
 void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                    int64_t b0, int64_t b1) {
-  constexpr int R = rows_per_block(M);
+  constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t length = (b1 - b0) * block_bytes;
   constexpr int64_t window = prefetch_window<M>();
@@ -255,7 +268,7 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
 
 template <typename Dot, int M, typename Out>
 void rows_of_x(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y) {
-  constexpr int R = rows_per_block(M);
+  constexpr int R = rows_per_block<Dot>(M);
   const int64_t blocks = N / R;
   // Each thread takes a contiguous run of row blocks, one sequential stream through the weight.
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) { stream_blocks<Dot, M>(x, w, K, N, y, b0, b1); });
@@ -269,7 +282,7 @@ constexpr int64_t kChunkBytes = 8192;
 template <typename Dot, int M, typename Out>
 void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
                    int64_t t, genfn_kernels::RowQueue& queue) {
-  constexpr int R = rows_per_block(M);
+  constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
   constexpr int64_t window = prefetch_window<M>();
@@ -291,25 +304,29 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
     for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, {}, y);
 }
 
+// f(std::integral_constant<int, M>) for M rows of x, 1 to kMaxDecodeRows (more run as 8).
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // Blocks [b0, b1) of R weight rows against a group of M rows of x (at most 8; M a runtime value).
 template <typename Dot, int R, typename Out>
 void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                   Out* y, int64_t b0, int64_t b1, int64_t ahead) {
-  switch (M) {
-#define GENFN_GROUP(MM) \
-  case MM: \
-    for (int64_t b = b0; b < b1; ++b) row_block<Dot, MM, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead), y); \
-    return;
-    GENFN_GROUP(1)
-    GENFN_GROUP(2)
-    GENFN_GROUP(3)
-    GENFN_GROUP(4)
-    GENFN_GROUP(5)
-    GENFN_GROUP(6)
-    GENFN_GROUP(7)
-    GENFN_GROUP(8)
-#undef GENFN_GROUP
-  }
+  with_rows(M, [&](auto rows) {
+    for (int64_t b = b0; b < b1; ++b)
+      row_block<Dot, decltype(rows)::value, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead), y);
+  });
 }
 
 // More rows of x than a tile holds (up to kMaxDecodeRows a group): each claimed chunk of weight
@@ -318,7 +335,7 @@ void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::W
 template <typename Dot, typename Out>
 void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                      Out* y, int64_t t, genfn_kernels::RowQueue& queue) {
-  constexpr int R = rows_per_block(kMaxDecodeRows);  // RowQueue::prepare's blocks for M > 4
+  constexpr int R = rows_per_block<Dot>(kMaxDecodeRows);  // RowQueue::prepare's blocks past 8 rows
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
   constexpr int64_t window = prefetch_window<kMaxDecodeRows>();
@@ -346,31 +363,13 @@ template <typename Dot, typename Out>
 void dispatch_balanced(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K,
                        int64_t N, Out* y, int64_t t, genfn_kernels::RowQueue& queue) {
   if (M > kMaxDecodeRows) return balanced_groups<Dot>(M, x, w, K, N, y, t, queue);
-  switch (M) {
-    case 1: return balanced_rows<Dot, 1>(x, w, K, N, y, t, queue);
-    case 2: return balanced_rows<Dot, 2>(x, w, K, N, y, t, queue);
-    case 3: return balanced_rows<Dot, 3>(x, w, K, N, y, t, queue);
-    case 4: return balanced_rows<Dot, 4>(x, w, K, N, y, t, queue);
-    case 5: return balanced_rows<Dot, 5>(x, w, K, N, y, t, queue);
-    case 6: return balanced_rows<Dot, 6>(x, w, K, N, y, t, queue);
-    case 7: return balanced_rows<Dot, 7>(x, w, K, N, y, t, queue);
-    default: return balanced_rows<Dot, 8>(x, w, K, N, y, t, queue);
-  }
+  with_rows(M, [&](auto rows) { balanced_rows<Dot, decltype(rows)::value>(x, w, K, N, y, t, queue); });
 }
 
 template <typename Dot, typename Out>
 void dispatch_rows(int64_t M, const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N,
                    Out* y) {
-  switch (M) {
-    case 1: return rows_of_x<Dot, 1>(x, w, K, N, y);
-    case 2: return rows_of_x<Dot, 2>(x, w, K, N, y);
-    case 3: return rows_of_x<Dot, 3>(x, w, K, N, y);
-    case 4: return rows_of_x<Dot, 4>(x, w, K, N, y);
-    case 5: return rows_of_x<Dot, 5>(x, w, K, N, y);
-    case 6: return rows_of_x<Dot, 6>(x, w, K, N, y);
-    case 7: return rows_of_x<Dot, 7>(x, w, K, N, y);
-    default: return rows_of_x<Dot, 8>(x, w, K, N, y);
-  }
+  with_rows(M, [&](auto rows) { rows_of_x<Dot, decltype(rows)::value>(x, w, K, N, y); });
 }
 
 constexpr int64_t kPanelBytes = 64 * 1024;
@@ -432,22 +431,12 @@ void dispatch_panel(int64_t M, const typename Dot::Input* x, const typename Dot:
                     Out* y, int64_t n0, int64_t n1, Fetch next) {
   using Shape = TileShape<Dot>;
   static_assert(Shape::kRows <= 8, "tiles of up to 8 rows of x");
-  switch (M) {
-#define GENFN_PANEL(MM) \
-  case MM: \
-    if constexpr (MM <= Shape::kRows) return panel_pass<Dot, MM, Shape::block(MM)>(x, w, K, N, y, n0, n1, next); \
-    break;
-    GENFN_PANEL(1)
-    GENFN_PANEL(2)
-    GENFN_PANEL(3)
-    GENFN_PANEL(4)
-    GENFN_PANEL(5)
-    GENFN_PANEL(6)
-    GENFN_PANEL(7)
-    GENFN_PANEL(8)
-#undef GENFN_PANEL
-  }
-  TORCH_CHECK(false, "invariant_linear: a tile of ", M, " rows of x (at most ", Shape::kRows, ")");
+  TORCH_CHECK(M >= 1 && M <= Shape::kRows, "invariant_linear: a tile of ", M, " rows of x (at most ", Shape::kRows,
+              ")");
+  with_rows(M, [&](auto rows) {
+    if constexpr (decltype(rows)::value <= Shape::kRows)
+      panel_pass<Dot, decltype(rows)::value, Shape::block(decltype(rows)::value)>(x, w, K, N, y, n0, n1, next);
+  });
 }
 
 // Any number of rows of x, each output element summed exactly as one row alone is summed above
@@ -571,7 +560,9 @@ namespace genfn_kernels {
 
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 
-void RowQueue::prepare(int64_t M, int64_t N, int64_t T) { prepare_blocks(N / rows_per_block(M), T); }
+void RowQueue::prepare(int64_t M, int64_t N, int64_t T, bool bf16) {
+  prepare_blocks(N / (bf16 ? rows_per_block<Bfloat16Dot>(M) : rows_per_block<Float32Fma>(M)), T);
+}
 
 void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t t,
                      RowQueue& queue) {

@@ -36,7 +36,8 @@ struct RowQueue {
   };
   Run runs[kMaxThreads];
   int64_t threads = 0;
-  void prepare(int64_t M, int64_t N, int64_t T);  // for linear_balanced (decode_linear.cpp)
+  // For linear_balanced (decode_linear.cpp), whose blocks differ for bfloat16 weights.
+  void prepare(int64_t M, int64_t N, int64_t T, bool bf16);
   // Any unit of work: even runs of `blocks`.
   void prepare_blocks(int64_t blocks, int64_t T) {
     threads = std::min<int64_t>(T, kMaxThreads);
