@@ -261,11 +261,75 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   return out;
 }
 
+// The lanes of each of d[0 .. 16) summed into lane s of the result for d[s], by the tree that
+// _mm512_reduce_add_ps sums one vector with (lane i with lane i + 8, those sums four lanes apart,
+// then two, then one): float addition commutes, so the same pairs give each sum its bits, in 15
+// adds and 30 shuffles for 16 vectors where that took 64 of each. The shuffles leave the sum of
+// input p in lane 4 (p % 4) + p / 4, so input p is d[4 (p % 4) + p / 4].
+inline __m512 sum_lanes_of_16(const __m512* d) {
+  __m512 eights[8], fours[4], twos[2];
+  for (int k = 0; k < 8; ++k) {  // [a's lanes i + (i + 8) | b's]
+    const int p = 2 * k, r = 2 * k + 1;
+    const __m512 a = d[(p % 4) * 4 + p / 4], b = d[(r % 4) * 4 + r / 4];
+    eights[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k)  // four inputs' sums of lanes i, i + 4 (of the eights) in each quarter
+    fours[k] = _mm512_add_ps(_mm512_shuffle_f32x4(eights[2 * k], eights[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(eights[2 * k], eights[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {  // lanes i, i + 2 of each quarter
+    const __m512d a = _mm512_castps_pd(fours[2 * k]), b = _mm512_castps_pd(fours[2 * k + 1]);
+    twos[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(twos[0], twos[1], 0x88), _mm512_shuffle_ps(twos[0], twos[1], 0xDD));
+}
+
+// q . k in 16 lanes: the products of head_dim's 16-wide slices chained in order.
+template <typename T, int V>
+inline __m512 dot_lanes(const __m512* q, const T* k) {
+  __m512 dot = _mm512_mul_ps(q[0], load_lanes(k));
+  for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(q[j], load_lanes(k + j * kLanes), dot);
+  return dot;
+}
+
+// Slots whose keys (or values) one pass reads for every head of the query group: 8 KiB at head_dim
+// 64, so they stay in L1 while the group's heads take their turns.
+constexpr int64_t kSlotRun = 32;
+
+// How many heads of a query group weigh each loaded value row together: their chains in registers
+// (at most 16 of the 32), each row loaded once for them.
+template <int V>
+constexpr int64_t kValueHeads = std::max(1, std::min(4, 16 / V));
+
+// sums[h] = sum over i < n of weights[h * stride + i] * values[offsets[i]], one fma chain per lane in
+// slot order, for H heads at once.
+template <typename T, int V, int H>
+void weigh_values(const T* values, const int64_t* offsets, int64_t n, const float* weights, int64_t stride,
+                  __m512 (*sums)[V]) {
+  __m512 acc[H][V];
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < V; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = values + offsets[i];
+    __m512 rows[V];
+    for (int j = 0; j < V; ++j) rows[j] = load_lanes(v + j * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * stride + i]);
+      for (int j = 0; j < V; ++j) acc[h][j] = _mm512_fmadd_ps(w, rows[j], acc[h][j]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < V; ++j) sums[h][j] = acc[h][j];
+}
+
 // G query heads that share a kv head against the n key/value rows at element offsets
 // offsets[0 .. n) from keys/values, reduced in that order: the result depends on the query and
 // those rows alone (not on how many other slots, rows or queries the call has), which is what the
 // dense decode step and the batch-invariant mode's per-query attention (paged_query_attention)
-// share, so the two give the same bits for the same keys.
+// share, so the two give the same bits for the same keys. A score is its 16 lanes summed as one
+// _mm512_reduce_add_ps (sum_lanes_of_16, 16 slots at a time), times the scale; a head's weighted
+// values are one chain per lane over the slots in order, held in registers for a run of slots (a
+// head at a time: with the group's heads all at once they lived in memory, a store and reload per
+// slot, ~40 % of the walk at 11 tokens of a row).
 template <typename T, int V>
 void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
                     float scale, float softcap, T* out, std::vector<float>& scores) {
@@ -275,17 +339,20 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
     return;
   }
   scores.resize(groups * n);
-  __m512 qv[kMaxGroups][V];
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < V; ++j) qv[g][j] = load_lanes(q + g * D + j * kLanes);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* k = keys + offsets[i];
-    __m512 kv[V];
-    for (int j = 0; j < V; ++j) kv[j] = load_lanes(k + j * kLanes);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t run = 0; run < n; run += kSlotRun) {
+    const int64_t stop = std::min(n, run + kSlotRun);
     for (int64_t g = 0; g < groups; ++g) {
-      __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(qv[g][j], kv[j], dot);
-      scores[g * n + i] = _mm512_reduce_add_ps(dot) * scale;
+      __m512 qv[V];
+      for (int j = 0; j < V; ++j) qv[j] = load_lanes(q + g * D + j * kLanes);
+      for (int64_t i = run; i < stop; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, stop - i);
+        __m512 dots[kLanes];
+        for (int64_t l = 0; l < kLanes; ++l)
+          dots[l] = l < count ? dot_lanes<T, V>(qv, keys + offsets[i + l]) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores.data() + g * n + i, genfn_kernels::lanes_below(count),
+                              _mm512_mul_ps(sum_lanes_of_16(dots), sv));
+      }
     }
   }
   if (softcap > 0.f) soft_cap(scores.data(), groups * n, softcap);
@@ -296,23 +363,19 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
     if constexpr (!std::is_same_v<T, float>)
       for (int64_t i = 0; i < n; ++i) s[i] = static_cast<float>(T(s[i]));
   }
-  __m512 acc[kMaxGroups][V];
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* v = values + offsets[i];
-    __m512 vv[V];
-    for (int j = 0; j < V; ++j) vv[j] = load_lanes(v + j * kLanes);
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * n + i]);
-      for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, vv[j], acc[g][j]);
-    }
+  __m512 sums[kMaxGroups][V];
+  for (int64_t g = 0; g < groups; g += kValueHeads<V>) {
+    const int64_t heads = std::min<int64_t>(kValueHeads<V>, groups - g);
+    if (heads == 1) weigh_values<T, V, 1>(values, offsets, n, scores.data() + g * n, n, sums + g);
+    else if (heads == 2) weigh_values<T, V, 2>(values, offsets, n, scores.data() + g * n, n, sums + g);
+    else if (heads == 3) weigh_values<T, V, 3>(values, offsets, n, scores.data() + g * n, n, sums + g);
+    else weigh_values<T, V, 4>(values, offsets, n, scores.data() + g * n, n, sums + g);
   }
   alignas(64) float lanes[kLanes];
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / totals[g]);
     for (int j = 0; j < V; ++j) {
-      _mm512_store_ps(lanes, _mm512_mul_ps(acc[g][j], inv));
+      _mm512_store_ps(lanes, _mm512_mul_ps(sums[g][j], inv));
       for (int l = 0; l < kLanes; ++l) narrow(out + g * D + j * kLanes + l, lanes[l]);
     }
   }
@@ -324,11 +387,13 @@ template <typename T, int V>
 void attend_visible(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
                     int64_t slot_stride, int64_t groups, float scale, float softcap, T* out,
                     std::vector<float>& scores, std::vector<int64_t>& offsets) {
-  offsets.clear();
-  for (int64_t s = 0; s < span; ++s)
-    if (visible[s]) offsets.push_back(s * slot_stride);
-  attend_rows_at<T, V>(q, keys, values, offsets.data(), static_cast<int64_t>(offsets.size()), groups, scale, softcap,
-                       out, scores);
+  offsets.resize(span);
+  int64_t n = 0;
+  for (int64_t s = 0; s < span; ++s) {  // without a branch: a round's mask has holes (~9 % of an 11-token layer)
+    offsets[n] = s * slot_stride;
+    n += visible[s];
+  }
+  attend_rows_at<T, V>(q, keys, values, offsets.data(), n, groups, scale, softcap, out, scores);
 }
 
 template <typename T, int V>
