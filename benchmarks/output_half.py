@@ -16,7 +16,7 @@ over the three linears' weights):
 - ``linears``: the three linears alone through ``quant_linear`` (a parallel region each);
 - ``attention``: ``dense_decode_attention`` of the same tokens over the same cache;
 - with ``--against REV``: ``layer`` of the kernels built from git revision REV (``genfn.bench.revision_kernels``),
-  in the same loop, so that the ratio survives a noisy machine.
+  in the same loop, so that the ratio survives a noisy machine; the two layers' outputs must be equal bit for bit.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def ways(ops, baseline, layers, spec, case):
     def layer(namespace, mask):
         def run():
             for lay in layers:
-                namespace.decode_layer_output_quant(x, q, keys, values, mask, *parts(lay["wo"]), lay["mlp_norm"],
-                                                    *parts(lay["w_gate_up"]), *parts(lay["w_down"]), eps, scale)
+                out = namespace.decode_layer_output_quant(x, q, keys, values, mask, *parts(lay["wo"]),
+                                                          lay["mlp_norm"], *parts(lay["w_gate_up"]),
+                                                          *parts(lay["w_down"]), eps, scale)
+            return out
         return run
 
     def linears():
@@ -119,6 +121,11 @@ def main() -> None:
                         start = time.perf_counter()
                         call()
                         best[name] = min(best[name], time.perf_counter() - start)
+            if baseline is not None:  # the same bits as the other revision's layer
+                one = layers[:1]
+                mine = ways(ops, None, one, spec, rows_case(spec, rows, args.span))
+                theirs = ways(baseline, None, one, spec, rows_case(spec, rows, args.span))
+                assert torch.equal(mine["layer"](), theirs["layer"]()), "the layers' outputs differ"
             cells = "  ".join(f"{name} {best[name] / len(layers) * 1e6:6.1f}" for name in calls)
             rate = rows * macs / (best["layer"] / len(layers)) / 1e9
             extra = (f"  layer / against {best['layer'] / best['layer (against)']:.3f}"
