@@ -92,3 +92,42 @@ def test_compiled_the_op_is_one_graph_node():
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True) * 2
     torch.testing.assert_close(compiled(q, keys, values, mask), expected, atol=4e-6, rtol=4e-6)
+
+
+# Lane swaps under which the tree that sums a score's 16 lanes (_mm512_reduce_add_ps's: lane i with
+# i + 8, then those sums 4 lanes apart, 2, 1) gives the same bits: a swap inside a pair of any level.
+_TREE_SWAPS = [[(3, 11)], [(1, 5), (9, 13)], [(0, 2), (8, 10), (4, 6), (12, 14)], [(i, i + 1) for i in range(0, 16, 2)]]
+
+
+def _swapped(t, swaps):
+    """``t`` with its last dimension's 16-wide slices' lanes swapped as ``swaps`` says."""
+    order = list(range(16))
+    for a, b in swaps:
+        order[a], order[b] = b, a
+    return t.unflatten(-1, (-1, 16))[..., order].flatten(-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (2, 1, 128)])
+@pytest.mark.parametrize("swaps", _TREE_SWAPS)
+def test_a_score_sums_its_lanes_as_one_vector_reduction(heads, kv_heads, head_dim, swaps):
+    """Each score is q . k's 16 lanes summed by one fixed tree (the kernel sums 16 scores at once in
+    shuffles that keep it): a key whose lanes are swapped within a pair of that tree, against a
+    query symmetric under the swap, scores the same bits as the key itself, so the two slots share
+    the softmax evenly and the output is exactly the mean of their values. A sum in another order
+    rounds the two scores apart (in about half of the heads, so four rows of several heads each). Between them, at other lanes of a 16-slot group and in other
+    groups, slots whose scores are far below (weights ~1e-38: nothing at float32's precision)."""
+    gen = torch.Generator().manual_seed(heads + len(swaps))
+    rows, span, pair = 4, 50, (7, 38)
+    groups = heads // kv_heads
+    base = torch.randn(rows, kv_heads, 1, 1, head_dim, generator=gen) * 2
+    q = base + 0.3 * torch.randn(rows, kv_heads, groups, 1, head_dim, generator=gen)
+    q = ((q + _swapped(q, swaps)) / 2).reshape(rows, heads, 1, head_dim)  # the same bits in each swapped pair
+    keys = -16 * ((base + _swapped(base, swaps)) / 2).squeeze(2).expand(rows, kv_heads, span, head_dim).clone()
+    keys[:, :, pair[0]] = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    keys[:, :, pair[1]] = _swapped(keys[:, :, pair[0]], swaps)
+    values = torch.randn(rows, kv_heads, span, head_dim, generator=gen)
+    mask = torch.ones(rows, 1, 1, span, dtype=torch.bool)
+    out = kernels.decode_attention(q, keys, values, mask)
+    mean = ((values[:, :, pair[0]] + values[:, :, pair[1]]) * 0.5).repeat_interleave(groups, dim=1)
+    assert torch.equal(out[:, :, 0], mean)
