@@ -20,7 +20,7 @@ products on the row kernels and on the GEMMs, interleaved.
 
     python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
 
-``--stream``: Q4_0 (quant_linear) against Q4_K (as stored and interleaved, ``q4_k_r8``) and Q6_K
+``--stream``: Q8_0 and Q4_0 (quant_linear) against Q4_K (as stored and interleaved, ``q4_k_r8``) and Q6_K
 (kquant_linear) at Llama-3.2-1B's shapes
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
 copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
@@ -115,13 +115,13 @@ SHAPES_1B = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), (
 
 def stream(counts: list[int], rounds: int, megabytes: int) -> None:
     """GB/s per format, shape and row count, each call on a matrix out of cache (copies in turn)."""
-    formats = ("q4_0", "q4_k", "q4_k_r8", "q6_k")
+    formats = ("q8_0", "q4_0", "q4_k", "q4_k_r8", "q6_k")
     results: dict[tuple[str, str, int], float] = {}
     copies: dict[tuple[str, str], list] = {}
     for name, rows_out, cols in SHAPES_1B:
         w = torch.randn(rows_out, cols) * 0.02
         for fmt in formats:
-            one = QuantizedWeight.from_rows(quantize(w, fmt)) if fmt == "q4_0" else quantize_k(w, fmt)
+            one = QuantizedWeight.from_rows(quantize(w, fmt)) if fmt in ("q8_0", "q4_0") else quantize_k(w, fmt)
             count = max(2, megabytes * 2**20 // one.nbytes)
             copies[(name, fmt)] = [one] + [tree_map(torch.clone, one) for _ in range(count - 1)]
     for _ in range(rounds):

@@ -6,8 +6,10 @@
 
 ``--model`` takes GGUF files (``benchmarks/make_model.py`` writes random-weight ones in real
 shapes) or Hugging Face directories. Each (file, engine) runs in a fresh child process, so its
-load time and peak RSS are its own; engines alternate per repeat, so machine noise hits them
-alike. Engines:
+load time and peak RSS are its own; with ``--rounds N`` every engine (``llama-bench`` too) runs
+once a round, back to back, and the ratios of each round and their median are printed beside the
+best of all rounds: on a VM whose read bandwidth drifts from minute to minute only runs close in
+time compare. Engines:
 
     genfn           genfn eager: ``genfn.load(file, quantize="gguf")`` for quantized files (their
                     blocks as stored), bfloat16 for F16/BF16 files, float32 for F32 ones
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -163,6 +166,27 @@ def run_child(args, model: str, engine: str) -> dict:
     return result
 
 
+def paired_ratios(runs: dict[str, list]) -> dict[str, list[float]]:
+    """genfn's decode tok/s over each peer's in the same round, per batch: on a VM whose read
+    bandwidth drifts between minutes, runs back to back compare where best-of-rounds across
+    minutes need not."""
+    ours = "genfn-compiled" if "genfn-compiled" in runs else "genfn"
+    out = {}
+    for peer in ("llama.cpp", "llama-bench"):
+        if ours not in runs or peer not in runs:
+            continue
+        for i, (a, b) in enumerate(zip(runs[ours], runs[peer])):
+            if "error" in a or "error" in b:
+                continue
+            # children's batch keys come back from JSON as strings, llama-bench's are ints
+            theirs_by_batch = {str(k): v for k, v in b["decode_tok_s"].items()}
+            for batch, v in a["decode_tok_s"].items():
+                theirs = theirs_by_batch.get(str(batch))
+                if theirs:
+                    out.setdefault(f"{ours} / {peer} b{batch}", []).append(v / theirs)
+    return out
+
+
 def _best(runs: list[dict]) -> dict:
     """Per engine, the best of its runs (fastest decode/prefill, least load time and memory)."""
     ok = [r for r in runs if "error" not in r]
@@ -203,13 +227,13 @@ def main(args) -> int:
         size = os.path.getsize(model) if os.path.isfile(model) else sum(
             p.stat().st_size for p in Path(model).rglob("*") if p.is_file())
         token_bytes = llamacpp.file_weight_bytes(model) if model.endswith(".gguf") else None
-        runs: dict[str, list] = {e: [] for e in engines}
+        runs: dict[str, list] = {e: [] for e in engines + (["llama-bench"] if args.llama_bench else [])}
         for _ in range(args.rounds):
             for engine in engines:
                 runs[engine].append(run_child(args, model, engine))
+            if args.llama_bench:
+                runs["llama-bench"].append(llama_bench(args.llama_bench, model, args))
         results = [_best(r) for r in runs.values()]
-        if args.llama_bench:
-            results.append(llama_bench(args.llama_bench, model, args))
         roofline = None if token_bytes is None else bandwidth * 1e9 / token_bytes
         print(f"\n## {Path(model).name}: {size / 1e9:.2f} GB file"
               + ("" if token_bytes is None else f", {token_bytes / 1e9:.2f} GB of matrices a token -> roofline "
@@ -236,8 +260,12 @@ def main(args) -> int:
                 pp = (f"  pp {ours['prefill_tok_s'] / by[peer]['prefill_tok_s']:.2f}"
                       if "prefill_tok_s" in ours and "prefill_tok_s" in by[peer] else "")
                 print(f"  {ours['engine']} / {peer}: {ratios}{pp}")
+        paired = paired_ratios(runs) if args.rounds > 1 else {}
+        for name, per_round in paired.items():
+            print(f"  {name} per round: {'  '.join(f'{v:.2f}' for v in per_round)}  median {statistics.median(per_round):.2f}")
         report["models"].append({"model": model, "file_bytes": size, "token_bytes": token_bytes,
-                                 "roofline_tok_s": roofline, "results": results})
+                                 "roofline_tok_s": roofline, "results": results, "rounds": runs,
+                                 "paired_ratios": paired})
     report["load_avg_end"] = os.getloadavg()[0]
     from genfn.bench.results import write_results
 

@@ -119,3 +119,19 @@ def test_genfn_bench_runs_under_openmps_default_unless_the_user_chose(monkeypatc
     assert "OMP_WAIT_POLICY" not in env and env["GENFN_WAIT_POLICY"] == "default"
     monkeypatch.setattr(wait_policy, "_outcome", "left to the environment (OMP_WAIT_POLICY=PASSIVE)")
     assert benchmark_environment()["OMP_WAIT_POLICY"] == "PASSIVE"  # the user's own choice is kept
+
+
+def test_model_bench_pairs_each_round_with_its_peers():
+    """On a VM whose read bandwidth drifts, the ratio that counts is genfn's over each peer's in the
+    same round; a failed run drops only its own round."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_bench_under_test", REPO / "benchmarks" / "model_bench.py")
+    model_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model_bench)
+    runs = {"genfn": [{"decode_tok_s": {"1": 1.0}}] * 2,
+            "genfn-compiled": [{"decode_tok_s": {"1": 40.0, "8": 90.0}}, {"decode_tok_s": {"1": 44.0}}],
+            "llama.cpp": [{"error": "crashed"}, {"decode_tok_s": {"1": 30.0}}],
+            "llama-bench": [{"decode_tok_s": {1: 50.0}}, {"decode_tok_s": {1: 40.0}}]}
+    assert model_bench.paired_ratios(runs) == {"genfn-compiled / llama.cpp b1": [44.0 / 30.0],
+                                               "genfn-compiled / llama-bench b1": [0.8, 1.1]}
