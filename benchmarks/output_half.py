@@ -2,12 +2,13 @@
 
     python benchmarks/output_half.py                              # SmolLM2 Q4_1 blocks, 1,8,11 tokens, 1 and 2 threads
     python benchmarks/output_half.py --rows 11 --threads 1 --against main
+    python benchmarks/output_half.py --model llama-1b-q4_0.gguf --rows 1 --threads 2 --against main
 
 A verification round of prompt lookup sends a row's k + 1 tokens through every layer's output half
 (attention over the cache, o projection and residual, MLP norm, gate/up, SwiGLU, down and residual)
-in one call. Each case below is a pass over all 30 layers of SmolLM2 (``genfn.load(quantize="gguf")``,
-Q4_1 blocks), so that the weights come from memory as they do in a round, or, with ``--in-cache``,
-layer 0's weights 30 times. The ways, timed in turn ``--calls`` times so that a burst of load hits
+in one call. Each case below is a pass over every layer of SmolLM2 (``genfn.load(quantize="gguf")``,
+Q4_1 blocks; ``--model``: a GGUF file of Q8_0/Q4_0/Q4_1 layers), so that the weights come from memory
+as they do in a round, or, with ``--in-cache``, layer 0's weights as many times. The ways, timed in turn ``--calls`` times so that a burst of load hits
 them alike (the fastest pass counts, printed per layer in us, and as G int8 multiply-adds a second
 over the three linears' weights):
 
@@ -89,10 +90,11 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--span", type=int, default=136, help="slots the round's last token attends (the lookup_steps round's)")
     parser.add_argument("--calls", type=int, default=40, help="passes of each way (the fastest counts)")
-    parser.add_argument("--in-cache", action="store_true", help="layer 0's weights 30 times, not the 30 layers'")
+    parser.add_argument("--in-cache", action="store_true", help="layer 0's weights once a layer, not every layer's")
+    parser.add_argument("--model", default=None, help="a GGUF file of Q8_0/Q4_0/Q4_1 layers (default: the embedded SmolLM2)")
     parser.add_argument("--against", default=None, help="a git revision whose kernels' layer to time beside")
     args = parser.parse_args()
-    model = genfn.load(quantize="gguf")
+    model = genfn.load(args.model, quantize="gguf") if args.model else genfn.load(quantize="gguf")
     params, spec = driver.functional(model).params, model.spec
     layers = [params["layers"][0]] * len(params["layers"]) if args.in_cache else list(params["layers"])
     ops = torch.ops.genfn_kernels
@@ -105,7 +107,8 @@ def main() -> None:
                                                      {"genfn_kernels": "genfn_baseline"})))
         baseline = torch.ops.genfn_baseline
     macs = sum(lay[n].out_features * lay[n].in_features for lay in layers[:1] for n in ("wo", "w_gate_up", "w_down"))
-    print(f"# output half, {'layer 0 x 30 (in cache)' if args.in_cache else '30 layers'}, span {args.span}, "
+    n = len(params["layers"])
+    print(f"# output half, {f'layer 0 x {n} (in cache)' if args.in_cache else f'{n} layers'}, span {args.span}, "
           f"fastest of {args.calls} passes, load {os.getloadavg()[0]:.2f}" +
           (f", against {args.against}" if args.against else ""))
     for threads in (int(t) for t in args.threads.split(",")):
