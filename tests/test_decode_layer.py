@@ -1,6 +1,6 @@
 """A Llama decoder layer's decode step in two native calls (genfn/kernels/decode_layer.cpp,
 ``genfn.kernels.decode_layer``): each call equals the model's op-by-op layer, the model's static
-cache decode takes it, and what it does not take falls back to the op-by-op layer."""
+cache and growing cache decodes take it, and what it does not take falls back to the op-by-op layer."""
 
 from __future__ import annotations
 
@@ -159,19 +159,26 @@ GENERATE = dict(attention_mask=(PROMPTS != 0).long(), max_new_tokens=12, min_new
                 max_cache_len=32, disable_compile=True)
 
 
+# generate's default growing cache takes the layer as the static one does (its write hands back the
+# layer's whole cache); the left-padded rows leave masked slots in both.
+CACHES = {"static": {}, "dynamic": {"cache_implementation": None, "max_cache_len": None}}
+
+
 @needs_kernel
-def test_the_static_cache_decode_takes_the_native_layer_and_keeps_transformers_tokens(tiny_pair_f32, monkeypatch):
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_decode_takes_the_native_layer_and_keeps_transformers_tokens(tiny_pair_f32, monkeypatch, cache):
     import genfn
 
     hf, model = tiny_pair_f32
+    settings = {key: value for key, value in {**GENERATE, **CACHES[cache]}.items() if value is not None}
     calls = []
     takes = decode_layer.takes
     monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
-    ours = genfn.generate(model, PROMPTS, **GENERATE)
+    ours = genfn.generate(model, PROMPTS, **settings)
     assert calls and all(took for seq, took in calls if seq == 1)  # every decode layer of every step
     assert not any(took for seq, took in calls if seq > 1)  # the prompts' 18 tokens are a prefill
     monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
-    plain = genfn.generate(model, PROMPTS, **GENERATE)
+    plain = genfn.generate(model, PROMPTS, **settings)
     assert torch.equal(ours.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-5, rtol=2e-5)
     with torch.no_grad():

@@ -38,8 +38,9 @@ def _assert_scores_equal(mine, theirs, atol=1e-4):
         finite = torch.isfinite(b)
         assert torch.equal(torch.isfinite(a), finite)
         # rtol: a length penalty grows scores to |x| * factor**i, where one float32 ulp of a logit
-        # difference between the two models is above atol.
-        assert torch.allclose(a[finite], b[finite], atol=atol, rtol=1e-6), \
+        # difference between the two models is above atol; and genfn's fused native decode layer
+        # sums in another order than transformers' layer op by op (a few ulps of a logit near 40).
+        assert torch.allclose(a[finite], b[finite], atol=atol, rtol=1e-5), \
             f"step {step}: max diff {(a[finite] - b[finite]).abs().max()}"
 
 
