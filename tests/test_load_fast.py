@@ -200,8 +200,32 @@ def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(f
     state_dict = load_gguf_checkpoint(float_file, arena=arena, dtype=dtype).state_dict
     qkv = [state_dict[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
     assert cat_rows(qkv).data_ptr() == qkv[0].data_ptr()  # fused as a view, not a copy
-    assert all(arena.holds(t) for t in (*qkv, state_dict["model.layers.1.mlp.down_proj.weight"])) == arena.enabled
+    assert all(arena.holds(t) for t in qkv) == arena.enabled
     _assert_the_native_load_is_numpys(float_file, monkeypatch, dtype)
+
+
+@needs_kernels
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only: finds the file mapping in /proc/self/maps")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_matrices_kept_as_stored_are_used_where_they_lie_in_the_file(float_file, dtype):
+    """A BF16 matrix loaded as bfloat16, in the file's row order, is the file mapping's bytes, not a
+    copy (layer 1's o and down projections, its gate/up run back to back in the file); llama's
+    permuted q/k and every matrix a load converts (F16, or any float loaded as float32) are copied."""
+    params = genfn.load(float_file, dtype=dtype).params
+    ranges = _file_ranges(float_file)
+
+    def in_file(weight: torch.Tensor) -> bool:
+        start = weight.data_ptr()
+        return any(low <= start and start + weight.numel() * weight.element_size() <= high for low, high in ranges)
+
+    stored_as_loaded = dtype == torch.bfloat16
+    one, zero = params["layers"][1], params["layers"][0]
+    assert [in_file(one[name]) for name in ("wo", "w_down", "w_gate_up")] == [stored_as_loaded] * 3
+    assert in_file(params["embed"]) == stored_as_loaded
+    assert not in_file(one["wqkv"]) and not in_file(zero["w_gate_up"]) and not in_file(params["lm_head"])
+    assert in_file(zero["w_down"]) == stored_as_loaded and not in_file(zero["wqkv"])
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert torch.isfinite(genfn.load(float_file, dtype=dtype)(ids).logits).all()
 
 
 @needs_kernels

@@ -19,7 +19,9 @@ Q4_0 file).
 ``place_dequantized`` is the float load's counterpart (``genfn.load()`` without ``quantize``): each
 Q8_0/Q4_0/Q4_1 matrix dequantized by the native kernels (``gguf_dequantize_rows``), and each
 F32/F16/BF16 matrix copied, straight into its rows of the arena, a fused layer's parts back to
-back, bit for bit the gguf package's numpy values. That numpy path, then the fusing and the arena placement, wrote the model's floats three
+back, bit for bit the gguf package's numpy values. A float matrix the load keeps as stored (a BF16
+file loaded as bfloat16, an F32 one as float32), in the file's rows, is used where it lies in the
+mapping as the K-quants are: only llama's permuted q/k and converted matrices are copied. That numpy path, then the fusing and the arena placement, wrote the model's floats three
 times into fresh memory, and fresh memory is what a load pays for most on these VMs.
 """
 
@@ -130,11 +132,16 @@ def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena
 
 def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     rows = [gguf.tensors[name].shape[0] for name in run]
-    whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype)
+    in_file = _stored_as_loaded(gguf, run, row_order, dtype)
+    whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype) if in_file is None else arena.hold(in_file)
     out: dict[str, torch.Tensor] = {}
     start = 0
     for name, n in zip(run, rows):
         part = whole[start:start + n]
+        if in_file is not None:  # used where it lies in the mapping (module docstring)
+            out[name] = part
+            start += n
+            continue
         order = row_order(name)
         rows_taken = None if order is None else torch.from_numpy(order).long()
         type_name = _dequantized_type(gguf, name)
@@ -153,6 +160,15 @@ def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) 
         gguf.release(name)
         start += n
     return out
+
+
+def _stored_as_loaded(gguf, run: list[str], row_order, dtype: torch.dtype) -> torch.Tensor | None:
+    """The run's values where they lie in the file mapping, when the load keeps them as stored (its
+    dtype is the file's float type, the rows in the file's order, the parts back to back); else None."""
+    if any(_FLOAT_TYPES.get(_dequantized_type(gguf, name)) != dtype or row_order(name) is not None for name in run):
+        return None
+    in_file = gguf.raw_run(run)
+    return None if in_file is None else mapped(in_file).view(dtype)
 
 
 def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
