@@ -43,6 +43,20 @@ constexpr RunIndex kRunIndex;
 // float lane k of four blocks' scales: block k / 4.
 alignas(64) constexpr int32_t kSpread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
 
+// Four IQ4_NL blocks are 72 bytes: block j's scale is 16-bit word 9j, its 16 index bytes words
+// 9j + 1 .. 9j + 8. Every field lies on a word, so one two-source word permute of the group's two
+// loads places the four index runs in the four 128-bit lanes, and one permute of the first load
+// the four scales in the low words.
+struct GroupWords {
+  alignas(64) uint16_t indices[32];
+  alignas(64) uint16_t scales[32];
+  constexpr GroupWords() : indices(), scales() {
+    for (int k = 0; k < 32; ++k) indices[k] = static_cast<uint16_t>(9 * (k / 8) + 1 + k % 8);
+    for (int j = 0; j < 4; ++j) scales[j] = static_cast<uint16_t>(9 * j);
+  }
+};
+constexpr GroupWords kGroupWords;
+
 // IQ4_XS's eight sub-block scales (ls - 32) as int16: scales_h (2 bytes at w + 2) holds bits 4-5 of
 // sub-block i's at bits 2i, scales_l (4 bytes at w + 4) bits 0-3 at bits 4i.
 __attribute__((always_inline)) inline void iq4xs_scales(const uint8_t* w, int16_t out[8]) {
@@ -158,16 +172,17 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
   const __m512i spread = _mm512_load_si512(kSpread);
   int64_t b = 0;
+  const __m512i index_words = _mm512_load_si512(kGroupWords.indices);
+  const __m512i scale_words = _mm512_load_si512(kGroupWords.scales);
+  static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");
   for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {  // four blocks (128 inputs) per register
-    __m512i q = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2)));
-    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kBytes + 2)), 1);
-    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * kBytes + 2)), 2);
-    q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 3 * kBytes + 2)), 3);
+    const __m512i first = _mm512_loadu_si512(w);
+    // Only the group's last 8 bytes: a masked load reads nothing past the row.
+    const __m512i last = _mm512_maskz_loadu_epi8(0xFF, w + 64);
+    const __m512i q = _mm512_permutex2var_epi16(first, index_words, last);
     const Signed512 lo = values512(table, _mm512_and_si512(q, low4));
     const Signed512 hi = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-    const __m128i halves = _mm_setr_epi16(static_cast<int16_t>(load_u16(w)), static_cast<int16_t>(load_u16(w + kBytes)),
-                                          static_cast<int16_t>(load_u16(w + 2 * kBytes)),
-                                          static_cast<int16_t>(load_u16(w + 3 * kBytes)), 0, 0, 0, 0);
+    const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, first));
     const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
