@@ -132,17 +132,16 @@ def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena
 
 def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     rows = [gguf.tensors[name].shape[0] for name in run]
-    in_file = _stored_as_loaded(gguf, run, row_order, dtype)
-    whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype) if in_file is None else arena.hold(in_file)
+    orders = [row_order(name) for name in run]
+    if all(_FLOAT_TYPES.get(_dequantized_type(gguf, name)) == dtype for name in run):
+        in_file = _run_in_file(gguf, run, orders)
+        if in_file is not None:  # kept as stored: used where it lies in the mapping (module docstring)
+            return dict(zip(run, arena.hold(mapped(in_file).view(dtype)).split(rows)))
+    whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype)
     out: dict[str, torch.Tensor] = {}
     start = 0
-    for name, n in zip(run, rows):
+    for name, n, order in zip(run, rows, orders):
         part = whole[start:start + n]
-        if in_file is not None:  # used where it lies in the mapping (module docstring)
-            out[name] = part
-            start += n
-            continue
-        order = row_order(name)
         rows_taken = None if order is None else torch.from_numpy(order).long()
         type_name = _dequantized_type(gguf, name)
         if type_name in _FLOAT_TYPES:
@@ -162,13 +161,10 @@ def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) 
     return out
 
 
-def _stored_as_loaded(gguf, run: list[str], row_order, dtype: torch.dtype) -> torch.Tensor | None:
-    """The run's values where they lie in the file mapping, when the load keeps them as stored (its
-    dtype is the file's float type, the rows in the file's order, the parts back to back); else None."""
-    if any(_FLOAT_TYPES.get(_dequantized_type(gguf, name)) != dtype or row_order(name) is not None for name in run):
-        return None
-    in_file = gguf.raw_run(run)
-    return None if in_file is None else mapped(in_file).view(dtype)
+def _run_in_file(gguf, run: list[str], orders: list[np.ndarray | None]) -> np.ndarray | None:
+    """The run's bytes as one view of the file mapping, where every part keeps the file's row order
+    (``orders`` all None) and the parts lie back to back in the file; else None."""
+    return gguf.raw_run(run) if all(order is None for order in orders) else None
 
 
 def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
@@ -180,7 +176,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         return _write_r8_run(gguf, run, row_order, arena, rows, cols)
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
-        in_file = gguf.raw_run(run) if all(order is None for order in orders) else None
+        in_file = _run_in_file(gguf, run, orders)
         if in_file is not None:  # the file's own bytes, used where they lie (module docstring)
             data = arena.hold(mapped(in_file))
         else:
