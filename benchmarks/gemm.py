@@ -1,5 +1,6 @@
 """Continuous batching's many-row linears: genfn's bfloat16 GEMM against oneDNN's, and the two
-continuous-batching engines built on them, in one process.
+continuous-batching engines built on them, in one process. On a CPU with AMX-BF16 oneDNN's GEMM
+runs on the tiles and is genfn's default (``genfn.kernels.packed_gemm.bf16_gemm_preferred``).
 
     python benchmarks/gemm.py                      # kernels at 16-512 rows, then the engines
     python benchmarks/gemm.py --no-engines --rows 32 64
@@ -95,13 +96,13 @@ def engines(new_tokens: int):
     rng = random.Random(0)
     prompts = [[rng.randrange(100, model.spec.vocab_size - 1) for _ in range(30)] for _ in range(32)]
     config = ContinuousBatchingConfig(page_size=32, max_requests_per_batch=32, max_batch_tokens=512)
-    available = packed_gemm.bf16_gemm_available
-    variants = {"genfn": available, "onednn": lambda: False}
+    preferred = packed_gemm.bf16_gemm_preferred
+    variants = {"genfn": lambda: True, "onednn": lambda: False}
     walls, tokens = {name: [] for name in variants}, {}
     try:
         for round_ in range(ROUNDS + 1):
             for name, choice in variants.items():
-                packed_gemm.bf16_gemm_available = choice  # read when generate_batch packs the weights
+                packed_gemm.bf16_gemm_preferred = choice  # read when generate_batch packs the weights
                 start = time.perf_counter()
                 outputs = model.generate_batch(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                do_sample=False, continuous_batching_config=config, warmup=False)
@@ -109,7 +110,7 @@ def engines(new_tokens: int):
                     walls[name].append(time.perf_counter() - start)
                 tokens[name] = [o.generated_tokens for o in outputs.values()]
     finally:
-        packed_gemm.bf16_gemm_available = available
+        packed_gemm.bf16_gemm_preferred = preferred
     ratios = [b / a for a, b in zip(walls["genfn"], walls["onednn"])]
     same = sum(a == b for a, b in zip(tokens["genfn"], tokens["onednn"]))
     for name, w in walls.items():
@@ -133,12 +134,13 @@ def main(argv=None):
         global _clock
         _clock = time.thread_time
     torch.set_num_threads(args.threads)
-    from genfn.kernels.packed_gemm import bf16_gemm_available
+    from genfn.kernels.packed_gemm import bf16_gemm_available, onednn_has_amx_bf16
 
     if not bf16_gemm_available():
         sys.exit("genfn's bfloat16 GEMM is not available here (it needs the native kernels and AVX512_BF16)")
     print(f"# bfloat16 GEMM, torch {torch.__version__}, {args.threads} threads, {ROUNDS} rounds"
-          f"{', thread CPU time' if args.cpu_time else ''}, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{', thread CPU time' if args.cpu_time else ''}, load average {os.getloadavg()[0]:.2f}, oneDNN on AMX tiles: "
+          f"{onednn_has_amx_bf16()} (genfn's default GEMM: {'oneDNN' if onednn_has_amx_bf16() else 'genfn'})", flush=True)
     payload = {"kernels": kernels(args.rows)}
     if not args.no_engines:
         payload["engines"] = engines(args.new_tokens)

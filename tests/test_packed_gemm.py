@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from genfn.kernels import packed_gemm
 from genfn.kernels.packed_gemm import (PackedWeight, bf16_gemm_available, pack_linear_weights, packed_linear,
                                        packing_available)
 
@@ -68,7 +69,8 @@ def test_genfn_bf16_gemm_sums_in_float32_and_rounds_once(rows, out_features, in_
 
 
 @needs_bf16_gemm
-def test_bfloat16_weights_pack_for_genfn_s_gemm_and_refuse_a_wrong_packing():
+def test_bfloat16_weights_pack_for_genfn_s_gemm_and_refuse_a_wrong_packing(monkeypatch):
+    monkeypatch.setattr(packed_gemm, "_ONEDNN_AMX_BF16", False)  # as on a CPU without AMX
     weight = torch.randn(100, 64).bfloat16()
     packed = PackedWeight(weight)
     assert packed.kind == "genfn"
@@ -79,6 +81,26 @@ def test_bfloat16_weights_pack_for_genfn_s_gemm_and_refuse_a_wrong_packing():
     with pytest.raises(RuntimeError, match="packing"):
         torch.ops.genfn_kernels.bf16_gemm(torch.randn(4, 62).bfloat16(), packed.packed, 100, None, True)
     assert PackedWeight(torch.randn(5, 4)).kind == "onednn"
+
+
+def test_bfloat16_weights_pack_for_onednn_where_it_has_amx_tiles(monkeypatch):
+    """On a CPU with AMX-BF16 oneDNN's GEMM runs on the tiles and outruns genfn's ``vdpbf16ps`` one:
+    bfloat16 weights pack for oneDNN there, and many rows give F.linear's values."""
+    monkeypatch.setattr(packed_gemm, "_ONEDNN_AMX_BF16", True)
+    assert not packed_gemm.bf16_gemm_preferred()
+    weight = torch.randn(100, 64).bfloat16()
+    packed = PackedWeight(weight)
+    assert packed.kind == "onednn"
+    x = torch.randn(40, 64).bfloat16()
+    torch.testing.assert_close(packed_linear(x, packed).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+    assert packed_linear(x, packed, out_float32=True).dtype == torch.float32
+
+
+def test_the_amx_reading_follows_the_cpu_flags():
+    from genfn.kernels.native import cpu_has
+
+    assert packed_gemm.onednn_has_amx_bf16() == (cpu_has("amx_bf16") and torch.backends.mkldnn.is_available())
+    assert packed_gemm.bf16_gemm_preferred() == (bf16_gemm_available() and not packed_gemm.onednn_has_amx_bf16())
 
 
 # Row counts around the blocks of 8; column counts around the panels of 48 (and the SwiGLU

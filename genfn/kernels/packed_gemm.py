@@ -4,13 +4,16 @@ A continuous-batching step multiplies tens to hundreds of token rows by every we
 ``F.linear`` is a GEMM, not a GEMV, and a weight laid out for the GEMM's inner loop once beats
 re-reading the plain layout at every call.
 
-- bfloat16 on CPUs with AVX512_BF16: genfn's own kernel (``bf16_gemm.cpp``: panels of 48 output
-  columns, k-pairs interleaved for ``vdpbf16ps``, 8 x 48 float32 accumulators). Against oneDNN's
-  GEMM on its own packed weight, interleaved on the 2-core Zen 4 (``python benchmarks/gemm.py``):
-  1.1-1.9x at 16-64 rows for SmolLM2's five linear shapes, alike at 512 rows (the LM head 0.93x).
-- float32 (and bfloat16 without AVX512_BF16): oneDNN's GEMM on the weight reordered into its
-  blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor does for frozen
-  weights): 1.4x (512 rows) to 3x (the 49152-row LM head at 32 rows) MKL's ``F.linear`` here.
+- bfloat16 on CPUs with AVX512_BF16 and without AMX: genfn's own kernel (``bf16_gemm.cpp``: panels
+  of 48 output columns, k-pairs interleaved for ``vdpbf16ps``, 8 x 48 float32 accumulators).
+  Against oneDNN's GEMM on its own packed weight, interleaved on the 2-core Zen 4 (``python
+  benchmarks/gemm.py``): 1.1-1.9x at 16-64 rows for SmolLM2's five linear shapes, alike at 512
+  rows (the LM head 0.93x).
+- bfloat16 where the CPU has AMX-BF16 tiles, float32, and bfloat16 without AVX512_BF16: oneDNN's
+  GEMM on the weight reordered into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+  what inductor does for frozen weights): float32 1.4x (512 rows) to 3x (the 49152-row LM head at
+  32 rows) MKL's ``F.linear`` on the Zen 4. On AMX, oneDNN multiplies bfloat16 on the tiles,
+  which ``vdpbf16ps`` cannot approach: see ``bf16_gemm_preferred``.
 
 ``pack_linear_weights(params)`` returns the parameter tree with each linear weight replaced by a
 ``PackedWeight`` (the plain weight is kept: at a few rows genfn's decode kernel, which streams it,
@@ -27,8 +30,10 @@ from typing import Any
 import torch
 
 from genfn.kernels import MAX_DECODE_ROWS, decode_linear_available, linear
+from genfn.kernels.native import cpu_has
 
-__all__ = ["PackedWeight", "bf16_gemm_available", "pack_linear_weights", "packed_linear", "packing_available"]
+__all__ = ["PackedWeight", "bf16_gemm_available", "bf16_gemm_preferred", "onednn_has_amx_bf16", "pack_linear_weights",
+           "packed_linear", "packing_available"]
 
 # The batch size oneDNN is told to expect when it picks the packed layout (a hint only: any row
 # count runs on it): a decode step of a few dozen requests.
@@ -44,7 +49,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-        if weight.dtype == torch.bfloat16 and bf16_gemm_available():
+        if weight.dtype == torch.bfloat16 and bf16_gemm_preferred():
             self.kind = "genfn"
             self.packed = torch.ops.genfn_kernels.pack_bf16_gemm_weight(weight)
         else:
@@ -62,6 +67,7 @@ class PackedWeight:
 
 _works: bool | None = None
 _bf16_works: bool | None = None
+_ONEDNN_AMX_BF16 = cpu_has("amx_bf16") and torch.backends.mkldnn.is_available()
 
 
 def packing_available() -> bool:
@@ -96,6 +102,22 @@ def bf16_gemm_available() -> bool:
     return _bf16_works
 
 
+def onednn_has_amx_bf16() -> bool:
+    """Whether oneDNN's bfloat16 GEMM runs on AMX tiles here: the CPU (and its kernel) has AMX-BF16
+    and torch has oneDNN, whose GEMM picks its AMX kernels itself. Read from ``/proc/cpuinfo`` at
+    import, not timed (the choice is the same in every process on the machine, and a step being
+    traced must not open files)."""
+    return _ONEDNN_AMX_BF16
+
+
+def bf16_gemm_preferred() -> bool:
+    """Whether a bfloat16 GEMM of many rows runs on genfn's ``vdpbf16ps`` kernel rather than oneDNN's:
+    where genfn's is built and the CPU has no AMX tiles. On a 2-core Sapphire Rapids-class Xeon
+    with AMX-BF16 oneDNN's GEMM ran 4-10x genfn's at 32-512 rows (``python benchmarks/gemm.py``,
+    docs/guides/k-quants-and-scale.md, *AMX*); on the Zen 4 genfn's ran 1.1-1.9x oneDNN's."""
+    return bf16_gemm_available() and not onednn_has_amx_bf16()
+
+
 def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
                   out_float32: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a plain, quantized or ``PackedWeight`` weight (``x [N, in]``);
@@ -115,7 +137,7 @@ def _packable(value) -> bool:
     if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.device.type == "cpu"
             and value.dtype in _DTYPES):
         return False
-    return (value.dtype == torch.bfloat16 and bf16_gemm_available()) or packing_available()
+    return (value.dtype == torch.bfloat16 and bf16_gemm_preferred()) or packing_available()
 
 
 def pack_linear_weights(params: Mapping[str, Any], names: Iterable[str], layer_names: Iterable[str]) -> dict:

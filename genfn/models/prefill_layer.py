@@ -15,8 +15,9 @@ places): within bfloat16 rounding of it. bfloat16 linears on plain bfloat16 weig
 packed copy is kept), and the gate/up GEMM runs SwiGLU on its float32 sums before its one rounding
 (the separate pass rounded gate and up first: within that rounding). oneDNN's GEMM was already
 near the core's ``vdpbf16ps`` ceiling: a 512-token SmolLM2 prefill gains 3-9 % a CPU-second
-(docs/guides/k-quants-and-scale.md). Which layer runs is decided from shapes, dtypes and the spec
-alone.
+(docs/guides/k-quants-and-scale.md). Where the CPU has AMX-BF16 tiles, oneDNN's GEMM runs on them
+and the linears stay there (``bf16_gemm_preferred``). Which layer runs is decided from shapes,
+dtypes, the spec and the CPU alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invariant, linear, prefill_attention
-from genfn.kernels.packed_gemm import bf16_gemm_available
+from genfn.kernels.packed_gemm import bf16_gemm_preferred
 
 __all__ = ["takes", "prefill_layer"]
 
@@ -73,9 +74,9 @@ def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: 
 
 def _on_bf16_gemm(x: torch.Tensor, weight) -> bool:
     """Whether genfn's bfloat16 GEMM takes ``x @ weight.T``: both bfloat16, the weight a plain tensor
-    (a quantized one has its own kernels)."""
+    (a quantized one has its own kernels), on a CPU where that GEMM is the faster (without AMX)."""
     return (isinstance(weight, torch.Tensor) and weight.dtype == x.dtype == torch.bfloat16
-            and bf16_gemm_available())
+            and bf16_gemm_preferred())
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
