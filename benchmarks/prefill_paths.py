@@ -12,7 +12,7 @@ figure) with the plain Llama layer on ``genfn.models.prefill_layer`` and its nat
 SDPA), the paths alternated every round so that machine noise hits them alike
 (``--attention-only``: a third path, the op-by-op layer with the native attention;
 ``--torch-gemm``: the native layer with torch's GEMM and SwiGLU pass instead of genfn's bfloat16
-GEMM, and with ``--cpu-time`` at ``--threads 1`` each prefill timed by the thread's CPU time,
+GEMM (the "native" path runs genfn's GEMM also where the CPU has AMX and the default is torch's), and with ``--cpu-time`` at ``--threads 1`` each prefill timed by the thread's CPU time,
 which other processes' turns on a shared machine do not inflate). Prints tok/s
 (best of the rounds), the ratios, the medians and the greedy token of each.
 """
@@ -41,12 +41,13 @@ PATHS = {"op-by-op": (False, False, False), "attention": (False, True, False), "
 def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention_only: bool = False,
             torch_gemm: bool = False, clock=time.perf_counter) -> str:
     import genfn
+    from genfn.kernels import packed_gemm
     from genfn.models import llama, prefill_layer
 
     model = genfn.load(path, quantize="gguf") if dtype == "gguf" else genfn.load(path, dtype=getattr(torch, dtype))
     ids = torch.randint(100, model.spec.vocab_size - 100, (1, prefill), generator=torch.Generator().manual_seed(0))
     native_takes, native_attention = prefill_layer.takes, llama.prefill_attention
-    native_gemm = prefill_layer._on_bf16_gemm
+    native_gemm, amx = prefill_layer._on_bf16_gemm, packed_gemm._ONEDNN_AMX_BF16
     optional = {"attention": attention_only, "torch-gemm": torch_gemm}
     names = [name for name in PATHS if optional.get(name, True)]
 
@@ -55,6 +56,8 @@ def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention
         prefill_layer.takes = native_takes if layer else (lambda spec, layer, x: False)
         llama.prefill_attention = native_attention if attention else (lambda *args: None)
         prefill_layer._on_bf16_gemm = native_gemm if gemm else (lambda x, weight: False)
+        # genfn's GEMM wherever it is built, also on a CPU with AMX, whose default is oneDNN's
+        packed_gemm._ONEDNN_AMX_BF16 = amx and not gemm
 
     def run() -> int:
         with torch.no_grad():
@@ -74,6 +77,7 @@ def compare(path: str, prefill: int, rounds: int, dtype: str = "gguf", attention
                 seconds[name].append(clock() - start)
     finally:
         use("native")
+        packed_gemm._ONEDNN_AMX_BF16 = amx
     best = {name: min(v) for name, v in seconds.items()}
     median = {name: sorted(v)[len(v) // 2] for name, v in seconds.items()}
     figures = ", ".join(f"{name} {prefill / best[name]:.1f} tok/s" for name in names)

@@ -30,12 +30,16 @@ constexpr int kLanes = 16;
 // next block. Fetched into L1 (`prefetcht0`) a block ahead, as this kernel first did, the core's
 // few L1 miss buffers capped each thread: 2 threads, one 226 MB weight, float32 8 rows 18.7 GB/s
 // against 27.6 through L2; 4 rows 30.0 against 37.4; bfloat16 8 rows 24.2 against 33.7 (sum()
-// over the same bytes 38-45). 4 and 16 KiB ahead measured alike. One row of x is the exception:
-// its stream is read at the pace the hardware prefetchers keep best alone (SmolLM2 batch 1, in one
-// process: float32 16.9 against 22.7 ms a token with 16 KiB fetched ahead, bfloat16 11.7 against
-// 12.6; on 4 KiB pages 17.0 against 18.8 and alike).
+// over the same bytes 38-45). 4 and 16 KiB ahead measured alike. One row of x on AMD cores is the
+// exception: its stream is read at the pace their hardware prefetchers keep best alone (Zen 4,
+// SmolLM2 batch 1, in one process: float32 16.9 against 22.7 ms a token with 16 KiB fetched ahead,
+// bfloat16 11.7 against 12.6; on 4 KiB pages 17.0 against 18.8 and alike). On Intel cores the
+// window pays at one row too: a 2-core Xeon with AMX (session 15), one row over the 1B shape's
+// matrices out of cache, 2 threads: bfloat16 30.3 against 24.0 GB/s, float32 31.4 against 28.7
+// (tensor.sum 31-33), bits unchanged (docs/guides/k-quants-and-scale.md, *One row fetched ahead on
+// Intel*). genfn_kernels::fetch_ahead_at_one_row says which.
 template <int M>
-constexpr int64_t prefetch_window() { return M == 1 ? 0 : 16384; }
+int64_t prefetch_window() { return M > 1 || genfn_kernels::fetch_ahead_at_one_row() ? 16384 : 0; }
 
 inline __m512 widen(__m256i halves) { return genfn_kernels::widen_bfloat16(halves); }
 
@@ -258,7 +262,7 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t length = (b1 - b0) * block_bytes;
-  constexpr int64_t window = prefetch_window<M>();
+  const int64_t window = prefetch_window<M>();
   fetch_first_window(w + b0 * R * K, length, window);
   for (int64_t b = b0; b < b1; ++b) {
     const bool ahead = window > 0 && (b - b0 + 1) * block_bytes + window <= length;
@@ -285,7 +289,7 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  constexpr int64_t window = prefetch_window<M>();
+  const int64_t window = prefetch_window<M>();
   genfn_kernels::run_balanced(
       queue, t, chunk,
       [&](int64_t begin, int64_t end, int64_t start, int64_t stop) {
@@ -338,7 +342,7 @@ void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot
   constexpr int R = rows_per_block<Dot>(kMaxDecodeRows);  // RowQueue::prepare's blocks past 8 rows
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  constexpr int64_t window = prefetch_window<kMaxDecodeRows>();
+  const int64_t window = prefetch_window<kMaxDecodeRows>();
   const int64_t per = genfn_kernels::group_size(M);
   auto groups = [&](int64_t begin, int64_t end, int64_t ahead) {
     for (int64_t m0 = 0; m0 < M; m0 += per)

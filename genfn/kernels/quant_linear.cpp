@@ -86,14 +86,19 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 // 1 row 28.9 GB/s against 32.4 (sum() 30.5). From four rows on it is bound by its arithmetic,
 // and there loads that wait on L2 cost more than the miss buffers: q4_1 8 rows, SmolLM2's step,
 // 10.6 GB/s through L2 against 11.7 at 4 KiB into L1, which it keeps.
-// One row of x: the hardware prefetchers alone stream the codes fastest (Q8_0 batch 1 7.19 against
-// 8.20 ms a token with 16 KiB fetched ahead, Q4_1 alike; weights on huge pages, in one process).
+// One row of x on AMD cores: the hardware prefetchers alone stream the codes fastest (Zen 4, Q8_0
+// batch 1 7.19 against 8.20 ms a token with 16 KiB fetched ahead, Q4_1 alike; weights on huge
+// pages, in one process); on Intel cores one row takes the 16 KiB window too
+// (genfn_kernels::fetch_ahead_at_one_row).
 // From four rows on, 4 KiB is too short a lead for a weight that comes from memory (a step's
 // layers, the LM head): the stream is also fetched 32 KiB ahead into L2, so the 4 KiB into L1
 // finds it there. SmolLM2's 49152 x 576 Q8_0 head, one thread, 11 rows: 2.0-2.3 against 3.0-3.8
 // ms; in cache the extra prefetches cost 0-3.5 %.
 template <int M>
-constexpr int64_t prefetch_bytes() { return M == 1 ? 0 : (M < 4 ? 16384 : 4096); }
+int64_t prefetch_bytes() {
+  if constexpr (M == 1) return genfn_kernels::fetch_ahead_at_one_row() ? 16384 : 0;
+  return M < 4 ? 16384 : 4096;
+}
 template <int M>
 constexpr int64_t far_prefetch_bytes() { return M < 4 ? 0 : 32768; }
 template <int M>
@@ -113,7 +118,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
-  constexpr int64_t kPrefetchBytes = prefetch_bytes<M>(), kScalePrefetchBytes = kPrefetchBytes / 8;
+  const int64_t kPrefetchBytes = prefetch_bytes<M>(), kScalePrefetchBytes = kPrefetchBytes / 8;
   constexpr int64_t kFarBytes = far_prefetch_bytes<M>(), kFarScaleBytes = kFarBytes / 8;
   const uint8_t* codes_end = codes + fetch_end * nb * kBlockBytes;
   if (kPrefetchBytes > 0 && first) {  // The first window of the stream: nothing fetched it ahead.

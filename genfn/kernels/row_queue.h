@@ -1,7 +1,7 @@
 // Work shared out to the threads of a parallel region so that they balance it (RowQueue,
-// run_balanced), and the rows of x split into groups (group_size): plain C++ with no ISA of its
-// own, for both kernel libraries (the decode kernels' linears and fused layers, the K-quant row
-// kernels).
+// run_balanced), the rows of x split into groups (group_size), and whether a thread's stream is
+// fetched ahead at one row of x (fetch_ahead_at_one_row): plain C++ with no ISA of its own, for
+// both kernel libraries (the decode kernels' linears and fused layers, the K-quant row kernels).
 #pragma once
 
 #include <algorithm>
@@ -21,6 +21,14 @@ inline int64_t group_size(int64_t M) {
   return (M + groups - 1) / groups;
 }
 
+// Whether a product with one row of x fetches its thread's weight stream ahead into L2 (16 KiB, as
+// products of more rows do in the decode library): on Intel cores, whose prefetchers alone left a
+// one-row stream 10-20 % short of the read rate; not on AMD's, where the window cost a one-row
+// step 7-30 % (decode_linear.cpp, quant_linear.cpp, kquant_linear.cpp).
+inline bool fetch_ahead_at_one_row() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
 
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
