@@ -391,8 +391,8 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
       const bool r8 = s.parts[p].format == kQ4KR8;
       if (r8 && (n - s.first[p]) % kR8Rows) continue;
       const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
-      // Not q4_k_r8's groups, whose 8 interleaved rows the prefetchers alone stream faster (1B
-      // shapes, one row, 2 threads: 1.00-1.13x the time with the window, where Q6_K took 0.81-0.93x).
+      // Not q4_k_r8's groups, whose kernel fetches its own stream a super-block at a time
+      // (kquant_r8.cpp): all of a group's lines at once cost 1.00-1.13x the time.
       if (fetch && !r8 && stop > n) {
         const uint8_t* end = s.parts[p].w + (std::min(stop, s.first[p + 1]) - s.first[p]) * s.row_bytes[p];
         const uint8_t* to = std::min(end, w + kFetchAhead + s.row_bytes[p]);
