@@ -39,7 +39,9 @@ constexpr int kLanes = 16;
 // (tensor.sum 31-33), bits unchanged (docs/guides/k-quants-and-scale.md, *One row fetched ahead on
 // Intel*). genfn_kernels::fetch_ahead_at_one_row says which.
 template <int M>
-int64_t prefetch_window() { return M > 1 || genfn_kernels::fetch_ahead_at_one_row() ? 16384 : 0; }
+int64_t prefetch_window() {
+  return M > 1 || genfn_kernels::fetch_ahead_at_one_row() ? genfn_kernels::kStreamWindow : 0;
+}
 
 inline __m512 widen(__m256i halves) { return genfn_kernels::widen_bfloat16(halves); }
 

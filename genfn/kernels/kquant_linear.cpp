@@ -371,17 +371,13 @@ void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
   }
 }
 
-// How far ahead of the row being summed a thread's own run is fetched, where it is (the decode
-// library's window).
-constexpr int64_t kFetchAhead = 16384;
-
 // Thread t's claimed rows of every part: each weight row decoded once per group of x's rows, and
 // still in L1 for the next group; y [M, N] with N all parts' rows.
 void rows_share(SharedLinear& s, float* y, int64_t t) {
   const int64_t N = s.first[s.count];
   // Where the own run is fetched ahead (genfn_kernels::fetch_ahead_at_one_row), the bytes a row
-  // reads, kFetchAhead further on, up to the run's end (past it lies another thread's share) or its
-  // part's.
+  // reads, a window (kStreamWindow) further on, up to the run's end (past it lies another thread's
+  // share) or its part's.
   const bool fetch = s.M == 1 && genfn_kernels::fetch_ahead_at_one_row();
   auto rows = [&](int64_t n0, int64_t n1, int64_t stop) {
     int64_t p = 0;
@@ -395,8 +391,9 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
       // (kquant_r8.cpp): all of a group's lines at once cost 1.00-1.13x the time.
       if (fetch && !r8 && stop > n) {
         const uint8_t* end = s.parts[p].w + (std::min(stop, s.first[p + 1]) - s.first[p]) * s.row_bytes[p];
-        const uint8_t* to = std::min(end, w + kFetchAhead + s.row_bytes[p]);
-        for (const uint8_t* f = w + kFetchAhead; f < to; f += 64) _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T1);
+        const uint8_t* ahead = w + genfn_kernels::kStreamWindow;
+        const uint8_t* to = std::min(end, ahead + s.row_bytes[p]);
+        for (const uint8_t* f = ahead; f < to; f += 64) _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T1);
       }
       const ActivationsK& a = s.x[s.layout_of[p]];
       for (int64_t m0 = 0; m0 < s.M; m0 += s.per)

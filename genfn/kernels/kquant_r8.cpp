@@ -103,9 +103,6 @@ GENFN_VNNI_INLINE inline __m512i pair_total(__m512i v) {  // lanes 2r and 2r + 1
   return _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
 }
 
-// How far ahead a one-row call fetches its stream where it does (kquant_linear.cpp's kFetchAhead).
-constexpr int64_t kR8FetchAhead = 16384;
-
 // One group of 8 weight rows against rows m0 .. m0 + M - 1 of x: writes y[m * N + r], r < 8.
 template <int M>
 GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
@@ -117,14 +114,14 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   // One row of x on Intel cores (genfn_kernels::fetch_ahead_at_one_row): each super-block's 18 lines
   // fetched 16 KiB ahead into L2, spread over the group's super-blocks. Fetched all at once before
   // the group (rows_share's way for the other formats) the group's 144-576 lines cost 1.00-1.13x the
-  // time; spread, 0.88-0.99x (1B shapes, 2 threads, out of cache). The kernel does not know where
+  // time; spread, 0.86-1.02x (1B shapes, 2 threads, out of cache). The kernel does not know where
   // its thread's run ends, so the last 16 KiB fetched may be the next thread's (prefetches do not
   // fault): 0.4 % of a 1B step's reads at most.
   const bool fetch = M == 1 && genfn_kernels::fetch_ahead_at_one_row();
   for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
     if (fetch)
       for (int64_t off = 0; off < kR8Block; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + kR8FetchAhead + off), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + genfn_kernels::kStreamWindow + off), _MM_HINT_T1);
     const Header hd = load_header(w);
     const __m256i* sc = hd.sc;
     const __m256i* mn = hd.mn;

@@ -113,8 +113,9 @@ def onednn_has_amx_bf16() -> bool:
 def bf16_gemm_preferred() -> bool:
     """Whether a bfloat16 GEMM of many rows runs on genfn's ``vdpbf16ps`` kernel rather than oneDNN's:
     where genfn's is built and the CPU has no AMX tiles. On a 2-core Sapphire Rapids-class Xeon
-    with AMX-BF16 oneDNN's GEMM ran 4-10x genfn's at 32-512 rows (``python benchmarks/gemm.py``,
-    docs/guides/k-quants-and-scale.md, *AMX*); on the Zen 4 genfn's ran 1.1-1.9x oneDNN's."""
+    with AMX-BF16 oneDNN's GEMM ran 4-11x genfn's at 32-512 rows (``python benchmarks/gemm.py``,
+    docs/guides/k-quants-and-scale.md, *bfloat16 on AMX tiles*); on the Zen 4 genfn's ran 1.1-1.9x
+    oneDNN's."""
     return bf16_gemm_available() and not onednn_has_amx_bf16()
 
 

@@ -96,8 +96,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 // ms; in cache the extra prefetches cost 0-3.5 %.
 template <int M>
 int64_t prefetch_bytes() {
-  if constexpr (M == 1) return genfn_kernels::fetch_ahead_at_one_row() ? 16384 : 0;
-  return M < 4 ? 16384 : 4096;
+  if constexpr (M == 1) return genfn_kernels::fetch_ahead_at_one_row() ? genfn_kernels::kStreamWindow : 0;
+  return M < 4 ? genfn_kernels::kStreamWindow : 4096;
 }
 template <int M>
 constexpr int64_t far_prefetch_bytes() { return M < 4 ? 0 : 32768; }

@@ -30,6 +30,9 @@ inline bool fetch_ahead_at_one_row() {
   return intel;
 }
 
+// How far ahead of the bytes being summed a thread's stream is fetched, where it is fetched into L2.
+constexpr int64_t kStreamWindow = 16384;
+
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
 // finishes takes chunks from the back of another's run. On two cores the two halves of a
