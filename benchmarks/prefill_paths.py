@@ -12,8 +12,9 @@ figure) with the plain Llama layer on ``genfn.models.prefill_layer`` and its nat
 SDPA), the paths alternated every round so that machine noise hits them alike
 (``--attention-only``: a third path, the op-by-op layer with the native attention;
 ``--torch-gemm``: the native layer with torch's GEMM and SwiGLU pass instead of genfn's bfloat16
-GEMM (the "native" path runs genfn's GEMM also where the CPU has AMX and the default is torch's), and with ``--cpu-time`` at ``--threads 1`` each prefill timed by the thread's CPU time,
-which other processes' turns on a shared machine do not inflate). Prints tok/s
+GEMM (the "native" path runs genfn's GEMM also where the CPU has AMX and the default is torch's),
+and with ``--cpu-time`` at ``--threads 1`` each prefill timed by the thread's CPU time, which
+other processes' turns on a shared machine do not inflate). Prints tok/s
 (best of the rounds), the ratios, the medians and the greedy token of each.
 """
 
