@@ -20,6 +20,10 @@
 #define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
 #define GENFN_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline))
 #define GENFN_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512 with VNNI (vpdpbusd, vpdpwssd): the q4_k_r8 and Q6_K rows, the GEMM's panels.
+#define GENFN_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define GENFN_VNNI_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"), always_inline))
 
 namespace genfn::kquant {
 
@@ -65,6 +69,13 @@ __attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, 
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// Whether the AVX-512 path may also use VNNI's vpdpbusd / vpdpwssd (the q4_k_r8 and Q6_K rows, the GEMM).
+inline bool has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
 // How the activation codes of a row are laid out, so that one load meets the nibbles a weight
 // register holds (each permutation applies per whole 128 inputs; a shorter tail stays natural):
 //   kNatural
@@ -90,6 +101,8 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 
 // IQ4_NL / IQ4_XS rows (iq4_linear.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
+// Q6_K rows on AVX-512 VNNI (kquant_q6k.cpp), for 1..8 rows of x (8: any more).
+RowFn pick_q6k_vnni(int rows);
 // q4_k_r8 (kquant_r8.cpp), for 1..8 rows of x: a call takes w at a group's first super-block and
 // writes its 8 rows, y[m * N + r] for r < 8.
 RowFn pick_q4k_r8(Isa isa, int rows);

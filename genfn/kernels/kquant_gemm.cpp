@@ -213,7 +213,7 @@ inline int32_t four_codes(const int8_t* p) {
 // AVX-512 VNNI: rows m0 .. m0 + R - 1 of x against one panel; writes `keep` of its 16 columns.
 
 template <int R, int kGroups, int kPairs>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"))) void panel_avx512(
+GENFN_VNNI void panel_avx512(
     const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N, __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;  // groups of four inputs per sub-block
   const Rows rows = rows_at<R, kPairs>(a, m0);
@@ -345,12 +345,6 @@ PanelFn pick_panel(bool vnni, int rows) {
     case 3: return &panel_avx2<3, kGroups, kPairs>;
     default: return &panel_avx2<4, kGroups, kPairs>;
   }
-}
-
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return yes;
 }
 
 template <int64_t F>

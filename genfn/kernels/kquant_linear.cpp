@@ -85,26 +85,12 @@ GENFN_AVX512_INLINE inline __m512i q4_scales512(__m512i scales8, int pair) {
   return _mm512_shuffle_epi8(scales8, _mm512_load_si512(kQ4Index.scales[pair]));
 }
 
-// Q6_K: the scales of the 64 inputs of quarter `quarter` (one per 16, so one per 8 int16 lanes of a
-// vpmaddubsw result) from the super-block's 16 scales.
-struct Q6Index {
-  alignas(64) uint16_t lanes[4][32];
-  constexpr Q6Index() : lanes() {
-    for (int q = 0; q < 4; ++q)
-      for (int k = 0; k < 32; ++k) lanes[q][k] = static_cast<uint16_t>(4 * q + k / 8);
-  }
-};
-constexpr Q6Index kQ6Index;
-
-GENFN_AVX512_INLINE inline __m512i q6_scales512(__m256i scales16, int quarter) {
-  return _mm512_permutexvar_epi16(_mm512_load_si512(kQ6Index.lanes[quarter]), _mm512_castsi256_si512(scales16));
-}
-
 GENFN_AVX512_INLINE inline __m512i dot512(__m512i w, const int8_t* x, __m512i scales) {
   return _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(x)), scales);
 }
 
-// One weight row against M rows of x: y[m * N] += nothing; writes y[m * N].
+// One Q4_K or Q5_K weight row against M rows of x: writes y[m * N]. (Q6_K on AVX-512 takes the VNNI
+// kernel of kquant_q6k.cpp; an AVX-512 CPU without VNNI runs Q6_K on the AVX2 path.)
 template <int M, int64_t F>
 GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m512 acc[M];
@@ -116,87 +102,48 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
-    if constexpr (F == kQ4K || F == kQ5K) {
-      const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
-      uint64_t sc, mn;
-      unpack_scales(w + 4, sc, mn);
-      const __m512i scales8 = _mm512_set1_epi64(static_cast<long long>(sc));
-      const __m256i mins16 = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<long long>(mn)),
-                                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Index.mins)));
-      const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
-      __m512i lo[2], hi[2];
+    const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
+    uint64_t sc, mn;
+    unpack_scales(w + 4, sc, mn);
+    const __m512i scales8 = _mm512_set1_epi64(static_cast<long long>(sc));
+    const __m256i mins16 = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<long long>(mn)),
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(kQ4Index.mins)));
+    const uint8_t* qs = w + (F == kQ5K ? 48 : 16);
+    __m512i lo[2], hi[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m512i packed = _mm512_loadu_si512(qs + 64 * j);
+      lo[j] = _mm512_and_si512(packed, low4);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+    if constexpr (F == kQ5K) {
+      // Fifth bits: byte l of qh holds input l of group i in bit i.
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
+      const __m512i sixteen = _mm512_set1_epi8(16);
       for (int j = 0; j < 2; ++j) {
-        const __m512i packed = _mm512_loadu_si512(qs + 64 * j);
-        lo[j] = _mm512_and_si512(packed, low4);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-      }
-      if constexpr (F == kQ5K) {
-        // Fifth bits: byte l of qh holds input l of group i in bit i.
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        for (int j = 0; j < 2; ++j) {
-          const int g = 4 * j;  // lo holds groups g (bytes 0-31) and g + 2; hi groups g + 1 and g + 3
-          const __m512i sel_lo = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << g)),
-                                                    _mm256_set1_epi8(static_cast<char>(1 << (g + 2))), 1);
-          const __m512i sel_hi = _mm512_add_epi8(sel_lo, sel_lo);
-          lo[j] = _mm512_mask_add_epi8(lo[j], _mm512_test_epi8_mask(qh, sel_lo), lo[j], sixteen);
-          hi[j] = _mm512_mask_add_epi8(hi[j], _mm512_test_epi8_mask(qh, sel_hi), hi[j], sixteen);
-        }
-      }
-      const __m512i s_lo0 = q4_scales512(scales8, 0), s_hi0 = q4_scales512(scales8, 1);
-      const __m512i s_lo1 = q4_scales512(scales8, 2), s_hi1 = q4_scales512(scales8, 3);
-      for (int m = 0; m < M; ++m) {
-        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-        __m512i sum = dot512(lo[0], x, s_lo0);
-        sum = _mm512_add_epi32(sum, dot512(hi[0], x + 64, s_hi0));
-        sum = _mm512_add_epi32(sum, dot512(lo[1], x + 128, s_lo1));
-        sum = _mm512_add_epi32(sum, dot512(hi[1], x + 192, s_hi1));
-        const float dx = a.scale[(m0 + m) * nb + b];
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-        acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
-                                     acc_min[m]);
-      }
-    } else {  // Q6_K
-      const uint8_t* ql = w;
-      const uint8_t* qh = w + 128;
-      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-      const float d = half_to_float(load_u16(w + 208));
-      const __m256i scales16 = _mm256_cvtepi8_epi16(sc8);
-      const __m512i s_a0 = q6_scales512(scales16, 0), s_b0 = q6_scales512(scales16, 1);
-      const __m512i s_a1 = q6_scales512(scales16, 2), s_b1 = q6_scales512(scales16, 3);
-      const __m512i three = _mm512_set1_epi8(3);
-      const __m512i count_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-      const __m512i count_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-      __m512i va[2], vb[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i low = _mm512_loadu_si512(ql + 64 * h);
-        const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
-        const __m512i ha = _mm512_and_si512(_mm512_srlv_epi16(high, count_a), three);
-        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(high, count_b), three);
-        va[h] = _mm512_or_si512(_mm512_and_si512(low, low4), _mm512_slli_epi16(ha, 4));
-        vb[h] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low4), _mm512_slli_epi16(hb, 4));
-      }
-      for (int m = 0; m < M; ++m) {
-        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-        __m512i sum = dot512(va[0], x, s_a0);
-        sum = _mm512_add_epi32(sum, dot512(vb[0], x + 64, s_b0));
-        sum = _mm512_add_epi32(sum, dot512(va[1], x + 128, s_a1));
-        sum = _mm512_add_epi32(sum, dot512(vb[1], x + 192, s_b1));
-        // The offset of 32: sum_g scale_g * 32 * codesum_g.
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);
-        sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-        const float dx = a.scale[(m0 + m) * nb + b];
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+        const int g = 4 * j;  // lo holds groups g (bytes 0-31) and g + 2; hi groups g + 1 and g + 3
+        const __m512i sel_lo = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << g)),
+                                                  _mm256_set1_epi8(static_cast<char>(1 << (g + 2))), 1);
+        const __m512i sel_hi = _mm512_add_epi8(sel_lo, sel_lo);
+        lo[j] = _mm512_mask_add_epi8(lo[j], _mm512_test_epi8_mask(qh, sel_lo), lo[j], sixteen);
+        hi[j] = _mm512_mask_add_epi8(hi[j], _mm512_test_epi8_mask(qh, sel_hi), hi[j], sixteen);
       }
     }
+    const __m512i s_lo0 = q4_scales512(scales8, 0), s_hi0 = q4_scales512(scales8, 1);
+    const __m512i s_lo1 = q4_scales512(scales8, 2), s_hi1 = q4_scales512(scales8, 3);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+      __m512i sum = dot512(lo[0], x, s_lo0);
+      sum = _mm512_add_epi32(sum, dot512(hi[0], x + 64, s_hi0));
+      sum = _mm512_add_epi32(sum, dot512(lo[1], x + 128, s_lo1));
+      sum = _mm512_add_epi32(sum, dot512(hi[1], x + 192, s_hi1));
+      const float dx = a.scale[(m0 + m) * nb + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+      acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
+                                   acc_min[m]);
+    }
   }
-  for (int m = 0; m < M; ++m) {
-    float value = reduce512(acc[m]);
-    if constexpr (F != kQ6K) value -= reduce256(acc_min[m]);
-    y[m * N] = value;
-  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) - reduce256(acc_min[m]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -293,7 +240,8 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
 
 template <int64_t F>
 RowFn pick_row(Isa isa, int rows) {
-  if (isa == kAvx512) { GENFN_ROW_CASES(rows, row_avx512, F) }
+  if constexpr (F != kQ6K)
+    if (isa == kAvx512) { GENFN_ROW_CASES(rows, row_avx512, F) }
   GENFN_ROW_CASES(rows, row_avx2, F)
 }
 
@@ -302,6 +250,7 @@ RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kQ4KR8) return pick_q4k_r8(isa, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
+  if (isa == kAvx512 && has_vnni()) return pick_q6k_vnni(rows);
   return pick_row<kQ6K>(isa, rows);
 }
 

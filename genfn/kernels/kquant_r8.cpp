@@ -28,10 +28,6 @@
 namespace genfn::kquant {
 namespace {
 
-#define GENFN_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define GENFN_VNNI_INLINE \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"), always_inline))
-
 // Shuffles: byte g % 4 of each dword's scales into its low word (AVX-512: low byte only; AVX2:
 // both int16 halves, for vpmaddwd against int16 pairs), and dword r of 8 into lanes 2r, 2r + 1.
 struct R8Index {
@@ -231,12 +227,6 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
                  a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
-}
-
-bool has_vnni() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return yes;
 }
 
 // Rows [r0, r1) of src (or the rows `order` names) written as 8-row groups at out.

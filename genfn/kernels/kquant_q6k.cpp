@@ -1,0 +1,90 @@
+// Q6_K rows on AVX-512 VNNI, in the file's layout (kquant_linear.cpp runs Q6_K on AVX2 elsewhere,
+// an AVX-512 CPU without VNNI included).
+//
+// A Q6_K super-block is 256 six-bit codes as 128 bytes of low nibbles (ql) and 64 of high bit pairs
+// (qh), 16 int8 scales (one per 16 inputs) and d. Per 128 weights the codes cost 7 instructions: a
+// bit select (vpternlogd) merges the nibbles with the high bits shifted into place, and an and
+// clears bits 6-7; per 64 weights the dot product 2: vpdpbusd sums 4 code x activation products
+// per dword (at most 4 x 63 x 127 = 32004, an int16 in the dword's low word), and vpdpwssd
+// multiplies that low word by its group's scale (the high word's multiplier is 0). The 32 offset
+// folds into the activations' code sums. These are the integers, in the same lanes, of the
+// vpmaddubsw / vpmaddwd form this replaced (11 and 3 instructions), and the floats are the same
+// operations in the same order: the same bits (benchmarks/kquant_linear_ab.py checks it against
+// a revision before this kernel).
+#include <ATen/ATen.h>
+
+#include "kquant.h"
+#include "kquant_rows.h"
+
+namespace genfn::kquant {
+namespace {
+
+// The int16 lanes of a quarter's 16 dword sums (4 inputs each): the low word of dword i takes the
+// scale of the quarter's group i / 4 (of 16 inputs), the high word 0 (a zeroing mask).
+struct Q6WordIndex {
+  alignas(64) uint16_t lanes[4][32];
+  constexpr Q6WordIndex() : lanes() {
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 32; ++k) lanes[q][k] = static_cast<uint16_t>(4 * q + k / 8);
+  }
+};
+constexpr Q6WordIndex kQ6WordIndex;
+constexpr __mmask32 kLowWords = 0x55555555u;
+
+GENFN_VNNI_INLINE inline __m512i quarter_scales(__m256i scales16, int quarter) {
+  return _mm512_maskz_permutexvar_epi16(kLowWords, _mm512_load_si512(kQ6WordIndex.lanes[quarter]),
+                                        _mm512_castsi256_si512(scales16));
+}
+
+// (nibbles & 0x0F) | (high & 0xF0): vpternlogd's bit select, low4 ? nibbles : high
+GENFN_VNNI_INLINE inline __m512i select_nibbles(__m512i nibbles, __m512i high, __m512i low4) {
+  return _mm512_ternarylogic_epi32(low4, nibbles, high, 0xCA);
+}
+
+template <int M>
+GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+  // Inputs 0-31 of a 64 take bits 0-1 of their qh byte, 32-63 bits 2-3 (for va); 64-95 bits 4-5,
+  // 96-127 bits 6-7 (for vb): shifted into bits 4-5 of each byte.
+  const __m512i up_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i down_b = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kQ6K)) {
+    const uint8_t* ql = w;
+    const uint8_t* qh = w + 128;
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+    const float d = half_to_float(load_u16(w + 208));
+    const __m512i s_a0 = quarter_scales(scales16, 0), s_b0 = quarter_scales(scales16, 1);
+    const __m512i s_a1 = quarter_scales(scales16, 2), s_b1 = quarter_scales(scales16, 3);
+    __m512i va[2], vb[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+      const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+      // The select takes bits 4-7 from the shifted high bits; bits 6-7 are cleared after.
+      va[h] = _mm512_and_si512(select_nibbles(low, _mm512_sllv_epi16(high, up_a), low4), six);
+      vb[h] = _mm512_and_si512(select_nibbles(_mm512_srli_epi16(low, 4), _mm512_srlv_epi16(high, down_b), low4), six);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+      const __m512i zero = _mm512_setzero_si512();
+      __m512i sum = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, va[0], _mm512_loadu_si512(x)), s_a0);
+      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, vb[0], _mm512_loadu_si512(x + 64)), s_b0);
+      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, va[1], _mm512_loadu_si512(x + 128)), s_a1);
+      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, vb[1], _mm512_loadu_si512(x + 192)), s_b1);
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);
+      sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+      const float dx = a.scale[(m0 + m) * nb + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+}
+
+}  // namespace
+
+RowFn pick_q6k_vnni(int rows) { GENFN_ROW_CASES(rows, row_q6k_vnni) }
+
+}  // namespace genfn::kquant
