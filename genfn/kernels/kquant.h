@@ -87,12 +87,21 @@ enum Order : int { kNatural = 0, kQ4KOrder = 1, kIQ4Order = 2 };
 
 // Q8_K-quantized activations of M rows: codes [M, K] (in one of the orders above), scales
 // [M, K / block] (block = block_inputs of the weight's format), code sums per 16 inputs in natural
-// order [M, K / 16].
+// order [M, K / 16], and per 32 [M, K / 32] (|sum| <= 4064: an int16; what Q4_K's minimums and
+// q4_k_r8's groups multiply, read as they are rather than added up per weight row).
 struct ActivationsK {
   std::vector<int8_t> codes;
   std::vector<float> scale;
-  std::vector<int16_t> sums;
+  std::vector<int16_t> sums, sums32;
   int64_t M = 0, K = 0;
+  void resize(int64_t rows, int64_t inputs, int64_t block) {
+    M = rows;
+    K = inputs;
+    codes.resize(M * K);
+    scale.resize(M * (K / block));
+    sums.resize(M * (K / 16));
+    sums32.resize(M * (K / 32));
+  }
 };
 
 // One weight row (its nb blocks at w) against rows m0.. m0 + M - 1 of the activations: writes

@@ -175,11 +175,10 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
   }
 }
 
-// The activations of M rows as the GEMM reads them: Q8_K (natural order) and, for Q4_K/Q5_K's
-// minimums, the code sums per 32 inputs.
+// The activations of M rows as the GEMM reads them: Q8_K in natural order (Q4_K/Q5_K's minimums
+// take its code sums per 32 inputs).
 struct GemmActivations {
   ActivationsK q8k;
-  std::vector<int16_t> sums32;  // [M, K / 32]
 };
 
 // Where rows m0 .. m0 + R - 1 of the activations are; `sums`: the code sums the format's minimums
@@ -194,7 +193,7 @@ template <int R, int kPairs>
 inline Rows rows_at(const GemmActivations& a, int64_t m0) {
   Rows rows;
   const int64_t K = a.q8k.K, per_row = K / kSuper * 2 * kPairs;
-  const int16_t* sums = kPairs == 8 ? a.q8k.sums.data() : a.sums32.data();
+  const int16_t* sums = kPairs == 8 ? a.q8k.sums.data() : a.q8k.sums32.data();
   for (int r = 0; r < R; ++r) {
     rows.codes[r] = a.q8k.codes.data() + (m0 + r) * K;
     rows.sums[r] = sums + (m0 + r) * per_row;
@@ -384,19 +383,9 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   thread_local GemmActivations buffers;  // reused across calls; the workers read the caller's
   GemmActivations& a = buffers;
   ActivationsK& q8k = a.q8k;
-  q8k.M = M;
-  q8k.K = K;
-  q8k.codes.resize(M * K);
-  q8k.scale.resize(M * (K / kSuper));
-  q8k.sums.resize(M * (K / 16));
-  const bool per32 = format != kQ6K;
-  if (per32) a.sums32.resize(M * (K / 32));
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
-    quantize_rows_k(x, m0, m1, K, kSuper, kNatural, q8k);
-    if (per32)
-      for (int64_t i = m0 * (K / 32); i < m1 * (K / 32); ++i)
-        a.sums32[i] = static_cast<int16_t>(q8k.sums[2 * i] + q8k.sums[2 * i + 1]);
-  });
+  q8k.resize(M, K, kSuper);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)),
+                   [&](int64_t m0, int64_t m1) { quantize_rows_k(x, m0, m1, K, kSuper, kNatural, q8k); });
   const bool vnni = isa == kAvx512 && has_vnni();
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
   else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);

@@ -292,12 +292,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
     if (l == s.layouts) {
       s.block[l] = block;
       s.order[l] = order;
-      ActivationsK& a = s.x[l];
-      a.M = M;
-      a.K = s.K;
-      a.codes.resize(M * s.K);
-      a.scale.resize(M * (s.K / block));
-      a.sums.resize(M * (s.K / 16));
+      s.x[l].resize(M, s.K, block);
       ++s.layouts;
     }
     s.layout_of[p] = l;
@@ -456,15 +451,8 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   thread_local ActivationsK x_buffer, act_buffer;
   ActivationsK& xa = x_buffer;
   ActivationsK& aa = act_buffer;
-  for (ActivationsK* a : {&xa, &aa}) a->M = 1;
-  xa.K = hidden;
-  aa.K = inter;
-  xa.codes.resize(hidden);
-  xa.scale.resize(gu_blocks);
-  xa.sums.resize(hidden / 16);
-  aa.codes.resize(inter);
-  aa.scale.resize(dn_blocks);
-  aa.sums.resize(inter / 16);
+  xa.resize(1, hidden, gu_block);
+  aa.resize(1, inter, dn_block);
   std::vector<float> gu(2 * inter), act(inter), dn(hidden);
   const RowFn gu_fn = pick(isa, gate_up_format, 1), dn_fn = pick(isa, down_format, 1);
   const uint8_t* gp = gate_up.data_ptr<uint8_t>();

@@ -34,6 +34,13 @@ inline int64_t destination(int64_t o, int64_t K, Order order) {
   return base + 16 * kDestination[order][(o & 127) / 16];
 }
 
+// The block's code sums per 32 inputs from its sums per 16.
+inline void pair_sums(ActivationsK& a, int64_t m, int64_t start, int64_t block) {
+  const int16_t* sums = a.sums.data() + m * (a.K / 16) + start / 16;
+  int16_t* pairs = a.sums32.data() + m * (a.K / 32) + start / 32;
+  for (int64_t g = 0; g < block / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
+}
+
 void quantize_span_plain(const float* x, int64_t m, int64_t k0, int64_t k1, int64_t block, Order order,
                          ActivationsK& a) {
   const int64_t K = a.K, nb = K / block;
@@ -68,6 +75,7 @@ void quantize_span_plain(const float* x, int64_t m, int64_t k0, int64_t k1, int6
       a.sums[m * (K / 16) + start / 16 + g] = static_cast<int16_t>(s);
       std::memcpy(out + destination(start + 16 * g, K, order), natural + 16 * g, 16);
     }
+    pair_sums(a, m, start, block);
   }
 }
 
@@ -90,6 +98,7 @@ GENFN_AVX512 void quantize_span_avx512(const float* x, int64_t m, int64_t k0, in
         std::memset(out + destination(start + j, K, order), 0, 16);
         sums[j / 16] = 0;
       }
+      pair_sums(a, m, start, block);
       continue;
     }
     // The first input of that magnitude: the one the plain loop's strict '>' keeps.
@@ -112,6 +121,7 @@ GENFN_AVX512 void quantize_span_avx512(const float* x, int64_t m, int64_t k0, in
       sums[j / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
     }
     scale = 1.0f / inverse;
+    pair_sums(a, m, start, block);
   }
 }
 
@@ -143,11 +153,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_quantize_activations(const
               "kquant_quantize_activations: x must be float32 [M, K] with K a multiple of ", block);
   const at::Tensor xc = x.contiguous();
   ActivationsK a;
-  a.M = x.size(0);
-  a.K = x.size(1);
-  a.codes.resize(a.M * a.K);
-  a.scale.resize(a.M * (a.K / block));
-  a.sums.resize(a.M * (a.K / 16));
+  a.resize(x.size(0), x.size(1), block);
   const int64_t unit = quantize_unit(block);
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t k0 = 0; k0 < a.K; k0 += unit)

@@ -68,13 +68,11 @@ GENFN_AVX2_INLINE inline Header load_header(const uint8_t* w) {
   return h;
 }
 
-// The activation row's code sums of a super-block's 8 groups of 32 as int16, in the two 64-bit
-// halves the minimums take them: [0] groups 0-3, [1] groups 4-7.
-GENFN_AVX2_INLINE inline void group_sums(const int16_t* sums16, int64_t& low, int64_t& high) {
-  const __m256i s = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16)), _mm256_set1_epi16(1));
-  const __m256i packed = _mm256_packs_epi32(s, s);  // |sum of 32 codes| <= 4064: no saturation
-  low = _mm256_extract_epi64(packed, 0);
-  high = _mm256_extract_epi64(packed, 2);
+// The activation row's code sums of a super-block's 8 groups of 32 (int16, ActivationsK::sums32),
+// in the two 64-bit halves the minimums take them: low groups 0-3, high groups 4-7.
+GENFN_AVX2_INLINE inline void group_sums(const int16_t* sums32, int64_t& low, int64_t& high) {
+  std::memcpy(&low, sums32, 8);
+  std::memcpy(&high, sums32 + 4, 8);
 }
 
 GENFN_AVX2_INLINE inline int64_t load_u64(const int8_t* p) {
@@ -128,7 +126,7 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
     __m512i isum[M], imin[M];
     for (int m = 0; m < M; ++m) {
       int64_t low, high;
-      group_sums(a.sums.data() + (m0 + m) * (K / 16) + b * 16, low, high);
+      group_sums(a.sums32.data() + (m0 + m) * (K / 32) + b * 8, low, high);
       imin[m] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), mins[0], _mm512_set1_epi64(low));
       imin[m] = _mm512_dpwssd_epi32(imin[m], mins[1], _mm512_set1_epi64(high));
       isum[m] = _mm512_setzero_si512();
@@ -192,7 +190,7 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
     __m256i isum[M][2], imin[M][2];
     for (int m = 0; m < M; ++m) {
       int64_t low, high;
-      group_sums(a.sums.data() + (m0 + m) * (K / 16) + b * 16, low, high);
+      group_sums(a.sums32.data() + (m0 + m) * (K / 32) + b * 8, low, high);
       const __m256i bl = _mm256_set1_epi64x(low), bh = _mm256_set1_epi64x(high);
       for (int h = 0; h < 2; ++h) {
         imin[m][h] = _mm256_add_epi32(_mm256_madd_epi16(mins[0][h], bl), _mm256_madd_epi16(mins[1][h], bh));
