@@ -19,7 +19,7 @@ import genfn
 from genfn import kernels
 from genfn.models.loaders import gguf_blocks
 from genfn.models.loaders.gguf import load_gguf_checkpoint
-from genfn.models.weight_arena import WeightArena
+from genfn.models.weight_arena import WeightArena, huge_pages_available
 from genfn.quant import KQuantWeight, QuantizedWeight, quantize
 from genfn.quant.blocks import gguf_block_fields
 from genfn.quant.fuse import cat_rows
@@ -122,23 +122,46 @@ needs_proc_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
 
 
 @needs_proc_maps
-def test_k_quant_matrices_are_used_where_they_lie_in_the_file(mixed_file):
-    """Layer 1's K-quant o and down projections are the file mapping's bytes, not copies; its Q4_K
-    gate/up and q/k (llama's permutation undone) are repacked 8 rows to a group (q4_k_r8), which
-    the file layout can then not be used for: written into memory of their own."""
-    params = genfn.load(mixed_file, quantize="gguf").params
-    layer = params["layers"][1]
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_with_them(mixed_file, monkeypatch, huge_pages):
+    """Without huge pages layer 1's K-quant o and down projections are the file mapping's bytes, not
+    copies; with them (the default where the kernel has them) they are written into the arena's
+    huge pages, which the decode streams faster. Either way its Q4_K gate/up and q/k (llama's
+    permutation undone) are repacked 8 rows to a group (q4_k_r8), which the file layout can then
+    not be used for: written into memory of their own."""
+    if not huge_pages:
+        monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
+    elif not huge_pages_available():
+        pytest.skip("no transparent huge pages to ask for here (the case without them runs)")
+    model = genfn.load(mixed_file, quantize="gguf")
+    layer = model.params["layers"][1]
 
     def in_file(weight) -> bool:
         return _in_file(weight.data, mixed_file)
 
     assert isinstance(layer["w_gate_up"], KQuantWeight) and layer["w_gate_up"].shape == (1024, 256)
     assert layer["w_gate_up"].format == "q4_k_r8" and not in_file(layer["w_gate_up"])
-    assert in_file(layer["wo"]) and in_file(layer["w_down"])
     qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
-    assert not in_file(qk) and in_file(v)
+    assert not in_file(qk)
+    assert all(in_file(w) is not huge_pages for w in (layer["wo"], layer["w_down"], v))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    assert torch.isfinite(genfn.load(mixed_file, quantize="gguf")(ids).logits).all()
+    assert torch.isfinite(model(ids).logits).all()
+
+
+@needs_proc_maps
+@pytest.mark.parametrize("head", ["Q4_1", None])
+def test_a_k_quant_embedding_moves_to_huge_pages_only_as_the_tied_head(tmp_path, head):
+    """A K-quant embedding that a lookup reads one row of per token stays in the file mapping even
+    with huge pages; tied (no output matrix in the file) it is also the LM head, read whole every
+    step, and goes into the arena with the layers."""
+    if not huge_pages_available():
+        pytest.skip("no transparent huge pages to ask for here")
+    path = write_file(tmp_path / "embed.gguf", embed="Q6_K", output=head)
+    model = genfn.load(path, quantize="gguf")
+    embed = model.params["embed"]
+    assert isinstance(embed, KQuantWeight) and embed.format == "q6_k"
+    assert _in_file(embed.data, path) is (head is not None)
+    assert torch.isfinite(model(torch.tensor([[3, 1, 4]])).logits).all()
 
 
 def _random_records(rows: int, cols: int, type_name: str, rng) -> np.ndarray:

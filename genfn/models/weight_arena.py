@@ -117,12 +117,6 @@ class WeightArena:
         self._storages.add(flat.untyped_storage().data_ptr())
         return flat[:count].view(shape)
 
-    def ordinary(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled tensor on ordinary pages, counted as placed (``hold``): for a weight written
-        once at load where a first write to huge pages costs more than it saves (``_lazily_zeroed``)."""
-        count = _element_count(shape)
-        return self.hold(_lazily_zeroed(shape, dtype, count, max(count, 1) * dtype.itemsize))
-
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, counted as placed though it lies elsewhere (a file mapping's blocks, used
         where they are): ``holds`` it, so ``place_in_arena`` leaves it where it is."""

@@ -4,11 +4,16 @@ each byte written once at most: ``place_blocks``.
 Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in memory
 from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
 place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
-A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks: where its rows keep the
-file's order and a fused run's parts lie back to back in the file, it is used where it lies in
-the mapping, not copied at all (no fresh memory: on the shared VMs genfn is measured on, the
-first write to 0.63 GB of fresh memory took 5-7 s and a second write 0.1-0.2 s); else (llama's permuted Q/K) its rows are
-copied into the arena. The parts a layer fuses (q/k/v, gate/up) are back to back in one
+A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks. One that every decode step
+reads whole (a layer's, the LM head, a tied embedding: ``_streamed``) goes into the arena where it
+has huge pages, a layer's Q4_K repacked 8 rows to a group on the way: on 4 KiB pages of the file
+mapping the products read 11 % slower (1B Q4_K_M on a Xeon: 31.1-32.5 against 35.3-35.4 tok/s,
+load 0.5 against 1.6 s; ``docs/guides/k-quants-and-scale.md``, *K-quants on huge pages*). Without
+huge pages (``GENFN_HUGE_PAGES=0``, or none to ask for), and for an embedding that is only looked
+up, a matrix whose rows keep the file's order, a fused run's parts back to back in the file, is
+used where it lies in the mapping, not copied at all (no fresh memory: on the shared VMs genfn is
+measured on, the first write to 0.63 GB of fresh memory took 5-7 s and a second write 0.1-0.2 s);
+else (llama's permuted Q/K) its rows are copied into the arena. The parts a layer fuses (q/k/v, gate/up) are back to back in one
 allocation, so the family's ``cat_rows`` joins them as a view. Llama's Q/K row permutation is
 undone on the way (a row gather of one matrix). Once a matrix is copied, its pages of the file
 mapping are let go (``GGUFFile.release``), so at no time does the process hold the file twice:
@@ -176,8 +181,9 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         return _write_r8_run(gguf, run, row_order, arena, rows, cols)
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
-        in_file = _run_in_file(gguf, run, orders)
-        if in_file is not None:  # the file's own bytes, used where they lie (module docstring)
+        # Streamed on huge pages, or used where they lie in the file (module docstring).
+        in_file = None if arena.enabled and _streamed(gguf, run) else _run_in_file(gguf, run, orders)
+        if in_file is not None:
             data = arena.hold(mapped(in_file))
         else:
             data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
@@ -214,11 +220,19 @@ def _interleaved(run: list[str], type_name: str, rows: list[int]) -> bool:
             and os.environ.get("GENFN_Q4K_R8", "1") != "0" and kquant.kquant_available())
 
 
+def _streamed(gguf, run: list[str]) -> bool:
+    """Whether every decode step reads the run's matrices whole: a layer's, the LM head's, or the
+    embedding where the file has no head (tied: the embedding is the head), not an embedding that a
+    lookup reads one row of per token."""
+    return all(_LAYER_WEIGHT.match(name) or name == "output.weight"
+               or (name == "token_embd.weight" and "output.weight" not in gguf.tensors) for name in run)
+
+
 def _write_r8_run(gguf, run, row_order, arena, rows, cols) -> dict[str, KQuantWeight]:
-    """A run of Q4_K matrices repacked from the file mapping into ordinary pages (a first write
-    to huge pages cost ~4 s/GB on the VMs measured, ``arena.ordinary``), each matrix's mapping let
-    go once written, so the peak holds one matrix twice at most."""
-    data = arena.ordinary((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
+    """A run of Q4_K matrices repacked from the file mapping into the arena (huge pages where it has
+    them; else ordinary pages, ``arena.empty`` either way), each matrix's mapping let go once
+    written, so the peak holds one matrix twice at most."""
+    data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
     out: dict[str, KQuantWeight] = {}
     start = 0
     for name, n in zip(run, rows):
