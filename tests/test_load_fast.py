@@ -244,23 +244,32 @@ def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(f
 @needs_kernels
 @needs_proc_maps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_float_matrices_kept_as_stored_are_used_where_they_lie_in_the_file(float_file, dtype):
-    """A BF16 matrix loaded as bfloat16, in the file's row order, is the file mapping's bytes, not a
-    copy (layer 1's o and down projections, its gate/up run back to back in the file); llama's
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_float_matrices_kept_as_stored_are_used_where_they_lie_in_the_file(float_file, monkeypatch, dtype, huge_pages):
+    """Without huge pages a BF16 matrix loaded as bfloat16, in the file's row order, is the file
+    mapping's bytes, not a copy (layer 1's o and down projections, its gate/up run back to back in
+    the file); with them, the layers' matrices are copied into the arena's huge pages, which the
+    decode streams faster, and the embedding (the file has its own LM head) stays in place. Llama's
     permuted q/k and every matrix a load converts (F16, or any float loaded as float32) are copied."""
-    params = genfn.load(float_file, dtype=dtype).params
+    if not huge_pages:
+        monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
+    elif not huge_pages_available():
+        pytest.skip("no transparent huge pages to ask for here (the case without them runs)")
+    model = genfn.load(float_file, dtype=dtype)
+    params = model.params
 
     def in_file(weight: torch.Tensor) -> bool:
         return _in_file(weight, float_file)
 
     stored_as_loaded = dtype == torch.bfloat16
+    in_place = stored_as_loaded and not huge_pages
     one, zero = params["layers"][1], params["layers"][0]
-    assert [in_file(one[name]) for name in ("wo", "w_down", "w_gate_up")] == [stored_as_loaded] * 3
+    assert [in_file(one[name]) for name in ("wo", "w_down", "w_gate_up")] == [in_place] * 3
     assert in_file(params["embed"]) == stored_as_loaded
     assert not in_file(one["wqkv"]) and not in_file(zero["w_gate_up"]) and not in_file(params["lm_head"])
-    assert in_file(zero["w_down"]) == stored_as_loaded and not in_file(zero["wqkv"])
+    assert in_file(zero["w_down"]) == in_place and not in_file(zero["wqkv"])
     ids = torch.tensor([[3, 1, 4, 1, 5]])
-    assert torch.isfinite(genfn.load(float_file, dtype=dtype)(ids).logits).all()
+    assert torch.isfinite(model(ids).logits).all()
 
 
 @needs_kernels
