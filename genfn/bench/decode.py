@@ -104,8 +104,12 @@ def log(*args):
 
 def read_bandwidth_gbs(mib: int = 512, repeats: int = 7) -> tuple[float, float]:
     """Best-of-N read bandwidth over a buffer far larger than the caches, in GB/s: through
-    ``tensor.sum()`` and through ``torch.mv`` (a GEMV of the same bytes, the kernel decoding runs)."""
-    big = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    ``tensor.sum()`` and through ``torch.mv`` (a GEMV of the same bytes, the kernel decoding runs).
+    The buffer lies on huge pages where the weight arena has them, as genfn's weights do: on 4 KiB
+    pages a 2-core Xeon's ``tensor.sum`` read 24.6 GB/s against 32.1 (``torch.mv`` 31.6 against 32.8)."""
+    from genfn.models.weight_arena import WeightArena
+
+    big = WeightArena().empty((mib * 1024 * 1024 // 4,), torch.float32).fill_(1.0)
     matrix, vector = big.view(-1, 1024), torch.ones(1024)
 
     def best(fn):
