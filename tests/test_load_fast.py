@@ -122,17 +122,16 @@ needs_proc_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
 
 
 @needs_proc_maps
-@pytest.mark.parametrize("huge_pages", [False, True])
-def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_with_them(mixed_file, monkeypatch, huge_pages):
-    """Without huge pages layer 1's K-quant o and down projections are the file mapping's bytes, not
-    copies; with them (the default where the kernel has them) they are written into the arena's
-    huge pages, which the decode streams faster. Either way its Q4_K gate/up and q/k (llama's
-    permutation undone) are repacked 8 rows to a group (q4_k_r8), which the file layout can then
-    not be used for: written into memory of their own."""
-    if not huge_pages:
+@pytest.mark.parametrize("setting", ["default", "GENFN_HUGE_PAGES=0"])
+def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_with_them(mixed_file, monkeypatch, setting):
+    """Without huge pages (switched off, or none to ask for) layer 1's K-quant o and down projections
+    are the file mapping's bytes, not copies; with them (the default where the kernel has them) they
+    are written into the arena's huge pages, which the decode streams faster. Either way its Q4_K
+    gate/up and q/k (llama's permutation undone) are repacked 8 rows to a group (q4_k_r8), which the
+    file layout can then not be used for: written into memory of their own."""
+    if setting != "default":
         monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
-    elif not huge_pages_available():
-        pytest.skip("no transparent huge pages to ask for here (the case without them runs)")
+    huge_pages = huge_pages_available()
     model = genfn.load(mixed_file, quantize="gguf")
     layer = model.params["layers"][1]
 
@@ -153,14 +152,14 @@ def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_wi
 def test_a_k_quant_embedding_moves_to_huge_pages_only_as_the_tied_head(tmp_path, head):
     """A K-quant embedding that a lookup reads one row of per token stays in the file mapping even
     with huge pages; tied (no output matrix in the file) it is also the LM head, read whole every
-    step, and goes into the arena with the layers."""
-    if not huge_pages_available():
-        pytest.skip("no transparent huge pages to ask for here")
+    step, and goes into the arena with the layers where the arena has huge pages (else it too stays
+    in the file)."""
+    moved = head is None and huge_pages_available()
     path = write_file(tmp_path / "embed.gguf", embed="Q6_K", output=head)
     model = genfn.load(path, quantize="gguf")
     embed = model.params["embed"]
     assert isinstance(embed, KQuantWeight) and embed.format == "q6_k"
-    assert _in_file(embed.data, path) is (head is not None)
+    assert _in_file(embed.data, path) is not moved
     assert torch.isfinite(model(torch.tensor([[3, 1, 4]])).logits).all()
 
 
@@ -244,17 +243,17 @@ def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(f
 @needs_kernels
 @needs_proc_maps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("huge_pages", [False, True])
-def test_float_matrices_kept_as_stored_are_used_where_they_lie_in_the_file(float_file, monkeypatch, dtype, huge_pages):
-    """Without huge pages a BF16 matrix loaded as bfloat16, in the file's row order, is the file
-    mapping's bytes, not a copy (layer 1's o and down projections, its gate/up run back to back in
-    the file); with them, the layers' matrices are copied into the arena's huge pages, which the
-    decode streams faster, and the embedding (the file has its own LM head) stays in place. Llama's
-    permuted q/k and every matrix a load converts (F16, or any float loaded as float32) are copied."""
-    if not huge_pages:
+@pytest.mark.parametrize("setting", ["default", "GENFN_HUGE_PAGES=0"])
+def test_float_matrices_kept_as_stored_are_used_where_they_lie_in_the_file(float_file, monkeypatch, dtype, setting):
+    """Without huge pages (switched off, or none to ask for) a BF16 matrix loaded as bfloat16, in the
+    file's row order, is the file mapping's bytes, not a copy (layer 1's o and down projections, its
+    gate/up run back to back in the file); with them, the layers' matrices are copied into the
+    arena's huge pages, which the decode streams faster, and the embedding (the file has its own LM
+    head) stays in place. Llama's permuted q/k and every matrix a load converts (F16, or any float
+    loaded as float32) are copied."""
+    if setting != "default":
         monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
-    elif not huge_pages_available():
-        pytest.skip("no transparent huge pages to ask for here (the case without them runs)")
+    huge_pages = huge_pages_available()
     model = genfn.load(float_file, dtype=dtype)
     params = model.params
 

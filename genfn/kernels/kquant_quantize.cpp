@@ -34,13 +34,6 @@ inline int64_t destination(int64_t o, int64_t K, Order order) {
   return base + 16 * kDestination[order][(o & 127) / 16];
 }
 
-// The block's code sums per 32 inputs from its sums per 16.
-inline void pair_sums(ActivationsK& a, int64_t m, int64_t start, int64_t block) {
-  const int16_t* sums = a.sums.data() + m * (a.K / 16) + start / 16;
-  int16_t* pairs = a.sums32.data() + m * (a.K / 32) + start / 32;
-  for (int64_t g = 0; g < block / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
-}
-
 void quantize_span_plain(const float* x, int64_t m, int64_t k0, int64_t k1, int64_t block, Order order,
                          ActivationsK& a) {
   const int64_t K = a.K, nb = K / block;
@@ -75,7 +68,6 @@ void quantize_span_plain(const float* x, int64_t m, int64_t k0, int64_t k1, int6
       a.sums[m * (K / 16) + start / 16 + g] = static_cast<int16_t>(s);
       std::memcpy(out + destination(start + 16 * g, K, order), natural + 16 * g, 16);
     }
-    pair_sums(a, m, start, block);
   }
 }
 
@@ -98,7 +90,6 @@ GENFN_AVX512 void quantize_span_avx512(const float* x, int64_t m, int64_t k0, in
         std::memset(out + destination(start + j, K, order), 0, 16);
         sums[j / 16] = 0;
       }
-      pair_sums(a, m, start, block);
       continue;
     }
     // The first input of that magnitude: the one the plain loop's strict '>' keeps.
@@ -121,7 +112,6 @@ GENFN_AVX512 void quantize_span_avx512(const float* x, int64_t m, int64_t k0, in
       sums[j / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
     }
     scale = 1.0f / inverse;
-    pair_sums(a, m, start, block);
   }
 }
 
@@ -131,6 +121,10 @@ void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64
                                     bool avx512, ActivationsK& a) {
   if (avx512) quantize_span_avx512(x, m, k0, k1, block, order, a);
   else quantize_span_plain(x, m, k0, k1, block, order, a);
+  // The span's code sums per 32 inputs, from its sums per 16 (either form wrote those).
+  const int16_t* sums = a.sums.data() + m * (a.K / 16) + k0 / 16;
+  int16_t* pairs = a.sums32.data() + m * (a.K / 32) + k0 / 32;
+  for (int64_t g = 0; g < (k1 - k0) / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
 }
 
 void genfn::kquant::quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order,

@@ -7,8 +7,8 @@ place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
 A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks. One that every decode step
 reads whole (a layer's, the LM head, a tied embedding: ``_streamed``) goes into the arena where it
 has huge pages, a layer's Q4_K repacked 8 rows to a group on the way: on 4 KiB pages of the file
-mapping the products read 11 % slower (1B Q4_K_M on a Xeon: 31.1-32.5 against 35.3-35.4 tok/s,
-load 0.5 against 1.6 s; ``docs/guides/k-quants-and-scale.md``, *K-quants on huge pages*). Without
+mapping the products read 11 % slower (1B Q4_K_M on a Xeon: 31.3-32.1 against 35.6-36.6 tok/s,
+load 0.6 against 1.7 s; ``docs/guides/k-quants-and-scale.md``, *K-quants on huge pages*). Without
 huge pages (``GENFN_HUGE_PAGES=0``, or none to ask for), and for an embedding that is only looked
 up, a matrix whose rows keep the file's order, a fused run's parts back to back in the file, is
 used where it lies in the mapping, not copied at all (no fresh memory: on the shared VMs genfn is
@@ -141,9 +141,8 @@ def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) 
     rows = [gguf.tensors[name].shape[0] for name in run]
     orders = [row_order(name) for name in run]
     if all(_FLOAT_TYPES.get(_dequantized_type(gguf, name)) == dtype for name in run):
-        # Kept as stored: streamed on huge pages, else used where it lies in the mapping (module docstring).
-        in_file = None if arena.enabled and _streamed(gguf, run) else _run_in_file(gguf, run, orders)
-        if in_file is not None:
+        in_file = _run_in_file(gguf, run, orders, arena)
+        if in_file is not None:  # kept as stored: used where it lies in the mapping (module docstring)
             return dict(zip(run, arena.hold(mapped(in_file).view(dtype)).split(rows)))
     whole = arena.empty((sum(rows), gguf.tensors[run[0]].shape[1]), dtype)
     out: dict[str, torch.Tensor] = {}
@@ -169,9 +168,12 @@ def _dequantize_run(gguf, run: list[str], row_order, arena, dtype: torch.dtype) 
     return out
 
 
-def _run_in_file(gguf, run: list[str], orders: list[np.ndarray | None]) -> np.ndarray | None:
-    """The run's bytes as one view of the file mapping, where every part keeps the file's row order
-    (``orders`` all None) and the parts lie back to back in the file; else None."""
+def _run_in_file(gguf, run: list[str], orders: list[np.ndarray | None], arena) -> np.ndarray | None:
+    """The run's bytes as one view of the file mapping, to be used where they lie: where every part
+    keeps the file's row order (``orders`` all None), the parts lie back to back in the file, and the
+    run is not one that is streamed on the arena's huge pages (``_streamed``); else None."""
+    if arena.enabled and _streamed(gguf, run):
+        return None
     return gguf.raw_run(run) if all(order is None for order in orders) else None
 
 
@@ -184,9 +186,8 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         return _write_r8_run(gguf, run, row_order, arena, rows, cols)
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
-        # Streamed on huge pages, or used where they lie in the file (module docstring).
-        in_file = None if arena.enabled and _streamed(gguf, run) else _run_in_file(gguf, run, orders)
-        if in_file is not None:
+        in_file = _run_in_file(gguf, run, orders, arena)
+        if in_file is not None:  # the file's own bytes, used where they lie (module docstring)
             data = arena.hold(mapped(in_file))
         else:
             data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
