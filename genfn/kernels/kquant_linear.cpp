@@ -101,7 +101,9 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
   }
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
+    fetch.through(w + block_bytes(F));
     const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
     uint64_t sc, mn;
     unpack_scales(w + 4, sc, mn);
@@ -167,7 +169,9 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
   for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
+    fetch.through(w + block_bytes(F));
     if constexpr (F == kQ4K || F == kQ5K) {
       const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
       uint64_t sc, mn;
@@ -319,11 +323,7 @@ void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
 // still in L1 for the next group; y [M, N] with N all parts' rows.
 void rows_share(SharedLinear& s, float* y, int64_t t) {
   const int64_t N = s.first[s.count];
-  // Where the own run is fetched ahead (genfn_kernels::fetch_ahead_at_one_row), the bytes a row
-  // reads, a window (kStreamWindow) further on, up to the run's end (past it lies another thread's
-  // share) or its part's.
-  const bool fetch = s.M == 1 && genfn_kernels::fetch_ahead_at_one_row();
-  auto rows = [&](int64_t n0, int64_t n1, int64_t stop) {
+  auto rows = [&](int64_t n0, int64_t n1) {
     int64_t p = 0;
     for (int64_t n = n0; n < n1; ++n) {
       while (n >= s.first[p + 1]) ++p;
@@ -331,22 +331,14 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
       const bool r8 = s.parts[p].format == kQ4KR8;
       if (r8 && (n - s.first[p]) % kR8Rows) continue;
       const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
-      // Not q4_k_r8's groups, whose kernel fetches its own stream a super-block at a time
-      // (kquant_r8.cpp): all of a group's lines at once cost 1.00-1.13x the time.
-      if (fetch && !r8 && stop > n) {
-        const uint8_t* end = s.parts[p].w + (std::min(stop, s.first[p + 1]) - s.first[p]) * s.row_bytes[p];
-        const uint8_t* ahead = w + genfn_kernels::kStreamWindow;
-        const uint8_t* to = std::min(end, ahead + s.row_bytes[p]);
-        for (const uint8_t* f = ahead; f < to; f += 64) _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T1);
-      }
       const ActivationsK& a = s.x[s.layout_of[p]];
       for (int64_t m0 = 0; m0 < s.M; m0 += s.per)
         (m0 + s.per <= s.M ? s.full[p] : s.last[p])(w, s.blocks[p], a, m0, y + m0 * N + n, N);
     }
   };
   genfn_kernels::run_balanced(
-      s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t stop) { rows(begin, end, stop); },
-      [&](int64_t begin, int64_t end) { rows(begin, end, 0); });
+      s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
+      [&](int64_t begin, int64_t end) { rows(begin, end); });
 }
 
 constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &quantize_share,

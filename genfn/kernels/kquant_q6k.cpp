@@ -51,7 +51,9 @@ GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a
   // 96-127 bits 6-7 (for vb): shifted into bits 4-5 of each byte.
   const __m512i up_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i down_b = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kQ6K)) {
+    fetch.through(w + block_bytes(kQ6K));
     const uint8_t* ql = w;
     const uint8_t* qh = w + 128;
     const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));

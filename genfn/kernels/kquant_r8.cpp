@@ -105,17 +105,12 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i dup = _mm512_load_si512(kR8Index.dup);
-  // One row of x on Intel cores (genfn_kernels::fetch_ahead_at_one_row): each super-block's 18 lines
-  // fetched 16 KiB ahead into L2, spread over the group's super-blocks. Fetched all at once before
-  // the group (rows_share's way for the other formats) the group's 144-576 lines cost 1.00-1.13x the
-  // time; spread, 0.86-1.02x (1B shapes, 2 threads, out of cache). The kernel does not know where
-  // its thread's run ends, so the last 16 KiB fetched may be the next thread's (prefetches do not
-  // fault): 0.4 % of a 1B step's reads at most.
-  const bool fetch = M == 1 && genfn_kernels::fetch_ahead_at_one_row();
+  // Spread over the group's super-blocks (StreamFetch): fetched all at once before the group
+  // (as the row kernels once did) the group's 144-576 lines cost 1.00-1.13x the time; spread,
+  // 0.86-1.02x (1B shapes, 2 threads, out of cache).
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
-    if (fetch)
-      for (int64_t off = 0; off < kR8Block; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w + genfn_kernels::kStreamWindow + off), _MM_HINT_T1);
+    fetch.through(w + kR8Block);
     const Header hd = load_header(w);
     const __m256i* sc = hd.sc;
     const __m256i* mn = hd.mn;
@@ -178,7 +173,9 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
+    fetch.through(w + kR8Block);
     const Header hd = load_header(w);
     const __m256i* sc = hd.sc;
     const __m256i* mn = hd.mn;
