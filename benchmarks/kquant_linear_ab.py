@@ -17,6 +17,13 @@ of ``--rounds`` rounds per format, shape and row count, and this tree's time ove
 ``--model``: a GGUF file loaded once with ``quantize="gguf"``, its batch-1 greedy decode (eager,
 ``--new-tokens`` tokens after a 16-token prompt) with every K-quant product on one library or the
 other, alternating round by round (each first in every other round): tok/s per round, and whether both decoded the same tokens.
+
+``--moe``: the mixture-of-experts decode kernel (``kquant_moe_decode``) instead, one token through
+a Qwen3-MoE-like MLP (``--experts`` experts of hidden 2048 and width 768, ``--top-k`` chosen from a
+fixed list of 64 random choices) in Q4_K and Q6_K, the experts (~170-250 MB) past the caches:
+microseconds per token (median of ``--rounds``) and this tree's time over the revision's.
+
+    python benchmarks/kquant_linear_ab.py --baseline main --moe [--experts 96 --top-k 8]
 """
 
 from __future__ import annotations
@@ -74,6 +81,37 @@ def decode_ab(path: str, ops: dict, new_tokens: int, rounds: int) -> None:
           f"{statistics.median(seconds[keys[1]]) / statistics.median(seconds[keys[0]]):.2f}")
 
 
+def moe_ab(ops: dict, num_experts: int, top_k: int, rounds: int) -> None:
+    """The K-quant mixture-of-experts decode of each library, interleaved, on the same experts."""
+    hidden, inter = 2048, 768
+    print(f"K-quant path {kquant.kquant_isa()}, {torch.get_num_threads()} thread(s), {num_experts} experts, "
+          f"top {top_k}, {rounds} interleaved rounds; median us per token")
+    for fmt in ("q4_k", "q6_k"):
+        torch.manual_seed(0)
+        gate_up = torch.stack([quantize_k(torch.randn(2 * inter, hidden) * 0.02, fmt).data.view(2 * inter, -1)
+                               for _ in range(num_experts)])
+        down = torch.stack([quantize_k(torch.randn(hidden, inter) * 0.02, fmt).data.view(hidden, -1)
+                            for _ in range(num_experts)])
+        f = FORMAT_ID[fmt]
+        x = torch.randn(1, hidden)
+        choices = [torch.randperm(num_experts)[:top_k].view(1, top_k) for _ in range(64)]
+        weights = torch.softmax(torch.randn(1, top_k), -1)
+        base, new = (op(x, choices[0], weights, gate_up, f, down, f)[0] for op in ops.values())
+        if not torch.equal(base, new):
+            raise SystemExit(f"{fmt}: the kernels' bits differ")
+        seconds: dict[str, list[float]] = {key: [] for key in ops}
+        for _ in range(rounds):
+            for key, op in ops.items():
+                start = time.perf_counter()
+                for chosen in choices:
+                    op(x, chosen, weights, gate_up, f, down, f)
+                seconds[key].append((time.perf_counter() - start) / len(choices))
+        cells = "  ".join(f"{key} {statistics.median(s) * 1e6:7.1f}" for key, s in seconds.items())
+        keys = list(ops)
+        ratio = statistics.median(seconds[keys[1]]) / statistics.median(seconds[keys[0]])
+        print(f"{fmt}: {cells}  ratio {ratio:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="git revision whose K-quant kernels to compare with")
@@ -85,12 +123,18 @@ def main() -> None:
     parser.add_argument("--model", help="a GGUF file: its batch-1 decode on each library, alternating")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per round with --model")
     parser.add_argument("--allow-diff", action="store_true", help="report, rather than refuse, differing bits")
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts decode kernel instead")
+    parser.add_argument("--experts", type=int, default=96, help="experts with --moe")
+    parser.add_argument("--top-k", type=int, default=8, help="experts chosen per token with --moe")
     args = parser.parse_args()
     if not kquant.kquant_available():
         raise SystemExit(f"the K-quant kernels are not available: {kquant.kquant_status()}")
     torch.set_num_threads(args.threads)
     torch.ops.load_library(str(build_at_revision(
         native.KQUANT, args.baseline, {"genfn_kquant": "genfn_kquant_base", "genfn::kquant": "genfn::kquant_base"})))
+    if args.moe:
+        return moe_ab({args.baseline: torch.ops.genfn_kquant_base.kquant_moe_decode,
+                       "this tree": torch.ops.genfn_kquant.kquant_moe_decode}, args.experts, args.top_k, args.rounds)
     ops = {args.baseline: torch.ops.genfn_kquant_base.kquant_linear, "this tree": torch.ops.genfn_kquant.kquant_linear}
     if args.model:
         return decode_ab(args.model, ops, args.new_tokens, args.rounds)
