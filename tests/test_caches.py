@@ -143,6 +143,43 @@ def test_dynamic_caches_grow_by_exactly_the_new_tokens(impl):
         assert cache.quantized_len + cache.residual_len == total and cache.quantized_len > 0
 
 
+@pytest.mark.parametrize("impl", ["dynamic", "quantized"])
+def test_growing_caches_lengthen_in_their_own_room_and_copy_rarely(impl):
+    """A step's new slots are a view into room the buffer was allocated with (no copy of the cache
+    every step); the slots already held keep their values and the new ones start at zero."""
+    cache = _make(impl, cache_config={"residual_length": 64, "q_group_size": 8} if impl == "quantized" else None)
+    name = "rkeys" if impl == "quantized" else "keys"
+    generator = torch.Generator().manual_seed(0)
+    cache, _ = _feed(cache, 1, 2, TINY, generator, num_new=5)
+    storages = {getattr(cache, name).untyped_storage().data_ptr()}
+    for _ in range(40):
+        held = getattr(cache, name).clone()
+        grown = cache.advance(cache.slots(1), torch.ones(2, 1, dtype=torch.bool))
+        buffer = getattr(grown, name)
+        assert torch.equal(buffer[:, :, :, :-1], held) and not buffer[:, :, :, -1:].any()
+        cache, _ = _feed(cache, 1, 2, TINY, generator, num_new=1)
+        storages.add(getattr(cache, name).untyped_storage().data_ptr())
+    # 45 tokens: room for 64 from the first allocation on, so one storage throughout.
+    assert len(storages) == 1
+
+
+def test_lengthened_views_only_room_it_allocated():
+    from genfn.cache.dynamic import lengthened
+
+    grown = lengthened(torch.arange(6.0).view(1, 6), 1, 8)  # a tensor with no room: copied, with room
+    assert grown.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 0.0]]
+    again = lengthened(grown, 1, 9)
+    assert again.untyped_storage().data_ptr() == grown.untyped_storage().data_ptr()
+    assert again.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 0.0, 0.0]]
+    # A slice of some other tensor that is no leading view of a contiguous one (an offset, strides of
+    # another shape) is copied, not extended in place.
+    other = torch.arange(20.0).view(2, 10)
+    for part in (other[:, 2:5], other.t()[:3, :], other[:, ::2]):
+        out = lengthened(part, 1, part.shape[1] + 2)
+        assert out.untyped_storage().data_ptr() != other.untyped_storage().data_ptr()
+        assert torch.equal(out[:, :part.shape[1]], part) and not out[:, part.shape[1]:].any()
+
+
 # --- reorder (beam search) ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("impl", CACHE_IMPLEMENTATIONS)
