@@ -5,10 +5,12 @@
     python benchmarks/assisted.py --quick          # 32 new tokens, one timed repeat
     python benchmarks/assisted.py --engines prompt-lookup --repeats 3   # greedy vs prompt lookup only
     python benchmarks/assisted.py --engines prompt-lookup --quantize gguf   # the file's Q4_1 blocks kept
+    python benchmarks/assisted.py --engines greedy prompt-lookup --dynamic-cache   # generate's default cache
 
 The task is input-grounded: the model rewrites a passage given in the prompt (chat template), so
 its output copies long spans of the prompt, which is where prompt lookup drafts well. Engines
-(all greedy, static cache; each compared token for token with plain greedy of the same batch):
+(all greedy, static cache, or with ``--dynamic-cache`` the growing cache ``generate`` keeps by default,
+eager; each compared token for token with plain greedy of the same batch):
 
     greedy         plain greedy decoding (the baseline)
     prompt-lookup  prompt_lookup_num_tokens (drafts from the row's own tokens; no draft model)
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--early-exit", type=int, default=8)
     parser.add_argument("--assistant-tokens", type=int, default=4)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--dynamic-cache", action="store_true",
+                        help="generate's default growing cache (eager) instead of a static one")
     parser.add_argument("--quantize", choices=["gguf"], default=None,
                         help="keep the file's Q4_1/Q8_0 blocks (genfn.load(quantize='gguf')) instead of float32")
     parser.add_argument("--quick", action="store_true")
@@ -101,9 +105,12 @@ def main() -> None:
     model = genfn.load(quantize=args.quantize)
     draft = genfn.load(dtype=torch.bfloat16) if "draft-bf16" in args.engines else None
     weights = "its Q4_1/Q8_0 blocks kept" if args.quantize else "dequantized to float32"
-    settings = dict(max_new_tokens=args.new_tokens, cache_implementation="static",
-                    max_cache_len=512, return_dict_in_generate=True)
-    if not args.compiled:
+    if args.dynamic_cache and args.compiled:
+        parser.error("--dynamic-cache runs eagerly: it does not combine with --compiled")
+    settings = dict(max_new_tokens=args.new_tokens, return_dict_in_generate=True)
+    if not args.dynamic_cache:
+        settings.update(cache_implementation="static", max_cache_len=512)
+    if not args.compiled and not args.dynamic_cache:
         settings["disable_compile"] = True
     engines = {
         "greedy": {},

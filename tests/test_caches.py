@@ -163,6 +163,20 @@ def test_growing_caches_lengthen_in_their_own_room_and_copy_rarely(impl):
     assert len(storages) == 1
 
 
+def test_dynamic_rewind_is_a_shorter_view_that_the_next_forward_lengthens():
+    generator = torch.Generator().manual_seed(0)
+    cache, _ = _feed(_make("dynamic"), 1, 2, TINY, generator, num_new=10)
+    storage, held = cache.keys.untyped_storage().data_ptr(), cache.keys[:, :, :, :7].clone()
+    cache = cache.rewind(torch.tensor([7, 5]))
+    assert cache.max_cache_len == 7 and cache.keys.untyped_storage().data_ptr() == storage
+    assert torch.equal(cache.keys, held) and cache.valid.tolist() == [[True] * 7, [True] * 5 + [False] * 2]
+    cache, seen = _feed(cache, 1, 2, TINY, generator, num_new=2)
+    assert cache.keys.untyped_storage().data_ptr() == storage  # over the forgotten slots, no copy
+    assert torch.equal(cache.keys[:, :, :, :7], held)
+    assert torch.equal(seen[0][0][0][:, :, 7:], cache.keys[0, :, :, 7:])  # the new slots hold the new keys
+    assert cache.valid.tolist() == [[True] * 9, [True] * 5 + [False] * 2 + [True] * 2]
+
+
 def test_lengthened_views_only_room_it_allocated():
     from genfn.cache.dynamic import lengthened
 

@@ -50,9 +50,11 @@ class DynamicCache(CacheBase):
                             length=torch.full_like(self.length, self.max_cache_len + slots.shape[1]))
 
     def rewind(self, lengths: torch.Tensor) -> DynamicCache:
-        """Truncate to the longest row (one host read: this cache runs eagerly); mask shorter rows' tails."""
+        """Truncate to the longest row (one host read: this cache runs eagerly); mask shorter rows' tails.
+        The buffers become shorter views of the same storage (no copy): the next ``advance`` lengthens
+        them over the forgotten slots, which its forward's ``write_layer`` overwrites."""
         keep = int(lengths.max()) if lengths.numel() else 0
-        return self.replace(keys=self.keys[:, :, :, :keep].clone(), values=self.values[:, :, :, :keep].clone(),
+        return self.replace(keys=self.keys[:, :, :, :keep], values=self.values[:, :, :, :keep],
                             valid=valid_below(self.valid[:, :keep], lengths), length=torch.full_like(self.length, keep))
 
     def with_rows(self, rows, other) -> DynamicCache:
