@@ -25,10 +25,13 @@
 
 namespace genfn::kquant {
 
-// A row kernel's own weight stream fetched kStreamWindow ahead into L2 at one row of x on Intel
-// cores (genfn_kernels::fetch_ahead_at_one_row), a line at a time as its reads reach each block:
-// spread over the row, not all of a row's lines before it, which stalls the core on the fetches it
-// has in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache: 0.85x the time spread).
+// A row kernel's own weight stream fetched kStreamWindow ahead into L2, a line at a time as its
+// reads reach each block: spread over the row, not all of a row's lines before it, which stalls
+// the core on the fetches it has in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache:
+// 0.85x the time spread). At one row of x on Intel cores only (genfn_kernels::fetch_ahead_at_one_row);
+// at 2-8 rows on every CPU, as the decode library's kernels fetch, where the rows fetched nothing
+// before (the Xeon, 1B shapes out of cache: Q4_K 0.51-0.80x the time, Q6_K 0.61-0.75x, q4_k_r8
+// 0.82-1.00x; not measured on AMD here, where the decode library's windows at 2-8 rows paid).
 // Rows a thread reads one after another continue each other's fetches. The kernel does not know
 // where its thread's run ends, so up to the window past it is fetched too (prefetches do not fault;
 // another thread reads those bytes).
@@ -37,7 +40,7 @@ struct StreamFetch {
   const uint8_t* next;
   bool on;
   explicit StreamFetch(const uint8_t* w)
-      : next(w + genfn_kernels::kStreamWindow), on(M == 1 && genfn_kernels::fetch_ahead_at_one_row()) {}
+      : next(w + genfn_kernels::kStreamWindow), on(M > 1 || genfn_kernels::fetch_ahead_at_one_row()) {}
   // Every line up to a window past `end`, the end of the block about to be read.
   void through(const uint8_t* end) {
     if (on)
