@@ -2,6 +2,7 @@
 
     python benchmarks/lookup_steps.py --quantize gguf                   # eager and compiled, k = 7 and 10
     python benchmarks/lookup_steps.py --inductor-option cpp.min_chunk_size=512 --calls 200
+    python benchmarks/lookup_steps.py --model llama-1b-q4_k_m.gguf --no-eager   # a real-size file's blocks
 
 ``benchmarks/lookup_rounds.py`` times whole ``generate`` calls, so on a shared machine a round's
 figure carries every other process's bursts. Here each case's step function and state are taken
@@ -66,13 +67,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lookup-tokens", default="7,10", help="comma-separated prompt_lookup_num_tokens")
     parser.add_argument("--quantize", choices=["gguf"], default=None, help="keep the file's blocks")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file with SmolLM2's vocabulary (benchmarks/make_model.py), its blocks kept")
     parser.add_argument("--calls", type=int, default=100, help="timed calls of each case (the fastest counts)")
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens decoded before the state is kept")
     parser.add_argument("--inductor-option", type=inductor_option, action="append", default=[],
                         help="name=value: one more compiled engine with this inductor option (repeatable)")
     parser.add_argument("--no-eager", action="store_true")
     args = parser.parse_args()
-    model = genfn.load(quantize=args.quantize)
+    model = genfn.load(args.model, quantize="gguf") if args.model else genfn.load(quantize=args.quantize)
     ids, mask = prompts(model.tokenizer, 1)
     engines = {"compiled": {}} if args.no_eager else {"eager": None, "compiled": {}}
     for name, value in args.inductor_option:
@@ -100,7 +103,8 @@ def main() -> None:
             best[case] = min(best[case], time.perf_counter() - start)
     for engine in engines:
         step = best[engine, 0]
-        line = dict(engine=engine, weights="blocks" if args.quantize else "float32", threads=torch.get_num_threads(),
+        weights = os.path.basename(args.model) if args.model else "blocks" if args.quantize else "float32"
+        line = dict(engine=engine, weights=weights, threads=torch.get_num_threads(),
                     load_average=round(os.getloadavg()[0], 2), calls=args.calls, step_ms=round(step * 1e3, 3))
         for k in ks[1:]:
             line[f"round_ms_k{k}"] = round(best[engine, k] * 1e3, 3)
