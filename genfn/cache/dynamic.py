@@ -90,8 +90,10 @@ def widen(cache, capacity: int):
 
 
 def appended_slots(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, new_valid: torch.Tensor):
-    """``(keys, values, valid)`` of a growing cache with ``S`` more slots per row: zero keys and values
-    (``[L, B, H, S, D]`` appended on the slot axis) and ``new_valid [B, S]`` appended to ``valid``."""
+    """``(keys, values, valid)`` of a growing cache with ``S`` more slots per row: keys and values
+    lengthened by ``S`` slots on the slot axis (``lengthened``: zeros, or what a forward from a
+    donated cache wrote there, which this forward's ``write_layer`` overwrites) and ``new_valid
+    [B, S]`` appended to ``valid``."""
     num_new = new_valid.shape[1]
     grown_valid = lengthened(valid, 1, valid.shape[1] + num_new)
     grown_valid[:, valid.shape[1]:] = new_valid
@@ -145,19 +147,9 @@ def _capacity(buffer: torch.Tensor, dim: int) -> int:
         return held
     capacity = buffer.stride(dim - 1) // inner
     shape = buffer.shape[:dim] + (capacity,) + buffer.shape[dim + 1:]
-    if capacity < held or buffer.stride() != _contiguous_strides(shape):
+    if capacity < held or buffer.untyped_storage().nbytes() < math.prod(shape) * buffer.element_size():
         return held
-    if buffer.untyped_storage().nbytes() < math.prod(shape) * buffer.element_size():
-        return held
-    return capacity
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return capacity if buffer.as_strided(shape, buffer.stride()).is_contiguous() else held
 
 
 def init_dynamic_cache(

@@ -337,8 +337,7 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
     }
   };
   genfn_kernels::run_balanced(
-      s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); },
-      [&](int64_t begin, int64_t end) { rows(begin, end); });
+      s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); }, rows);
 }
 
 constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &quantize_share,

@@ -1,7 +1,13 @@
-// The K-quant library's row-function dispatch, shared by its row kernels' sources
-// (kquant_linear.cpp, iq4_linear.cpp, kquant_r8.cpp); apart from kquant.h, which the decode
-// library includes too.
+// The K-quant library's row-function dispatch and the row kernels' own fetch of their weight
+// stream (StreamFetch), shared by its row kernels' sources (kquant_linear.cpp, kquant_q6k.cpp,
+// iq4_linear.cpp, kquant_r8.cpp); apart from kquant.h, which the decode library includes too.
 #pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "row_queue.h"
 
 // The row function of a kernel template for `rows` rows of x (1..8; 8: any more), returned from
 // the enclosing function; arguments after KERNEL follow the row count: GENFN_ROW_CASES(rows, row_avx512, F).
@@ -16,12 +22,6 @@
     case 7: return &KERNEL<7, ##__VA_ARGS__>;  \
     default: return &KERNEL<8, ##__VA_ARGS__>; \
   }
-
-#include <immintrin.h>
-
-#include <cstdint>
-
-#include "row_queue.h"
 
 namespace genfn::kquant {
 
