@@ -40,6 +40,8 @@ def _populate(address: int, length: int) -> None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(address, length, MADV_POPULATE_WRITE) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+
 VARIANTS = ("huge", "huge-pop", "huge-2thr", "4k")
 
 
