@@ -86,6 +86,21 @@ def assert_prefill_and_cached_steps_match(hf_model, model, ids, mask, steps: int
     return ref.logits[real]
 
 
+def record_native_layers(monkeypatch, calls: list) -> None:
+    """Record ``(tokens per row, native)`` in ``calls`` for each layer step whose form
+    genfn.kernels.decode_layer decides (the eager stack of layers and the layer by layer alike)."""
+    from genfn.kernels import decode_layer
+
+    kind_of = decode_layer.layer_kind
+
+    def recorded(layer, x):
+        kind = kind_of(layer, x)
+        calls.append((x.shape[1], kind is not None))
+        return kind
+
+    monkeypatch.setattr(decode_layer, "layer_kind", recorded)
+
+
 def llama_cpp_permute(w, n_head: int):
     """What llama.cpp's converter does to llama Q/K rows (written independently of genfn)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -13,6 +13,7 @@ from genfn.models import llama
 from genfn.models.rope import apply_rope
 from genfn.quant.weight import QuantizedWeight
 from test_paged_native import needs_kernel
+from conftest import record_native_layers
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN = 9, 3, 64, 576, 1536
 EPS = 1e-5
@@ -172,12 +173,11 @@ def test_a_decode_takes_the_native_layer_and_keeps_transformers_tokens(tiny_pair
     hf, model = tiny_pair_f32
     settings = {key: value for key, value in {**GENERATE, **CACHES[cache]}.items() if value is not None}
     calls = []
-    takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
+    record_native_layers(monkeypatch, calls)
     ours = genfn.generate(model, PROMPTS, **settings)
     assert calls and all(took for seq, took in calls if seq == 1)  # every decode layer of every step
     assert not any(took for seq, took in calls if seq > 1)  # the prompts' 18 tokens are a prefill
-    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
     plain = genfn.generate(model, PROMPTS, **settings)
     assert torch.equal(ours.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-5, rtol=2e-5)
@@ -273,11 +273,10 @@ def test_a_quantized_static_cache_decode_takes_the_quantized_layer(tiny_pair_f32
     _, model = tiny_pair_f32
     quantized = Model(model.spec, quantize_params(model.params, "q8_0"), model.apply_fn, model.init_cache_fn)
     calls = []
-    takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
+    record_native_layers(monkeypatch, calls)
     ours = genfn.generate(quantized, PROMPTS, **GENERATE)
     assert calls and all(took for seq, took in calls if seq == 1)
-    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
     plain = genfn.generate(quantized, PROMPTS, **GENERATE)
     # float32 sums in another order can move an activation's 8-bit code by one: close, not equal.
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-3, rtol=2e-3)
@@ -358,8 +357,7 @@ def test_prompt_lookup_verifies_in_the_native_layer_and_keeps_greedy_tokens(tiny
                     max_cache_len=64, disable_compile=True, return_dict_in_generate=True)
     greedy = genfn.generate(model, prompt, **settings)
     seqs = []
-    takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: seqs.append((x.shape[1], takes(x, *a))) or seqs[-1][1])
+    record_native_layers(monkeypatch, seqs)
     looked_up = genfn.generate(model, prompt, prompt_lookup_num_tokens=10, **settings)
     assert any(seq > 1 and took for seq, took in seqs)  # verifications ran in the fused layer
     assert looked_up.acceptance["total_accepted"] > 0

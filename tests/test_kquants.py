@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import genfn
-from conftest import finish_gguf, gguf_writer, llama_cpp_permute, tiny_hf_model
+from conftest import finish_gguf, gguf_writer, llama_cpp_permute, record_native_layers, tiny_hf_model
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.models.loaders.gguf import read_gguf
@@ -340,14 +340,13 @@ def test_a_k_quant_static_cache_decode_takes_the_fused_layer_and_keeps_its_token
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True,
               output_logits=True, cache_implementation="static", max_cache_len=48, disable_compile=True)
     calls = []
-    takes = decode_layer.takes
-    monkeypatch.setattr(decode_layer, "takes", lambda x, *a: calls.append((x.shape[1], takes(x, *a))) or calls[-1][1])
+    record_native_layers(monkeypatch, calls)
     fused = genfn.generate(model, prompt, **kw)
     assert calls and all(took for seq, took in calls if seq == 1)
     looked_up = genfn.generate(model, prompt, prompt_lookup_num_tokens=6, **{**kw, "output_logits": False})
     assert any(seq > 1 and took for seq, took in calls)  # verifications ran in the fused layer
     assert torch.equal(looked_up.sequences, fused.sequences)
-    monkeypatch.setattr(decode_layer, "takes", lambda *a: False)
+    monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
     plain = genfn.generate(model, prompt, **kw)
     assert torch.equal(fused.sequences, plain.sequences)
     # The layer's norm, RoPE and SiLU round a last bit otherwise than torch's ops, which can move an

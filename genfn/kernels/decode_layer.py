@@ -31,7 +31,8 @@ from genfn.quant.kquants import FORMAT_ID, KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input"]
+__all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input", "stack_weights",
+           "run_stack"]
 
 # The most tokens one call takes (decode_layer.cpp's kMaxLayerRows): a decode step's rows, or a
 # speculative verification's positions (each of them the bits of a step of that token alone).
@@ -79,36 +80,55 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
     block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
     float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
+    return _rows_take(x, keys, head_dim) and layer_kind(layer, x) is not None
+
+
+def _rows_take(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
+    """``takes``' conditions on the rows and the cache, the same for every layer of a step."""
     dtype = x.dtype
     if (x.dim() != 3 or dtype not in MAX_DECODE_ROWS or x.shape[0] * x.shape[1] > MAX_LAYER_ROWS
             or x.device.type != "cpu"):
         return False
-    if "bqkv" in layer or keys.dtype != dtype or head_dim % 16 or head_dim > 128:
+    if keys.dtype != dtype or head_dim % 16 or head_dim > 128:
         return False
     if torch.is_grad_enabled() and x.requires_grad:
         return False
+    return decode_linear_available()
+
+
+# A layer's kind, as decode_stack's layout numbers it.
+_PLAIN, _TILES, _KQUANT = 0, 1, 2
+
+
+def layer_kind(layer: Mapping[str, Any], x: torch.Tensor) -> int | None:
+    """How ``layer``'s weights run natively against ``x`` (``_PLAIN``, ``_TILES``, ``_KQUANT``), or None
+    where they do not (``takes``)."""
+    dtype = x.dtype
+    if "bqkv" in layer:
+        return None
     # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
     if quantized(layer):
         if dtype != torch.float32 or not _VNNI:
-            return False
-        plain = _NORMS
+            return None
+        kind, plain = _TILES, _NORMS
     elif kquantized(layer):
         if dtype != torch.float32:
-            return False
-        plain = _NORMS
+            return None
+        kind, plain = _KQUANT, _NORMS
     elif dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
-        return False
+        return None
     else:
-        plain = _WEIGHTS  # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op
+        # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op
+        kind, plain = _PLAIN, _WEIGHTS
     for name in plain:
         weight = layer.get(name)
         if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.device.type != "cpu":
-            return False
+            return None
         if torch.is_grad_enabled() and weight.requires_grad:
-            return False
-    return decode_linear_available()
+            return None
+    return kind
 
 
 def _ops():
@@ -173,3 +193,44 @@ def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.T
     w = layer["w_gate_up"]
     return _ops().decode_mlp_input_quant(x1.reshape(-1, x1.shape[-1]), layer["mlp_norm"], *_parts(w),
                                          w.out_features, eps)
+
+
+def stack_weights(x: torch.Tensor, layers, keys: torch.Tensor, head_dim: int) -> tuple[list, list] | None:
+    """``(weights, layout)`` as ``run_stack`` takes ``layers`` for a step on ``x [B, S, hidden]`` (float32),
+    or None where a layer's step does not run natively (``takes``) or the stack's form does not hold it
+    (bfloat16: its native layer is the compiled step's)."""
+    if x.dtype != torch.float32 or not _rows_take(x, keys, head_dim):
+        return None
+    weights, layout = [], []
+    for layer in layers:
+        kind = layer_kind(layer, x)
+        if kind is None:
+            return None
+        layout.append(kind)
+        weights += (layer["attn_norm"], layer["mlp_norm"])
+        for name in _LINEARS:
+            weight = layer[name]
+            if kind == _PLAIN:
+                weights.append(weight)
+            elif kind == _TILES:
+                layout.append(weight.kind)
+                weights += (weight.codes, weight.scales, weight.mins)
+            else:
+                parts = _kquant_parts(weight)
+                layout += (len(parts), *(FORMAT_ID[p.format] for p in parts))
+                weights += (p.data for p in parts)
+    return weights, layout
+
+
+def run_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, eps: float, heads: int,
+              kv_heads: int) -> torch.Tensor:
+    """The residual stream ``[B, S, hidden]`` after the layers ``stack`` (``stack_weights``) describes, in one
+    native call (``decode_stack.cpp``): each layer's ``attention_input``, its keys and values written
+    into ``keys``/``values [L, B, Hkv, T, D]`` at ``slots [B, S]`` in place, then its ``layer_output``
+    over the slots ``mask [B, 1, S, A]`` shows. The same numbers as those ops layer by layer."""
+    weights, layout = stack
+    out = _ops().decode_stack(x.reshape(-1, x.shape[-1]), weights, layout, cos.reshape(-1, cos.shape[-1]),
+                              sin.reshape(-1, sin.shape[-1]), keys, values, slots, mask.reshape(-1, mask.shape[-1]),
+                              eps, heads, kv_heads, cos.shape[-1] ** -0.5)
+    return out.view(x.shape)

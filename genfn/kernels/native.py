@@ -64,10 +64,11 @@ class NativeLibrary:
 DECODE = NativeLibrary(
     stem="decode_linear", what="decode kernels",
     sources=tuple(_HERE / name for name in ("decode_linear.cpp", "quant_linear.cpp", "decode_attention.cpp",
-                                            "decode_layer.cpp", "token_ops.cpp", "thread_pool.cpp",
+                                            "decode_layer.cpp", "decode_stack.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp", "prefill_attention.cpp")),
-    headers=(_HERE / "decode_kernels.h", _HERE / "row_queue.h", _HERE / "kquant.h", _HERE / "attention_lanes.h"),
+    headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "kquant.h",
+             _HERE / "attention_lanes.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using F.linear")

@@ -1,0 +1,376 @@
+// The pieces of a Llama decoder layer's decode step that its ops are built from: the three kinds
+// of linear a layer's weights take (DenseLinear, QuantLinear, KQuantLinear), the two halves of the
+// layer around the KV-cache write (attention_input, layer_output; mlp_input between), and the checks
+// of the tensors the ops take. decode_layer.cpp makes them one op per half of one layer;
+// decode_stack.cpp runs a whole stack of layers, the cache writes included, in one call.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "decode_kernels.h"
+#include "kquant.h"
+
+namespace genfn_kernels::layer {
+
+// The most rows a layer call takes: the linears run them in even groups of at most kMaxDecodeRows
+// (group_size), every group over each chunk of weights while it is in L1 (one weight stream). A
+// row is one token; a cache row may hold several of them (a speculative verification's positions
+// of one sequence), each attending its own visible slots, so that each gets the bits a step of
+// that token alone gets.
+inline constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
+
+inline float wide(float v) { return v; }
+inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T narrow(float v) { return static_cast<T>(v); }
+
+// [begin, end) of `count` items for thread t of a team of T: even contiguous shares.
+inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t T) {
+  return {count * t / T, count * (t + 1) / T};
+}
+
+// out[m] = w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), the model's _rms_norm.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * E;
+    float squares = 0.f;
+    for (int64_t e = 0; e < E; ++e) squares += wide(row[e]) * wide(row[e]);
+    const float r = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e)
+      out[m * E + e] = narrow<T>(wide(w[e]) * wide(narrow<T>(wide(row[e]) * r)));
+  }
+}
+
+// act[f] = silu(gate[f]) * up[f] for f in [f0, f1): float32 16 lanes at a time (one std::exp an
+// element cost ~5 % of an 8-row step), bfloat16 an element at a time.
+inline void swiglu(const float* gate, const float* up, int64_t f0, int64_t f1, float* act) {
+  for (int64_t f = f0; f < f1; f += 16) {
+    const __mmask16 keep = genfn_kernels::lanes_below(f1 - f);
+    const __m512 g = _mm512_maskz_loadu_ps(keep, gate + f), u = _mm512_maskz_loadu_ps(keep, up + f);
+    _mm512_mask_storeu_ps(act + f, keep, _mm512_mul_ps(genfn_kernels::silu16(g), u));
+  }
+}
+
+inline void swiglu(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t f0, int64_t f1, c10::BFloat16* act) {
+  for (int64_t f = f0; f < f1; ++f) {
+    const float g = wide(gate[f]), u = wide(up[f]);
+    act[f] = narrow<c10::BFloat16>(g / (1.f + std::exp(-g)) * u);
+  }
+}
+
+// RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
+template <typename T>
+void rotate(T* x, const T* cos, const T* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = wide(x[i]), b = wide(x[i + half]);
+    x[i] = narrow<T>(a * wide(cos[i]) - b * wide(sin[i]));
+    x[i + half] = narrow<T>(b * wide(cos[i + half]) + a * wide(sin[i + half]));
+  }
+}
+
+// The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
+// then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
+template <typename T>
+struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups: linear_balanced)
+  const T* w;
+  RowQueue rows;
+  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads, std::is_same_v<T, c10::BFloat16>); }
+  void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t) {
+    linear_balanced(M, x, w, K, N, y, t, rows);
+  }
+};
+
+// Tiles of quantized rows against float32 activations: the threads quantize x a share of rows
+// each (a group's rows into its own buffer), meet, and sum the tiles shared out balanced.
+struct QuantLinear {
+  static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
+  QuantWeight w;
+  genfn_kernels::QuantActivations x8[kGroups];
+  int64_t per = 0, groups = 0, rows[kGroups] = {};  // prepare's split of the M rows (group_size)
+  RowQueue tiles;
+  void prepare(int64_t M, int64_t, int64_t team) {
+    per = genfn_kernels::group_size(M);
+    groups = (M + per - 1) / per;
+    for (int64_t g = 0; g < groups; ++g) {
+      rows[g] = std::min(per, M - g * per);
+      x8[g].resize(rows[g], w.blocks * 32);
+    }
+    tiles.prepare_blocks(w.tiles, team);
+  }
+  void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+    float* out[kGroups];
+    for (int64_t g = 0; g < groups; ++g) {
+      out[g] = y + g * per * N;
+      genfn_kernels::quantize_rows_share(x + g * per * K, rows[g], K, x8[g], t, team);
+    }
+#pragma omp barrier
+    genfn_kernels::quant_linear_share_groups(groups, rows, x8, K, w, out, t, tiles);
+  }
+};
+
+// GGUF K-quant rows (Q4_K, Q5_K, Q6_K, IQ4; a matrix may stack parts in several formats) against
+// float32 activations: kquant_linear's row kernels, which live in the K-quant library
+// (kquant_linear.cpp, its own ISA per function) and are reached through its entry table.
+inline const genfn::kquant::LayerEntry& kquant_entry() {
+  static const genfn::kquant::LayerEntry* entry = [] {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("genfn_kquant::kquant_layer_entry", "");
+    const auto* found = reinterpret_cast<const genfn::kquant::LayerEntry*>(op.typed<int64_t()>().call());
+    TORCH_CHECK(found->size == static_cast<int64_t>(sizeof(genfn::kquant::SharedLinear)),
+                "the K-quant kernels were built from another kquant.h than the decode kernels");
+    return found;
+  }();
+  return *entry;
+}
+
+struct KQuantLinear {
+  genfn::kquant::SharedLinear shared;
+  void prepare(int64_t M, int64_t, int64_t team) { kquant_entry().prepare(shared, M, team); }
+  void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team) {
+    kquant_entry().quantize_share(shared, x, t, team);
+#pragma omp barrier
+    kquant_entry().rows_share(shared, y, t);
+  }
+};
+
+template <typename T, typename Linear>
+void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
+                     int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv) {
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  wqkv.prepare(M, N, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    // Every thread normalizes the few rows itself: cheaper than a barrier.
+    thread_local std::vector<T> h;
+    h.resize(M * E);
+    rms_norm_rows(x, norm, M, E, eps, h.data());
+    wqkv(M, h.data(), E, N, qkv, t, team);
+#pragma omp barrier
+    const int64_t rotated = heads + kv_heads;  // q's heads, then k's
+    const auto [begin, end] = share(M * rotated, t, team);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / rotated, head = i % rotated;
+      rotate(qkv + m * N + head * D, cos + m * D, sin + m * D, D);
+    }
+  }
+}
+
+// Inside a parallel region, thread t of `team`: act = silu(g) * u for g, u = rms_norm(x1) @ w_gate_up.T
+// (each thread normalizes the few rows itself: cheaper than a barrier). A barrier must follow
+// before act is read.
+template <typename T, typename Linear>
+void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int64_t E, int64_t F, float eps,
+               T* gate_up, T* act, int64_t t, int64_t team) {
+  thread_local std::vector<T> h;
+  h.resize(M * E);
+  rms_norm_rows(x1, mlp_norm, M, E, eps, h.data());
+  w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
+#pragma omp barrier
+  const auto [begin, end] = share(F, t, team);
+  for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
+}
+
+template <typename T, typename Linear>
+void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, Linear& wo,
+                  const T* mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads,
+                  int64_t kv_heads, int64_t D, int64_t span, int64_t cache_rows, int64_t key_row_stride,
+                  int64_t key_head_stride,
+                  int64_t value_row_stride, int64_t value_head_stride, int64_t slot_stride, int64_t F, float eps,
+                  float scale, T* out) {
+  const int64_t HD = heads * D, groups = heads / kv_heads;
+  const int64_t per_cache_row = M / cache_rows;  // tokens m * per_cache_row .. attend cache row m
+  // Buffers every thread reads: the attention output, the o projection, the gate/up projection,
+  // the SwiGLU activation, the down projection.
+  thread_local std::vector<T> shared;
+  shared.resize(M * (HD + E + 2 * F + F + E));
+  T* attn = shared.data();
+  T* o = attn + M * HD;
+  T* gate_up = o + M * E;
+  T* act = gate_up + M * 2 * F;
+  T* down = act + M * F;
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  wo.prepare(M, E, threads);
+  w_gate_up.prepare(M, 2 * F, threads);
+  w_down.prepare(M, E, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    if ((M * kv_heads) % team == 0) {
+      // One task per (row, kv head) where they split evenly: each kv head's keys and values are
+      // read once for its whole query group (at 8 rows, a query head at a time read them three
+      // times over, ~12 % of a Q4_1 step).
+      const auto [begin, end] = share(M * kv_heads, t, team);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups, c = m / per_cache_row;
+        attend_group(q + first * D, keys + c * key_row_stride + kv * key_head_stride,
+                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
+                     groups, D, scale, attn + first * D);
+      }
+    } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
+      const auto [begin, end] = share(M * heads, t, team);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t m = i / heads, head = i % heads, kv = head / groups, c = m / per_cache_row;
+        attend_group(q + i * D, keys + c * key_row_stride + kv * key_head_stride,
+                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
+                     int64_t{1}, D, scale, attn + i * D);
+      }
+    }
+#pragma omp barrier
+    wo(M, attn, HD, E, o, t, team);
+#pragma omp barrier
+    // The residual after attention, by every thread for itself.
+    thread_local std::vector<T> x1;
+    x1.resize(M * E);
+    for (int64_t i = 0; i < M * E; ++i) x1[i] = narrow<T>(wide(x[i]) + wide(o[i]));
+    mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, gate_up, act, t, team);
+#pragma omp barrier
+    w_down(M, act, F, E, down, t, team);
+#pragma omp barrier
+    {
+      const auto [begin, end] = share(E, t, team);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t e = begin; e < end; ++e) out[m * E + e] = narrow<T>(wide(x1[m * E + e]) + wide(down[m * E + e]));
+    }
+  }
+}
+
+// The layer's weights: plain (float32 or bfloat16 x), tiles16 blocks (float32 x and VNNI), K-quant
+// rows (float32 x; the K-quant kernels pick their own path).
+enum class Weights { kPlain, kTiles, kKQuant };
+
+inline void check_rows(const at::Tensor& x, const char* op, Weights weights) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows, op,
+              ": x must be [M, hidden] with 1 <= M <= ", kMaxLayerRows, ", got ", x.sizes());
+  if (weights == Weights::kKQuant) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 activations; got ", x.scalar_type());
+  } else if (weights == Weights::kTiles) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && genfn_kernels::cpu_has_avx512_vnni(), op,
+                ": float32 activations on a CPU with AVX512_VNNI; got ", x.scalar_type());
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat ||
+                    (x.scalar_type() == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16()),
+                op, ": float32, or bfloat16 on a CPU with AVX512_BF16; got ", x.scalar_type());
+  }
+}
+
+inline void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows, int64_t cols, const char* op,
+                         const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.scalar_type() == x.scalar_type(), op, ": ",
+              name, " must be [", rows, ", ", cols, "] in ", x.scalar_type(), ", got ", w.sizes(), " ", w.scalar_type());
+}
+
+// A quantized weight of [rows, cols] as quant_linear takes it (codes [tiles, blocks, bytes] uint8,
+// float16 scales and, for kind 1, minimums), checked; the tensors must outlive the call.
+inline QuantWeight quant_weight(const at::Tensor& codes, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& mins, int64_t kind, int64_t rows, int64_t cols,
+                                const char* op, const char* name) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": ", name, "'s kind must be 0, 1 or 2, got ", kind);
+  const int64_t tiles = (rows + 15) / 16, blocks = cols / 32, bytes = (kind == 2 ? 8 : 4) * 64;
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == tiles &&
+                  codes.size(1) == blocks && codes.size(2) == bytes && cols % 32 == 0,
+              op, ": ", name, "'s codes must be contiguous uint8 [", tiles, ", ", blocks, ", ", bytes, "] for [", rows,
+              ", ", cols, "], got ", codes.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == tiles * blocks * 16,
+              op, ": ", name, "'s scales must be contiguous float16, ", tiles * blocks * 16, " of them");
+  const bool has_min = kind == 1;
+  TORCH_CHECK(!has_min || (mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
+                           mins->numel() == scales.numel()),
+              op, ": ", name, " of kind 1 needs float16 minimums shaped like its scales");
+  return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+          has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr, kind, tiles, blocks,
+          rows};
+}
+
+// What decode_attention_input checks of x, norm, cos and sin; returns head_dim.
+// The sizes of an attention_input call, after checking x (check_rows), norm, cos and sin.
+struct AttentionInputSizes {
+  int64_t M, E, N, D;
+};
+
+inline AttentionInputSizes check_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& cos,
+                                          const at::Tensor& sin, int64_t heads, int64_t kv_heads, const char* op,
+                                          Weights weights) {
+  check_rows(x, op, weights);
+  const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              op, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes());
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == E && norm.scalar_type() == x.scalar_type(), op,
+              ": norm must be [hidden] in x's dtype");
+  return {M, E, (heads + 2 * kv_heads) * D, D};
+}
+
+
+// What decode_layer_output checks of x, q, the cache, the mask and the MLP norm.
+inline void check_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
+                               const at::Tensor& values, const at::Tensor& visible, const at::Tensor& mlp_norm,
+                               const char* op) {
+  const int64_t M = x.size(0), E = x.size(1);
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == M && q.scalar_type() == x.scalar_type(), op,
+              ": q must be [M, heads, head_dim] in x's dtype, got ", q.sizes());
+  const int64_t heads = q.size(1), D = q.size(2);
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.size(0) >= 1 && M % keys.size(0) == 0 &&
+                  keys.size(3) == D && keys.scalar_type() == x.scalar_type() && values.scalar_type() == x.scalar_type(),
+              op, ": keys and values must be [B, kv_heads, slots, head_dim] in x's dtype with B dividing M = ", M,
+              " (each cache row's tokens consecutive in x), got ", keys.sizes());
+  const int64_t kv_heads = keys.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && D % 16 == 0 && D <= 128, op, ": ", heads, " query heads over ", kv_heads,
+              " kv heads of head_dim ", D, " (a multiple of 16 up to 128) are not supported");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.stride(2) == values.stride(2), op,
+              ": keys and values must be contiguous along head_dim and share their slot stride");
+  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == M && visible.size(1) <= keys.size(2) &&
+                  visible.scalar_type() == at::kBool,
+              op, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(2), " slots");
+  TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
+              ": mlp_norm must be [hidden] in x's dtype");
+}
+
+// linear: a K-quant matrix of [rows, cols] from its parts (uint8 [part rows, row bytes] in
+// formats[p]), checked; `keep` holds the contiguous parts the call reads.
+inline void kquant_weight(KQuantLinear& linear, const std::vector<at::Tensor>& parts,
+                          const std::vector<int64_t>& formats, int64_t rows, int64_t cols, const char* op,
+                          const char* name, std::vector<at::Tensor>& keep) {
+  using namespace genfn::kquant;
+  TORCH_CHECK(!parts.empty() && parts.size() <= SharedLinear::kMaxParts && parts.size() == formats.size(), op, ": ",
+              name, " must be 1 to ", SharedLinear::kMaxParts, " parts with a format each, got ", parts.size(),
+              " parts and ", formats.size(), " formats");
+  SharedLinear& s = linear.shared;
+  s.K = cols;
+  int64_t total = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const int64_t f = formats[p];
+    TORCH_CHECK(f >= kQ4K && f <= kLastFormat, op, ": ", name, "'s formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), ",
+                "3 (iq4_nl), 4 (iq4_xs) or 5 (q4_k_r8), got ", f);
+    const int64_t block = block_inputs(f), row_bytes = cols / block * block_bytes(f);
+    const at::Tensor& part = parts[p];
+    TORCH_CHECK(cols % block == 0 && part.dim() == 2 && part.scalar_type() == at::kByte && part.size(1) == row_bytes &&
+                    part.device().is_cpu(),
+                op, ": ", name, "'s part ", p, " must be uint8 [rows, ", row_bytes, "] (", cols,
+                " inputs in format ", f, "), got ", part.sizes(), " ", part.scalar_type());
+    keep.push_back(part.contiguous());
+    s.parts[p] = {keep.back().data_ptr<uint8_t>(), f, part.size(0)};
+    total += part.size(0);
+  }
+  s.count = static_cast<int64_t>(parts.size());
+  TORCH_CHECK(total == rows, op, ": ", name, " must have ", rows, " rows in all, got ", total);
+}
+
+inline int64_t kquant_rows(const std::vector<at::Tensor>& parts) {
+  int64_t rows = 0;
+  for (const auto& part : parts) rows += part.size(0);
+  return rows;
+}
+
+}  // namespace genfn_kernels::layer

@@ -1,0 +1,255 @@
+// A decode step through a whole stack of Llama decoder layers in one call: for each layer its
+// attention input, its keys and values written into the cache at the rows' slots, and its output
+// (decode_layer.h's two halves, the same code the per-layer ops run, so the same bits).
+//
+// This is the eager step's form. Run layer by layer from Python, each layer cost its two native
+// calls plus ~70 us of Python and dispatch between them (the checks, the split of q/k/v, the cache
+// write's views and copies): on SmolLM2's 30 Q4_1 layers ~2 ms of a ~5.9 ms step, as much as the
+// layers' own arithmetic. A compiled step does not take this op: inductor already runs the layer
+// calls back to back, and an op that writes the cache in place would have it functionalized.
+//
+//   decode_stack(x [M, E], weights, layout, cos, sin [M, D], keys, values [L, B, Hkv, T, D],
+//                slots [B, S], visible [M, A], eps, heads, kv_heads, scale) -> x after the layers
+//
+// x's rows are the B cache rows' S tokens each (M = B * S, a row's tokens consecutive); token s of
+// row b writes its keys and values at slot slots[b, s] of every layer it runs, then attends the
+// first A slots where its line of visible is set. The layers run are those `layout` describes
+// (the cache may hold more: an early exit runs the first few).
+//
+// The weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down as the
+// layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
+//   0 (plain float32):  nothing; a linear is one tensor, the weight.
+//   1 (tiles16 blocks): per linear its block kind (0, 1 or 2); three tensors: codes, scales,
+//                       minimums (None where the block kind has none).
+//   2 (K-quant rows):   per linear its number of parts P, then their P formats; P tensors.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "decode_layer.h"
+
+namespace {
+
+using namespace genfn_kernels::layer;
+
+constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2;
+constexpr const char* kOp = "decode_stack";
+
+// Reads the weights and the layout in the order the header above gives them.
+struct StackReader {
+  const c10::List<c10::optional<at::Tensor>>& weights;
+  const std::vector<int64_t>& layout;
+  size_t tensor = 0, value = 0;
+
+  bool done() const { return value == layout.size(); }
+  int64_t next_value(const char* what) {
+    TORCH_CHECK(value < layout.size(), kOp, ": the layout ends before ", what);
+    return layout[value++];
+  }
+  c10::optional<at::Tensor> next_optional(const char* what) {
+    TORCH_CHECK(tensor < weights.size(), kOp, ": the weights end before ", what);
+    return weights.get(tensor++);
+  }
+  at::Tensor next_tensor(const char* what) {
+    c10::optional<at::Tensor> t = next_optional(what);
+    TORCH_CHECK(t.has_value(), kOp, ": ", what, " is None");
+    return *t;
+  }
+};
+
+constexpr const char* kLinearNames[] = {"wqkv", "wo", "w_gate_up", "w_down"};
+
+// A layer's four linears, read and checked for [rows, cols] = [N, E], [E, HD], [2F, E], [E, F].
+template <typename Linear>
+struct LayerLinears {
+  Linear wqkv, wo, gate_up, down;
+  int64_t F = 0;
+  std::vector<at::Tensor> keep;  // what the linears point into, made contiguous
+};
+
+void read_plain(StackReader& in, const at::Tensor& x, int64_t N, int64_t HD, LayerLinears<DenseLinear<float>>& l) {
+  const int64_t E = x.size(1);
+  for (const char* name : kLinearNames) l.keep.push_back(in.next_tensor(name).contiguous());
+  const at::Tensor& down = l.keep[3];
+  TORCH_CHECK(down.dim() == 2, kOp, ": w_down must be [hidden, intermediate], got ", down.sizes());
+  l.F = down.size(1);
+  const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
+  DenseLinear<float>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  for (int i = 0; i < 4; ++i) {
+    check_weight(l.keep[i], x, rows[i], cols[i], kOp, kLinearNames[i]);
+    linears[i]->w = l.keep[i].data_ptr<float>();
+  }
+}
+
+void read_tiles(StackReader& in, int64_t E, int64_t N, int64_t HD, LayerLinears<QuantLinear>& l) {
+  int64_t kinds[4];
+  c10::optional<at::Tensor> parts[4][3];
+  for (int i = 0; i < 4; ++i) {
+    kinds[i] = in.next_value(kLinearNames[i]);
+    for (auto& part : parts[i]) part = in.next_optional(kLinearNames[i]);
+    TORCH_CHECK(parts[i][0].has_value() && parts[i][1].has_value(), kOp, ": ", kLinearNames[i],
+                "'s codes and scales must be tensors");
+  }
+  TORCH_CHECK(parts[3][0]->dim() == 3, kOp, ": w_down's codes must be [tiles, blocks, bytes]");
+  l.F = parts[3][0]->size(1) * 32;
+  const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
+  QuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  for (int i = 0; i < 4; ++i)
+    linears[i]->w = quant_weight(*parts[i][0], *parts[i][1], parts[i][2], kinds[i], rows[i], cols[i], kOp,
+                                 kLinearNames[i]);
+}
+
+void read_kquant(StackReader& in, int64_t E, int64_t N, int64_t HD, LayerLinears<KQuantLinear>& l) {
+  std::vector<at::Tensor> parts[4];
+  std::vector<int64_t> formats[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t count = in.next_value(kLinearNames[i]);
+    TORCH_CHECK(count >= 1 && count <= genfn::kquant::SharedLinear::kMaxParts, kOp, ": ", kLinearNames[i],
+                " must have 1 to ", genfn::kquant::SharedLinear::kMaxParts, " parts, got ", count);
+    for (int64_t p = 0; p < count; ++p) formats[i].push_back(in.next_value(kLinearNames[i]));
+    for (int64_t p = 0; p < count; ++p) parts[i].push_back(in.next_tensor(kLinearNames[i]));
+  }
+  l.F = kquant_rows(parts[2]) / 2;
+  const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
+  KQuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  l.keep.reserve(4 * genfn::kquant::SharedLinear::kMaxParts);  // no reallocation: the linears point into it
+  for (int i = 0; i < 4; ++i)
+    kquant_weight(*linears[i], parts[i], formats[i], rows[i], cols[i], kOp, kLinearNames[i], l.keep);
+}
+
+// What the stack shares between its layers, checked once.
+struct StackShape {
+  int64_t M, E, D, heads, kv_heads, N, HD, rows, per_row, slots, span;
+};
+
+StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                       const at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible, int64_t heads,
+                       int64_t kv_heads) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows && x.scalar_type() == at::kFloat, kOp,
+              ": x must be float32 [M, hidden] with 1 <= M <= ", kMaxLayerRows, ", got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && D % 2 == 0,
+              kOp, ": cos and sin must be float32 [M, head_dim], got ", cos.sizes());
+  TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat && keys.size(2) == kv_heads && keys.size(4) == D,
+              kOp, ": keys and values must be float32 [layers, B, ", kv_heads, ", slots, ", D, "], got ", keys.sizes());
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && D % 16 == 0 && D <= 128, kOp, ": ", heads,
+              " query heads over ", kv_heads, " kv heads of head_dim ", D,
+              " (a multiple of 16 up to 128) are not supported");
+  TORCH_CHECK(keys.stride(4) == 1 && values.stride(4) == 1 && keys.stride(3) == values.stride(3), kOp,
+              ": keys and values must be contiguous along head_dim and share their slot stride");
+  const int64_t rows = keys.size(1);
+  TORCH_CHECK(rows >= 1 && M % rows == 0 && slots.dim() == 2 && slots.size(0) == rows && slots.size(1) == M / rows &&
+                  slots.scalar_type() == at::kLong,
+              kOp, ": slots must be int64 [B, M / B] for the cache's B = ", rows, " rows, got ", slots.sizes());
+  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == M && visible.size(1) <= keys.size(3) &&
+                  visible.scalar_type() == at::kBool,
+              kOp, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(3), " slots");
+  return {M, E, D, heads, kv_heads, (heads + 2 * kv_heads) * D, heads * D, rows, M / rows, keys.size(3),
+          visible.size(1)};
+}
+
+// One layer's keys and values in the cache: where they start, and their row, head and slot strides.
+struct CacheLayer {
+  float* keys;
+  float* values;
+  int64_t key_row, key_head, value_row, value_head, slot;
+};
+
+CacheLayer cache_layer(at::Tensor& keys, at::Tensor& values, int64_t layer) {
+  return {keys.data_ptr<float>() + layer * keys.stride(0), values.data_ptr<float>() + layer * values.stride(0),
+          keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), keys.stride(3)};
+}
+
+// Token m's keys and values (in its row of qkv, after q) into slot slots[m] of its cache row.
+void write_cache(const StackShape& s, const float* qkv, const int64_t* slots, const CacheLayer& c) {
+  const int64_t KVD = s.kv_heads * s.D;
+  for (int64_t m = 0; m < s.M; ++m) {
+    const int64_t b = m / s.per_row, slot = slots[m];
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const float* src = qkv + m * s.N + s.HD + h * s.D;
+      std::memcpy(c.keys + b * c.key_row + h * c.key_head + slot * c.slot, src, s.D * sizeof(float));
+      std::memcpy(c.values + b * c.value_row + h * c.value_head + slot * c.slot, src + KVD, s.D * sizeof(float));
+    }
+  }
+}
+
+template <typename Linear>
+void run_layer(const StackShape& s, LayerLinears<Linear>& l, const float* x, const float* attn_norm,
+               const float* mlp_norm, const float* cos, const float* sin, const CacheLayer& c, const int64_t* slots,
+               const bool* visible, float eps, float scale, float* qkv, float* q, float* out) {
+  attention_input(x, attn_norm, l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads, s.D, eps, qkv);
+  write_cache(s, qkv, slots, c);
+  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(float));
+  layer_output(x, q, c.keys, c.values, visible, l.wo, mlp_norm, l.gate_up, l.down, s.M, s.E, s.heads, s.kv_heads,
+               s.D, s.span, s.rows, c.key_row, c.key_head, c.value_row, c.value_head, c.slot, l.F, eps, scale, out);
+}
+
+at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                        const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible,
+                        double eps, int64_t heads, int64_t kv_heads, double scale) {
+  const StackShape s = check_stack(x, cos, sin, keys, values, slots, visible, heads, kv_heads);
+  const at::Tensor slot_list = slots.contiguous();
+  const int64_t* slot_of = slot_list.data_ptr<int64_t>();
+  for (int64_t m = 0; m < s.M; ++m)
+    TORCH_CHECK(slot_of[m] >= 0 && slot_of[m] < s.slots, kOp, ": slot ", slot_of[m], " is outside the cache's ",
+                s.slots, " slots");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), vis = visible.contiguous();
+  // Two buffers for the residual stream, each layer reading one and writing the other.
+  at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
+  at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
+  const at::Tensor xc = x.contiguous();
+  const float* in = xc.data_ptr<float>();
+  StackReader reader{weights, layout};
+  int64_t layer = 0;
+  for (; !reader.done(); ++layer) {
+    TORCH_CHECK(layer < keys.size(0), kOp, ": the layout describes more layers than the cache's ", keys.size(0));
+    const int64_t kind = reader.next_value("a layer's kind");
+    const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
+    const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
+    for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
+      TORCH_CHECK(norm->dim() == 1 && norm->size(0) == s.E && norm->scalar_type() == at::kFloat, kOp,
+                  ": the norms must be float32 [hidden]");
+    float* out = streams[layer % 2].data_ptr<float>();
+    const CacheLayer cache = cache_layer(keys, values, layer);
+    const auto run = [&](auto& linears) {
+      run_layer(s, linears, in, attn_norm.data_ptr<float>(), mlp_norm.data_ptr<float>(), cc.data_ptr<float>(),
+                sc.data_ptr<float>(), cache, slot_of, vis.data_ptr<bool>(), static_cast<float>(eps),
+                static_cast<float>(scale), qkv.data_ptr<float>(), q.data_ptr<float>(), out);
+    };
+    if (kind == kPlain) {
+      LayerLinears<DenseLinear<float>> linears;
+      read_plain(reader, x, s.N, s.HD, linears);
+      run(linears);
+    } else if (kind == kTiles) {
+      TORCH_CHECK(genfn_kernels::cpu_has_avx512_vnni(), kOp, ": block-quantized layers need AVX512_VNNI");
+      LayerLinears<QuantLinear> linears;
+      read_tiles(reader, s.E, s.N, s.HD, linears);
+      run(linears);
+    } else {
+      TORCH_CHECK(kind == kKQuant, kOp, ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
+      LayerLinears<KQuantLinear> linears;
+      read_kquant(reader, s.E, s.N, s.HD, linears);
+      run(linears);
+    }
+    in = out;
+  }
+  TORCH_CHECK(layer >= 1 && reader.tensor == weights.size(), kOp, ": the layout must describe every weight, ",
+              "one layer at least");
+  return streams[(layer - 1) % 2];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
+  m.def("decode_stack(Tensor x, Tensor?[] weights, int[] layout, Tensor cos, Tensor sin, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor slots, Tensor visible, float eps, int heads, int kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("decode_stack", &decode_stack); }

@@ -1,0 +1,157 @@
+"""The eager step's stack of layers in one native call (genfn.kernels.decode_layer.run_stack): the
+bits of the per-layer ops, the cache written where they write it, generate's tokens and logits
+unchanged, and bad arguments named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genfn.kernels import decode_layer
+from genfn.models import llama
+from genfn.quant.weight import QuantizedWeight
+from test_decode_layer import (EPS, HEAD_DIM, K_FFN, K_HEADS, K_HIDDEN, K_KV_HEADS, PROMPTS, _kquant_layer,
+                               _positions_rope, needs_vnni, tiny_pair_f32)  # noqa: F401 (a fixture)
+from test_paged_native import needs_kernel
+
+
+def _plain_layer(seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.05):
+        return torch.randn(*shape, generator=gen) * scale
+
+    return {"attn_norm": 1 + w(K_HIDDEN, scale=0.1), "wqkv": w((K_HEADS + 2 * K_KV_HEADS) * HEAD_DIM, K_HIDDEN),
+            "wo": w(K_HIDDEN, K_HEADS * HEAD_DIM), "mlp_norm": 1 + w(K_HIDDEN, scale=0.1),
+            "w_gate_up": w(2 * K_FFN, K_HIDDEN), "w_down": w(K_HIDDEN, K_FFN)}
+
+
+def _blocks_layer(seed, fmt):
+    from genfn.quant.blocks import quantize
+
+    return {name: QuantizedWeight.from_rows(quantize(w, fmt)) if name in decode_layer._LINEARS else w
+            for name, w in _plain_layer(seed).items()}
+
+
+# A stack may mix the kinds a layer takes: plain float32, tiles16 blocks (AVX512_VNNI), K-quant rows.
+STACKS = {"plain": ("plain", "plain"), "kquant": ("q4_k_m", "q4_k_m_r8", "iq4_xs"),
+          "mixed": pytest.param(("q4_1", "plain", "q4_k_m", "q8_0"), marks=needs_vnni)}
+
+
+def _stack_layers(kinds):
+    return [_plain_layer(i) if kind == "plain" else _kquant_layer(kind, seed=i) if kind.startswith(("q4_k", "iq4"))
+            else _blocks_layer(i, kind) for i, kind in enumerate(kinds)]
+
+
+def _step_inputs(batch, seq, layers, slots_total=48, seed=3):
+    """x, cos, sin, a [L, B, Hkv, T, D] cache with filled slots, each row's S new slots (rows at
+    different lengths, as a static cache's left-padded rows are) and a causal mask with holes."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, K_HIDDEN, generator=gen)
+    lengths = torch.tensor([20 + 7 * b for b in range(batch)])
+    slots = lengths[:, None] + torch.arange(seq)  # [B, S]
+    cos, sin = _positions_rope(slots, torch.float32)
+    keys = torch.randn(layers, batch, K_KV_HEADS, slots_total, HEAD_DIM, generator=gen)
+    values = torch.randn(layers, batch, K_KV_HEADS, slots_total, HEAD_DIM, generator=gen)
+    span = int(slots.max()) + 1
+    visible = (torch.rand(batch, 1, seq, span, generator=gen) < 0.8) & (torch.arange(span) <= slots[:, None, :, None])
+    visible |= torch.arange(span) == slots[:, None, :, None]  # a token always sees itself
+    return x, cos, sin, keys, values, slots, visible
+
+
+def _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible):
+    """The per-layer ops with the cache write between them, as the model code runs them one by one."""
+    batch, seq = x.shape[:2]
+    q_size, kv_size = K_HEADS * HEAD_DIM, K_KV_HEADS * HEAD_DIM
+    rows = torch.arange(batch)[:, None]
+    for i, layer in enumerate(layers):
+        qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, K_HEADS, K_KV_HEADS)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        keys[i].permute(0, 2, 1, 3)[rows, slots] = k.reshape(batch, seq, K_KV_HEADS, HEAD_DIM)
+        values[i].permute(0, 2, 1, 3)[rows, slots] = v.reshape(batch, seq, K_KV_HEADS, HEAD_DIM)
+        span = visible.shape[-1]
+        x = decode_layer.layer_output(x, q.reshape(-1, K_HEADS, HEAD_DIM), keys[i][:, :, :span],
+                                      values[i][:, :, :span], visible, layer, EPS)
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("kinds", list(STACKS.values()), ids=list(STACKS))
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
+def test_the_stack_gives_the_layer_ops_bits_and_cache(kinds, batch, seq):
+    layers = _stack_layers(kinds)
+    x, cos, sin, keys, values, slots, visible = _step_inputs(batch, seq, len(layers) + 1)
+    weights = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
+    assert weights is not None
+    stacked_keys, stacked_values = keys.clone(), values.clone()
+    out = decode_layer.run_stack(x, weights, cos, sin, stacked_keys, stacked_values, slots, visible, EPS, K_HEADS,
+                                 K_KV_HEADS)
+    expected = _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible)
+    assert torch.equal(out, expected)
+    assert torch.equal(stacked_keys, keys) and torch.equal(stacked_values, values)  # the last layer's untouched
+
+
+@needs_kernel
+def test_a_stack_with_a_layer_the_native_step_does_not_take_is_none():
+    layers = _stack_layers(("plain", "plain"))
+    x, _, _, keys, *_ = _step_inputs(1, 1, 2)
+    assert decode_layer.stack_weights(x, [layers[0], {**layers[1], "bqkv": torch.zeros(1)}], keys, HEAD_DIM) is None
+    assert decode_layer.stack_weights(torch.randn(1, 40, K_HIDDEN), layers, keys, HEAD_DIM) is None  # a prefill
+    assert decode_layer.stack_weights(x.bfloat16(), layers, keys.bfloat16(), HEAD_DIM) is None
+
+
+@needs_kernel
+def test_bad_stack_arguments_name_the_op_and_what_is_wrong():
+    layers = _stack_layers(("plain", "plain"))
+    x, cos, sin, keys, values, slots, visible = _step_inputs(1, 1, 2)
+    weights, layout = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
+
+    def run(weights=weights, layout=layout, slots=slots, keys=keys):
+        decode_layer.run_stack(x, (weights, layout), cos, sin, keys, keys.clone(), slots, visible, EPS, K_HEADS,
+                               K_KV_HEADS)
+
+    with pytest.raises(RuntimeError, match="decode_stack: slot 48 is outside the cache's 48 slots"):
+        run(slots=torch.tensor([[48]]))
+    with pytest.raises(RuntimeError, match="decode_stack: the layout must describe every weight"):
+        run(weights=weights + [weights[0]])
+    with pytest.raises(RuntimeError, match="decode_stack: the weights end before"):
+        run(weights=weights[:-1])
+    with pytest.raises(RuntimeError, match="decode_stack: a layer's kind must be 0"):
+        run(layout=[7, 7])
+    with pytest.raises(RuntimeError, match="decode_stack: the layout describes more layers than the cache's 1"):
+        run(keys=keys[:1])
+    with pytest.raises(RuntimeError, match=r"decode_stack: wqkv must be \["):
+        run(weights=[weights[0], weights[1], weights[3]] + weights[3:])
+
+
+GENERATE = dict(attention_mask=(PROMPTS != 0).long(), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                pad_token_id=0, return_dict_in_generate=True, output_logits=True, disable_compile=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [None, pytest.param("q4_1", marks=needs_vnni)])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_eager_generate_takes_the_stack_and_keeps_its_tokens_and_logits(tiny_pair_f32, monkeypatch, fmt, cache):
+    """Left-padded rows (their own slots) and prompt lookup's verifications (several tokens a row):
+    the stack gives what the layers one by one give, bit for bit."""
+    import genfn
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair_f32
+    if fmt:
+        model = Model(model.spec, quantize_params(model.params, fmt), model.apply_fn, model.init_cache_fn)
+    settings = dict(GENERATE, **({"cache_implementation": "static", "max_cache_len": 48} if cache == "static" else {}))
+    lookup = torch.tensor([[5, 17, 3, 88, 41, 9, 5, 17, 3, 88, 41, 9, 5, 17, 3]])
+    lookup_settings = dict(settings, attention_mask=None, prompt_lookup_num_tokens=6, output_logits=False)
+    stacks = []
+    run_stack = decode_layer.run_stack
+    monkeypatch.setattr(decode_layer, "run_stack", lambda x, *a: stacks.append(x.shape[:2]) or run_stack(x, *a))
+    ours = genfn.generate(model, PROMPTS, **settings)
+    ours_lookup = genfn.generate(model, lookup, **lookup_settings)
+    assert (3, 1) in stacks and any(seq > 1 for _, seq in stacks)  # decode steps and verifications
+    monkeypatch.setattr(llama, "_native_stack", lambda *a: None)
+    layers = genfn.generate(model, PROMPTS, **settings)
+    assert torch.equal(ours.sequences, layers.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))
+    assert torch.equal(ours_lookup.sequences, genfn.generate(model, lookup, **lookup_settings).sequences)
