@@ -32,13 +32,14 @@ def test_ten_calls_compile_the_decode_step_once():
     def calls(op):
         return sum(e.count for e in profile.key_averages() if e.key == f"genfn_kernels::{op}")
 
-    # Two compiled steps, each layer in two native calls (genfn.kernels.decode_layer) and the LM
-    # head through the decode kernel; the eager prefill (22 rows, past the fused layer's 16 tokens)
-    # runs its four linears a layer op by op, through the decode kernel's panels (at most
-    # MAX_LINEAR_ROWS rows), and its LM head on the last position of each row.
+    # Two compiled steps, each its whole stack of layers in one native call (genfn.kernels.decode_layer's
+    # run_stack) and the LM head through the decode kernel; the eager prefill (22 rows, past the fused
+    # layer's 16 tokens) runs its four linears a layer op by op, through the decode kernel's panels
+    # (at most MAX_LINEAR_ROWS rows), and its LM head on the last position of each row.
     built = kernels.decode_linear_available()
     assert calls("decode_linear") == (2 + 1 + 4 * model.spec.num_layers if built else 0)
-    assert calls("decode_attention_input") == calls("decode_layer_output") == (2 * model.spec.num_layers if built else 0)
+    assert calls("decode_stack") == (2 if built else 0)
+    assert calls("decode_attention_input") == calls("decode_layer_output") == 0
 
 
 def test_a_run_that_fills_its_cache_compiles_the_step_once():

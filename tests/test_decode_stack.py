@@ -155,3 +155,26 @@ def test_eager_generate_takes_the_stack_and_keeps_its_tokens_and_logits(tiny_pai
     assert torch.equal(ours.sequences, layers.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))
     assert torch.equal(ours_lookup.sequences, genfn.generate(model, lookup, **lookup_settings).sequences)
+
+
+@needs_kernel
+def test_a_compiled_step_takes_the_stack_and_keeps_the_layer_calls_bits(tiny_pair_f32, monkeypatch):
+    """Inside a compiled step the stack writes the cache in place (inductor hands it the state's own
+    buffers) and gives the per-layer calls' logits bit for bit."""
+    import genfn
+
+    _, model = tiny_pair_f32
+    settings = dict(GENERATE, cache_implementation="static", max_cache_len=48, disable_compile=False)
+
+    def run():
+        with torch.profiler.profile() as profile:
+            out = genfn.generate(model, PROMPTS, **settings)
+        return out, sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::decode_stack")
+
+    ours, stacks = run()
+    assert stacks > 0
+    monkeypatch.setattr(llama, "_native_stack", lambda *a: None)
+    layers, stacks = run()  # dynamo guards on the function: the step is traced again, layer by layer
+    assert stacks == 0
+    assert torch.equal(ours.sequences, layers.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))

@@ -197,8 +197,8 @@ def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.T
 
 def stack_weights(x: torch.Tensor, layers, keys: torch.Tensor, head_dim: int) -> tuple[list, list] | None:
     """``(weights, layout)`` as ``run_stack`` takes ``layers`` for a step on ``x [B, S, hidden]`` (float32),
-    or None where a layer's step does not run natively (``takes``) or the stack's form does not hold it
-    (bfloat16: its native layer is the compiled step's)."""
+    or None where a layer's step does not run natively (``takes``) or the stack does not take it
+    (bfloat16, whose native layer runs in a compiled step only, layer by layer)."""
     if x.dtype != torch.float32 or not _rows_take(x, keys, head_dim):
         return None
     weights, layout = [], []
@@ -226,9 +226,10 @@ def run_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin:
               values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, eps: float, heads: int,
               kv_heads: int) -> torch.Tensor:
     """The residual stream ``[B, S, hidden]`` after the layers ``stack`` (``stack_weights``) describes, in one
-    native call (``decode_stack.cpp``): each layer's ``attention_input``, its keys and values written
-    into ``keys``/``values [L, B, Hkv, T, D]`` at ``slots [B, S]`` in place, then its ``layer_output``
-    over the slots ``mask [B, 1, S, A]`` shows. The same numbers as those ops layer by layer."""
+    native call (``decode_stack.cpp``; eager or inside a compiled step): each layer's ``attention_input``,
+    its keys and values written into ``keys``/``values [L, B, Hkv, T, D]`` at ``slots [B, S]`` in place,
+    then its ``layer_output`` over the slots ``mask [B, 1, S, A]`` shows. The same numbers as those ops
+    layer by layer."""
     weights, layout = stack
     out = _ops().decode_stack(x.reshape(-1, x.shape[-1]), weights, layout, cos.reshape(-1, cos.shape[-1]),
                               sin.reshape(-1, sin.shape[-1]), keys, values, slots, mask.reshape(-1, mask.shape[-1]),

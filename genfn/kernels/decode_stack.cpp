@@ -2,11 +2,12 @@
 // attention input, its keys and values written into the cache at the rows' slots, and its output
 // (decode_layer.h's two halves, the same code the per-layer ops run, so the same bits).
 //
-// This is the eager step's form. Run layer by layer from Python, each layer cost its two native
-// calls plus ~70 us of Python and dispatch between them (the checks, the split of q/k/v, the cache
-// write's views and copies): on SmolLM2's 30 Q4_1 layers ~2 ms of a ~5.9 ms step, as much as the
-// layers' own arithmetic. A compiled step does not take this op: inductor already runs the layer
-// calls back to back, and an op that writes the cache in place would have it functionalized.
+// Run layer by layer, each layer cost its two native calls and what lay between them: eagerly ~70 us
+// of Python and dispatch (the checks, the split of q/k/v, the cache write's views and copies), on
+// SmolLM2's 30 Q4_1 layers ~2 ms of a ~5.9 ms step, as much as the layers' own arithmetic; compiled,
+// inductor's wrapper calls and the cache writes' kernels between the calls. Inside a compiled step
+// the op's in-place cache write is functionalized and then reinplaced: inductor hands it the state's
+// own cache buffers.
 //
 //   decode_stack(x [M, E], weights, layout, cos, sin [M, D], keys, values [L, B, Hkv, T, D],
 //                slots [B, S], visible [M, A], eps, heads, kv_heads, scale) -> x after the layers
