@@ -92,6 +92,25 @@ def test_the_stack_gives_the_layer_ops_bits_and_cache(kinds, batch, seq):
 
 
 @needs_kernel
+@pytest.mark.skipif(not decode_layer._BF16_DOT, reason="the bfloat16 layer needs AVX512_BF16 (this CPU has none)")
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
+def test_a_bfloat16_stack_gives_the_layer_ops_bits_and_cache(batch, seq):
+    """A compiled bfloat16 step's stack (eagerly ``stack_weights`` leaves bfloat16 to transformers'
+    op-by-op rounding, so the layout is written here as a compiled step's would be)."""
+    layers = [{name: w.bfloat16() for name, w in _plain_layer(i).items()} for i in range(2)]
+    x, cos, sin, keys, values, slots, visible = (t.bfloat16() if t.is_floating_point() else t
+                                                 for t in _step_inputs(batch, seq, 3))
+    weights = [w for layer in layers for w in (layer["attn_norm"], layer["mlp_norm"],
+                                               *(layer[name] for name in decode_layer._LINEARS))]
+    stacked_keys, stacked_values = keys.clone(), values.clone()
+    out = decode_layer.run_stack(x, (weights, [0, 0]), cos, sin, stacked_keys, stacked_values, slots, visible, EPS,
+                                 K_HEADS, K_KV_HEADS)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible))
+    assert torch.equal(stacked_keys, keys) and torch.equal(stacked_values, values)
+
+
+@needs_kernel
 def test_a_stack_with_a_layer_the_native_step_does_not_take_is_none():
     layers = _stack_layers(("plain", "plain"))
     x, _, _, keys, *_ = _step_inputs(1, 1, 2)

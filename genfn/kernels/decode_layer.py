@@ -196,10 +196,9 @@ def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.T
 
 
 def stack_weights(x: torch.Tensor, layers, keys: torch.Tensor, head_dim: int) -> tuple[list, list] | None:
-    """``(weights, layout)`` as ``run_stack`` takes ``layers`` for a step on ``x [B, S, hidden]`` (float32),
-    or None where a layer's step does not run natively (``takes``) or the stack does not take it
-    (bfloat16, whose native layer runs in a compiled step only, layer by layer)."""
-    if x.dtype != torch.float32 or not _rows_take(x, keys, head_dim):
+    """``(weights, layout)`` as ``run_stack`` takes ``layers`` for a step on ``x [B, S, hidden]``,
+    or None where a layer's step does not run natively (``takes``: bfloat16 only inside a compiled step)."""
+    if not _rows_take(x, keys, head_dim):
         return None
     weights, layout = [], []
     for layer in layers:

@@ -19,14 +19,16 @@
 //
 // The weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down as the
 // layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
-//   0 (plain float32):  nothing; a linear is one tensor, the weight.
-//   1 (tiles16 blocks): per linear its block kind (0, 1 or 2); three tensors: codes, scales,
+//   0 (plain weights):  nothing; a linear is one tensor, the weight (x's dtype: float32, or
+//                       bfloat16 on a CPU with AVX512_BF16, as the per-layer ops take it).
+//   1 (tiles16 blocks, float32 x): per linear its block kind (0, 1 or 2); three tensors: codes, scales,
 //                       minimums (None where the block kind has none).
-//   2 (K-quant rows):   per linear its number of parts P, then their P formats; P tensors.
+//   2 (K-quant rows, float32 x):   per linear its number of parts P, then their P formats; P tensors.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,17 +73,18 @@ struct LayerLinears {
   std::vector<at::Tensor> keep;  // what the linears point into, made contiguous
 };
 
-void read_plain(StackReader& in, const at::Tensor& x, int64_t N, int64_t HD, LayerLinears<DenseLinear<float>>& l) {
+template <typename T>
+void read_plain(StackReader& in, const at::Tensor& x, int64_t N, int64_t HD, LayerLinears<DenseLinear<T>>& l) {
   const int64_t E = x.size(1);
   for (const char* name : kLinearNames) l.keep.push_back(in.next_tensor(name).contiguous());
   const at::Tensor& down = l.keep[3];
   TORCH_CHECK(down.dim() == 2, kOp, ": w_down must be [hidden, intermediate], got ", down.sizes());
   l.F = down.size(1);
   const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
-  DenseLinear<float>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  DenseLinear<T>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
   for (int i = 0; i < 4; ++i) {
     check_weight(l.keep[i], x, rows[i], cols[i], kOp, kLinearNames[i]);
-    linears[i]->w = l.keep[i].data_ptr<float>();
+    linears[i]->w = l.keep[i].template data_ptr<T>();
   }
 }
 
@@ -129,16 +132,19 @@ struct StackShape {
 StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                        const at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible, int64_t heads,
                        int64_t kv_heads) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows && x.scalar_type() == at::kFloat, kOp,
-              ": x must be float32 [M, hidden] with 1 <= M <= ", kMaxLayerRows, ", got ", x.sizes(), " ",
-              x.scalar_type());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows &&
+                  (dtype == at::kFloat || (dtype == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16())),
+              kOp, ": x must be [M, hidden] with 1 <= M <= ", kMaxLayerRows,
+              ", float32 or (on a CPU with AVX512_BF16) bfloat16, got ", x.sizes(), " ", dtype);
   const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && D % 2 == 0,
-              kOp, ": cos and sin must be float32 [M, head_dim], got ", cos.sizes());
-  TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat && keys.size(2) == kv_heads && keys.size(4) == D,
-              kOp, ": keys and values must be float32 [layers, B, ", kv_heads, ", slots, ", D, "], got ", keys.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && cos.scalar_type() == dtype &&
+                  sin.scalar_type() == dtype && D % 2 == 0,
+              kOp, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes(), " ", cos.scalar_type());
+  TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.scalar_type() == dtype &&
+                  values.scalar_type() == dtype && keys.size(2) == kv_heads && keys.size(4) == D,
+              kOp, ": keys and values must be [layers, B, ", kv_heads, ", slots, ", D, "] in x's dtype, got ",
+              keys.sizes(), " ", keys.scalar_type());
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && D % 16 == 0 && D <= 128, kOp, ": ", heads,
               " query heads over ", kv_heads, " kv heads of head_dim ", D,
               " (a multiple of 16 up to 128) are not supported");
@@ -156,39 +162,97 @@ StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 }
 
 // One layer's keys and values in the cache: where they start, and their row, head and slot strides.
+template <typename T>
 struct CacheLayer {
-  float* keys;
-  float* values;
+  T* keys;
+  T* values;
   int64_t key_row, key_head, value_row, value_head, slot;
 };
 
-CacheLayer cache_layer(at::Tensor& keys, at::Tensor& values, int64_t layer) {
-  return {keys.data_ptr<float>() + layer * keys.stride(0), values.data_ptr<float>() + layer * values.stride(0),
+template <typename T>
+CacheLayer<T> cache_layer(at::Tensor& keys, at::Tensor& values, int64_t layer) {
+  return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0),
           keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), keys.stride(3)};
 }
 
 // Token m's keys and values (in its row of qkv, after q) into slot slots[m] of its cache row.
-void write_cache(const StackShape& s, const float* qkv, const int64_t* slots, const CacheLayer& c) {
+template <typename T>
+void write_cache(const StackShape& s, const T* qkv, const int64_t* slots, const CacheLayer<T>& c) {
   const int64_t KVD = s.kv_heads * s.D;
   for (int64_t m = 0; m < s.M; ++m) {
     const int64_t b = m / s.per_row, slot = slots[m];
     for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const float* src = qkv + m * s.N + s.HD + h * s.D;
-      std::memcpy(c.keys + b * c.key_row + h * c.key_head + slot * c.slot, src, s.D * sizeof(float));
-      std::memcpy(c.values + b * c.value_row + h * c.value_head + slot * c.slot, src + KVD, s.D * sizeof(float));
+      const T* src = qkv + m * s.N + s.HD + h * s.D;
+      std::memcpy(c.keys + b * c.key_row + h * c.key_head + slot * c.slot, src, s.D * sizeof(T));
+      std::memcpy(c.values + b * c.value_row + h * c.value_head + slot * c.slot, src + KVD, s.D * sizeof(T));
     }
   }
 }
 
-template <typename Linear>
-void run_layer(const StackShape& s, LayerLinears<Linear>& l, const float* x, const float* attn_norm,
-               const float* mlp_norm, const float* cos, const float* sin, const CacheLayer& c, const int64_t* slots,
-               const bool* visible, float eps, float scale, float* qkv, float* q, float* out) {
+template <typename T, typename Linear>
+void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const T* attn_norm, const T* mlp_norm,
+               const T* cos, const T* sin, const CacheLayer<T>& c, const int64_t* slots, const bool* visible,
+               float eps, float scale, T* qkv, T* q, T* out) {
   attention_input(x, attn_norm, l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads, s.D, eps, qkv);
   write_cache(s, qkv, slots, c);
-  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(float));
+  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(T));
   layer_output(x, q, c.keys, c.values, visible, l.wo, mlp_norm, l.gate_up, l.down, s.M, s.E, s.heads, s.kv_heads,
                s.D, s.span, s.rows, c.key_row, c.key_head, c.value_row, c.value_head, c.slot, l.F, eps, scale, out);
+}
+
+template <typename T>
+at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                     const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor& keys, at::Tensor& values, const int64_t* slot_of, const at::Tensor& visible,
+                     double eps, double scale) {
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), vis = visible.contiguous();
+  // Two buffers for the residual stream, each layer reading one and writing the other.
+  at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
+  at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
+  const at::Tensor xc = x.contiguous();
+  const T* in = xc.data_ptr<T>();
+  StackReader reader{weights, layout};
+  int64_t layer = 0;
+  for (; !reader.done(); ++layer) {
+    TORCH_CHECK(layer < keys.size(0), kOp, ": the layout describes more layers than the cache's ", keys.size(0));
+    const int64_t kind = reader.next_value("a layer's kind");
+    const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
+    const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
+    for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
+      TORCH_CHECK(norm->dim() == 1 && norm->size(0) == s.E && norm->scalar_type() == x.scalar_type(), kOp,
+                  ": the norms must be [hidden] in x's dtype");
+    T* out = streams[layer % 2].data_ptr<T>();
+    const CacheLayer<T> cache = cache_layer<T>(keys, values, layer);
+    const auto run = [&](auto& linears) {
+      run_layer<T>(s, linears, in, attn_norm.data_ptr<T>(), mlp_norm.data_ptr<T>(), cc.data_ptr<T>(),
+                   sc.data_ptr<T>(), cache, slot_of, vis.data_ptr<bool>(), static_cast<float>(eps),
+                   static_cast<float>(scale), qkv.data_ptr<T>(), q.data_ptr<T>(), out);
+    };
+    TORCH_CHECK(kind >= kPlain && kind <= kKQuant, kOp,
+                ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
+    if (kind == kPlain) {
+      LayerLinears<DenseLinear<T>> linears;
+      read_plain<T>(reader, x, s.N, s.HD, linears);
+      run(linears);
+    } else if constexpr (std::is_same_v<T, float>) {
+      if (kind == kTiles) {
+        TORCH_CHECK(genfn_kernels::cpu_has_avx512_vnni(), kOp, ": block-quantized layers need AVX512_VNNI");
+        LayerLinears<QuantLinear> linears;
+        read_tiles(reader, s.E, s.N, s.HD, linears);
+        run(linears);
+      } else {
+        LayerLinears<KQuantLinear> linears;
+        read_kquant(reader, s.E, s.N, s.HD, linears);
+        run(linears);
+      }
+    } else {
+      TORCH_CHECK(false, kOp, ": block-quantized and K-quant layers take float32 x, got ", x.scalar_type());
+    }
+    in = out;
+  }
+  TORCH_CHECK(layer >= 1 && reader.tensor == weights.size(), kOp, ": the layout must describe every weight, ",
+              "one layer at least");
+  return streams[(layer - 1) % 2];
 }
 
 at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
@@ -201,49 +265,9 @@ at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::T
   for (int64_t m = 0; m < s.M; ++m)
     TORCH_CHECK(slot_of[m] >= 0 && slot_of[m] < s.slots, kOp, ": slot ", slot_of[m], " is outside the cache's ",
                 s.slots, " slots");
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), vis = visible.contiguous();
-  // Two buffers for the residual stream, each layer reading one and writing the other.
-  at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
-  at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
-  const at::Tensor xc = x.contiguous();
-  const float* in = xc.data_ptr<float>();
-  StackReader reader{weights, layout};
-  int64_t layer = 0;
-  for (; !reader.done(); ++layer) {
-    TORCH_CHECK(layer < keys.size(0), kOp, ": the layout describes more layers than the cache's ", keys.size(0));
-    const int64_t kind = reader.next_value("a layer's kind");
-    const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
-    const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
-    for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
-      TORCH_CHECK(norm->dim() == 1 && norm->size(0) == s.E && norm->scalar_type() == at::kFloat, kOp,
-                  ": the norms must be float32 [hidden]");
-    float* out = streams[layer % 2].data_ptr<float>();
-    const CacheLayer cache = cache_layer(keys, values, layer);
-    const auto run = [&](auto& linears) {
-      run_layer(s, linears, in, attn_norm.data_ptr<float>(), mlp_norm.data_ptr<float>(), cc.data_ptr<float>(),
-                sc.data_ptr<float>(), cache, slot_of, vis.data_ptr<bool>(), static_cast<float>(eps),
-                static_cast<float>(scale), qkv.data_ptr<float>(), q.data_ptr<float>(), out);
-    };
-    if (kind == kPlain) {
-      LayerLinears<DenseLinear<float>> linears;
-      read_plain(reader, x, s.N, s.HD, linears);
-      run(linears);
-    } else if (kind == kTiles) {
-      TORCH_CHECK(genfn_kernels::cpu_has_avx512_vnni(), kOp, ": block-quantized layers need AVX512_VNNI");
-      LayerLinears<QuantLinear> linears;
-      read_tiles(reader, s.E, s.N, s.HD, linears);
-      run(linears);
-    } else {
-      TORCH_CHECK(kind == kKQuant, kOp, ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
-      LayerLinears<KQuantLinear> linears;
-      read_kquant(reader, s.E, s.N, s.HD, linears);
-      run(linears);
-    }
-    in = out;
-  }
-  TORCH_CHECK(layer >= 1 && reader.tensor == weights.size(), kOp, ": the layout must describe every weight, ",
-              "one layer at least");
-  return streams[(layer - 1) % 2];
+  if (x.scalar_type() == at::kFloat)
+    return run_stack<float>(s, x, weights, layout, cos, sin, keys, values, slot_of, visible, eps, scale);
+  return run_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slot_of, visible, eps, scale);
 }
 
 }  // namespace
