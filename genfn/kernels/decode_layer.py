@@ -51,7 +51,7 @@ _VNNI = native.cpu_has("avx512_vnni")
 def quantized(layer: Mapping[str, Any]) -> bool:
     """Whether every linear of ``layer`` is a block-quantized weight the quantized form reads."""
     return all(isinstance(layer.get(n), QuantizedWeight) and layer[n].layout == "tiles16"
-               and layer[n].device.type == "cpu" for n in _LINEARS)
+               and layer[n].codes.is_cpu for n in _LINEARS)
 
 
 # The most row ranges in other formats one K-quant linear may stack (kquant.h's SharedLinear::kMaxParts).
@@ -61,7 +61,7 @@ _MAX_KQUANT_PARTS = 4
 def _kquant_parts(weight) -> tuple | None:
     """A linear's K-quant parts (one, or a ``RowStack``'s), or None where it is not all K-quant on the CPU."""
     parts = weight.parts if isinstance(weight, RowStack) else (weight,)
-    if len(parts) > _MAX_KQUANT_PARTS or not all(isinstance(p, KQuantWeight) and p.device.type == "cpu"
+    if len(parts) > _MAX_KQUANT_PARTS or not all(isinstance(p, KQuantWeight) and p.data.is_cpu
                                                  for p in parts):
         return None
     return parts
@@ -124,7 +124,7 @@ def layer_kind(layer: Mapping[str, Any], x: torch.Tensor) -> int | None:
         kind, plain = _PLAIN, _WEIGHTS
     for name in plain:
         weight = layer.get(name)
-        if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.device.type != "cpu":
+        if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or not weight.is_cpu:
             return None
         if torch.is_grad_enabled() and weight.requires_grad:
             return None
