@@ -18,6 +18,11 @@ kernels give it.
 
 :func:`takes` says whether a layer's decode step can run here; the model code falls back to
 its op-by-op layer otherwise (prefill, biased or mixed weights, a dtype, grad, no kernels).
+
+:func:`run_stack` runs a step's whole stack of such layers in one native call (``decode_stack.cpp``,
+built from the same pieces, ``decode_layer.h``), each layer's keys and values written into the cache
+between its two halves: the model code takes it wherever every layer would take the two calls
+(:func:`stack_weights`), eager and compiled, and the Python between the layers' calls is gone.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@
 //
 // The weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down as the
 // layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
-//   0 (plain weights):  nothing; a linear is one tensor, the weight (x's dtype: float32, or
-//                       bfloat16 on a CPU with AVX512_BF16, as the per-layer ops take it).
-//   1 (tiles16 blocks, float32 x): per linear its block kind (0, 1 or 2); three tensors: codes, scales,
-//                       minimums (None where the block kind has none).
-//   2 (K-quant rows, float32 x):   per linear its number of parts P, then their P formats; P tensors.
+//   0, plain weights in x's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing more;
+//      a linear is one tensor, the weight.
+//   1, tiles16 blocks (float32 x): per linear its block kind (0, 1 or 2); three tensors: codes,
+//      scales, minimums (None where the block kind has none).
+//   2, K-quant rows (float32 x): per linear its number of parts P, then their P formats; P tensors.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -456,10 +456,11 @@ def apply(
     if stack is not None:
         x = decode_layer.run_stack(x, stack, cos, sin, cache.keys, cache.values, slots, mask, spec.rms_norm_eps,
                                    spec.num_heads, spec.num_kv_heads)
-    for i, layer in enumerate(layers if stack is None else ()):
-        x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions)
-        if output_hidden_states:
-            hidden_states.append(x)
+    else:
+        for i, layer in enumerate(layers):
+            x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions)
+            if output_hidden_states:
+                hidden_states.append(x)
     if logits_to_keep and not output_hidden_states:
         x = x[:, -logits_to_keep:]  # the norm is per token: only the kept positions need it
     x = _rms_norm(x, params["norm"], spec.rms_norm_eps)
