@@ -11,7 +11,7 @@ from genfn.kernels import decode_layer
 from genfn.models import llama
 from genfn.quant.weight import QuantizedWeight
 from test_decode_layer import (EPS, HEAD_DIM, K_FFN, K_HEADS, K_HIDDEN, K_KV_HEADS, PROMPTS, _kquant_layer,
-                               _positions_rope, needs_vnni, tiny_pair_f32)  # noqa: F401 (a fixture)
+                               _positions_rope, needs_bf16_dot, needs_vnni, tiny_pair_f32)  # noqa: F401 (a fixture)
 from test_paged_native import needs_kernel
 
 
@@ -92,7 +92,7 @@ def test_the_stack_gives_the_layer_ops_bits_and_cache(kinds, batch, seq):
 
 
 @needs_kernel
-@pytest.mark.skipif(not decode_layer._BF16_DOT, reason="the bfloat16 layer needs AVX512_BF16 (this CPU has none)")
+@needs_bf16_dot
 @pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
 def test_a_bfloat16_stack_gives_the_layer_ops_bits_and_cache(batch, seq):
     """A compiled bfloat16 step's stack (eagerly ``stack_weights`` leaves bfloat16 to transformers'

@@ -153,8 +153,7 @@ at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_nor
   check_rows(x, op, Weights::kTiles);
   const int64_t M = x.size(0), E = x.size(1), F = out_features / 2;
   TORCH_CHECK(out_features > 0 && out_features % 2 == 0, op, ": w_gate_up's rows must be even, got ", out_features);
-  TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
-              ": mlp_norm must be [hidden] in x's dtype");
+  check_norm(mlp_norm, x, op, "mlp_norm");
   QuantLinear gate_up{quant_weight(codes, scales, mins, kind, out_features, E, op, "w_gate_up")};
   const at::Tensor xc = x.contiguous(), nc = mlp_norm.contiguous();
   at::Tensor act = at::empty({M, F}, x.options());

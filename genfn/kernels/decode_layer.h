@@ -265,6 +265,12 @@ inline void check_rows(const at::Tensor& x, const char* op, Weights weights) {
   }
 }
 
+// A norm's weight: [hidden] in x's dtype.
+inline void check_norm(const at::Tensor& norm, const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == x.size(1) && norm.scalar_type() == x.scalar_type(), op, ": ", name,
+              " must be [hidden] in x's dtype");
+}
+
 inline void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows, int64_t cols, const char* op,
                          const char* name) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols && w.scalar_type() == x.scalar_type(), op, ": ",
@@ -307,8 +313,7 @@ inline AttentionInputSizes check_attention_input(const at::Tensor& x, const at::
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               op, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes());
-  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == E && norm.scalar_type() == x.scalar_type(), op,
-              ": norm must be [hidden] in x's dtype");
+  check_norm(norm, x, op, "norm");
   return {M, E, (heads + 2 * kv_heads) * D, D};
 }
 
@@ -317,7 +322,7 @@ inline AttentionInputSizes check_attention_input(const at::Tensor& x, const at::
 inline void check_layer_output(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys,
                                const at::Tensor& values, const at::Tensor& visible, const at::Tensor& mlp_norm,
                                const char* op) {
-  const int64_t M = x.size(0), E = x.size(1);
+  const int64_t M = x.size(0);
   TORCH_CHECK(q.dim() == 3 && q.size(0) == M && q.scalar_type() == x.scalar_type(), op,
               ": q must be [M, heads, head_dim] in x's dtype, got ", q.sizes());
   const int64_t heads = q.size(1), D = q.size(2);
@@ -333,8 +338,7 @@ inline void check_layer_output(const at::Tensor& x, const at::Tensor& q, const a
   TORCH_CHECK(visible.dim() == 2 && visible.size(0) == M && visible.size(1) <= keys.size(2) &&
                   visible.scalar_type() == at::kBool,
               op, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(2), " slots");
-  TORCH_CHECK(mlp_norm.dim() == 1 && mlp_norm.size(0) == E && mlp_norm.scalar_type() == x.scalar_type(), op,
-              ": mlp_norm must be [hidden] in x's dtype");
+  check_norm(mlp_norm, x, op, "mlp_norm");
 }
 
 // linear: a K-quant matrix of [rows, cols] from its parts (uint8 [part rows, row bytes] in

@@ -132,11 +132,8 @@ struct StackShape {
 StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                        const at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible, int64_t heads,
                        int64_t kv_heads) {
+  check_rows(x, kOp, Weights::kPlain);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLayerRows &&
-                  (dtype == at::kFloat || (dtype == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16())),
-              kOp, ": x must be [M, hidden] with 1 <= M <= ", kMaxLayerRows,
-              ", float32 or (on a CPU with AVX512_BF16) bfloat16, got ", x.sizes(), " ", dtype);
   const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && cos.scalar_type() == dtype &&
                   sin.scalar_type() == dtype && D % 2 == 0,
@@ -218,9 +215,8 @@ at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c
     const int64_t kind = reader.next_value("a layer's kind");
     const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
     const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
-    for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
-      TORCH_CHECK(norm->dim() == 1 && norm->size(0) == s.E && norm->scalar_type() == x.scalar_type(), kOp,
-                  ": the norms must be [hidden] in x's dtype");
+    check_norm(attn_norm, x, kOp, "attn_norm");
+    check_norm(mlp_norm, x, kOp, "mlp_norm");
     T* out = streams[layer % 2].data_ptr<T>();
     const CacheLayer<T> cache = cache_layer<T>(keys, values, layer);
     const auto run = [&](auto& linears) {
@@ -230,13 +226,14 @@ at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c
     };
     TORCH_CHECK(kind >= kPlain && kind <= kKQuant, kOp,
                 ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
+    // What x must be for the layer's weights (tiles16: float32 and AVX512_VNNI; K-quant: float32).
+    check_rows(x, kOp, kind == kPlain ? Weights::kPlain : kind == kTiles ? Weights::kTiles : Weights::kKQuant);
     if (kind == kPlain) {
       LayerLinears<DenseLinear<T>> linears;
       read_plain<T>(reader, x, s.N, s.HD, linears);
       run(linears);
     } else if constexpr (std::is_same_v<T, float>) {
       if (kind == kTiles) {
-        TORCH_CHECK(genfn_kernels::cpu_has_avx512_vnni(), kOp, ": block-quantized layers need AVX512_VNNI");
         LayerLinears<QuantLinear> linears;
         read_tiles(reader, s.E, s.N, s.HD, linears);
         run(linears);
@@ -246,7 +243,7 @@ at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c
         run(linears);
       }
     } else {
-      TORCH_CHECK(false, kOp, ": block-quantized and K-quant layers take float32 x, got ", x.scalar_type());
+      TORCH_INTERNAL_ASSERT(false, "check_rows lets only plain layers take bfloat16 x");
     }
     in = out;
   }

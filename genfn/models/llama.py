@@ -291,7 +291,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
     # The growing cache's write hands back the layer's whole cache as the static one's does, so
     # generate's default eager path takes the fused layer too (1.2x SmolLM2 float32, 1.4-1.8x its
     # Q4_1 blocks at batch 1 against the layer op by op; the same tokens in float32).
-    if (not output_attentions and type(cache) in (StaticCache, DynamicCache) and spec.is_plain_llama
+    if (not output_attentions and _native_layers_take(spec, cache)
             and decode_layer.takes(x, layer, cache.keys, spec.head_dim)):
         if spec.tensor_shard is None:
             return _native_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
@@ -385,9 +385,16 @@ def _native_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache) -> tuple[list
     layer would take the fused native layer on its own: the same numbers without the Python, dispatch
     and glue between the layers' calls (~70 us a layer eager; in a compiled step inductor's wrapper
     calls and the cache writes' kernels between them)."""
-    if type(cache) not in (StaticCache, DynamicCache) or not spec.is_plain_llama or spec.tensor_shard is not None:
+    if not _native_layers_take(spec, cache) or spec.tensor_shard is not None:
         return None
     return decode_layer.stack_weights(x, layers, cache.keys, spec.head_dim)
+
+
+def _native_layers_take(spec: LlamaSpec, cache) -> bool:
+    """Whether the native decode layer (one layer's calls, or the stack) can run ``spec``'s layers on
+    ``cache``, before each layer's own weights and the step's rows (``decode_layer.takes``): Llama's own
+    layers over a static or growing cache, whose write hands back the layer's whole cache."""
+    return type(cache) in (StaticCache, DynamicCache) and spec.is_plain_llama
 
 
 def _sharded_decode_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
