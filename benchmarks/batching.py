@@ -226,6 +226,9 @@ def main():
     parser.add_argument("--parallel", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--quantize", choices=["none", "gguf"], default="none",
+                        help="'gguf' keeps the file's Q4_1 blocks (genfn engines; float32 activations), as "
+                             "`genfn serve --quantize gguf` does")
     parser.add_argument("--engines", nargs="+",
                         default=["genfn-cb", "hf-cb", "genfn-static", "genfn-static-compiled", "llama.cpp"])
     parser.add_argument("--workloads", nargs="+", default=["mixed", "parallel"])
@@ -256,13 +259,13 @@ def main():
     path = default_model_path()
     print(f"# continuous batching on SmolLM2-135M: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, device cpu")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, device cpu, quantize {args.quantize}")
     load = os.getloadavg()
     print(f"# load average (1/5/15 min) at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     report = {"args": vars(args), "load_average_start": load, "runs": []}
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        model = genfn.load(path, dtype=dtype)
+        model = genfn.load(path, dtype=dtype, quantize=None if args.quantize == "none" else args.quantize)
         hf_model = None
         if "hf-cb" in args.engines:
             import transformers

@@ -136,6 +136,11 @@ def _register_fake() -> None:
     def _(x, weights, layout, cos, sin, keys, values, slots, visible, eps, heads, kv_heads, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_stack_paged")
+    def _(x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables, request_index, positions, eps,
+          heads, kv_heads, scale, sliding_window):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")
     def _(x, mlp_norm, codes, scales, mins, kind, out_features, eps):
         return x.new_empty((x.shape[0], out_features // 2))

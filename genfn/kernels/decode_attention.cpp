@@ -518,14 +518,13 @@ void paged_write(at::Tensor& keys, at::Tensor& values, int64_t layer, const at::
 namespace genfn_kernels {
 
 template <typename T>
-void attend_group(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
-                  int64_t slot_stride, int64_t groups, int64_t head_dim, float scale, T* out) {
+void attend_group_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
+                     int64_t head_dim, float scale, T* out) {
   thread_local std::vector<float> scores;
-  thread_local std::vector<int64_t> slots;
   switch (head_dim / kLanes) {
 #define GENFN_GROUP(V) \
   case V:                \
-    return attend_visible<T, V>(q, keys, values, visible, span, slot_stride, groups, scale, 0.f, out, scores, slots);
+    return attend_rows_at<T, V>(q, keys, values, offsets, n, groups, scale, 0.f, out, scores);
     GENFN_GROUP(1)
     GENFN_GROUP(2)
     GENFN_GROUP(3)
@@ -537,6 +536,24 @@ void attend_group(const T* q, const T* keys, const T* values, const bool* visibl
 #undef GENFN_GROUP
   }
 }
+
+template <typename T>
+void attend_group(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
+                  int64_t slot_stride, int64_t groups, int64_t head_dim, float scale, T* out) {
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(span);
+  int64_t n = 0;
+  for (int64_t s = 0; s < span; ++s) {  // without a branch, as attend_visible
+    offsets[n] = s * slot_stride;
+    n += visible[s];
+  }
+  attend_group_at(q, keys, values, offsets.data(), n, groups, head_dim, scale, out);
+}
+
+template void attend_group_at<float>(const float*, const float*, const float*, const int64_t*, int64_t, int64_t,
+                                     int64_t, float, float*);
+template void attend_group_at<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                                             const int64_t*, int64_t, int64_t, int64_t, float, c10::BFloat16*);
 
 template void attend_group<float>(const float*, const float*, const float*, const bool*, int64_t, int64_t, int64_t,
                                   int64_t, float, float*);

@@ -123,5 +123,11 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, floa
 template <typename T>
 void attend_group(const T* q, const T* keys, const T* values, const bool* visible, int64_t span,
                   int64_t slot_stride, int64_t groups, int64_t head_dim, float scale, T* out);
+// The same against the n slots at element offsets offsets[0 .. n) from keys/values, in that order
+// (a paged cache's positions through a block table): the same bits as attend_group where the
+// offsets are its visible slots'.
+template <typename T>
+void attend_group_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
+                     int64_t head_dim, float scale, T* out);
 
 }  // namespace genfn_kernels

@@ -98,10 +98,11 @@ at::Tensor run_layer_output(const at::Tensor& x, const at::Tensor& q, const at::
   const int64_t M = x.size(0), E = x.size(1);
   const at::Tensor xc = x.contiguous(), qc = q.contiguous(), vis = visible.contiguous(), nc = mlp_norm.contiguous();
   at::Tensor out = at::empty({M, E}, x.options());
-  layer_output(xc.data_ptr<T>(), qc.data_ptr<T>(), keys.data_ptr<T>(), values.data_ptr<T>(), vis.data_ptr<bool>(), wo,
-               nc.data_ptr<T>(), w_gate_up, w_down, M, E, q.size(1), keys.size(1), q.size(2), vis.size(1),
-               keys.size(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), keys.stride(2), F,
-               static_cast<float>(eps), static_cast<float>(scale), out.data_ptr<T>());
+  const DenseAttention<T> attend{keys.data_ptr<T>(), values.data_ptr<T>(), vis.data_ptr<bool>(), vis.size(1),
+                                 M / keys.size(0), keys.stride(0), keys.stride(1), values.stride(0),
+                                 values.stride(1), keys.stride(2), q.size(2), static_cast<float>(scale)};
+  layer_output(xc.data_ptr<T>(), qc.data_ptr<T>(), attend, wo, nc.data_ptr<T>(), w_gate_up, w_down, M, E, q.size(1),
+               keys.size(1), q.size(2), F, static_cast<float>(eps), out.data_ptr<T>());
   return out;
 }
 

@@ -182,15 +182,45 @@ void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int
   for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
 }
 
-template <typename T, typename Linear>
-void layer_output(const T* x, const T* q, const T* keys, const T* values, const bool* visible, Linear& wo,
-                  const T* mlp_norm, Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads,
-                  int64_t kv_heads, int64_t D, int64_t span, int64_t cache_rows, int64_t key_row_stride,
-                  int64_t key_head_stride,
-                  int64_t value_row_stride, int64_t value_head_stride, int64_t slot_stride, int64_t F, float eps,
-                  float scale, T* out) {
+// Where token m's query heads find their keys and values, as layer_output asks for them: a dense
+// cache (rows of slots, a visible mask per token; the static and growing caches) or a paged one
+// (blocks through each token's table; continuous batching). Both walk the visible slots in
+// position order with the same arithmetic (attend_rows_at), so equal caches give equal bits.
+template <typename T>
+struct DenseAttention {
+  const T* keys;
+  const T* values;
+  const bool* visible;  // [M, span]
+  int64_t span, per_cache_row, key_row, key_head, value_row, value_head, slot;
+  int64_t D;
+  float scale;
+  // Token m's `groups` query heads q over kv head kv, into out.
+  void operator()(int64_t m, int64_t kv, const T* q, int64_t groups, T* out) const {
+    const int64_t c = m / per_cache_row;  // tokens c * per_cache_row .. attend cache row c
+    attend_group(q, keys + c * key_row + kv * key_head, values + c * value_row + kv * value_head, visible + m * span,
+                 span, slot, groups, D, scale, out);
+  }
+};
+
+template <typename T>
+struct PagedAttention {
+  const T* keys;    // the layer's [blocks, Hkv, block_size, D]
+  const T* values;
+  const int64_t* offsets;  // token m's visible slots at offsets[starts[m] .. starts[m + 1]) from its kv head's
+  const int64_t* starts;
+  int64_t head_stride, D;
+  float scale;
+  void operator()(int64_t m, int64_t kv, const T* q, int64_t groups, T* out) const {
+    attend_group_at(q, keys + kv * head_stride, values + kv * head_stride, offsets + starts[m],
+                    starts[m + 1] - starts[m], groups, D, scale, out);
+  }
+};
+
+template <typename T, typename Linear, typename Attention>
+void layer_output(const T* x, const T* q, const Attention& attend, Linear& wo, const T* mlp_norm, Linear& w_gate_up,
+                  Linear& w_down, int64_t M, int64_t E, int64_t heads, int64_t kv_heads, int64_t D, int64_t F,
+                  float eps, T* out) {
   const int64_t HD = heads * D, groups = heads / kv_heads;
-  const int64_t per_cache_row = M / cache_rows;  // tokens m * per_cache_row .. attend cache row m
   // Buffers every thread reads: the attention output, the o projection, the gate/up projection,
   // the SwiGLU activation, the down projection.
   thread_local std::vector<T> shared;
@@ -213,18 +243,14 @@ void layer_output(const T* x, const T* q, const T* keys, const T* values, const 
       // times over, ~12 % of a Q4_1 step).
       const auto [begin, end] = share(M * kv_heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups, c = m / per_cache_row;
-        attend_group(q + first * D, keys + c * key_row_stride + kv * key_head_stride,
-                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
-                     groups, D, scale, attn + first * D);
+        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
+        attend(m, kv, q + first * D, groups, attn + first * D);
       }
     } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
       const auto [begin, end] = share(M * heads, t, team);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / heads, head = i % heads, kv = head / groups, c = m / per_cache_row;
-        attend_group(q + i * D, keys + c * key_row_stride + kv * key_head_stride,
-                     values + c * value_row_stride + kv * value_head_stride, visible + m * span, span, slot_stride,
-                     int64_t{1}, D, scale, attn + i * D);
+        const int64_t m = i / heads, head = i % heads;
+        attend(m, head / groups, q + i * D, int64_t{1}, attn + i * D);
       }
     }
 #pragma omp barrier

@@ -23,6 +23,8 @@ its op-by-op layer otherwise (prefill, biased or mixed weights, a dtype, grad, n
 built from the same pieces, ``decode_layer.h``), each layer's keys and values written into the cache
 between its two halves: the model code takes it wherever every layer would take the two calls
 (:func:`stack_weights`), eager and compiled, and the Python between the layers' calls is gone.
+:func:`run_paged_stack` is the same stack over continuous batching's paged cache, for a packed
+batch of a few tokens (decode steps, drafts, short prompt chunks).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input", "stack_weights",
-           "run_stack"]
+           "run_stack", "run_paged_stack"]
 
 # The most tokens one call takes (decode_layer.cpp's kMaxLayerRows): a decode step's rows, or a
 # speculative verification's positions (each of them the bits of a step of that token alone).
@@ -239,3 +241,18 @@ def run_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin:
                               sin.reshape(-1, sin.shape[-1]), keys, values, slots, mask.reshape(-1, mask.shape[-1]),
                               eps, heads, kv_heads, cos.shape[-1] ** -0.5)
     return out.view(x.shape)
+
+
+def run_paged_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, inputs, eps: float, heads: int, kv_heads: int,
+                    sliding_window: int | None) -> torch.Tensor:
+    """``run_stack`` over the paged cache ``keys``/``values [L, blocks, Hkv, block_size, D]`` (written in
+    place) for the packed tokens ``x [T, hidden]`` of ``inputs`` (``genfn.batching.inputs.BatchInputs``):
+    token ``t`` writes at ``inputs.slot_mapping[t]`` and attends positions ``0 .. inputs.positions[t]``
+    of its request's block table (the last ``sliding_window`` of them), in position order, with the
+    static cache's arithmetic: a decode token gets the bits a ``generate`` step gives it over the same
+    keys. ``stack``: ``stack_weights`` of ``x`` as ``[1, T, hidden]``."""
+    weights, layout = stack
+    return _ops().decode_stack_paged(x, weights, layout, cos, sin, keys, values, inputs.slot_mapping,
+                                     inputs.block_tables, inputs.request_index, inputs.positions, eps, heads,
+                                     kv_heads, cos.shape[-1] ** -0.5, sliding_window or 0)

@@ -17,6 +17,16 @@
 // first A slots where its line of visible is set. The layers run are those `layout` describes
 // (the cache may hold more: an early exit runs the first few).
 //
+//   decode_stack_paged(x [M, E], weights, layout, cos, sin [M, D], keys, values [L, NB, Hkv, bs, D],
+//                      slot_mapping [M], block_tables [R, W], request_index [M], positions [M], eps,
+//                      heads, kv_heads, scale, sliding_window) -> x after the layers
+//
+// The same over continuous batching's paged cache: token m (any request's decode token, drafts or
+// a short prompt chunk) writes at slot slot_mapping[m] (block * bs + offset; negative: the sink,
+// the last block) and attends positions 0 .. positions[m] of its request's block table (the last
+// sliding_window of them where sliding_window > 0), in position order: a decode token gets the
+// bits a static-cache step gives it over the same keys.
+//
 // The weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down as the
 // layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
 //   0, plain weights in x's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing more;
@@ -27,6 +37,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -40,6 +51,7 @@ using namespace genfn_kernels::layer;
 
 constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2;
 constexpr const char* kOp = "decode_stack";
+constexpr const char* kPagedOp = "decode_stack_paged";
 
 // Reads the weights and the layout in the order the header above gives them.
 struct StackReader {
@@ -126,12 +138,12 @@ void read_kquant(StackReader& in, int64_t E, int64_t N, int64_t HD, LayerLinears
 
 // What the stack shares between its layers, checked once.
 struct StackShape {
-  int64_t M, E, D, heads, kv_heads, N, HD, rows, per_row, slots, span;
+  int64_t M, E, D, heads, kv_heads, N, HD;
 };
 
+// x, cos and sin, and a 5-D cache with its kv heads at dim 2 and head_dim at dim 4 (both layouts).
 StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                       const at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible, int64_t heads,
-                       int64_t kv_heads) {
+                       const at::Tensor& values, int64_t heads, int64_t kv_heads, const char* layout) {
   check_rows(x, kOp, Weights::kPlain);
   const auto dtype = x.scalar_type();
   const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
@@ -140,69 +152,152 @@ StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Ten
               kOp, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes(), " ", cos.scalar_type());
   TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.scalar_type() == dtype &&
                   values.scalar_type() == dtype && keys.size(2) == kv_heads && keys.size(4) == D,
-              kOp, ": keys and values must be [layers, B, ", kv_heads, ", slots, ", D, "] in x's dtype, got ",
-              keys.sizes(), " ", keys.scalar_type());
+              kOp, ": keys and values must be ", layout, " with ", kv_heads, " kv heads of ", D,
+              " in x's dtype, got ", keys.sizes(), " ", keys.scalar_type());
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && D % 16 == 0 && D <= 128, kOp, ": ", heads,
               " query heads over ", kv_heads, " kv heads of head_dim ", D,
               " (a multiple of 16 up to 128) are not supported");
-  TORCH_CHECK(keys.stride(4) == 1 && values.stride(4) == 1 && keys.stride(3) == values.stride(3), kOp,
-              ": keys and values must be contiguous along head_dim and share their slot stride");
-  const int64_t rows = keys.size(1);
-  TORCH_CHECK(rows >= 1 && M % rows == 0 && slots.dim() == 2 && slots.size(0) == rows && slots.size(1) == M / rows &&
-                  slots.scalar_type() == at::kLong,
-              kOp, ": slots must be int64 [B, M / B] for the cache's B = ", rows, " rows, got ", slots.sizes());
-  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == M && visible.size(1) <= keys.size(3) &&
-                  visible.scalar_type() == at::kBool,
-              kOp, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(3), " slots");
-  return {M, E, D, heads, kv_heads, (heads + 2 * kv_heads) * D, heads * D, rows, M / rows, keys.size(3),
-          visible.size(1)};
+  return {M, E, D, heads, kv_heads, (heads + 2 * kv_heads) * D, heads * D};
 }
 
-// One layer's keys and values in the cache: where they start, and their row, head and slot strides.
+// The static or growing cache [L, B, Hkv, T, D]: token m is token m % S of cache row m / S, writes
+// at slots[m] of its row and attends its row's slots where visible[m] is set.
 template <typename T>
-struct CacheLayer {
-  T* keys;
-  T* values;
-  int64_t key_row, key_head, value_row, value_head, slot;
+struct DenseCache {
+  at::Tensor& keys;
+  at::Tensor& values;
+  const int64_t* slots;
+  const bool* visible;
+  int64_t per_row, span;
+
+  // Token m's keys and values (in its row of qkv, after q) into its slot of its cache row.
+  void write(const StackShape& s, int64_t layer, const T* qkv) const {
+    const int64_t KVD = s.kv_heads * s.D;
+    T* k = keys.data_ptr<T>() + layer * keys.stride(0);
+    T* v = values.data_ptr<T>() + layer * values.stride(0);
+    for (int64_t m = 0; m < s.M; ++m) {
+      const int64_t b = m / per_row, slot = slots[m];
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        const T* src = qkv + m * s.N + s.HD + h * s.D;
+        std::memcpy(k + b * keys.stride(1) + h * keys.stride(2) + slot * keys.stride(3), src, s.D * sizeof(T));
+        std::memcpy(v + b * values.stride(1) + h * values.stride(2) + slot * values.stride(3), src + KVD,
+                    s.D * sizeof(T));
+      }
+    }
+  }
+  DenseAttention<T> attention(const StackShape& s, int64_t layer, float scale) const {
+    return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0), visible,
+            span, per_row, keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), keys.stride(3), s.D,
+            scale};
+  }
 };
 
 template <typename T>
-CacheLayer<T> cache_layer(at::Tensor& keys, at::Tensor& values, int64_t layer) {
-  return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0),
-          keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), keys.stride(3)};
+DenseCache<T> dense_cache(const StackShape& s, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+                              const at::Tensor& visible) {
+  TORCH_CHECK(keys.stride(4) == 1 && values.stride(4) == 1 && keys.stride(3) == values.stride(3), kOp,
+              ": keys and values must be contiguous along head_dim and share their slot stride");
+  const int64_t rows = keys.size(1);
+  TORCH_CHECK(rows >= 1 && s.M % rows == 0 && slots.dim() == 2 && slots.size(0) == rows &&
+                  slots.size(1) == s.M / rows && slots.scalar_type() == at::kLong,
+              kOp, ": slots must be int64 [B, M / B] for the cache's B = ", rows, " rows, got ", slots.sizes());
+  TORCH_CHECK(visible.dim() == 2 && visible.size(0) == s.M && visible.size(1) <= keys.size(3) &&
+                  visible.scalar_type() == at::kBool,
+              kOp, ": visible must be a bool [M, A] with A <= the cache's ", keys.size(3), " slots");
+  TORCH_CHECK(slots.is_contiguous() && visible.is_contiguous(), kOp, ": slots and visible must be contiguous");
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  for (int64_t m = 0; m < s.M; ++m)
+    TORCH_CHECK(slot_of[m] >= 0 && slot_of[m] < keys.size(3), kOp, ": slot ", slot_of[m], " is outside the cache's ",
+                keys.size(3), " slots");
+  return {keys, values, slot_of, visible.data_ptr<bool>(), s.M / rows, visible.size(1)};
 }
 
-// Token m's keys and values (in its row of qkv, after q) into slot slots[m] of its cache row.
+// Continuous batching's paged cache [L, NB, Hkv, bs, D] (contiguous; block NB - 1 is the sink):
+// token m writes at slot_mapping[m] and attends its request's positions through its block table.
 template <typename T>
-void write_cache(const StackShape& s, const T* qkv, const int64_t* slots, const CacheLayer<T>& c) {
-  const int64_t KVD = s.kv_heads * s.D;
-  for (int64_t m = 0; m < s.M; ++m) {
-    const int64_t b = m / s.per_row, slot = slots[m];
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const T* src = qkv + m * s.N + s.HD + h * s.D;
-      std::memcpy(c.keys + b * c.key_row + h * c.key_head + slot * c.slot, src, s.D * sizeof(T));
-      std::memcpy(c.values + b * c.value_row + h * c.value_head + slot * c.slot, src + KVD, s.D * sizeof(T));
-    }
+struct PagedCache {
+  at::Tensor& keys;
+  at::Tensor& values;
+  std::vector<int64_t> writes;   // [M]: each token's slot row, an element offset within a layer's kv head 0
+  std::vector<int64_t> offsets;  // every token's visible slots in position order, offsets as writes'
+  std::vector<int64_t> starts;   // [M + 1]: token m's are offsets[starts[m] .. starts[m + 1])
+  int64_t head_stride;
+
+  void write(const StackShape& s, int64_t layer, const T* qkv) const {
+    const int64_t KVD = s.kv_heads * s.D;
+    T* k = keys.data_ptr<T>() + layer * keys.stride(0);
+    T* v = values.data_ptr<T>() + layer * values.stride(0);
+    for (int64_t m = 0; m < s.M; ++m)
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        const T* src = qkv + m * s.N + s.HD + h * s.D;
+        std::memcpy(k + writes[m] + h * head_stride, src, s.D * sizeof(T));
+        std::memcpy(v + writes[m] + h * head_stride, src + KVD, s.D * sizeof(T));
+      }
   }
-}
-
-template <typename T, typename Linear>
-void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const T* attn_norm, const T* mlp_norm,
-               const T* cos, const T* sin, const CacheLayer<T>& c, const int64_t* slots, const bool* visible,
-               float eps, float scale, T* qkv, T* q, T* out) {
-  attention_input(x, attn_norm, l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads, s.D, eps, qkv);
-  write_cache(s, qkv, slots, c);
-  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(T));
-  layer_output(x, q, c.keys, c.values, visible, l.wo, mlp_norm, l.gate_up, l.down, s.M, s.E, s.heads, s.kv_heads,
-               s.D, s.span, s.rows, c.key_row, c.key_head, c.value_row, c.value_head, c.slot, l.F, eps, scale, out);
-}
+  PagedAttention<T> attention(const StackShape& s, int64_t layer, float scale) const {
+    return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0),
+            offsets.data(), starts.data(), head_stride, s.D, scale};
+  }
+};
 
 template <typename T>
+PagedCache<T> paged_cache(const StackShape& s, at::Tensor& keys, at::Tensor& values, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& request_index, const at::Tensor& positions,
+                          int64_t sliding_window) {
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), kPagedOp, ": the paged keys and values must be contiguous");
+  const auto index = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == s.M && t.scalar_type() == at::kLong && t.is_contiguous(), kPagedOp, ": ",
+                name, " must be contiguous int64 [M], got ", t.sizes(), " ", t.scalar_type());
+    return t.data_ptr<int64_t>();
+  };
+  const int64_t* slot_of = index(slot_mapping, "slot_mapping");
+  const int64_t* request_of = index(request_index, "request_index");
+  const int64_t* position_of = index(positions, "positions");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), kPagedOp,
+              ": block_tables must be contiguous int64 [R, W], got ", block_tables.sizes());
+  const int64_t blocks = keys.size(1), block_size = keys.size(3), rows = block_tables.size(0),
+                width = block_tables.size(1), D = s.D;
+  const int64_t head_stride = block_size * D, block_stride = s.kv_heads * head_stride;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  PagedCache<T> cache{keys, values, {}, {}, {0}, head_stride};
+  cache.writes.resize(s.M);
+  for (int64_t m = 0; m < s.M; ++m) {
+    const int64_t slot = slot_of[m] < 0 ? (blocks - 1) * block_size : slot_of[m];
+    TORCH_CHECK(slot < blocks * block_size, kPagedOp, ": slot ", slot, " is outside the cache's ", blocks * block_size,
+                " slots");
+    cache.writes[m] = slot / block_size * block_stride + slot % block_size * D;
+    const int64_t r = request_of[m], length = position_of[m] + 1;
+    TORCH_CHECK(r >= 0 && r < rows && length >= 1 && length <= width * block_size, kPagedOp, ": token ", m,
+                " (request ", r, ", position ", position_of[m], ") is outside the ", rows, " block tables of ", width,
+                " blocks of ", block_size);
+    const int64_t* table = tables + r * width;
+    for (int64_t pos = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0; pos < length; ++pos) {
+      const int64_t block = table[pos / block_size];
+      TORCH_CHECK(block >= 0 && block < blocks, kPagedOp, ": block ", block, " of request ", r, " is outside the cache's ",
+                  blocks);
+      cache.offsets.push_back(block * block_stride + pos % block_size * D);
+    }
+    cache.starts.push_back(static_cast<int64_t>(cache.offsets.size()));
+  }
+  return cache;
+}
+
+template <typename T, typename Linear, typename Cache>
+void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const T* attn_norm, const T* mlp_norm,
+               const T* cos, const T* sin, const Cache& cache, int64_t layer, float eps, float scale, T* qkv, T* q,
+               T* out) {
+  attention_input(x, attn_norm, l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads, s.D, eps, qkv);
+  cache.write(s, layer, qkv);
+  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(T));
+  layer_output(x, q, cache.attention(s, layer, scale), l.wo, mlp_norm, l.gate_up, l.down, s.M, s.E, s.heads,
+               s.kv_heads, s.D, l.F, eps, out);
+}
+
+template <typename T, typename Cache>
 at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                      const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                     at::Tensor& keys, at::Tensor& values, const int64_t* slot_of, const at::Tensor& visible,
-                     double eps, double scale) {
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), vis = visible.contiguous();
+                     const Cache& cache, int64_t cache_layers, double eps, double scale) {
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   // Two buffers for the residual stream, each layer reading one and writing the other.
   at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
   at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
@@ -211,18 +306,17 @@ at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c
   StackReader reader{weights, layout};
   int64_t layer = 0;
   for (; !reader.done(); ++layer) {
-    TORCH_CHECK(layer < keys.size(0), kOp, ": the layout describes more layers than the cache's ", keys.size(0));
+    TORCH_CHECK(layer < cache_layers, kOp, ": the layout describes more layers than the cache's ", cache_layers);
     const int64_t kind = reader.next_value("a layer's kind");
     const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
     const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
     check_norm(attn_norm, x, kOp, "attn_norm");
     check_norm(mlp_norm, x, kOp, "mlp_norm");
     T* out = streams[layer % 2].data_ptr<T>();
-    const CacheLayer<T> cache = cache_layer<T>(keys, values, layer);
     const auto run = [&](auto& linears) {
       run_layer<T>(s, linears, in, attn_norm.data_ptr<T>(), mlp_norm.data_ptr<T>(), cc.data_ptr<T>(),
-                   sc.data_ptr<T>(), cache, slot_of, vis.data_ptr<bool>(), static_cast<float>(eps),
-                   static_cast<float>(scale), qkv.data_ptr<T>(), q.data_ptr<T>(), out);
+                   sc.data_ptr<T>(), cache, layer, static_cast<float>(eps), static_cast<float>(scale),
+                   qkv.data_ptr<T>(), q.data_ptr<T>(), out);
     };
     TORCH_CHECK(kind >= kPlain && kind <= kKQuant, kOp,
                 ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
@@ -252,19 +346,50 @@ at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c
   return streams[(layer - 1) % 2];
 }
 
+template <typename T>
+at::Tensor dense_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                       const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible,
+                       double eps, double scale) {
+  const at::Tensor slot_list = slots.contiguous(), vis = visible.contiguous();
+  const DenseCache<T> cache = dense_cache<T>(s, keys, values, slot_list, vis);
+  return run_stack<T>(s, x, weights, layout, cos, sin, cache, keys.size(0), eps, scale);
+}
+
 at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                         const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible,
                         double eps, int64_t heads, int64_t kv_heads, double scale) {
-  const StackShape s = check_stack(x, cos, sin, keys, values, slots, visible, heads, kv_heads);
-  const at::Tensor slot_list = slots.contiguous();
-  const int64_t* slot_of = slot_list.data_ptr<int64_t>();
-  for (int64_t m = 0; m < s.M; ++m)
-    TORCH_CHECK(slot_of[m] >= 0 && slot_of[m] < s.slots, kOp, ": slot ", slot_of[m], " is outside the cache's ",
-                s.slots, " slots");
+  const StackShape s = check_stack(x, cos, sin, keys, values, heads, kv_heads, "[layers, B, kv_heads, slots, D]");
   if (x.scalar_type() == at::kFloat)
-    return run_stack<float>(s, x, weights, layout, cos, sin, keys, values, slot_of, visible, eps, scale);
-  return run_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slot_of, visible, eps, scale);
+    return dense_stack<float>(s, x, weights, layout, cos, sin, keys, values, slots, visible, eps, scale);
+  return dense_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slots, visible, eps, scale);
+}
+
+template <typename T>
+at::Tensor paged_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                       const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor& keys, at::Tensor& values, const at::Tensor& slot_mapping,
+                       const at::Tensor& block_tables, const at::Tensor& request_index, const at::Tensor& positions,
+                       double eps, double scale, int64_t sliding_window) {
+  const PagedCache<T> cache = paged_cache<T>(s, keys, values, slot_mapping.contiguous(), block_tables.contiguous(),
+                                             request_index.contiguous(), positions.contiguous(), sliding_window);
+  return run_stack<T>(s, x, weights, layout, cos, sin, cache, keys.size(0), eps, scale);
+}
+
+at::Tensor decode_stack_paged(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+                              const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
+                              at::Tensor& keys, at::Tensor& values, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& request_index,
+                              const at::Tensor& positions, double eps, int64_t heads, int64_t kv_heads, double scale,
+                              int64_t sliding_window) {
+  const StackShape s = check_stack(x, cos, sin, keys, values, heads, kv_heads,
+                                   "[layers, blocks, kv_heads, block_size, D]");
+  if (x.scalar_type() == at::kFloat)
+    return paged_stack<float>(s, x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables,
+                              request_index, positions, eps, scale, sliding_window);
+  return paged_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables,
+                                    request_index, positions, eps, scale, sliding_window);
 }
 
 }  // namespace
@@ -272,6 +397,12 @@ at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::T
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("decode_stack(Tensor x, Tensor?[] weights, int[] layout, Tensor cos, Tensor sin, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor slots, Tensor visible, float eps, int heads, int kv_heads, float scale) -> Tensor");
+  m.def("decode_stack_paged(Tensor x, Tensor?[] weights, int[] layout, Tensor cos, Tensor sin, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor slot_mapping, Tensor block_tables, Tensor request_index, Tensor positions, "
+        "float eps, int heads, int kv_heads, float scale, int sliding_window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("decode_stack", &decode_stack); }
+TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("decode_stack", &decode_stack);
+  m.impl("decode_stack_paged", &decode_stack_paged);
+}

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
 from genfn.cache.paged import PlannedAttention, planned_attention, sink_softmax, soft_capped, write
-from genfn.kernels import decode_linear_available, invariant
-from genfn.kernels.packed_gemm import pack_linear_weights, packed_linear as linear
+from genfn.kernels import decode_layer, decode_linear_available, invariant
+from genfn.kernels import linear as plain_linear
+from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits
 from genfn.models.llama import LlamaSpec, _rms_norm, projection_norms
@@ -303,13 +304,57 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
                             spec.original_context, None if long_inv_freq is None else furthest_positions(inputs))
     if invariant.batch_invariant():
         return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
-    q_size = spec.num_heads * spec.head_dim
     check_plan(plan, num_tokens)
-    route = packed_attention(inputs, cache, plan, spec.sliding_window)
     plain = spec.is_plain_llama
     ops = _NativeLayerOps if plan is not None and plain and _native_layer_ops(x, params["norm"]) else _TorchLayerOps
+    stack = _paged_stack(spec, params["layers"], x, cache)
+    if stack is not None:
+        x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
+                                         spec.num_heads, spec.num_kv_heads, spec.sliding_window)
+        head = params["lm_head"]
+        head = head.weight if isinstance(head, PackedWeight) else head
+
+        def stack_logits(index):  # generate's final norm and head (llama.apply): its step's bits
+            h = _rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
+            return plain_linear(h, head).to(torch.float32)
+
+        return sampled_logits(inputs, plan, spec.vocab_size, x.device, stack_logits), cache.replace()
+    x, mlp_out, cache = _packed_layers(spec, params["layers"], inputs, cache, plan, x, cos, sin, ops)
+
+    def logits_of(index):
+        if mlp_out is None:
+            h = ops.rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
+        else:
+            _, h = ops.add_rms_norm(x.index_select(0, index), mlp_out.index_select(0, index), params["norm"],
+                                    spec.rms_norm_eps)
+        return tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
+
+    return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
+
+
+def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache) -> tuple[list, list] | None:
+    """The packed tokens' whole stack of layers as one native call (``decode_layer.run_paged_stack``)
+    where ``generate``'s step would take the native stack: Llama's own layers, at most
+    ``decode_layer.MAX_LAYER_ROWS`` tokens (a decode step of a few requests, drafts, a short prompt
+    chunk), one process. The eager forward's GEMM copies (``PackedWeight``) are read as their plain
+    weights. Its ``(weights, layout)``, or None."""
+    if not spec.is_plain_llama or spec.tensor_shard is not None or x.shape[0] > decode_layer.MAX_LAYER_ROWS:
+        return None
+    if not cache.keys.is_contiguous():
+        return None
+    plain = [{name: w.weight if isinstance(w, PackedWeight) else w for name, w in layer.items()} for layer in layers]
+    return decode_layer.stack_weights(x.unsqueeze(0), plain, cache.keys, spec.head_dim)
+
+
+def _packed_layers(spec: LlamaSpec, layers, inputs, cache: PagedKVCache, plan: PackedPlan | None, x: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor | None, PagedKVCache]:
+    """``apply_packed``'s layers one op at a time (any number of tokens, every Llama variant, tensor
+    parallelism): ``(x, mlp_out, cache)``, the last layer's MLP output not yet added to ``x``."""
+    num_tokens, q_size = x.shape[0], spec.num_heads * spec.head_dim
+    route = packed_attention(inputs, cache, plan, spec.sliding_window)
+    plain = spec.is_plain_llama
     mlp_out = None  # the previous layer's MLP output, added to x in the next norm's call
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers):
         if not plain:
             x = x if mlp_out is None else x + mlp_out
             h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
@@ -334,16 +379,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
                                                    linear)
         if spec.post_norms:
             mlp_out = _rms_norm(mlp_out, layer["post_mlp_norm"], spec.rms_norm_eps)
-
-    def logits_of(index):
-        if mlp_out is None:
-            h = ops.rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
-        else:
-            _, h = ops.add_rms_norm(x.index_select(0, index), mlp_out.index_select(0, index), params["norm"],
-                                    spec.rms_norm_eps)
-        return tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
-
-    return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
+    return x, mlp_out, cache
 
 
 def _invariant_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: PagedKVCache,
