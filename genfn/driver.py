@@ -189,11 +189,14 @@ def _hashable(value):
 _COMPILE_SERIAL = itertools.count()
 
 
-def _own_code(fn: Callable, serial: int) -> Callable:
-    """``fn`` with a code object of its own. Dynamo keeps one cache (and one recompile budget, 8 by
-    default) per code object; every compiled step is built from the same closure code, so without
-    this a process that compiles a few strategies and layouts would exhaust that budget."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{serial}")
+def own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own, to hand to ``torch.compile``. Dynamo keeps one cache (and
+    one recompile budget, 8 by default) per code object; every compiled step is built from the same
+    closure code, so without this a process that compiles a few strategies and layouts would exhaust
+    that budget, and a new model's frame would be checked against every earlier model's guards (a
+    continuous-batching forward of GPT-OSS after one of Llama failed inside dynamo, evaluating the
+    Llama graph's guards on GPT-OSS's weights)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_COMPILE_SERIAL)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
@@ -214,7 +217,7 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
-        fn = torch.compile(_own_code(build(ParamsModule(functional(model).params), layout), next(_COMPILE_SERIAL)),
+        fn = torch.compile(own_code(build(ParamsModule(functional(model).params), layout)),
                            **_without_weight_guards(with_genfn_backend(compile_options)))
         fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn

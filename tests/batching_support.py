@@ -39,15 +39,16 @@ def run_requests(model, requests, cb, chunked_prefill: bool = True):
 
 
 def run_engine(model, requests, num_blocks, max_batch_tokens, max_rows, cancel=None, block_size=4, width=16,
-               max_steps=1000, on_step=None, tokenizer=None):
+               max_steps=1000, on_step=None, tokenizer=None, compile=None):
     """Every request (``{id: (prompt, max_new_tokens, settings)}``, queued as the manager queues
     them: ``n`` sequences behind their first, a guided request with its unconditional request)
     through ``engine_step`` to its end; the allocator's invariants checked after every step.
     ``cancel``: ``(step, request id)`` cancelled before that step; ``on_step(state, outcome)``
-    after each step; ``tokenizer``: for stop strings and grammars. Returns the ended requests by id
-    and what the steps did."""
+    after each step; ``tokenizer``: for stop strings and grammars; ``compile``: the engine's
+    ``torch.compile`` options (None: eager). Returns the ended requests by id and what the steps did."""
     cache = require_packed_forward(model).init_packed_cache(model.spec, num_blocks, block_size)
-    engine = Engine(model, cache, max_batch_tokens=max_batch_tokens, max_requests=max_rows, table_width=width)
+    engine = Engine(model, cache, max_batch_tokens=max_batch_tokens, max_requests=max_rows, table_width=width,
+                    compile=compile)
     state = S.init_scheduler(num_blocks, block_size, S.SchedulerPolicy(max_requests_per_batch=max_rows,
                                                                        max_blocks_per_request=width))
     for rid, (prompt, limit, settings) in requests.items():

@@ -97,7 +97,7 @@ def test_generate_batch_equals_generate_request_by_request(model):
 
 
 def test_gemma2_soft_capped_scores_take_the_native_paged_op():
-    """Gemma 2's decode rows (and short prefill chunks) attend through ``paged_decode_attention``
+    """Gemma 2's decode rows (and short prefill chunks) attend through ``paged_query_attention``
     with the cap (once they took the reference attention), and its greedy tokens stay generate's."""
     from genfn import kernels
     from batching_support import drive
@@ -108,7 +108,7 @@ def test_gemma2_soft_capped_scores_take_the_native_paged_op():
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     with torch.profiler.profile() as profile:
         tokens, *_ = drive(model, [(p, 8, {"do_sample": False}) for p in prompts])
-    calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::paged_decode_attention")
+    calls = sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::paged_query_attention")
     assert calls >= model.spec.num_layers
     assert tokens == [_alone(model, p, 8, do_sample=False) for p in prompts]
 

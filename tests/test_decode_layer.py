@@ -411,15 +411,13 @@ def kquant_isa(request):
     kquant.force_isa(None)
 
 
-def _serial_rms_norm(x, weight):
-    """The fused layer's RMS norm: each row's squares summed one after another in float32 (torch's
-    mean sums them in another order, a last bit apart, which can move an 8-bit input code)."""
-    rows = x.reshape(-1, x.shape[-1])
-    squares = torch.zeros(rows.shape[0])
-    for e in range(rows.shape[1]):
-        squares = squares + rows[:, e] * rows[:, e]
-    r = 1 / torch.sqrt(squares / rows.shape[1] + EPS)
-    return (weight * (rows * r[:, None])).view(x.shape)
+def _layer_rms_norm(x, weight):
+    """The fused layer's RMS norm, which is the packed forward's native one (``row_ops.h``: each row's
+    squares summed in 16 lanes; torch's mean sums them in another order, a last bit apart, which can
+    move an 8-bit input code)."""
+    from genfn.kernels import invariant
+
+    return invariant.rms_norm(x, weight, EPS)
 
 
 @needs_kernel
@@ -436,7 +434,7 @@ def test_kquant_layer_equals_the_op_by_op_kquant_layer(kquant_isa, mix, batch, s
     qkv = decode_layer.attention_input(x, layer, cos, sin, EPS, K_HEADS, K_KV_HEADS)
     out = decode_layer.layer_output(x, q, keys, values, mask, layer, EPS)
     rows = batch * seq
-    expected = linear(_serial_rms_norm(x, layer["attn_norm"]), layer["wqkv"]).reshape(rows, -1)
+    expected = linear(_layer_rms_norm(x, layer["attn_norm"]), layer["wqkv"]).reshape(rows, -1)
     q_size, kv_size = K_HEADS * HEAD_DIM, K_KV_HEADS * HEAD_DIM
     qr, k, v = expected.split([q_size, kv_size, kv_size], dim=-1)
     rope = (cos.reshape(rows, 1, HEAD_DIM), sin.reshape(rows, 1, HEAD_DIM))  # each row a batch of one token
@@ -449,7 +447,7 @@ def test_kquant_layer_equals_the_op_by_op_kquant_layer(kquant_isa, mix, batch, s
     attn = F.scaled_dot_product_attention(q.view(batch, seq, K_HEADS, HEAD_DIM).transpose(1, 2), keys, values,
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)
     x1 = x + linear(attn.reshape(batch, seq, -1), layer["wo"])
-    gate, up = linear(_serial_rms_norm(x1, layer["mlp_norm"]), layer["w_gate_up"]).chunk(2, dim=-1)
+    gate, up = linear(_layer_rms_norm(x1, layer["mlp_norm"]), layer["w_gate_up"]).chunk(2, dim=-1)
     expected_out = x1 + linear(F.silu(gate) * up, layer["w_down"])
     # The rest is the same linears between ops whose float32 differs in a last bit (SDPA's softmax,
     # the layer's SiLU within 2 ulp of expf), and each last bit can move an 8-bit input code by a

@@ -227,6 +227,38 @@ def test_generate_batch_equals_generate(compiled):
         assert out.generated_tokens == alone[0, len(prompt):].tolist()
 
 
+def test_a_compiled_batching_forward_after_another_models_compiles_its_own():
+    """Each engine compiles its forward under a code object of its own (``genfn.driver.own_code``):
+    sharing one, GPT-OSS's frame was checked against an earlier Llama graph's guards, and dynamo
+    failed evaluating them on GPT-OSS's weights (``KeyError: 'w_down'``)."""
+    from batching_support import WAIT_S
+    from conftest import tiny_pair
+    from genfn.batching import ContinuousBatchingManager
+    from genfn.config import ContinuousBatchingConfig
+    from test_batching_beams import BEAMS, OTHERS
+
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=48, max_batch_tokens=16, max_requests_per_batch=8,
+                                  max_blocks_per_request=16, default_compile_level=1)
+    # Llama's compiled forward over beams, greedy and sampled rows (the guards GPT-OSS's frame then met)
+    manager = ContinuousBatchingManager(tiny_pair(seed=6)[1], None, cb)
+    manager.start()
+    try:
+        for rid, (prompt, limit, settings) in {**BEAMS, **OTHERS}.items():
+            manager.add_sequences(prompt, rid, max_new_tokens=limit, **settings)
+        for _ in range(sum(settings.get("num_return_sequences", 1) for _, _, settings in BEAMS.values()) + len(OTHERS)):
+            assert manager.get_result(timeout=20 * WAIT_S) is not None, "no result came"
+    finally:
+        manager.stop(timeout=WAIT_S)
+    _, gm = pair()
+    prompts = [[5, 17, 3, 88, 41, 9], [12, 7, 60]]
+    results = gm.generate_batch(prompts, max_new_tokens=4, do_sample=False, eos_token_id=None,
+                                continuous_batching_config=cb)
+    for out, prompt in zip(results.values(), prompts):
+        alone = genfn.generate(gm, torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                               disable_compile=True)
+        assert out.generated_tokens == alone[0, len(prompt):].tolist(), out.error
+
+
 def test_sink_softmax_is_the_softmax_with_each_heads_sink_appended():
     from genfn.cache.paged import sink_softmax
 

@@ -22,7 +22,7 @@ needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="the native paged ops ne
 def test_the_native_ops_load_wherever_the_kernels_build():
     assert kernels.decode_linear_available() == CAN_BUILD, kernels.kernel_status()
     if CAN_BUILD:
-        assert hasattr(torch.ops.genfn_kernels, "paged_decode_attention")
+        assert hasattr(torch.ops.genfn_kernels, "paged_query_attention")
         assert hasattr(torch.ops.genfn_kernels, "paged_write")
 
 
@@ -50,8 +50,8 @@ def test_native_decode_attention_equals_the_reference(dtype, window, softcap):
         used = -(-length // cache.block_size)
         tables[r, :used] = torch.randperm(cache.num_blocks, generator=gen)[:used]
     q = torch.randn(len(lengths), 9, 64, generator=gen).to(dtype)
-    out = torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[1], cache.values[1], tables, lengths,
-                                                         64 ** -0.5, window or 0, softcap or 0.0)
+    out = torch.ops.genfn_kernels.paged_query_attention(q, cache.keys[1], cache.values[1], tables, lengths,
+                                                        64 ** -0.5, window or 0, softcap or 0.0)
     expected = paged_attention(q, cache, 1, tables, torch.arange(len(lengths)), lengths - 1, sliding_window=window,
                                softcap=softcap)
     assert out.dtype == dtype and out.shape == q.shape
@@ -141,11 +141,11 @@ def test_the_native_ops_refuse_out_of_range_blocks_and_slots():
     cache = init_paged_cache(1, 3, 1, 4, 16)
     q = torch.randn(1, 1, 16)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[0], cache.values[0], torch.tensor([[7]]),
-                                                       torch.tensor([2]), 0.25, 0)
+        torch.ops.genfn_kernels.paged_query_attention(q, cache.keys[0], cache.values[0], torch.tensor([[7]]),
+                                                      torch.tensor([2]), 0.25, 0)
     with pytest.raises(RuntimeError, match="length"):
-        torch.ops.genfn_kernels.paged_decode_attention(q, cache.keys[0], cache.values[0], torch.tensor([[0]]),
-                                                       torch.tensor([5]), 0.25, 0)
+        torch.ops.genfn_kernels.paged_query_attention(q, cache.keys[0], cache.values[0], torch.tensor([[0]]),
+                                                      torch.tensor([5]), 0.25, 0)
     with pytest.raises(RuntimeError, match="slot"):
         torch.ops.genfn_kernels.paged_write(cache.keys, cache.values, 0, torch.tensor([16]), torch.randn(1, 1, 16),
                                             torch.randn(1, 1, 16))

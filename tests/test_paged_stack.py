@@ -169,17 +169,42 @@ def test_a_batch_of_more_tokens_than_the_stack_takes_runs_layer_by_layer(tiny_pa
 
 
 @needs_kernel
-def test_the_compiled_batching_forward_takes_the_paged_stack(tiny_pair_f32, monkeypatch):
-    """Compiled (padded token counts of 8 and 16), the forward traces the paged stack into its graph
+def test_the_compiled_batching_forward_takes_the_paged_stack(tiny_pair_f32):
+    """Compiled (padded token counts of 8 and 16), the forward runs the paged stack inside its graph
     (its cache write functionalized and reinplaced) and gives generate's tokens."""
-    from batching_support import run_requests
-    from genfn import ContinuousBatchingConfig
+    from batching_support import run_engine
 
     _, model = tiny_pair_f32
-    traced = _record_stack_choices(monkeypatch)
-    cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=16, max_requests_per_batch=4,
-                                  max_blocks_per_request=8, default_compile_level=1)
-    outputs, _ = run_requests(model, [(p, 6, {"do_sample": False}) for p in PROMPTS], cb)
-    assert sorted(set(traced)) == [(8, True), (16, True)]  # each graph traced once, with the stack
-    for prompt, out in zip(PROMPTS, outputs):
-        assert out.generated_tokens == _alone(model, prompt, 6)[0]
+    requests = {i: (p, 6, {"do_sample": False}) for i, p in enumerate(PROMPTS)}
+    with torch.profiler.profile() as profile:
+        ended, _ = run_engine(model, requests, 32, 16, 4, width=8, compile={"fullgraph": True})
+    assert any(e.key == "genfn_kernels::decode_stack_paged" and e.count > 0 for e in profile.key_averages())
+    for i, prompt in enumerate(PROMPTS):
+        assert list(ended[i].generated_ids) == _alone(model, prompt, 6)[0]
+
+
+@needs_kernel
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_block_quantized_requests_get_generates_logits_in_mixed_forwards(tiny_pair_f32, fmt):
+    """Whole prompts of 20-30 tokens prefilled together (op by op: their keys and values through the
+    native prefill kernel, as generate's prefill), then decoding beside each other on the stack, one
+    joining while the others decode: every row's raw logprobs are generate's alone, bit for bit. The
+    block-quantized products give a row the same bits at any row count, and the row ops
+    (``row_ops.h``) are one code for the packed forward and the stack."""
+    import random
+
+    from batching_support import run_requests
+    from genfn import ContinuousBatchingConfig
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair_f32
+    model = Model(model.spec, quantize_params(model.params, fmt), model.apply_fn, model.init_cache_fn)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 97) for _ in range(n)] for n in (20, 30, 25, 24)]
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=96, max_batch_tokens=80, max_requests_per_batch=4,
+                                  max_blocks_per_request=16)
+    outputs, _ = run_requests(model, [(p, 12, {"do_sample": False}) for p in prompts], cb, chunked_prefill=False)
+    for prompt, out in zip(prompts, outputs):
+        assert (out.generated_tokens, out.logprobs) == _alone(model, prompt, 12)

@@ -35,8 +35,10 @@ from genfn.batching import speculation as SP
 from genfn.batching.inputs import BatchInputs, bucket, build_batch_inputs, build_row_history, num_draft_logits
 from genfn.batching.requests import RequestState, RequestStatus
 from genfn.batching.row_state import carried_step, keep_carried, merge_request_chains
+from genfn.kernels import decode_linear_available
 from genfn.kernels.invariant import deterministic
 from genfn.cache.paged import PackedPlan
+from genfn.driver import own_code
 from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
@@ -214,11 +216,13 @@ class Engine:
         fn = self._forwards.get(shapes)
         if fn is None:
             spec, apply_packed = self.model.spec, self._apply_packed
+            if self.compile_options is not None:
+                decode_linear_available()  # build/load the native kernels now, not while dynamo traces
 
             def packed(params, inputs, cache):
                 return apply_packed(spec, params, inputs, cache)
 
-            fn = packed if self.compile_options is None else torch.compile(packed, dynamic=False,
+            fn = packed if self.compile_options is None else torch.compile(own_code(packed), dynamic=False,
                                                                           **self.compile_options)
             self._forwards[shapes] = fn
         logits, self.cache = fn(self.model.params, inputs, self.cache)

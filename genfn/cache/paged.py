@@ -295,12 +295,14 @@ NATIVE_PREFILL_TOKENS = 64
 
 
 def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                   sliding_window: int | None = None, native: bool | None = None) -> PlannedAttention:
+                   sliding_window: int | None = None, native: bool | None = None,
+                   native_chunk_tokens: int = NATIVE_PREFILL_TOKENS) -> PlannedAttention:
     """The index tensors and masks of ``plan`` (``block_tables [R, W]``, ``positions [T]`` of the batch).
 
-    ``native``: the decode rows and prefill chunks of up to ``NATIVE_PREFILL_TOKENS`` go to the
+    ``native``: the decode rows and prefill chunks of up to ``native_chunk_tokens`` go to the
     native paged op (``native_decode``: no mask, no gather); ``None``: where the native kernels
-    are built and the tables are on the CPU.
+    are built and the tables are on the CPU. Longer chunks gather their blocks for the native
+    prefill kernel (where it takes them) or SDPA.
     """
     if native is None:
         native = block_tables.device.type == "cpu" and _kernels_built()
@@ -309,7 +311,7 @@ def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torc
     # Short prefill chunks join the native op's rows, one row per token (its own length): a chunk
     # of a few dozen tokens costs the op a few dozen short rows, while gathering its blocks and
     # building a mask for SDPA costs more than that chunk's attention itself.
-    short = [chunk for chunk in plan.prefill if native and chunk[1] <= NATIVE_PREFILL_TOKENS]
+    short = [chunk for chunk in plan.prefill if native and chunk[1] <= native_chunk_tokens]
     if native and (plan.decode or short):
         pairs = [(t, r) for t, r, _ in plan.decode]
         for first, count, row, _ in short:
@@ -328,7 +330,7 @@ def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torc
         decode = (tokens, tables, mask.view(len(plan.decode), 1, 1, -1))
     prefill = []
     for first, count, row, width in plan.prefill:
-        if native and count <= NATIVE_PREFILL_TOKENS:
+        if native and count <= native_chunk_tokens:
             continue
         span = torch.arange(width * block_size, device=device)
         mask = _visible(span, positions[first:first + count], sliding_window)
@@ -362,7 +364,7 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         rows = tokens.shape[0]
         qd = q if rows == num_tokens else q.index_select(0, tokens)
         if _native_ok(keys, qd) and head_dim % 16 == 0 and head_dim <= 128 and groups <= 8:  # the op's limits
-            attn = _native_ops().paged_decode_attention(qd.to(keys.dtype), keys, values, tables, lengths, scale,
+            attn = _native_ops().paged_query_attention(qd.to(keys.dtype), keys, values, tables, lengths, scale,
                                                         planned.sliding_window or 0, softcap or 0.0).to(q.dtype)
         else:  # a cache the op does not take (dtype): the reference over the same tables
             attn = paged_attention(qd, cache, layer, tables, torch.arange(rows, device=q.device), lengths - 1,
@@ -387,9 +389,19 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         qc = q[first:first + count].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         k = _gather_keys(keys, table, 1).to(q.dtype)
         v = _gather_keys(values, table, 1).to(q.dtype)
-        attn = _masked_attention(qc, k, v, mask, scale, softcap)
+        attn = None
+        if softcap is None and scale == head_dim ** -0.5:
+            attn = _prefill_kernel(qc, k, v, mask)
+        if attn is None:
+            attn = _masked_attention(qc, k, v, mask, scale, softcap)
         out[first:first + count] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+def _prefill_kernel(q, k, v, mask):
+    from genfn.kernels import prefill_attention
+
+    return prefill_attention(q, k, v, mask.view(1, 1, *mask.shape[-2:]))
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

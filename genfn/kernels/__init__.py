@@ -89,10 +89,6 @@ def _register_fake() -> None:
 
     _register_quant_fake()
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_decode_attention")
-    def _(q, keys, values, tables, lengths, scale, sliding_window, softcap=0.0):
-        return torch.empty_like(q)
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
     def _(q, keys, values, visible, scale, softcap=0.0):
         return torch.empty_like(q)

@@ -6,20 +6,21 @@
 // calling scaled_dot_product_attention copies every key and value once per layer and pays the
 // library's per-call set-up, which together cost more than the attention arithmetic itself at a
 // few dozen rows. Here each (query, kv head) pair walks its block table and reads the keys and
-// values where they lie: scores for the kv head's query group, a softmax, the weighted values.
-// Arithmetic is float32 whatever the cache's dtype (bfloat16 is widened on load), as the
-// reference paged attention computes.
+// values where they lie (paged_query_attention): scores for the kv head's query group, a softmax,
+// the weighted values. Arithmetic is float32 whatever the cache's dtype (bfloat16 is widened on
+// load), as the reference paged attention computes.
 //
-// The dense cache's decode step is the same walk over the row's visible slots (a boolean mask):
-// scaled_dot_product_attention's CPU flash kernel took 75 us a layer for one query of SmolLM2
-// against 256 slots (2.2 of a 14 ms bfloat16 step, torch.profiler), mostly set-up, where reading
-// the ~100 visible keys and values takes a few. It follows that kernel's order of rounding so
-// that a model's tokens stay those of transformers: scores = (q . k) * scale, e = exp(s - max),
+// The dense cache's decode step is the same walk over the row's visible slots (a boolean mask),
+// with the same arithmetic (attend_rows_at), so a query gets the same bits over the same keys from
+// either cache. scaled_dot_product_attention's CPU flash kernel took 75 us a layer for one query of
+// SmolLM2 against 256 slots (2.2 of a 14 ms bfloat16 step, torch.profiler), mostly set-up, where
+// reading the ~100 visible keys and values takes a few. It follows that kernel's order of rounding
+// so that a model's tokens stay those of transformers: scores = (q . k) * scale, e = exp(s - max),
 // the weighted sum of values over the unnormalized e (rounded to bfloat16 first when the cache is
 // bfloat16, as the flash kernel rounds its probabilities), divided by sum(e) at the end.
 //
-// The paged decode op soft-caps scores where softcap > 0 (Gemma 2): s = tanh(s / softcap) * softcap
-// after the scale and before the softmax, as the reference paged attention (soft_capped) does.
+// Both soft-cap scores where softcap > 0 (Gemma 2): s = tanh(s / softcap) * softcap after the scale
+// and before the softmax, as the reference paged attention (soft_capped) does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -41,158 +42,20 @@ namespace {
 using namespace genfn_kernels::lanes;
 
 constexpr int64_t kMaxGroups = 8;   // query heads per kv head held in registers
-constexpr int64_t kMaxVectors = 8;  // head_dim / 16 held in registers (head_dim <= 128)
 constexpr int64_t kMaxQueryVectors = 16;  // the per-query walk (attend_rows_at) takes head_dim <= 256 (Gemma)
-
-// One query row (its G heads that share kv head h) against its request's positions
-// first .. length - 1, head_dim = V * 16. keys/values point at the kv head's rows of block 0.
-template <typename T, int V>
-void attend_group(const T* q, const T* keys, const T* values, const int64_t* table, int64_t length,
-                  int64_t first, int64_t groups, int64_t block_size, int64_t block_stride, float scale,
-                  float softcap, T* out, std::vector<float>& scores) {
-  constexpr int64_t D = V * kLanes;
-  const int64_t span = length - first;
-  scores.resize(groups * span);
-  __m512 qv[kMaxGroups][V];
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < V; ++j) qv[g][j] = _mm512_mul_ps(load_lanes(q + g * D + j * kLanes), sv);
-  for (int64_t pos = first; pos < length;) {
-    const int64_t block = pos / block_size, stop = std::min(length, (block + 1) * block_size);
-    const T* k = keys + table[block] * block_stride + (pos - block * block_size) * D;
-    for (; pos < stop; ++pos, k += D) {
-      __m512 kv[V];
-      for (int j = 0; j < V; ++j) kv[j] = load_lanes(k + j * kLanes);
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int j = 1; j < V; ++j) dot = _mm512_fmadd_ps(qv[g][j], kv[j], dot);
-        scores[g * span + pos - first] = _mm512_reduce_add_ps(dot);
-      }
-    }
-  }
-  if (softcap > 0.f)
-    for (int64_t i = 0; i < groups * span; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
-  for (int64_t g = 0; g < groups; ++g) softmax(scores.data() + g * span, span);
-  __m512 acc[kMaxGroups][V];
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t pos = first; pos < length;) {
-    const int64_t block = pos / block_size, stop = std::min(length, (block + 1) * block_size);
-    const T* v = values + table[block] * block_stride + (pos - block * block_size) * D;
-    for (; pos < stop; ++pos, v += D) {
-      __m512 vv[V];
-      for (int j = 0; j < V; ++j) vv[j] = load_lanes(v + j * kLanes);
-      for (int64_t g = 0; g < groups; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * span + pos - first]);
-        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(w, vv[j], acc[g][j]);
-      }
-    }
-  }
-  alignas(64) float lanes[kLanes];
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < V; ++j) {
-      _mm512_store_ps(lanes, acc[g][j]);
-      for (int l = 0; l < kLanes; ++l) narrow(out + g * D + j * kLanes + l, lanes[l]);
-    }
-}
-
-template <typename T, int V>
-void attend_rows(const T* qp, const T* kp, const T* vp, const int64_t* tp, const int64_t* lp, T* op, int64_t rows,
-                 int64_t heads, int64_t kv_heads, int64_t block_size, int64_t width, double scale,
-                 int64_t sliding_window, double softcap) {
-  constexpr int64_t D = V * kLanes;
-  const int64_t groups = heads / kv_heads;
-  const int64_t block_stride = kv_heads * block_size * D;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
-      const int64_t length = lp[r];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
-      const int64_t offset = (r * heads + h * groups) * D;
-      attend_group<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, tp + r * width, length,
-                         first, groups, block_size, block_stride, static_cast<float>(scale),
-                         static_cast<float>(softcap), op + offset, scores);
-    }
-  });
-}
-
-template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                const at::Tensor& lengths, double scale, int64_t sliding_window, double softcap, at::Tensor& out) {
-  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = keys.size(1), block_size = keys.size(2), width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = keys.data_ptr<T>();
-  const T* vp = values.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  switch (head_dim / kLanes) {
-#define GENFN_ATTEND(V) \
-  case V:               \
-    return attend_rows<T, V>(qp, kp, vp, tp, lp, op, rows, heads, kv_heads, block_size, width, scale, sliding_window, \
-                             softcap);
-    GENFN_ATTEND(1)
-    GENFN_ATTEND(2)
-    GENFN_ATTEND(3)
-    GENFN_ATTEND(4)
-    GENFN_ATTEND(5)
-    GENFN_ATTEND(6)
-    GENFN_ATTEND(7)
-    GENFN_ATTEND(8)
-#undef GENFN_ATTEND
-  }
-}
 
 void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t num_blocks, int64_t block_size) {
   const int64_t rows = tables.size(0), width = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(lp[r] >= 1 && lp[r] <= width * block_size, "paged_decode_attention: length ", lp[r], " of row ", r,
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= width * block_size, "paged_query_attention: length ", lp[r], " of row ", r,
                 " is outside 1..", width * block_size, " (table width x block size)");
     const int64_t used = (lp[r] + block_size - 1) / block_size;
     for (int64_t b = 0; b < used; ++b)
-      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "paged_decode_attention: block ",
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "paged_query_attention: block ",
                   tp[r * width + b], " of row ", r, " is outside the cache's ", num_blocks, " blocks");
   }
-}
-
-// q [N, H, D]; keys, values [num_blocks, Hkv, block_size, D] (one layer); tables [N, W] int64;
-// lengths [N] int64: query n attends positions 0 .. lengths[n] - 1 of its table (the last
-// sliding_window of them when sliding_window > 0), its scores soft-capped when softcap > 0.
-// Returns [N, H, D] in q's dtype.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                  const at::Tensor& tables, const at::Tensor& lengths, double scale,
-                                  int64_t sliding_window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "paged_decode_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
-  TORCH_CHECK(q.size(2) == keys.size(3), "paged_decode_attention: q's head_dim ", q.size(2), " != the cache's ",
-              keys.size(3));
-  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
-              "paged_decode_attention: query heads (", q.size(1), ") must be a multiple of kv heads (", keys.size(1),
-              "), at most ", kMaxGroups, " per kv head");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxVectors,
-              "paged_decode_attention: head_dim must be a multiple of 16 up to 128, got ", q.size(2));
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0),
-              "paged_decode_attention: tables must be [N, W] and lengths [N] for N queries");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
-              "paged_decode_attention: tables and lengths must be int64");
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
-              "paged_decode_attention: q, keys and values must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be > 0 (or 0 for none), got ", softcap);
-  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor tc = tables.contiguous(), lc = lengths.contiguous();
-  check_tables(tc, lc, kc.size(0), kc.size(2));
-  at::Tensor out = at::empty_like(qc);
-  if (q.scalar_type() == at::kFloat)
-    attend_all<float>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out);
-  else
-    attend_all<c10::BFloat16>(qc, kc, vc, tc, lc, scale, sliding_window, softcap, out);
-  return out;
 }
 
 // Slots whose keys one pass scores for every head of the query group: 8 KiB at head_dim 64, so they
@@ -402,12 +265,16 @@ void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at:
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     thread_local std::vector<int64_t> offsets;
+    int64_t offsets_of = -1;  // the query whose slots `offsets` holds: its kv heads share them
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads, length = lp[r];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
-      offsets.clear();
-      for (int64_t pos = first; pos < length; ++pos)
-        offsets.push_back(tp[r * width + pos / block_size] * block_stride + (pos % block_size) * D);
+      if (r != offsets_of) {
+        offsets.resize(length - first);
+        for (int64_t pos = first; pos < length; ++pos)
+          offsets[pos - first] = tp[r * width + pos / block_size] * block_stride + (pos % block_size) * D;
+        offsets_of = r;
+      }
       const int64_t offset = (r * heads + h * groups) * D;
       attend_rows_at<T, V>(qp + offset, kp + h * block_size * D, vp + h * block_size * D, offsets.data(),
                            static_cast<int64_t>(offsets.size()), groups, static_cast<float>(scale),
@@ -437,6 +304,7 @@ at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, co
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged_query_attention: q, keys and values must share a dtype, float32 or bfloat16");
+  TORCH_CHECK(softcap >= 0, "paged_query_attention: softcap must be > 0 (or 0 for none), got ", softcap);
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
   const at::Tensor tc = tables.contiguous(), lc = lengths.contiguous();
   check_tables(tc, lc, kc.size(0), kc.size(2));
@@ -563,8 +431,6 @@ template void attend_group<c10::BFloat16>(const c10::BFloat16*, const c10::BFloa
 }  // namespace genfn_kernels
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
-        "int sliding_window, float softcap=0.0) -> Tensor");
   // Any layout: it reads keys and values through their strides and makes q and visible contiguous,
   // so a step's one mask feeds every layer's call (decode_layer.cpp says why that matters).
   m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale, "
@@ -576,7 +442,6 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("dense_decode_attention", &dense_decode_attention);
   m.impl("paged_query_attention", &paged_query_attention);
   m.impl("paged_write", &paged_write);

@@ -19,6 +19,7 @@
 
 #include "decode_kernels.h"
 #include "kquant.h"
+#include "row_ops.h"
 
 namespace genfn_kernels::layer {
 
@@ -29,55 +30,28 @@ namespace genfn_kernels::layer {
 // that token alone gets.
 inline constexpr int64_t kMaxLayerRows = 2 * kMaxDecodeRows;
 
-inline float wide(float v) { return v; }
-inline float wide(c10::BFloat16 v) { return static_cast<float>(v); }
-template <typename T>
-inline T narrow(float v) { return static_cast<T>(v); }
-
 // [begin, end) of `count` items for thread t of a team of T: even contiguous shares.
 inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t T) {
   return {count * t / T, count * (t + 1) / T};
 }
 
-// out[m] = w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), the model's _rms_norm.
+// out[m] = w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), the model's _rms_norm: row_ops.h's, as the
+// packed forward's, so a token gets the same bits in either.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const T* row = x + m * E;
-    float squares = 0.f;
-    for (int64_t e = 0; e < E; ++e) squares += wide(row[e]) * wide(row[e]);
-    const float r = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
-    for (int64_t e = 0; e < E; ++e)
-      out[m * E + e] = narrow<T>(wide(w[e]) * wide(narrow<T>(wide(row[e]) * r)));
-  }
+  for (int64_t m = 0; m < M; ++m) rows::norm_row(x + m * E, w, E, eps, out + m * E);
 }
 
-// act[f] = silu(gate[f]) * up[f] for f in [f0, f1): float32 16 lanes at a time (one std::exp an
-// element cost ~5 % of an 8-row step), bfloat16 an element at a time.
-inline void swiglu(const float* gate, const float* up, int64_t f0, int64_t f1, float* act) {
-  for (int64_t f = f0; f < f1; f += 16) {
-    const __mmask16 keep = genfn_kernels::lanes_below(f1 - f);
-    const __m512 g = _mm512_maskz_loadu_ps(keep, gate + f), u = _mm512_maskz_loadu_ps(keep, up + f);
-    _mm512_mask_storeu_ps(act + f, keep, _mm512_mul_ps(genfn_kernels::silu16(g), u));
-  }
-}
-
-inline void swiglu(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t f0, int64_t f1, c10::BFloat16* act) {
-  for (int64_t f = f0; f < f1; ++f) {
-    const float g = wide(gate[f]), u = wide(up[f]);
-    act[f] = narrow<c10::BFloat16>(g / (1.f + std::exp(-g)) * u);
-  }
+// act[f] = silu(gate[f]) * up[f] for f in [f0, f1).
+template <typename T>
+void swiglu(const T* gate, const T* up, int64_t f0, int64_t f1, T* act) {
+  rows::silu_mul_row(gate + f0, up + f0, f1 - f0, act + f0);
 }
 
 // RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
 template <typename T>
 void rotate(T* x, const T* cos, const T* sin, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = wide(x[i]), b = wide(x[i + half]);
-    x[i] = narrow<T>(a * wide(cos[i]) - b * wide(sin[i]));
-    x[i + half] = narrow<T>(b * wide(cos[i + half]) + a * wide(sin[i + half]));
-  }
+  rows::rotate_head(x, cos, sin, D, x);
 }
 
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
@@ -259,7 +233,7 @@ void layer_output(const T* x, const T* q, const Attention& attend, Linear& wo, c
     // The residual after attention, by every thread for itself.
     thread_local std::vector<T> x1;
     x1.resize(M * E);
-    for (int64_t i = 0; i < M * E; ++i) x1[i] = narrow<T>(wide(x[i]) + wide(o[i]));
+    rows::add_row(x, o, M * E, x1.data());
     mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, gate_up, act, t, team);
 #pragma omp barrier
     w_down(M, act, F, E, down, t, team);
@@ -267,7 +241,7 @@ void layer_output(const T* x, const T* q, const Attention& attend, Linear& wo, c
     {
       const auto [begin, end] = share(E, t, team);
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t e = begin; e < end; ++e) out[m * E + e] = narrow<T>(wide(x1[m * E + e]) + wide(down[m * E + e]));
+        rows::add_row(x1.data() + m * E + begin, down + m * E + begin, end - begin, out + m * E + begin);
     }
   }
 }

@@ -24,9 +24,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from genfn.cache.paged import PackedPlan, PagedKVCache, init_paged_cache, paged_attention, plan_attention
+from genfn.cache.paged import NATIVE_PREFILL_TOKENS, PackedPlan, PagedKVCache, init_paged_cache, paged_attention
+from genfn.cache.paged import plan_attention
 from genfn.cache.paged import PlannedAttention, planned_attention, sink_softmax, soft_capped, write
-from genfn.kernels import decode_layer, decode_linear_available, invariant
+from genfn.kernels import MIN_PREFILL_QUERIES, decode_layer, decode_linear_available, invariant
 from genfn.kernels import linear as plain_linear
 from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
@@ -238,13 +239,14 @@ class PackedAttention:
     visible: torch.Tensor | None = None
 
 
-def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None,
-                     sliding_window: int | None) -> PackedAttention:
-    """The ``PackedAttention`` of ``inputs``."""
+def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None, sliding_window: int | None,
+                     native_chunk_tokens: int = NATIVE_PREFILL_TOKENS) -> PackedAttention:
+    """The ``PackedAttention`` of ``inputs`` (``native_chunk_tokens``: ``plan_attention``'s)."""
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
     if plan is not None:
-        planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, sliding_window)
+        planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, sliding_window,
+                                 native_chunk_tokens=native_chunk_tokens)
         return PackedAttention(inputs, sliding_window, planned=planned)
     if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
         return PackedAttention(inputs, sliding_window,
@@ -311,23 +313,18 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if stack is not None:
         x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
                                          spec.num_heads, spec.num_kv_heads, spec.sliding_window)
-        head = params["lm_head"]
-        head = head.weight if isinstance(head, PackedWeight) else head
-
-        def stack_logits(index):  # generate's final norm and head (llama.apply): its step's bits
-            h = _rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
-            return plain_linear(h, head).to(torch.float32)
-
-        return sampled_logits(inputs, plan, spec.vocab_size, x.device, stack_logits), cache.replace()
-    x, mlp_out, cache = _packed_layers(spec, params["layers"], inputs, cache, plan, x, cos, sin, ops)
+        mlp_out, cache = None, cache.replace()
+    else:
+        x, mlp_out, cache = _packed_layers(spec, params["layers"], inputs, cache, plan, x, cos, sin, ops)
 
     def logits_of(index):
-        if mlp_out is None:
-            h = ops.rms_norm(x.index_select(0, index), params["norm"], spec.rms_norm_eps)
-        else:
-            _, h = ops.add_rms_norm(x.index_select(0, index), mlp_out.index_select(0, index), params["norm"],
-                                    spec.rms_norm_eps)
-        return tensor_parallel.gathered_logits(spec, linear(h, params["lm_head"], out_float32=True))
+        # generate's final norm and head (llama.apply) on the rows: a token's logits are its generate
+        # forward's wherever its hidden state is
+        rows = x.index_select(0, index)
+        if mlp_out is not None:
+            rows = rows + mlp_out.index_select(0, index)
+        h = _rms_norm(rows, params["norm"], spec.rms_norm_eps)
+        return tensor_parallel.gathered_logits(spec, plain_linear(h, _plain(params["lm_head"])).to(torch.float32))
 
     return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
 
@@ -342,8 +339,13 @@ def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache) 
         return None
     if not cache.keys.is_contiguous():
         return None
-    plain = [{name: w.weight if isinstance(w, PackedWeight) else w for name, w in layer.items()} for layer in layers]
+    plain = [{name: _plain(w) for name, w in layer.items()} for layer in layers]
     return decode_layer.stack_weights(x.unsqueeze(0), plain, cache.keys, spec.head_dim)
+
+
+def _plain(weight):
+    """A weight as ``generate`` reads it: a ``PackedWeight`` (the eager GEMM's copy) by its plain tensor."""
+    return weight.weight if isinstance(weight, PackedWeight) else weight
 
 
 def _packed_layers(spec: LlamaSpec, layers, inputs, cache: PagedKVCache, plan: PackedPlan | None, x: torch.Tensor,
@@ -351,7 +353,9 @@ def _packed_layers(spec: LlamaSpec, layers, inputs, cache: PagedKVCache, plan: P
     """``apply_packed``'s layers one op at a time (any number of tokens, every Llama variant, tensor
     parallelism): ``(x, mlp_out, cache)``, the last layer's MLP output not yet added to ``x``."""
     num_tokens, q_size = x.shape[0], spec.num_heads * spec.head_dim
-    route = packed_attention(inputs, cache, plan, spec.sliding_window)
+    # A prompt chunk that generate's prefill would run through the native prefill kernel runs through
+    # it here too (gathered), so that a whole prompt's keys and values are generate's to the bit.
+    route = packed_attention(inputs, cache, plan, spec.sliding_window, native_chunk_tokens=MIN_PREFILL_QUERIES - 1)
     plain = spec.is_plain_llama
     mlp_out = None  # the previous layer's MLP output, added to x in the next norm's call
     for i, layer in enumerate(layers):
