@@ -14,6 +14,7 @@ from genfn.cache.static import init_static_cache
 from genfn.kernels import packed_gemm
 from genfn.kernels.packed_gemm import bf16_gemm_available, bf16_gemm_preferred
 from genfn.models.llama import attention_mask
+from test_decode_layer import needs_vnni
 from test_paged_native import needs_kernel
 
 
@@ -251,3 +252,56 @@ def test_the_bfloat16_prefill_on_genfn_s_gemm_is_within_rounding_of_torch_s():
     assert not torch.equal(ours, torchs)  # the paths differ, so the comparison means something
     assert (ours - torchs).abs().max() <= 4 * 2 ** -8 * torchs.abs().max()
     assert torch.equal(ours.argmax(-1), torchs.argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad, seq", [(5, 40), (61, 70), (64, 130), (3, 17)])
+def test_a_left_padded_row_gets_the_bits_of_its_prompt_alone(dtype, pad, seq):
+    """Key tiles start at a row's first visible slot, so a prompt left-padded by ``pad`` slots in a
+    batch (its keys shifted against slot 0) gets, query for query, the bits it gets alone; before, a
+    query's sums grouped its keys by where they fell in tiles counted from slot 0."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, head_dim = 9, 3, 64
+    q = torch.randn(1, seq, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    keys = torch.randn(1, kv_heads, seq, head_dim, generator=gen).to(dtype)
+    values = torch.randn(1, kv_heads, seq, head_dim, generator=gen).to(dtype)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril().view(1, 1, seq, seq)
+    alone = kernels.prefill_attention(q, keys, values, causal)
+    # The same prompt as row 1 of a batch, after `pad` padding slots whose keys hold other values.
+    span = pad + seq
+    padded_q = torch.randn(2, seq, heads, head_dim, generator=gen).to(dtype).transpose(1, 2).contiguous()
+    padded_q[1] = q[0]
+    padded_keys = torch.randn(2, kv_heads, span, head_dim, generator=gen).to(dtype)
+    padded_values = torch.randn(2, kv_heads, span, head_dim, generator=gen).to(dtype)
+    padded_keys[1, :, pad:], padded_values[1, :, pad:] = keys[0], values[0]
+    mask = torch.zeros(2, 1, seq, span, dtype=torch.bool)
+    mask[:, :, :, pad:] = causal[0]
+    mask[0, :, :, :] |= torch.ones(seq, span, dtype=torch.bool).tril(pad)  # row 0: its own longer context
+    batched = kernels.prefill_attention(padded_q, padded_keys, padded_values, mask)
+    assert torch.equal(batched[1], alone[0])
+
+
+@needs_kernel
+@needs_vnni
+def test_generate_gives_a_left_padded_q4_1_row_its_logits_alone():
+    """Block-quantized layers (a row's products the same at any row count) and prompts of at least
+    MIN_PREFILL_QUERIES tokens: a row left-padded in a batch gets the logits it gets alone at every
+    step, bit for bit (its key tiles start at its first real slot; its decode steps walk its keys as
+    alone). The batch's other row is longer, so the first one is padded by 60 slots."""
+    import genfn
+    from conftest import tiny_pair
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair(seed=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    model = Model(model.spec, quantize_params(model.params, "q4_1"), model.apply_fn, model.init_cache_fn)
+    gen = torch.Generator().manual_seed(3)
+    short, long = torch.randint(3, 97, (50,), generator=gen), torch.randint(3, 97, (110,), generator=gen)
+    settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                    output_logits=True, disable_compile=True)
+    alone = genfn.generate(model, short[None], **settings)
+    ids = torch.zeros(2, 110, dtype=torch.long)
+    ids[0, 60:], ids[1] = short, long
+    batched = genfn.generate(model, ids, attention_mask=(ids != 0).long(), pad_token_id=0, **settings)
+    assert torch.equal(torch.stack([step[0] for step in batched.logits]), torch.stack([s[0] for s in alone.logits]))

@@ -94,7 +94,7 @@ def _register_fake() -> None:
         return torch.empty_like(q)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
-    def _(q, keys, values, mask, scale):
+    def _(q, keys, values, mask, scale, first_slots=None):
         batch, heads, seq, head_dim = q.shape
         return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
 
@@ -310,17 +310,21 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     )
 
 
-def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      first_slots: torch.Tensor | None = None) -> torch.Tensor | None:
     """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
     queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``;
     ``keys``/``values [B, Hkv, A, D]`` of q's dtype, read in place from the dense cache; boolean
     ``mask [B, 1, S, A]``) by the native kernel (``prefill_attention.cpp``), which skips the tiles
     of keys the mask hides: half of a causal prefill's. The result, ``[B, H, S, D]`` of q's dtype,
-    lies in ``[B, S, H, D]`` memory. ``None`` where the kernel does not take these arguments, so
-    that the caller runs the library attention."""
+    lies in ``[B, S, H, D]`` memory. ``first_slots [B]`` (int64): each row's first real slot, where
+    its key tiles start, so that a left-padded row gets its prompt's bits alone (default: the first
+    slot any query sees; a padding query sees its own). ``None`` where the kernel does not take these
+    arguments, so that the caller runs the library attention."""
     if not _takes_prefill_attention(q, keys, values, mask):
         return None
-    return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5)
+    return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5,
+                                                               first_slots)
 
 
 def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -180,10 +180,13 @@ void accumulate_block(const float* weights, const T* values, int64_t slot_stride
 }
 
 // Query positions [first, first + positions) of one batch row's kv head group: rows are
-// position-major (row = i * groups + g), padded to whole blocks by repeating the last row.
+// position-major (row = i * groups + g), padded to whole blocks by repeating the last row. Key tiles
+// start at `origin`, the row's first real slot: a query's sums group its keys by their place in its
+// tiles, so tiles counted from the row's first key give a left-padded row (or a prompt gathered from
+// paged blocks) the bits of the same prompt alone. Slots before it are read by no real query.
 template <typename T>
 void attend_tile(const T* q, const T* keys, const T* values, const bool* mask, T* out,
-                 const Layout& L, float scale, int64_t first, int64_t positions, Scratch& s) {
+                 const Layout& L, float scale, int64_t first, int64_t positions, int64_t origin, Scratch& s) {
   const int64_t G = L.groups, D = L.head_dim;
   const int64_t rows = positions * G;
   const int64_t padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
@@ -198,7 +201,7 @@ void attend_tile(const T* q, const T* keys, const T* values, const bool* mask, T
   std::fill(s.sums.begin(), s.sums.end(), 0.f);
   const bool* tile_mask = mask + first * L.mask_pos;
   float rescale[kRowBlock];
-  for (int64_t k0 = 0; k0 < L.span; k0 += kKeyTile) {
+  for (int64_t k0 = origin; k0 < L.span; k0 += kKeyTile) {
     const int64_t count = std::min(kKeyTile, L.span - k0);
     if (!tile_visible(tile_mask, L.mask_pos, positions, k0, count)) continue;
     transpose_keys(keys + k0 * L.kv_slot, L.kv_slot, count, D, s.keys_t.data());
@@ -226,7 +229,7 @@ void attend_tile(const T* q, const T* keys, const T* values, const bool* mask, T
 // slice of the static cache), mask [B, 1, S, A] bool. Returns [B, H, S, D] of q's dtype, a view of
 // [B, S, H, D] memory (so the model's transpose back to [B, S, H * D] is free).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& mask, double scale) {
+                             const at::Tensor& mask, double scale, const c10::optional<at::Tensor>& first_slots) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "prefill_attention: q must be [B, H, S, D] and keys/values [B, kv_heads, A, D]");
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
@@ -250,6 +253,21 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
   const int64_t tiles = (S + positions - 1) / positions;
   const bool* mp = mc.data_ptr<bool>();
   const float scalef = static_cast<float>(scale);
+  // Where each row's key tiles start: its first real slot where given (a padding query sees its own
+  // slot, before the row's first real key), else its first slot any query sees.
+  std::vector<int64_t> origins(B, A);
+  if (first_slots.has_value()) {
+    TORCH_CHECK(first_slots->dim() == 1 && first_slots->size(0) == B && first_slots->scalar_type() == at::kLong,
+                "prefill_attention: first_slots must be int64 [B]");
+    const at::Tensor fc = first_slots->contiguous();
+    for (int64_t b = 0; b < B; ++b) origins[b] = std::clamp<int64_t>(fc.data_ptr<int64_t>()[b], 0, A);
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < S; ++i) {
+        const bool* row = mp + (b * S + i) * A;
+        origins[b] = std::min<int64_t>(origins[b], std::find(row, row + origins[b], true) - row);
+      }
+  }
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -267,7 +285,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
         const int64_t first = tile * positions;
         attend_tile(qp + b * q.stride(0) + h * L.groups * q.stride(1), kp + b * keys.stride(0) + h * keys.stride(1),
                     vp + b * values.stride(0) + h * values.stride(1), mp + b * S * A,
-                    op + b * S * H * D + h * L.groups * D, L, scalef, first, std::min(positions, S - first), scratch);
+                    op + b * S * H * D + h * L.groups * D, L, scalef, first, std::min(positions, S - first),
+                    origins[b], scratch);
       }
     });
   };
@@ -279,7 +298,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
-  m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor mask, float scale, "
+        "Tensor? first_slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

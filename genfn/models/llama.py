@@ -333,7 +333,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # prefill's upper half, which the library kernel computes and then masks).
         attn = decode_attention(q, keys, values, mask)
         if attn is None:
-            attn = prefill_attention(q, keys, values, mask)
+            attn = prefill_attention(q, keys, values, mask, prefill_layer.first_real_slots(cache, attend_len))
         if attn is None and grouped:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         elif attn is None:

@@ -29,18 +29,21 @@ import torch
 from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invariant, linear, prefill_attention
 from genfn.kernels.packed_gemm import bf16_gemm_preferred
 
-__all__ = ["takes", "prefill_layer"]
+__all__ = ["takes", "prefill_layer", "first_real_slots"]
 
 
 def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
     """Whether ``prefill_layer`` runs this layer: a plain Llama layer (no variant, no tensor
-    parallelism, a head_dim the attention kernel takes) on float32 or bfloat16 activations of at
-    least MIN_PREFILL_QUERIES tokens per row, with norm weights of their dtype (the row ops take one
-    dtype), the native kernels built, nothing to differentiate (the native ops have no backward:
-    neither ``x`` nor a tensor of the layer may need a gradient)."""
+    parallelism, a head_dim the attention kernels take) on float32 or bfloat16 activations of at
+    least MIN_PREFILL_QUERIES tokens per row, or float32 ones of fewer (the rows the native decode
+    layer would take one by one, too many for one call of it: a batch of short prompts, a decode
+    step of many rows), with norm weights of their dtype (the row ops take one dtype), the native
+    kernels built, nothing to differentiate (the native ops have no backward: neither ``x`` nor a
+    tensor of the layer may need a gradient)."""
+    few = x.shape[1] < MIN_PREFILL_QUERIES
     return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype in (torch.float32, torch.bfloat16)
             and layer["attn_norm"].dtype == layer["mlp_norm"].dtype == x.dtype
-            and x.device.type == "cpu" and x.shape[1] >= MIN_PREFILL_QUERIES
+            and x.device.type == "cpu" and (not few or (x.dtype == torch.float32 and spec.num_query_groups <= 8))
             and spec.head_dim % 16 == 0 and spec.head_dim <= 256
             and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and decode_attention_available())
 
@@ -58,18 +61,30 @@ def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: 
     rows = x.reshape(batch * seq, hidden)
     qkv = _linear(invariant.rms_norm(rows, layer["attn_norm"], eps), layer["wqkv"], layer.get("bqkv"))
     q, k, v = invariant.rope_qkv(qkv, cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), heads, kv_heads)
-    q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
     k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
     keys, values = cache.write_layer(i, slots, k, v)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-    attn = prefill_attention(q, keys, values, mask)
-    if attn is None:  # a mask or cache layout the kernel does not take
-        attn = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    attn = attn.transpose(1, 2).reshape(batch * seq, heads * head_dim)
+    if seq < MIN_PREFILL_QUERIES:
+        # Each query on its own over its row's visible keys, as the native decode layer (and the
+        # stack of layers) attends them: a row's tokens get the bits they get there, alone.
+        attn = invariant.dense_attention(q.view(batch, seq, heads, head_dim), keys, values, mask)
+    else:
+        q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
+        attn = prefill_attention(q, keys, values, mask, first_real_slots(cache, attend_len))
+        if attn is None:  # a mask or cache layout the kernel does not take
+            attn = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        attn = attn.transpose(1, 2)
+    attn = attn.reshape(batch * seq, heads * head_dim)
     rows, h = invariant.add_rms_norm(rows, _linear(attn, layer["wo"]), layer["mlp_norm"], eps)
     out = rows + _linear(_swiglu(h, layer["w_gate_up"]), layer["w_down"])
     return out.view(batch, seq, hidden)
+
+
+def first_real_slots(cache, attend_len) -> torch.Tensor:
+    """``[B]``: each row's first real slot in the cache (past its left padding), where the prefill
+    kernel's key tiles start."""
+    return cache.valid[:, :attend_len].to(torch.int8).argmax(dim=1)
 
 
 def _on_bf16_gemm(x: torch.Tensor, weight) -> bool:
