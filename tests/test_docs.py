@@ -46,7 +46,7 @@ def _cited_results() -> set[str]:
     texts += [p.read_text(encoding="utf-8") for p in (REPO / "docs").rglob("*.md")]
     names = set()
     for text in texts:
-        names |= set(re.findall(r"\b([a-z][a-z0-9-]*-20\d\d-\d\d-\d\d[\w.-]*?\.(?:log|json))\b", text))
+        names |= set(re.findall(r"\b([a-z][a-z0-9_-]*-20\d\d-\d\d-\d\d[\w.-]*?\.(?:log|json))\b", text))
         # A cited family, e.g. batching-2026-12-02-session7-*.log or -{float32,bfloat16}.log
         for stem, alternatives, ext in re.findall(r"\b([a-z][\w-]*-20\d\d-[\w-]*?)\{([\w,]+)\}([\w.-]*)", text):
             names |= {f"{stem}{alt}{ext}" for alt in alternatives.split(",")}
