@@ -307,15 +307,15 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if invariant.batch_invariant():
         return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     check_plan(plan, num_tokens)
-    plain = spec.is_plain_llama
-    ops = _NativeLayerOps if plan is not None and plain and _native_layer_ops(x, params["norm"]) else _TorchLayerOps
     stack = _paged_stack(spec, params["layers"], x, cache)
     if stack is not None:
         x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
                                          spec.num_heads, spec.num_kv_heads, spec.sliding_window)
         mlp_out, cache = None, cache.replace()
     else:
-        x, mlp_out, cache = _packed_layers(spec, params["layers"], inputs, cache, plan, x, cos, sin, ops)
+        native = plan is not None and spec.is_plain_llama and _native_layer_ops(x, params["norm"])
+        x, mlp_out, cache = _packed_layers(spec, params["layers"], inputs, cache, plan, x, cos, sin,
+                                           _NativeLayerOps if native else _TorchLayerOps)
 
     def logits_of(index):
         # generate's final norm and head (llama.apply) on the rows: a token's logits are its generate
