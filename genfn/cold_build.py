@@ -47,7 +47,7 @@ from typing import Iterable, Iterator
 import torch
 
 from genfn.kernels import native
-from genfn.torch_compat import inductor_cache_dir, inductor_cpp_worker, inductor_vec_isa_probe
+from genfn.torch_compat import import_inductor_compiler, inductor_cache_dir, inductor_cpp_worker, inductor_vec_isa_probe
 
 __all__ = ["start_vec_isa_probes", "parallel_cpp_units", "build_units_in_parallel", "store_vec_isa_probes",
            "seed_vec_isa_probes", "probe_store"]
@@ -122,6 +122,7 @@ def start_vec_isa_probes(example_inputs: Iterable, options: dict) -> threading.T
         except Exception:  # inductor's own call will probe again and report it
             _logger.debug("the early vector-ISA probe failed", exc_info=True)
 
+    import_inductor_compiler()  # before the thread: the two must not initialize inductor's modules at once
     thread = threading.Thread(target=run, name="genfn-vec-isa-probe", daemon=True)
     thread.start()
     return thread

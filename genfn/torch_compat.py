@@ -23,6 +23,8 @@ move between releases:
   jobs): ``genfn.cold_build`` runs the first earlier, in a thread, and has the second's separate
   units built at once. Without them a cold compile runs both serially, as inductor does.
   ``torch._inductor.runtime.cache_dir_utils.cache_dir``: where those probes' libraries go.
+  ``torch._inductor.compile_fx`` is imported before that thread starts, so that the two threads never
+  initialize inductor's modules at once.
 
 Each accessor falls back to public API when the internal is missing and says so once, in one
 line on the ``genfn.torch_compat`` logger; an untested torch version is noted the same way.
@@ -41,7 +43,7 @@ import torch
 
 __all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
            "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors", "inductor_vec_isa_probe",
-           "inductor_cpp_worker", "inductor_cache_dir"]
+           "inductor_cpp_worker", "inductor_cache_dir", "import_inductor_compiler"]
 
 # The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
 TESTED_TORCH = ("2.13",)
@@ -131,6 +133,17 @@ def inductor_wrapper_base() -> type | None:
     if base is None:
         _note_once("torch._TorchCompileInductorWrapper", "steps compile with plain backend='inductor'")
     return base
+
+
+def import_inductor_compiler() -> None:
+    """Import inductor's compiler (``torch._inductor.compile_fx`` and the modules it pulls in) in the
+    calling thread. A thread that starts importing inductor while another imports the same circle
+    of modules can see one half-initialized: a second process's compile failed with
+    ``cannot import name 'dependencies' from 'torch._inductor'`` while the ISA probe thread ran."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+    except ImportError:  # torch.compile would fail the same way, and say why
+        _note_once("torch._inductor.compile_fx", "the ISA probe thread imports inductor beside the compile")
 
 
 def inductor_vec_isa_probe() -> Callable | None:

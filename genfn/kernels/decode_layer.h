@@ -180,7 +180,9 @@ template <typename T>
 struct PagedAttention {
   const T* keys;    // the layer's [blocks, Hkv, block_size, D]
   const T* values;
-  const int64_t* offsets;  // token m's visible slots at offsets[starts[m] .. starts[m + 1]) from its kv head's
+  // Token m's visible slots, as element offsets from its kv head's rows of block 0, in position
+  // order: offsets[starts[m] .. starts[m + 1]).
+  const int64_t* offsets;
   const int64_t* starts;
   int64_t head_stride, D;
   float scale;
