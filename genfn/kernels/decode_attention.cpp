@@ -271,8 +271,8 @@ void attend_queries_paged(const at::Tensor& q, const at::Tensor& keys, const at:
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
       if (r != offsets_of) {
         offsets.resize(length - first);
-        for (int64_t pos = first; pos < length; ++pos)
-          offsets[pos - first] = tp[r * width + pos / block_size] * block_stride + (pos % block_size) * D;
+        genfn_kernels::paged_position_offsets(tp + r * width, first, length, block_size, block_stride, D,
+                                              offsets.data());
         offsets_of = r;
       }
       const int64_t offset = (r * heads + h * groups) * D;
@@ -344,8 +344,8 @@ void write_rows(T* buffer, const T* rows, const int64_t* slots, int64_t count, i
                 int64_t kv_heads, int64_t block_size, int64_t head_dim) {
   const int64_t block_stride = kv_heads * block_size * head_dim;
   for (int64_t t = 0; t < count; ++t) {
-    const int64_t slot = slots[t] < 0 ? sink_slot : slots[t];
-    T* dst = buffer + (slot / block_size) * block_stride + (slot % block_size) * head_dim;
+    T* dst = buffer + genfn_kernels::paged_slot_offset(slots[t] < 0 ? sink_slot : slots[t], block_size, block_stride,
+                                                       head_dim);
     const T* src = rows + t * kv_heads * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h)
       std::copy(src + h * head_dim, src + (h + 1) * head_dim, dst + h * block_size * head_dim);

@@ -117,6 +117,21 @@ bool quant_gemm_takes(int64_t rows);
 // bits as quant_linear's tiles; each output's chain starts at init's value where given.
 void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, float* y, const float* init);
 
+// A paged cache [blocks, Hkv, block_size, D]: where slot `slot` (block * block_size + offset) lies, as
+// an element offset from a kv head's rows of block 0.
+inline int64_t paged_slot_offset(int64_t slot, int64_t block_size, int64_t block_stride, int64_t D) {
+  return slot / block_size * block_stride + slot % block_size * D;
+}
+
+// out[pos - first] = where positions first .. length - 1 of the request whose blocks are table[0 ..]
+// lie, as paged_slot_offset gives them: the keys a query walks, in position order.
+inline void paged_position_offsets(const int64_t* table, int64_t first, int64_t length, int64_t block_size,
+                                   int64_t block_stride, int64_t D, int64_t* out) {
+  for (int64_t pos = first; pos < length; ++pos)
+    out[pos - first] = paged_slot_offset(table[pos / block_size] * block_size + pos % block_size, block_size,
+                                         block_stride, D);
+}
+
 // One row's `groups` query heads q[groups, head_dim] that share a kv head, against that head's
 // keys/values (slot s at s * slot_stride) where visible[s], s < span: dense_decode_attention's
 // arithmetic and rounding, into out[groups, head_dim].

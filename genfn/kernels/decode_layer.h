@@ -42,18 +42,6 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
   for (int64_t m = 0; m < M; ++m) rows::norm_row(x + m * E, w, E, eps, out + m * E);
 }
 
-// act[f] = silu(gate[f]) * up[f] for f in [f0, f1).
-template <typename T>
-void swiglu(const T* gate, const T* up, int64_t f0, int64_t f1, T* act) {
-  rows::silu_mul_row(gate + f0, up + f0, f1 - f0, act + f0);
-}
-
-// RoPE in place on one head x[0 .. D): x * cos + rotate_half(x) * sin.
-template <typename T>
-void rotate(T* x, const T* cos, const T* sin, int64_t D) {
-  rows::rotate_head(x, cos, sin, D, x);
-}
-
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
 // then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
 template <typename T>
@@ -136,7 +124,8 @@ void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, cons
     const auto [begin, end] = share(M * rotated, t, team);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / rotated, head = i % rotated;
-      rotate(qkv + m * N + head * D, cos + m * D, sin + m * D, D);
+      T* x_head = qkv + m * N + head * D;
+      rows::rotate_head(x_head, cos + m * D, sin + m * D, D, x_head);  // in place
     }
   }
 }
@@ -153,7 +142,10 @@ void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int
   w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
 #pragma omp barrier
   const auto [begin, end] = share(F, t, team);
-  for (int64_t m = 0; m < M; ++m) swiglu(gate_up + m * 2 * F, gate_up + m * 2 * F + F, begin, end, act + m * F);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* gate = gate_up + m * 2 * F;
+    rows::silu_mul_row(gate + begin, gate + F + begin, end - begin, act + m * F + begin);
+  }
 }
 
 // Where token m's query heads find their keys and values, as layer_output asks for them: a dense

@@ -265,19 +265,21 @@ PagedCache<T> paged_cache(const StackShape& s, at::Tensor& keys, at::Tensor& val
     const int64_t slot = slot_of[m] < 0 ? (blocks - 1) * block_size : slot_of[m];
     TORCH_CHECK(slot < blocks * block_size, kPagedOp, ": slot ", slot, " is outside the cache's ", blocks * block_size,
                 " slots");
-    cache.writes[m] = slot / block_size * block_stride + slot % block_size * D;
+    cache.writes[m] = genfn_kernels::paged_slot_offset(slot, block_size, block_stride, D);
     const int64_t r = request_of[m], length = position_of[m] + 1;
     TORCH_CHECK(r >= 0 && r < rows && length >= 1 && length <= width * block_size, kPagedOp, ": token ", m,
                 " (request ", r, ", position ", position_of[m], ") is outside the ", rows, " block tables of ", width,
                 " blocks of ", block_size);
     const int64_t* table = tables + r * width;
-    for (int64_t pos = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0; pos < length; ++pos) {
-      const int64_t block = table[pos / block_size];
-      TORCH_CHECK(block >= 0 && block < blocks, kPagedOp, ": block ", block, " of request ", r, " is outside the cache's ",
-                  blocks);
-      cache.offsets.push_back(block * block_stride + pos % block_size * D);
-    }
-    cache.starts.push_back(static_cast<int64_t>(cache.offsets.size()));
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, length - sliding_window) : 0;
+    for (int64_t b = first / block_size; b <= (length - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < blocks, kPagedOp, ": block ", table[b], " of request ", r,
+                  " is outside the cache's ", blocks);
+    const int64_t start = cache.starts.back();
+    cache.offsets.resize(start + length - first);
+    genfn_kernels::paged_position_offsets(table, first, length, block_size, block_stride, D,
+                                          cache.offsets.data() + start);
+    cache.starts.push_back(start + length - first);
   }
   return cache;
 }
