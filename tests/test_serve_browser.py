@@ -98,12 +98,28 @@ def page(browser, server_url):
     page = context.new_page()
     page.set_default_timeout(WAIT_MS)
     errors: list[str] = []
+    console: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     page.goto(server_url + "/")
     page.wait_for_function("name => document.getElementById('model-name').textContent === name", arg=MODEL_NAME)
     yield page
+    # Printed output shows only when the test failed: what the page held when it gave up waiting.
+    print(f"the page at the end: {page.evaluate(PAGE_STATE)}")
+    print("its console:", *console, sep="\n  ")
     context.close()
     assert not errors, f"the page raised: {errors}"
+
+
+PAGE_STATE = """() => {
+  const value = id => document.getElementById(id).value;
+  const error = document.getElementById('error');
+  return {prompt: value('prompt'), temperature: value('temperature'), max_tokens: value('max_tokens'),
+          error: error.hidden ? null : error.textContent, send_disabled: document.getElementById('send').disabled,
+          focused: document.activeElement && document.activeElement.id,
+          messages: [...document.querySelectorAll('.message')].map(m => [m.dataset.role, m.dataset.state]),
+          engine: document.getElementById('engine-status').dataset.state};
+}"""
 
 
 # Records every distinct length the newest assistant bubble's text has had, as the DOM changes.
