@@ -146,6 +146,11 @@ def _wait_for_reply_end(page) -> str:
     return page.locator(LAST_REPLY).get_attribute("data-state")
 
 
+def _wait_for_idle_engine(page) -> None:
+    page.wait_for_function("""() => document.getElementById('engine-running').textContent === '0'
+                              && document.getElementById('engine-status').dataset.state === 'live'""")
+
+
 def _engine_numbers(page) -> dict:
     text = {name: page.locator(f"#engine-{name}").inner_text().strip()
             for name in ("tps", "running", "waiting", "finished", "kv")}
@@ -220,8 +225,7 @@ def test_stop_ends_a_reply_the_engine_lets_it_go_and_the_next_turn_carries_the_h
     partial = page.locator(LAST_REPLY).locator(".message-content").text_content()
     assert partial
     # The server sees the dropped connection and cancels the request: nothing stays running.
-    page.wait_for_function("""() => document.getElementById('engine-running').textContent === '0'
-                              && document.getElementById('engine-status').dataset.state === 'live'""")
+    _wait_for_idle_engine(page)
 
     # The next turn sends the conversation so far, the stopped reply as far as it came.
     page.fill("#prompt", "Go on.")
@@ -235,6 +239,7 @@ def test_stop_ends_a_reply_the_engine_lets_it_go_and_the_next_turn_carries_the_h
 
     page.click("#new-chat")
     assert page.locator(".message").count() == 0 and page.locator("#empty-note").is_visible()
+    _wait_for_idle_engine(page)  # the second stopped turn is let go too, before the next test starts
 
 
 def test_bad_settings_and_server_errors_are_shown_readably(page):
