@@ -11,10 +11,18 @@ freezing passes (SmolLM2 Q4_1: ~60 s under load, where the cached path loads the
 So the backend looks at the graph dynamo traced and turns freezing on only if it holds a
 ``linear`` call; an explicit ``freezing`` in the user's ``options`` always wins. It also starts
 inductor's ISA probe early and builds the C++ wrapper and kernels at once (``genfn.cold_build``).
+
+And it keys inductor's and AOT autograd's on-disk caches on genfn's native libraries. Their keys
+hold the graph's code, which names an op but not its signature, so after an op gained an argument
+a cached C++ wrapper called it with the old one's (``free(): invalid pointer`` in the next
+process). A post-grad pass that does nothing and whose ``uuid`` is the libraries' build keys
+(``native_libraries_key``) puts them in both keys: a new build of the kernels compiles its steps
+again, once.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -22,9 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from genfn.cold_build import parallel_cpp_units, start_vec_isa_probes
-from genfn.torch_compat import inductor_wrapper_base
+from genfn.kernels import native
+from genfn.torch_compat import custom_graph_pass_base, inductor_wrapper_base
 
-__all__ = ["InductorFreezingWhereItPays", "library_linears", "with_genfn_backend"]
+__all__ = ["InductorFreezingWhereItPays", "native_libraries_key", "library_linears", "with_genfn_backend"]
 
 _logger = logging.getLogger(__name__)
 
@@ -38,6 +47,33 @@ def library_linears(graph_module: torch.fx.GraphModule) -> int:
 
 # torch's inductor backend object (private: genfn.torch_compat checks it is there).
 _InductorWrapper = inductor_wrapper_base() or object
+
+
+@functools.cache
+def _native_libraries_key_type() -> type | None:
+    # Made on the first compile: its base class lives in inductor, which `import genfn` leaves unloaded.
+    base = custom_graph_pass_base()
+    if base is None:
+        return None
+
+    class NativeLibrariesKey(base):
+        """A post-grad pass that leaves the graph as it is; its ``uuid``, the build keys of genfn's
+        native libraries (their sources, torch, flags, machine), enters the on-disk caches' keys."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return "genfn-native:" + ",".join(native.library_key(library) for library in native.LIBRARIES)
+
+    return NativeLibrariesKey
+
+
+def native_libraries_key():
+    """The pass that keys inductor's and AOT autograd's on-disk caches on genfn's native libraries
+    (module docstring), or None where this torch has no custom passes."""
+    key_type = _native_libraries_key_type()
+    return None if key_type is None else key_type()
 
 
 class InductorFreezingWhereItPays(_InductorWrapper):
@@ -54,6 +90,12 @@ class InductorFreezingWhereItPays(_InductorWrapper):
             patches["freezing"] = linears > 0 and not torch.is_grad_enabled()
             _logger.debug("inductor: %d library linears in the graph, freezing %s", linears,
                           "on" if patches["freezing"] else "off")
+        if not _user_post_pass(self.config, patches):
+            key_pass = native_libraries_key()
+            if key_pass is not None:
+                patches["post_grad_custom_post_pass"] = key_pass
+            else:
+                patches["fx_graph_cache"] = False
         # INFO, so that a CLI user waiting on a first compile reads that the wait is a C++ build.
         _logger.info("inductor: compiling the traced graph (%d ops): seconds from its on-disk cache, "
                      "a minute or more of C++ build the first time", _graph_ops(model_))
@@ -72,6 +114,15 @@ class InductorFreezingWhereItPays(_InductorWrapper):
 
     def __hash__(self):
         return id(self)
+
+
+def _user_post_pass(options: dict, patches: dict) -> bool:
+    """Whether the user set inductor's post-grad custom pass (in the options, the patches or the
+    global config): theirs runs, and keys the caches as they chose."""
+    from torch._inductor import config
+
+    name = "post_grad_custom_post_pass"
+    return name in options or name in patches or getattr(config, name, None) is not None
 
 
 def _graph_ops(graph_module: torch.fx.GraphModule) -> int:

@@ -25,6 +25,11 @@ move between releases:
   ``torch._inductor.runtime.cache_dir_utils.cache_dir``: where those probes' libraries go.
   ``torch._inductor.compile_fx`` is imported before that thread starts, so that the two threads never
   initialize inductor's modules at once.
+- ``torch._inductor.custom_graph_pass.CustomGraphPass``: a post-grad pass whose ``uuid`` enters
+  inductor's and AOT autograd's on-disk cache keys, through which ``genfn.compile_backend`` keys
+  them on genfn's native libraries. Without it those caches can hand a process a compiled wrapper
+  built against another build's op signatures (genfn then turns inductor's graph cache off for its
+  steps).
 
 Each accessor falls back to public API when the internal is missing and says so once, in one
 line on the ``genfn.torch_compat`` logger; an untested torch version is noted the same way.
@@ -43,7 +48,7 @@ import torch
 
 __all__ = ["TESTED_TORCH", "torch_is_tested", "dynamic_dims", "trusted_guards", "inductor_wrapper_base",
            "while_loop", "constant_result", "CONSTANT_RESULT_MARK", "trace_errors", "inductor_vec_isa_probe",
-           "inductor_cpp_worker", "inductor_cache_dir", "import_inductor_compiler"]
+           "inductor_cpp_worker", "inductor_cache_dir", "import_inductor_compiler", "custom_graph_pass_base"]
 
 # The torch releases (major.minor) the test suite runs on; pyproject.toml's range says the same.
 TESTED_TORCH = ("2.13",)
@@ -133,6 +138,18 @@ def inductor_wrapper_base() -> type | None:
     if base is None:
         _note_once("torch._TorchCompileInductorWrapper", "steps compile with plain backend='inductor'")
     return base
+
+
+def custom_graph_pass_base() -> type | None:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (an inductor pass whose ``uuid`` keys
+    the on-disk caches), or None when this torch has no such class."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:
+        _note_once("torch._inductor.custom_graph_pass.CustomGraphPass",
+                   "genfn's compiled steps skip inductor's on-disk caches")
+        return None
+    return CustomGraphPass
 
 
 def import_inductor_compiler() -> None:

@@ -149,6 +149,37 @@ def test_the_backend_says_when_inductor_starts_and_how_its_compile_went(recorded
     assert messages[1].startswith("inductor: generated and built the graph's C++ in "), messages[1]
 
 
+def test_the_on_disk_caches_are_keyed_on_genfns_native_libraries(recorded_patches, monkeypatch):
+    """Inductor's and AOT autograd's cache keys name an op, not its signature: a cached C++ wrapper
+    once called an op that had gained an argument with the old argument list (free(): invalid
+    pointer). A pass that changes nothing puts the libraries' build keys into both keys; a user's
+    own pass is left alone."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from genfn.kernels import native
+
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    _compile_with_backend(lambda x, w: (x * 2).sum() + w.sum(), {"fullgraph": True}, x, w)
+    key_pass = recorded_patches[0]["post_grad_custom_post_pass"]
+    assert isinstance(key_pass, CustomGraphPass)
+    assert all(native.library_key(library) in key_pass.uuid() for library in native.LIBRARIES)
+    graph = torch.fx.symbolic_trace(lambda x: x * 2).graph
+    before = str(graph)
+    assert key_pass(graph) is None and str(graph) == before
+
+    first = key_pass.uuid()
+    monkeypatch.setattr(native, "library_key", lambda library: "another-build")
+    assert key_pass.uuid() != first and "another-build" in key_pass.uuid()  # another build, another key
+    theirs = compile_backend.native_libraries_key()
+    _compile_with_backend(lambda x, w: (x * 3).sum() + w.sum(), {"options": {"post_grad_custom_post_pass": theirs}},
+                          x, w)
+    with config.patch(post_grad_custom_post_pass=theirs):
+        _compile_with_backend(lambda x, w: (x * 4).sum() + w.sum(), {}, x, w)
+    assert recorded_patches[1]["post_grad_custom_post_pass"] is theirs
+    assert "post_grad_custom_post_pass" not in recorded_patches[2]
+
+
 def test_other_backends_and_modes_pass_through():
     assert compile_backend.with_genfn_backend({"backend": "eager", "fullgraph": True}) == {"backend": "eager",
                                                                                         "fullgraph": True}
