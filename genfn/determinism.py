@@ -156,8 +156,8 @@ def _eos_ids(model) -> set[int]:
 
 
 def _pad_id(model) -> int:
-    config = model.generation_config
-    for value in (config.pad_token_id, config.eos_token_id):
+    config = model.generation_config  # None for a model built from bare parameters
+    for value in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
         if value is not None:
             return value[0] if isinstance(value, (list, tuple)) else value
     return 0

@@ -143,8 +143,8 @@ def _record_stack_choices(monkeypatch) -> list:
     choices = []
     paged_stack = packed._paged_stack
 
-    def recorded(spec, layers, x, cache):
-        stack = paged_stack(spec, layers, x, cache)
+    def recorded(spec, layers, x, cache, plan):
+        stack = paged_stack(spec, layers, x, cache, plan)
         choices.append((x.shape[0], stack is not None))
         return stack
 

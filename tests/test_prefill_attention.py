@@ -284,24 +284,46 @@ def test_a_left_padded_row_gets_the_bits_of_its_prompt_alone(dtype, pad, seq):
 
 @needs_kernel
 @needs_vnni
-def test_generate_gives_a_left_padded_q4_1_row_its_logits_alone():
-    """Block-quantized layers (a row's products the same at any row count) and prompts of at least
-    MIN_PREFILL_QUERIES tokens: a row left-padded in a batch gets the logits it gets alone at every
-    step, bit for bit (its key tiles start at its first real slot; its decode steps walk its keys as
-    alone). The batch's other row is longer, so the first one is padded by 60 slots."""
+@pytest.mark.parametrize("short_len", [50, 9])
+def test_generate_gives_a_left_padded_q4_1_row_its_logits_alone(short_len):
+    """Block-quantized layers (a row's products the same at any row count): a row left-padded in a
+    batch beside a prompt of 110 tokens gets the logits it gets alone at every step, bit for bit.
+    A prompt of at least MIN_PREFILL_QUERIES tokens takes the prefill kernel either way, its key
+    tiles starting at its first real slot; a shorter one runs alone as a few-token forward whose
+    queries walk their keys (the native decode layer), and its queries walk them in the batch too
+    (``prefill_layer.prefill_rows``). Its decode steps walk its keys as alone."""
     import genfn
     from conftest import tiny_pair
     from genfn.models.model import Model
     from genfn.models.quantized import quantize_params
 
-    _, model = tiny_pair(seed=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    # head_dim 64, SmolLM2's: with 16 a short row's prefill-kernel sums happened to equal its walk's.
+    _, model = tiny_pair(seed=7, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     model = Model(model.spec, quantize_params(model.params, "q4_1"), model.apply_fn, model.init_cache_fn)
     gen = torch.Generator().manual_seed(3)
-    short, long = torch.randint(3, 97, (50,), generator=gen), torch.randint(3, 97, (110,), generator=gen)
+    short, long = torch.randint(3, 97, (short_len,), generator=gen), torch.randint(3, 97, (110,), generator=gen)
     settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True,
                     output_logits=True, disable_compile=True)
     alone = genfn.generate(model, short[None], **settings)
     ids = torch.zeros(2, 110, dtype=torch.long)
-    ids[0, 60:], ids[1] = short, long
+    ids[0, 110 - short_len:], ids[1] = short, long
     batched = genfn.generate(model, ids, attention_mask=(ids != 0).long(), pad_token_id=0, **settings)
     assert torch.equal(torch.stack([step[0] for step in batched.logits]), torch.stack([s[0] for s in alone.logits]))
+
+
+def test_prefill_rows_walks_the_rows_that_would_run_alone_as_few_token_forwards():
+    """A forward of MIN_PREFILL_QUERIES tokens a row or more walks the rows of fewer real tokens
+    (left padding counts for nothing), and starts each row's key tiles at its first real slot."""
+    from genfn.kernels import MIN_PREFILL_QUERIES
+    from genfn.models.prefill_layer import prefill_rows
+
+    seq = MIN_PREFILL_QUERIES + 3
+    cache = init_static_cache(1, 3, 2, 32, 16)
+    real = torch.tensor([seq, MIN_PREFILL_QUERIES - 1, MIN_PREFILL_QUERIES])
+    attention = (torch.arange(seq) >= seq - real.unsqueeze(1)).long()  # left-padded rows
+    cache.valid[:, :seq] = attention.bool()
+    plan = prefill_rows(cache, attention, seq, 32)
+    assert plan.walked.tolist() == [1]
+    assert plan.first_slots.tolist() == (seq - real).tolist()
+    assert prefill_rows(cache, None, seq, 32).walked is None  # no mask: every row is all real tokens
+    assert prefill_rows(cache, attention[:, :MIN_PREFILL_QUERIES - 1], MIN_PREFILL_QUERIES - 1, 32) is None

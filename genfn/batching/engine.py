@@ -393,11 +393,13 @@ def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None
     """Where each chunk of ``batch`` sits on the token axis (as ``build_batch_inputs`` lays it out),
     how many blocks its row's keys span, and which rows sample; with drafts, the extra logits
     entries ``num_rows ..`` (``num_rows``: the inputs' ``R``) sample too."""
-    decode, prefill, sample_rows, first = [], [], [], 0
+    decode, prefill, sample_rows, prompt_lens, first = [], [], [], [], 0
     for row, chunk in enumerate(batch.chunks):
         count = len(chunk.token_ids)
         blocks = -(-chunk.end // block_size)
-        if count == 1:
+        in_prompt = chunk.num_drafts == 0 and chunk.end <= chunk.prompt_len
+        prompt_lens.append(chunk.prompt_len if in_prompt else 0)
+        if count == 1 and not in_prompt:
             decode.append((first, row, blocks))
         else:
             prefill.append((first, count, row, blocks))
@@ -409,7 +411,7 @@ def packed_plan(batch: S.ScheduledBatch, block_size: int, num_tokens: int | None
         rows = len(batch.chunks) if num_rows is None else num_rows
         sample_rows.extend(range(rows, rows + extra))
     return PackedPlan(first if num_tokens is None else num_tokens, tuple(decode), tuple(prefill), tuple(sample_rows),
-                      batch.request_ids)
+                      batch.request_ids, tuple(prompt_lens))
 
 
 def stopped_by_string(request: RequestState, device=None) -> bool:

@@ -244,11 +244,13 @@ def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
 class PackedPlan:
     """The structure of a packed batch, in host integers (no tensor values are read to make it).
 
-    ``decode``: ``(token, row, blocks)`` of every one-token chunk; ``prefill``: ``(first_token,
-    num_tokens, row, blocks)`` of every longer chunk; ``blocks``: how many entries of the row's
-    block table its keys span after this step. ``sample_rows``: the rows whose logits are used.
-    ``request_ids``: the request of each row, in row order (a wrapped module's slots are kept by
-    request: ``genfn.models.module_packed``); empty when not known.
+    ``decode``: ``(token, row, blocks)`` of every one-token chunk past its prompt; ``prefill``:
+    ``(first_token, num_tokens, row, blocks)`` of every other chunk (a prompt's, or a request's
+    last token with its drafts); ``blocks``: how many entries of the row's block table its keys
+    span after this step. ``sample_rows``: the rows whose logits are used. ``request_ids``: the
+    request of each row, in row order (a wrapped module's slots are kept by request:
+    ``genfn.models.module_packed``); empty when not known. ``prompt_lens``: each row's request's
+    prompt length where its chunk lies within that prompt, else 0; empty when not known.
     """
 
     num_tokens: int
@@ -256,11 +258,18 @@ class PackedPlan:
     prefill: tuple[tuple[int, int, int, int], ...] = ()
     sample_rows: tuple[int, ...] = ()
     request_ids: tuple = ()
+    prompt_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         covered = len(self.decode) + sum(n for _, n, _, _ in self.prefill)
         if covered > self.num_tokens:
             raise ValueError(f"the plan's chunks hold {covered} tokens, more than `num_tokens` ({self.num_tokens})")
+
+    def rows_of_prompts_from(self, tokens: int) -> frozenset[int]:
+        """The rows that hold a chunk of a prompt of at least ``tokens`` tokens."""
+        if not self.prompt_lens:
+            return frozenset()
+        return frozenset(row for _, _, row, _ in self.prefill if self.prompt_lens[row] >= tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,13 +305,16 @@ NATIVE_PREFILL_TOKENS = 64
 
 def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
                    sliding_window: int | None = None, native: bool | None = None,
-                   native_chunk_tokens: int = NATIVE_PREFILL_TOKENS) -> PlannedAttention:
+                   native_chunk_tokens: int = NATIVE_PREFILL_TOKENS,
+                   whole_prompt_tokens: int | None = None) -> PlannedAttention:
     """The index tensors and masks of ``plan`` (``block_tables [R, W]``, ``positions [T]`` of the batch).
 
     ``native``: the decode rows and prefill chunks of up to ``native_chunk_tokens`` go to the
     native paged op (``native_decode``: no mask, no gather); ``None``: where the native kernels
-    are built and the tables are on the CPU. Longer chunks gather their blocks for the native
-    prefill kernel (where it takes them) or SDPA.
+    are built and the tables are on the CPU. Longer chunks, and every chunk of a prompt of at
+    least ``whole_prompt_tokens`` tokens (one the model's whole-prompt forward would run through
+    the prefill kernel), gather their blocks for the native prefill kernel (where it takes them)
+    or SDPA.
     """
     if native is None:
         native = block_tables.device.type == "cpu" and _kernels_built()
@@ -311,7 +323,9 @@ def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torc
     # Short prefill chunks join the native op's rows, one row per token (its own length): a chunk
     # of a few dozen tokens costs the op a few dozen short rows, while gathering its blocks and
     # building a mask for SDPA costs more than that chunk's attention itself.
-    short = [chunk for chunk in plan.prefill if native and chunk[1] <= native_chunk_tokens]
+    gathered_rows = frozenset() if whole_prompt_tokens is None else plan.rows_of_prompts_from(whole_prompt_tokens)
+    short = [chunk for chunk in plan.prefill
+             if native and chunk[1] <= native_chunk_tokens and chunk[2] not in gathered_rows]
     if native and (plan.decode or short):
         pairs = [(t, r) for t, r, _ in plan.decode]
         for first, count, row, _ in short:
@@ -330,7 +344,7 @@ def plan_attention(plan: PackedPlan, block_tables: torch.Tensor, positions: torc
         decode = (tokens, tables, mask.view(len(plan.decode), 1, 1, -1))
     prefill = []
     for first, count, row, width in plan.prefill:
-        if native and count <= native_chunk_tokens:
+        if native and count <= native_chunk_tokens and row not in gathered_rows:
             continue
         span = torch.arange(width * block_size, device=device)
         mask = _visible(span, positions[first:first + count], sliding_window)
@@ -401,7 +415,8 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
 def _prefill_kernel(q, k, v, mask):
     from genfn.kernels import prefill_attention
 
-    return prefill_attention(q, k, v, mask.view(1, 1, *mask.shape[-2:]))
+    # At any number of queries: a chunk of a few tokens comes here as a piece of a long prompt.
+    return prefill_attention(q, k, v, mask.view(1, 1, *mask.shape[-2:]), min_queries=1)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

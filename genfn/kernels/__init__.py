@@ -90,7 +90,7 @@ def _register_fake() -> None:
     _register_quant_fake()
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
-    def _(q, keys, values, visible, scale, softcap=0.0):
+    def _(q, keys, values, visible, scale, softcap=0.0, cache_rows=None):
         return torch.empty_like(q)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
@@ -294,10 +294,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 MIN_PREFILL_QUERIES = 17
 
 
-def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
+def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                             min_queries: int) -> bool:
     batch, heads, seq, head_dim = q.shape
     return (
-        seq >= MIN_PREFILL_QUERIES
+        seq >= min_queries
         and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == keys.dtype == values.dtype
         and q.device.type == keys.device.type == values.device.type == "cpu"
         and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
@@ -311,7 +312,8 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      first_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+                      first_slots: torch.Tensor | None = None, *,
+                      min_queries: int = MIN_PREFILL_QUERIES) -> torch.Tensor | None:
     """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
     queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``;
     ``keys``/``values [B, Hkv, A, D]`` of q's dtype, read in place from the dense cache; boolean
@@ -319,9 +321,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     of keys the mask hides: half of a causal prefill's. The result, ``[B, H, S, D]`` of q's dtype,
     lies in ``[B, S, H, D]`` memory. ``first_slots [B]`` (int64): each row's first real slot, where
     its key tiles start, so that a left-padded row gets its prompt's bits alone (default: the first
-    slot any query sees; a padding query sees its own). ``None`` where the kernel does not take these
-    arguments, so that the caller runs the library attention."""
-    if not _takes_prefill_attention(q, keys, values, mask):
+    slot any query sees; a padding query sees its own). ``min_queries``: the fewest queries a row
+    it takes (a query's values do not depend on how many there are). ``None`` where the kernel does
+    not take these arguments, so that the caller runs the library attention."""
+    if not _takes_prefill_attention(q, keys, values, mask, min_queries):
         return None
     return getattr(torch.ops, _OP_NAMESPACE).prefill_attention(q, keys, values, mask, q.shape[-1] ** -0.5,
                                                                first_slots)

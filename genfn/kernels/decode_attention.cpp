@@ -165,7 +165,8 @@ void attend_visible(const T* q, const T* keys, const T* values, const bool* visi
 
 template <typename T, int V>
 void attend_dense_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                       const at::Tensor& visible, double scale, double softcap, at::Tensor& out) {
+                       const at::Tensor& visible, const int64_t* cache_rows, double scale, double softcap,
+                       at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = keys.size(1), span = visible.size(1);
   const int64_t groups = heads / kv_heads;
   const T* qp = q.data_ptr<T>();
@@ -184,23 +185,38 @@ void attend_dense_rows(const at::Tensor& q, const at::Tensor& keys, const at::Te
     thread_local std::vector<float> scores;
     thread_local std::vector<int64_t> slots;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
+      const int64_t r = i / kv_heads, h = i % kv_heads, c = cache_rows ? cache_rows[r] : r;
       const int64_t offset = (r * heads + h * groups) * V * kLanes;
-      attend_visible<T, V>(qp + offset, kp + r * kb + h * kh, vp + r * vb + h * vh, mp + r * span, span, ks,
+      attend_visible<T, V>(qp + offset, kp + c * kb + h * kh, vp + c * vb + h * vh, mp + r * span, span, ks,
                            groups, static_cast<float>(scale), static_cast<float>(softcap), op + offset, scores, slots);
     }
   });
 }
 
-// q [B, H, D]; keys, values [B, Hkv, >= A, D] (any strides but a contiguous D); visible [B, A]
-// bool: row b's query attends slot s < A where visible[b, s]; softcap > 0: scores soft-capped,
-// tanh(s / softcap) * softcap (Gemma 2). Returns [B, H, D] in q's dtype.
+// q [N, H, D]; keys, values [B, Hkv, >= A, D] (any strides but a contiguous D); visible [N, A]
+// bool: query n attends slot s < A of its cache row where visible[n, s]; cache_rows [N] (int64):
+// query n's cache row (default n, with B == N: a decode step's one query a row; several queries of
+// one row, a few-token forward's, share it without copies); softcap > 0: scores soft-capped,
+// tanh(s / softcap) * softcap (Gemma 2). Returns [N, H, D] in q's dtype.
 at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                  const at::Tensor& visible, double scale, double softcap) {
+                                  const at::Tensor& visible, double scale, double softcap,
+                                  const std::optional<at::Tensor>& cache_rows) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "dense_decode_attention: q must be [B, H, D] and keys/values [B, kv_heads, slots, D]");
-  TORCH_CHECK(keys.size(0) == q.size(0) && keys.size(3) == q.size(2), "dense_decode_attention: keys ",
-              keys.sizes(), " do not match q ", q.sizes());
+              "dense_decode_attention: q must be [N, H, D] and keys/values [B, kv_heads, slots, D]");
+  TORCH_CHECK(keys.size(3) == q.size(2), "dense_decode_attention: keys ", keys.sizes(), " do not match q ",
+              q.sizes());
+  at::Tensor rows;
+  if (cache_rows.has_value()) {
+    rows = cache_rows->contiguous();
+    TORCH_CHECK(rows.dim() == 1 && rows.size(0) == q.size(0) && rows.scalar_type() == at::kLong,
+                "dense_decode_attention: cache_rows must be an int64 [N] (a cache row for each of q's ", q.size(0),
+                " queries), got ", rows.sizes(), " ", rows.scalar_type());
+    TORCH_CHECK(rows.numel() == 0 || (rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < keys.size(0)),
+                "dense_decode_attention: cache_rows must lie in [0, ", keys.size(0), ")");
+  } else {
+    TORCH_CHECK(keys.size(0) == q.size(0), "dense_decode_attention: keys ", keys.sizes(), " do not match q ",
+                q.sizes(), " (give cache_rows where queries share cache rows)");
+  }
   TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
               "dense_decode_attention: query heads (", q.size(1), ") must be a multiple of kv heads (",
               keys.size(1), "), at most ", kMaxGroups, " per kv head");
@@ -216,15 +232,16 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1,
               "dense_decode_attention: keys and values must be contiguous along head_dim");
   const at::Tensor qc = q.contiguous(), mc = visible.contiguous();
+  const int64_t* row_data = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
   at::Tensor out = at::empty_like(qc);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   switch (q.size(2) / kLanes) {
 #define GENFN_DENSE(V)                                                                      \
   case V:                                                                                   \
     if (bf16)                                                                               \
-      attend_dense_rows<c10::BFloat16, V>(qc, keys, values, mc, scale, softcap, out);       \
+      attend_dense_rows<c10::BFloat16, V>(qc, keys, values, mc, row_data, scale, softcap, out); \
     else                                                                                    \
-      attend_dense_rows<float, V>(qc, keys, values, mc, scale, softcap, out);               \
+      attend_dense_rows<float, V>(qc, keys, values, mc, row_data, scale, softcap, out);     \
     break;
     GENFN_DENSE(1)
     GENFN_DENSE(2)
@@ -434,7 +451,7 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   // Any layout: it reads keys and values through their strides and makes q and visible contiguous,
   // so a step's one mask feeds every layer's call (decode_layer.cpp says why that matters).
   m.def("dense_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor visible, float scale, "
-        "float softcap=0.0) -> Tensor",
+        "float softcap=0.0, Tensor? cache_rows=None) -> Tensor",
         {at::Tag::flexible_layout});
   m.def("paged_query_attention(Tensor q, Tensor keys, Tensor values, Tensor tables, Tensor lengths, float scale, "
         "int sliding_window, float softcap=0.0) -> Tensor");

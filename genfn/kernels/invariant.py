@@ -167,18 +167,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.genfn_kernels.silu_mul(gate_up.contiguous())
 
 
-def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Every query of ``q [B, S, H, D]`` against the keys/values ``[B, Hkv, A, D]`` of its row that
-    ``mask [B, 1, S, A]`` (bool) shows it, each query on its own: ``[B * S, H, D]``."""
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    cache_rows: torch.Tensor | None = None, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """Every query of ``q [B, S, H, D]`` against the keys/values ``[C, Hkv, A, D]`` of its cache row
+    (``cache_rows [B]``: q's row ``b`` reads cache row ``cache_rows[b]``; default ``b``, with C == B)
+    that ``mask [B, 1, S, A]`` (bool) shows it, each query on its own: ``[B * S, H, D]``. ``scale``:
+    of the scores, default ``head_dim ** -0.5``; ``softcap > 0``: scores soft-capped."""
     batch, seq, heads, head_dim = q.shape
-    scale = head_dim ** -0.5
-    if seq == 1:
-        return torch.ops.genfn_kernels.dense_decode_attention(q.reshape(batch, heads, head_dim), keys, values,
-                                                               mask.reshape(batch, -1), scale)
-    # A row's S queries share its cache: a stride-0 view of it, not S copies.
-    return torch.cat([torch.ops.genfn_kernels.dense_decode_attention(
-        q[b], keys[b:b + 1].expand(seq, -1, -1, -1), values[b:b + 1].expand(seq, -1, -1, -1), mask[b, 0], scale)
-        for b in range(batch)])
+    scale = head_dim ** -0.5 if scale is None else scale
+    attend = torch.ops.genfn_kernels.dense_decode_attention
+    if cache_rows is None:
+        if seq == 1:
+            return attend(q.reshape(batch, heads, head_dim), keys, values, mask.reshape(batch, -1), scale, softcap)
+        cache_rows = torch.arange(batch, device=q.device)
+    # One call for every query: a row's S queries read its cache in place (cache_rows), no copies.
+    return attend(q.reshape(batch * seq, heads, head_dim), keys, values, mask.reshape(batch * seq, -1), scale, softcap,
+                  cache_rows.repeat_interleave(seq))
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,

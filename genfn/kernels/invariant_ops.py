@@ -80,13 +80,8 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
                     scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """``genfn.kernels.invariant.dense_attention`` with the scores scaled by ``scale`` (default
     ``head_dim ** -0.5``) and soft-capped, ``tanh(s / softcap) * softcap``, where ``softcap`` is set."""
-    batch, seq, heads, head_dim = q.shape
-    scale, cap = _attention_options(head_dim, scale, softcap)
-    attend = torch.ops.genfn_kernels.dense_decode_attention
-    if seq == 1:
-        return attend(q.reshape(batch, heads, head_dim), keys, values, mask.reshape(batch, -1), scale, cap)
-    return torch.cat([attend(q[b], keys[b:b + 1].expand(seq, -1, -1, -1), values[b:b + 1].expand(seq, -1, -1, -1),
-                             mask[b, 0], scale, cap) for b in range(batch)])
+    scale, cap = _attention_options(q.shape[-1], scale, softcap)
+    return invariant.dense_attention(q, keys, values, mask, scale=scale, softcap=cap)
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,

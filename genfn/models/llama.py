@@ -274,10 +274,11 @@ def attention_mask(cache: StaticCache, slots: torch.Tensor, attend_len: int, sli
 
 def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, cache: StaticCache, slots: torch.Tensor, mask: torch.Tensor, attend_len,
-                   attentions: list | None) -> torch.Tensor:
+                   attentions: list | None, row_plan: prefill_layer.PrefillRows | None = None) -> torch.Tensor:
     """Decoder layer ``i`` on the residual stream ``x [B, S, H]``: attention (writing the layer's
     K, V at ``slots`` into the donated ``cache``), then the SwiGLU MLP. Returns the new ``x``;
-    appends the attention map to ``attentions`` when that is a list."""
+    appends the attention map to ``attentions`` when that is a list. ``row_plan``: the forward's
+    ``prefill_layer.prefill_rows``."""
     batch, seq = x.shape[0], x.shape[1]
     q_size = spec.num_heads * spec.head_dim
     kv_size = spec.num_kv_heads * spec.head_dim
@@ -299,7 +300,7 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
             return _sharded_decode_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
     # A float32 or bfloat16 prefill's many tokens per row: the same layer with its elementwise work in native passes.
     if not output_attentions and prefill_layer.takes(spec, layer, x):
-        return prefill_layer.prefill_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len)
+        return prefill_layer.prefill_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, row_plan)
     h = x if spec.post_norms else _rms_norm(x, layer["attn_norm"], spec.rms_norm_eps)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -332,8 +333,8 @@ def _decoder_layer(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x: torch.T
         # a prefill's many the native one that skips the key tiles the mask hides (a causal
         # prefill's upper half, which the library kernel computes and then masks).
         attn = decode_attention(q, keys, values, mask)
-        if attn is None:
-            attn = prefill_attention(q, keys, values, mask, prefill_layer.first_real_slots(cache, attend_len))
+        if attn is None and row_plan is not None:
+            attn = prefill_attention(q, keys, values, mask, row_plan.first_slots)
         if attn is None and grouped:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         elif attn is None:
@@ -464,8 +465,9 @@ def apply(
         x = decode_layer.run_stack(x, stack, cos, sin, cache.keys, cache.values, slots, mask, spec.rms_norm_eps,
                                    spec.num_heads, spec.num_kv_heads)
     else:
+        row_plan = prefill_layer.prefill_rows(cache, attention_mask, tokens.shape[1], attend_len)
         for i, layer in enumerate(layers):
-            x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions)
+            x = _decoder_layer(spec, layer, i, x, cos, sin, cache, slots, mask, attend_len, attentions, row_plan)
             if output_hidden_states:
                 hidden_states.append(x)
     if logits_to_keep and not output_hidden_states:

@@ -240,13 +240,15 @@ class PackedAttention:
 
 
 def packed_attention(inputs, cache: PagedKVCache, plan: PackedPlan | None, sliding_window: int | None,
-                     native_chunk_tokens: int = NATIVE_PREFILL_TOKENS) -> PackedAttention:
-    """The ``PackedAttention`` of ``inputs`` (``native_chunk_tokens``: ``plan_attention``'s)."""
+                     native_chunk_tokens: int = NATIVE_PREFILL_TOKENS,
+                     whole_prompt_tokens: int | None = None) -> PackedAttention:
+    """The ``PackedAttention`` of ``inputs`` (``native_chunk_tokens``, ``whole_prompt_tokens``:
+    ``plan_attention``'s)."""
     num_slots = cache.keys.shape[1] * cache.block_size
     gathered = inputs.block_tables.shape[1] * cache.block_size
     if plan is not None:
         planned = plan_attention(plan, inputs.block_tables, inputs.positions, cache.block_size, sliding_window,
-                                 native_chunk_tokens=native_chunk_tokens)
+                                 native_chunk_tokens=native_chunk_tokens, whole_prompt_tokens=whole_prompt_tokens)
         return PackedAttention(inputs, sliding_window, planned=planned)
     if num_slots <= WHOLE_CACHE_FACTOR * gathered:  # static: shapes only
         return PackedAttention(inputs, sliding_window,
@@ -307,7 +309,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if invariant.batch_invariant():
         return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     check_plan(plan, num_tokens)
-    stack = _paged_stack(spec, params["layers"], x, cache)
+    stack = _paged_stack(spec, params["layers"], x, cache, plan)
     if stack is not None:
         x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
                                          spec.num_heads, spec.num_kv_heads, spec.sliding_window)
@@ -329,13 +331,17 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
 
 
-def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache) -> tuple[list, list] | None:
+def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache,
+                 plan: PackedPlan | None) -> tuple[list, list] | None:
     """The packed tokens' whole stack of layers as one native call (``decode_layer.run_paged_stack``)
     where ``generate``'s step would take the native stack: Llama's own layers, at most
-    ``decode_layer.MAX_LAYER_ROWS`` tokens (a decode step of a few requests, drafts, a short prompt
-    chunk), one process. The eager forward's GEMM copies (``PackedWeight``) are read as their plain
-    weights. Its ``(weights, layout)``, or None."""
+    ``decode_layer.MAX_LAYER_ROWS`` tokens (a decode step of a few requests, drafts, a short prompt),
+    one process. Not a piece of a prompt that generate's prefill runs through the prefill kernel:
+    the stack walks each query's keys. The eager forward's GEMM copies (``PackedWeight``) are read
+    as their plain weights. Its ``(weights, layout)``, or None."""
     if not spec.is_plain_llama or spec.tensor_shard is not None or x.shape[0] > decode_layer.MAX_LAYER_ROWS:
+        return None
+    if plan is not None and plan.rows_of_prompts_from(MIN_PREFILL_QUERIES):
         return None
     if not cache.keys.is_contiguous():
         return None
@@ -353,9 +359,11 @@ def _packed_layers(spec: LlamaSpec, layers, inputs, cache: PagedKVCache, plan: P
     """``apply_packed``'s layers one op at a time (any number of tokens, every Llama variant, tensor
     parallelism): ``(x, mlp_out, cache)``, the last layer's MLP output not yet added to ``x``."""
     num_tokens, q_size = x.shape[0], spec.num_heads * spec.head_dim
-    # A prompt chunk that generate's prefill would run through the native prefill kernel runs through
-    # it here too (gathered), so that a whole prompt's keys and values are generate's to the bit.
-    route = packed_attention(inputs, cache, plan, spec.sliding_window, native_chunk_tokens=MIN_PREFILL_QUERIES - 1)
+    # A prompt that generate's prefill would run through the native prefill kernel (its whole
+    # prompt in one forward) runs through it here too, every chunk of it gathered, so that its keys,
+    # values and logits are generate's to the bit however the prompt is cut.
+    route = packed_attention(inputs, cache, plan, spec.sliding_window, native_chunk_tokens=MIN_PREFILL_QUERIES - 1,
+                             whole_prompt_tokens=MIN_PREFILL_QUERIES)
     plain = spec.is_plain_llama
     mlp_out = None  # the previous layer's MLP output, added to x in the next norm's call
     for i, layer in enumerate(layers):

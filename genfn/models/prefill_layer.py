@@ -22,14 +22,14 @@ dtypes, the spec and the CPU alone.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invariant, linear, prefill_attention
 from genfn.kernels.packed_gemm import bf16_gemm_preferred
 
-__all__ = ["takes", "prefill_layer", "first_real_slots"]
+__all__ = ["takes", "prefill_layer", "PrefillRows", "prefill_rows", "first_real_slots"]
 
 
 def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
@@ -52,10 +52,55 @@ def _needs_gradient(layer: Mapping[str, Any], x: torch.Tensor) -> bool:
     return x.requires_grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in layer.values())
 
 
+class PrefillRows(NamedTuple):
+    """What a forward of many queries a row tells its layers' attention about its rows, found once
+    for all its layers (``prefill_rows``)."""
+
+    first_slots: torch.Tensor  # [B] each row's first real slot, where the prefill kernel's key tiles start
+    walked: torch.Tensor | None  # the rows of fewer than MIN_PREFILL_QUERIES real tokens, attended query by query
+
+
+def prefill_rows(cache, attention_mask: torch.Tensor | None, seq: int, attend_len) -> PrefillRows | None:
+    """``PrefillRows`` for a forward of ``seq`` tokens a row (``attention_mask [B, S]`` marking its
+    real ones), after ``begin_forward``; None where it has fewer than MIN_PREFILL_QUERIES (every row
+    is attended query by query then).
+
+    A row of fewer real tokens, left-padded beside a longer prompt, runs alone as a few-token
+    forward: the native decode layer's walk over its keys. Walking it here too gives it those bits
+    in the batch. Which rows those are is read on the host, so a traced forward walks none."""
+    if seq < MIN_PREFILL_QUERIES:
+        return None
+    walked = None
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        rows = (attention_mask.sum(dim=1) < MIN_PREFILL_QUERIES).nonzero().flatten()
+        walked = rows if rows.numel() else None
+    return PrefillRows(first_real_slots(cache, attend_len), walked)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+              row_plan: PrefillRows) -> torch.Tensor:
+    """``q [B, S, H, D]`` (S >= MIN_PREFILL_QUERIES) against its rows' visible ``keys``/``values [B,
+    Hkv, A, D]``: the native prefill kernel (SDPA where it declines the layout), the walked rows
+    query by query. Returns ``[B, S, H, D]``."""
+    heads_first = q.transpose(1, 2)
+    attn = prefill_attention(heads_first, keys, values, mask, row_plan.first_slots)
+    if attn is None:  # a mask or cache layout the kernel does not take
+        attn = torch.nn.functional.scaled_dot_product_attention(heads_first, keys, values, attn_mask=mask,
+                                                                enable_gqa=True)
+    attn = attn.transpose(1, 2)
+    rows = row_plan.walked
+    if rows is not None:
+        walked = invariant.dense_attention(q.index_select(0, rows), keys, values, mask.index_select(0, rows), rows)
+        attn = attn.index_copy(0, rows, walked.view(rows.shape[0], *q.shape[1:]))
+    return attn
+
+
 def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  cache, slots: torch.Tensor, mask: torch.Tensor, attend_len) -> torch.Tensor:
+                  cache, slots: torch.Tensor, mask: torch.Tensor, attend_len,
+                  row_plan: PrefillRows | None) -> torch.Tensor:
     """Decoder layer ``i`` on ``x [B, S, H]`` (writing its K, V at ``slots`` into the donated
-    ``cache``): the op-by-op layer's values, in fewer passes."""
+    ``cache``): the op-by-op layer's values, in fewer passes. ``row_plan``: the forward's
+    ``prefill_rows``."""
     batch, seq, hidden = x.shape
     eps, heads, kv_heads, head_dim = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, spec.head_dim
     rows = x.reshape(batch * seq, hidden)
@@ -65,16 +110,13 @@ def prefill_layer(spec, layer: Mapping[str, Any], i: int, x: torch.Tensor, cos: 
     v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
     keys, values = cache.write_layer(i, slots, k, v)
     keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-    if seq < MIN_PREFILL_QUERIES:
+    q = q.view(batch, seq, heads, head_dim)
+    if row_plan is None:
         # Each query on its own over its row's visible keys, as the native decode layer (and the
         # stack of layers) attends them: a row's tokens get the bits they get there, alone.
-        attn = invariant.dense_attention(q.view(batch, seq, heads, head_dim), keys, values, mask)
+        attn = invariant.dense_attention(q, keys, values, mask)
     else:
-        q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
-        attn = prefill_attention(q, keys, values, mask, first_real_slots(cache, attend_len))
-        if attn is None:  # a mask or cache layout the kernel does not take
-            attn = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        attn = attn.transpose(1, 2)
+        attn = attention(q, keys, values, mask, row_plan)
     attn = attn.reshape(batch * seq, heads * head_dim)
     rows, h = invariant.add_rms_norm(rows, _linear(attn, layer["wo"]), layer["mlp_norm"], eps)
     out = rows + _linear(_swiglu(h, layer["w_gate_up"]), layer["w_down"])
