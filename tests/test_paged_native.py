@@ -93,6 +93,45 @@ def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
 
 
 @needs_kernel
+def test_every_chunk_of_a_long_prompt_takes_the_prefill_kernel_as_the_whole_prompt_does():
+    """With ``whole_prompt_tokens``, a 5-token chunk of a 20-token prompt gathers its blocks for the
+    prefill kernel, whose values for those queries are the whole prompt's bit for bit; a chunk of a
+    short prompt and a decode row stay with the native walk; a row without tokens (a sequence
+    sharing its leader's prompt) gathers nothing."""
+    gen = torch.Generator().manual_seed(4)
+    cache = _filled_cache(torch.float32, gen)
+    size = cache.block_size
+    table = torch.full((4, 6), cache.sink_block)
+    table[0, :2] = torch.tensor([7, 2])
+    table[1, :3] = torch.tensor([11, 0, 5])
+    table[2, :1] = torch.tensor([19])
+    table[3, :2] = torch.tensor([7, 2])
+    # Row 0: positions 3..7 of a 20-token prompt; row 1: a decode token at 10; row 2: a 1-token
+    # chunk of a 3-token prompt at 0; row 3: no tokens.
+    positions = torch.tensor([3, 4, 5, 6, 7, 10, 0])
+    plan = PackedPlan(7, decode=((5, 1, 3),), prefill=((0, 5, 0, 2), (6, 1, 2, 1), (7, 0, 3, 2)),
+                      prompt_lens=(20, 0, 3, 20))
+    assert plan.rows_of_prompts_from(17) == {0}
+    planned = plan_attention(plan, table, positions, size, native=True, native_chunk_tokens=16,
+                             whole_prompt_tokens=17)
+    assert [(first, count) for first, count, _, _ in planned.prefill] == [(0, 5)]
+    assert planned.native_decode[0].tolist() == [5, 6]
+    q = torch.randn(7, 9, 64, generator=gen)
+    out = planned_attention(q, cache, 1, planned)
+    # The whole prompt's first 8 queries in one kernel call; the chunk's are its last 5.
+    whole_q = torch.randn(8, 9, 64, generator=gen)
+    whole_q[3:] = q[:5]
+    whole = PackedPlan(8, prefill=((0, 8, 0, 2),), prompt_lens=(20,))
+    whole_out = planned_attention(whole_q, cache, 1, plan_attention(whole, table[:1], torch.arange(8), size,
+                                                                     native=True, native_chunk_tokens=16,
+                                                                     whole_prompt_tokens=17))
+    assert torch.equal(out[:5], whole_out[3:])
+    walked = planned_attention(q, cache, 1, plan_attention(plan, table, positions, size, native=True,
+                                                           native_chunk_tokens=16))
+    torch.testing.assert_close(out, walked, atol=1e-5, rtol=1e-5)  # the same attention, other sums
+
+
+@needs_kernel
 @pytest.mark.parametrize("native", [True, False])
 def test_soft_capped_planned_attention_equals_the_reference(native):
     """Gemma 2's capped scores through a plan: the native op (decode rows, short chunks) or the
@@ -149,3 +188,21 @@ def test_the_native_ops_refuse_out_of_range_blocks_and_slots():
     with pytest.raises(RuntimeError, match="slot"):
         torch.ops.genfn_kernels.paged_write(cache.keys, cache.values, 0, torch.tensor([16]), torch.randn(1, 1, 16),
                                             torch.randn(1, 1, 16))
+
+
+def test_the_plan_of_a_batch_names_each_prompt_chunks_prompt_length():
+    """``packed_plan`` keeps a prompt's last token, computed alone, with the prompt chunks (so that it
+    attends as its prompt does) and records the prompt's length; a decode token, drafts and a token
+    past a recomputed prompt are not prompt chunks."""
+    from genfn.batching.engine import packed_plan
+    from genfn.batching.scheduling import ScheduledBatch, ScheduledChunk
+
+    batch = ScheduledBatch((ScheduledChunk("long", 16, (5,), True, prompt_len=17),
+                            ScheduledChunk("decoding", 30, (7,), True, prompt_len=10),
+                            ScheduledChunk("drafts", 12, (7, 8, 9), True, num_drafts=2, prompt_len=10),
+                            ScheduledChunk("recomputed", 0, tuple(range(3, 23)), True, prompt_len=12)))
+    plan = packed_plan(batch, 4)
+    assert plan.decode == ((1, 1, 8),)
+    assert [(first, count, row) for first, count, row, _ in plan.prefill] == [(0, 1, 0), (2, 3, 2), (5, 20, 3)]
+    assert plan.prompt_lens == (17, 0, 0, 0)
+    assert plan.rows_of_prompts_from(17) == {0}

@@ -266,10 +266,10 @@ class PackedPlan:
             raise ValueError(f"the plan's chunks hold {covered} tokens, more than `num_tokens` ({self.num_tokens})")
 
     def rows_of_prompts_from(self, tokens: int) -> frozenset[int]:
-        """The rows that hold a chunk of a prompt of at least ``tokens`` tokens."""
+        """The rows that hold a chunk (of one token or more) of a prompt of at least ``tokens`` tokens."""
         if not self.prompt_lens:
             return frozenset()
-        return frozenset(row for _, _, row, _ in self.prefill if self.prompt_lens[row] >= tokens)
+        return frozenset(row for _, count, row, _ in self.prefill if count and self.prompt_lens[row] >= tokens)
 
 
 @dataclasses.dataclass(frozen=True)
