@@ -63,6 +63,14 @@ def test_native_decode_attention_equals_the_reference(dtype, window, softcap):
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def _block_table(cache, *rows) -> torch.Tensor:
+    """``[len(rows), 6]`` block tables: each row's blocks, then the sink block."""
+    table = torch.full((len(rows), 6), cache.sink_block)
+    for i, blocks in enumerate(rows):
+        table[i, :len(blocks)] = torch.tensor(blocks)
+    return table
+
+
 @needs_kernel
 def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
     """Decode rows through the native op, a prefill chunk and padding through SDPA: the same
@@ -71,10 +79,7 @@ def test_planned_attention_with_the_native_op_equals_the_gathering_plan():
     cache = _filled_cache(torch.float32, gen)
     size = cache.block_size
     # Row 0: a 5-token prefill chunk at positions 3..7; rows 1, 2: decode tokens at 10 and 0; 2 padding tokens.
-    table = torch.full((3, 6), cache.sink_block)
-    table[0, :2] = torch.tensor([7, 2])
-    table[1, :3] = torch.tensor([11, 0, 5])
-    table[2, :1] = torch.tensor([19])
+    table = _block_table(cache, [7, 2], [11, 0, 5], [19])
     positions = torch.tensor([3, 4, 5, 6, 7, 10, 0, 0, 0])
     plan = PackedPlan(9, decode=((5, 1, 3), (6, 2, 1)), prefill=((0, 5, 0, 2),))
     q = torch.randn(9, 9, 64, generator=gen)
@@ -101,11 +106,7 @@ def test_every_chunk_of_a_long_prompt_takes_the_prefill_kernel_as_the_whole_prom
     gen = torch.Generator().manual_seed(4)
     cache = _filled_cache(torch.float32, gen)
     size = cache.block_size
-    table = torch.full((4, 6), cache.sink_block)
-    table[0, :2] = torch.tensor([7, 2])
-    table[1, :3] = torch.tensor([11, 0, 5])
-    table[2, :1] = torch.tensor([19])
-    table[3, :2] = torch.tensor([7, 2])
+    table = _block_table(cache, [7, 2], [11, 0, 5], [19], [7, 2])
     # Row 0: positions 3..7 of a 20-token prompt; row 1: a decode token at 10; row 2: a 1-token
     # chunk of a 3-token prompt at 0; row 3: no tokens.
     positions = torch.tensor([3, 4, 5, 6, 7, 10, 0])
