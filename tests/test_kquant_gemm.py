@@ -82,11 +82,28 @@ def test_the_gemm_takes_over_from_the_row_kernels_at_gemm_min_rows(gemm_rows):
     gemm_rows(1)
     gemm = kernels.linear(x, weight)
     assert torch.equal(rows_15, row_kernels[:15]) and torch.equal(rows_16, gemm)
-    # The two paths sum the super-blocks in other orders: a few ulp apart, not the same bits.
-    assert not torch.equal(gemm, row_kernels)
-    torch.testing.assert_close(gemm, row_kernels, rtol=1e-5, atol=1e-6 * row_kernels.abs().max().item())
+    assert torch.equal(gemm, row_kernels)  # one order of the float sums (next test)
     # row_kernels=True (the batch-invariant mode's) keeps every row count on the row kernels.
     assert torch.equal(kernels.kquant_linear(x, weight, row_kernels=True), row_kernels)
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8"])
+def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_rows, fmt):
+    """Every K-quant kernel adds a super-block's integer sums into its float32 output in one order
+    (kquant.h's add_block), so a row's outputs have the same bits through the GEMM (a prefill, a
+    batch of 16 rows and more) as through the row kernels of one row (a decode step) or eight."""
+    from genfn.quant.kquants import repack_r8
+
+    weight, x = _problem("q4_k" if fmt == "q4_k_r8" else fmt, 48, 1024, 40)
+    if fmt == "q4_k_r8":
+        weight = repack_r8(weight)
+    gemm_rows(1)
+    gemm = kernels.linear(x, weight)
+    gemm_rows(10**9)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
+    assert torch.equal(gemm, alone)
+    assert torch.equal(kernels.linear(x[3:11], weight), alone[3:11])  # eight rows a call
+    assert torch.equal(kernels.linear(x[5:10], weight), alone[5:10])
 
 
 def test_gemm_min_rows_rejects_what_is_not_a_row_count():

@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -185,6 +186,128 @@ __attribute__((always_inline)) inline void unpack_scales(const uint8_t* p, uint6
 }
 
 GENFN_AVX512_INLINE inline float reduce512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// Lane m (m < 8): the sum of v[m]'s int32 lanes (AVX-512: 16 of them; AVX2: 8). Integer sums,
+// so exact in any order; eight rows' reductions share their shuffles.
+GENFN_AVX512_INLINE inline __m256i sum_lanes8(const __m512i* v) {
+  __m512i t[4];  // per 128-bit chunk: [v2i, v2i+1, v2i, v2i+1] partials
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  // per chunk: rows 0-3 (u0) and 4-7 (u1), one partial each
+  const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+  const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+  // chunks [u0 0+1, u0 2+3, u1 0+1, u1 2+3]
+  const __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_add_epi32(_mm512_castsi512_si256(_mm512_shuffle_i32x4(w, w, _MM_SHUFFLE(0, 0, 2, 0))),
+                          _mm512_castsi512_si256(_mm512_shuffle_i32x4(w, w, _MM_SHUFFLE(0, 0, 3, 1))));
+}
+
+GENFN_AVX2_INLINE inline __m256i sum_lanes8(const __m256i* v) {
+  __m256i t[4];
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  const __m256i u0 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  const __m256i u1 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// Lane m: activation row m0 + m's scale of super-block b, for m < rows (zero past them).
+GENFN_AVX2_INLINE inline __m256 block_scales8(const ActivationsK& a, int64_t m0, int64_t nb, int64_t b, int rows) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i index = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(nb)));
+  const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lanes));
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.scale.data() + m0 * nb + b, index, live, 4);
+}
+
+// A super-block's part of each row's output (lane m: row m of x against one weight row), added in
+// the one order every K-quant kernel adds it (these row kernels, q4_k_r8's and the GEMM's, AVX2
+// and AVX-512): the integer sum times d * d_x, then the minimums' integer sum times dmin * d_x
+// taken off, each one fused multiply-add on a float32 sum per output. So an output has the same
+// bits whichever kernel ran it, with however many rows. Q6_K's offset of 32 (its minimums, with
+// dmin = d) comes off the integer sum first: one multiply-add.
+GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, __m256i mins, float d, float dmin, __m256 dx) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(dmin), dx), acc);
+}
+
+GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, float d, __m256 dx) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
+}
+
+// add_block's operations on one row's float32 sum (a decode step's one row: no shuffles, no gather).
+GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sum, int32_t mins, float d, float dmin, float dx) {
+  acc = std::fma(static_cast<float>(sum), d * dx, acc);
+  return std::fma(-static_cast<float>(mins), dmin * dx, acc);
+}
+
+GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sum, float d, float dx) {
+  return std::fma(static_cast<float>(sum), d * dx, acc);
+}
+
+GENFN_AVX512_INLINE inline int32_t sum_lanes(__m512i v) { return _mm512_reduce_add_epi32(v); }
+
+GENFN_AVX2_INLINE inline int32_t sum_lanes(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+}
+
+// The float32 sums of rows m0 .. m0 + M - 1 against one weight row: lane m of `lanes`, or `one`
+// where M is 1. A row kernel fills sum[m] and mins[m] (m < M; the rest zeros) per super-block.
+struct RowSums {
+  __m256 lanes;
+  float one;
+};
+
+// (Two forms, for the AVX-512 and the AVX2 kernels' sums: the same operations.)
+template <int M>
+GENFN_AVX512_INLINE inline void add_rows(RowSums& acc, const __m512i* sum, const __m256i* mins, float d, float dmin,
+                                         const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
+  if constexpr (M == 1)
+    acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);
+  else
+    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin, block_scales8(a, m0, nb, b, M));
+}
+
+template <int M>
+GENFN_AVX2_INLINE inline void add_rows(RowSums& acc, const __m256i* sum, const __m256i* mins, float d, float dmin,
+                                       const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
+  if constexpr (M == 1)
+    acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);
+  else
+    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin, block_scales8(a, m0, nb, b, M));
+}
+
+// Q6_K's: the sums with the offset already off.
+template <int M>
+GENFN_AVX512_INLINE inline void add_rows(RowSums& acc, const __m512i* sum, float d, const ActivationsK& a, int64_t m0,
+                                         int64_t nb, int64_t b) {
+  if constexpr (M == 1)
+    acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);
+  else
+    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));
+}
+
+template <int M>
+GENFN_AVX2_INLINE inline void add_rows(RowSums& acc, const __m256i* sum, float d, const ActivationsK& a, int64_t m0,
+                                       int64_t nb, int64_t b) {
+  if constexpr (M == 1)
+    acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);
+  else
+    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));
+}
+
+template <int M>
+GENFN_AVX2_INLINE inline void store_rows(const RowSums& acc, float* y, int64_t N) {
+  if constexpr (M == 1) {
+    y[0] = acc.one;
+  } else {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc.lanes);
+    for (int m = 0; m < M; ++m) y[m * N] = out[m];
+  }
+}
 
 GENFN_AVX2_INLINE inline float reduce256(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -111,10 +111,10 @@ def gemm_min_rows(rows: int | None) -> int:
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight, *, row_kernels: bool = False) -> torch.Tensor:
     """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (per 32 for iq4_nl) to 8 bits
-    (llama.cpp's Q8_K). Q4_K/Q5_K/Q6_K products of many rows (``gemm_min_rows``) run the GEMM, whose
-    float32 sums run in another order than the row kernels' (a few ulp apart); ``row_kernels``
-    keeps every row count on the row kernels, so a row's result never depends on how many rows
-    came with it (the batch-invariant mode)."""
+    (llama.cpp's Q8_K). Q4_K/Q5_K/Q6_K products of many rows (``gemm_min_rows``) run the GEMM, which
+    adds each super-block into an output in the row kernels' order (``add_block`` in kquant.h), so a
+    row's result has the same bits whichever ran it; ``row_kernels`` keeps every row count on the
+    row kernels (the batch-invariant mode's choice)."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the {weight.format} weight expects "
                          f"{weight.in_features}")

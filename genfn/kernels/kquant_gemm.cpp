@@ -13,11 +13,13 @@
 // - AVX2: `vpmaddubsw` then `vpmaddwd` against the sub-block scale (pairs of int16) does both steps
 //   at once, 8 weight rows per register.
 // The activations are quantized once per call as the row kernels quantize them (llama.cpp's Q8_K,
-// natural order), so a super-block's integer sum is the row kernels' bit for bit; the float32
-// sums over super-blocks run in another order (a few ulp apart). Minimums (Q4_K/Q5_K, one per 32
-// inputs) and Q6_K's offset of 32 (as a minimum of 32 sc per 16 inputs) are one more integer sum,
-// `vpdpwssd` against the activations' code sums per 32 or 16 inputs:
-//   y = d d_x sum_g sc_g sum_g(u q) - dmin d_x sum_j m_j sum_j(q),   Q6_K: m_j = 32 sc_j, dmin = d.
+// natural order), so a super-block's integer sum is the row kernels' bit for bit, and it enters
+// the output's float32 sum in their order too (add_block in kquant.h): the GEMM and the row kernels
+// give an output the same bits. Minimums (Q4_K/Q5_K, one per 32 inputs) and Q6_K's offset of 32
+// (as a minimum of 32 sc per 16 inputs) are one more integer sum, `vpdpwssd` against the
+// activations' code sums per 32 or 16 inputs:
+//   y = d d_x sum_g sc_g sum_g(u q) - dmin d_x sum_j m_j sum_j(q),   Q6_K: m_j = 32 sc_j, dmin = d
+// (Q6_K's offset comes off the integer sum before its one multiply-add).
 // Nothing is repacked at load: the decode kernels keep reading the file's layout, and the panel
 // (16 bytes per input, 32 KiB at K = 2048) is rebuilt per call: a 16-row product of an 8192 x 2048
 // matrix, unpacking included, took 1.07 ms on two Zen 4 cores.
@@ -245,10 +247,14 @@ GENFN_VNNI void panel_avx512(
       }
     }
     const __m512 d = _mm512_loadu_ps(p.d.data() + b * kTile), dmin = _mm512_loadu_ps(p.dmin.data() + b * kTile);
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {  // add_block's operations (kquant.h), a lane an output
       const __m512 dx = _mm512_set1_ps(rows.scale[r][b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+      if constexpr (kPairs == pairs_of(kQ6K)) {  // the offset of 32 comes off the integer
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(total[r], mins[r])), _mm512_mul_ps(d, dx), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N, keep, acc[r]);
@@ -301,8 +307,13 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a,
       const __m256 dmin = _mm256_loadu_ps(p.dmin.data() + b * kTile + 8 * h);
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(rows.scale[r][b]);
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][h]), _mm256_mul_ps(d, dx), acc[r][h]);
-        acc[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r][h]), _mm256_mul_ps(dmin, dx), acc[r][h]);
+        if constexpr (kPairs == pairs_of(kQ6K)) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(total[r][h], mins[r][h])),
+                                      _mm256_mul_ps(d, dx), acc[r][h]);
+        } else {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][h]), _mm256_mul_ps(d, dx), acc[r][h]);
+          acc[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r][h]), _mm256_mul_ps(dmin, dx), acc[r][h]);
+        }
       }
     }
   }

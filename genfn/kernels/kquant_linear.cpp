@@ -93,11 +93,12 @@ GENFN_AVX512_INLINE inline __m512i dot512(__m512i w, const int8_t* x, __m512i sc
 // kernel of kquant_q6k.cpp; an AVX-512 CPU without VNNI runs Q6_K on the AVX2 path.)
 template <int M, int64_t F>
 GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m512 acc[M];
-  __m256 acc_min[M];
-  for (int m = 0; m < M; ++m) {
-    acc[m] = _mm512_setzero_ps();
-    acc_min[m] = _mm256_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m512i sum[8];
+  __m256i mins[8];
+  for (int m = M; m < 8; ++m) {
+    sum[m] = _mm512_setzero_si512();
+    mins[m] = _mm256_setzero_si256();
   }
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -134,18 +135,16 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
     const __m512i s_lo1 = q4_scales512(scales8, 2), s_hi1 = q4_scales512(scales8, 3);
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-      __m512i sum = dot512(lo[0], x, s_lo0);
-      sum = _mm512_add_epi32(sum, dot512(hi[0], x + 64, s_hi0));
-      sum = _mm512_add_epi32(sum, dot512(lo[1], x + 128, s_lo1));
-      sum = _mm512_add_epi32(sum, dot512(hi[1], x + 192, s_hi1));
-      const float dx = a.scale[(m0 + m) * nb + b];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      sum[m] = dot512(lo[0], x, s_lo0);
+      sum[m] = _mm512_add_epi32(sum[m], dot512(hi[0], x + 64, s_hi0));
+      sum[m] = _mm512_add_epi32(sum[m], dot512(lo[1], x + 128, s_lo1));
+      sum[m] = _mm512_add_epi32(sum[m], dot512(hi[1], x + 192, s_hi1));
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-      acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
-                                   acc_min[m]);
+      mins[m] = _mm256_madd_epi16(sums, mins16);
     }
+    add_rows<M>(acc, sum, mins, d, dmin, a, m0, nb, b);
   }
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) - reduce256(acc_min[m]);
+  store_rows<M>(acc, y, N);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -165,8 +164,9 @@ GENFN_AVX2_INLINE inline __m256i q6_bits(__m256i high, int shift, __m256i three)
 
 template <int M, int64_t F>
 GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m256 acc[M], acc_min[M];
-  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m256i sum[8], mins[8];
+  for (int m = M; m < 8; ++m) sum[m] = mins[m] = _mm256_setzero_si256();
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   StreamFetch<M> fetch(w);
@@ -195,14 +195,12 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
       }
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-        __m256i sum = dot256(codes[0], x, scale[0]);
-        for (int g = 1; g < 8; ++g) sum = _mm256_add_epi32(sum, dot256(codes[g], x + 32 * g, scale[g]));
-        const float dx = a.scale[(m0 + m) * nb + b];
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[m]);
+        sum[m] = dot256(codes[0], x, scale[0]);
+        for (int g = 1; g < 8; ++g) sum[m] = _mm256_add_epi32(sum[m], dot256(codes[g], x + 32 * g, scale[g]));
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-        acc_min[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mins16)), _mm256_set1_ps(dmin * dx),
-                                     acc_min[m]);
+        mins[m] = _mm256_madd_epi16(sums, mins16);
       }
+      add_rows<M>(acc, sum, mins, d, dmin, a, m0, nb, b);
     } else {
       const uint8_t* ql = w;
       const uint8_t* qh = w + 128;
@@ -222,21 +220,16 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
       }
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-        __m256i sum = dot256_pair(codes[0], x, scale[0], scale[1]);
+        sum[m] = dot256_pair(codes[0], x, scale[0], scale[1]);
         for (int g = 1; g < 8; ++g)
-          sum = _mm256_add_epi32(sum, dot256_pair(codes[g], x + 32 * g, scale[2 * g], scale[2 * g + 1]));
+          sum[m] = _mm256_add_epi32(sum[m], dot256_pair(codes[g], x + 32 * g, scale[2 * g], scale[2 * g + 1]));
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-        sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5));
-        const float dx = a.scale[(m0 + m) * nb + b];
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * dx), acc[m]);
+        sum[m] = _mm256_sub_epi32(sum[m], _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5));  // the offset
       }
+      add_rows<M>(acc, sum, d, a, m0, nb, b);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    float value = reduce256(acc[m]);
-    if constexpr (F != kQ6K) value -= reduce256(acc_min[m]);
-    y[m * N] = value;
-  }
+  store_rows<M>(acc, y, N);
 }
 
 // ---------------------------------------------------------------------------------------------

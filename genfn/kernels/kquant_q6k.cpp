@@ -43,8 +43,9 @@ GENFN_VNNI_INLINE inline __m512i select_nibbles(__m512i nibbles, __m512i high, _
 
 template <int M>
 GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m512i sum[8];
+  for (int m = M; m < 8; ++m) sum[m] = _mm512_setzero_si512();
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
   // Inputs 0-31 of a 64 take bits 0-1 of their qh byte, 32-63 bits 2-3 (for va); 64-95 bits 4-5,
@@ -71,18 +72,17 @@ GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
       const __m512i zero = _mm512_setzero_si512();
-      __m512i sum = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, va[0], _mm512_loadu_si512(x)), s_a0);
-      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, vb[0], _mm512_loadu_si512(x + 64)), s_b0);
-      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, va[1], _mm512_loadu_si512(x + 128)), s_a1);
-      sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, vb[1], _mm512_loadu_si512(x + 192)), s_b1);
+      sum[m] = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, va[0], _mm512_loadu_si512(x)), s_a0);
+      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, vb[0], _mm512_loadu_si512(x + 64)), s_b0);
+      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, va[1], _mm512_loadu_si512(x + 128)), s_a1);
+      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, vb[1], _mm512_loadu_si512(x + 192)), s_b1);
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);
-      sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
-      const float dx = a.scale[(m0 + m) * nb + b];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);  // 32 sc per 16 inputs
+      sum[m] = _mm512_sub_epi32(sum[m], _mm512_zextsi256_si512(offset));
     }
+    add_rows<M>(acc, sum, d, a, m0, nb, b);
   }
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+  store_rows<M>(acc, y, N);
 }
 
 }  // namespace

@@ -13,9 +13,10 @@
 // most 16 x 15 x 127, an int16) is scaled by vpdpwssd against the group's scale in the low word,
 // the two lanes of a row added once per super-block, so a row's super-block sum is the same
 // exact integer as in the file's layout; minimums likewise, against the activations' code sums
-// per 32. The floats differ: one float32 accumulator per row (d * d_x times the super-block's
-// sum, added in order), where the file layout's kernel reduces 16 lanes at the end. The AVX2
-// form computes the same integers and the same floats, so both paths give the same bits.
+// per 32. The floats are every K-quant kernel's (add_block in kquant.h: one float32 accumulator
+// per row, the super-block's sum times d * d_x added, its minimums' times dmin * d_x taken off,
+// super-block after super-block), so the row kernels and the GEMM give a row these bits. The AVX2
+// form computes the same integers and the same floats.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -83,11 +84,10 @@ GENFN_AVX2_INLINE inline int64_t load_u64(const int8_t* p) {
 
 // A row's super-block sums (the two lanes of a row added) and minimum sums into its float32
 // accumulator, rows 0-7 in order.
-GENFN_AVX2_INLINE inline void accumulate(__m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx, __m256& acc,
-                                         __m256& acc_min) {
-  const __m256 scale = _mm256_set1_ps(dx);
+GENFN_AVX2_INLINE inline void accumulate(__m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx, __m256& acc) {
+  const __m256 scale = _mm256_set1_ps(dx);  // add_block's operations, a lane a row
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8), _mm256_mul_ps(d, scale), acc);
-  acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min8), _mm256_mul_ps(dmin, scale), acc_min);
+  acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min8), _mm256_mul_ps(dmin, scale), acc);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -100,8 +100,8 @@ GENFN_VNNI_INLINE inline __m512i pair_total(__m512i v) {  // lanes 2r and 2r + 1
 // One group of 8 weight rows against rows m0 .. m0 + M - 1 of x: writes y[m * N + r], r < 8.
 template <int M>
 GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m256 acc[M], acc_min[M];
-  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i dup = _mm512_load_si512(kR8Index.dup);
@@ -150,9 +150,9 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
     }
     for (int m = 0; m < M; ++m)
       accumulate(_mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])), hd.d, hd.dmin,
-                 a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
+                 a.scale[(m0 + m) * nb + b], acc[m]);
   }
-  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -168,8 +168,8 @@ GENFN_AVX2_INLINE inline __m256i even_lanes(__m256i rows03, __m256i rows47) {  /
 
 template <int M>
 GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m256 acc[M], acc_min[M];
-  for (int m = 0; m < M; ++m) acc[m] = acc_min[m] = _mm256_setzero_ps();
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
@@ -219,9 +219,9 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
     }
     for (int m = 0; m < M; ++m)
       accumulate(even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), hd.d, hd.dmin,
-                 a.scale[(m0 + m) * nb + b], acc[m], acc_min[m]);
+                 a.scale[(m0 + m) * nb + b], acc[m]);
   }
-  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, _mm256_sub_ps(acc[m], acc_min[m]));
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
 
 // Rows [r0, r1) of src (or the rows `order` names) written as 8-row groups at out.
