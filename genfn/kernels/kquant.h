@@ -260,43 +260,29 @@ struct RowSums {
   float one;
 };
 
-// (Two forms, for the AVX-512 and the AVX2 kernels' sums: the same operations.)
-template <int M>
-GENFN_AVX512_INLINE inline void add_rows(RowSums& acc, const __m512i* sum, const __m256i* mins, float d, float dmin,
-                                         const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
-  if constexpr (M == 1)
-    acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);
-  else
-    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin, block_scales8(a, m0, nb, b, M));
-}
-
-template <int M>
-GENFN_AVX2_INLINE inline void add_rows(RowSums& acc, const __m256i* sum, const __m256i* mins, float d, float dmin,
-                                       const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
-  if constexpr (M == 1)
-    acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);
-  else
-    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin, block_scales8(a, m0, nb, b, M));
-}
-
-// Q6_K's: the sums with the offset already off.
-template <int M>
-GENFN_AVX512_INLINE inline void add_rows(RowSums& acc, const __m512i* sum, float d, const ActivationsK& a, int64_t m0,
-                                         int64_t nb, int64_t b) {
-  if constexpr (M == 1)
-    acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);
-  else
-    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));
-}
-
-template <int M>
-GENFN_AVX2_INLINE inline void add_rows(RowSums& acc, const __m256i* sum, float d, const ActivationsK& a, int64_t m0,
-                                       int64_t nb, int64_t b) {
-  if constexpr (M == 1)
-    acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);
-  else
-    acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));
-}
+// Both forms (with the minimums; Q6_K's, the offset already off the sums) for the AVX-512 kernels'
+// sums and for the AVX2 kernels': one text, stamped for the two targets.
+#define GENFN_ADD_ROWS(TARGET, SUM)                                                                            \
+  template <int M>                                                                                           \
+  TARGET inline void add_rows(RowSums& acc, const SUM* sum, const __m256i* mins, float d, float dmin,         \
+                              const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {                     \
+    if constexpr (M == 1)                                                                                    \
+      acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);    \
+    else                                                                                                     \
+      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin,                          \
+                            block_scales8(a, m0, nb, b, M));                                                 \
+  }                                                                                                          \
+  template <int M>                                                                                           \
+  TARGET inline void add_rows(RowSums& acc, const SUM* sum, float d, const ActivationsK& a, int64_t m0,       \
+                              int64_t nb, int64_t b) {                                                       \
+    if constexpr (M == 1)                                                                                    \
+      acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);                              \
+    else                                                                                                     \
+      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));                  \
+  }
+GENFN_ADD_ROWS(GENFN_AVX512_INLINE, __m512i)
+GENFN_ADD_ROWS(GENFN_AVX2_INLINE, __m256i)
+#undef GENFN_ADD_ROWS
 
 template <int M>
 GENFN_AVX2_INLINE inline void store_rows(const RowSums& acc, float* y, int64_t N) {
