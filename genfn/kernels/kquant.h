@@ -220,29 +220,34 @@ GENFN_AVX2_INLINE inline __m256 block_scales8(const ActivationsK& a, int64_t m0,
   return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.scale.data() + m0 * nb + b, index, live, 4);
 }
 
-// A super-block's part of each row's output (lane m: row m of x against one weight row), added in
-// the one order every K-quant kernel adds it (these row kernels, q4_k_r8's and the GEMM's, AVX2
-// and AVX-512): the integer sum times d * d_x, then the minimums' integer sum times dmin * d_x
-// taken off, each one fused multiply-add on a float32 sum per output. So an output has the same
-// bits whichever kernel ran it, with however many rows. Q6_K's offset of 32 (its minimums, with
-// dmin = d) comes off the integer sum first: one multiply-add.
-GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, __m256i mins, float d, float dmin, __m256 dx) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
-  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_set1_ps(dmin), dx), acc);
+// A super-block's part of an output, added in the one order every K-quant kernel adds it (the row
+// kernels, q4_k_r8's and the GEMM's, AVX2 and AVX-512): the integer sum times scale (d * d_x), then
+// the minimums' integer sum times min_scale (dmin * d_x) taken off, each one fused multiply-add on
+// a float32 sum per output. So an output has the same bits whichever kernel ran it, with however
+// many rows. Q6_K's offset of 32 (its minimums, with dmin = d) comes off the integer sum first:
+// the one-term form. One output per float, per lane of the vector forms.
+GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sums, int32_t mins, float scale, float min_scale) {
+  return std::fma(-static_cast<float>(mins), min_scale, std::fma(static_cast<float>(sums), scale, acc));
 }
 
-GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, float d, __m256 dx) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc);
+GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sums, float scale) {
+  return std::fma(static_cast<float>(sums), scale, acc);
 }
 
-// add_block's operations on one row's float32 sum (a decode step's one row: no shuffles, no gather).
-GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sum, int32_t mins, float d, float dmin, float dx) {
-  acc = std::fma(static_cast<float>(sum), d * dx, acc);
-  return std::fma(-static_cast<float>(mins), dmin * dx, acc);
+GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, __m256i mins, __m256 scale, __m256 min_scale) {
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), min_scale, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc));
 }
 
-GENFN_AVX2_INLINE inline float add_block(float acc, int32_t sum, float d, float dx) {
-  return std::fma(static_cast<float>(sum), d * dx, acc);
+GENFN_AVX2_INLINE inline __m256 add_block(__m256 acc, __m256i sums, __m256 scale) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+}
+
+GENFN_AVX512_INLINE inline __m512 add_block(__m512 acc, __m512i sums, __m512i mins, __m512 scale, __m512 min_scale) {
+  return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), min_scale, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc));
+}
+
+GENFN_AVX512_INLINE inline __m512 add_block(__m512 acc, __m512i sums, __m512 scale) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc);
 }
 
 GENFN_AVX512_INLINE inline int32_t sum_lanes(__m512i v) { return _mm512_reduce_add_epi32(v); }
@@ -266,19 +271,22 @@ struct RowSums {
   template <int M>                                                                                           \
   TARGET inline void add_rows(RowSums& acc, const SUM* sum, const __m256i* mins, float d, float dmin,         \
                               const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {                     \
-    if constexpr (M == 1)                                                                                    \
-      acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d, dmin, a.scale[m0 * nb + b]);    \
-    else                                                                                                     \
-      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), d, dmin,                          \
-                            block_scales8(a, m0, nb, b, M));                                                 \
+    if constexpr (M == 1) {                                                                                  \
+      const float dx = a.scale[m0 * nb + b];                                                                 \
+      acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d * dx, dmin * dx);                \
+    } else {                                                                                                 \
+      const __m256 dx = block_scales8(a, m0, nb, b, M);                                                      \
+      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), _mm256_mul_ps(_mm256_set1_ps(d), dx), \
+                            _mm256_mul_ps(_mm256_set1_ps(dmin), dx));                                        \
+    }                                                                                                        \
   }                                                                                                          \
   template <int M>                                                                                           \
   TARGET inline void add_rows(RowSums& acc, const SUM* sum, float d, const ActivationsK& a, int64_t m0,       \
                               int64_t nb, int64_t b) {                                                       \
     if constexpr (M == 1)                                                                                    \
-      acc.one = add_block(acc.one, sum_lanes(sum[0]), d, a.scale[m0 * nb + b]);                              \
+      acc.one = add_block(acc.one, sum_lanes(sum[0]), d * a.scale[m0 * nb + b]);                             \
     else                                                                                                     \
-      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), d, block_scales8(a, m0, nb, b, M));                  \
+      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), _mm256_mul_ps(_mm256_set1_ps(d), block_scales8(a, m0, nb, b, M))); \
   }
 GENFN_ADD_ROWS(GENFN_AVX512_INLINE, __m512i)
 GENFN_ADD_ROWS(GENFN_AVX2_INLINE, __m256i)

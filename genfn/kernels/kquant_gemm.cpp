@@ -247,14 +247,12 @@ GENFN_VNNI void panel_avx512(
       }
     }
     const __m512 d = _mm512_loadu_ps(p.d.data() + b * kTile), dmin = _mm512_loadu_ps(p.dmin.data() + b * kTile);
-    for (int r = 0; r < R; ++r) {  // add_block's operations (kquant.h), a lane an output
+    for (int r = 0; r < R; ++r) {  // kquant.h's add_block, a lane an output
       const __m512 dx = _mm512_set1_ps(rows.scale[r][b]);
-      if constexpr (kPairs == pairs_of(kQ6K)) {  // the offset of 32 comes off the integer
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(total[r], mins[r])), _mm512_mul_ps(d, dx), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[r]), _mm512_mul_ps(d, dx), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx), acc[r]);
-      }
+      if constexpr (kPairs == pairs_of(kQ6K))  // the offset of 32 comes off the integer
+        acc[r] = add_block(acc[r], _mm512_sub_epi32(total[r], mins[r]), _mm512_mul_ps(d, dx));
+      else
+        acc[r] = add_block(acc[r], total[r], mins[r], _mm512_mul_ps(d, dx), _mm512_mul_ps(dmin, dx));
     }
   }
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * N, keep, acc[r]);
@@ -307,13 +305,10 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a,
       const __m256 dmin = _mm256_loadu_ps(p.dmin.data() + b * kTile + 8 * h);
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(rows.scale[r][b]);
-        if constexpr (kPairs == pairs_of(kQ6K)) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(total[r][h], mins[r][h])),
-                                      _mm256_mul_ps(d, dx), acc[r][h]);
-        } else {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r][h]), _mm256_mul_ps(d, dx), acc[r][h]);
-          acc[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins[r][h]), _mm256_mul_ps(dmin, dx), acc[r][h]);
-        }
+        if constexpr (kPairs == pairs_of(kQ6K))
+          acc[r][h] = add_block(acc[r][h], _mm256_sub_epi32(total[r][h], mins[r][h]), _mm256_mul_ps(d, dx));
+        else
+          acc[r][h] = add_block(acc[r][h], total[r][h], mins[r][h], _mm256_mul_ps(d, dx), _mm256_mul_ps(dmin, dx));
       }
     }
   }

@@ -83,11 +83,10 @@ GENFN_AVX2_INLINE inline int64_t load_u64(const int8_t* p) {
 }
 
 // A row's super-block sums (the two lanes of a row added) and minimum sums into its float32
-// accumulator, rows 0-7 in order.
-GENFN_AVX2_INLINE inline void accumulate(__m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx, __m256& acc) {
-  const __m256 scale = _mm256_set1_ps(dx);  // add_block's operations, a lane a row
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8), _mm256_mul_ps(d, scale), acc);
-  acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min8), _mm256_mul_ps(dmin, scale), acc);
+// accumulator, rows 0-7 in order (kquant.h's add_block, a lane a weight row).
+GENFN_AVX2_INLINE inline __m256 accumulate(__m256 acc, __m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx) {
+  const __m256 scale = _mm256_set1_ps(dx);
+  return add_block(acc, sum8, min8, _mm256_mul_ps(d, scale), _mm256_mul_ps(dmin, scale));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -149,8 +148,8 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
       }
     }
     for (int m = 0; m < M; ++m)
-      accumulate(_mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])), hd.d, hd.dmin,
-                 a.scale[(m0 + m) * nb + b], acc[m]);
+      acc[m] = accumulate(acc[m], _mm512_cvtepi64_epi32(pair_total(isum[m])), _mm512_cvtepi64_epi32(pair_total(imin[m])),
+                          hd.d, hd.dmin, a.scale[(m0 + m) * nb + b]);
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
@@ -218,8 +217,8 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
       }
     }
     for (int m = 0; m < M; ++m)
-      accumulate(even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), hd.d, hd.dmin,
-                 a.scale[(m0 + m) * nb + b], acc[m]);
+      acc[m] = accumulate(acc[m], even_lanes(isum[m][0], isum[m][1]), even_lanes(imin[m][0], imin[m][1]), hd.d,
+                          hd.dmin, a.scale[(m0 + m) * nb + b]);
   }
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
