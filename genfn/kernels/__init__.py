@@ -315,14 +315,15 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       first_slots: torch.Tensor | None = None, *,
                       min_queries: int = MIN_PREFILL_QUERIES) -> torch.Tensor | None:
     """``scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` for many
-    queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= MIN_PREFILL_QUERIES``;
+    queries per row (``q [B, H, S, D]`` float32 or bfloat16, ``S >= min_queries``;
     ``keys``/``values [B, Hkv, A, D]`` of q's dtype, read in place from the dense cache; boolean
     ``mask [B, 1, S, A]``) by the native kernel (``prefill_attention.cpp``), which skips the tiles
     of keys the mask hides: half of a causal prefill's. The result, ``[B, H, S, D]`` of q's dtype,
     lies in ``[B, S, H, D]`` memory. ``first_slots [B]`` (int64): each row's first real slot, where
     its key tiles start, so that a left-padded row gets its prompt's bits alone (default: the first
     slot any query sees; a padding query sees its own). ``min_queries``: the fewest queries a row
-    it takes (a query's values do not depend on how many there are). ``None`` where the kernel does
+    it takes (default MIN_PREFILL_QUERIES; a query's values do not depend on how many there are,
+    so a paged chunk of a long prompt passes 1). ``None`` where the kernel does
     not take these arguments, so that the caller runs the library attention."""
     if not _takes_prefill_attention(q, keys, values, mask, min_queries):
         return None
