@@ -94,7 +94,7 @@ def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_row
     batch of 16 rows and more) as through the row kernels of one row (a decode step) or eight."""
     from genfn.quant.kquants import repack_r8
 
-    weight, x = _problem("q4_k" if fmt == "q4_k_r8" else fmt, 48, 1024, 40)
+    weight, x = _problem("q4_k" if fmt == "q4_k_r8" else fmt, 48, 2816, 40)  # 11 super-blocks: eight, then three
     if fmt == "q4_k_r8":
         weight = repack_r8(weight)
     gemm_rows(1)

@@ -292,6 +292,20 @@ GENFN_ADD_ROWS(GENFN_AVX512_INLINE, __m512i)
 GENFN_ADD_ROWS(GENFN_AVX2_INLINE, __m256i)
 #undef GENFN_ADD_ROWS
 
+// One row of x, eight super-blocks at a time: lane i of `sums` (and `mins`) block i's integer sum,
+// reduced for the eight by one shuffle network (sum_lanes8) where add_rows<1> runs one a block,
+// then added block after block by add_block, so the output keeps add_rows<1>'s bits. Q6_K's row
+// kernel at one row: 1.02-1.06x as fast out of cache (1B shapes, 2 threads), as in a decode step;
+// in cache, compute-bound on one thread, within the noise or a few % slower, and Q4_K's file-layout
+// kernel was 3-6 % slower out of cache this way (four blocks a network as well), so it stays a
+// block at a time (benchmarks/results/q6k-eight-blocks-ab-2026-12-05-s21.log).
+GENFN_AVX2_INLINE inline float add_eight_blocks(float acc, __m256i sums, const float* scale) {
+  alignas(32) int32_t s[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s), sums);
+  for (int i = 0; i < 8; ++i) acc = add_block(acc, s[i], scale[i]);
+  return acc;
+}
+
 template <int M>
 GENFN_AVX2_INLINE inline void store_rows(const RowSums& acc, float* y, int64_t N) {
   if constexpr (M == 1) {

@@ -41,46 +41,78 @@ GENFN_VNNI_INLINE inline __m512i select_nibbles(__m512i nibbles, __m512i high, _
   return _mm512_ternarylogic_epi32(low4, nibbles, high, 0xCA);
 }
 
+// A super-block's codes (va: inputs 0-63 and 128-191 of its 256, vb: 64-127 and 192-255, per
+// 64-input quarter in the order the activations are read), its scales placed for vpdpwssd, d.
+struct Q6Block {
+  __m512i va[2], vb[2], s[4];
+  __m256i scales16;
+  float d;
+};
+
+GENFN_VNNI_INLINE inline Q6Block load_block(const uint8_t* w) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
+  // Inputs 0-31 of a 64 take bits 0-1 of their qh byte, 32-63 bits 2-3 (for va); 64-95 bits 4-5,
+  // 96-127 bits 6-7 (for vb): shifted into bits 4-5 of each byte.
+  const __m512i up_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i down_b = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const uint8_t* ql = w;
+  const uint8_t* qh = w + 128;
+  Q6Block q;
+  q.scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
+  q.d = half_to_float(load_u16(w + 208));
+  for (int quarter = 0; quarter < 4; ++quarter) q.s[quarter] = quarter_scales(q.scales16, quarter);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+    // The select takes bits 4-7 from the shifted high bits; bits 6-7 are cleared after.
+    q.va[h] = _mm512_and_si512(select_nibbles(low, _mm512_sllv_epi16(high, up_a), low4), six);
+    q.vb[h] = _mm512_and_si512(select_nibbles(_mm512_srli_epi16(low, 4), _mm512_srlv_epi16(high, down_b), low4), six);
+  }
+  return q;
+}
+
+// The super-block's integer sum against one row's 256 codes x and their sums per 16 (x16), in
+// 16 lanes; the offset of 32 taken off.
+GENFN_VNNI_INLINE inline __m512i block_sum(const Q6Block& q, const int8_t* x, const int16_t* x16) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i sum = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, q.va[0], _mm512_loadu_si512(x)), q.s[0]);
+  sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, q.vb[0], _mm512_loadu_si512(x + 64)), q.s[1]);
+  sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, q.va[1], _mm512_loadu_si512(x + 128)), q.s[2]);
+  sum = _mm512_dpwssd_epi32(sum, _mm512_dpbusd_epi32(zero, q.vb[1], _mm512_loadu_si512(x + 192)), q.s[3]);
+  const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16));
+  const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, q.scales16), 5);  // 32 sc per 16 inputs
+  return _mm512_sub_epi32(sum, _mm512_zextsi256_si512(offset));
+}
+
 template <int M>
 GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   RowSums acc = {_mm256_setzero_ps(), 0.0f};
   __m512i sum[8];
   for (int m = M; m < 8; ++m) sum[m] = _mm512_setzero_si512();
   const int64_t K = a.K;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
-  // Inputs 0-31 of a 64 take bits 0-1 of their qh byte, 32-63 bits 2-3 (for va); 64-95 bits 4-5,
-  // 96-127 bits 6-7 (for vb): shifted into bits 4-5 of each byte.
-  const __m512i up_a = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i down_b = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   StreamFetch<M> fetch(w);
-  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kQ6K)) {
+  int64_t b = 0;
+  if constexpr (M == 1) {  // eight super-blocks at a time (add_eight_blocks), the rest below
+    const int8_t* x = a.codes.data() + m0 * K;
+    const int16_t* x16 = a.sums.data() + m0 * (K / 16);
+    const float* dx = a.scale.data() + m0 * nb;
+    for (; b + 8 <= nb; b += 8) {
+      alignas(32) float scale[8];
+      for (int i = 0; i < 8; ++i, w += block_bytes(kQ6K)) {
+        fetch.through(w + block_bytes(kQ6K));
+        const Q6Block q = load_block(w);
+        sum[i] = block_sum(q, x + (b + i) * kSuper, x16 + (b + i) * 16);
+        scale[i] = q.d * dx[b + i];
+      }
+      acc.one = add_eight_blocks(acc.one, sum_lanes8(sum), scale);
+    }
+  }
+  for (; b < nb; ++b, w += block_bytes(kQ6K)) {
     fetch.through(w + block_bytes(kQ6K));
-    const uint8_t* ql = w;
-    const uint8_t* qh = w + 128;
-    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192)));
-    const float d = half_to_float(load_u16(w + 208));
-    const __m512i s_a0 = quarter_scales(scales16, 0), s_b0 = quarter_scales(scales16, 1);
-    const __m512i s_a1 = quarter_scales(scales16, 2), s_b1 = quarter_scales(scales16, 3);
-    __m512i va[2], vb[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i low = _mm512_loadu_si512(ql + 64 * h);
-      const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
-      // The select takes bits 4-7 from the shifted high bits; bits 6-7 are cleared after.
-      va[h] = _mm512_and_si512(select_nibbles(low, _mm512_sllv_epi16(high, up_a), low4), six);
-      vb[h] = _mm512_and_si512(select_nibbles(_mm512_srli_epi16(low, 4), _mm512_srlv_epi16(high, down_b), low4), six);
-    }
-    for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-      const __m512i zero = _mm512_setzero_si512();
-      sum[m] = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, va[0], _mm512_loadu_si512(x)), s_a0);
-      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, vb[0], _mm512_loadu_si512(x + 64)), s_b0);
-      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, va[1], _mm512_loadu_si512(x + 128)), s_a1);
-      sum[m] = _mm512_dpwssd_epi32(sum[m], _mm512_dpbusd_epi32(zero, vb[1], _mm512_loadu_si512(x + 192)), s_b1);
-      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums.data() + (m0 + m) * (K / 16) + b * 16));
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);  // 32 sc per 16 inputs
-      sum[m] = _mm512_sub_epi32(sum[m], _mm512_zextsi256_si512(offset));
-    }
-    add_rows<M>(acc, sum, d, a, m0, nb, b);
+    const Q6Block q = load_block(w);
+    for (int m = 0; m < M; ++m)
+      sum[m] = block_sum(q, a.codes.data() + (m0 + m) * K + b * kSuper, a.sums.data() + (m0 + m) * (K / 16) + b * 16);
+    add_rows<M>(acc, sum, q.d, a, m0, nb, b);
   }
   store_rows<M>(acc, y, N);
 }
