@@ -12,6 +12,8 @@ trained one of the same shape would. Shapes (dense Llama, SwiGLU, tied embedding
     0.5b  24 layers, hidden 1024, FFN 4096, 16/8 heads of 64
     1b    Llama-3.2-1B's layers: 16, hidden 2048, FFN 8192, 32/8 heads of 64
     3b    Llama-3.2-3B's layers: 28, hidden 3072, FFN 8192, 24/8 heads of 128
+    8b    Llama-3.1-8B's layers: 32, hidden 4096, FFN 14336, 32/8 heads of 128 (7.2B weights with
+          this vocabulary; Q4_K_M 4.4 GB, written in about six minutes)
     moe   a mixture of experts (``qwen3moe``): Qwen3-30B-A3B's layer, hidden 2048, 32/4 heads of 128
           with q/k norms, 128 experts of FFN 768 of which 8 are chosen per token, but 4 of its 48
           layers (a 1.5 GB Q4_0 file, written in about a minute; a token reads 8/128 of the experts)
@@ -52,6 +54,7 @@ SHAPES = {
     "0.5b": dict(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=8, head_dim=64),
     "1b": dict(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
     "3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, head_dim=128),
+    "8b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128),
     "moe": dict(layers=4, hidden=2048, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, experts_used=8),
 }
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m", "iq4_nl", "iq4_xs")

@@ -123,3 +123,35 @@ def test_max_logsumexp_is_torch_argmax_and_logsumexp():
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5, equal_nan=True)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.genfn_kernels.max_logsumexp(logits.double())
+
+
+def test_argmax_is_torch_argmax_for_every_shape_and_edge():
+    """The native greedy pick (``token_choice.argmax``: ``argmax_rows``) gives torch.argmax's index
+    in every case its first-maximum and NaN rules decide, at any row length (partial lane
+    blocks), and for the [B, k, V] blocks speculative verification reads."""
+    from genfn.strategies.token_choice import argmax
+
+    gen = torch.Generator().manual_seed(6)
+    logits = 8 * torch.randn(9, 49157, generator=gen)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first maximum
+    logits[2, 3000:] = -math.inf
+    logits[3] = -math.inf                                 # a row of -inf only: index 0
+    logits[4, 77] = logits[4, 33] = math.nan              # the first NaN wins
+    logits[5, 9] = logits[5, 12] = math.inf
+    logits[6, -1] = logits[6].max() + 3                   # the last, partial lane block
+    logits[7] = 0.0
+    logits[7, 5] = -0.0                                   # -0 and +0 tie: the first
+    logits[8, 40000] = logits[8].max() + 1
+    logits[8, 40001] = math.nan                           # a NaN after the maximum still wins
+    expected = torch.argmax(logits, dim=-1)
+    assert torch.equal(torch.ops.genfn_kernels.argmax_rows(logits), expected)
+    assert torch.equal(argmax(logits), expected)
+    for vocab in (1, 15, 16, 17, 33):
+        short = torch.randn(4, vocab, generator=gen)
+        assert torch.equal(argmax(short), torch.argmax(short, dim=-1))
+    block = torch.randn(3, 8, 1000, generator=gen)        # verification's [B, k + 1, V]
+    assert torch.equal(argmax(block), torch.argmax(block, dim=-1))
+    assert torch.equal(argmax(block[:, :5]), torch.argmax(block[:, :5], dim=-1))
+    assert torch.equal(argmax(block.double()), torch.argmax(block.double(), dim=-1))  # torch's
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.genfn_kernels.argmax_rows(logits.double())

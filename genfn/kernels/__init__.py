@@ -180,6 +180,10 @@ def _register_token_ops_fake() -> None:
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64), logits.new_empty((logits.shape[0],))
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::argmax_rows")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
 
 def _register_quant_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")

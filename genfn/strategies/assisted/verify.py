@@ -30,6 +30,7 @@ import torch
 from genfn import random as grandom
 from genfn.processors.context import LogitsContext
 from genfn.state.base import pytree_dataclass
+from genfn.strategies.token_choice import argmax
 
 __all__ = ["Verified", "verify_greedy", "verify_sampling", "limit_new_tokens", "process_block", "draft_keys",
            "accept_keys"]
@@ -168,14 +169,14 @@ def verify_greedy(draft: torch.Tensor, num_valid: torch.Tensor, target_logits: t
     """
     batch, k, _ = _check_block(draft, num_valid, target_logits, draft_logits)
     weight = _ensemble_weights(ensemble_weight, batch, draft.device)
-    selected = target_logits.argmax(dim=-1)
+    selected = argmax(target_logits)
     if weight is not None:
         if draft_logits is None:
             raise ValueError("ensemble_weight needs the drafter's logits (draft_logits); "
                              "prompt lookup gives none, so it cannot use assistant_ensemble_weight")
         p = target_logits[:, :k].float().softmax(dim=-1)
         q = draft_logits.float().softmax(dim=-1)
-        mixed = (weight * p + (1.0 - weight) * q).argmax(dim=-1)
+        mixed = argmax(weight * p + (1.0 - weight) * q)
         drafted = _valid_columns(num_valid, k)
         selected = torch.cat([torch.where(drafted, mixed, selected[:, :k]), selected[:, k:]], dim=1)
     return _finish(selected, draft, num_valid)
@@ -210,7 +211,7 @@ def verify_sampling(draft: torch.Tensor, num_valid: torch.Tensor, target_logits:
             raise ValueError("ensemble_weight needs the drafter's logits (draft_logits); "
                              "prompt lookup gives none, so it cannot use assistant_ensemble_weight")
         noise = _block_noise(keys, counter, k + 1, vocab, grandom.gumbel)
-        return _finish((target_logits + noise).argmax(dim=-1), draft, num_valid)
+        return _finish(argmax(target_logits + noise), draft, num_valid)
 
     p = target_logits.float().softmax(dim=-1)
     q = draft_logits.float().softmax(dim=-1)
@@ -234,8 +235,8 @@ def verify_sampling(draft: torch.Tensor, num_valid: torch.Tensor, target_logits:
     residual = torch.where(empty, p_at, residual)
     noise = grandom.gumbel(keys, counter.to(torch.int64) + accepted, vocab)
     # The bonus samples from the logits themselves, exactly as plain sampling does at that token.
-    from_logits = (logits_at.float() + noise).argmax(dim=-1)
-    from_residual = (residual.log() + noise).argmax(dim=-1)
+    from_logits = argmax(logits_at.float() + noise)
+    from_residual = argmax(residual.log() + noise)
     final = torch.where(rejected, from_residual, from_logits)
     tokens = torch.cat([draft, final.unsqueeze(1)], dim=1)
     tokens = tokens.scatter(1, accepted.unsqueeze(1), final.unsqueeze(1))
