@@ -26,7 +26,8 @@ Formats: f32, f16, bf16 (every matrix in that type), q8_0, q4_0, q4_1 (every lin
 embedding/output matrix in Q6_K for the 4-bit ones and Q8_0 for q8_0, as ``llama-quantize``
 keeps the output matrix), q4_k, q6_k (all linears and the embedding), q4_k_m, llama.cpp's
 Q4_K_M mix: Q4_K everywhere except the v and down projections of the first and last eighth of
-the layers and of every third layer between (Q6_K) and the output matrix (Q6_K), and iq4_nl,
+the layers and of every third layer between (Q6_K) and the output matrix (Q6_K), q5_k_m, the same
+mix on Q5_K, and iq4_nl,
 iq4_xs (every linear; the tied embedding/output matrix in Q6_K; an IQ4_XS matrix whose rows are
 not a multiple of 256 inputs is written IQ4_NL, as llama.cpp does, though every shape here is
 one). Norms are F32. Blocks are written with genfn's round-to-nearest quantizers
@@ -57,8 +58,8 @@ SHAPES = {
     "8b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128),
     "moe": dict(layers=4, hidden=2048, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, experts_used=8),
 }
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m", "iq4_nl", "iq4_xs")
-_FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "bf16": 32,
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q4_k_m", "q5_k_m", "iq4_nl", "iq4_xs")
+_FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17, "bf16": 32,
               "iq4_nl": 25, "iq4_xs": 30}
 
 
@@ -85,8 +86,9 @@ def tensor_type(fmt: str, part: str, layer: int | None, layers: int) -> str:
         return fmt.upper()
     if part == "token_embd":  # tied: it is the output matrix too
         return "Q8_0" if fmt == "q8_0" else "Q6_K"
-    if fmt == "q4_k_m":
-        return "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else "Q4_K"
+    if fmt in ("q4_k_m", "q5_k_m"):
+        base = "Q4_K" if fmt == "q4_k_m" else "Q5_K"
+        return "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else base
     return fmt.upper()
 
 
