@@ -87,15 +87,15 @@ def test_the_gemm_takes_over_from_the_row_kernels_at_gemm_min_rows(gemm_rows):
     assert torch.equal(kernels.kquant_linear(x, weight, row_kernels=True), row_kernels)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8"])
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q5_k_r8"])
 def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_rows, fmt):
     """Every K-quant kernel adds a super-block's integer sums into its float32 output in one order
     (kquant.h's add_block), so a row's outputs have the same bits through the GEMM (a prefill, a
     batch of 16 rows and more) as through the row kernels of one row (a decode step) or eight."""
     from genfn.quant.kquants import repack_r8
 
-    weight, x = _problem("q4_k" if fmt == "q4_k_r8" else fmt, 48, 2816, 40)  # 11 super-blocks: eight, then three
-    if fmt == "q4_k_r8":
+    weight, x = _problem(fmt.removesuffix("_r8"), 48, 2816, 40)  # 11 super-blocks: eight, then three
+    if fmt.endswith("_r8"):
         weight = repack_r8(weight)
     gemm_rows(1)
     gemm = kernels.linear(x, weight)

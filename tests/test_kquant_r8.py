@@ -1,5 +1,5 @@
-"""Q4_K rows interleaved 8 to a group (``q4_k_r8``): the repack, its inverse, the decode kernels over
-it (``kquant_r8.cpp``) and a GGUF model loaded with it."""
+"""Q4_K and Q5_K rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``): the repack, its inverse,
+the decode kernels over it (``kquant_r8.cpp``) and a GGUF model loaded with it."""
 
 from __future__ import annotations
 
@@ -21,56 +21,66 @@ NATIVE = kquant.kquant_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
 
-def _random_q4_k(rows: int, blocks: int, seed: int) -> KQuantWeight:
-    """Any bytes at all (every code, scale and minimum), with finite float16 d and dmin."""
+FORMATS = ("q4_k", "q5_k")
+FORMAT_ID = {"q4_k_r8": 5, "q5_k_r8": 6}
+
+
+def _random_k(fmt: str, rows: int, blocks: int, seed: int) -> KQuantWeight:
+    """Any bytes at all (every code, fifth bit, scale and minimum), with finite float16 d and dmin."""
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (rows, blocks, 144), dtype=torch.uint8, generator=g)
+    data = torch.randint(0, 256, (rows, blocks, 144 if fmt == "q4_k" else 176), dtype=torch.uint8, generator=g)
     scales = (torch.rand(rows, blocks, 2, generator=g) * 4e-3 + 1e-4).to(torch.float16)
     data[..., :4] = scales.view(torch.uint8).reshape(rows, blocks, 4)
-    return KQuantWeight(data.reshape(rows, -1), "q4_k", rows, 256 * blocks)
+    return KQuantWeight(data.reshape(rows, -1), fmt, rows, 256 * blocks)
 
 
-def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_package():
-    weight = _random_q4_k(24, 3, seed=0)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_package(fmt):
+    weight = _random_k(fmt, 24, 3, seed=0)
     packed = repack_r8(weight)
-    assert packed.format == "q4_k_r8" and packed.data.shape == weight.data.shape
+    assert packed.format == f"{fmt}_r8" and packed.data.shape == weight.data.shape
     assert torch.equal(packed.data.flatten().sort().values, weight.data.flatten().sort().values)
     assert not torch.equal(packed.data, weight.data)
     assert torch.equal(unpack_r8(packed).data, weight.data)
-    theirs = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType.Q4_K)
+    theirs = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType[fmt.upper()])
     assert torch.equal(packed.dequantize(), torch.from_numpy(np.asarray(theirs, dtype=np.float32)))
     # Row operations put the rows back first (the loader's Q/K unpermutation).
     flipped = packed.map_rows(lambda a: a.flip(0))
-    assert flipped.format == "q4_k_r8" and torch.equal(flipped.dequantize(), weight.dequantize().flip(0))
+    assert flipped.format == packed.format and torch.equal(flipped.dequantize(), weight.dequantize().flip(0))
 
 
 def test_repack_refuses_what_it_cannot_interleave():
     with pytest.raises(ValueError, match="multiple of 8"):
         repack_r8(quantize_k(torch.randn(12, 256), "q4_k"))
-    with pytest.raises(ValueError, match="q4_k weight"):
+    with pytest.raises(ValueError, match="q4_k or q5_k weight"):
         repack_r8(quantize_k(torch.randn(8, 256), "q6_k"))
     with pytest.raises(ValueError, match="q4_k_r8 needs out_features to be a multiple of 8"):
         KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k_r8", 4, 256)
 
 
 @needs_native
-def test_the_native_repack_and_unpack_equal_the_torch_ones():
-    weight = _random_q4_k(40, 2, seed=1)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_native_repack_and_unpack_equal_the_torch_ones(fmt):
+    weight = _random_k(fmt, 40, 2, seed=1)
+    format_id = FORMAT_ID[f"{fmt}_r8"]
     out = torch.empty_like(weight.data)
-    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, None, out)
+    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, None, out, format_id)
     assert torch.equal(out, repack_r8(weight).data)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(2))
-    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, order, out)
+    torch.ops.genfn_kquant.kquant_repack_r8(weight.data, order, out, format_id)
     assert torch.equal(out, repack_r8(weight.map_rows(lambda a: a[order])).data)
     back = torch.empty_like(out)
-    torch.ops.genfn_kquant.kquant_unpack_r8(out, back)
+    torch.ops.genfn_kquant.kquant_unpack_r8(out, back, format_id)
     assert torch.equal(back, weight.data[order])
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        torch.ops.genfn_kquant.kquant_repack_r8(weight.data[:12], None, torch.empty(12, 288, dtype=torch.uint8))
+        torch.ops.genfn_kquant.kquant_repack_r8(weight.data[:12], None, torch.empty_like(weight.data[:12]), format_id)
+    with pytest.raises(RuntimeError, match="format must be 5"):
+        torch.ops.genfn_kquant.kquant_repack_r8(weight.data, None, out, 1)
 
 
-def test_the_kernels_match_the_reference_and_q4_ks_at_every_row_count(isa):
-    weight = _random_q4_k(48, 4, seed=3)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernels_match_the_reference_and_the_stored_rows_at_every_row_count(isa, fmt):
+    weight = _random_k(fmt, 48, 4, seed=3)
     packed = repack_r8(weight)
     x = torch.randn(33, 1024) * 4
     x[1, :256] = 0  # a block of zeros has scale 0
@@ -78,16 +88,17 @@ def test_the_kernels_match_the_reference_and_q4_ks_at_every_row_count(isa):
     for rows in (1, 2, 3, 8, 9, 16, 33):  # the row kernels up to 15 rows, the GEMM from 16
         y = kernels.linear(x[:rows], packed)
         torch.testing.assert_close(y, reference[:rows], rtol=1e-5, atol=1e-5 * reference.abs().max().item())
-        # The same integer sums as Q4_K's row kernels and GEMM, summed in float32 in another order.
+        # The same integer sums as the stored rows' kernels and GEMM, the float32 sums in one order.
         torch.testing.assert_close(y, kernels.linear(x[:rows], weight), rtol=1e-5, atol=1e-6 * reference.abs().max().item())
 
 
 @needs_native
-def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch(fmt):
     # Every path this CPU has (AVX2 everywhere the kernels load; AVX-512 where it exists) keeps a
     # row's bits at any count of rows, and where both exist they agree bit for bit.
     paths = ("avx512", "avx2") if torch.ops.genfn_kquant.kquant_isa() >= 2 else ("avx2",)
-    packed = repack_r8(_random_q4_k(64, 8, seed=4))
+    packed = repack_r8(_random_k(fmt, 64, 8, seed=4))
     x = torch.randn(9, 2048)
     try:
         results = {}
@@ -115,7 +126,9 @@ def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path,
     stored = genfn.load(path, quantize="gguf")
     layer, plain = packed.params["layers"][1], stored.params["layers"][1]
     assert layer["w_gate_up"].format == "q4_k_r8" and plain["w_gate_up"].format == "q4_k"
+    assert layer["wo"].format == "q5_k_r8" and plain["wo"].format == "q5_k"
     assert torch.equal(layer["w_gate_up"].dequantize(), plain["w_gate_up"].dequantize())
+    assert torch.equal(layer["wo"].dequantize(), plain["wo"].dequantize())
     assert torch.equal(layer["wqkv"].dequantize(), plain["wqkv"].dequantize())  # q/k unpermuted alike
     assert packed.params["embed"].format == "q4_k"  # a lookup reads the table's rows as stored
     ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)

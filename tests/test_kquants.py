@@ -178,7 +178,7 @@ def test_kernel_takes_bfloat16_activations_and_rejects_mismatches():
     with pytest.raises(ValueError, match="x has 512 features"):
         kernels.linear(torch.randn(1, 512), weight)
     with pytest.raises(RuntimeError, match="format must be 0"):
-        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 6, 8)
+        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 7, 8)
     with pytest.raises(RuntimeError, match="rows hold 100 bytes, not 210"):
         torch.ops.genfn_kquant.kquant_linear(x, weight.data[:, :100], 2, 8)
     with pytest.raises(ValueError, match="isa must be"):
@@ -296,9 +296,9 @@ def native_and_reference(model, monkeypatch, steps: int):
 def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
     model = genfn.load(kquant_file, quantize="gguf")
     layer = model.params["layers"][0]
-    # A layer's Q4_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8).
+    # A layer's Q4_K and Q5_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8, q5_k_r8).
     assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k_r8", "q6_k"]
-    assert layer["wo"].format == "q5_k" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == "q6_k"
+    assert layer["wo"].format == "q5_k_r8" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == "q6_k"
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
     assert_the_files_blocks_are_kept(model, kquant_file, "q4_k")
     native, reference = native_and_reference(model, monkeypatch, steps=8)

@@ -124,11 +124,12 @@ needs_proc_maps = pytest.mark.skipif(not os.path.exists("/proc/self/maps"),
 @needs_proc_maps
 @pytest.mark.parametrize("setting", ["default", "GENFN_HUGE_PAGES=0"])
 def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_with_them(mixed_file, monkeypatch, setting):
-    """Without huge pages (switched off, or none to ask for) layer 1's K-quant o and down projections
+    """Without huge pages (switched off, or none to ask for) layer 1's Q6_K down and v projections
     are the file mapping's bytes, not copies; with them (the default where the kernel has them) they
     are written into the arena's huge pages, which the decode streams faster. Either way its Q4_K
-    gate/up and q/k (llama's permutation undone) are repacked 8 rows to a group (q4_k_r8), which the
-    file layout can then not be used for: written into memory of their own."""
+    gate/up and q/k (llama's permutation undone) and its Q5_K o projection are repacked 8 rows to a
+    group (q4_k_r8, q5_k_r8), which the file layout can then not be used for: written into memory
+    of their own."""
     if setting != "default":
         monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
     huge_pages = huge_pages_available()
@@ -142,7 +143,8 @@ def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_wi
     assert layer["w_gate_up"].format == "q4_k_r8" and not in_file(layer["w_gate_up"])
     qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
     assert not in_file(qk)
-    assert all(in_file(w) is not huge_pages for w in (layer["wo"], layer["w_down"], v))
+    assert layer["wo"].format == "q5_k_r8" and not in_file(layer["wo"])
+    assert all(in_file(w) is not huge_pages for w in (layer["w_down"], v))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert torch.isfinite(model(ids).logits).all()
 

@@ -27,7 +27,7 @@ from genfn.models.quantized import quantize_params
 from genfn.models.weight_arena import WeightArena, huge_pages_available
 from genfn.quant import KQuantWeight, QuantizedWeight, RowBlocks, RowStack, quantize, quantize_k
 from genfn.quant.blocks import gguf_block_fields
-from genfn.quant.kquants import unpack_r8
+from genfn.quant.kquants import INTERLEAVED, unpack_r8
 from genfn.state.base import NAMESPACE
 
 # Layer 0 mixes formats inside its fused q/k/v (a run of Q4_0, then Q8_0) and uses all three
@@ -116,8 +116,8 @@ def _same_weight(a, b) -> bool:
         return (a.format == b.format and a.shape == b.shape and torch.equal(a.codes, b.codes)
                 and torch.equal(a.scales, b.scales) and (a.mins is None) == (b.mins is None)
                 and (a.mins is None or torch.equal(a.mins, b.mins)))
-    if isinstance(a, KQuantWeight) and isinstance(b, KQuantWeight):  # q4_k_r8: its rows as stored
-        a, b = (unpack_r8(w) if w.format == "q4_k_r8" else w for w in (a, b))
+    if isinstance(a, KQuantWeight) and isinstance(b, KQuantWeight):  # q4_k_r8, q5_k_r8: rows as stored
+        a, b = (unpack_r8(w) if w.format in INTERLEAVED else w for w in (a, b))
         return a.format == b.format and torch.equal(a.data, b.data)
     if isinstance(a, RowStack) and isinstance(b, RowStack):
         return len(a.parts) == len(b.parts) and all(map(_same_weight, a.parts, b.parts))

@@ -31,11 +31,15 @@ namespace genfn::kquant {
 constexpr int64_t kSuper = 256;
 // The op's format argument (genfn.quant.kquants.FORMAT_ID). kQ4KR8: Q4_K with its rows
 // interleaved 8 to a group at load (below); a row of its data holds no one matrix row's blocks.
-enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5 };
-constexpr int64_t kLastFormat = kQ4KR8;
+// kQ5KR8: Q5_K alike (below).
+enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5, kQ5KR8 = 6 };
+constexpr int64_t kLastFormat = kQ5KR8;
 constexpr int64_t block_bytes(int64_t f) {
-  return f == kQ4K || f == kQ4KR8 ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
+  return f == kQ4K || f == kQ4KR8 ? 144 : f == kQ5K || f == kQ5KR8 ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
 }
+constexpr bool interleaved(int64_t f) { return f == kQ4KR8 || f == kQ5KR8; }
+// The file's format of an interleaved one.
+constexpr int64_t stored_format(int64_t f) { return f == kQ4KR8 ? kQ4K : f == kQ5KR8 ? kQ5K : f; }
 // Inputs per weight block; the activations get one scale per as many inputs.
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 
@@ -49,23 +53,40 @@ constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 //             8k .. 8k + 7 of the row's 32-byte run j (row r at 8 r): 32-bit lane 2r + h holds
 //             inputs 8k + 4h .. + 3 of group 2j (low nibbles) and of group 2j + 1 (high), so a
 //             qword broadcast of 8 activation codes meets all 16 lanes (kquant_r8.cpp)
+//
+// q5_k_r8: Q5_K's rows alike, each group super-block 8 x 176 bytes: the four fields above from the
+// rows' d, dmin, scales and 128 code bytes, then
+//   kR8High   the rows' 32 bytes of fifth bits as four 64-byte runs k, each the 8 rows' bytes
+//             8k .. 8k + 7 (row r at 8 r): byte b of lane 2r + h is the qh byte of the inputs that
+//             byte b of lane 2r + h of every codes run k holds, its bit 2j that of group 2j's, bit
+//             2j + 1 that of group 2j + 1's
 constexpr int64_t kR8Rows = 8, kR8Block = kR8Rows * 144;
-constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128;
+constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128, kR8High = 1152;
+constexpr int64_t group_block_bytes(int64_t f) { return kR8Rows * block_bytes(f); }
 
-// Row r's Q4_K super-block (144 bytes as GGUF stores it) into / out of its group's super-block.
+// Row r's super-block as GGUF stores it (Q4_K: 144 bytes; Q5_K: 176, its qh before its codes)
+// into / out of its group's super-block of format F.
+template <int64_t F>
 __attribute__((always_inline)) inline void r8_store(const uint8_t* block, int r, uint8_t* group) {
+  constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
   std::memcpy(group + kR8D + 2 * r, block, 2);
   std::memcpy(group + kR8DMin + 2 * r, block + 2, 2);
   for (int w = 0; w < 3; ++w) std::memcpy(group + kR8Scales + 32 * w + 4 * r, block + 4 + 4 * w, 4);
   for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8Codes + 256 * j + 64 * k + 8 * r, block + 16 + 32 * j + 8 * k, 8);
+    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8Codes + 256 * j + 64 * k + 8 * r, block + codes + 32 * j + 8 * k, 8);
+  if constexpr (F == kQ5KR8)
+    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8High + 64 * k + 8 * r, block + 16 + 8 * k, 8);
 }
+template <int64_t F>
 __attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, uint8_t* block) {
+  constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
   std::memcpy(block, group + kR8D + 2 * r, 2);
   std::memcpy(block + 2, group + kR8DMin + 2 * r, 2);
   for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, group + kR8Scales + 32 * w + 4 * r, 4);
   for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) std::memcpy(block + 16 + 32 * j + 8 * k, group + kR8Codes + 256 * j + 64 * k + 8 * r, 8);
+    for (int k = 0; k < 4; ++k) std::memcpy(block + codes + 32 * j + 8 * k, group + kR8Codes + 256 * j + 64 * k + 8 * r, 8);
+  if constexpr (F == kQ5KR8)
+    for (int k = 0; k < 4; ++k) std::memcpy(block + 16 + 8 * k, group + kR8High + 64 * k + 8 * r, 8);
 }
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -113,9 +134,9 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
 // Q6_K rows on AVX-512 VNNI (kquant_q6k.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_q6k_vnni(int rows);
-// q4_k_r8 (kquant_r8.cpp), for 1..8 rows of x: a call takes w at a group's first super-block and
-// writes its 8 rows, y[m * N + r] for r < 8.
-RowFn pick_q4k_r8(Isa isa, int rows);
+// q4_k_r8 / q5_k_r8 (kquant_r8.cpp, `format`), for 1..8 rows of x: a call takes w at a group's
+// first super-block and writes its 8 rows, y[m * N + r] for r < 8.
+RowFn pick_r8(Isa isa, int64_t format, int rows);
 
 // Rows m0..m1 of x [M, K] into a (sized for M rows already) as llama.cpp's quantize_row_q8_K_ref
 // quantizes them, one scale per `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order`

@@ -137,8 +137,8 @@ GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, 
   }
 }
 
-// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8:
-// a tile is two whole groups, each row's super-block put back as the file stores it first.
+// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8 and
+// q5_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
 GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
   constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
@@ -159,10 +159,10 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
     for (int n = 0; n < rows; ++n) {
       int scale[16], minimum[16];
       const int64_t at = b * kTile + n;
-      if constexpr (F == kQ4KR8) {
-        uint8_t stored[144];
-        r8_load(w + n / kR8Rows * kR8Rows * row_bytes + b * kR8Block, n % kR8Rows, stored);
-        unpack_block<kQ4K>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at]);
+      if constexpr (interleaved(F)) {
+        uint8_t stored[block_bytes(F)];
+        r8_load<F>(w + n / kR8Rows * kR8Rows * row_bytes + b * group_block_bytes(F), n % kR8Rows, stored);
+        unpack_block<stored_format(F)>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at]);
       } else {
         unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
       }
@@ -376,7 +376,7 @@ void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, 
 }  // namespace
 
 bool gemm_takes(int64_t format, int64_t rows) {
-  return (format == kQ4K || format == kQ5K || format == kQ6K || format == kQ4KR8) &&
+  return (format == kQ4K || format == kQ5K || format == kQ6K || interleaved(format)) &&
          rows >= min_rows.load(std::memory_order_relaxed);
 }
 
@@ -395,6 +395,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   const bool vnni = isa == kAvx512 && has_vnni();
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
   else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);
+  else if (format == kQ5KR8) run_tiles<kQ5KR8>(a, w, N, y, vnni);
   else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
   else run_tiles<kQ6K>(a, w, N, y, vnni);
 }

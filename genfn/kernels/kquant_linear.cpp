@@ -56,7 +56,7 @@ namespace {
 
 // The order a format's row kernel on path isa reads the activation codes in (kquant.h).
 Order activation_order(Isa isa, int64_t format) {
-  if (isa != kAvx512 || format == kQ6K || format == kQ4KR8) return kNatural;
+  if (isa != kAvx512 || format == kQ6K || interleaved(format)) return kNatural;
   return format == kQ4K || format == kQ5K ? kQ4KOrder : kIQ4Order;
 }
 
@@ -244,7 +244,7 @@ RowFn pick_row(Isa isa, int rows) {
 
 RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
-  if (format == kQ4KR8) return pick_q4k_r8(isa, rows);
+  if (interleaved(format)) return pick_r8(isa, format, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
   if (isa == kAvx512 && has_vnni()) return pick_q6k_vnni(rows);
@@ -274,7 +274,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
     const int64_t f = s.parts[p].format, block = block_inputs(f);
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
                 " inputs");
-    TORCH_CHECK(f != kQ4KR8 || s.parts[p].rows % kR8Rows == 0, "a q4_k_r8 part of ", s.parts[p].rows,
+    TORCH_CHECK(!interleaved(f) || s.parts[p].rows % kR8Rows == 0, "an interleaved part of ", s.parts[p].rows,
                 " rows: whole groups of ", kR8Rows, " only");
     s.first[p + 1] = s.first[p] + s.parts[p].rows;
     s.blocks[p] = s.K / block;
@@ -320,8 +320,8 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
     int64_t p = 0;
     for (int64_t n = n0; n < n1; ++n) {
       while (n >= s.first[p + 1]) ++p;
-      // A q4_k_r8 group's rows are written by the call that claims its first row.
-      const bool r8 = s.parts[p].format == kQ4KR8;
+      // An interleaved group's rows are written by the call that claims its first row.
+      const bool r8 = interleaved(s.parts[p].format);
       if (r8 && (n - s.first[p]) % kR8Rows) continue;
       const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
       const ActivationsK& a = s.x[s.layout_of[p]];
@@ -341,7 +341,7 @@ constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &pr
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
                          bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
-              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs) or 5 (q4_k_r8), got ",
+              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8) or 6 (q5_k_r8), got ",
               format);
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "

@@ -1,5 +1,5 @@
-// Q4_K rows interleaved 8 to a group at load ("q4_k_r8"), and the row kernels over them, for the
-// decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs them as it runs the other
+// Q4_K and Q5_K rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8"), and the row
+// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs them as it runs the other
 // formats' rows). The layout of a group's super-block is in kquant.h (kR8*); the idea is
 // ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
 //
@@ -10,7 +10,8 @@
 // pair for 8 rows at once, and the scales of 8 rows unpack in one pass of 256-bit logic.
 //
 // The integers are the row kernels': per group of 32 inputs each lane's dot of 16 inputs (at
-// most 16 x 15 x 127, an int16) is scaled by vpdpwssd against the group's scale in the low word,
+// most 16 x 15 x 127, an int16; of 8 inputs for Q5_K's codes, which the fifth bit, added as 16,
+// takes up to 31) is scaled by vpdpwssd against the group's scale in the low word,
 // the two lanes of a row added once per super-block, so a row's super-block sum is the same
 // exact integer as in the file's layout; minimums likewise, against the activations' code sums
 // per 32. The floats are every K-quant kernel's (add_block in kquant.h: one float32 accumulator
@@ -96,8 +97,9 @@ GENFN_VNNI_INLINE inline __m512i pair_total(__m512i v) {  // lanes 2r and 2r + 1
   return _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
 }
 
-// One group of 8 weight rows against rows m0 .. m0 + M - 1 of x: writes y[m * N + r], r < 8.
-template <int M>
+// One group of 8 weight rows (format F: q4_k_r8 or q5_k_r8) against rows m0 .. m0 + M - 1 of x:
+// writes y[m * N + r], r < 8.
+template <int M, int64_t F>
 GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -108,11 +110,15 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   // (as the row kernels once did) the group's 144-576 lines cost 1.00-1.13x the time; spread,
   // 0.86-1.02x (1B shapes, 2 threads, out of cache).
   StreamFetch<M> fetch(w);
-  for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
-    fetch.through(w + kR8Block);
+  constexpr int64_t group_bytes = group_block_bytes(F);
+  for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
+    fetch.through(w + group_bytes);
     const Header hd = load_header(w);
     const __m256i* sc = hd.sc;
     const __m256i* mn = hd.mn;
+    __m512i high[4];  // q5_k_r8: the fifth bits, run k as codes run k reads them
+    if constexpr (F == kQ5KR8)
+      for (int k = 0; k < 4; ++k) high[k] = _mm512_loadu_si512(w + kR8High + 64 * k);
     const __m512i scales[2] = {_mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[0])),
                                _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(sc[1]))};
     // dword 2r: minimums (4h, 4h + 1) of row r as int16, 2r + 1: (4h + 2, 4h + 3)
@@ -134,17 +140,29 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
         const __m512i packed = _mm512_loadu_si512(qs + 256 * j + 64 * k);
         lo[k] = _mm512_and_si512(packed, low4);
         hi[k] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        if constexpr (F == kQ5KR8) {  // + 16 where the fifth bit of the code is set
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          lo[k] = _mm512_mask_add_epi8(lo[k], _mm512_test_epi8_mask(high[k], _mm512_set1_epi8(1 << (2 * j))), lo[k], sixteen);
+          hi[k] = _mm512_mask_add_epi8(hi[k], _mm512_test_epi8_mask(high[k], _mm512_set1_epi8(static_cast<char>(2 << (2 * j)))),
+                                       hi[k], sixteen);
+        }
       }
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 64 * j;
-        __m512i dot_low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi64(load_u64(x)));
-        __m512i dot_high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi64(load_u64(x + 32)));
-        for (int k = 1; k < 4; ++k) {
-          dot_low = _mm512_dpbusd_epi32(dot_low, lo[k], _mm512_set1_epi64(load_u64(x + 8 * k)));
-          dot_high = _mm512_dpbusd_epi32(dot_high, hi[k], _mm512_set1_epi64(load_u64(x + 32 + 8 * k)));
+        // A lane's dot of 16 inputs: at most 16 x 15 x 127 for Q4_K's codes, an int16 for vpdpwssd's
+        // low word; Q5_K's (up to 31) fit for 8 inputs, so its lanes take the scale twice a group.
+        constexpr int kPerScale = F == kQ5KR8 ? 2 : 4;
+        for (int k0 = 0; k0 < 4; k0 += kPerScale) {
+          __m512i dot_low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[k0], _mm512_set1_epi64(load_u64(x + 8 * k0)));
+          __m512i dot_high =
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[k0], _mm512_set1_epi64(load_u64(x + 32 + 8 * k0)));
+          for (int k = k0 + 1; k < k0 + kPerScale; ++k) {
+            dot_low = _mm512_dpbusd_epi32(dot_low, lo[k], _mm512_set1_epi64(load_u64(x + 8 * k)));
+            dot_high = _mm512_dpbusd_epi32(dot_high, hi[k], _mm512_set1_epi64(load_u64(x + 32 + 8 * k)));
+          }
+          isum[m] = _mm512_dpwssd_epi32(isum[m], dot_low, sc_low);
+          isum[m] = _mm512_dpwssd_epi32(isum[m], dot_high, sc_high);
         }
-        isum[m] = _mm512_dpwssd_epi32(isum[m], dot_low, sc_low);
-        isum[m] = _mm512_dpwssd_epi32(isum[m], dot_high, sc_high);
       }
     }
     for (int m = 0; m < M; ++m)
@@ -165,7 +183,7 @@ GENFN_AVX2_INLINE inline __m256i even_lanes(__m256i rows03, __m256i rows47) {  /
   return _mm256_permute4x64_epi64(_mm256_castps_si256(mixed), 0xD8);
 }
 
-template <int M>
+template <int M, int64_t F>
 GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -173,8 +191,9 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
   StreamFetch<M> fetch(w);
-  for (int64_t b = 0; b < nb; ++b, w += kR8Block) {
-    fetch.through(w + kR8Block);
+  constexpr int64_t group_bytes = group_block_bytes(F);
+  for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
+    fetch.through(w + group_bytes);
     const Header hd = load_header(w);
     const __m256i* sc = hd.sc;
     const __m256i* mn = hd.mn;
@@ -203,12 +222,18 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 * j + 64 * k + 32 * h));
           lo[k] = _mm256_and_si256(packed, low4);
           hi[k] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          if constexpr (F == kQ5KR8) {  // bits 2j and 2j + 1 of the run's byte, moved to bit 4
+            const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kR8High + 64 * k + 32 * h));
+            const __m256i one = _mm256_set1_epi8(1);
+            lo[k] = _mm256_or_si256(lo[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4));
+            hi[k] = _mm256_or_si256(hi[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4));
+          }
         }
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 64 * j;
           __m256i sum = isum[m][h];
           for (int k = 0; k < 4; ++k) {
-            // 2 x 15 x 127 per int16: no saturation
+            // 2 x 31 x 127 per int16 at most: no saturation
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi64x(load_u64(x + 8 * k))), sc_low));
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], _mm256_set1_epi64x(load_u64(x + 32 + 8 * k))), sc_high));
           }
@@ -223,25 +248,33 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
 
-// Rows [r0, r1) of src (or the rows `order` names) written as 8-row groups at out.
+// Rows [r0, r1) of src (or the rows `order` names) written as 8-row groups of format F at out.
+template <int64_t F>
 void repack_rows(const uint8_t* src, const int64_t* order, int64_t r0, int64_t r1, int64_t nb, uint8_t* out) {
-  const int64_t row_bytes = nb * 144;
+  constexpr int64_t block = block_bytes(F);
+  const int64_t row_bytes = nb * block;
   for (int64_t g = r0 / 8; g < r1 / 8; ++g)
     for (int r = 0; r < 8; ++r) {
       const int64_t n = 8 * g + r;
       const uint8_t* row = src + (order ? order[n] : n) * row_bytes;
-      for (int64_t b = 0; b < nb; ++b) r8_store(row + b * 144, r, out + 8 * g * row_bytes + b * kR8Block);
+      for (int64_t b = 0; b < nb; ++b) r8_store<F>(row + b * block, r, out + 8 * g * row_bytes + b * group_block_bytes(F));
     }
 }
 
-// out [N, row bytes] = the Q4_K rows of src [rows, row bytes] (its rows `rows` in order, or all
-// of them) in 8-row groups, shared out over torch's threads.
-void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& rows, at::Tensor& out) {
-  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % 144 == 0,
-              "kquant_repack_r8: src must be contiguous uint8 [rows, super-blocks * 144]");
+int64_t check_interleaved_format(int64_t format, const char* op) {
+  TORCH_CHECK(format == kQ4KR8 || format == kQ5KR8, op, ": format must be 5 (q4_k_r8) or 6 (q5_k_r8), got ", format);
+  return block_bytes(format);
+}
+
+// out [N, row bytes] = the Q4_K (format 5) or Q5_K (6) rows of src [rows, row bytes] (its rows
+// `rows` in order, or all of them) in 8-row groups, shared out over torch's threads.
+void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& rows, at::Tensor& out, int64_t format) {
+  const int64_t block = check_interleaved_format(format, "kquant_repack_r8");
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % block == 0,
+              "kquant_repack_r8: src must be contiguous uint8 [rows, super-blocks * ", block, "]");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kByte && out.is_contiguous() && out.size(1) == src.size(1),
               "kquant_repack_r8: out must be contiguous uint8 with src's row bytes");
-  const int64_t N = out.size(0), nb = src.size(1) / 144;
+  const int64_t N = out.size(0), nb = src.size(1) / block;
   TORCH_CHECK(N % 8 == 0, "kquant_repack_r8: out's rows must be a multiple of 8, got ", N);
   const int64_t* order = nullptr;
   at::Tensor index;
@@ -256,35 +289,52 @@ void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& ro
   }
   const uint8_t* s = src.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) { repack_rows(s, order, 8 * g0, 8 * g1, nb, o); });
+  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
+    if (format == kQ4KR8) repack_rows<kQ4KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+    else repack_rows<kQ5KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+  });
 }
 
-// The inverse: out [N, row bytes] the file's Q4_K rows of the groups in src.
-void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out) {
-  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % 144 == 0 &&
+template <int64_t F>
+void unpack_rows(const uint8_t* src, int64_t n0, int64_t n1, int64_t nb, uint8_t* out) {
+  const int64_t row_bytes = nb * block_bytes(F);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b)
+      r8_load<F>(src + n / 8 * 8 * row_bytes + b * group_block_bytes(F), n % 8, out + n * row_bytes + b * block_bytes(F));
+}
+
+// The inverse: out [N, row bytes] the file's rows of the groups in src.
+void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out, int64_t format) {
+  const int64_t block = check_interleaved_format(format, "kquant_unpack_r8");
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && src.size(1) % block == 0 &&
                   src.size(0) % 8 == 0,
-              "kquant_unpack_r8: src must be contiguous uint8 [8 n, super-blocks * 144]");
+              "kquant_unpack_r8: src must be contiguous uint8 [8 n, super-blocks * ", block, "]");
   TORCH_CHECK(out.sizes() == src.sizes() && out.scalar_type() == at::kByte && out.is_contiguous(),
               "kquant_unpack_r8: out must be contiguous uint8 of src's shape");
-  const int64_t nb = src.size(1) / 144, row_bytes = src.size(1);
+  const int64_t nb = src.size(1) / block;
   const uint8_t* s = src.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, src.size(0), 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < nb; ++b) r8_load(s + n / 8 * 8 * row_bytes + b * kR8Block, n % 8, o + n * row_bytes + b * 144);
+    if (format == kQ4KR8) unpack_rows<kQ4KR8>(s, n0, n1, nb, o);
+    else unpack_rows<kQ5KR8>(s, n0, n1, nb, o);
   });
 }
 
 }  // namespace
 
-RowFn pick_q4k_r8(Isa isa, int rows) {
-  if (isa == kAvx512 && has_vnni()) { GENFN_ROW_CASES(rows, rows_r8_avx512) }
-  GENFN_ROW_CASES(rows, rows_r8_avx2)
+RowFn pick_r8(Isa isa, int64_t format, int rows) {
+  const bool vnni = isa == kAvx512 && has_vnni();
+  if (format == kQ5KR8) {
+    if (vnni) { GENFN_ROW_CASES(rows, rows_r8_avx512, kQ5KR8) }
+    GENFN_ROW_CASES(rows, rows_r8_avx2, kQ5KR8)
+  }
+  if (vnni) { GENFN_ROW_CASES(rows, rows_r8_avx512, kQ4KR8) }
+  GENFN_ROW_CASES(rows, rows_r8_avx2, kQ4KR8)
 }
 
 }  // namespace genfn::kquant
 
 TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
-  m.def("kquant_repack_r8(Tensor src, Tensor? rows, Tensor(a!) out) -> ()", &genfn::kquant::kquant_repack_r8);
-  m.def("kquant_unpack_r8(Tensor src, Tensor(a!) out) -> ()", &genfn::kquant::kquant_unpack_r8);
+  m.def("kquant_repack_r8(Tensor src, Tensor? rows, Tensor(a!) out, int format=5) -> ()", &genfn::kquant::kquant_repack_r8);
+  m.def("kquant_unpack_r8(Tensor src, Tensor(a!) out, int format=5) -> ()", &genfn::kquant::kquant_unpack_r8);
 }

@@ -14,8 +14,9 @@ of 16 values (``genfn.quant.iq4``); ``KQuantWeight`` holds them too (formats ``i
 
 ``q4_k_r8`` is Q4_K with its rows interleaved 8 to a group (``repack_r8``; the layout is in
 ``genfn/kernels/kquant.h``), the same bytes rearranged so that the decode kernel's one activation
-load serves 8 rows (``kquant_r8.cpp``). The GGUF loader repacks a layer's Q4_K matrices so; a row
-of such ``data`` is no one matrix row, and ``dequantize``/``map_rows`` put the rows back first.
+load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8`` is Q5_K alike. The GGUF loader repacks a
+layer's Q4_K and Q5_K matrices so; a row of such ``data`` is no one matrix row, and
+``dequantize``/``map_rows`` put the rows back first.
 
 A ``KQuantWeight`` holds a matrix's blocks row by row, byte for byte as in the file (``data``
 uint8 ``[out_features, in_features / block_inputs * block_bytes]``): no repacking, so the loader
@@ -38,18 +39,22 @@ from genfn.quant.views import joined_rows
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "BLOCK_INPUTS",
-           "dequantize_k", "quantize_k", "quantize_activations_k", "reference_linear_k", "repack_r8", "unpack_r8"]
+           "INTERLEAVED", "dequantize_k", "quantize_k", "quantize_activations_k", "reference_linear_k", "repack_r8",
+           "unpack_r8"]
 
 SUPER_BLOCK = 256
-BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144}
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176}
 # Inputs per block; the activations are quantized with one scale per as many inputs.
 BLOCK_INPUTS = {"q4_k": SUPER_BLOCK, "q5_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, **IQ4_BLOCK_INPUTS,
-                "q4_k_r8": SUPER_BLOCK}
-# Rows per group of the interleaved format.
+                "q4_k_r8": SUPER_BLOCK, "q5_k_r8": SUPER_BLOCK}
+# Rows per group of the interleaved formats.
 R8_ROWS = 8
+# The interleaved formats and the file's format each rearranges.
+INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k"}
+_INTERLEAVED_OF = {stored: fmt for fmt, stored in INTERLEAVED.items()}
 # ggml type names -> format: the GGUF types kept as ``KQuantWeight`` blocks.
 GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
-# The formats of GGUF files (q4_k_r8 is genfn's rearrangement of q4_k).
+# The formats of GGUF files (the INTERLEAVED ones are genfn's rearrangements of q4_k and q5_k).
 K_FORMATS = tuple(GGUF_K_FORMATS.values())
 # The native op's format argument, by format and back.
 FORMAT_ID = {fmt: i for i, fmt in enumerate(BLOCK_BYTES)}
@@ -79,8 +84,8 @@ class KQuantWeight:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.out_features, row_bytes):
             raise ValueError(f"{self.format} data must be uint8 [{self.out_features}, {row_bytes}]; "
                              f"got {self.data.dtype} {list(self.data.shape)}")
-        if self.format == "q4_k_r8" and self.out_features % R8_ROWS:
-            raise ValueError(f"q4_k_r8 needs out_features to be a multiple of {R8_ROWS}; got {self.out_features}")
+        if self.format in INTERLEAVED and self.out_features % R8_ROWS:
+            raise ValueError(f"{self.format} needs out_features to be a multiple of {R8_ROWS}; got {self.out_features}")
 
     @classmethod
     def from_bytes(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "KQuantWeight":
@@ -100,7 +105,7 @@ class KQuantWeight:
 
     def map_rows(self, fn) -> "KQuantWeight":
         """The same super-blocks with ``fn`` (a function of a tensor whose dim 0 is rows) applied to the rows."""
-        if self.format == "q4_k_r8":
+        if self.format in INTERLEAVED:
             return repack_r8(unpack_r8(self).map_rows(fn))
         return KQuantWeight(fn(self.data).contiguous(), self.format, self.out_features, self.in_features)
 
@@ -126,37 +131,49 @@ def cat_k(parts: list) -> KQuantWeight:
 
 
 def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
-    """A Q4_K super-block's fields (d, dmin, 12 scale bytes as 3 words, 4 x 4 runs of 8 code bytes),
+    """The fields of an interleaved super-block (d, dmin, scales, codes; Q5_K's fifth bits after),
     each with the 8 rows of a group as the interleaved layout has them (kquant.h), from
-    ``groups [G, super-blocks, 8, 144]``."""
-    g, nb = groups.shape[:2]
-    return [groups[..., 0:2].reshape(g, nb, 16), groups[..., 2:4].reshape(g, nb, 16),
-            groups[..., 4:16].reshape(g, nb, 8, 3, 4).transpose(2, 3).reshape(g, nb, 96),
-            groups[..., 16:].reshape(g, nb, 8, 4, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(g, nb, 1024)]
+    ``groups [G, super-blocks, 8, block bytes]``."""
+    g, nb, _, size = groups.shape
+    codes = 48 if size == BLOCK_BYTES["q5_k"] else 16
+    fields = [groups[..., 0:2].reshape(g, nb, 16), groups[..., 2:4].reshape(g, nb, 16),
+              groups[..., 4:16].reshape(g, nb, 8, 3, 4).transpose(2, 3).reshape(g, nb, 96),
+              groups[..., codes:].reshape(g, nb, 8, 4, 4, 8).permute(0, 1, 3, 4, 2, 5).reshape(g, nb, 1024)]
+    if codes == 48:
+        fields.append(groups[..., 16:48].reshape(g, nb, 8, 4, 8).transpose(2, 3).reshape(g, nb, 256))
+    return fields
 
 
 def repack_r8(weight: KQuantWeight) -> KQuantWeight:
-    """A Q4_K matrix with its rows interleaved 8 to a group (``q4_k_r8``; rows a multiple of 8)."""
-    if weight.format != "q4_k" or weight.out_features % R8_ROWS:
-        raise ValueError(f"repack_r8 needs a q4_k weight whose rows are a multiple of {R8_ROWS}; got {weight!r}")
+    """A Q4_K or Q5_K matrix with its rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``; rows a
+    multiple of 8)."""
+    if weight.format not in _INTERLEAVED_OF or weight.out_features % R8_ROWS:
+        raise ValueError(f"repack_r8 needs a q4_k or q5_k weight whose rows are a multiple of {R8_ROWS}; "
+                         f"got {weight!r}")
     n, row_bytes = weight.data.shape
-    groups = weight.data.reshape(n // R8_ROWS, R8_ROWS, -1, 144).transpose(1, 2)
+    size = BLOCK_BYTES[weight.format]
+    groups = weight.data.reshape(n // R8_ROWS, R8_ROWS, -1, size).transpose(1, 2)
     data = torch.cat(_r8_fields(groups), dim=-1).reshape(n, row_bytes)
-    return KQuantWeight(data, "q4_k_r8", weight.out_features, weight.in_features)
+    return KQuantWeight(data, _INTERLEAVED_OF[weight.format], weight.out_features, weight.in_features)
 
 
 def unpack_r8(weight: KQuantWeight) -> KQuantWeight:
     """``repack_r8``'s inverse: the rows as GGUF stores them, byte for byte."""
-    if weight.format != "q4_k_r8":
-        raise ValueError(f"unpack_r8 needs a q4_k_r8 weight; got {weight!r}")
+    if weight.format not in INTERLEAVED:
+        raise ValueError(f"unpack_r8 needs a q4_k_r8 or q5_k_r8 weight; got {weight!r}")
+    stored = INTERLEAVED[weight.format]
+    size = BLOCK_BYTES[stored]
     n, row_bytes = weight.data.shape
-    g, nb = n // R8_ROWS, row_bytes // 144
-    blocks = weight.data.reshape(g, nb, R8_ROWS * 144)
+    g, nb = n // R8_ROWS, row_bytes // size
+    blocks = weight.data.reshape(g, nb, R8_ROWS * size)
     d, dmin = blocks[..., 0:16].reshape(g, nb, 8, 2), blocks[..., 16:32].reshape(g, nb, 8, 2)
     scales = blocks[..., 32:128].reshape(g, nb, 3, 8, 4).transpose(2, 3).reshape(g, nb, 8, 12)
-    codes = blocks[..., 128:].reshape(g, nb, 4, 4, 8, 8).permute(0, 1, 4, 2, 3, 5).reshape(g, nb, 8, 128)
-    rows = torch.cat([d, dmin, scales, codes], dim=-1).transpose(1, 2).reshape(n, row_bytes)
-    return KQuantWeight(rows, "q4_k", weight.out_features, weight.in_features)
+    codes = blocks[..., 128:1152].reshape(g, nb, 4, 4, 8, 8).permute(0, 1, 4, 2, 3, 5).reshape(g, nb, 8, 128)
+    fields = [d, dmin, scales, codes]
+    if stored == "q5_k":
+        fields.insert(3, blocks[..., 1152:].reshape(g, nb, 4, 8, 8).transpose(2, 3).reshape(g, nb, 8, 32))
+    rows = torch.cat(fields, dim=-1).transpose(1, 2).reshape(n, row_bytes)
+    return KQuantWeight(rows, stored, weight.out_features, weight.in_features)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -179,9 +196,9 @@ def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
     _check_format(fmt)
     if fmt in IQ4_BLOCK_BYTES:
         return dequantize_iq4(data, fmt)
-    if fmt == "q4_k_r8":  # [rows, row bytes], whole groups
-        rows = unpack_r8(KQuantWeight(data, fmt, data.shape[0], data.shape[1] // 144 * SUPER_BLOCK))
-        return dequantize_k(rows.data, "q4_k")
+    if fmt in INTERLEAVED:  # [rows, row bytes], whole groups
+        rows = unpack_r8(KQuantWeight(data, fmt, data.shape[0], data.shape[1] // BLOCK_BYTES[fmt] * SUPER_BLOCK))
+        return dequantize_k(rows.data, rows.format)
     size = BLOCK_BYTES[fmt]
     lead = data.shape[:-1]
     blocks = data.reshape(-1, size)
@@ -222,8 +239,8 @@ def quantize_k(weight: torch.Tensor, fmt: str) -> KQuantWeight:
         raise ValueError(f"quantize_k needs a 2-D weight with in_features a multiple of {block} for {fmt}; "
                          f"got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
-    if fmt == "q4_k_r8":
-        return repack_r8(quantize_k(weight, "q4_k"))
+    if fmt in INTERLEAVED:
+        return repack_r8(quantize_k(weight, INTERLEAVED[fmt]))
     if fmt in IQ4_BLOCK_BYTES:
         return KQuantWeight(quantize_iq4(weight, fmt), fmt, rows, cols)
     w = weight.detach().to(torch.float32).reshape(-1, SUPER_BLOCK)
