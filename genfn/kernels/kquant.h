@@ -44,7 +44,7 @@ constexpr int64_t stored_format(int64_t f) { return f == kQ4KR8 ? kQ4K : f == kQ
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 
 // q4_k_r8: rows 8g .. 8g + 7 of a Q4_K matrix, super-block by super-block, each super-block of the
-// group kR8Block bytes (8 x 144, no byte added; genfn/quant/kquants.py's repack_r8 is the same in
+// group group_block_bytes bytes (8 x 144, no byte added; genfn/quant/kquants.py's repack_r8 is the same in
 // torch):
 //   kR8D      8 x d (float16)      kR8DMin  8 x dmin (float16)
 //   kR8Scales the 12 packed scale bytes of each row as 3 runs of 8 dwords (dword w of row r at
@@ -60,7 +60,7 @@ constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 //             8k .. 8k + 7 (row r at 8 r): byte b of lane 2r + h is the qh byte of the inputs that
 //             byte b of lane 2r + h of every codes run k holds, its bit 2j that of group 2j's, bit
 //             2j + 1 that of group 2j + 1's
-constexpr int64_t kR8Rows = 8, kR8Block = kR8Rows * 144;
+constexpr int64_t kR8Rows = 8;
 constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128, kR8High = 1152;
 constexpr int64_t group_block_bytes(int64_t f) { return kR8Rows * block_bytes(f); }
 

@@ -1,7 +1,7 @@
 // Q4_K and Q5_K rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8"), and the row
-// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs them as it runs the other
-// formats' rows). The layout of a group's super-block is in kquant.h (kR8*); the idea is
-// ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
+// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
+// them as it runs the other formats' rows). The layout of a group's super-block is in kquant.h
+// (kR8*); the idea is ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
 //
 // Why: the row kernels of the file's layout spend a vpmaddubsw + vpmaddwd pair and a scale
 // shuffle per 64 weight bytes of one row, and at one row of x they compute only ~1.5x the bytes
@@ -262,7 +262,7 @@ void repack_rows(const uint8_t* src, const int64_t* order, int64_t r0, int64_t r
 }
 
 int64_t check_interleaved_format(int64_t format, const char* op) {
-  TORCH_CHECK(format == kQ4KR8 || format == kQ5KR8, op, ": format must be 5 (q4_k_r8) or 6 (q5_k_r8), got ", format);
+  TORCH_CHECK(interleaved(format), op, ": format must be 5 (q4_k_r8) or 6 (q5_k_r8), got ", format);
   return block_bytes(format);
 }
 

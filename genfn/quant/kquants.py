@@ -39,8 +39,8 @@ from genfn.quant.views import joined_rows
 from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "BLOCK_INPUTS",
-           "INTERLEAVED", "dequantize_k", "quantize_k", "quantize_activations_k", "reference_linear_k", "repack_r8",
-           "unpack_r8"]
+           "INTERLEAVED", "INTERLEAVED_OF", "dequantize_k", "quantize_k", "quantize_activations_k",
+           "reference_linear_k", "repack_r8", "unpack_r8"]
 
 SUPER_BLOCK = 256
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176}
@@ -51,7 +51,8 @@ BLOCK_INPUTS = {"q4_k": SUPER_BLOCK, "q5_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, *
 R8_ROWS = 8
 # The interleaved formats and the file's format each rearranges.
 INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k"}
-_INTERLEAVED_OF = {stored: fmt for fmt, stored in INTERLEAVED.items()}
+# The other way: the interleaved format of a stored one that has one.
+INTERLEAVED_OF = {stored: fmt for fmt, stored in INTERLEAVED.items()}
 # ggml type names -> format: the GGUF types kept as ``KQuantWeight`` blocks.
 GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
 # The formats of GGUF files (the INTERLEAVED ones are genfn's rearrangements of q4_k and q5_k).
@@ -147,14 +148,14 @@ def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
 def repack_r8(weight: KQuantWeight) -> KQuantWeight:
     """A Q4_K or Q5_K matrix with its rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``; rows a
     multiple of 8)."""
-    if weight.format not in _INTERLEAVED_OF or weight.out_features % R8_ROWS:
+    if weight.format not in INTERLEAVED_OF or weight.out_features % R8_ROWS:
         raise ValueError(f"repack_r8 needs a q4_k or q5_k weight whose rows are a multiple of {R8_ROWS}; "
                          f"got {weight!r}")
     n, row_bytes = weight.data.shape
     size = BLOCK_BYTES[weight.format]
     groups = weight.data.reshape(n // R8_ROWS, R8_ROWS, -1, size).transpose(1, 2)
     data = torch.cat(_r8_fields(groups), dim=-1).reshape(n, row_bytes)
-    return KQuantWeight(data, _INTERLEAVED_OF[weight.format], weight.out_features, weight.in_features)
+    return KQuantWeight(data, INTERLEAVED_OF[weight.format], weight.out_features, weight.in_features)
 
 
 def unpack_r8(weight: KQuantWeight) -> KQuantWeight:

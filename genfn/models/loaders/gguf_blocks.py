@@ -46,7 +46,7 @@ from gguf import GGMLQuantizationType
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
-from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, KQuantWeight
+from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, INTERLEAVED_OF, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
 from . import gguf_gpt_oss
@@ -183,7 +183,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
     if _interleaved(run, type_name, rows):
-        return _write_r8_run(gguf, run, row_order, arena, rows, cols, _INTERLEAVED_TYPES[type_name])
+        return _write_r8_run(gguf, run, row_order, arena, rows, cols, INTERLEAVED_OF[GGUF_K_FORMATS[type_name]])
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
         in_file = _run_in_file(gguf, run, orders, arena)
@@ -216,16 +216,12 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     return out
 
 
-# The file's K-quant types a layer's matrices are interleaved from, and the formats they become.
-_INTERLEAVED_TYPES = {"Q4_K": "q4_k_r8", "Q5_K": "q5_k_r8"}
-
-
 def _interleaved(run: list[str], type_name: str, rows: list[int]) -> bool:
     """Whether a run is a layer's Q4_K or Q5_K matrices that the native kernels read interleaved 8
     rows to a group (``q4_k_r8``, ``q5_k_r8``): the embedding and the LM head keep the file's rows,
     which a lookup reads row by row; ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as
     stored."""
-    return (type_name in _INTERLEAVED_TYPES and all(_LAYER_WEIGHT.match(name) for name in run)
+    return (GGUF_K_FORMATS.get(type_name) in INTERLEAVED_OF and all(_LAYER_WEIGHT.match(name) for name in run)
             and all(n % 8 == 0 for n in rows) and os.environ.get("GENFN_Q4K_R8", "1") != "0"
             and kquant.kquant_available())
 
