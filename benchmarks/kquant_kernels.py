@@ -20,8 +20,8 @@ products on the row kernels and on the GEMMs, interleaved.
 
     python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
 
-``--stream``: Q8_0 and Q4_0 (quant_linear) against Q4_K (as stored and interleaved, ``q4_k_r8``) and Q6_K
-(kquant_linear) at Llama-3.2-1B's shapes
+``--stream``: Q8_0 and Q4_0 (quant_linear) against Q4_K and Q6_K (as stored and interleaved, ``q4_k_r8``,
+``q6_k_r8``; kquant_linear) at Llama-3.2-1B's shapes
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
 copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
 L3), so every call reads its weight from memory: GB/s here is the kernel against DRAM, as in decode.
@@ -115,7 +115,7 @@ SHAPES_1B = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), (
 
 def stream(counts: list[int], rounds: int, megabytes: int) -> None:
     """GB/s per format, shape and row count, each call on a matrix out of cache (copies in turn)."""
-    formats = ("q8_0", "q4_0", "q4_k", "q4_k_r8", "q6_k")
+    formats = ("q8_0", "q4_0", "q4_k", "q4_k_r8", "q6_k", "q6_k_r8")
     results: dict[tuple[str, str, int], float] = {}
     copies: dict[tuple[str, str], list] = {}
     for name, rows_out, cols in SHAPES_1B:
@@ -253,7 +253,8 @@ def main() -> None:
     parser.add_argument("--isa", choices=("avx2", "avx512"), default=None,
                         help="pin the K-quant kernels' path (default: the best this CPU has)")
     parser.add_argument("--gemm-ab", action="store_true", help="row kernels against the GEMMs")
-    parser.add_argument("--shape", default=f"{ROWS}x{COLUMNS}", help="with --gemm-ab: the matrix, OUTxIN")
+    parser.add_argument("--shape", default=f"{ROWS}x{COLUMNS}",
+                        help="the matrix, OUTxIN (default mode and --gemm-ab; e.g. 512x2048 fits a core's L2)")
     parser.add_argument("--model", help="a GGUF file: its prefill with the row kernels against the GEMM")
     parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
     parser.add_argument("--decode-share", action="store_true",
@@ -276,14 +277,15 @@ def main() -> None:
         return gemm_ab(counts, args.rounds, (out_features, in_features))
     if args.stream:
         return stream(counts, args.rounds, args.stream_mb)
-    w = torch.randn(ROWS, COLUMNS) * 0.02
+    out_features, in_features = (int(v) for v in args.shape.split("x"))
+    w = torch.randn(out_features, in_features) * 0.02
     weights = {"q4_0": QuantizedWeight.from_rows(quantize(w, "q4_0")),
                "q8_0": QuantizedWeight.from_rows(quantize(w, "q8_0")),
-               **{fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q4_k_r8", "q6_k", "iq4_nl", "iq4_xs")}}
+               **{fmt: quantize_k(w, fmt) for fmt in ("q4_k", "q4_k_r8", "q6_k", "q6_k_r8", "iq4_nl", "iq4_xs")}}
     results: dict[tuple[int, str], float] = {}
     for _ in range(args.rounds):
         for rows in counts:
-            x = torch.randn(rows, COLUMNS)
+            x = torch.randn(rows, in_features)
             for name, weight in weights.items():
                 seconds = best(lambda: kernels.linear(x, weight), 3)
                 results[(rows, name)] = min(results.get((rows, name), float("inf")), seconds)

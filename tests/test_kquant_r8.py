@@ -1,5 +1,6 @@
-"""Q4_K and Q5_K rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``): the repack, its inverse,
-the decode kernels over it (``kquant_r8.cpp``) and a GGUF model loaded with it."""
+"""Q4_K, Q5_K and Q6_K rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``): the
+repack, its inverse, the decode kernels over it (``kquant_r8.cpp``, ``kquant_q6k.cpp``) and a GGUF
+model loaded with it."""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ NATIVE = kquant.kquant_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
 
-FORMATS = ("q4_k", "q5_k")
-FORMAT_ID = {"q4_k_r8": 5, "q5_k_r8": 6}
+FORMATS = ("q4_k", "q5_k", "q6_k")
+FORMAT_ID = {"q4_k_r8": 5, "q5_k_r8": 6, "q6_k_r8": 7}
+BLOCK = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
 
 
 def _random_k(fmt: str, rows: int, blocks: int, seed: int) -> KQuantWeight:
-    """Any bytes at all (every code, fifth bit, scale and minimum), with finite float16 d and dmin."""
+    """Any bytes at all (every code, fifth bit, high pair, scale and minimum; Q6_K's int8 scales of
+    either sign), with finite float16 d and dmin (Q6_K: d, its last two bytes)."""
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (rows, blocks, 144 if fmt == "q4_k" else 176), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(rows, blocks, 2, generator=g) * 4e-3 + 1e-4).to(torch.float16)
-    data[..., :4] = scales.view(torch.uint8).reshape(rows, blocks, 4)
+    data = torch.randint(0, 256, (rows, blocks, BLOCK[fmt]), dtype=torch.uint8, generator=g)
+    if fmt == "q6_k":
+        d = (torch.rand(rows, blocks, 1, generator=g) * 4e-3 + 1e-4).to(torch.float16)
+        data[..., 208:] = d.view(torch.uint8).reshape(rows, blocks, 2)
+    else:
+        scales = (torch.rand(rows, blocks, 2, generator=g) * 4e-3 + 1e-4).to(torch.float16)
+        data[..., :4] = scales.view(torch.uint8).reshape(rows, blocks, 4)
     return KQuantWeight(data.reshape(rows, -1), fmt, rows, 256 * blocks)
 
 
@@ -52,8 +59,10 @@ def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_packag
 def test_repack_refuses_what_it_cannot_interleave():
     with pytest.raises(ValueError, match="multiple of 8"):
         repack_r8(quantize_k(torch.randn(12, 256), "q4_k"))
-    with pytest.raises(ValueError, match="q4_k or q5_k weight"):
-        repack_r8(quantize_k(torch.randn(8, 256), "q6_k"))
+    with pytest.raises(ValueError, match="q4_k, q5_k or q6_k weight"):
+        repack_r8(quantize_k(torch.randn(8, 256), "iq4_xs"))
+    with pytest.raises(ValueError, match="needs a q4_k_r8, q5_k_r8 or q6_k_r8 weight"):
+        unpack_r8(quantize_k(torch.randn(8, 256), "q6_k"))
     with pytest.raises(ValueError, match="q4_k_r8 needs out_features to be a multiple of 8"):
         KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k_r8", 4, 256)
 
@@ -89,7 +98,7 @@ def test_the_kernels_match_the_reference_and_the_stored_rows_at_every_row_count(
         y = kernels.linear(x[:rows], packed)
         torch.testing.assert_close(y, reference[:rows], rtol=1e-5, atol=1e-5 * reference.abs().max().item())
         # The same integer sums as the stored rows' kernels and GEMM, the float32 sums in one order.
-        torch.testing.assert_close(y, kernels.linear(x[:rows], weight), rtol=1e-5, atol=1e-6 * reference.abs().max().item())
+        assert torch.equal(y, kernels.linear(x[:rows], weight))
 
 
 @needs_native
@@ -127,8 +136,10 @@ def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path,
     layer, plain = packed.params["layers"][1], stored.params["layers"][1]
     assert layer["w_gate_up"].format == "q4_k_r8" and plain["w_gate_up"].format == "q4_k"
     assert layer["wo"].format == "q5_k_r8" and plain["wo"].format == "q5_k"
-    assert torch.equal(layer["w_gate_up"].dequantize(), plain["w_gate_up"].dequantize())
-    assert torch.equal(layer["wo"].dequantize(), plain["wo"].dequantize())
+    # Q6_K where q6_k_r8's kernel runs (AVX-512 VNNI); as stored elsewhere.
+    assert layer["w_down"].format == ("q6_k_r8" if kquant.q6_k_r8_runs() else "q6_k") and plain["w_down"].format == "q6_k"
+    for name in ("w_gate_up", "wo", "w_down"):
+        assert torch.equal(layer[name].dequantize(), plain[name].dequantize())
     assert torch.equal(layer["wqkv"].dequantize(), plain["wqkv"].dequantize())  # q/k unpermuted alike
     assert packed.params["embed"].format == "q4_k"  # a lookup reads the table's rows as stored
     ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)

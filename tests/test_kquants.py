@@ -17,7 +17,7 @@ from genfn import kernels
 from genfn.kernels import kquant
 from genfn.models.loaders.gguf import read_gguf
 from genfn.quant import K_FORMATS, KQuantWeight, RowStack, dequantize_k, quantize_k, reference_linear_k
-from genfn.quant.kquants import BLOCK_BYTES, quantize_activations_k
+from genfn.quant.kquants import BLOCK_BYTES, INTERLEAVED, quantize_activations_k, unpack_r8
 
 GGML = {fmt.lower(): fmt for fmt in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 NATIVE = kquant.kquant_available()
@@ -178,7 +178,7 @@ def test_kernel_takes_bfloat16_activations_and_rejects_mismatches():
     with pytest.raises(ValueError, match="x has 512 features"):
         kernels.linear(torch.randn(1, 512), weight)
     with pytest.raises(RuntimeError, match="format must be 0"):
-        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 7, 8)
+        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 8, 8)
     with pytest.raises(RuntimeError, match="rows hold 100 bytes, not 210"):
         torch.ops.genfn_kquant.kquant_linear(x, weight.data[:, :100], 2, 8)
     with pytest.raises(ValueError, match="isa must be"):
@@ -266,13 +266,17 @@ def _dequantized(params):
 
 def assert_the_files_blocks_are_kept(model, path, embed_format: str) -> None:
     """The embedding table stays in the file's ``embed_format`` (a lookup dequantizes only its rows)
-    and the last layer's down projection holds the file's bytes."""
+    and the last layer's down projection holds the file's bytes (interleaved where its format is
+    q6_k_r8: put back as stored, byte for byte)."""
     table = model.params["embed"]
     assert isinstance(table, KQuantWeight) and table.format == embed_format
     tokens = torch.tensor([[3, 299, 3], [0, 17, 42]])
     assert torch.equal(kernels.embedding(tokens, table, torch.float32), table.dequantize()[tokens])
     raw = read_gguf(str(path)).raw("blk.1.ffn_down.weight")
-    assert np.array_equal(model.params["layers"][1]["w_down"].data.numpy(), raw)
+    down = model.params["layers"][1]["w_down"]
+    if down.format in INTERLEAVED:
+        down = unpack_r8(down)
+    assert np.array_equal(down.data.numpy(), raw)
 
 
 def greedy_with_logits(model, steps: int):
@@ -296,9 +300,11 @@ def native_and_reference(model, monkeypatch, steps: int):
 def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(kquant_file, monkeypatch):
     model = genfn.load(kquant_file, quantize="gguf")
     layer = model.params["layers"][0]
-    # A layer's Q4_K and Q5_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8, q5_k_r8).
-    assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k_r8", "q6_k"]
-    assert layer["wo"].format == "q5_k_r8" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == "q6_k"
+    # A layer's Q4_K and Q5_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8,
+    # q5_k_r8), its Q6_K ones where q6_k_r8's kernel runs.
+    q6 = "q6_k_r8" if kquant.q6_k_r8_runs() else "q6_k"
+    assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k_r8", q6]
+    assert layer["wo"].format == "q5_k_r8" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == q6
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"
     assert_the_files_blocks_are_kept(model, kquant_file, "q4_k")
     native, reference = native_and_reference(model, monkeypatch, steps=8)

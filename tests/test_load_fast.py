@@ -17,6 +17,7 @@ from test_load_memory import _leaves, _same_weight, write_file
 
 import genfn
 from genfn import kernels
+from genfn.kernels import kquant
 from genfn.models.loaders import gguf_blocks
 from genfn.models.loaders.gguf import load_gguf_checkpoint
 from genfn.models.weight_arena import WeightArena, huge_pages_available
@@ -129,7 +130,7 @@ def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_wi
     are written into the arena's huge pages, which the decode streams faster. Either way its Q4_K
     gate/up and q/k (llama's permutation undone) and its Q5_K o projection are repacked 8 rows to a
     group (q4_k_r8, q5_k_r8), which the file layout can then not be used for: written into memory
-    of their own."""
+    of their own; so are the Q6_K ones where q6_k_r8's kernel runs (AVX-512 VNNI)."""
     if setting != "default":
         monkeypatch.setenv("GENFN_HUGE_PAGES", "0")
     huge_pages = huge_pages_available()
@@ -144,7 +145,10 @@ def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_wi
     qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
     assert not in_file(qk)
     assert layer["wo"].format == "q5_k_r8" and not in_file(layer["wo"])
-    assert all(in_file(w) is not huge_pages for w in (layer["w_down"], v))
+    if kquant.q6_k_r8_runs():
+        assert layer["w_down"].format == v.format == "q6_k_r8" and not in_file(layer["w_down"]) and not in_file(v)
+    else:
+        assert all(in_file(w) is not huge_pages for w in (layer["w_down"], v))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert torch.isfinite(model(ids).logits).all()
 

@@ -1,6 +1,7 @@
 // What the K-quant library's sources share: kquant_linear.cpp (Q4_K/Q5_K/Q6_K rows, the activations'
 // quantization, the ops and their dispatch), kquant_gemm.cpp (the GEMM for many rows),
-// iq4_linear.cpp (IQ4_NL/IQ4_XS rows) and kquant_r8.cpp (Q4_K rows interleaved 8 to a group). No torch here:
+// iq4_linear.cpp (IQ4_NL/IQ4_XS rows) and kquant_r8.cpp (Q4_K, Q5_K and Q6_K rows interleaved 8 to a group).
+// No torch here:
 // the row kernels are plain C++ over the blocks as GGUF stores them (genfn/quant/kquants.py).
 //
 // The library is built without global ISA flags; every SIMD function carries its own target
@@ -31,15 +32,16 @@ namespace genfn::kquant {
 constexpr int64_t kSuper = 256;
 // The op's format argument (genfn.quant.kquants.FORMAT_ID). kQ4KR8: Q4_K with its rows
 // interleaved 8 to a group at load (below); a row of its data holds no one matrix row's blocks.
-// kQ5KR8: Q5_K alike (below).
-enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5, kQ5KR8 = 6 };
-constexpr int64_t kLastFormat = kQ5KR8;
-constexpr int64_t block_bytes(int64_t f) {
-  return f == kQ4K || f == kQ4KR8 ? 144 : f == kQ5K || f == kQ5KR8 ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
-}
-constexpr bool interleaved(int64_t f) { return f == kQ4KR8 || f == kQ5KR8; }
+// kQ5KR8, kQ6KR8: Q5_K and Q6_K alike (below).
+enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5, kQ5KR8 = 6, kQ6KR8 = 7 };
+constexpr int64_t kLastFormat = kQ6KR8;
+constexpr bool interleaved(int64_t f) { return f == kQ4KR8 || f == kQ5KR8 || f == kQ6KR8; }
 // The file's format of an interleaved one.
-constexpr int64_t stored_format(int64_t f) { return f == kQ4KR8 ? kQ4K : f == kQ5KR8 ? kQ5K : f; }
+constexpr int64_t stored_format(int64_t f) { return f == kQ4KR8 ? kQ4K : f == kQ5KR8 ? kQ5K : f == kQ6KR8 ? kQ6K : f; }
+constexpr int64_t block_bytes(int64_t f) {
+  f = stored_format(f);
+  return f == kQ4K ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
+}
 // Inputs per weight block; the activations get one scale per as many inputs.
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 
@@ -60,33 +62,71 @@ constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
 //             8k .. 8k + 7 (row r at 8 r): byte b of lane 2r + h is the qh byte of the inputs that
 //             byte b of lane 2r + h of every codes run k holds, its bit 2j that of group 2j's, bit
 //             2j + 1 that of group 2j + 1's
+//
+// q6_k_r8: Q6_K's rows alike, each group super-block 8 x 210 bytes:
+//   kQ6R8D       8 x d (float16)
+//   kQ6R8Scales  the rows' int8 scales, group by group: scale g of row r at 8 g + r
+//   kQ6R8Low     per half h of the 256 inputs, per j (0, 1) and k (0-3) one 64-byte run, the 8 rows'
+//                ql bytes 64h + 32j + 8k .. + 7 (row r at 8 r): the low nibbles of lane 2r + e are
+//                inputs 128h + 32j + 8k + 4e .. + 3, the high nibbles those plus 64
+//   kQ6R8High    per half h and k one 64-byte run, the 8 rows' qh bytes 32h + 8k .. + 7: bit pair
+//                2j (j = 0, 1) of a byte is the high pair of the low nibbles of low run (h, j, k) at
+//                that byte, pair 2 + 2j of its high nibbles
 constexpr int64_t kR8Rows = 8;
 constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128, kR8High = 1152;
+constexpr int64_t kQ6R8D = 0, kQ6R8Scales = 16, kQ6R8Low = 144, kQ6R8High = 1168;
 constexpr int64_t group_block_bytes(int64_t f) { return kR8Rows * block_bytes(f); }
 
-// Row r's super-block as GGUF stores it (Q4_K: 144 bytes; Q5_K: 176, its qh before its codes)
-// into / out of its group's super-block of format F.
+// Row r's Q6_K super-block as GGUF stores it (ql, qh, scales, d: 210 bytes) into / out of its
+// group's q6_k_r8 super-block.
+__attribute__((always_inline)) inline void q6_r8_store(const uint8_t* block, int r, uint8_t* group) {
+  std::memcpy(group + kQ6R8D + 2 * r, block + 208, 2);
+  for (int g = 0; g < 16; ++g) group[kQ6R8Scales + 8 * g + r] = block[192 + g];
+  for (int run = 0; run < 16; ++run)  // run 8h + 4j + k: ql bytes 64h + 32j + 8k
+    std::memcpy(group + kQ6R8Low + 64 * run + 8 * r, block + 8 * run, 8);
+  for (int run = 0; run < 8; ++run)  // run 4h + k: qh bytes 32h + 8k
+    std::memcpy(group + kQ6R8High + 64 * run + 8 * r, block + 128 + 8 * run, 8);
+}
+__attribute__((always_inline)) inline void q6_r8_load(const uint8_t* group, int r, uint8_t* block) {
+  std::memcpy(block + 208, group + kQ6R8D + 2 * r, 2);
+  for (int g = 0; g < 16; ++g) block[192 + g] = group[kQ6R8Scales + 8 * g + r];
+  for (int run = 0; run < 16; ++run) std::memcpy(block + 8 * run, group + kQ6R8Low + 64 * run + 8 * r, 8);
+  for (int run = 0; run < 8; ++run) std::memcpy(block + 128 + 8 * run, group + kQ6R8High + 64 * run + 8 * r, 8);
+}
+
+// Row r's super-block as GGUF stores it (Q4_K: 144 bytes; Q5_K: 176, its qh before its codes;
+// Q6_K: 210) into / out of its group's super-block of format F.
 template <int64_t F>
 __attribute__((always_inline)) inline void r8_store(const uint8_t* block, int r, uint8_t* group) {
-  constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
-  std::memcpy(group + kR8D + 2 * r, block, 2);
-  std::memcpy(group + kR8DMin + 2 * r, block + 2, 2);
-  for (int w = 0; w < 3; ++w) std::memcpy(group + kR8Scales + 32 * w + 4 * r, block + 4 + 4 * w, 4);
-  for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8Codes + 256 * j + 64 * k + 8 * r, block + codes + 32 * j + 8 * k, 8);
-  if constexpr (F == kQ5KR8)
-    for (int k = 0; k < 4; ++k) std::memcpy(group + kR8High + 64 * k + 8 * r, block + 16 + 8 * k, 8);
+  if constexpr (F == kQ6KR8) {
+    q6_r8_store(block, r, group);
+  } else {
+    constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
+    std::memcpy(group + kR8D + 2 * r, block, 2);
+    std::memcpy(group + kR8DMin + 2 * r, block + 2, 2);
+    for (int w = 0; w < 3; ++w) std::memcpy(group + kR8Scales + 32 * w + 4 * r, block + 4 + 4 * w, 4);
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k)
+        std::memcpy(group + kR8Codes + 256 * j + 64 * k + 8 * r, block + codes + 32 * j + 8 * k, 8);
+    if constexpr (F == kQ5KR8)
+      for (int k = 0; k < 4; ++k) std::memcpy(group + kR8High + 64 * k + 8 * r, block + 16 + 8 * k, 8);
+  }
 }
 template <int64_t F>
 __attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, uint8_t* block) {
-  constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
-  std::memcpy(block, group + kR8D + 2 * r, 2);
-  std::memcpy(block + 2, group + kR8DMin + 2 * r, 2);
-  for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, group + kR8Scales + 32 * w + 4 * r, 4);
-  for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) std::memcpy(block + codes + 32 * j + 8 * k, group + kR8Codes + 256 * j + 64 * k + 8 * r, 8);
-  if constexpr (F == kQ5KR8)
-    for (int k = 0; k < 4; ++k) std::memcpy(block + 16 + 8 * k, group + kR8High + 64 * k + 8 * r, 8);
+  if constexpr (F == kQ6KR8) {
+    q6_r8_load(group, r, block);
+  } else {
+    constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
+    std::memcpy(block, group + kR8D + 2 * r, 2);
+    std::memcpy(block + 2, group + kR8DMin + 2 * r, 2);
+    for (int w = 0; w < 3; ++w) std::memcpy(block + 4 + 4 * w, group + kR8Scales + 32 * w + 4 * r, 4);
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k)
+        std::memcpy(block + codes + 32 * j + 8 * k, group + kR8Codes + 256 * j + 64 * k + 8 * r, 8);
+    if constexpr (F == kQ5KR8)
+      for (int k = 0; k < 4; ++k) std::memcpy(block + 16 + 8 * k, group + kR8High + 64 * k + 8 * r, 8);
+  }
 }
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
@@ -110,11 +150,14 @@ enum Order : int { kNatural = 0, kQ4KOrder = 1, kIQ4Order = 2 };
 // Q8_K-quantized activations of M rows: codes [M, K] (in one of the orders above), scales
 // [M, K / block] (block = block_inputs of the weight's format), code sums per 16 inputs in natural
 // order [M, K / 16], and per 32 [M, K / 32] (|sum| <= 4064: an int16; what Q4_K's minimums and
-// q4_k_r8's groups multiply, read as they are rather than added up per weight row).
+// q4_k_r8's groups multiply, read as they are rather than added up per weight row); in natural
+// order also -32 times the sums per 4 [M, K / 4] (offsets4: where q6_k_r8's dot products start,
+// so that Q6_K's offset of 32 is off each lane's sum before its scale multiplies it).
 struct ActivationsK {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int16_t> sums, sums32;
+  std::vector<int32_t> offsets4;
   int64_t M = 0, K = 0;
   void resize(int64_t rows, int64_t inputs, int64_t block) {
     M = rows;
@@ -123,6 +166,7 @@ struct ActivationsK {
     scale.resize(M * (K / block));
     sums.resize(M * (K / 16));
     sums32.resize(M * (K / 32));
+    offsets4.resize(M * (K / 4));
   }
 };
 
@@ -134,9 +178,12 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
 // Q6_K rows on AVX-512 VNNI (kquant_q6k.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_q6k_vnni(int rows);
-// q4_k_r8 / q5_k_r8 (kquant_r8.cpp, `format`), for 1..8 rows of x: a call takes w at a group's
-// first super-block and writes its 8 rows, y[m * N + r] for r < 8.
+// q4_k_r8 / q5_k_r8 / q6_k_r8 (kquant_r8.cpp, kquant_q6k.cpp; `format`), for 1..8 rows of x: a
+// call takes w at a group's first super-block and writes its 8 rows, y[m * N + r] for r < 8.
 RowFn pick_r8(Isa isa, int64_t format, int rows);
+// q6_k_r8 on AVX-512 VNNI (kquant_q6k.cpp); elsewhere its groups go through the Q6_K row kernels
+// a row at a time (kquant_r8.cpp).
+RowFn pick_q6k_r8_vnni(int rows);
 
 // Rows m0..m1 of x [M, K] into a (sized for M rows already) as llama.cpp's quantize_row_q8_K_ref
 // quantizes them, one scale per `block` inputs (256, or 32 for IQ4_NL), codes laid out in `order`
@@ -191,6 +238,13 @@ __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16
 __attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Eight bytes as one int64 (a qword that a vpbroadcastq meets all of a register's lanes with).
+__attribute__((always_inline)) inline int64_t load_i64(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
   return v;
 }
 

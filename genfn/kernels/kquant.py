@@ -87,6 +87,13 @@ def kquant_isa() -> str:
     return _ISA_NAMES[int(torch.ops.genfn_kquant.kquant_isa())]
 
 
+def q6_k_r8_runs() -> bool:
+    """Whether ``q6_k_r8``'s group kernel runs here: the native kernels on their AVX-512 path on a CPU
+    with VNNI. Elsewhere a ``q6_k_r8`` group goes a row at a time through Q6_K's row kernel (the same
+    bits, slower than Q6_K as stored), so the GGUF loader interleaves Q6_K only where this holds."""
+    return kquant_isa() == "avx512" and native.cpu_has("avx512_vnni")
+
+
 def force_isa(isa: str | None) -> str:
     """Pin the native kernel's path (``"avx2"`` or ``"avx512"``; ``None``: the best this CPU has),
     for tests and benchmarks of the AVX2 path on an AVX-512 machine. Returns the path now active."""

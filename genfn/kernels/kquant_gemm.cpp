@@ -21,7 +21,7 @@
 //   y = d d_x sum_g sc_g sum_g(u q) - dmin d_x sum_j m_j sum_j(q),   Q6_K: m_j = 32 sc_j, dmin = d
 // (Q6_K's offset comes off the integer sum before its one multiply-add).
 // The GEMM keeps no layout of its own: it reads the rows as the loader left them (as stored, or
-// interleaved 8 to a group: q4_k_r8, q5_k_r8), and the panel (16 bytes per input, 32 KiB at
+// interleaved 8 to a group: q4_k_r8, q5_k_r8, q6_k_r8), and the panel (16 bytes per input, 32 KiB at
 // K = 2048) is rebuilt per call: a 16-row product of an 8192 x 2048
 // matrix, unpacking included, took 1.07 ms on two Zen 4 cores.
 #include <ATen/Parallel.h>
@@ -41,10 +41,10 @@ constexpr int64_t kDefaultMinRows = 16;
 std::atomic<int64_t> min_rows{kDefaultMinRows};
 
 // Sub-blocks (one scale each) per super-block.
-constexpr int groups_of(int64_t format) { return format == kQ6K ? 16 : 8; }
+constexpr int groups_of(int64_t format) { return stored_format(format) == kQ6K ? 16 : 8; }
 // Minimums per super-block, taken in int16 pairs against the activations' code sums: Q4_K/Q5_K
 // have one per 32 inputs, Q6_K's offset one per 16.
-constexpr int pairs_of(int64_t format) { return format == kQ6K ? 8 : 4; }
+constexpr int pairs_of(int64_t format) { return stored_format(format) == kQ6K ? 8 : 4; }
 
 // One tile of the weight, unpacked (see the top of this file).
 struct Panel {
@@ -139,7 +139,7 @@ GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, 
 }
 
 // Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8 and
-// q5_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
+// q5_k_r8, q6_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
 GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
   constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
@@ -397,6 +397,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
   else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);
   else if (format == kQ5KR8) run_tiles<kQ5KR8>(a, w, N, y, vnni);
+  else if (format == kQ6KR8) run_tiles<kQ6KR8>(a, w, N, y, vnni);
   else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
   else run_tiles<kQ6K>(a, w, N, y, vnni);
 }

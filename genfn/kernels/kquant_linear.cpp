@@ -242,8 +242,23 @@ RowFn pick_row(Isa isa, int rows) {
   GENFN_ROW_CASES(rows, row_avx2, F)
 }
 
+// q6_k_r8 where its VNNI kernel cannot run (AVX2, or AVX-512 without VNNI: where the loader keeps
+// Q6_K as stored, so only for a weight repacked elsewhere): each of the group's rows put back as
+// stored, then the Q6_K row kernel, so the same integers and floats, the same bits.
+template <int M>
+void q6k_r8_by_rows(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  thread_local std::vector<uint8_t> row;
+  row.resize(nb * block_bytes(kQ6K));
+  for (int r = 0; r < kR8Rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b)
+      r8_load<kQ6KR8>(w + b * group_block_bytes(kQ6KR8), r, row.data() + b * block_bytes(kQ6K));
+    row_avx2<M, kQ6K>(row.data(), nb, a, m0, y + r, N);
+  }
+}
+
 RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
+  if (format == kQ6KR8 && !(isa == kAvx512 && has_vnni())) { GENFN_ROW_CASES(rows, q6k_r8_by_rows) }
   if (interleaved(format)) return pick_r8(isa, format, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
@@ -341,7 +356,7 @@ constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &pr
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
                          bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
-              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8) or 6 (q5_k_r8), got ",
+              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8), 6 (q5_k_r8) or 7 (q6_k_r8), got ",
               format);
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "

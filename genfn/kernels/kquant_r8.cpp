@@ -1,5 +1,5 @@
 // Q4_K and Q5_K rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8"), and the row
-// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
+// kernels over them (q6_k_r8's are in kquant_q6k.cpp; this file repacks it too), for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
 // them as it runs the other formats' rows). The layout of a group's super-block is in kquant.h
 // (kR8*); the idea is ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
 //
@@ -77,12 +77,6 @@ GENFN_AVX2_INLINE inline void group_sums(const int16_t* sums32, int64_t& low, in
   std::memcpy(&high, sums32 + 4, 8);
 }
 
-GENFN_AVX2_INLINE inline int64_t load_u64(const int8_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-
 // A row's super-block sums (the two lanes of a row added) and minimum sums into its float32
 // accumulator, rows 0-7 in order (kquant.h's add_block, a lane a weight row).
 GENFN_AVX2_INLINE inline __m256 accumulate(__m256 acc, __m256i sum8, __m256i min8, __m256 d, __m256 dmin, float dx) {
@@ -153,12 +147,12 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
         // low word; Q5_K's (up to 31) fit for 8 inputs, so its lanes take the scale twice a group.
         constexpr int kPerScale = F == kQ5KR8 ? 2 : 4;
         for (int k0 = 0; k0 < 4; k0 += kPerScale) {
-          __m512i dot_low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[k0], _mm512_set1_epi64(load_u64(x + 8 * k0)));
+          __m512i dot_low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[k0], _mm512_set1_epi64(load_i64(x + 8 * k0)));
           __m512i dot_high =
-              _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[k0], _mm512_set1_epi64(load_u64(x + 32 + 8 * k0)));
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[k0], _mm512_set1_epi64(load_i64(x + 32 + 8 * k0)));
           for (int k = k0 + 1; k < k0 + kPerScale; ++k) {
-            dot_low = _mm512_dpbusd_epi32(dot_low, lo[k], _mm512_set1_epi64(load_u64(x + 8 * k)));
-            dot_high = _mm512_dpbusd_epi32(dot_high, hi[k], _mm512_set1_epi64(load_u64(x + 32 + 8 * k)));
+            dot_low = _mm512_dpbusd_epi32(dot_low, lo[k], _mm512_set1_epi64(load_i64(x + 8 * k)));
+            dot_high = _mm512_dpbusd_epi32(dot_high, hi[k], _mm512_set1_epi64(load_i64(x + 32 + 8 * k)));
           }
           isum[m] = _mm512_dpwssd_epi32(isum[m], dot_low, sc_low);
           isum[m] = _mm512_dpwssd_epi32(isum[m], dot_high, sc_high);
@@ -234,8 +228,8 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
           __m256i sum = isum[m][h];
           for (int k = 0; k < 4; ++k) {
             // 2 x 31 x 127 per int16 at most: no saturation
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi64x(load_u64(x + 8 * k))), sc_low));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], _mm256_set1_epi64x(load_u64(x + 32 + 8 * k))), sc_high));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi64x(load_i64(x + 8 * k))), sc_low));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], _mm256_set1_epi64x(load_i64(x + 32 + 8 * k))), sc_high));
           }
           isum[m][h] = sum;
         }
@@ -262,11 +256,11 @@ void repack_rows(const uint8_t* src, const int64_t* order, int64_t r0, int64_t r
 }
 
 int64_t check_interleaved_format(int64_t format, const char* op) {
-  TORCH_CHECK(interleaved(format), op, ": format must be 5 (q4_k_r8) or 6 (q5_k_r8), got ", format);
+  TORCH_CHECK(interleaved(format), op, ": format must be 5 (q4_k_r8), 6 (q5_k_r8) or 7 (q6_k_r8), got ", format);
   return block_bytes(format);
 }
 
-// out [N, row bytes] = the Q4_K (format 5) or Q5_K (6) rows of src [rows, row bytes] (its rows
+// out [N, row bytes] = the Q4_K (format 5), Q5_K (6) or Q6_K (7) rows of src [rows, row bytes] (its rows
 // `rows` in order, or all of them) in 8-row groups, shared out over torch's threads.
 void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& rows, at::Tensor& out, int64_t format) {
   const int64_t block = check_interleaved_format(format, "kquant_repack_r8");
@@ -291,7 +285,8 @@ void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& ro
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
     if (format == kQ4KR8) repack_rows<kQ4KR8>(s, order, 8 * g0, 8 * g1, nb, o);
-    else repack_rows<kQ5KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+    else if (format == kQ5KR8) repack_rows<kQ5KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+    else repack_rows<kQ6KR8>(s, order, 8 * g0, 8 * g1, nb, o);
   });
 }
 
@@ -316,7 +311,8 @@ void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out, int64_t format) {
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, src.size(0), 64, [&](int64_t n0, int64_t n1) {
     if (format == kQ4KR8) unpack_rows<kQ4KR8>(s, n0, n1, nb, o);
-    else unpack_rows<kQ5KR8>(s, n0, n1, nb, o);
+    else if (format == kQ5KR8) unpack_rows<kQ5KR8>(s, n0, n1, nb, o);
+    else unpack_rows<kQ6KR8>(s, n0, n1, nb, o);
   });
 }
 
@@ -324,6 +320,10 @@ void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out, int64_t format) {
 
 RowFn pick_r8(Isa isa, int64_t format, int rows) {
   const bool vnni = isa == kAvx512 && has_vnni();
+  if (format == kQ6KR8) {  // VNNI only: kquant_linear.cpp's pick takes it a row at a time elsewhere
+    TORCH_CHECK(vnni, "q6_k_r8's group kernel needs AVX-512 VNNI");
+    return pick_q6k_r8_vnni(rows);
+  }
   if (format == kQ5KR8) {
     if (vnni) { GENFN_ROW_CASES(rows, rows_r8_avx512, kQ5KR8) }
     GENFN_ROW_CASES(rows, rows_r8_avx2, kQ5KR8)

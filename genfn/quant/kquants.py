@@ -14,9 +14,10 @@ of 16 values (``genfn.quant.iq4``); ``KQuantWeight`` holds them too (formats ``i
 
 ``q4_k_r8`` is Q4_K with its rows interleaved 8 to a group (``repack_r8``; the layout is in
 ``genfn/kernels/kquant.h``), the same bytes rearranged so that the decode kernel's one activation
-load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8`` is Q5_K alike. The GGUF loader repacks a
-layer's Q4_K and Q5_K matrices so; a row of such ``data`` is no one matrix row, and
-``dequantize``/``map_rows`` put the rows back first.
+load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8`` and ``q6_k_r8`` are Q5_K and Q6_K alike. The GGUF
+loader repacks a layer's Q4_K and Q5_K matrices so, and its Q6_K ones where the CPU has AVX-512
+VNNI (q6_k_r8's kernel); a row of such ``data`` is no one matrix row, and ``dequantize``/``map_rows``
+put the rows back first.
 
 A ``KQuantWeight`` holds a matrix's blocks row by row, byte for byte as in the file (``data``
 uint8 ``[out_features, in_features / block_inputs * block_bytes]``): no repacking, so the loader
@@ -43,19 +44,20 @@ __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_
            "reference_linear_k", "repack_r8", "unpack_r8"]
 
 SUPER_BLOCK = 256
-BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176}
+BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176,
+               "q6_k_r8": 210}
 # Inputs per block; the activations are quantized with one scale per as many inputs.
 BLOCK_INPUTS = {"q4_k": SUPER_BLOCK, "q5_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, **IQ4_BLOCK_INPUTS,
-                "q4_k_r8": SUPER_BLOCK, "q5_k_r8": SUPER_BLOCK}
+                "q4_k_r8": SUPER_BLOCK, "q5_k_r8": SUPER_BLOCK, "q6_k_r8": SUPER_BLOCK}
 # Rows per group of the interleaved formats.
 R8_ROWS = 8
 # The interleaved formats and the file's format each rearranges.
-INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k"}
+INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k", "q6_k_r8": "q6_k"}
 # The other way: the interleaved format of a stored one that has one.
 INTERLEAVED_OF = {stored: fmt for fmt, stored in INTERLEAVED.items()}
 # ggml type names -> format: the GGUF types kept as ``KQuantWeight`` blocks.
 GGUF_K_FORMATS = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
-# The formats of GGUF files (the INTERLEAVED ones are genfn's rearrangements of q4_k and q5_k).
+# The formats of GGUF files (the INTERLEAVED ones are genfn's rearrangements of q4_k, q5_k and q6_k).
 K_FORMATS = tuple(GGUF_K_FORMATS.values())
 # The native op's format argument, by format and back.
 FORMAT_ID = {fmt: i for i, fmt in enumerate(BLOCK_BYTES)}
@@ -132,10 +134,14 @@ def cat_k(parts: list) -> KQuantWeight:
 
 
 def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
-    """The fields of an interleaved super-block (d, dmin, scales, codes; Q5_K's fifth bits after),
-    each with the 8 rows of a group as the interleaved layout has them (kquant.h), from
-    ``groups [G, super-blocks, 8, block bytes]``."""
+    """The fields of an interleaved super-block (d, dmin, scales, codes; Q5_K's fifth bits after;
+    Q6_K's d, scales, low and high runs), each with the 8 rows of a group as the interleaved layout
+    has them (kquant.h), from ``groups [G, super-blocks, 8, block bytes]``."""
     g, nb, _, size = groups.shape
+    if size == BLOCK_BYTES["q6_k"]:
+        return [groups[..., 208:210].reshape(g, nb, 16), groups[..., 192:208].transpose(2, 3).reshape(g, nb, 128),
+                groups[..., :128].reshape(g, nb, 8, 16, 8).transpose(2, 3).reshape(g, nb, 1024),
+                groups[..., 128:192].reshape(g, nb, 8, 8, 8).transpose(2, 3).reshape(g, nb, 512)]
     codes = 48 if size == BLOCK_BYTES["q5_k"] else 16
     fields = [groups[..., 0:2].reshape(g, nb, 16), groups[..., 2:4].reshape(g, nb, 16),
               groups[..., 4:16].reshape(g, nb, 8, 3, 4).transpose(2, 3).reshape(g, nb, 96),
@@ -146,10 +152,10 @@ def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
 
 
 def repack_r8(weight: KQuantWeight) -> KQuantWeight:
-    """A Q4_K or Q5_K matrix with its rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``; rows a
-    multiple of 8)."""
+    """A Q4_K, Q5_K or Q6_K matrix with its rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``,
+    ``q6_k_r8``; rows a multiple of 8)."""
     if weight.format not in INTERLEAVED_OF or weight.out_features % R8_ROWS:
-        raise ValueError(f"repack_r8 needs a q4_k or q5_k weight whose rows are a multiple of {R8_ROWS}; "
+        raise ValueError(f"repack_r8 needs a q4_k, q5_k or q6_k weight whose rows are a multiple of {R8_ROWS}; "
                          f"got {weight!r}")
     n, row_bytes = weight.data.shape
     size = BLOCK_BYTES[weight.format]
@@ -161,12 +167,18 @@ def repack_r8(weight: KQuantWeight) -> KQuantWeight:
 def unpack_r8(weight: KQuantWeight) -> KQuantWeight:
     """``repack_r8``'s inverse: the rows as GGUF stores them, byte for byte."""
     if weight.format not in INTERLEAVED:
-        raise ValueError(f"unpack_r8 needs a q4_k_r8 or q5_k_r8 weight; got {weight!r}")
+        raise ValueError(f"unpack_r8 needs a q4_k_r8, q5_k_r8 or q6_k_r8 weight; got {weight!r}")
     stored = INTERLEAVED[weight.format]
     size = BLOCK_BYTES[stored]
     n, row_bytes = weight.data.shape
     g, nb = n // R8_ROWS, row_bytes // size
     blocks = weight.data.reshape(g, nb, R8_ROWS * size)
+    if stored == "q6_k":  # as stored: ql, qh, scales, d
+        fields = [blocks[..., 144:1168].reshape(g, nb, 16, 8, 8).transpose(2, 3).reshape(g, nb, 8, 128),
+                  blocks[..., 1168:].reshape(g, nb, 8, 8, 8).transpose(2, 3).reshape(g, nb, 8, 64),
+                  blocks[..., 16:144].reshape(g, nb, 16, 8).transpose(2, 3), blocks[..., 0:16].reshape(g, nb, 8, 2)]
+        rows = torch.cat(fields, dim=-1).transpose(1, 2).reshape(n, row_bytes)
+        return KQuantWeight(rows, stored, weight.out_features, weight.in_features)
     d, dmin = blocks[..., 0:16].reshape(g, nb, 8, 2), blocks[..., 16:32].reshape(g, nb, 8, 2)
     scales = blocks[..., 32:128].reshape(g, nb, 3, 8, 4).transpose(2, 3).reshape(g, nb, 8, 12)
     codes = blocks[..., 128:1152].reshape(g, nb, 4, 4, 8, 8).permute(0, 1, 4, 2, 3, 5).reshape(g, nb, 8, 128)

@@ -217,13 +217,16 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
 
 
 def _interleaved(run: list[str], type_name: str, rows: list[int]) -> bool:
-    """Whether a run is a layer's Q4_K or Q5_K matrices that the native kernels read interleaved 8
-    rows to a group (``q4_k_r8``, ``q5_k_r8``): the embedding and the LM head keep the file's rows,
-    which a lookup reads row by row; ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as
-    stored."""
-    return (GGUF_K_FORMATS.get(type_name) in INTERLEAVED_OF and all(_LAYER_WEIGHT.match(name) for name in run)
+    """Whether a run is a layer's Q4_K, Q5_K or Q6_K matrices that the native kernels read
+    interleaved 8 rows to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``; Q6_K only where the K-quant
+    kernels run AVX-512 VNNI, which q6_k_r8's kernel needs: elsewhere it would run a row at a time
+    through the stored rows' kernel): the embedding and the LM head keep the file's rows, which a
+    lookup reads row by row; ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as stored."""
+    fmt = GGUF_K_FORMATS.get(type_name)
+    return (fmt in INTERLEAVED_OF and all(_LAYER_WEIGHT.match(name) for name in run)
             and all(n % 8 == 0 for n in rows) and os.environ.get("GENFN_Q4K_R8", "1") != "0"
-            and kquant.kquant_available())
+            and kquant.kquant_available()
+            and (fmt != "q6_k" or kquant.q6_k_r8_runs()))
 
 
 def _streamed(gguf, run: list[str]) -> bool:
@@ -235,7 +238,7 @@ def _streamed(gguf, run: list[str]) -> bool:
 
 
 def _write_r8_run(gguf, run, row_order, arena, rows, cols, fmt: str) -> dict[str, KQuantWeight]:
-    """A run of Q4_K or Q5_K matrices repacked (as ``fmt``) from the file mapping into the arena (huge
+    """A run of Q4_K, Q5_K or Q6_K matrices repacked (as ``fmt``) from the file mapping into the arena (huge
     pages where it has them; else ordinary pages, ``arena.empty`` either way), each matrix's mapping
     let go once written, so the peak holds one matrix twice at most."""
     data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
