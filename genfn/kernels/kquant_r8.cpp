@@ -1,7 +1,9 @@
 // Q4_K and Q5_K rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8"), and the row
-// kernels over them (q6_k_r8's are in kquant_q6k.cpp; this file repacks it too), for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
-// them as it runs the other formats' rows). The layout of a group's super-block is in kquant.h
-// (kR8*); the idea is ik_llama.cpp's q4_k_r8, the layout and the kernels are genfn's own.
+// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
+// them as it runs the other formats' rows); the repack and unpack ops serve Q6_K's groups too
+// ("q6_k_r8", whose row kernel is in kquant_q6k.cpp). The layout of a group's super-block is in
+// kquant.h (kR8*, kQ6R8*); the idea is ik_llama.cpp's q4_k_r8, the layout and the kernels are
+// genfn's own.
 //
 // Why: the row kernels of the file's layout spend a vpmaddubsw + vpmaddwd pair and a scale
 // shuffle per 64 weight bytes of one row, and at one row of x they compute only ~1.5x the bytes
