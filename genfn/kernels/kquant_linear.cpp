@@ -285,6 +285,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
   const int rows_last = static_cast<int>(M - (s.groups - 1) * s.per);
   s.layouts = 0;
   int64_t widest = 1;
+  bool starts[SharedLinear::kMaxParts] = {};  // per layout: whether a q6_k_r8 part reads its offsets4
   for (int64_t p = 0; p < s.count; ++p) {
     const int64_t f = s.parts[p].format, block = block_inputs(f);
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
@@ -304,11 +305,12 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
     if (l == s.layouts) {
       s.block[l] = block;
       s.order[l] = order;
-      s.x[l].resize(M, s.K, block);
       ++s.layouts;
     }
     s.layout_of[p] = l;
+    starts[l] = starts[l] || f == kQ6KR8;
   }
+  for (int64_t l = 0; l < s.layouts; ++l) s.x[l].resize(M, s.K, s.block[l], starts[l]);
   s.queue.prepare_blocks(s.first[s.count], threads);
   // ~8 KiB of weight a claim (per group of rows), as the decode kernels' balanced linears claim.
   s.chunk = std::max<int64_t>(1, 8192 / (widest * s.groups));

@@ -125,7 +125,7 @@ void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64
   const int16_t* sums = a.sums.data() + m * (a.K / 16) + k0 / 16;
   int16_t* pairs = a.sums32.data() + m * (a.K / 32) + k0 / 32;
   for (int64_t g = 0; g < (k1 - k0) / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
-  if (order == kNatural) {  // where q6_k_r8's lanes start (kquant.h's offsets4)
+  if (!a.offsets4.empty()) {  // where q6_k_r8's lanes start (kquant.h's offsets4; natural order)
     const int8_t* codes = a.codes.data() + m * a.K + k0;
     int32_t* starts = a.offsets4.data() + m * (a.K / 4) + k0 / 4;
     for (int64_t i = 0; i < (k1 - k0) / 4; ++i)
