@@ -24,7 +24,8 @@ inline int64_t group_size(int64_t M) {
 // Whether a product with one row of x fetches its thread's weight stream ahead into L2 (16 KiB, as
 // products of more rows do in the decode library): on Intel cores, whose prefetchers alone left a
 // one-row stream 10-20 % short of the read rate; not on AMD's, where the window cost a one-row
-// step 7-30 % (decode_linear.cpp, quant_linear.cpp, kquant_linear.cpp).
+// step 7-30 % (decode_linear.cpp, quant_linear.cpp, kquant_linear.cpp). A kernel whose reads the
+// prefetchers follow badly on AMD's cores too fetches there all the same (kquant_rows.h).
 inline bool fetch_ahead_at_one_row() {
   static const bool intel = __builtin_cpu_is("intel");
   return intel;
