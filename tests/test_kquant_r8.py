@@ -125,6 +125,19 @@ def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch(fmt)
 
 
 @needs_native
+def test_q6_k_r8_runs_where_the_library_takes_its_group_kernel():
+    from genfn.kernels import native
+    try:
+        assert kquant.q6_k_r8_runs() == (kquant.kquant_isa() == "avx512" and native.cpu_has("avx512_vnni"))
+        kquant.force_isa("avx2")  # the AVX2 path takes q6_k_r8's groups a row at a time
+        assert not kquant.q6_k_r8_runs()
+    finally:
+        kquant.force_isa(None)
+    with pytest.raises(RuntimeError, match="unknown format"):
+        torch.ops.genfn_kquant.kquant_own_kernel_runs(99)
+
+
+@needs_native
 def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path, monkeypatch):
     hf, _ = tiny_hf_model(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)

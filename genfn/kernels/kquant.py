@@ -88,10 +88,11 @@ def kquant_isa() -> str:
 
 
 def q6_k_r8_runs() -> bool:
-    """Whether ``q6_k_r8``'s group kernel runs here: the native kernels on their AVX-512 path on a CPU
-    with VNNI. Elsewhere a ``q6_k_r8`` group goes a row at a time through Q6_K's row kernel (the same
-    bits, slower than Q6_K as stored), so the GGUF loader interleaves Q6_K only where this holds."""
-    return kquant_isa() == "avx512" and native.cpu_has("avx512_vnni")
+    """Whether ``q6_k_r8``'s group kernel runs here (the native library's answer: its AVX-512 path
+    on a CPU with VNNI). Elsewhere a ``q6_k_r8`` group goes a row at a time through Q6_K's row kernel
+    (the same bits, slower than Q6_K as stored), so the GGUF loader interleaves Q6_K only where this
+    holds."""
+    return kquant_available() and bool(torch.ops.genfn_kquant.kquant_own_kernel_runs(FORMAT_ID["q6_k_r8"]))
 
 
 def force_isa(isa: str | None) -> str:

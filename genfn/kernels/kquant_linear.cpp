@@ -256,9 +256,15 @@ void q6k_r8_by_rows(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t
   }
 }
 
+// Whether a format's rows take its own kernel on path `isa`: q6_k_r8's group kernel needs AVX-512
+// VNNI, and elsewhere pick() takes its groups a row at a time through Q6_K's kernel (the same bits,
+// slower than Q6_K as stored), so the GGUF loader asks this (kquant_own_kernel_runs) before it
+// interleaves Q6_K.
+bool own_kernel_runs(Isa isa, int64_t format) { return format != kQ6KR8 || (isa == kAvx512 && has_vnni()); }
+
 RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
-  if (format == kQ6KR8 && !(isa == kAvx512 && has_vnni())) { GENFN_ROW_CASES(rows, q6k_r8_by_rows) }
+  if (!own_kernel_runs(isa, format)) { GENFN_ROW_CASES(rows, q6k_r8_by_rows) }
   if (interleaved(format)) return pick_r8(isa, format, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
@@ -488,6 +494,12 @@ int64_t kquant_layer_entry() { return reinterpret_cast<int64_t>(&kLayerEntry); }
 // 2 (AVX-512), 1 (AVX2) or 0 (neither): the path kquant_linear takes.
 int64_t kquant_isa() { return active_isa(); }
 
+// Whether format's rows take its own kernel on the active path (own_kernel_runs).
+bool kquant_own_kernel_runs(int64_t format) {
+  TORCH_CHECK(format >= 0 && format <= kLastFormat, "kquant_own_kernel_runs: unknown format ", format);
+  return own_kernel_runs(active_isa(), format);
+}
+
 // Pin the path (1: AVX2, 2: AVX-512, 0: the best this CPU has); returns the path now active.
 int64_t kquant_force_isa(int64_t isa) {
   TORCH_CHECK(isa >= 0 && isa <= 2, "kquant_force_isa: isa must be 0, 1 or 2, got ", isa);
@@ -503,6 +515,7 @@ TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
   m.def("kquant_moe_decode(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, int gate_up_format, "
         "Tensor down, int down_format) -> (Tensor, Tensor)");
   m.def("kquant_isa", &kquant_isa);
+  m.def("kquant_own_kernel_runs", &kquant_own_kernel_runs);
   m.def("kquant_force_isa", &kquant_force_isa);
   m.def("kquant_layer_entry", &kquant_layer_entry);
 }
