@@ -3,7 +3,8 @@
 // 64 multiply-adds each: the quantized kernels) and vfmadd231ps (float32, 16 each: the float
 // kernels) one core retires a second, with 12 independent chains so that latency is hidden; and
 // vdpbf16ps (bfloat16 pairs, 32 multiply-adds each: genfn's bfloat16 GEMM, bf16_gemm.cpp) where
-// the CPU has AVX512_BF16.
+// the CPU has AVX512_BF16; and vpdpbusd each fed by its own qword broadcast from memory, as the
+// K-quant group kernels feed it, and one such broadcast for every two.
 // Zen 4 splits a 512-bit operation into two 256-bit halves, Zen 5 and Intel's AVX-512 cores do
 // not: the ceiling differs by ~2x between the VMs this project runs on, so measure it on the
 // machine whose steps you explain.
@@ -66,6 +67,43 @@ int main() {
   long long int_sink = 0;
   for (int i = 0; i < kChains; ++i) int_sink += _mm512_reduce_add_epi32(sums[i]);
 
+  // The K-quant group kernels' form (kquant_r8.cpp): each vpdpbusd takes 8 activation bytes that
+  // a vpbroadcastq brings from memory (L1) for it alone.
+  alignas(64) static int8_t codes[64 * 32];
+  for (int i = 0; i < 64 * 32; ++i) codes[i] = static_cast<int8_t>(i % 7);
+  for (int i = 0; i < kChains; ++i) sums[i] = _mm512_set1_epi32(i);
+  const double broadcast_s = best_seconds([&] {
+    for (long n = 0; n < kIterations; ++n) {
+      const int8_t* c = codes + (n & 31) * 64;
+      asm volatile("" : "+r"(c));  // an address the compiler cannot hoist the loads from
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) {
+        long long q;
+        __builtin_memcpy(&q, c + 8 * i, 8);
+        sums[i] = _mm512_dpbusd_epi32(sums[i], w, _mm512_set1_epi64(q));
+      }
+    }
+  }, 15);
+  for (int i = 0; i < kChains; ++i) int_sink += _mm512_reduce_add_epi32(sums[i]);
+  // One broadcast for two vpdpbusd against different weights (two groups of 8 rows at once).
+  __m512i w2 = _mm512_set1_epi8(4);
+  for (int i = 0; i < kChains; ++i) sums[i] = _mm512_set1_epi32(i);
+  const double shared_s = best_seconds([&] {
+    for (long n = 0; n < kIterations; ++n) {
+      const int8_t* c = codes + (n & 31) * 64;
+      asm volatile("" : "+r"(c));
+#pragma GCC unroll 6
+      for (int i = 0; i < kChains; i += 2) {
+        long long q;
+        __builtin_memcpy(&q, c + 4 * i, 8);
+        const __m512i x8 = _mm512_set1_epi64(q);
+        sums[i] = _mm512_dpbusd_epi32(sums[i], w, x8);
+        sums[i + 1] = _mm512_dpbusd_epi32(sums[i + 1], w2, x8);
+      }
+    }
+  }, 15);
+  for (int i = 0; i < kChains; ++i) int_sink += _mm512_reduce_add_epi32(sums[i]);
+
   __m512 acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
   __m512 scale = _mm512_set1_ps(1.0000001f);
@@ -87,6 +125,8 @@ int main() {
   const double ops = static_cast<double>(kIterations) * kChains;
   std::printf("vpdpbusd zmm: %.2f G/s = %.0f G int8 multiply-adds/s a core\n", ops / int8_s / 1e9,
               ops * 64 / int8_s / 1e9);
+  std::printf("vpdpbusd zmm, each with a qword broadcast from memory: %.2f G/s\n", ops / broadcast_s / 1e9);
+  std::printf("vpdpbusd zmm, a qword broadcast from memory for every two: %.2f G/s\n", ops / shared_s / 1e9);
   std::printf("vfmadd231ps zmm: %.2f G/s = %.0f G float32 multiply-adds/s a core\n", ops / fma_s / 1e9,
               ops * 16 / fma_s / 1e9);
   if (bf16_s > 0)
