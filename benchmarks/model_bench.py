@@ -27,6 +27,7 @@ Results go to ``--json`` (default ``benchmarks/results/model-<time>.json``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -104,7 +105,7 @@ def child(args) -> dict:
             return genfn.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=0, **extra)
 
-    out["decode_tok_s"], out["first_call_s"] = {}, {}
+    out["decode_tok_s"], out["first_call_s"], out["tokens_digest"] = {}, {}, {}
     decode_cache, prefill_cache = PROMPT_LEN + args.new_tokens + 8, args.prefill + 8
     for batch in args.batches:
         ids = prompts(batch, PROMPT_LEN)
@@ -118,9 +119,12 @@ def child(args) -> dict:
             run(ids, 1, decode_cache)
             one = time.perf_counter() - t
             t = time.perf_counter()
-            run(ids, args.new_tokens, decode_cache)
+            tokens = run(ids, args.new_tokens, decode_cache)
             best = min(best, time.perf_counter() - t - one)
         out["decode_tok_s"][batch] = batch * (args.new_tokens - 1) / best
+        # Which tokens were decoded, to compare one engine across source trees (benchmarks/trees_ab.py).
+        listed = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+        out["tokens_digest"][batch] = hashlib.sha256(json.dumps(listed).encode()).hexdigest()[:16]
     if args.prefill:
         ids = prompts(1, args.prefill)
         run(ids, 1, prefill_cache)  # warm-up: the compiled engine's graph for this cache length
@@ -152,17 +156,20 @@ def llama_bench(binary: str, model: str, args) -> dict:
     return out
 
 
-def run_child(args, model: str, engine: str) -> dict:
+def run_child(args, model: str, engine: str, tree: str | None = None) -> dict:
+    """``child`` in a fresh process; with ``tree``, genfn imported from that source tree."""
     command = [sys.executable, __file__, "--child", "--model", model, "--engine", engine,
                "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
                "--prefill", str(args.prefill), "--repeats", str(args.repeats), "--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"engine": engine, "model": model, "error": (done.stderr or done.stdout)[-800:]}
     result = json.loads(lines[-1])
     # JSON keys are strings; batch sizes are compared with llama-bench's (ints) in the ratios
-    result["decode_tok_s"] = {int(b): v for b, v in result.get("decode_tok_s", {}).items()}
+    for key in ("decode_tok_s", "tokens_digest"):
+        result[key] = {int(b): v for b, v in result.get(key, {}).items()}
     return result
 
 
