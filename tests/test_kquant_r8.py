@@ -13,7 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import genfn
 from conftest import tiny_hf_model
 from genfn import kernels
-from genfn.kernels import kquant
+from genfn.kernels import kquant, native
 from genfn.quant import KQuantWeight, quantize_k, reference_linear_k
 from genfn.quant.kquants import repack_r8, unpack_r8
 from test_kquants import greedy_with_logits, isa, write_kquant_gguf  # noqa: F401 (isa: a fixture)
@@ -126,7 +126,6 @@ def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch(fmt)
 
 @needs_native
 def test_q6_k_r8_runs_where_the_library_takes_its_group_kernel():
-    from genfn.kernels import native
     try:
         assert kquant.q6_k_r8_runs() == (kquant.kquant_isa() == "avx512" and native.cpu_has("avx512_vnni"))
         kquant.force_isa("avx2")  # the AVX2 path takes q6_k_r8's groups a row at a time
