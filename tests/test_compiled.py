@@ -101,7 +101,7 @@ def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_tol
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     static = dict(cache_implementation="static")
     assert _CPU_COMPILE_OPTIONS == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True,
-                                    "cpp_wrapper_build_separate": True}
+                                    "cpp_wrapper_build_separate": True, "size_asserts": False}
     assert _compile_options(genfn.GenerationConfig(**static), cpu) == {"fullgraph": True,
                                                                        "options": _CPU_COMPILE_OPTIONS}
     # transformers' default mode is CUDA graphs ("reduce-overhead"): meaningless on a CPU, and
