@@ -77,6 +77,31 @@ def test_a_loop_trusts_guards_only_where_checking_them_recompiles_nothing(monkey
     assert torch.equal(fast, genfn.generate(model, ids, max_new_tokens=20))
 
 
+def test_a_compiled_step_flattens_only_states_it_did_not_return(monkeypatch):
+    """The state a compiled step returned comes back to it without being flattened again; any other
+    state (a span moved, user criteria's ``done``) is flattened, and the tokens are eager's."""
+    import genfn.driver as driver
+    from genfn.stopping.criteria import StoppingCriteriaList
+
+    _, model = tiny_pair(eos_token_id=None, seed=4)
+    ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    flattened = []  # the slow path's lookups of a layout's rebuild (the traced step reads neither)
+    real = driver._join_code
+    monkeypatch.setattr(driver, "_join_code", lambda layout: flattened.append(1) or real(layout))
+    out = genfn.generate(model, ids, max_new_tokens=40, cache_implementation="static", max_cache_len=64)
+    assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=40))
+    # 39 compiled steps from a span of 16 slots to 48: the first and the two where the span moved.
+    flattened.clear()
+    genfn.generate(model, ids, max_new_tokens=40, cache_implementation="static", max_cache_len=64)
+    assert len(flattened) == 3
+    # A criterion that returns a new ``done`` replaces the state between every step: each is flattened.
+    never = StoppingCriteriaList([lambda input_ids, scores, **kw: torch.zeros(input_ids.shape[0], dtype=torch.bool)])
+    flattened.clear()
+    stopped = genfn.generate(model, ids, max_new_tokens=40, cache_implementation="static", max_cache_len=64,
+                             stopping_criteria=never)
+    assert len(flattened) == 39 and torch.equal(stopped, out)
+
+
 def test_disable_compile_runs_eagerly():
     _, model = tiny_pair(eos_token_id=None)
     genfn.generate(model, torch.tensor([[5, 6, 7]]), max_new_tokens=4, cache_implementation="static",
