@@ -46,7 +46,7 @@ def _captured_step(fmt: str, phases: dict):
     import torch
 
     import genfn
-    from genfn import driver
+    from genfn import compile_boundary as boundary
 
     start = _now()
     model = genfn.load(quantize="gguf") if fmt == "q4_1" else genfn.load(dtype=getattr(torch, fmt))
@@ -55,13 +55,13 @@ def _captured_step(fmt: str, phases: dict):
 
     def capture(model_, kind, step, state, compile_options, build):
         if "fn" not in captured:
-            weights = driver.ParamsModule(driver.functional(model_).params)
-            tensors, layout = driver._split_leaves(state)
+            weights = boundary.ParamsModule(boundary.functional(model_).params)
+            tensors, layout = boundary._split_leaves(state)
             captured.update(fn=build(weights, layout), weights=weights,
-                            flat=[driver._with_canonical_strides(t) for t in tensors])
+                            flat=[boundary._with_canonical_strides(t) for t in tensors])
         return captured["fn"]
 
-    driver._cached_compile = capture
+    boundary._cached_compile = capture
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
     with torch.no_grad():
         genfn.generate(model, ids, max_new_tokens=2, min_new_tokens=2, do_sample=False,

@@ -19,7 +19,7 @@ import torch
 
 import genfn
 from genfn import kernels
-from genfn.driver import _CPU_COMPILE_OPTIONS
+from genfn.compile_boundary import _CPU_COMPILE_OPTIONS
 
 PROMPT = "The history of the Roman Empire is long and complicated. It began when"
 

@@ -111,7 +111,7 @@ def child(fmt: str, new_tokens: int, freezing: str, options: dict, path: str = "
     extra = {}
     if freezing != "auto" or options:
         # genfn's CPU options with freezing forced or options overridden, for an A/B of the compile.
-        from genfn.driver import _CPU_COMPILE_OPTIONS
+        from genfn.compile_boundary import _CPU_COMPILE_OPTIONS
         forced = {} if freezing == "auto" else {"freezing": freezing == "on"}
         extra["compile_config"] = genfn.CompileConfig(fullgraph=True, mode=None,
                                                       options={**_CPU_COMPILE_OPTIONS, **options, **forced})

@@ -31,15 +31,15 @@ def main() -> None:
     import torch
 
     import genfn
-    from genfn import driver
+    from genfn import compile_boundary
 
     model = genfn.load(quantize="gguf")
     ids = torch.tensor([model.tokenizer.encode(PROMPT)])
-    defaults = dict(driver._CPU_COMPILE_OPTIONS)
+    defaults = dict(compile_boundary._CPU_COMPILE_OPTIONS)
 
     def generate(level: str, new_tokens: int):
-        driver._CPU_COMPILE_OPTIONS.clear()
-        driver._CPU_COMPILE_OPTIONS.update(defaults, **{"aot_inductor.compile_wrapper_opt_level": level})
+        compile_boundary._CPU_COMPILE_OPTIONS.clear()
+        compile_boundary._CPU_COMPILE_OPTIONS.update(defaults, **{"aot_inductor.compile_wrapper_opt_level": level})
         with torch.no_grad():
             return genfn.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=2, cache_implementation="static", max_cache_len=256)
@@ -58,8 +58,8 @@ def main() -> None:
             start = time.perf_counter()
             tokens[level] = generate(level, 129)[0, -16:].tolist()
             steps[level].append(round((time.perf_counter() - start - one) / 128 * 1000, 3))
-    driver._CPU_COMPILE_OPTIONS.clear()
-    driver._CPU_COMPILE_OPTIONS.update(defaults)
+    compile_boundary._CPU_COMPILE_OPTIONS.clear()
+    compile_boundary._CPU_COMPILE_OPTIONS.update(defaults)
     print(json.dumps({"load": os.getloadavg(), "first_call_s": first, "tokens_equal": tokens["O1"] == tokens["O0"],
                       "ms_per_step": {level: {"median": statistics.median(v), "rounds": v} for level, v in steps.items()}}))
 

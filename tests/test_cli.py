@@ -326,9 +326,9 @@ def test_log_records_become_status_lines_unless_a_phase_shows_them(monkeypatch):
     quiet_handler, verbose_handler = StderrLines(Status(live=False)), StderrLines(Status(live=False), verbose=True)
     records = [logging.LogRecord(name, level, __file__, 1, message, (), None) for name, level, message in (
         ("genfn.batching.api", logging.INFO, "reusing the manager"),
-        ("genfn.driver", logging.INFO, "compiling the decode step (torch.compile)"),  # the compile phase says it
+        ("genfn.compile_boundary", logging.INFO, "compiling the decode step (torch.compile)"),  # the compile phase says it
         ("genfn.kernels", logging.INFO, "building the native kernels"),  # so does the kernel phase
-        ("genfn.driver", logging.WARNING, "runs eagerly\nmore detail"))]
+        ("genfn.compile_boundary", logging.WARNING, "runs eagerly\nmore detail"))]
     for record in records:
         quiet_handler.emit(record)
     shown = err.getvalue()

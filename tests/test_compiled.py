@@ -80,14 +80,14 @@ def test_a_loop_trusts_guards_only_where_checking_them_recompiles_nothing(monkey
 def test_a_compiled_step_flattens_only_states_it_did_not_return(monkeypatch):
     """The state a compiled step returned comes back to it without being flattened again; any other
     state (a span moved, user criteria's ``done``) is flattened, and the tokens are eager's."""
-    import genfn.driver as driver
+    from genfn import compile_boundary
     from genfn.stopping.criteria import StoppingCriteriaList
 
     _, model = tiny_pair(eos_token_id=None, seed=4)
     ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4))
     flattened = []  # the slow path's lookups of a layout's rebuild (the traced step reads neither)
-    real = driver._join_code
-    monkeypatch.setattr(driver, "_join_code", lambda layout: flattened.append(1) or real(layout))
+    real = compile_boundary._join_code
+    monkeypatch.setattr(compile_boundary, "_join_code", lambda layout: flattened.append(1) or real(layout))
     out = genfn.generate(model, ids, max_new_tokens=40, cache_implementation="static", max_cache_len=64)
     assert torch.equal(out, genfn.generate(model, ids, max_new_tokens=40))
     # 39 compiled steps from a span of 16 slots to 48: the first and the two where the span moved.
@@ -121,7 +121,7 @@ def test_compiled_greedy_equals_eager_on_smollm2(smollm2, smollm2_prompts):
 
 
 def test_compile_options_pick_max_autotune_and_the_cpp_wrapper_on_cpu_unless_told_otherwise():
-    from genfn.driver import _CPU_COMPILE_OPTIONS, compile_options_for as _compile_options
+    from genfn.compile_boundary import _CPU_COMPILE_OPTIONS, compile_options_for as _compile_options
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     static = dict(cache_implementation="static")
@@ -166,19 +166,19 @@ def test_the_compiled_step_does_not_guard_on_its_own_weights():
     dynamo's per-step guards leave it out (about 1,100 of SmolLM2's 1,450); a caller's own filter wins."""
     from types import SimpleNamespace
 
-    from genfn import driver
+    from genfn import compile_boundary
 
     names = ["weights", "weights._buffers['p0']", "weights.q3.codes", "flat[0]", "value.spec.head_dim",
              "weights_of_something_else"]
-    kept = driver._keep_guard([SimpleNamespace(name=n) for n in names])
+    kept = compile_boundary._keep_guard([SimpleNamespace(name=n) for n in names])
     assert kept == [False, False, False, True, True, True]
-    options = driver._without_weight_guards({"backend": "inductor", "options": {"max_autotune": True}})
-    assert options["options"] == {"max_autotune": True, "guard_filter_fn": driver._keep_guard}
+    options = compile_boundary._without_weight_guards({"backend": "inductor", "options": {"max_autotune": True}})
+    assert options["options"] == {"max_autotune": True, "guard_filter_fn": compile_boundary._keep_guard}
 
     def mine(entries):
         return [True] * len(entries)
 
-    assert driver._without_weight_guards({"options": {"guard_filter_fn": mine}})["options"]["guard_filter_fn"] is mine
+    assert compile_boundary._without_weight_guards({"options": {"guard_filter_fn": mine}})["options"]["guard_filter_fn"] is mine
 
 
 def test_the_filtered_step_still_recompiles_for_a_new_state_shape():

@@ -263,7 +263,7 @@ def summary(status: Status, tokens: int, seconds: float, first_token_s: float | 
 
 # Loggers whose INFO records say what the CLI's own status phases already show with a ticker
 # (the kernel build, the compile): rendered only with --verbose, so no step is announced twice.
-SHOWN_AS_PHASES = ("genfn.driver", "genfn.kernels")
+SHOWN_AS_PHASES = ("genfn.compile_boundary", "genfn.kernels")
 
 
 class StderrLines(logging.Handler):

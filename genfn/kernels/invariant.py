@@ -22,7 +22,7 @@ through is done per token, by one thread, in an order that depends on the token 
 The mode is a ``ContextVar``: the model forwards read it (``batch_invariant()``) when they run or
 are traced, and ``deterministic()`` restores the previous value on exit. A compiled graph bakes in
 the mode it was traced under, so genfn keys its compiled steps on the mode as well
-(``genfn.driver``), and continuous batching fixes it per manager (its forwards run on the
+(``genfn.compile_boundary``), and continuous batching fixes it per manager (its forwards run on the
 manager's own thread, which a ``ContextVar`` does not reach: the manager reads the mode when it
 is built).
 """
@@ -49,7 +49,7 @@ _MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("genfn_batch_invari
 
 
 # Dynamo cannot trace a ContextVar read; read while tracing, the mode is a constant of the graph
-# (no guard: genfn keys its compiled steps on the mode instead, genfn.driver).
+# (no guard: genfn keys its compiled steps on the mode instead, genfn.compile_boundary).
 @constant_result
 def batch_invariant() -> bool:
     """Whether the calling context is in the batch-invariant mode."""
