@@ -56,9 +56,8 @@ def _captured_step(fmt: str, phases: dict):
     def capture(model_, kind, step, state, compile_options, build):
         if "fn" not in captured:
             weights = boundary.ParamsModule(boundary.functional(model_).params)
-            tensors, layout = boundary._split_leaves(state)
-            captured.update(fn=build(weights, layout), weights=weights,
-                            flat=[boundary._with_canonical_strides(t) for t in tensors])
+            flat, layout = boundary._canonical_leaves(state)
+            captured.update(fn=build(weights, layout), weights=weights, flat=flat)
         return captured["fn"]
 
     boundary._cached_compile = capture

@@ -110,8 +110,9 @@ def _split_leaves(state):
 
 
 def _layout_unflattener(layout) -> Callable:
-    """``tensors -> state`` for ``layout``, as ``_join_leaves`` but without reading the treedef when
-    traced (see ``genfn.traced_unflatten``): inside a compiled step, what dynamo reads it guards."""
+    """``tensors -> state`` for ``layout``, what ``tree_unflatten`` of the leaves gives, but without
+    reading the treedef when traced (see ``genfn.traced_unflatten``): inside a compiled step, what
+    dynamo reads it guards."""
     treedef, _, constants = layout
     return unflattener(treedef, dict(constants))
 
@@ -119,16 +120,6 @@ def _layout_unflattener(layout) -> Callable:
 # The generated rebuild of each layout the driver has returned states in: between compiled steps
 # it rebuilds a state in ~13 us where tree_unflatten walks the treedef in ~35.
 _join_code = functools.lru_cache(maxsize=64)(_layout_unflattener)
-
-
-def _join_leaves(tensors, layout):
-    treedef, tensor_slots, constants = layout
-    leaves: list = [None] * (len(tensor_slots) + len(constants))
-    for i, tensor in zip(tensor_slots, tensors):
-        leaves[i] = tensor
-    for i, value in constants:
-        leaves[i] = value
-    return torch_pytree.tree_unflatten(leaves, treedef)
 
 
 def _static_shape(tensor: torch.Tensor) -> tuple:
@@ -247,13 +238,18 @@ def _announced_first_call(fn: Callable, what: str) -> Callable:
     return call
 
 
+def _canonical_leaves(state) -> tuple[list, tuple]:
+    """``_split_leaves(state)`` with every tensor leaf given canonical strides. Dynamo guards on
+    strides: a leaf that is a strided view (a column sliced out of a prompt-shaped tensor, say)
+    would recompile once per prompt length. Contiguous leaves pass through untouched, so donated
+    buffers are never copied."""
+    flat, layout = _split_leaves(state)
+    return [_with_canonical_strides(t) for t in flat], layout
+
+
 def _call_on_leaves(fn: Callable, state, *leading):
     """``fn(*leading, *tensor leaves of state)`` rebuilt into a state of ``state``'s layout."""
-    flat, layout = _split_leaves(state)
-    # Dynamo guards on strides: a leaf that is a strided view (a column sliced out of a
-    # prompt-shaped tensor, say) would recompile once per prompt length. Contiguous leaves
-    # pass through untouched, so donated buffers are never copied.
-    flat = [_with_canonical_strides(t) for t in flat]
+    flat, layout = _canonical_leaves(state)
     # Inference only (freezing, where the backend turns it on, needs grad disabled).
     with torch.no_grad():
         return _join_code(layout)(fn(*leading, *flat))
@@ -276,8 +272,7 @@ class _StepOnLeaves:
         if last is not None and last[0] is state:
             _, flat, layout, join = last
         else:
-            flat, layout = _split_leaves(state)
-            flat = [_with_canonical_strides(t) for t in flat]
+            flat, layout = _canonical_leaves(state)
             join = _join_code(layout)
         self.last = None  # nothing outlives a failed step
         with torch.no_grad():
@@ -408,7 +403,7 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
 # call, building a string and a std::stringstream for each (~440 inputs on SmolLM2, the weights
 # among them): ~3 % of a Q4_1 step (median of ten alternated calls of both graphs in one process,
 # 0.94-1.00x; same tokens). The driver already guarantees what they check: it keys each compiled step on its
-# leaves' static shapes and dtypes and hands it canonical strides (``_call_on_leaves``), and the
+# leaves' static shapes and dtypes and hands it canonical strides (``_canonical_leaves``), and the
 # weights it closes over never change.
 _CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True,
                         "cpp_wrapper_build_separate": True, "size_asserts": False}
