@@ -401,10 +401,10 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
 # the compile reused the other's C++ byte for byte.
 # Without inductor's size asserts: the C++ wrapper checks every input's sizes and strides on every
 # call, building a string and a std::stringstream for each (~440 inputs on SmolLM2, the weights
-# among them): ~3 % of a Q4_1 step (median of ten alternated calls of both graphs in one process,
-# 0.94-1.00x; same tokens). The driver already guarantees what they check: it keys each compiled step on its
-# leaves' static shapes and dtypes and hands it canonical strides (``_canonical_leaves``), and the
-# weights it closes over never change.
+# among them): 1-3 % of a SmolLM2 Q4_1 step, same tokens (`benchmarks/lookup_steps.py --inductor-option
+# size_asserts=True`: 0.8-2.1 % a plain step, 2.8-3.4 % an 8-row round). The driver already guarantees
+# what they check: it keys each compiled step on its leaves' static shapes and dtypes and hands it
+# canonical strides (``_canonical_leaves``), and the weights it closes over never change.
 _CPU_COMPILE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True,
                         "cpp_wrapper_build_separate": True, "size_asserts": False}
 
