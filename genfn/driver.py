@@ -30,12 +30,13 @@ class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits for some rows."""
 
 
-def limit_attention(state, num_slots: int):
-    """``state`` with its cache's attention limited to ``num_slots`` slots, when the cache supports it."""
+def limit_attention(state, num_slots: int, *, dynamic: bool = True):
+    """``state`` with its cache's attention limited to ``num_slots`` slots, when the cache supports it;
+    ``dynamic``: the span's size marked dynamic, for a compiled step (``StaticCache.with_span``)."""
     cache = getattr(state, "cache", None)
     if cache is None or not hasattr(cache, "with_span"):
         return state
-    limited = cache.with_span(num_slots)
+    limited = cache.with_span(num_slots, dynamic=dynamic)
     return state if limited is cache else state.replace(cache=limited)
 
 
@@ -183,7 +184,8 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
                 break
             # Attention covers the filled slots plus what this step writes; the span's size is
             # dynamic, so one compiled step serves every length.
-            state = limit_attention(state, view.longest + strategy.tokens_per_step - 1)
+            state = limit_attention(state, view.longest + strategy.tokens_per_step - 1,
+                                    dynamic=compile_options is not None)
             if advance is None:
                 advance = (compiled_step(strategy.step, model, state, compile_options) if compile_options is not None
                            else eager_step(strategy.step, model))

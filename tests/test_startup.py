@@ -276,6 +276,26 @@ def test_importing_genfn_and_its_command_line_leaves_dynamo_inductor_and_transfo
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+_EAGER_ON_A_STATIC_CACHE = """
+import sys, torch, genfn
+from genfn.default_model import default_model_path
+model = genfn.load(default_model_path(), quantize="gguf")
+ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3]])
+for extra in ({}, {"do_sample": True, "top_k": 5}, {"num_beams": 2}, {"prompt_lookup_num_tokens": 3}):
+    genfn.generate(model, ids, cache_implementation="static", disable_compile=True, max_new_tokens=20, **extra)
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_an_eager_run_on_a_static_cache_leaves_dynamo_unimported():
+    # Marking the attended span dynamic (for a compiled step) imported dynamo at an eager run's
+    # first span: ~0.9 s of its first token, for a mark nothing reads.
+    done = subprocess.run([sys.executable, "-c", _EAGER_ON_A_STATIC_CACHE], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_constant_result_leaves_the_mark_torchs_own_decorator_leaves():
     from genfn.kernels import invariant
     from genfn.torch_compat import CONSTANT_RESULT_MARK, constant_result

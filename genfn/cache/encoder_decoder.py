@@ -50,11 +50,11 @@ class EncoderDecoderCache(CacheBase):
         inner = self.self_attention
         return inner.attend_len() if hasattr(inner, "attend_len") else inner.max_cache_len
 
-    def with_span(self, num_slots: int) -> "EncoderDecoderCache":
+    def with_span(self, num_slots: int, *, dynamic: bool = True) -> "EncoderDecoderCache":
         inner = self.self_attention
         if not hasattr(inner, "with_span"):
             return self
-        return self.replace(self_attention=inner.with_span(num_slots))
+        return self.replace(self_attention=inner.with_span(num_slots, dynamic=dynamic))
 
     def slots(self, num_new: int) -> torch.Tensor:
         return self.self_attention.slots(num_new)

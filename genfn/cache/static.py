@@ -40,15 +40,18 @@ class StaticCache(CacheBase):
         """How many leading slots attention reads (a SymInt under a dynamic-span compile)."""
         return self.max_cache_len if self.span is None else self.span.shape[0]
 
-    def with_span(self, num_slots: int) -> "StaticCache":
-        """This cache with attention limited to the first ``num_slots`` slots (rounded up to 16)."""
+    def with_span(self, num_slots: int, *, dynamic: bool = True) -> "StaticCache":
+        """This cache with attention limited to the first ``num_slots`` slots (rounded up to 16).
+        ``dynamic``: the span's size marked dynamic for a compiled step; an eager run passes False,
+        and the span's first change then costs no import of dynamo (~0.9 s)."""
         num_slots = min(-(-num_slots // 16) * 16, self.max_cache_len)
         if self.span is not None and self.span.shape[0] == num_slots:
             return self  # the span moves every 16 slots: most steps keep it
         span = torch.empty(num_slots, dtype=torch.int8, device=self.keys.device)
-        # One compiled step serves every span length; maybe_ (not mark_) lets dynamo specialize
-        # the rare edge (span == T) with a guard instead of failing the compile.
-        torch._dynamo.maybe_mark_dynamic(span, 0)
+        if dynamic:
+            # One compiled step serves every span length; maybe_ (not mark_) lets dynamo specialize
+            # the rare edge (span == T) with a guard instead of failing the compile.
+            torch._dynamo.maybe_mark_dynamic(span, 0)
         return self.replace(span=span)
 
     @property
