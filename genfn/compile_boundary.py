@@ -48,7 +48,7 @@ def functional(model) -> FunctionalModel:
 def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
     """The step as a plain Python call (for debugging; the same function that gets compiled, given the
     same kind of model value)."""
-    value = functional(model)
+    value = model.functional(eager=True) if hasattr(model, "functional") else model
     return lambda state: step(value, state)
 
 

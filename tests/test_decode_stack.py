@@ -177,6 +177,50 @@ def test_eager_generate_takes_the_stack_and_keeps_its_tokens_and_logits(tiny_pai
 
 
 @needs_kernel
+def test_a_stack_plan_answers_for_its_own_layers_once_and_works_out_any_other():
+    layers = _stack_layers(("plain", "plain"))
+    x, _, _, keys, *_ = _step_inputs(1, 1, 2)
+    plan = decode_layer.StackPlan(layers)
+    with torch.no_grad():  # (under grad mode too, a key of its own: a weight that asks for gradients runs no stack)
+        weights, layout = plan.weights(x, layers, keys, HEAD_DIM)
+        expected = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
+        assert layout == expected[1] and len(weights) == len(expected[0])
+        assert all(a is b for a, b in zip(weights, expected[0]))
+        assert plan.weights(x, layers, keys, HEAD_DIM)[0] is weights  # worked out once
+        assert plan.weights(x, layers[:1], keys, HEAD_DIM)[1] == decode_layer.stack_weights(x, layers[:1], keys,
+                                                                                            HEAD_DIM)[1]
+        other = [layers[0], {**layers[1], "wo": layers[1]["wo"] * 2}]
+        assert any(w is other[1]["wo"] for w in plan.weights(x, other, keys, HEAD_DIM)[0])
+        assert plan.weights(torch.randn(1, 40, K_HIDDEN), layers, keys, HEAD_DIM) is None  # a prefill
+    asking = [layers[0], {**layers[1], "wo": layers[1]["wo"].clone().requires_grad_()}]
+    with torch.enable_grad():
+        assert decode_layer.StackPlan(asking).weights(x, asking, keys, HEAD_DIM) is None
+
+
+@needs_kernel
+def test_an_eager_run_walks_the_stacks_weights_once_and_keeps_its_tokens_and_logits(tiny_pair_f32, monkeypatch):
+    """The run's params carry a ``StackPlan`` (``llama.eager_params``): its steps do not walk every
+    layer's weights again, and give what steps that do give."""
+    import genfn
+    from genfn.models import registry
+
+    _, model = tiny_pair_f32
+    walks = []
+    layers_stack = decode_layer._layers_stack
+    monkeypatch.setattr(decode_layer, "_layers_stack", lambda layers, x: walks.append(len(layers)) or
+                        layers_stack(layers, x))
+    settings = dict(GENERATE, cache_implementation="static", max_cache_len=48)
+    ours = genfn.generate(model, PROMPTS, **settings)
+    assert walks == [len(model.params["layers"])]
+    monkeypatch.setattr(registry, "eager_params", lambda spec, params: params)
+    walks.clear()
+    every_step = genfn.generate(model, PROMPTS, **settings)
+    assert len(walks) == GENERATE["max_new_tokens"] - 1  # the prefill's first token takes no stack
+    assert torch.equal(ours.sequences, every_step.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(every_step.logits))
+
+
+@needs_kernel
 def test_a_compiled_step_takes_the_stack_and_keeps_the_layer_calls_bits(tiny_pair_f32, monkeypatch):
     """Inside a compiled step the stack writes the cache in place (inductor hands it the state's own
     buffers) and gives the per-layer calls' logits bit for bit."""

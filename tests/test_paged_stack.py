@@ -137,6 +137,28 @@ def test_continuous_batching_gives_a_short_requests_generate_logits_on_the_stack
         assert (out.generated_tokens, out.logprobs) == _alone(model, prompt, 10)
 
 
+@needs_kernel
+def test_the_eager_batching_forward_walks_the_stacks_weights_once(tiny_pair_f32, monkeypatch):
+    """``pack_params`` works the stack's weights out once (``decode_layer.StackPlan`` of the plain
+    layers) for every forward of the engine, whatever its token count."""
+    from batching_support import run_requests
+    from genfn import ContinuousBatchingConfig
+
+    _, model = tiny_pair_f32
+    walks, forwards = [], []
+    layers_stack, run_paged_stack = decode_layer._layers_stack, decode_layer.run_paged_stack
+    monkeypatch.setattr(decode_layer, "_layers_stack", lambda layers, x: walks.append(len(layers)) or
+                        layers_stack(layers, x))
+    monkeypatch.setattr(decode_layer, "run_paged_stack",
+                        lambda x, *a: forwards.append(x.shape[0]) or run_paged_stack(x, *a))
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=16, max_requests_per_batch=4,
+                                  max_blocks_per_request=8)
+    outputs, _ = run_requests(model, [(p, 6, {"do_sample": False}) for p in PROMPTS], cb)
+    assert len(set(forwards)) > 1 and walks == [len(model.params["layers"])]
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.generated_tokens == _alone(model, prompt, 6)[0]
+
+
 def _record_stack_choices(monkeypatch) -> list:
     """``(tokens, whether the paged stack runs them)`` of every packed forward from now on (traced
     ones once per graph)."""

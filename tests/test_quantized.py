@@ -87,6 +87,18 @@ def test_a_lookup_reads_the_rows_of_the_tiles_exactly(fmt, rows):
     index = torch.tensor([[rows - 1, 0, rows // 2], [1 % rows, rows - 1, 0]])
     assert torch.equal(weight.lookup(index), weight.dequantize()[index])
     assert torch.equal(kernels.embedding(index, weight, torch.bfloat16), weight.dequantize()[index].to(torch.bfloat16))
+    assert torch.equal(kernels.embedding(index, weight, torch.float32), weight.dequantize()[index])
+
+
+@needs_kernel
+def test_the_native_lookup_names_an_index_outside_the_rows():
+    weight = QuantizedWeight.from_rows(quantize(torch.randn(40, 128), "q4_1"))  # a last tile of 8 rows
+    with pytest.raises(IndexError, match="tiles_lookup: index 40 is outside the 40 rows"):
+        kernels.embedding(torch.tensor([[3, 40]]), weight, torch.float32)
+    with pytest.raises(IndexError, match="index -1 is outside"):
+        kernels.embedding(torch.tensor([-1]), weight, torch.float32)
+    args = (weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features, torch.tensor([0, 39, 7]))
+    torch.library.opcheck(torch.ops.genfn_kernels.tiles_lookup, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fusing_rows_keeps_blocks_and_falls_back_to_float_for_mixed_formats():

@@ -180,6 +180,10 @@ def _register_token_ops_fake() -> None:
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64), logits.new_empty((logits.shape[0],))
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::tiles_lookup")
+    def _(codes, scales, mins, kind, out_features, index):
+        return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::argmax_rows")
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
@@ -445,5 +449,10 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
 
         return dequantize_k(table.data[tokens], table.format).to(dtype)
     if isinstance(table, QuantizedWeight):
+        if table.codes.is_cpu and tokens.device.type == "cpu" and decode_linear_available():
+            # QuantizedWeight.lookup's values in one native pass (gguf_tiles.cpp's tiles_lookup).
+            rows = getattr(torch.ops, _OP_NAMESPACE).tiles_lookup(table.codes, table.scales, table.mins, table.kind,
+                                                                  table.out_features, tokens.reshape(-1))
+            return rows.view(*tokens.shape, table.in_features).to(dtype)
         return table.lookup(tokens).to(dtype)
     return F.embedding(tokens, table)

@@ -1,6 +1,7 @@
 // A GGUF file's Q4_0 / Q4_1 / Q8_0 blocks written into QuantizedWeight's tiles (genfn/quant/weight.py)
 // in one pass: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py). And the same blocks
-// dequantized to float32 rows in one pass (gguf_dequantize_rows), the float load's path.
+// dequantized to float32 rows in one pass (gguf_dequantize_rows), the float load's path; and rows
+// of the tiles dequantized the same way (tiles_lookup), an embedding lookup in a tied head's blocks.
 //
 // numpy's version of this (QuantizedWeight.fill_from_blocks) copies each field out of the
 // records, then gathers it into the tile order: two passes over the matrix. Here a tile's 16
@@ -221,15 +222,71 @@ void gguf_dequantize_rows(const at::Tensor& blocks, const std::optional<at::Tens
   }
 }
 
+// Rows `index` of a QuantizedWeight's tiles as float32 [n, blocks * 32]: an embedding lookup in a tied
+// head's own blocks (genfn.kernels.embedding). Each block of a row is put back into the file's record
+// and dequantized by dequantize_block, so the values are QuantizedWeight.dequantize()'s bit for bit;
+// eager, the torch form of this (QuantizedWeight.lookup) was ~15 small ops, ~80 us of a SmolLM2 step.
+at::Tensor tiles_lookup(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                        int64_t kind, int64_t out_features, const at::Tensor& index) {
+  const BlockLayout lay = layout_of("tiles_lookup", kind);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
+              "tiles_lookup: codes must be contiguous uint8 [tiles, blocks, width]");
+  const int64_t tiles = codes.size(0), nblocks = codes.size(1), width = lay.code_bytes * kTile;
+  TORCH_CHECK(codes.size(2) == width, "tiles_lookup: codes' width must be ", width, " for kind ", kind);
+  auto check_half = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == tiles &&
+                    t.size(1) == nblocks && t.size(2) == kTile,
+                "tiles_lookup: ", name, " must be contiguous float16 [tiles, blocks, 16]");
+  };
+  check_half(scales, "scales");
+  TORCH_CHECK(mins.has_value() == (kind == 1), "tiles_lookup: mins are given for q4_1 and only for it");
+  if (mins) check_half(*mins, "mins");
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "tiles_lookup: out_features ",
+              out_features, " does not fill ", tiles, " tiles");
+  TORCH_CHECK(index.scalar_type() == at::kLong, "tiles_lookup: index must be int64");
+  const at::Tensor rows = index.contiguous();
+  const int64_t n = rows.numel(), cols = nblocks * 32;
+  at::Tensor out = at::empty({n, cols}, codes.options().dtype(at::kFloat));
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const uint8_t* code_out = codes.data_ptr<uint8_t>();
+  const uint16_t* scale_out = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* min_out = mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const uint32_t flip = kind == 2 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
+  float* values = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = row_of[i];
+    TORCH_CHECK_INDEX(row >= 0 && row < out_features, "tiles_lookup: index ", row, " is outside the ", out_features,
+                " rows");
+    const int64_t tile = row / kTile, r = row % kTile;
+    const uint8_t* code_tile = code_out + tile * nblocks * width;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      uint8_t record[34];
+      const int64_t at = (tile * nblocks + b) * kTile + r;
+      std::memcpy(record, scale_out + at, 2);
+      if (min_out) std::memcpy(record + 2, min_out + at, 2);
+      for (int64_t c = 0; c < lay.code_bytes / 4; ++c) {
+        uint32_t word;
+        std::memcpy(&word, code_tile + b * width + c * 64 + r * 4, 4);
+        word ^= flip;
+        std::memcpy(record + lay.head + 4 * c, &word, 4);
+      }
+      dequantize_block(record, kind, values + i * cols + 32 * b);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("gguf_blocks_to_tiles(Tensor blocks, Tensor? rows, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? mins, "
         "int kind, int out_features) -> ()");
   m.def("gguf_dequantize_rows(Tensor blocks, Tensor? rows, int kind, Tensor(a!) out) -> ()");
+  m.def("tiles_lookup(Tensor codes, Tensor scales, Tensor? mins, int kind, int out_features, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("gguf_blocks_to_tiles", &gguf_blocks_to_tiles);
   m.impl("gguf_dequantize_rows", &gguf_dequantize_rows);
+  m.impl("tiles_lookup", &tiles_lookup);
 }

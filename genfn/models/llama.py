@@ -36,7 +36,8 @@ from genfn.models.rope import rope_cos_sin
 from genfn.quant.fuse import cat_rows
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
-           "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms", "first_layers"]
+           "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms", "first_layers",
+           "eager_params", "STACK_PLAN"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -381,14 +382,29 @@ def _native_attention_input(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x
     return q, keys, values
 
 
-def _native_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache) -> tuple[list, list] | None:
+def _native_stack(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.Tensor,
+                  cache) -> tuple[list, list] | None:
     """The step's whole stack of layers as one native call (``decode_layer.run_stack``), where every
     layer would take the fused native layer on its own: the same numbers without the Python, dispatch
     and glue between the layers' calls (~70 us a layer eager; in a compiled step inductor's wrapper
-    calls and the cache writes' kernels between them)."""
+    calls and the cache writes' kernels between them). An eager run's params carry the stack's
+    weights worked out once (``eager_params``)."""
     if not _native_layers_take(spec, cache) or spec.tensor_shard is not None:
         return None
+    plan = params.get(STACK_PLAN)
+    if plan is not None and plan.layers is params["layers"]:
+        return plan.weights(x, layers, cache.keys, spec.head_dim)
     return decode_layer.stack_weights(x, layers, cache.keys, spec.head_dim)
+
+
+# The params entry of an eager run's decode_layer.StackPlan (eager_params).
+STACK_PLAN = "decode_stack_plan"
+
+
+def eager_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``params`` as one eager run's steps read them (``genfn.models.registry.eager_params``): with a
+    ``decode_layer.StackPlan`` of its layers, so a step does not walk every layer's weights again."""
+    return {**params, STACK_PLAN: decode_layer.StackPlan(params["layers"])}
 
 
 def _native_layers_take(spec: LlamaSpec, cache) -> bool:
@@ -460,7 +476,7 @@ def apply(
                                   logits_to_keep), cache
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
-    stack = None if output_hidden_states or output_attentions else _native_stack(spec, layers, x, cache)
+    stack = None if output_hidden_states or output_attentions else _native_stack(spec, params, layers, x, cache)
     if stack is not None:
         x = decode_layer.run_stack(x, stack, cos, sin, cache.keys, cache.values, slots, mask, spec.rms_norm_eps,
                                    spec.num_heads, spec.num_kv_heads)

@@ -32,7 +32,7 @@ from genfn.kernels import linear as plain_linear
 from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits
-from genfn.models.llama import LlamaSpec, _rms_norm, projection_norms
+from genfn.models.llama import STACK_PLAN, LlamaSpec, _rms_norm, projection_norms
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -63,8 +63,11 @@ def unpacked_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
     """The eager forward's weights: the linears packed once for oneDNN's GEMM (many rows times each
-    weight; ``genfn.kernels.packed_gemm``). The compiled graph takes the plain tensors."""
-    return pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
+    weight; ``genfn.kernels.packed_gemm``), and the native stack's weights worked out once
+    (``decode_layer.StackPlan`` of the plain layers). The compiled graph takes the plain tensors."""
+    packed = pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
+    plain = [{name: _plain(w) for name, w in layer.items()} for layer in packed["layers"]]
+    return {**packed, STACK_PLAN: decode_layer.StackPlan(plain)}
 
 
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -309,7 +312,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if invariant.batch_invariant():
         return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     check_plan(plan, num_tokens)
-    stack = _paged_stack(spec, params["layers"], x, cache, plan)
+    stack = _paged_stack(spec, params, x, cache, plan)
     if stack is not None:
         x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
                                          spec.num_heads, spec.num_kv_heads, spec.sliding_window)
@@ -331,7 +334,7 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     return sampled_logits(inputs, plan, spec.vocab_size, x.device, logits_of), cache
 
 
-def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache,
+def _paged_stack(spec: LlamaSpec, params: Mapping[str, Any], x: torch.Tensor, cache: PagedKVCache,
                  plan: PackedPlan | None) -> tuple[list, list] | None:
     """The packed tokens' whole stack of layers as one native call (``decode_layer.run_paged_stack``)
     where ``generate``'s step would take the native stack: Llama's own layers, at most
@@ -345,7 +348,10 @@ def _paged_stack(spec: LlamaSpec, layers, x: torch.Tensor, cache: PagedKVCache,
         return None
     if not cache.keys.is_contiguous():
         return None
-    plain = [{name: _plain(w) for name, w in layer.items()} for layer in layers]
+    plan = params.get(STACK_PLAN)
+    if plan is not None:
+        return plan.weights(x.unsqueeze(0), plan.layers, cache.keys, spec.head_dim)
+    plain = [{name: _plain(w) for name, w in layer.items()} for layer in params["layers"]]
     return decode_layer.stack_weights(x.unsqueeze(0), plain, cache.keys, spec.head_dim)
 
 

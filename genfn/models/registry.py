@@ -15,16 +15,21 @@ when the forward must run eagerly (the batching manager then never compiles it).
 ``copy_blocks(pairs)`` (a forked beam's partial block) and ``clear_blocks(blocks)`` (a failed
 request's), each in place, returning the cache.
 ``packed_forward(model)`` finds it; the batching manager refuses a model whose family has none.
+
+A family may declare ``eager_params(params)``: the params as one eager run's steps read them, with
+values derived from them once per run instead of every step (Llama: the native decode stack's list of
+weights). ``eager_params(spec, params)`` applies it; a compiled step takes the plain params.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any, Mapping
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPES", "PACKED_FORWARDS", "architecture_of", "native_family", "family_or_none",
-           "packed_forward"]
+           "packed_forward", "eager_params"]
 
 # Hugging Face architecture name -> the genfn module implementing it.
 ARCHITECTURES: dict[str, str] = {
@@ -73,6 +78,13 @@ def packed_forward(model) -> ModuleType | None:
     """The packed-forward module of ``model``'s family (see the module docstring), or None."""
     name = PACKED_FORWARDS.get(type(getattr(model, "spec", None)).__module__)
     return None if name is None else importlib.import_module(name)
+
+
+def eager_params(spec, params):
+    """``params`` as an eager run's steps read them: the ``eager_params`` of the family that defines
+    ``spec``'s class (see the module docstring), else ``params`` as they are."""
+    prepare = getattr(sys.modules.get(type(spec).__module__), "eager_params", None)
+    return params if prepare is None else prepare(params)
 
 
 def architecture_of(config: Mapping[str, Any]) -> str | None:
