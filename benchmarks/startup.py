@@ -17,7 +17,8 @@ Each child process times, from its own start: ``import genfn``, ``genfn.load``, 
 build or load, the import of dynamo and inductor (compiled path; ``import genfn`` leaves them out),
 and ``genfn.generate(..., cache_implementation="static", max_new_tokens=2)`` (the first compiled
 step yields the second token; ``--paths eager``: the same call on the dynamic cache, nothing
-compiled, which is what ``genfn generate`` runs without ``--compile``), then the steady time of that same call, so
+compiled, which is what ``genfn generate`` runs without ``--compile``; ``--paths eager-static``: the static
+cache with ``disable_compile=True``), then the steady time of that same call, so
 "first token" minus "steady" is what compiling cost. The child also counts recompiles and records
 the ``genfn.*`` log lines with their times. Tokens of the cold and warm processes are compared
 (the same compiled step must give the same tokens). Prints a table and writes JSON to
@@ -106,7 +107,9 @@ def child(fmt: str, new_tokens: int, freezing: str, options: dict, path: str = "
         import torch._dynamo.utils  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
     phases["compiler_import_s"] = time.perf_counter() - t
-    cache = {"cache_implementation": "static", "max_cache_len": 128} if path == "compiled" else {}
+    cache = {"cache_implementation": "static", "max_cache_len": 128} if path != "eager" else {}
+    if path == "eager-static":
+        cache["disable_compile"] = True
 
     extra = {}
     if freezing != "auto" or options:
@@ -184,7 +187,8 @@ def main() -> int:
     ap.add_argument("--formats", default="float32,q4_1", help=f"comma-separated, from {FORMATS}")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens of the cold/warm equality check")
     ap.add_argument("--paths", default="compiled",
-                    help="comma-separated, from compiled (static cache, torch.compile) and eager (genfn generate's default)")
+                    help="comma-separated, from compiled (static cache, torch.compile), eager (genfn generate's "
+                         "default) and eager-static (the static cache, disable_compile=True)")
     ap.add_argument("--warm-only", action="store_true",
                     help="skip the cold process: reuse --cache-dir (a previous run's caches) for the warm one")
     ap.add_argument("--cache-dir", default=None, help="cache directory to use (default: a fresh temporary one)")
@@ -205,8 +209,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown --formats {unknown}; choose from {FORMATS}")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if not paths or set(paths) - {"compiled", "eager"}:
-        ap.error(f"--paths {args.paths!r}: choose from compiled, eager")
+    if not paths or set(paths) - {"compiled", "eager", "eager-static"}:
+        ap.error(f"--paths {args.paths!r}: choose from compiled, eager, eager-static")
 
     def log(line=""):
         print(line, flush=True)
