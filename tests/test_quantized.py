@@ -91,8 +91,15 @@ def test_a_lookup_reads_the_rows_of_the_tiles_exactly(fmt, rows):
 
 
 @needs_kernel
-def test_the_native_lookup_names_an_index_outside_the_rows():
+def test_the_native_lookup_names_an_index_outside_the_rows_and_what_is_wrong_with_the_tiles():
     weight = QuantizedWeight.from_rows(quantize(torch.randn(40, 128), "q4_1"))  # a last tile of 8 rows
+    lookup, first = torch.ops.genfn_kernels.tiles_lookup, torch.tensor([0])
+    with pytest.raises(RuntimeError, match="tiles_lookup: mins are given for q4_1 and only for it"):
+        lookup(weight.codes, weight.scales, None, 1, 40, first)
+    with pytest.raises(RuntimeError, match="tiles_lookup: out_features 60 does not fill 3 tiles"):
+        lookup(weight.codes, weight.scales, weight.mins, 1, 60, first)
+    with pytest.raises(RuntimeError, match=r"tiles_lookup: scales must be contiguous float16 \[tiles, blocks, 16\]"):
+        lookup(weight.codes, weight.scales.float(), weight.mins, 1, 40, first)
     with pytest.raises(IndexError, match="tiles_lookup: index 40 is outside the 40 rows"):
         kernels.embedding(torch.tensor([[3, 40]]), weight, torch.float32)
     with pytest.raises(IndexError, match="index -1 is outside"):

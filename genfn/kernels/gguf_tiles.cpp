@@ -45,6 +45,27 @@ BlockLayout layout_of(const char* op, int64_t kind) {
 
 constexpr int64_t kTile = 16;
 
+// A QuantizedWeight's tiles (codes [tiles, blocks, width], float16 scales and, for Q4_1, minimums
+// [tiles, blocks, 16]) as `op` takes them, holding `out_features` rows.
+void check_tiles(const char* op, const BlockLayout& lay, int64_t kind, const at::Tensor& codes,
+                 const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t out_features) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(), op,
+              ": codes must be contiguous uint8 [tiles, blocks, width]");
+  const int64_t tiles = codes.size(0), nblocks = codes.size(1);
+  TORCH_CHECK(codes.size(2) == lay.code_bytes * kTile, op, ": codes' width must be ", lay.code_bytes * kTile,
+              " for kind ", kind);
+  TORCH_CHECK(out_features > 0 && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile, op,
+              ": out_features ", out_features, " does not fill ", tiles, " tiles");
+  auto check_half = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == tiles &&
+                    t.size(1) == nblocks && t.size(2) == kTile,
+                op, ": ", name, " must be contiguous float16 [tiles, blocks, 16]");
+  };
+  check_half(scales, "scales");
+  TORCH_CHECK(mins.has_value() == (kind == 1), op, ": mins are given for q4_1 and only for it");
+  if (mins) check_half(*mins, "mins");
+}
+
 // The rows of blocks to read, in order, checked against the `available` rows; nullptr (rows 0..n-1)
 // where none are given. `holder` keeps a contiguous copy of `rows` alive.
 const int64_t* checked_rows(const char* op, const std::optional<at::Tensor>& rows, at::Tensor& holder, int64_t n,
@@ -120,23 +141,10 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   const BlockLayout lay = layout_of("gguf_blocks_to_tiles", kind);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
               "gguf_blocks_to_tiles: blocks must be uint8 [rows, row bytes] with contiguous rows");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
-              "gguf_blocks_to_tiles: codes must be contiguous uint8 [tiles, blocks, width]");
+  check_tiles("gguf_blocks_to_tiles", lay, kind, codes, scales, mins, out_features);
   const int64_t tiles = codes.size(0), nblocks = codes.size(1);
-  TORCH_CHECK(codes.size(2) == lay.code_bytes * kTile, "gguf_blocks_to_tiles: codes' width must be ",
-              lay.code_bytes * kTile, " for kind ", kind);
   TORCH_CHECK(blocks.size(1) == nblocks * lay.bytes, "gguf_blocks_to_tiles: a row of blocks must be ",
               nblocks * lay.bytes, " bytes; got ", blocks.size(1));
-  TORCH_CHECK(out_features > 0 && out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
-              "gguf_blocks_to_tiles: out_features ", out_features, " does not fill ", tiles, " tiles");
-  auto check_half = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == tiles &&
-                    t.size(1) == nblocks && t.size(2) == kTile,
-                "gguf_blocks_to_tiles: ", name, " must be contiguous float16 [tiles, blocks, 16]");
-  };
-  check_half(scales, "scales");
-  TORCH_CHECK(mins.has_value() == (kind == 1), "gguf_blocks_to_tiles: mins are given for q4_1 and only for it");
-  if (mins) check_half(*mins, "mins");
   at::Tensor order_tensor;
   const int64_t* order = checked_rows("gguf_blocks_to_tiles", rows, order_tensor, out_features, blocks.size(0));
 
@@ -229,20 +237,8 @@ void gguf_dequantize_rows(const at::Tensor& blocks, const std::optional<at::Tens
 at::Tensor tiles_lookup(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                         int64_t kind, int64_t out_features, const at::Tensor& index) {
   const BlockLayout lay = layout_of("tiles_lookup", kind);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
-              "tiles_lookup: codes must be contiguous uint8 [tiles, blocks, width]");
-  const int64_t tiles = codes.size(0), nblocks = codes.size(1), width = lay.code_bytes * kTile;
-  TORCH_CHECK(codes.size(2) == width, "tiles_lookup: codes' width must be ", width, " for kind ", kind);
-  auto check_half = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == tiles &&
-                    t.size(1) == nblocks && t.size(2) == kTile,
-                "tiles_lookup: ", name, " must be contiguous float16 [tiles, blocks, 16]");
-  };
-  check_half(scales, "scales");
-  TORCH_CHECK(mins.has_value() == (kind == 1), "tiles_lookup: mins are given for q4_1 and only for it");
-  if (mins) check_half(*mins, "mins");
-  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "tiles_lookup: out_features ",
-              out_features, " does not fill ", tiles, " tiles");
+  check_tiles("tiles_lookup", lay, kind, codes, scales, mins, out_features);
+  const int64_t nblocks = codes.size(1), width = lay.code_bytes * kTile;
   TORCH_CHECK(index.scalar_type() == at::kLong, "tiles_lookup: index must be int64");
   const at::Tensor rows = index.contiguous();
   const int64_t n = rows.numel(), cols = nblocks * 32;
