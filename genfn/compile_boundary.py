@@ -40,15 +40,16 @@ StepFn = Callable[[Any, Any], Any]
 _logger = logging.getLogger(__name__)
 
 
-def functional(model) -> FunctionalModel:
-    """The value a step receives: ``model.functional()`` for a ``genfn.Model``, else ``model`` itself."""
-    return model.functional() if hasattr(model, "functional") else model
+def functional(model, *, eager: bool = False) -> FunctionalModel:
+    """The value a step receives: ``model.functional(eager=eager)`` for a ``genfn.Model`` (``eager``: for
+    one eager run, ``Model.functional``), else ``model`` itself."""
+    return model.functional(eager=eager) if hasattr(model, "functional") else model
 
 
 def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
     """The step as a plain Python call (for debugging; the same function that gets compiled, given the
     same kind of model value)."""
-    value = model.functional(eager=True) if hasattr(model, "functional") else model
+    value = functional(model, eager=True)
     return lambda state: step(value, state)
 
 
