@@ -1,0 +1,79 @@
+"""What a model's layer matrices cost to stream at batch 1: the kernels, and a plain read of the same bytes.
+
+    python benchmarks/stream_split.py --model /work/models-tmp/llama-1b-q4_0.gguf
+    python benchmarks/stream_split.py --model llama-1b-q4_k_m.gguf --rounds 20
+
+Loads the file with ``quantize="gguf"`` and, in one process, rounds alternating, times three reads
+of the layers' linears (the LM head left out):
+
+- ``kernels``: ``genfn.kernels.linear`` of one row through every matrix, one call each, as a
+  step's layers call them (each matrix split over the threads on its own);
+- ``sum each tensor``: ``tensor.sum`` over each tensor those matrices are made of (codes, scales,
+  minimums, K-quant rows), read as float32: the same streams with no arithmetic;
+- ``sum one buffer``: ``tensor.sum`` over one buffer of the same bytes (what the benchmarks' read
+  bandwidth reports).
+
+Prints GB/s of each (best and median). ``kernels`` against ``sum each tensor`` is the kernels' own
+share; ``sum each tensor`` against ``sum one buffer`` is what streaming the matrices one by one
+costs any reader (issue 31's 80 % bar compares a step's read with the one buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import genfn  # noqa: E402
+from genfn import kernels  # noqa: E402
+from genfn.state.base import tree_flatten  # noqa: E402
+
+LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = genfn.load(args.model, quantize="gguf")
+    weights = [layer[name] for layer in model.params["layers"] for name in LINEARS]
+    tensors = [t for w in weights for t in tree_flatten(w)[0] if isinstance(t, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    as_floats = [t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.float32)
+                 for t in tensors]
+    one = torch.ones(nbytes // 4, dtype=torch.float32)
+    rows = {k: torch.randn(1, k) for k in {w.shape[1] for w in weights}}
+
+    def run_kernels():
+        for w in weights:
+            kernels.linear(rows[w.shape[1]], w)
+
+    def sum_each():
+        for t in as_floats:
+            t.sum()
+
+    reads = {"kernels": run_kernels, "sum each tensor": sum_each, "sum one buffer": one.sum}
+    times = {name: [] for name in reads}
+    for read in reads.values():
+        read()
+    for _ in range(args.rounds):
+        for name, read in reads.items():
+            start = time.perf_counter()
+            read()
+            times[name].append(time.perf_counter() - start)
+    print(f"{os.path.basename(args.model)}: {len(weights)} matrices in {len(tensors)} tensors, {nbytes / 1e6:.0f} MB; "
+          f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds")
+    for name, values in times.items():
+        print(f"  {name:16s} best {nbytes / min(values) / 1e9:6.1f} GB/s   median {nbytes / statistics.median(values) / 1e9:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
