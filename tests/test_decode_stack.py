@@ -220,6 +220,19 @@ def test_an_eager_run_walks_the_stacks_weights_once_and_keeps_its_tokens_and_log
     assert torch.equal(torch.stack(ours.logits), torch.stack(every_step.logits))
 
 
+def test_an_eager_runs_params_carry_a_plan_where_the_family_declares_one():
+    from conftest import tiny_pair
+    from genfn.models import registry
+
+    _, llama_model = tiny_pair("LlamaForCausalLM", seed=1)
+    _, gemma_model = tiny_pair("Gemma2ForCausalLM", seed=1)
+    eager = llama_model.functional(eager=True).params
+    assert isinstance(eager[llama.STACK_PLAN], decode_layer.StackPlan)
+    assert eager[llama.STACK_PLAN].layers is llama_model.params["layers"]
+    assert llama.STACK_PLAN not in llama_model.params and llama.STACK_PLAN not in llama_model.functional().params
+    assert registry.eager_params(gemma_model.spec, gemma_model.params) is gemma_model.params
+
+
 @needs_kernel
 def test_a_compiled_step_takes_the_stack_and_keeps_the_layer_calls_bits(tiny_pair_f32, monkeypatch):
     """Inside a compiled step the stack writes the cache in place (inductor hands it the state's own
