@@ -392,7 +392,7 @@ def _native_stack(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.T
     if not _native_layers_take(spec, cache) or spec.tensor_shard is not None:
         return None
     plan = params.get(STACK_PLAN)
-    if plan is not None and plan.layers is params["layers"]:
+    if plan is not None:  # (the plan answers for its own layers only: it checks ``layers`` against them)
         return plan.weights(x, layers, cache.keys, spec.head_dim)
     return decode_layer.stack_weights(x, layers, cache.keys, spec.head_dim)
 
