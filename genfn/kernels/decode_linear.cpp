@@ -30,17 +30,16 @@ constexpr int kLanes = 16;
 // next block. Fetched into L1 (`prefetcht0`) a block ahead, as this kernel first did, the core's
 // few L1 miss buffers capped each thread: 2 threads, one 226 MB weight, float32 8 rows 18.7 GB/s
 // against 27.6 through L2; 4 rows 30.0 against 37.4; bfloat16 8 rows 24.2 against 33.7 (sum()
-// over the same bytes 38-45). 4 and 16 KiB ahead measured alike. One row of x on AMD cores is the
-// exception: its stream is read at the pace their hardware prefetchers keep best alone (Zen 4,
-// SmolLM2 batch 1, in one process: float32 16.9 against 22.7 ms a token with 16 KiB fetched ahead,
-// bfloat16 11.7 against 12.6; on 4 KiB pages 17.0 against 18.8 and alike). On Intel cores the
-// window pays at one row too: a 2-core Xeon with AMX (session 15), one row over the 1B shape's
-// matrices out of cache, 2 threads: bfloat16 30.3 against 24.0 GB/s, float32 31.4 against 28.7
-// (tensor.sum 31-33), bits unchanged (docs/guides/k-quants-and-scale.md, *One row fetched ahead on
-// Intel*). genfn_kernels::fetch_ahead_at_one_row says which.
+// over the same bytes 38-45). 4 and 16 KiB ahead measured alike. One row of x takes
+// genfn_kernels::one_row_window: on Intel cores the same window (a 2-core Xeon with AMX, session
+// 15, one row over the 1B shape's matrices out of cache, 2 threads: bfloat16 30.3 against 24.0
+// GB/s, float32 31.4 against 28.7, tensor.sum 31-33); on AMD's 8 KiB into L1, where 16 KiB into
+// L2 cost a one-row step (Zen 4, SmolLM2 batch 1, in one process: float32 16.9 against 22.7 ms a
+// token, bfloat16 11.7 against 12.6). Bits unchanged (docs/guides/k-quants-and-scale.md, *One row
+// fetched ahead on Intel*, *Session 26*).
 template <int M>
-int64_t prefetch_window() {
-  return M > 1 || genfn_kernels::fetch_ahead_at_one_row() ? genfn_kernels::kStreamWindow : 0;
+genfn_kernels::StreamWindow stream_window() {
+  return M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::StreamWindow{genfn_kernels::kStreamWindow, false};
 }
 
 inline __m512 widen(__m256i halves) { return genfn_kernels::widen_bfloat16(halves); }
@@ -165,15 +164,16 @@ inline void store_block(const __m512* acc, Out* y, int64_t N, int64_t n) {
 struct Fetch {
   const char* at = nullptr;
   int64_t lines = 0;
+  bool into_l1 = false;
 };
 
 // The R-row block at weight row n fetches the same bytes `ahead` bytes further on in its stream (0:
 // nothing): the window a thread's one stream keeps in flight.
 template <typename Weight>
-Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, int64_t ahead) {
+Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, int64_t ahead, bool into_l1) {
   if (ahead <= 0) return {};
   const int64_t bytes = R * K * static_cast<int64_t>(sizeof(Weight));
-  return {reinterpret_cast<const char*>(w + n * K) + ahead, (bytes + 63) / 64};
+  return {reinterpret_cast<const char*>(w + n * K) + ahead, (bytes + 63) / 64, into_l1};
 }
 
 // One step of a block: chunk k of its R weight rows against chunk k of the M rows of x, into
@@ -214,7 +214,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
   const int64_t fetch_end = std::min(K / S, (fetch.lines + kLinesPerStep - 1) / kLinesPerStep) * S;
   int64_t k = 0;
   for (; k < fetch_end; k += S) {
-    for (int j = 0; j < kLinesPerStep; ++j) _mm_prefetch(fetch.at + 64 * j, _MM_HINT_T1);
+    const genfn_kernels::StreamWindow into{0, fetch.into_l1};
+    for (int j = 0; j < kLinesPerStep; ++j) into.fetch(fetch.at + 64 * j);
     fetch.at += 64 * kLinesPerStep;
     dot_step<Dot, M, R>(x, rows, K, k, acc);
   }
@@ -250,13 +251,13 @@ constexpr int rows_per_block(int64_t M) {
 }
 
 // The first `window` bytes of a stream of `length` bytes from `start`, which nothing fetched ahead.
-inline void fetch_first_window(const void* start, int64_t length, int64_t window) {
+inline void fetch_first_window(const void* start, int64_t length, genfn_kernels::StreamWindow window) {
   const char* bytes = static_cast<const char*>(start);
-  for (int64_t off = 0; off < std::min(window, length); off += 64) _mm_prefetch(bytes + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < std::min(window.bytes, length); off += 64) window.fetch(bytes + off);
 }
 
 // Row blocks [b0, b1) of w against the M rows of x, as one sequential stream: the window ahead of
-// the block being summed is fetched into L2, and blocks within a window of b1 fetch nothing (past
+// the block being summed is fetched (stream_window), and blocks within a window of b1 fetch nothing (past
 // it lies another thread's share).
 template <typename Dot, int M, typename Out>
 void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K, int64_t N, Out* y,
@@ -264,11 +265,11 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t length = (b1 - b0) * block_bytes;
-  const int64_t window = prefetch_window<M>();
+  const genfn_kernels::StreamWindow window = stream_window<M>();
   fetch_first_window(w + b0 * R * K, length, window);
   for (int64_t b = b0; b < b1; ++b) {
-    const bool ahead = window > 0 && (b - b0 + 1) * block_bytes + window <= length;
-    row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window : 0), y);
+    const bool ahead = window.bytes > 0 && (b - b0 + 1) * block_bytes + window.bytes <= length;
+    row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window.bytes : 0, window.into_l1), y);
   }
 }
 
@@ -291,7 +292,7 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
   constexpr int R = rows_per_block<Dot>(M);
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  const int64_t window = prefetch_window<M>();
+  const genfn_kernels::StreamWindow window = stream_window<M>();
   genfn_kernels::run_balanced(
       queue, t, chunk,
       [&](int64_t begin, int64_t end, int64_t start, int64_t stop) {
@@ -299,8 +300,9 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
         const int64_t length = (stop - start) * block_bytes;
         if (begin == start) fetch_first_window(w + start * R * K, length, window);
         for (int64_t b = begin; b < end; ++b) {
-          const bool ahead = window > 0 && (b - start + 1) * block_bytes + window <= length;
-          row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window : 0), y);
+          const bool ahead = window.bytes > 0 && (b - start + 1) * block_bytes + window.bytes <= length;
+          row_block<Dot, M, R>(x, w, K, N, b * R,
+                               stream_ahead(w, K, b * R, R, ahead ? window.bytes : 0, window.into_l1), y);
         }
       },
       [&](int64_t begin, int64_t end) {
@@ -331,7 +333,7 @@ void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::W
                   Out* y, int64_t b0, int64_t b1, int64_t ahead) {
   with_rows(M, [&](auto rows) {
     for (int64_t b = b0; b < b1; ++b)
-      row_block<Dot, decltype(rows)::value, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead), y);
+      row_block<Dot, decltype(rows)::value, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead, false), y);
   });
 }
 
@@ -344,7 +346,7 @@ void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot
   constexpr int R = rows_per_block<Dot>(kMaxDecodeRows);  // RowQueue::prepare's blocks past 8 rows
   const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(typename Dot::Weight));
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  const int64_t window = prefetch_window<kMaxDecodeRows>();
+  const genfn_kernels::StreamWindow window = stream_window<kMaxDecodeRows>();
   const int64_t per = genfn_kernels::group_size(M);
   auto groups = [&](int64_t begin, int64_t end, int64_t ahead) {
     for (int64_t m0 = 0; m0 < M; m0 += per)
@@ -356,7 +358,7 @@ void balanced_groups(int64_t M, const typename Dot::Input* x, const typename Dot
         const int64_t length = (stop - start) * block_bytes;
         if (begin == start) fetch_first_window(w + start * R * K, length, window);
         // The window ahead of the chunk, if it lies within the own run.
-        groups(begin, end, (end - start) * block_bytes + window <= length ? window : 0);
+        groups(begin, end, (end - start) * block_bytes + window.bytes <= length ? window.bytes : 0);
       },
       [&](int64_t begin, int64_t end) { groups(begin, end, 0); });
   if (t == 0)
@@ -474,7 +476,8 @@ void panels_of_rows(int64_t M, const typename Dot::Input* x, const typename Dot:
       const int64_t rows = std::min(M, g0 + group) - g0;
       // Tiles as even as the rows split (32 rows as 6, 6, 5, 5, 5, 5, not 6 x 5 and 2).
       const int64_t tiles = (rows + tile - 1) / tile;
-      fetch_first_window(w + p0 * panel * K, std::min(panel, stream_end - p0 * panel) * row_bytes, kPanelBytes);
+      fetch_first_window(w + p0 * panel * K, std::min(panel, stream_end - p0 * panel) * row_bytes,
+                         {kPanelBytes, false});
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel);
         const int64_t next_lines = (std::min(stream_end, n1 + panel) - n1) * row_bytes / 64;

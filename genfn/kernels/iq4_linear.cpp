@@ -107,7 +107,7 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i run_index[2] = {_mm512_load_si512(kRunIndex.lanes[0]), _mm512_load_si512(kRunIndex.lanes[1])};
-  StreamFetch<M, kIQ4XS> fetch(w);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));
     const float d = half_to_float(load_u16(w));
@@ -177,7 +177,7 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const __m512i index_words = _mm512_load_si512(kGroupWords.indices);
   const __m512i scale_words = _mm512_load_si512(kGroupWords.scales);
   static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");
-  StreamFetch<M, kIQ4NL> fetch(w);
+  StreamFetch<M> fetch(w);
   for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {  // four blocks (128 inputs) per register
     fetch.through(w + 4 * kBytes);
     const __m512i first = _mm512_loadu_si512(w);
@@ -213,7 +213,7 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   const int64_t K = a.K;
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  StreamFetch<M, kIQ4XS> fetch(w);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));
     const float d = half_to_float(load_u16(w));
@@ -241,7 +241,7 @@ GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  StreamFetch<M, kIQ4NL> fetch(w);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL)) {
     fetch.through(w + block_bytes(kIQ4NL));
     iq4nl_block256<M>(w, b, nb, a, m0, table, low4, ones, acc);

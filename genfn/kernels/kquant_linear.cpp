@@ -102,7 +102,7 @@ GENFN_AVX512 void row_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a
   }
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  StreamFetch<M, F> fetch(w);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
     fetch.through(w + block_bytes(F));
     const float d = half_to_float(load_u16(w)), dmin = half_to_float(load_u16(w + 2));
@@ -169,7 +169,7 @@ GENFN_AVX2 void row_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, in
   for (int m = M; m < 8; ++m) sum[m] = mins[m] = _mm256_setzero_si256();
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  StreamFetch<M, F> fetch(w);
+  StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(F)) {
     fetch.through(w + block_bytes(F));
     if constexpr (F == kQ4K || F == kQ5K) {

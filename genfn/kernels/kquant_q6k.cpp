@@ -90,7 +90,7 @@ GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a
   __m512i sum[8];
   for (int m = M; m < 8; ++m) sum[m] = _mm512_setzero_si512();
   const int64_t K = a.K;
-  StreamFetch<M, kQ6K> fetch(w);
+  StreamFetch<M> fetch(w);
   int64_t b = 0;
   if constexpr (M == 1) {  // eight super-blocks at a time (add_eight_blocks), the rest below
     const int8_t* x = a.codes.data() + m0 * K;
@@ -151,7 +151,7 @@ GENFN_VNNI void rows_q6k_r8(const uint8_t* w, int64_t nb, const ActivationsK& a,
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t K = a.K;
   const __m512i low4 = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F);
-  StreamFetch<M, kQ6KR8> fetch(w);
+  StreamFetch<M> fetch(w);
   constexpr int64_t group_bytes = group_block_bytes(kQ6KR8);
   for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
     fetch.through(w + group_bytes);

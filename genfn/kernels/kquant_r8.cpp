@@ -105,7 +105,7 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   // Spread over the group's super-blocks (StreamFetch): fetched all at once before the group
   // (as the row kernels once did) the group's 144-576 lines cost 1.00-1.13x the time; spread,
   // 0.86-1.02x (1B shapes, 2 threads, out of cache).
-  StreamFetch<M, F> fetch(w);
+  StreamFetch<M> fetch(w);
   constexpr int64_t group_bytes = group_block_bytes(F);
   for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
     fetch.through(w + group_bytes);
@@ -186,7 +186,7 @@ GENFN_AVX2 void rows_r8_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a
   const int64_t K = a.K;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i dup_low = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup_high = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-  StreamFetch<M, F> fetch(w);
+  StreamFetch<M> fetch(w);
   constexpr int64_t group_bytes = group_block_bytes(F);
   for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
     fetch.through(w + group_bytes);

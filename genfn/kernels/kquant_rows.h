@@ -26,35 +26,29 @@
 
 namespace genfn::kquant {
 
-// Whether format F's kernels fetch their stream at one row of x too. On Intel cores every format
-// (genfn_kernels::fetch_ahead_at_one_row); on AMD's only q5_k_r8 and q6_k_r8, whose groups read
-// several regions of a 1.4-1.7 KiB block at once, which the prefetchers alone follow slowly (Zen 5,
-// 1B shapes out of cache, 2 threads: q6_k_r8 1.37-1.65x as fast fetched, q5_k_r8 1.00-1.12x), where
-// the window costs the other formats 0-7 % (q4_k_r8, q4_k; q6_k and iq4_xs within +-4 %).
-constexpr bool fetches_at_one_row_on_every_cpu(int64_t f) { return f == kQ5KR8 || f == kQ6KR8; }
-
-// A row kernel's own weight stream fetched kStreamWindow ahead into L2, a line at a time as its
-// reads reach each block: spread over the row, not all of a row's lines before it, which stalls
-// the core on the fetches it has in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache:
-// 0.85x the time spread). At one row of x as fetches_at_one_row_on_every_cpu and the CPU's vendor
-// say; at 2-8 rows on every CPU, as the decode library's kernels fetch, where the rows fetched
-// nothing before (the Xeon, 1B shapes out of cache: Q4_K 0.51-0.80x the time, Q6_K 0.61-0.75x,
-// q4_k_r8 0.82-1.00x; not measured on AMD here, where the decode library's windows at 2-8 rows
-// paid). Rows a thread reads one after another continue each other's fetches. The kernel does not
-// know where its thread's run ends, so up to the window past it is fetched too (prefetches do not
-// fault; another thread reads those bytes).
-template <int M, int64_t F>
+// A row kernel's own weight stream fetched ahead, a line at a time as its reads reach each block:
+// spread over the row, not all of a row's lines before it, which stalls the core on the fetches it
+// has in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache: 0.85x the time spread). At
+// one row of x, genfn_kernels::one_row_window: every K-quant and IQ4 format is a 4- to 6-bit format
+// that unpacks its codes (on AMD cores 8 KiB into L1; before it, only q5_k_r8 and q6_k_r8, whose
+// groups read several regions of a 1.4-1.7 KiB block at once, fetched there, 16 KiB into L2: 1.37-1.65x
+// as fast as the prefetchers alone for q6_k_r8). At 2-8 rows kStreamWindow into L2 on every CPU, as
+// the decode library's kernels fetch, where the rows fetched nothing before (the Xeon, 1B shapes out
+// of cache: Q4_K 0.51-0.80x the time, Q6_K 0.61-0.75x, q4_k_r8 0.82-1.00x). Rows a thread reads one
+// after another continue each other's fetches. The kernel does not know where its thread's run ends,
+// so up to the window past it is fetched too (prefetches do not fault; another thread reads those
+// bytes).
+template <int M>
 struct StreamFetch {
+  genfn_kernels::StreamWindow window;
   const uint8_t* next;
-  bool on;
   explicit StreamFetch(const uint8_t* w)
-      : next(w + genfn_kernels::kStreamWindow),
-        on(M > 1 || fetches_at_one_row_on_every_cpu(F) || genfn_kernels::fetch_ahead_at_one_row()) {}
+      : window(M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::StreamWindow{genfn_kernels::kStreamWindow, false}),
+        next(w + window.bytes) {}
   // Every line up to a window past `end`, the end of the block about to be read.
   void through(const uint8_t* end) {
-    if (on)
-      for (; next < end + genfn_kernels::kStreamWindow; next += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+    if (window.bytes > 0)
+      for (; next < end + window.bytes; next += 64) window.fetch(next);
   }
 };
 

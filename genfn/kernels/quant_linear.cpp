@@ -86,26 +86,21 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 // 1 row 28.9 GB/s against 32.4 (sum() 30.5). From four rows on it is bound by its arithmetic,
 // and there loads that wait on L2 cost more than the miss buffers: q4_1 8 rows, SmolLM2's step,
 // 10.6 GB/s through L2 against 11.7 at 4 KiB into L1, which it keeps.
-// One row of x on AMD cores: the hardware prefetchers alone stream the codes fastest (Zen 4, Q8_0
-// batch 1 7.19 against 8.20 ms a token with 16 KiB fetched ahead, Q4_1 alike; weights on huge
-// pages, in one process); on Intel cores one row takes the 16 KiB window too
-// (genfn_kernels::fetch_ahead_at_one_row).
+// One row of x: genfn_kernels::one_row_window (on AMD cores 8 KiB into L1, the 8-bit tiles left
+// to the hardware prefetchers, which streamed them fastest: Zen 4, Q8_0 batch 1 7.19 against 8.20
+// ms a token with 16 KiB fetched into L2; on Intel cores 16 KiB into L2).
 // From four rows on, 4 KiB is too short a lead for a weight that comes from memory (a step's
 // layers, the LM head): the stream is also fetched 32 KiB ahead into L2, so the 4 KiB into L1
 // finds it there. SmolLM2's 49152 x 576 Q8_0 head, one thread, 11 rows: 2.0-2.3 against 3.0-3.8
 // ms; in cache the extra prefetches cost 0-3.5 %.
 template <int M>
-int64_t prefetch_bytes() {
-  if constexpr (M == 1) return genfn_kernels::fetch_ahead_at_one_row() ? genfn_kernels::kStreamWindow : 0;
-  return M < 4 ? genfn_kernels::kStreamWindow : 4096;
+genfn_kernels::StreamWindow stream_window(int64_t kind) {
+  if constexpr (M == 1) return genfn_kernels::one_row_window(kind == kQ8);
+  if constexpr (M < 4) return {genfn_kernels::kStreamWindow, false};
+  return {4096, true};
 }
 template <int M>
 constexpr int64_t far_prefetch_bytes() { return M < 4 ? 0 : 32768; }
-template <int M>
-inline void prefetch(const void* p) {
-  if constexpr (M < 4) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-  else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
 
 // Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32. The stream is fetched ahead
 // up to tile `fetch_end` (past it lies another thread's share), its first window only if `first`.
@@ -118,7 +113,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
   constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
-  const int64_t kPrefetchBytes = prefetch_bytes<M>(), kScalePrefetchBytes = kPrefetchBytes / 8;
+  const genfn_kernels::StreamWindow window = stream_window<M>(kind);
+  const int64_t kPrefetchBytes = window.bytes, kScalePrefetchBytes = kPrefetchBytes / 8;
   constexpr int64_t kFarBytes = far_prefetch_bytes<M>(), kFarScaleBytes = kFarBytes / 8;
   const uint8_t* codes_end = codes + fetch_end * nb * kBlockBytes;
   if (kPrefetchBytes > 0 && first) {  // The first window of the stream: nothing fetched it ahead.
@@ -126,10 +122,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     const char* start = reinterpret_cast<const char*>(codes + t0 * nb * kBlockBytes);
     const char* scale_start = reinterpret_cast<const char*>(scales + t0 * nb * kTile);
     const char* min_start = kind == kQ4Min ? reinterpret_cast<const char*>(mins + t0 * nb * kTile) : nullptr;
-    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) prefetch<M>(start + off);
+    for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) window.fetch(start + off);
     for (int64_t off = 0; off < std::min(kScalePrefetchBytes, length / 8); off += 64) {
-      prefetch<M>(scale_start + off);
-      if constexpr (kind == kQ4Min) prefetch<M>(min_start + off);
+      window.fetch(scale_start + off);
+      if constexpr (kind == kQ4Min) window.fetch(min_start + off);
     }
     for (int64_t off = kPrefetchBytes; off < std::min(kFarBytes, length); off += 64)
       _mm_prefetch(start + off, _MM_HINT_T1);
@@ -150,11 +146,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
       // Nothing past the window's end: that is another thread's share.
       if (kPrefetchBytes > 0 && c + kPrefetchBytes + kBlockBytes <= codes_end) {
-        for (int j = 0; j < kChunks; ++j) prefetch<M>(c + kPrefetchBytes + 64 * j);
+        for (int j = 0; j < kChunks; ++j) window.fetch(c + kPrefetchBytes + 64 * j);
         // Scales (and minimums): 32 bytes a block, a line every other block.
         if (b % 2 == 0) {
-          prefetch<M>(reinterpret_cast<const char*>(sc + b * kTile) + kScalePrefetchBytes);
-          if constexpr (kind == kQ4Min) prefetch<M>(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes);
+          window.fetch(reinterpret_cast<const char*>(sc + b * kTile) + kScalePrefetchBytes);
+          if constexpr (kind == kQ4Min) window.fetch(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes);
         }
       }
       if (kFarBytes > 0 && c + kFarBytes + kBlockBytes <= codes_end) {

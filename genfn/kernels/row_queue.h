@@ -1,8 +1,11 @@
 // Work shared out to the threads of a parallel region so that they balance it (RowQueue,
-// run_balanced), the rows of x split into groups (group_size), and whether a thread's stream is
-// fetched ahead at one row of x (fetch_ahead_at_one_row): plain C++ with no ISA of its own, for
-// both kernel libraries (the decode kernels' linears and fused layers, the K-quant row kernels).
+// run_balanced), the rows of x split into groups (group_size), and how far ahead, into which
+// cache, a thread's weight stream is fetched (StreamWindow, one_row_window): plain C++ with no
+// vector ISA of its own, for both kernel libraries (the decode kernels' linears and fused layers,
+// the K-quant row kernels).
 #pragma once
+
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,18 +24,38 @@ inline int64_t group_size(int64_t M) {
   return (M + groups - 1) / groups;
 }
 
-// Whether a product with one row of x fetches its thread's weight stream ahead into L2 (16 KiB, as
-// products of more rows do in the decode library): on Intel cores, whose prefetchers alone left a
-// one-row stream 10-20 % short of the read rate; not on AMD's, where the window cost a one-row
-// step 7-30 % (decode_linear.cpp, quant_linear.cpp, kquant_linear.cpp). A kernel whose reads the
-// prefetchers follow badly on AMD's cores too fetches there all the same (kquant_rows.h).
-inline bool fetch_ahead_at_one_row() {
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel;
-}
-
-// How far ahead of the bytes being summed a thread's stream is fetched, where it is fetched into L2.
+// How far ahead of the bytes being summed a thread's stream is fetched into L2 (products of 2-8 rows
+// of x on every CPU, one row on Intel's).
 constexpr int64_t kStreamWindow = 16384;
+// How far ahead a one-row stream is fetched into L1 on AMD's cores (one_row_window).
+constexpr int64_t kL1StreamWindow = 8192;
+
+// A thread's weight stream fetched `bytes` ahead of what it sums (0: left to the hardware
+// prefetchers), into L1 (`prefetcht0`) or L2 (`prefetcht1`).
+struct StreamWindow {
+  int64_t bytes = 0;
+  bool into_l1 = false;
+  void fetch(const void* p) const {
+    if (into_l1) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+    else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  }
+};
+
+// The window of a product with one row of x. On Intel cores 16 KiB into L2, whose prefetchers alone
+// left a one-row stream 10-20 % short of the read rate (session 15's Xeon). On AMD's, 8 KiB into L1:
+// there, once the memory is fast, the prefetchers alone leave a one-row kernel's stream well short of
+// a plain read of the same bytes (Zen 5, one thread: Q4_0 tiles 82-87 % of it, 94 % fetched; 1B shapes'
+// layer matrices, 2 threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 64-67 ->
+// 76-81 GB/s, Q4_K_M's 62-68 -> 72-76, Q5_K_M's 70-71 -> 72-74, bfloat16 66-71 -> 75-76; in slow
+// stretches the same within a few per cent). Into L2 it did not pay there (Q4_K_M 0.98-1.01x), nor
+// 4 KiB ahead into L1 (Q4_0 tiles 1.02-1.06x, against 1.10-1.19x at 8 KiB). The 8-bit tiles keep the
+// prefetchers alone on AMD: fetched, they read 0.93-0.97x as fast (`eight_bit_tiles`).
+inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
+  static const bool intel = __builtin_cpu_is("intel");
+  if (intel) return {kStreamWindow, false};
+  if (eight_bit_tiles) return {};
+  return {kL1StreamWindow, true};
+}
 
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
