@@ -30,6 +30,7 @@ from genfn.bench import llamacpp  # noqa: E402
 
 # The native ops a step runs: the linears, and the fused layers that hold their own linears.
 _NATIVE_OPS = ("genfn_kernels::decode_linear", "genfn_kernels::quant_linear", "genfn_kquant::kquant_linear",
+               "genfn_kernels::decode_stack", "genfn_kernels::decode_stack_paged",
                *(f"genfn_kernels::decode_{half}{form}" for half in ("attention_input", "layer_output")
                  for form in ("", "_quant", "_kquant")))
 
