@@ -21,7 +21,9 @@ time compare. Engines:
 Per engine: tok/s of greedy decoding at each batch (random prompts of 16 tokens, ``--new-tokens``
 new ones each, best of ``--repeats``), prefill tok/s of one ``--prefill``-token prompt, load
 seconds, peak RSS; per file: its size, the bytes of matrices a batch-1 token reads, and the
-roofline (those bytes / the read bandwidth measured here) with each engine's share of it.
+roofline (those bytes / the read bandwidth measured here) with each engine's share of it. Each
+child is bracketed by two samples of ``tensor.sum``'s read rate, and every round's batch-1 share of
+the faster of them is printed too: the share that means something where the memory's rate drifts.
 Results go to ``--json`` (default ``benchmarks/results/model-<time>.json``).
 """
 
@@ -212,6 +214,19 @@ def _best(runs: list[dict]) -> dict:
     return best
 
 
+def sampled(run) -> dict:
+    """``run()``'s result with ``read_gbs``: ``tensor.sum``'s read rate sampled here just before and
+    just after it. The VM's memory moves from one minute to the next (45-90 GB/s on sessions 23-26's
+    Zen 5), so a step's share of the read rate means something only against the rate of its minute;
+    sampled in this process, not the child's, so the sample's buffer is not in the child's peak RSS."""
+    from genfn.bench.decode import read_bandwidth_gbs
+
+    before = read_bandwidth_gbs(mib=256, repeats=3)[0]
+    result = run()
+    result["read_gbs"] = [before, read_bandwidth_gbs(mib=256, repeats=3)[0]]
+    return result
+
+
 def main(args) -> int:
     import torch
 
@@ -237,9 +252,9 @@ def main(args) -> int:
         runs: dict[str, list] = {e: [] for e in engines + (["llama-bench"] if args.llama_bench else [])}
         for _ in range(args.rounds):
             for engine in engines:
-                runs[engine].append(run_child(args, model, engine))
+                runs[engine].append(sampled(lambda: run_child(args, model, engine)))
             if args.llama_bench:
-                runs["llama-bench"].append(llama_bench(args.llama_bench, model, args))
+                runs["llama-bench"].append(sampled(lambda: llama_bench(args.llama_bench, model, args)))
         results = [_best(r) for r in runs.values()]
         roofline = None if token_bytes is None else bandwidth * 1e9 / token_bytes
         print(f"\n## {Path(model).name}: {size / 1e9:.2f} GB file"
@@ -270,6 +285,13 @@ def main(args) -> int:
         paired = paired_ratios(runs) if args.rounds > 1 else {}
         for name, per_round in paired.items():
             print(f"  {name} per round: {'  '.join(f'{v:.2f}' for v in per_round)}  median {statistics.median(per_round):.2f}")
+        if token_bytes is not None:
+            for engine, per_round in runs.items():
+                shares = [token_bytes * r["decode_tok_s"][1] / (max(r["read_gbs"]) * 1e9) for r in per_round
+                          if "error" not in r and 1 in r["decode_tok_s"]]
+                if shares:
+                    print(f"  {engine} b1 share of the read rate sampled beside it, per round: "
+                          f"{'  '.join(f'{v:.0%}' for v in shares)}  median {statistics.median(shares):.0%}")
         report["models"].append({"model": model, "file_bytes": size, "token_bytes": token_bytes,
                                  "roofline_tok_s": roofline, "results": results, "rounds": runs,
                                  "paired_ratios": paired})

@@ -3,19 +3,25 @@
     python benchmarks/stream_split.py --model /work/models-tmp/llama-1b-q4_0.gguf
     python benchmarks/stream_split.py --model llama-1b-q4_k_m.gguf --rounds 20
 
-Loads the file with ``quantize="gguf"`` and, in one process, rounds alternating, times three reads
+Loads the file with ``quantize="gguf"`` and, in one process, rounds alternating, times four reads
 of the layers' linears (the LM head left out):
 
 - ``kernels``: ``genfn.kernels.linear`` of one row through every matrix, one call each, as a
   step's layers call them (each matrix split over the threads on its own);
+- ``plain read, one region``: ``benchmarks/stream_read.cpp`` (compiled on first use) adds up the
+  same bytes in one parallel region, each thread its share of every matrix's tensors side by side,
+  the threads meeting after each matrix: the kernels' own stream with no arithmetic and no per-call
+  cost. ``--threads 1`` shows what one core draws, which is what caps a one-row kernel once the
+  memory is fast (*Session 26* in docs/guides/k-quants-and-scale.md);
 - ``sum each tensor``: ``tensor.sum`` over each tensor those matrices are made of (codes, scales,
   minimums, K-quant rows), read as float32: the same streams with no arithmetic;
 - ``sum one buffer``: ``tensor.sum`` over one buffer of the same bytes (what the benchmarks' read
   bandwidth reports).
 
-Prints GB/s of each (best and median). ``kernels`` against ``sum each tensor`` is the kernels' own
-share; ``sum each tensor`` against ``sum one buffer`` is what streaming the matrices one by one
-costs any reader (issue 31's 80 % bar compares a step's read with the one buffer).
+Prints GB/s of each (best and median). ``kernels`` against ``plain read, one region`` is the
+kernels' own share; ``sum each tensor`` against ``sum one buffer`` is what streaming the matrices
+one by one, an op each, costs torch's reader (issue 31's 80 % bar compares a step's read with the
+one buffer).
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ from genfn.state.base import tree_flatten  # noqa: E402
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
+def plain_reader():
+    """``read_matrices(matrices, threads)`` of ``stream_read.cpp``, compiled into torch's extension cache."""
+    from torch.utils.cpp_extension import load
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_read.cpp")
+    return load("genfn_stream_read", [source], extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a GGUF file")
@@ -45,7 +59,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = genfn.load(args.model, quantize="gguf")
     weights = [layer[name] for layer in model.params["layers"] for name in LINEARS]
-    tensors = [t for w in weights for t in tree_flatten(w)[0] if isinstance(t, torch.Tensor)]
+    matrices = [[t for t in tree_flatten(w)[0] if isinstance(t, torch.Tensor)] for w in weights]
+    tensors = [t for m in matrices for t in m]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     as_floats = [t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.float32)
                  for t in tensors]
@@ -60,7 +75,9 @@ def main() -> None:
         for t in as_floats:
             t.sum()
 
-    reads = {"kernels": run_kernels, "sum each tensor": sum_each, "sum one buffer": one.sum}
+    reader = plain_reader()
+    reads = {"kernels": run_kernels, "plain read, one region": lambda: reader.read_matrices(matrices, args.threads),
+             "sum each tensor": sum_each, "sum one buffer": one.sum}
     times = {name: [] for name in reads}
     for read in reads.values():
         read()
@@ -72,7 +89,7 @@ def main() -> None:
     print(f"{os.path.basename(args.model)}: {len(weights)} matrices in {len(tensors)} tensors, {nbytes / 1e6:.0f} MB; "
           f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds")
     for name, values in times.items():
-        print(f"  {name:16s} best {nbytes / min(values) / 1e9:6.1f} GB/s   median {nbytes / statistics.median(values) / 1e9:6.1f}")
+        print(f"  {name:22s} best {nbytes / min(values) / 1e9:6.1f} GB/s   median {nbytes / statistics.median(values) / 1e9:6.1f}")
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ struct StreamWindow {
 // left a one-row stream 10-20 % short of the read rate (session 15's Xeon). On AMD's, 8 KiB into L1:
 // there, once the memory is fast, the prefetchers alone leave a one-row kernel's stream well short of
 // a plain read of the same bytes (Zen 5, one thread: Q4_0 tiles 82-87 % of it, 94 % fetched; 1B shapes'
-// layer matrices, 2 threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 64-67 ->
-// 76-81 GB/s, Q4_K_M's 62-68 -> 72-76, Q5_K_M's 70-71 -> 72-74, bfloat16 66-71 -> 75-76; in slow
-// stretches the same within a few per cent). Into L2 it did not pay there (Q4_K_M 0.98-1.01x), nor
-// 4 KiB ahead into L1 (Q4_0 tiles 1.02-1.06x, against 1.10-1.19x at 8 KiB). The 8-bit tiles keep the
+// layer matrices, 2 threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 63-67 ->
+// 76-77 GB/s, Q4_K_M's 62-68 -> 72-76, Q5_K_M's 70-71 -> 72-74, bfloat16 66-71 -> 75-76; in slow
+// stretches the same within a few per cent). Into L2 it did not pay there (Q4_K_M 0.99-1.01x), nor
+// 4 KiB ahead into L1 (Q4_0 tiles 1.00-1.07x, against 1.09-1.17x at 8 KiB). The 8-bit tiles keep the
 // prefetchers alone on AMD: fetched, they read 0.93-0.97x as fast (`eight_bit_tiles`).
 inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
   static const bool intel = __builtin_cpu_is("intel");
