@@ -157,3 +157,30 @@ def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path,
     ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)
     assert torch.equal(ours.sequences, theirs.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(theirs.logits), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gguf_models_head_loads_interleaved_and_a_tied_tables_lookup_reads_its_groups(tmp_path, monkeypatch, tied):
+    # The LM head is read whole every step, so it is interleaved too; a tied embedding is that head,
+    # and its lookup puts each token's group of 8 rows back. An untied embedding keeps its rows.
+    hf, _ = tiny_hf_model(vocab_size=296, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    path = tmp_path / "tiny.gguf"
+    types = {"attn_q": "q4_k", "attn_k": "q4_k", "attn_v": "q4_k", "attn_output": "q4_k", "ffn_gate": "q4_k",
+             "ffn_up": "q4_k", "ffn_down": "q4_k", "output": "q5_k", "token_embd": "q4_k"}
+    write_kquant_gguf(path, hf, types)
+    packed = genfn.load(path, quantize="gguf")
+    monkeypatch.setenv("GENFN_Q4K_R8", "0")
+    stored = genfn.load(path, quantize="gguf")
+    head, plain_head = packed.params["lm_head"], stored.params["lm_head"]
+    assert head.format == ("q4_k_r8" if tied else "q5_k_r8") and plain_head.format == ("q4_k" if tied else "q5_k")
+    assert torch.equal(head.dequantize(), plain_head.dequantize())
+    assert packed.params["embed"].format == ("q4_k_r8" if tied else "q4_k")
+    tokens = torch.tensor([[0, 7, 8, 15, 100, 295], [3, 3, 201, 9, 64, 1]])  # first and last of groups, repeats
+    looked_up = kernels.embedding(tokens, packed.params["embed"], torch.float32)
+    assert torch.equal(looked_up, kernels.embedding(tokens, stored.params["embed"], torch.float32))
+    assert torch.equal(looked_up, stored.params["embed"].dequantize()[tokens])
+    ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(theirs.logits), rtol=1e-4, atol=1e-4)

@@ -228,6 +228,8 @@ def write_kquant_gguf(path, hf_model, types: dict[str, str] = _TYPES) -> None:
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(cfg.head_dim)
     for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied model's file has no output.weight: its embedding is the head
         stem = name.removesuffix(".weight")
         layer = None
         if stem.startswith("model.layers."):

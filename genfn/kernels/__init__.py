@@ -443,10 +443,18 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     """``F.embedding(tokens, table)`` as ``dtype``; a quantized table (a GGUF file's K-quant
     embedding kept as stored, ``KQuantWeight``, or Q8_0/Q4_0/Q4_1 blocks in the kernel's tiles,
     ``QuantizedWeight``: a tied LM head's own) is read row by row: the looked-up rows' blocks
-    gathered and dequantized, never the whole table."""
+    gathered and dequantized, never the whole table; a tied head's interleaved K-quant rows
+    (``q6_k_r8`` and the like) a token's group of 8 rows, put back and dequantized, its own row kept."""
     if isinstance(table, KQuantWeight):
-        from genfn.quant.kquants import dequantize_k
+        from genfn.quant.kquants import INTERLEAVED, R8_ROWS, dequantize_k
 
+        if table.format in INTERLEAVED:
+            row_bytes = table.data.shape[1]
+            flat = tokens.reshape(-1)
+            groups = table.data.view(-1, R8_ROWS * row_bytes)[flat // R8_ROWS].view(-1, row_bytes)
+            values = dequantize_k(groups, table.format).view(flat.numel(), R8_ROWS, table.in_features)
+            rows = values[torch.arange(flat.numel(), device=flat.device), flat % R8_ROWS]
+            return rows.view(*tokens.shape, table.in_features).to(dtype)
         return dequantize_k(table.data[tokens], table.format).to(dtype)
     if isinstance(table, QuantizedWeight):
         if table.codes.is_cpu and tokens.device.type == "cpu" and decode_linear_available():

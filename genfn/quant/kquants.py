@@ -15,9 +15,10 @@ of 16 values (``genfn.quant.iq4``); ``KQuantWeight`` holds them too (formats ``i
 ``q4_k_r8`` is Q4_K with its rows interleaved 8 to a group (``repack_r8``; the layout is in
 ``genfn/kernels/kquant.h``), the same bytes rearranged so that the decode kernel's one activation
 load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8`` and ``q6_k_r8`` are Q5_K and Q6_K alike. The GGUF
-loader repacks a layer's Q4_K and Q5_K matrices so, and its Q6_K ones where the CPU has AVX-512
-VNNI (q6_k_r8's kernel); a row of such ``data`` is no one matrix row, and ``dequantize``/``map_rows``
-put the rows back first.
+loader repacks every matrix a decode step reads whole so (a layer's, the LM head, a tied embedding),
+its Q6_K ones where the CPU has AVX-512 VNNI (q6_k_r8's kernel); a row of such ``data`` is no one
+matrix row, and ``dequantize``/``map_rows`` put the rows back first (``genfn.kernels.embedding`` a
+token's group of 8).
 
 A ``KQuantWeight`` holds a matrix's blocks row by row, byte for byte as in the file (``data``
 uint8 ``[out_features, in_features / block_inputs * block_bytes]``): no repacking, so the loader

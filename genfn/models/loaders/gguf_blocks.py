@@ -182,7 +182,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     cols = gguf.tensors[run[0]].shape[1]
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
-    if _interleaved(run, type_name, rows):
+    if _interleaved(gguf, run, type_name, rows):
         return _write_r8_run(gguf, run, row_order, arena, rows, cols, INTERLEAVED_OF[GGUF_K_FORMATS[type_name]])
     if type_name in GGUF_K_FORMATS:  # rows as stored, one after another
         orders = [row_order(name) for name in run]
@@ -216,14 +216,16 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
     return out
 
 
-def _interleaved(run: list[str], type_name: str, rows: list[int]) -> bool:
-    """Whether a run is a layer's Q4_K, Q5_K or Q6_K matrices that the native kernels read
-    interleaved 8 rows to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``; Q6_K only where the K-quant
-    kernels run AVX-512 VNNI, which q6_k_r8's kernel needs: elsewhere it would run a row at a time
-    through the stored rows' kernel): the embedding and the LM head keep the file's rows, which a
-    lookup reads row by row; ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as stored."""
+def _interleaved(gguf, run: list[str], type_name: str, rows: list[int]) -> bool:
+    """Whether a run is Q4_K, Q5_K or Q6_K matrices that every decode step reads whole (a layer's,
+    the LM head, a tied embedding: ``_streamed``), which the native kernels read interleaved 8 rows
+    to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``; Q6_K only where the K-quant kernels run AVX-512
+    VNNI, which q6_k_r8's kernel needs: elsewhere it would run a row at a time through the stored
+    rows' kernel). A tied embedding's lookup puts a token's group of rows back
+    (``genfn.kernels.embedding``); an embedding beside its own head keeps the file's rows.
+    ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as stored."""
     fmt = GGUF_K_FORMATS.get(type_name)
-    return (fmt in INTERLEAVED_OF and all(_LAYER_WEIGHT.match(name) for name in run)
+    return (fmt in INTERLEAVED_OF and _streamed(gguf, run)
             and all(n % 8 == 0 for n in rows) and os.environ.get("GENFN_Q4K_R8", "1") != "0"
             and kquant.kquant_available()
             and (fmt != "q6_k" or kquant.q6_k_r8_runs()))
