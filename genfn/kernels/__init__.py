@@ -446,15 +446,16 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     gathered and dequantized, never the whole table; a tied head's interleaved K-quant rows
     (``q6_k_r8`` and the like) a token's group of 8 rows, put back and dequantized, its own row kept."""
     if isinstance(table, KQuantWeight):
-        from genfn.quant.kquants import INTERLEAVED, R8_ROWS, dequantize_k
+        from genfn.quant.kquants import INTERLEAVED, R8_ROWS, dequantize_k, unpack_r8
 
-        if table.format in INTERLEAVED:
+        if table.format in INTERLEAVED:  # each token's group of rows put back as stored, its own row kept
             row_bytes = table.data.shape[1]
             flat = tokens.reshape(-1)
             groups = table.data.view(-1, R8_ROWS * row_bytes)[flat // R8_ROWS].view(-1, row_bytes)
-            values = dequantize_k(groups, table.format).view(flat.numel(), R8_ROWS, table.in_features)
-            rows = values[torch.arange(flat.numel(), device=flat.device), flat % R8_ROWS]
-            return rows.view(*tokens.shape, table.in_features).to(dtype)
+            stored = unpack_r8(KQuantWeight(groups, table.format, groups.shape[0], table.in_features))
+            picks = torch.arange(flat.numel(), device=flat.device), flat % R8_ROWS
+            own = stored.data.view(flat.numel(), R8_ROWS, row_bytes)[picks]
+            return dequantize_k(own, stored.format).view(*tokens.shape, table.in_features).to(dtype)
         return dequantize_k(table.data[tokens], table.format).to(dtype)
     if isinstance(table, QuantizedWeight):
         if table.codes.is_cpu and tokens.device.type == "cpu" and decode_linear_available():
