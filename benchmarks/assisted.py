@@ -33,13 +33,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import datetime
 import json
-import time
 
 import torch
 
 import genfn  # noqa: E402
 
 from genfn.bench.results import write_results  # noqa: E402
+from genfn.bench.timing import interleaved  # noqa: E402
 
 PASSAGES = [
     "The town council met on Tuesday evening to discuss the new library. After a long debate, the members "
@@ -63,21 +63,6 @@ def prompts(tokenizer, count: int):
     batch = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, return_tensors="pt",
                                           return_dict=True)
     return batch["input_ids"], batch["attention_mask"]
-
-
-def interleaved(calls: dict, repeats: int, warm_up: bool):
-    """``{name: (last output, [seconds per repeat])}``; each repeat times every engine once, in turn,
-    so a change in the machine's load hits every engine alike."""
-    if warm_up:
-        for call in calls.values():
-            call()  # the compiled engines compile on their first call
-    results = {name: (None, []) for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            out = call()
-            results[name] = (out, results[name][1] + [time.perf_counter() - start])
-    return results
 
 
 def main() -> None:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
 import genfn
 from genfn import driver
+from genfn.bench.timing import interleaved
 
 
 def rows_case(spec, rows: int, span: int, slots: int = 512):
@@ -115,15 +115,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
             calls = ways(ops, baseline, layers, spec, rows_case(spec, rows, args.span))
-            best = dict.fromkeys(calls, float("inf"))
             with torch.no_grad():
-                for call in calls.values():
-                    call()
-                for _ in range(args.calls):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        call()
-                        best[name] = min(best[name], time.perf_counter() - start)
+                best = {name: min(seconds) for name, (_, seconds) in interleaved(calls, args.calls).items()}
             if baseline is not None:  # the same bits as the other revision's layer
                 one = layers[:1]
                 mine = ways(ops, None, one, spec, rows_case(spec, rows, args.span))

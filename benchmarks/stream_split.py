@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 
 import genfn  # noqa: E402
 from genfn import kernels  # noqa: E402
+from genfn.bench.timing import interleaved  # noqa: E402
 from genfn.state.base import tree_flatten  # noqa: E402
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -78,14 +78,7 @@ def main() -> None:
     reader = plain_reader()
     reads = {"kernels": run_kernels, "plain read, one region": lambda: reader.read_matrices(matrices, args.threads),
              "sum each tensor": sum_each, "sum one buffer": one.sum}
-    times = {name: [] for name in reads}
-    for read in reads.values():
-        read()
-    for _ in range(args.rounds):
-        for name, read in reads.items():
-            start = time.perf_counter()
-            read()
-            times[name].append(time.perf_counter() - start)
+    times = {name: seconds for name, (_, seconds) in interleaved(reads, args.rounds).items()}
     print(f"{os.path.basename(args.model)}: {len(weights)} matrices in {len(tensors)} tensors, {nbytes / 1e6:.0f} MB; "
           f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds")
     for name, values in times.items():
