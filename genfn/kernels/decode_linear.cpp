@@ -39,7 +39,7 @@ constexpr int kLanes = 16;
 // fetched ahead on Intel*, *Session 26*).
 template <int M>
 genfn_kernels::StreamWindow stream_window() {
-  return M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::StreamWindow{genfn_kernels::kStreamWindow, false};
+  return M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::kFewRowsWindow;
 }
 
 inline __m512 widen(__m256i halves) { return genfn_kernels::widen_bfloat16(halves); }
@@ -159,21 +159,21 @@ inline void store_block(const __m512* acc, Out* y, int64_t N, int64_t n) {
   }
 }
 
-// Lines to fetch into L2 while a block is summed: `lines` cache lines from `at` on, spread over the
-// block's steps a few at a time (none where lines is 0).
+// Lines to fetch (into L1 or L2) while a block is summed: `lines` cache lines from `at` on, spread
+// over the block's steps a few at a time (none where lines is 0).
 struct Fetch {
   const char* at = nullptr;
   int64_t lines = 0;
   bool into_l1 = false;
 };
 
-// The R-row block at weight row n fetches the same bytes `ahead` bytes further on in its stream (0:
-// nothing): the window a thread's one stream keeps in flight.
+// The R-row block at weight row n fetches the same bytes `ahead.bytes` further on in its stream (0:
+// nothing), into ahead's cache: the window a thread's one stream keeps in flight.
 template <typename Weight>
-Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, int64_t ahead, bool into_l1) {
-  if (ahead <= 0) return {};
+Fetch stream_ahead(const Weight* w, int64_t K, int64_t n, int R, genfn_kernels::StreamWindow ahead) {
+  if (ahead.bytes <= 0) return {};
   const int64_t bytes = R * K * static_cast<int64_t>(sizeof(Weight));
-  return {reinterpret_cast<const char*>(w + n * K) + ahead, (bytes + 63) / 64, into_l1};
+  return {reinterpret_cast<const char*>(w + n * K) + ahead.bytes, (bytes + 63) / 64, ahead.into_l1};
 }
 
 // One step of a block: chunk k of its R weight rows against chunk k of the M rows of x, into
@@ -214,8 +214,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void row_block(c
   const int64_t fetch_end = std::min(K / S, (fetch.lines + kLinesPerStep - 1) / kLinesPerStep) * S;
   int64_t k = 0;
   for (; k < fetch_end; k += S) {
-    const genfn_kernels::StreamWindow into{0, fetch.into_l1};
-    for (int j = 0; j < kLinesPerStep; ++j) into.fetch(fetch.at + 64 * j);
+    for (int j = 0; j < kLinesPerStep; ++j) genfn_kernels::fetch_line(fetch.at + 64 * j, fetch.into_l1);
     fetch.at += 64 * kLinesPerStep;
     dot_step<Dot, M, R>(x, rows, K, k, acc);
   }
@@ -269,7 +268,8 @@ void stream_blocks(const typename Dot::Input* x, const typename Dot::Weight* w, 
   fetch_first_window(w + b0 * R * K, length, window);
   for (int64_t b = b0; b < b1; ++b) {
     const bool ahead = window.bytes > 0 && (b - b0 + 1) * block_bytes + window.bytes <= length;
-    row_block<Dot, M, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead ? window.bytes : 0, window.into_l1), y);
+    row_block<Dot, M, R>(x, w, K, N, b * R,
+                         stream_ahead(w, K, b * R, R, ahead ? window : genfn_kernels::StreamWindow{}), y);
   }
 }
 
@@ -302,7 +302,7 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
         for (int64_t b = begin; b < end; ++b) {
           const bool ahead = window.bytes > 0 && (b - start + 1) * block_bytes + window.bytes <= length;
           row_block<Dot, M, R>(x, w, K, N, b * R,
-                               stream_ahead(w, K, b * R, R, ahead ? window.bytes : 0, window.into_l1), y);
+                               stream_ahead(w, K, b * R, R, ahead ? window : genfn_kernels::StreamWindow{}), y);
         }
       },
       [&](int64_t begin, int64_t end) {
@@ -333,7 +333,7 @@ void group_blocks(int64_t M, const typename Dot::Input* x, const typename Dot::W
                   Out* y, int64_t b0, int64_t b1, int64_t ahead) {
   with_rows(M, [&](auto rows) {
     for (int64_t b = b0; b < b1; ++b)
-      row_block<Dot, decltype(rows)::value, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, ahead, false), y);
+      row_block<Dot, decltype(rows)::value, R>(x, w, K, N, b * R, stream_ahead(w, K, b * R, R, {ahead, false}), y);
   });
 }
 

@@ -43,7 +43,7 @@ struct StreamFetch {
   genfn_kernels::StreamWindow window;
   const uint8_t* next;
   explicit StreamFetch(const uint8_t* w)
-      : window(M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::StreamWindow{genfn_kernels::kStreamWindow, false}),
+      : window(M == 1 ? genfn_kernels::one_row_window() : genfn_kernels::kFewRowsWindow),
         next(w + window.bytes) {}
   // Every line up to a window past `end`, the end of the block about to be read.
   void through(const uint8_t* end) {

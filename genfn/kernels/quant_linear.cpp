@@ -96,7 +96,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 template <int M>
 genfn_kernels::StreamWindow stream_window(int64_t kind) {
   if constexpr (M == 1) return genfn_kernels::one_row_window(kind == kQ8);
-  if constexpr (M < 4) return {genfn_kernels::kStreamWindow, false};
+  if constexpr (M < 4) return genfn_kernels::kFewRowsWindow;
   return {4096, true};
 }
 template <int M>

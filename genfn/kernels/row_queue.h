@@ -30,16 +30,23 @@ constexpr int64_t kStreamWindow = 16384;
 // How far ahead a one-row stream is fetched into L1 on AMD's cores (one_row_window).
 constexpr int64_t kL1StreamWindow = 8192;
 
+// One line of a stream fetched into L1 (`prefetcht0`) or L2 (`prefetcht1`).
+inline void fetch_line(const void* p, bool into_l1) {
+  if (into_l1) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
+
 // A thread's weight stream fetched `bytes` ahead of what it sums (0: left to the hardware
-// prefetchers), into L1 (`prefetcht0`) or L2 (`prefetcht1`).
+// prefetchers), into L1 or L2.
 struct StreamWindow {
   int64_t bytes = 0;
   bool into_l1 = false;
-  void fetch(const void* p) const {
-    if (into_l1) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-    else _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-  }
+  void fetch(const void* p) const { fetch_line(p, into_l1); }
 };
+
+// The window of a product with 2-8 rows of x, on every CPU (kStreamWindow into L2); the tiles
+// kernels take a window of their own from four rows (quant_linear.cpp).
+constexpr StreamWindow kFewRowsWindow{kStreamWindow, false};
 
 // The window of a product with one row of x. On Intel cores 16 KiB into L2, whose prefetchers alone
 // left a one-row stream 10-20 % short of the read rate (session 15's Xeon). On AMD's, 8 KiB into L1:
