@@ -443,20 +443,12 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     """``F.embedding(tokens, table)`` as ``dtype``; a quantized table (a GGUF file's K-quant
     embedding kept as stored, ``KQuantWeight``, or Q8_0/Q4_0/Q4_1 blocks in the kernel's tiles,
     ``QuantizedWeight``: a tied LM head's own) is read row by row: the looked-up rows' blocks
-    gathered and dequantized, never the whole table; a tied head's interleaved K-quant rows
-    (``q6_k_r8`` and the like) a token's group of 8 rows, put back and dequantized, its own row kept."""
+    gathered and dequantized, never the whole table (a token of a tied head's interleaved K-quant
+    rows, ``q6_k_r8`` and the like, reads its own row out of its group of 8)."""
     if isinstance(table, KQuantWeight):
-        from genfn.quant.kquants import INTERLEAVED, R8_ROWS, dequantize_k, unpack_r8
+        from genfn.kernels.kquant import kquant_lookup
 
-        if table.format in INTERLEAVED:  # each token's group of rows put back as stored, its own row kept
-            row_bytes = table.data.shape[1]
-            flat = tokens.reshape(-1)
-            groups = table.data.view(-1, R8_ROWS * row_bytes)[flat // R8_ROWS].view(-1, row_bytes)
-            stored = unpack_r8(KQuantWeight(groups, table.format, groups.shape[0], table.in_features))
-            picks = torch.arange(flat.numel(), device=flat.device), flat % R8_ROWS
-            own = stored.data.view(flat.numel(), R8_ROWS, row_bytes)[picks]
-            return dequantize_k(own, stored.format).view(*tokens.shape, table.in_features).to(dtype)
-        return dequantize_k(table.data[tokens], table.format).to(dtype)
+        return kquant_lookup(table, tokens.reshape(-1)).view(*tokens.shape, table.in_features).to(dtype)
     if isinstance(table, QuantizedWeight):
         if table.codes.is_cpu and tokens.device.type == "cpu" and decode_linear_available():
             # QuantizedWeight.lookup's values in one native pass (gguf_tiles.cpp's tiles_lookup).

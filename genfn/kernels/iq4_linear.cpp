@@ -26,8 +26,7 @@ namespace {
 
 using namespace genfn::kquant;
 
-alignas(16) constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// Their magnitudes; the table is sorted, so indices 0-7 are the negative values.
+// kIQ4Values' magnitudes; the table is sorted, so indices 0-7 are the negative values.
 alignas(16) constexpr uint8_t kMagnitudes[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // int16 lane k of a 64-byte run group belongs to run k / 8 (four runs of 16 bytes, 8 pair sums
@@ -146,7 +145,7 @@ GENFN_AVX2_INLINE inline __m256i pairs256(__m256i magnitude, __m256i w, const in
 
 // Block b of nb (at w) of an IQ4_NL row against M rows of activations, one block at a time: the AVX2
 // path's every block, the AVX-512 path's last one to three. Each row's exact integer sum, scaled by
-// d_w * d_x, is added to its acc[m] (table: kValues in both lanes, low4: 0x0F, ones: int16 1).
+// d_w * d_x, is added to its acc[m] (table: kIQ4Values in both lanes, low4: 0x0F, ones: int16 1).
 template <int M>
 GENFN_AVX2_INLINE inline void iq4nl_block256(const uint8_t* w, int64_t b, int64_t nb, const ActivationsK& a,
                                              int64_t m0, __m256i table, __m256i low4, __m256i ones, __m256 acc[M]) {
@@ -196,7 +195,7 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
     }
   }
-  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
   for (; b < nb; ++b, w += kBytes)  // the last one to three blocks of a row not a multiple of 128
     iq4nl_block256<M>(w, b, nb, a, m0, table256, low4_256, ones256, tail);
@@ -211,7 +210,7 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t K = a.K;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
@@ -239,7 +238,7 @@ template <int M>
 GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL)) {

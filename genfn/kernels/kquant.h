@@ -44,6 +44,9 @@ constexpr int64_t block_bytes(int64_t f) {
 }
 // Inputs per weight block; the activations get one scale per as many inputs.
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
+// IQ4_NL / IQ4_XS: the one table of 16 int8 values their 4-bit indices point into (llama.cpp's kvalues_iq4nl).
+alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                     1,    13,   25,  38,  53,  69,  89,  113};
 
 // q4_k_r8: rows 8g .. 8g + 7 of a Q4_K matrix, super-block by super-block, each super-block of the
 // group group_block_bytes bytes (8 x 144, no byte added; genfn/quant/kquants.py's repack_r8 is the same in

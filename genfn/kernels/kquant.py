@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from genfn.kernels import native
-from genfn.quant.kquants import FORMAT_ID, FORMAT_NAME, KQuantWeight, reference_linear_k
+from genfn.quant.kquants import (BLOCK_BYTES, BLOCK_INPUTS, FORMAT_ID, FORMAT_NAME, INTERLEAVED, R8_ROWS, KQuantWeight,
+                                 dequantize_k, reference_linear_k, unpack_r8)
 
-__all__ = ["kquant_linear", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows", "kquant_status",
+__all__ = ["kquant_linear", "kquant_lookup", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows", "kquant_status",
            "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
@@ -48,10 +49,15 @@ def _register_fake(native_ops: bool) -> None:
     def _(x, data, format, out_features, row_kernels=False):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    if native_ops:  # the MoE step exists only in the native library
+    if native_ops:  # the MoE step and the lookup exist only in the native library
         @torch.library.register_fake(f"{_NAMESPACE}::kquant_moe_decode")
         def _(x, experts, weights, gate_up, gate_up_format, down, down_format):
             return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
+
+        @torch.library.register_fake(f"{_NAMESPACE}::kquant_lookup")
+        def _(data, format, out_features, index):
+            inputs = data.shape[1] // BLOCK_BYTES[FORMAT_NAME[format]] * BLOCK_INPUTS[FORMAT_NAME[format]]
+            return data.new_empty((index.shape[0], inputs), dtype=torch.float32)
 
 
 def _define_reference_op() -> None:
@@ -115,6 +121,21 @@ def gemm_min_rows(rows: int | None) -> int:
     if not kquant_available():
         raise RuntimeError(f"the K-quant kernels are {_status}")
     return int(torch.ops.genfn_kquant.kquant_gemm_min_rows(0 if rows is None else rows))
+
+
+def kquant_lookup(table: KQuantWeight, tokens: torch.Tensor) -> torch.Tensor:
+    """The float32 rows ``tokens [n]`` of ``table`` (``[n, in_features]``): ``dequantize_k`` of just those
+    rows, bit for bit, in one native pass (``kquant_lookup.cpp``; a token of an interleaved table reads
+    its own row out of its group of 8). The torch path where the library is not built."""
+    if not kquant_available():
+        if table.format in INTERLEAVED:
+            groups = table.data.view(-1, R8_ROWS * table.data.shape[1])[tokens // R8_ROWS]
+            stored = unpack_r8(KQuantWeight(groups.view(-1, table.data.shape[1]), table.format, groups.shape[0] * R8_ROWS,
+                                            table.in_features))
+            own = stored.data.view(tokens.numel(), R8_ROWS, -1)[torch.arange(tokens.numel()), tokens % R8_ROWS]
+            return dequantize_k(own, stored.format)
+        return dequantize_k(table.data[tokens], table.format)
+    return torch.ops.genfn_kquant.kquant_lookup(table.data, FORMAT_ID[table.format], table.out_features, tokens)
 
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight, *, row_kernels: bool = False) -> torch.Tensor:

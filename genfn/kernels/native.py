@@ -76,7 +76,8 @@ DECODE = NativeLibrary(
 KQUANT = NativeLibrary(
     stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "kquant_quantize.cpp",
                                                       _HERE / "kquant_gemm.cpp", _HERE / "iq4_linear.cpp",
-                                                      _HERE / "kquant_r8.cpp", _HERE / "kquant_q6k.cpp"),
+                                                      _HERE / "kquant_r8.cpp", _HERE / "kquant_q6k.cpp",
+                                                      _HERE / "kquant_lookup.cpp"),
     headers=(_HERE / "kquant.h", _HERE / "kquant_quantize.h", _HERE / "row_queue.h", _HERE / "kquant_rows.h"),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
 LIBRARIES = (DECODE, KQUANT)
