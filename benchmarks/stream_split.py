@@ -16,7 +16,11 @@ of the layers' linears (the LM head left out):
 - ``sum each tensor``: ``tensor.sum`` over each tensor those matrices are made of (codes, scales,
   minimums, K-quant rows), read as float32: the same streams with no arithmetic;
 - ``sum one buffer``: ``tensor.sum`` over one buffer of the same bytes (what the benchmarks' read
-  bandwidth reports).
+  bandwidth reports);
+- ``stack`` (``--stack``): the step's own native call of the layers (``decode_layer.run_stack``, its
+  arguments taken from a short eager ``generate``, a row of one token attending ~50 slots): the
+  linears with their attention, norms, the activations' quantization and the barriers between
+  them. ``stack`` against ``kernels`` is what a step's layers cost besides their products.
 
 Prints GB/s of each (best and median). ``kernels`` against ``plain read, one region`` is the
 kernels' own share; ``sum each tensor`` against ``sum one buffer`` is what streaming the matrices
@@ -50,11 +54,43 @@ def plain_reader():
     return load("genfn_stream_read", [source], extra_cflags=["-O2", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 
+def stack_call(model):
+    """A call of the layers' native stack with the arguments of the last step of a short eager
+    ``generate`` (the cache at that step: writing the same slot again changes nothing)."""
+    from genfn.kernels import decode_layer
+
+    calls = []
+    run_stack = decode_layer.run_stack
+
+    def keep(*args, **kwargs):
+        calls.append((args, kwargs))
+        return run_stack(*args, **kwargs)
+
+    decode_layer.run_stack = keep
+    try:
+        prompt = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)])
+        with torch.no_grad():
+            genfn.generate(model, prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           cache_implementation="static", max_cache_len=256, disable_compile=True)
+    finally:
+        decode_layer.run_stack = run_stack
+    if not calls:
+        raise SystemExit("--stack: this model's steps do not run the native stack")
+    args, kwargs = calls[-1]
+
+    def call():
+        with torch.no_grad():
+            run_stack(*args, **kwargs)
+
+    return call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a GGUF file")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stack", action="store_true", help="also time the step's native call of the layers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = genfn.load(args.model, quantize="gguf")
@@ -78,6 +114,8 @@ def main() -> None:
     reader = plain_reader()
     reads = {"kernels": run_kernels, "plain read, one region": lambda: reader.read_matrices(matrices, args.threads),
              "sum each tensor": sum_each, "sum one buffer": one.sum}
+    if args.stack:
+        reads["stack"] = stack_call(model)
     times = {name: seconds for name, (_, seconds) in interleaved(reads, args.rounds).items()}
     print(f"{os.path.basename(args.model)}: {len(weights)} matrices in {len(tensors)} tensors, {nbytes / 1e6:.0f} MB; "
           f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds")
