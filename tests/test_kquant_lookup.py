@@ -60,6 +60,10 @@ def test_the_torch_path_gives_the_same_rows(fmt, monkeypatch):
     table = random_table(fmt, 16, 2, seed=11)
     tokens = torch.tensor([3, 8, 15, 0])
     native = kquant.kquant_lookup(table, tokens)
+    # Off the CPU the torch path runs (meta tensors stand in for another device here).
+    elsewhere = KQuantWeight(table.data.to("meta"), table.format, table.out_features, table.in_features)
+    rows = kquant.kquant_lookup(elsewhere, tokens.to("meta"))
+    assert rows.device.type == "meta" and rows.shape == native.shape and rows.dtype == torch.float32
     monkeypatch.setattr(kquant, "_native", False)  # as where the library is not built
     assert torch.equal(kquant.kquant_lookup(table, tokens), native)
     assert torch.equal(native, gguf_rows(table, tokens))

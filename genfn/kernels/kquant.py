@@ -126,13 +126,14 @@ def gemm_min_rows(rows: int | None) -> int:
 def kquant_lookup(table: KQuantWeight, tokens: torch.Tensor) -> torch.Tensor:
     """The float32 rows ``tokens [n]`` of ``table`` (``[n, in_features]``): ``dequantize_k`` of just those
     rows, bit for bit, in one native pass (``kquant_lookup.cpp``; a token of an interleaved table reads
-    its own row out of its group of 8). The torch path where the library is not built."""
-    if not kquant_available():
+    its own row out of its group of 8). The torch path where the library is not built, or off the CPU."""
+    if not (kquant_available() and table.data.is_cpu and tokens.device.type == "cpu"):
         if table.format in INTERLEAVED:
             groups = table.data.view(-1, R8_ROWS * table.data.shape[1])[tokens // R8_ROWS]
             stored = unpack_r8(KQuantWeight(groups.view(-1, table.data.shape[1]), table.format, groups.shape[0] * R8_ROWS,
                                             table.in_features))
-            own = stored.data.view(tokens.numel(), R8_ROWS, -1)[torch.arange(tokens.numel()), tokens % R8_ROWS]
+            picks = torch.arange(tokens.numel(), device=tokens.device), tokens % R8_ROWS
+            own = stored.data.view(tokens.numel(), R8_ROWS, -1)[picks]
             return dequantize_k(own, stored.format)
         return dequantize_k(table.data[tokens], table.format)
     return torch.ops.genfn_kquant.kquant_lookup(table.data, FORMAT_ID[table.format], table.out_features, tokens)

@@ -31,8 +31,8 @@ IQ4_BLOCK_INPUTS = {"iq4_nl": 32, "iq4_xs": 256}
 _SUB = 32  # inputs per sub-block (iq4_xs) and per block (iq4_nl)
 
 
-def _table() -> torch.Tensor:
-    return torch.tensor(KVALUES, dtype=torch.float32)
+def _table(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(KVALUES, dtype=torch.float32, device=device)
 
 
 def _indices(qs: torch.Tensor) -> torch.Tensor:
@@ -48,14 +48,14 @@ def dequantize_iq4(data: torch.Tensor, fmt: str) -> torch.Tensor:
     n = blocks.shape[0]
     d = blocks[:, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, 1]
     if fmt == "iq4_nl":
-        values = _table()[_indices(blocks[:, 2:].reshape(n, 1, 16))].reshape(n, _SUB)
+        values = _table(data.device)[_indices(blocks[:, 2:].reshape(n, 1, 16))].reshape(n, _SUB)
         return (d * values).reshape(*lead, -1)
     high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]; bits 0-15 as stored
     low = blocks[:, 4:8].contiguous().view(torch.int32)
-    shifts = torch.arange(8, dtype=torch.int32)
+    shifts = torch.arange(8, dtype=torch.int32, device=data.device)
     scales = ((low >> (4 * shifts)) & 0x0F) | (((high >> (2 * shifts)) & 0x03) << 4)  # [n, 8] in 0..63
     dl = (d * (scales - 32).to(torch.float32)).unsqueeze(-1)  # [n, 8, 1]
-    values = _table()[_indices(blocks[:, 8:].reshape(n, 8, 16))]
+    values = _table(data.device)[_indices(blocks[:, 8:].reshape(n, 8, 16))]
     return (dl * values).reshape(*lead, -1)
 
 

@@ -232,7 +232,7 @@ def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
         q = _nibbles(qs.reshape(n, 4, 1, 32)).reshape(n, 8, 32)
         if fmt == "q5_k":
             qh = blocks[:, 16:48].reshape(n, 1, 32)
-            shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+            shifts = torch.arange(8, dtype=torch.uint8, device=data.device).reshape(1, 8, 1)
             q = q | (((qh >> shifts) & 1) << 4)
         scale = (d * sc.to(torch.float32)).unsqueeze(-1)
         minimum = (dmin * m.to(torch.float32)).unsqueeze(-1)
@@ -242,7 +242,7 @@ def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
         d = _f16(blocks, 208)
         scale = (d * sc.to(torch.float32)).reshape(n, 16, 1)
         low = _nibbles(ql.reshape(n, 2, 1, 64)).reshape(n, 2, 4, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).reshape(1, 1, 4, 1)
         high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
         q = (low | (high << 4)).to(torch.int16) - 32
         values = scale * q.reshape(n, 16, 16).to(torch.float32)
