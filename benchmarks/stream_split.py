@@ -120,7 +120,8 @@ def main() -> None:
     print(f"{os.path.basename(args.model)}: {len(weights)} matrices in {len(tensors)} tensors, {nbytes / 1e6:.0f} MB; "
           f"threads {args.threads}, load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds")
     for name, values in times.items():
-        print(f"  {name:22s} best {nbytes / min(values) / 1e9:6.1f} GB/s   median {nbytes / statistics.median(values) / 1e9:6.1f}")
+        best, median = nbytes / min(values) / 1e9, nbytes / statistics.median(values) / 1e9
+        print(f"  {name:22s} best {best:6.1f} GB/s   median {median:6.1f}")
 
 
 if __name__ == "__main__":

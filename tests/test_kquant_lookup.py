@@ -15,7 +15,8 @@ from genfn.kernels import kquant
 from genfn.quant import KQuantWeight
 from genfn.quant.kquants import BLOCK_BYTES, BLOCK_INPUTS, INTERLEAVED, repack_r8, unpack_r8
 
-needs_native = pytest.mark.skipif(not kquant.kquant_available(), reason=f"the K-quant kernels are {kquant.kquant_status()}")
+needs_native = pytest.mark.skipif(not kquant.kquant_available(),
+                                  reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
 # Where each format keeps its float16 scale(s): d (and Q4_K/Q5_K's dmin) must be finite for the
 # values to be compared; every other byte may be anything.
@@ -52,7 +53,8 @@ def test_a_lookup_gives_the_gguf_packages_rows_bit_for_bit(fmt):
     assert torch.equal(rows, gguf_rows(table, tokens))
     # The model's entry point: any token shape, in the model's dtype.
     looked_up = kernels.embedding(tokens.view(2, 4), table, torch.bfloat16)
-    assert looked_up.shape == (2, 4, table.in_features) and torch.equal(looked_up, rows.to(torch.bfloat16).view(2, 4, -1))
+    assert looked_up.shape == (2, 4, table.in_features)
+    assert torch.equal(looked_up, rows.to(torch.bfloat16).view(2, 4, -1))
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k_r8", "iq4_xs"])

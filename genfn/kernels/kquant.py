@@ -18,8 +18,8 @@ from genfn.kernels import native
 from genfn.quant.kquants import (BLOCK_BYTES, BLOCK_INPUTS, FORMAT_ID, FORMAT_NAME, INTERLEAVED, R8_ROWS, KQuantWeight,
                                  dequantize_k, reference_linear_k, unpack_r8)
 
-__all__ = ["kquant_linear", "kquant_lookup", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows", "kquant_status",
-           "needs_build"]
+__all__ = ["kquant_linear", "kquant_lookup", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows",
+           "kquant_status", "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
@@ -129,9 +129,9 @@ def kquant_lookup(table: KQuantWeight, tokens: torch.Tensor) -> torch.Tensor:
     its own row out of its group of 8). The torch path where the library is not built, or off the CPU."""
     if not (kquant_available() and table.data.is_cpu and tokens.device.type == "cpu"):
         if table.format in INTERLEAVED:
-            groups = table.data.view(-1, R8_ROWS * table.data.shape[1])[tokens // R8_ROWS]
-            stored = unpack_r8(KQuantWeight(groups.view(-1, table.data.shape[1]), table.format, groups.shape[0] * R8_ROWS,
-                                            table.in_features))
+            row_bytes = table.data.shape[1]
+            groups = table.data.view(-1, R8_ROWS * row_bytes)[tokens // R8_ROWS].view(-1, row_bytes)
+            stored = unpack_r8(KQuantWeight(groups, table.format, groups.shape[0], table.in_features))
             picks = torch.arange(tokens.numel(), device=tokens.device), tokens % R8_ROWS
             own = stored.data.view(tokens.numel(), R8_ROWS, -1)[picks]
             return dequantize_k(own, stored.format)
