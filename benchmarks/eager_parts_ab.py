@@ -7,8 +7,8 @@ Runs ``genfn.generate`` eagerly (``disable_compile=True``, static cache, greedy,
 with each combination of two pieces of the eager path in turn, rounds alternating in order, so a
 drift of the machine hits every variant alike:
 
-- ``stack plan``: the run's params carry the native stack's weight list worked out once
-  (``genfn.models.registry.eager_params``); off, every step walks the layers' weights again;
+- ``stack table``: the run's params carry the native stack's table of weights built once
+  (``genfn.models.registry.step_params``); off, every step walks the layers' weights and builds one;
 - ``native lookup``: a tied head's Q8_0/Q4_0/Q4_1 tiles looked up in one native pass
   (``genfn.kernels.embedding``'s ``tiles_lookup``); off, ``QuantizedWeight.lookup``'s torch ops.
 
@@ -47,7 +47,7 @@ def main() -> None:
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     settings = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                     cache_implementation="static", disable_compile=True)
-    native_embedding, native_eager_params = kernels.embedding, registry.eager_params
+    native_embedding, native_step_params = kernels.embedding, registry.step_params
 
     def torch_embedding(tokens, table, dtype):
         if isinstance(table, QuantizedWeight):
@@ -57,14 +57,14 @@ def main() -> None:
     def plain_params(spec, params):
         return params
 
-    variants = {"both off": (torch_embedding, plain_params), "stack plan": (torch_embedding, native_eager_params),
-                "native lookup": (native_embedding, plain_params), "both": (native_embedding, native_eager_params)}
+    variants = {"both off": (torch_embedding, plain_params), "stack table": (torch_embedding, native_step_params),
+                "native lookup": (native_embedding, plain_params), "both": (native_embedding, native_step_params)}
     times = {name: [] for name in variants}
     tokens = {}
     try:
         for r in range(args.rounds):
             for name in variants if r % 2 == 0 else list(variants)[::-1]:
-                kernels.embedding, registry.eager_params = variants[name]
+                kernels.embedding, registry.step_params = variants[name]
                 genfn.generate(model, ids, **dict(settings, max_new_tokens=4, min_new_tokens=4))
                 start = time.perf_counter()
                 out = genfn.generate(model, ids, **settings)
@@ -73,7 +73,7 @@ def main() -> None:
                 if tokens[name] != tokens["both off" if "both off" in tokens else name]:
                     raise SystemExit(f"{name}: its tokens differ from the variant with both pieces off")
     finally:
-        kernels.embedding, registry.eager_params = native_embedding, native_eager_params
+        kernels.embedding, registry.step_params = native_embedding, native_step_params
     base = times["both off"]
     print(f"load average {os.getloadavg()[0]:.2f}, {args.rounds} rounds of {args.new_tokens} tokens")
     for name, values in times.items():

@@ -40,16 +40,15 @@ StepFn = Callable[[Any, Any], Any]
 _logger = logging.getLogger(__name__)
 
 
-def functional(model, *, eager: bool = False) -> FunctionalModel:
-    """The value a step receives: ``model.functional(eager=eager)`` for a ``genfn.Model`` (``eager``: for
-    one eager run, ``Model.functional``), else ``model`` itself."""
-    return model.functional(eager=eager) if hasattr(model, "functional") else model
+def functional(model) -> FunctionalModel:
+    """The value a step receives: ``model.functional()`` for a ``genfn.Model``, else ``model`` itself."""
+    return model.functional() if hasattr(model, "functional") else model
 
 
 def eager_step(step: StepFn, model) -> Callable[[Any], Any]:
     """The step as a plain Python call (for debugging; the same function that gets compiled, given the
     same kind of model value)."""
-    value = functional(model, eager=True)
+    value = functional(model)
     return lambda state: step(value, state)
 
 
@@ -173,7 +172,8 @@ def own_code(fn: Callable) -> Callable:
 
 
 def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict | None, build: Callable):
-    """``torch.compile(build(weights, layout), **compile_options)``, cached on ``model``.
+    """``torch.compile(build(value, weights, layout), **compile_options)``, cached on ``model``: ``value``
+    is ``functional(model)``, ``weights`` its params as a ``ParamsModule``.
 
     The key holds ``kind``, the step function, the treedef (which holds every static option) and
     the leaves' shapes and dtypes (dims marked dynamic excluded), so a state with the same
@@ -189,7 +189,8 @@ def _cached_compile(model, kind: str, step: StepFn, state, compile_options: dict
         # Build/load the native kernels now, not while dynamo traces the model.
         kernels.decode_linear_available()
         # The weights come from module buffers, so freezing (where the backend turns it on) makes them constants.
-        fn = torch.compile(own_code(build(ParamsModule(functional(model).params), layout)),
+        value = functional(model)
+        fn = torch.compile(own_code(build(value, ParamsModule(value.params), layout)),
                            **_without_weight_guards(with_genfn_backend(compile_options)))
         fn = _announced_first_call(fn, f"compiling the {'decode step' if kind == 'step' else 'decoding loop'}")
         model.compiled_steps[cache_key] = fn
@@ -283,8 +284,7 @@ class _StepOnLeaves:
         return stepped
 
 
-def _step_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
-    value = functional(model)
+def _step_on_leaves(step: StepFn, value, weights: ParamsModule, layout) -> Callable:
     join = _layout_unflattener(layout)
 
     def tensors_to_tensors(*flat):
@@ -309,13 +309,13 @@ def _with_own_errors(compiled: Callable[[Any], Any], step: StepFn, model) -> Cal
             return compiled(state)
         except trace_errors() as traced:
             result = eager_step(step, model)(state)
-            if not getattr(functional(model).spec, "compile_fallback", False):
+            if not getattr(model.spec, "compile_fallback", False):
                 raise traced
             # A wrapped nn.Module (genfn.from_module) that dynamo cannot trace runs eagerly instead:
             # its step just worked, so only the compile failed. Said once per model and step.
             model.compiled_steps[fallback_key] = True
             _logger.warning("genfn: %s does not trace under torch.compile (%s: %s); its decode step runs eagerly",
-                            functional(model).spec, type(traced).__name__, str(traced).splitlines()[0][:200])
+                            model.spec, type(traced).__name__, str(traced).splitlines()[0][:200])
             return result
 
     return call
@@ -330,13 +330,13 @@ def compiled_step(step: StepFn, model, state, compile_options: dict | None = Non
     if model.compiled_steps.get(("eager_fallback", step)):
         return eager_step(step, model)
     fn = _cached_compile(model, "step", step, state, compile_options,
-                         lambda weights, layout: _step_on_leaves(step, model, weights, layout))
+                         lambda value, weights, layout: _step_on_leaves(step, value, weights, layout))
     return _with_own_errors(_StepOnLeaves(fn), step, model)
 
 
-def _loop_on_leaves(step: StepFn, model, weights: ParamsModule, layout) -> Callable:
+def _loop_on_leaves(step: StepFn, value, weights: ParamsModule, layout) -> Callable:
     while_loop = torch_while_loop()
-    one_step = _step_on_leaves(step, model, weights, layout)
+    one_step = _step_on_leaves(step, value, weights, layout)
     join = _layout_unflattener(layout)
 
     def whole_loop(num_steps, *flat):
@@ -367,10 +367,11 @@ def compiled_loop(step: StepFn, model, state, compile_options: dict | None = Non
     (small models); on SmolLM2 the copies cost more than they save (benchmarks/decode.py).
     """
     if compile_options is None:
-        fn = _loop_on_leaves(step, model, ParamsModule(functional(model).params), _split_leaves(state)[1])
+        value = functional(model)
+        fn = _loop_on_leaves(step, value, ParamsModule(value.params), _split_leaves(state)[1])
     else:
         fn = _cached_compile(model, "while_loop", step, state, compile_options,
-                             lambda weights, layout: _loop_on_leaves(step, model, weights, layout))
+                             lambda value, weights, layout: _loop_on_leaves(step, value, weights, layout))
 
     def run(state, num_steps: int):
         steps = torch.tensor(num_steps, dtype=torch.int64, device=state.done.device)

@@ -87,18 +87,26 @@ def assert_prefill_and_cached_steps_match(hf_model, model, ids, mask, steps: int
 
 
 def record_native_layers(monkeypatch, calls: list) -> None:
-    """Record ``(tokens per row, native)`` in ``calls`` for each layer step whose form
-    genfn.kernels.decode_layer decides (the eager stack of layers and the layer by layer alike)."""
+    """Record ``(tokens per row, native)`` in ``calls`` for each step's decision that
+    genfn.kernels.decode_layer makes of its layers' form: the stack's for the whole step
+    (``stack_takes``: the stack runs where its table exists), each layer's where that falls through
+    (``takes``)."""
     from genfn.kernels import decode_layer
 
-    kind_of = decode_layer.layer_kind
+    stack_takes, takes = decode_layer.stack_takes, decode_layer.takes
 
-    def recorded(layer, x):
-        kind = kind_of(layer, x)
-        calls.append((x.shape[1], kind is not None))
-        return kind
+    def recorded_stack(x, keys, head_dim):
+        took = stack_takes(x, keys, head_dim)
+        calls.append((x.shape[1], took))
+        return took
 
-    monkeypatch.setattr(decode_layer, "layer_kind", recorded)
+    def recorded(x, layer, keys, head_dim):
+        took = takes(x, layer, keys, head_dim)
+        calls.append((x.shape[1], took))
+        return took
+
+    monkeypatch.setattr(decode_layer, "stack_takes", recorded_stack)
+    monkeypatch.setattr(decode_layer, "takes", recorded)
 
 
 def llama_cpp_permute(w, n_head: int):

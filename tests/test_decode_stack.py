@@ -1,6 +1,6 @@
-"""The eager step's stack of layers in one native call (genfn.kernels.decode_layer.run_stack): the
-bits of the per-layer ops, the cache written where they write it, generate's tokens and logits
-unchanged, and bad arguments named."""
+"""The step's stack of layers in one native call (genfn.kernels.decode_layer.run_stack) over a table of
+its weights (stack_table): the bits of the per-layer ops, the cache written where they write it,
+generate's tokens and logits unchanged, and bad arguments named."""
 
 from __future__ import annotations
 
@@ -75,72 +75,127 @@ def _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible):
     return x
 
 
+def _table(layers, dtype=torch.float32):
+    return decode_layer.stack_table(layers, dtype, K_HEADS, K_KV_HEADS, HEAD_DIM)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kinds", list(STACKS.values()), ids=list(STACKS))
 @pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
 def test_the_stack_gives_the_layer_ops_bits_and_cache(kinds, batch, seq):
     layers = _stack_layers(kinds)
     x, cos, sin, keys, values, slots, visible = _step_inputs(batch, seq, len(layers) + 1)
-    weights = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
-    assert weights is not None
+    assert decode_layer.stack_takes(x, keys, HEAD_DIM)
+    table = _table(layers)
+    assert table is not None
     stacked_keys, stacked_values = keys.clone(), values.clone()
-    out = decode_layer.run_stack(x, weights, cos, sin, stacked_keys, stacked_values, slots, visible, EPS, K_HEADS,
-                                 K_KV_HEADS)
+    out = decode_layer.run_stack(x, table, len(layers), cos, sin, stacked_keys, stacked_values, slots, visible, EPS)
     expected = _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible)
     assert torch.equal(out, expected)
     assert torch.equal(stacked_keys, keys) and torch.equal(stacked_values, values)  # the last layer's untouched
 
 
 @needs_kernel
+def test_the_stack_runs_the_tables_first_layers_and_keeps_its_weights_alive():
+    """An early exit runs the table's first few layers; the table holds its weights, so it outlives
+    the params it was built from."""
+    layers = _stack_layers(("plain", "q4_k_m", "plain"))
+    x, cos, sin, keys, values, slots, visible = _step_inputs(2, 1, 3)
+    table = _table(layers)
+    first_two = layers[:2]
+    del layers
+    import gc
+
+    gc.collect()
+    stacked_keys, stacked_values = keys.clone(), values.clone()
+    out = decode_layer.run_stack(x, table, 2, cos, sin, stacked_keys, stacked_values, slots, visible, EPS)
+    assert torch.equal(out, _layer_by_layer(first_two, x, cos, sin, keys, values, slots, visible))
+    assert torch.equal(stacked_keys, keys) and torch.equal(stacked_values, values)
+
+
+@needs_kernel
 @needs_bf16_dot
 @pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
 def test_a_bfloat16_stack_gives_the_layer_ops_bits_and_cache(batch, seq):
-    """A compiled bfloat16 step's stack (eagerly ``stack_weights`` leaves bfloat16 to transformers'
-    op-by-op rounding, so the layout is written here as a compiled step's would be)."""
+    """A compiled bfloat16 step's stack (eagerly ``stack_takes`` leaves bfloat16 to transformers'
+    op-by-op rounding; the table is the same either way)."""
     layers = [{name: w.bfloat16() for name, w in _plain_layer(i).items()} for i in range(2)]
     x, cos, sin, keys, values, slots, visible = (t.bfloat16() if t.is_floating_point() else t
                                                  for t in _step_inputs(batch, seq, 3))
-    weights = [w for layer in layers for w in (layer["attn_norm"], layer["mlp_norm"],
-                                               *(layer[name] for name in decode_layer._LINEARS))]
+    assert not decode_layer.stack_takes(x, keys, HEAD_DIM)  # eager
     stacked_keys, stacked_values = keys.clone(), values.clone()
-    out = decode_layer.run_stack(x, (weights, [0, 0]), cos, sin, stacked_keys, stacked_values, slots, visible, EPS,
-                                 K_HEADS, K_KV_HEADS)
+    out = decode_layer.run_stack(x, _table(layers, torch.bfloat16), 2, cos, sin, stacked_keys, stacked_values, slots,
+                                 visible, EPS)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _layer_by_layer(layers, x, cos, sin, keys, values, slots, visible))
     assert torch.equal(stacked_keys, keys) and torch.equal(stacked_values, values)
 
 
 @needs_kernel
-def test_a_stack_with_a_layer_the_native_step_does_not_take_is_none():
+def test_a_stack_the_native_step_does_not_take_has_no_table_or_does_not_run():
     layers = _stack_layers(("plain", "plain"))
     x, _, _, keys, *_ = _step_inputs(1, 1, 2)
-    assert decode_layer.stack_weights(x, [layers[0], {**layers[1], "bqkv": torch.zeros(1)}], keys, HEAD_DIM) is None
-    assert decode_layer.stack_weights(torch.randn(1, 40, K_HIDDEN), layers, keys, HEAD_DIM) is None  # a prefill
-    assert decode_layer.stack_weights(x.bfloat16(), layers, keys.bfloat16(), HEAD_DIM) is None
+    assert _table([layers[0], {**layers[1], "bqkv": torch.zeros(1)}]) is None
+    assert _table([layers[0], {**layers[1], "wo": layers[1]["wo"].clone().requires_grad_()}]) is None
+    assert _table(layers, torch.bfloat16) is None  # float32 weights
+    assert not decode_layer.stack_takes(torch.randn(1, 40, K_HIDDEN), keys, HEAD_DIM)  # a prefill
+    assert not decode_layer.stack_takes(x.bfloat16(), keys.bfloat16(), HEAD_DIM)  # eager bfloat16
+
+
+def _raw_stack(layers):
+    """The table op's arguments for plain layers."""
+    weights = [w for layer in layers for w in (layer["attn_norm"], layer["mlp_norm"],
+                                               *(layer[name] for name in decode_layer._LINEARS))]
+    return weights, [0] * len(layers)
+
+
+@needs_kernel
+def test_bad_table_arguments_name_the_op_and_what_is_wrong():
+    weights, layout = _raw_stack(_stack_layers(("plain", "plain")))
+    ops = torch.ops.genfn_kernels
+
+    def build(weights=weights, layout=layout, dtype=torch.float32, heads=K_HEADS, head_dim=HEAD_DIM):
+        ops.decode_stack_table(weights, layout, dtype, K_HIDDEN, heads, K_KV_HEADS, head_dim)
+
+    build()
+    with pytest.raises(RuntimeError, match="decode_stack_table: the layout must describe every weight"):
+        build(weights=weights + [weights[0]])
+    with pytest.raises(RuntimeError, match="decode_stack_table: the weights end before"):
+        build(weights=weights[:-1])
+    with pytest.raises(RuntimeError, match="decode_stack_table: a layer's kind must be 0"):
+        build(layout=[7, 7])
+    with pytest.raises(RuntimeError, match=r"decode_stack_table: wqkv must be \["):
+        build(weights=[weights[0], weights[1], weights[3]] + weights[3:])
+    with pytest.raises(RuntimeError, match="decode_stack_table: dtype must be float32 or bfloat16"):
+        build(dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="decode_stack_table: .* kv heads of head_dim 24"):
+        build(head_dim=24)
+    with pytest.raises(RuntimeError, match=r"decode_stack_table: attn_norm must be \[hidden\] in x's dtype"):
+        build(dtype=torch.bfloat16)  # float32 weights
 
 
 @needs_kernel
 def test_bad_stack_arguments_name_the_op_and_what_is_wrong():
     layers = _stack_layers(("plain", "plain"))
     x, cos, sin, keys, values, slots, visible = _step_inputs(1, 1, 2)
-    weights, layout = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
+    table = _table(layers)
 
-    def run(weights=weights, layout=layout, slots=slots, keys=keys):
-        decode_layer.run_stack(x, (weights, layout), cos, sin, keys, keys.clone(), slots, visible, EPS, K_HEADS,
-                               K_KV_HEADS)
+    def run(table=table, count=2, slots=slots, keys=keys, x=x):
+        decode_layer.run_stack(x, table, count, cos, sin, keys, keys.clone(), slots, visible, EPS)
 
+    run()
     with pytest.raises(RuntimeError, match="decode_stack: slot 48 is outside the cache's 48 slots"):
         run(slots=torch.tensor([[48]]))
-    with pytest.raises(RuntimeError, match="decode_stack: the layout must describe every weight"):
-        run(weights=weights + [weights[0]])
-    with pytest.raises(RuntimeError, match="decode_stack: the weights end before"):
-        run(weights=weights[:-1])
-    with pytest.raises(RuntimeError, match="decode_stack: a layer's kind must be 0"):
-        run(layout=[7, 7])
-    with pytest.raises(RuntimeError, match="decode_stack: the layout describes more layers than the cache's 1"):
+    with pytest.raises(RuntimeError, match=r"decode_stack: layers must be 1 to 1 \(the table's 2, the cache's 1\)"):
         run(keys=keys[:1])
-    with pytest.raises(RuntimeError, match=r"decode_stack: wqkv must be \["):
-        run(weights=[weights[0], weights[1], weights[3]] + weights[3:])
+    with pytest.raises(RuntimeError, match="decode_stack: layers must be 1 to 2"):
+        run(count=3)
+    with pytest.raises(RuntimeError, match="decode_stack: table is not a stack table"):
+        run(table=table.clone())  # its bytes, not the table
+    with pytest.raises(RuntimeError, match="decode_stack: table must be what decode_stack_table returned"):
+        run(table=torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=rf"decode_stack: x must be \[M, {K_HIDDEN}\] in Float"):
+        run(x=torch.randn(1, 1, 32))
 
 
 GENERATE = dict(attention_mask=(PROMPTS != 0).long(), max_new_tokens=10, min_new_tokens=10, do_sample=False,
@@ -177,60 +232,40 @@ def test_eager_generate_takes_the_stack_and_keeps_its_tokens_and_logits(tiny_pai
 
 
 @needs_kernel
-def test_a_stack_plan_answers_for_its_own_layers_once_and_works_out_any_other():
-    layers = _stack_layers(("plain", "plain"))
-    x, _, _, keys, *_ = _step_inputs(1, 1, 2)
-    plan = decode_layer.StackPlan(layers)
-    with torch.no_grad():  # (under grad mode too, a key of its own: a weight that asks for gradients runs no stack)
-        weights, layout = plan.weights(x, layers, keys, HEAD_DIM)
-        expected = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
-        assert layout == expected[1] and len(weights) == len(expected[0])
-        assert all(a is b for a, b in zip(weights, expected[0]))
-        assert plan.weights(x, layers, keys, HEAD_DIM)[0] is weights  # worked out once
-        assert plan.weights(x, layers[:1], keys, HEAD_DIM)[1] == decode_layer.stack_weights(x, layers[:1], keys,
-                                                                                            HEAD_DIM)[1]
-        other = [layers[0], {**layers[1], "wo": layers[1]["wo"] * 2}]
-        assert any(w is other[1]["wo"] for w in plan.weights(x, other, keys, HEAD_DIM)[0])
-        assert plan.weights(torch.randn(1, 40, K_HIDDEN), layers, keys, HEAD_DIM) is None  # a prefill
-    asking = [layers[0], {**layers[1], "wo": layers[1]["wo"].clone().requires_grad_()}]
-    with torch.enable_grad():
-        assert decode_layer.StackPlan(asking).weights(x, asking, keys, HEAD_DIM) is None
-
-
-@needs_kernel
-def test_an_eager_run_walks_the_stacks_weights_once_and_keeps_its_tokens_and_logits(tiny_pair_f32, monkeypatch):
-    """The run's params carry a ``StackPlan`` (``llama.eager_params``): its steps do not walk every
-    layer's weights again, and give what steps that do give."""
+def test_an_eager_run_builds_the_stacks_table_once_and_keeps_its_tokens_and_logits(tiny_pair_f32, monkeypatch):
+    """The run's params carry the stack's table (``llama.step_params``): its steps neither build one
+    again nor hand every weight to the native call, and give what steps that build their own give."""
     import genfn
     from genfn.models import registry
 
     _, model = tiny_pair_f32
-    walks = []
-    layers_stack = decode_layer._layers_stack
-    monkeypatch.setattr(decode_layer, "_layers_stack", lambda layers, x: walks.append(len(layers)) or
-                        layers_stack(layers, x))
+    builds = []
+    stack_table = decode_layer.stack_table
+    monkeypatch.setattr(decode_layer, "stack_table", lambda layers, *a: builds.append(len(layers)) or
+                        stack_table(layers, *a))
     settings = dict(GENERATE, cache_implementation="static", max_cache_len=48)
     ours = genfn.generate(model, PROMPTS, **settings)
-    assert walks == [len(model.params["layers"])]
-    monkeypatch.setattr(registry, "eager_params", lambda spec, params: params)
-    walks.clear()
+    assert builds == [len(model.params["layers"])]
+    monkeypatch.setattr(registry, "step_params", lambda spec, params: params)
+    builds.clear()
     every_step = genfn.generate(model, PROMPTS, **settings)
-    assert len(walks) == GENERATE["max_new_tokens"] - 1  # the prefill's first token takes no stack
+    assert len(builds) == GENERATE["max_new_tokens"] - 1  # the prefill's first token takes no stack
     assert torch.equal(ours.sequences, every_step.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(every_step.logits))
 
 
-def test_an_eager_runs_params_carry_a_plan_where_the_family_declares_one():
+def test_a_steps_params_carry_a_table_where_the_family_declares_one():
     from conftest import tiny_pair
     from genfn.models import registry
 
     _, llama_model = tiny_pair("LlamaForCausalLM", seed=1)
     _, gemma_model = tiny_pair("Gemma2ForCausalLM", seed=1)
-    eager = llama_model.functional(eager=True).params
-    assert isinstance(eager[llama.STACK_PLAN], decode_layer.StackPlan)
-    assert eager[llama.STACK_PLAN].layers is llama_model.params["layers"]
-    assert llama.STACK_PLAN not in llama_model.params and llama.STACK_PLAN not in llama_model.functional().params
-    assert registry.eager_params(gemma_model.spec, gemma_model.params) is gemma_model.params
+    params = llama_model.functional().params
+    if decode_layer.decode_linear_available():
+        table = params[llama.STACK_TABLE]
+        assert table.dtype == torch.uint8 and table.dim() == 1
+    assert llama.STACK_TABLE not in llama_model.params
+    assert registry.step_params(gemma_model.spec, gemma_model.params) is gemma_model.params
 
 
 @needs_kernel
@@ -245,12 +280,14 @@ def test_a_compiled_step_takes_the_stack_and_keeps_the_layer_calls_bits(tiny_pai
     def run():
         with torch.profiler.profile() as profile:
             out = genfn.generate(model, PROMPTS, **settings)
-        return out, sum(e.count for e in profile.key_averages() if e.key == "genfn_kernels::decode_stack")
+        counts = {e.key: e.count for e in profile.key_averages()}
+        return out, counts.get("genfn_kernels::decode_stack", 0), counts.get("genfn_kernels::decode_stack_table", 0)
 
-    ours, stacks = run()
-    assert stacks > 0
+    run()
+    ours, stacks, tables = run()  # compiled already: the graph takes the table built outside it
+    assert stacks >= GENERATE["max_new_tokens"] - 1 and tables <= 1
     monkeypatch.setattr(llama, "_native_stack", lambda *a: None)
-    layers, stacks = run()  # dynamo guards on the function: the step is traced again, layer by layer
+    layers, stacks, _ = run()  # dynamo guards on the function: the step is traced again, layer by layer
     assert stacks == 0
     assert torch.equal(ours.sequences, layers.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))

@@ -57,11 +57,10 @@ def test_the_paged_stack_gives_the_dense_stacks_bits_and_cache(kinds, batch, seq
     layers = _stack_layers(kinds)
     x, cos, sin, keys, values, slots, _ = _step_inputs(batch, seq, len(layers) + 1)
     (paged_keys, paged_values), inputs, visible, tables = _paged_copy(keys, values, slots, window)
-    stack = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
-    dense = decode_layer.run_stack(x, stack, cos, sin, keys, values, slots, visible, EPS, K_HEADS, K_KV_HEADS)
-    out = decode_layer.run_paged_stack(x.reshape(batch * seq, -1), stack, cos.reshape(batch * seq, -1),
-                                       sin.reshape(batch * seq, -1), paged_keys, paged_values, inputs, EPS, K_HEADS,
-                                       K_KV_HEADS, window)
+    table = decode_layer.stack_table(layers, x.dtype, K_HEADS, K_KV_HEADS, HEAD_DIM)
+    dense = decode_layer.run_stack(x, table, len(layers), cos, sin, keys, values, slots, visible, EPS)
+    out = decode_layer.run_paged_stack(x.reshape(batch * seq, -1), table, len(layers), cos.reshape(batch * seq, -1),
+                                       sin.reshape(batch * seq, -1), paged_keys, paged_values, inputs, EPS, window)
     assert torch.equal(out, dense.reshape(batch * seq, -1))
     assert torch.equal(_dense_view(paged_keys, tables), keys) and torch.equal(_dense_view(paged_values, tables), values)
 
@@ -71,12 +70,11 @@ def test_bad_paged_stack_arguments_name_the_op_and_what_is_wrong():
     layers = _stack_layers(("plain", "plain"))
     x, cos, sin, keys, values, slots, _ = _step_inputs(2, 1, 2)
     (paged_keys, paged_values), inputs, _, _ = _paged_copy(keys, values, slots)
-    stack = decode_layer.stack_weights(x, layers, keys, HEAD_DIM)
+    table = decode_layer.stack_table(layers, x.dtype, K_HEADS, K_KV_HEADS, HEAD_DIM)
 
     def run(**changes):
-        decode_layer.run_paged_stack(x.reshape(2, -1), stack, cos.reshape(2, -1), sin.reshape(2, -1), paged_keys,
-                                     paged_values, types.SimpleNamespace(**{**vars(inputs), **changes}), EPS, K_HEADS,
-                                     K_KV_HEADS, None)
+        decode_layer.run_paged_stack(x.reshape(2, -1), table, 2, cos.reshape(2, -1), sin.reshape(2, -1), paged_keys,
+                                     paged_values, types.SimpleNamespace(**{**vars(inputs), **changes}), EPS, None)
 
     slots_total = paged_keys.shape[1] * BLOCK
     with pytest.raises(RuntimeError, match=f"decode_stack_paged: slot {slots_total} is outside the cache's"):
@@ -89,9 +87,9 @@ def test_bad_paged_stack_arguments_name_the_op_and_what_is_wrong():
         run(block_tables=torch.cat([inputs.block_tables[:1], torch.full((1, 12), 99)]))
     with pytest.raises(RuntimeError, match=r"decode_stack_paged: positions must be contiguous int64 \[M\]"):
         run(positions=torch.tensor([20]))
-    with pytest.raises(RuntimeError, match="decode_stack: keys and values must be .layers, blocks"):
-        decode_layer.run_paged_stack(x.reshape(2, -1), stack, cos.reshape(2, -1), sin.reshape(2, -1), paged_keys[0],
-                                     paged_values[0], inputs, EPS, K_HEADS, K_KV_HEADS, None)
+    with pytest.raises(RuntimeError, match="decode_stack_paged: keys and values must be .layers, blocks"):
+        decode_layer.run_paged_stack(x.reshape(2, -1), table, 2, cos.reshape(2, -1), sin.reshape(2, -1),
+                                     paged_keys[0], paged_values[0], inputs, EPS, None)
 
 
 # Prompts of at most MAX_LAYER_ROWS tokens: generate alone runs their prefill on the static cache's
@@ -138,23 +136,23 @@ def test_continuous_batching_gives_a_short_requests_generate_logits_on_the_stack
 
 
 @needs_kernel
-def test_the_eager_batching_forward_walks_the_stacks_weights_once(tiny_pair_f32, monkeypatch):
-    """``pack_params`` works the stack's weights out once (``decode_layer.StackPlan`` of the plain
-    layers) for every forward of the engine, whatever its token count."""
+def test_the_eager_batching_forward_builds_the_stacks_table_once(tiny_pair_f32, monkeypatch):
+    """The engine's params carry the stack's table (``llama.step_params``, kept by ``pack_params``),
+    built once for every forward of the engine, whatever its token count."""
     from batching_support import run_requests
     from genfn import ContinuousBatchingConfig
 
     _, model = tiny_pair_f32
-    walks, forwards = [], []
-    layers_stack, run_paged_stack = decode_layer._layers_stack, decode_layer.run_paged_stack
-    monkeypatch.setattr(decode_layer, "_layers_stack", lambda layers, x: walks.append(len(layers)) or
-                        layers_stack(layers, x))
+    builds, forwards = [], []
+    stack_table, run_paged_stack = decode_layer.stack_table, decode_layer.run_paged_stack
+    monkeypatch.setattr(decode_layer, "stack_table", lambda layers, *a: builds.append(len(layers)) or
+                        stack_table(layers, *a))
     monkeypatch.setattr(decode_layer, "run_paged_stack",
                         lambda x, *a: forwards.append(x.shape[0]) or run_paged_stack(x, *a))
     cb = ContinuousBatchingConfig(page_size=4, num_blocks=32, max_batch_tokens=16, max_requests_per_batch=4,
                                   max_blocks_per_request=8)
     outputs, _ = run_requests(model, [(p, 6, {"do_sample": False}) for p in PROMPTS], cb)
-    assert len(set(forwards)) > 1 and walks == [len(model.params["layers"])]
+    assert len(set(forwards)) > 1 and builds == [len(model.params["layers"])]
     for prompt, out in zip(PROMPTS, outputs):
         assert out.generated_tokens == _alone(model, prompt, 6)[0]
 

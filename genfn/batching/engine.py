@@ -39,7 +39,7 @@ from genfn.kernels import decode_linear_available
 from genfn.kernels.invariant import deterministic
 from genfn.cache.paged import PackedPlan
 from genfn.driver import own_code
-from genfn.models.registry import PACKED_FORWARDS, packed_forward
+from genfn.models.registry import PACKED_FORWARDS, packed_forward, step_params
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 from genfn.processors.grammar import FREE_ROW
@@ -171,7 +171,9 @@ class Engine:
         # The mode's linears read the plain weights (genfn.kernels.invariant): packing them would be
         # work and memory for nothing.
         packed = compile is None and not batch_invariant
-        self.params = family.pack_params(model.params) if packed else model.params
+        # The params generate's steps read (the native stack's table built once), eager and compiled.
+        params = step_params(model.spec, model.params)
+        self.params = family.pack_params(params) if packed else params
         self._forwards: dict[tuple[int, int], Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None
         self.last_logits: torch.Tensor | None = None  # the latest forward's [R, V], for beam groups
@@ -225,7 +227,7 @@ class Engine:
             fn = packed if self.compile_options is None else torch.compile(own_code(packed), dynamic=False,
                                                                           **self.compile_options)
             self._forwards[shapes] = fn
-        logits, self.cache = fn(self.model.params, inputs, self.cache)
+        logits, self.cache = fn(self.params, inputs, self.cache)
         return logits
 
     def clear_blocks(self, blocks) -> None:

@@ -40,6 +40,8 @@ _OP_NAMESPACE = "genfn_kernels"
 # bfloat16 with vdpbf16ps, CPU time per SmolLM2 step at 4/6/8 rows was 0.49/0.45/0.74 of
 # F.linear's (Zen 4, one thread); the widening kernel (CPUs without AVX512_BF16) 0.78/0.83/0.83.
 MAX_DECODE_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+# The bytes of decode_stack_table's tensor (decode_stack.cpp's kTableBytes: its header).
+STACK_TABLE_BYTES = 16
 
 # Rows of x up to which ``linear`` takes the kernel at all: past MAX_DECODE_ROWS it runs its tiles
 # of rows over L2-sized panels of the weight, which still streams the weight once. Against F.linear
@@ -128,13 +130,18 @@ def _register_fake() -> None:
           eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_stack_table")
+    def _(weights, layout, dtype, hidden, heads, kv_heads, head_dim):
+        device = next(w.device for w in weights if w is not None)
+        return torch.empty(STACK_TABLE_BYTES, dtype=torch.uint8, device=device)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_stack")
-    def _(x, weights, layout, cos, sin, keys, values, slots, visible, eps, heads, kv_heads, scale):
+    def _(x, table, layers, cos, sin, keys, values, slots, visible, eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_stack_paged")
-    def _(x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables, request_index, positions, eps,
-          heads, kv_heads, scale, sliding_window):
+    def _(x, table, layers, cos, sin, keys, values, slot_mapping, block_tables, request_index, positions, eps,
+          scale, sliding_window):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")

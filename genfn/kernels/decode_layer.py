@@ -21,9 +21,12 @@ its op-by-op layer otherwise (prefill, biased or mixed weights, a dtype, grad, n
 
 :func:`run_stack` runs a step's whole stack of such layers in one native call (``decode_stack.cpp``,
 built from the same pieces, ``decode_layer.h``), each layer's keys and values written into the cache
-between its two halves: the model code takes it wherever every layer would take the two calls
-(:func:`stack_weights`), eager and compiled, and the Python between the layers' calls is gone; an
-eager run works that list out once (:class:`StackPlan`).
+between its two halves: the model code takes it wherever every layer would take the two calls,
+eager and compiled, and the Python between the layers' calls is gone. It reads the layers' weights
+from a table (:func:`stack_table`): their pointers, checked once, in one tensor that keeps them
+alive, which a family builds once with its params (``genfn.models.registry.step_params``), so that a
+step hands the stack one tensor, not every weight (a compiled step's wrapper and dynamo's bytecode
+spent ~1 us on each of SmolLM2's ~440).
 :func:`run_paged_stack` is the same stack over continuous batching's paged cache, for a packed
 batch of a few tokens (decode steps, drafts, short prompt chunks).
 """
@@ -39,8 +42,8 @@ from genfn.quant.kquants import FORMAT_ID, KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-__all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input", "stack_weights",
-           "StackPlan", "run_stack", "run_paged_stack"]
+__all__ = ["takes", "quantized", "kquantized", "attention_input", "layer_output", "mlp_input", "stack_takes",
+           "stack_table", "run_stack", "run_paged_stack"]
 
 # The most tokens one call takes (decode_layer.cpp's kMaxLayerRows): a decode step's rows, or a
 # speculative verification's positions (each of them the bits of a step of that token alone).
@@ -88,11 +91,12 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
     block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
     float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
-    return _rows_take(x, keys, head_dim) and layer_kind(layer, x) is not None
+    return stack_takes(x, keys, head_dim) and layer_kind(layer, x.dtype) is not None
 
 
-def _rows_take(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
-    """``takes``' conditions on the rows and the cache, the same for every layer of a step."""
+def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
+    """``takes``' conditions on the rows and the cache, the same for every layer of a step: whether
+    layers the native calls read (a ``stack_table`` of ``x``'s dtype) run a step on ``x``."""
     dtype = x.dtype
     if (x.dim() != 3 or dtype not in MAX_DECODE_ROWS or x.shape[0] * x.shape[1] > MAX_LAYER_ROWS
             or x.device.type != "cpu"):
@@ -101,17 +105,20 @@ def _rows_take(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
         return False
     if torch.is_grad_enabled() and x.requires_grad:
         return False
+    if dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
+        # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
+        # as the compiled step does, so it stands in for the compiled layer only.
+        return False
     return decode_linear_available()
 
 
-# A layer's kind, as decode_stack's layout numbers it.
+# A layer's kind, as decode_stack_table's layout numbers it.
 _PLAIN, _TILES, _KQUANT = 0, 1, 2
 
 
-def layer_kind(layer: Mapping[str, Any], x: torch.Tensor) -> int | None:
-    """How ``layer``'s weights run natively against ``x`` (``_PLAIN``, ``_TILES``, ``_KQUANT``), or None
-    where they do not (``takes``)."""
-    dtype = x.dtype
+def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
+    """How ``layer``'s weights run natively against activations of ``dtype`` (``_PLAIN``, ``_TILES``,
+    ``_KQUANT``), or None where they do not (``takes``)."""
     if "bqkv" in layer:
         return None
     # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
@@ -123,9 +130,7 @@ def layer_kind(layer: Mapping[str, Any], x: torch.Tensor) -> int | None:
         if dtype != torch.float32:
             return None
         kind, plain = _KQUANT, _NORMS
-    elif dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
-        # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
-        # as the compiled step does, so it stands in for the compiled layer only.
+    elif dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT):
         return None
     else:
         # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op
@@ -203,48 +208,19 @@ def mlp_input(x1: torch.Tensor, layer: Mapping[str, Any], eps: float) -> torch.T
                                          w.out_features, eps)
 
 
-def stack_weights(x: torch.Tensor, layers, keys: torch.Tensor, head_dim: int) -> tuple[list, list] | None:
-    """``(weights, layout)`` as ``run_stack`` takes ``layers`` for a step on ``x [B, S, hidden]``,
-    or None where a layer's step does not run natively (``takes``: bfloat16 only inside a compiled step)."""
-    if not _rows_take(x, keys, head_dim):
+def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor | None:
+    """The weights of ``layers`` as ``run_stack`` reads them for activations of ``dtype``: one uint8 tensor
+    (``decode_stack.cpp``'s table) holding each layer's kind and its weights' pointers, checked here
+    once, and references that keep the weights alive. None where a layer does not run natively
+    (``layer_kind``), where a weight asks for gradients, or without the native kernels. The table
+    reads the weights as they are now: weights replaced later (not changed in place) need a new
+    table, as a compiled step closes over the weights it was traced with."""
+    if not decode_linear_available():
         return None
-    return _layers_stack(layers, x)
-
-
-class StackPlan:
-    """``stack_weights`` of one stack of layers, worked out once per dtype of ``x``, count of leading
-    layers and grad mode, for the eager steps of one run (``genfn.models.registry.eager_params``): walking
-    every layer's weights each step cost ~50 us on SmolLM2's 30 layers, ~0.1 ms of its eager step.
-    The layers (and whether their weights ask for gradients) must not change while the plan is in
-    use; a compiled step works them out afresh."""
-
-    __slots__ = ("layers", "_stacks")
-
-    def __init__(self, layers: list):
-        self.layers = layers
-        self._stacks: dict[tuple[torch.dtype, int, bool], tuple[list, list] | None] = {}
-
-    def weights(self, x: torch.Tensor, layers, keys: torch.Tensor, head_dim: int) -> tuple[list, list] | None:
-        """``stack_weights(x, layers, keys, head_dim)`` for ``layers``, this plan's layers or their
-        first few (``apply(..., num_layers=)``)."""
-        count = len(layers)
-        if (torch.compiler.is_compiling() or count > len(self.layers)
-                or (layers is not self.layers and any(a is not b for a, b in zip(layers, self.layers)))):
-            return stack_weights(x, layers, keys, head_dim)
-        if not _rows_take(x, keys, head_dim):
-            return None
-        key = (x.dtype, count, torch.is_grad_enabled())
-        if key not in self._stacks:
-            self._stacks[key] = _layers_stack(layers, x)
-        return self._stacks[key]
-
-
-def _layers_stack(layers, x: torch.Tensor) -> tuple[list, list] | None:
-    """``stack_weights`` past its checks on the rows and the cache."""
     weights, layout = [], []
     for layer in layers:
-        kind = layer_kind(layer, x)
-        if kind is None:
+        kind = layer_kind(layer, dtype)
+        if kind is None or any(isinstance(w, torch.Tensor) and w.requires_grad for w in layer.values()):
             return None
         layout.append(kind)
         weights += (layer["attn_norm"], layer["mlp_norm"])
@@ -259,34 +235,35 @@ def _layers_stack(layers, x: torch.Tensor) -> tuple[list, list] | None:
                 parts = _kquant_parts(weight)
                 layout += (len(parts), *(FORMAT_ID[p.format] for p in parts))
                 weights += (p.data for p in parts)
-    return weights, layout
+    if not layout:
+        return None
+    hidden = layers[0]["attn_norm"].shape[0]
+    return _ops().decode_stack_table(weights, layout, dtype, hidden, heads, kv_heads, head_dim)
 
 
-def run_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-              values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, eps: float, heads: int,
-              kv_heads: int) -> torch.Tensor:
-    """The residual stream ``[B, S, hidden]`` after the layers ``stack`` (``stack_weights``) describes, in one
-    native call (``decode_stack.cpp``; eager or inside a compiled step): each layer's ``attention_input``,
-    its keys and values written into ``keys``/``values [L, B, Hkv, T, D]`` at ``slots [B, S]`` in place,
-    then its ``layer_output`` over the slots ``mask [B, 1, S, A]`` shows. The same numbers as those ops
-    layer by layer."""
-    weights, layout = stack
-    out = _ops().decode_stack(x.reshape(-1, x.shape[-1]), weights, layout, cos.reshape(-1, cos.shape[-1]),
+def run_stack(x: torch.Tensor, table: torch.Tensor, layers: int, cos: torch.Tensor, sin: torch.Tensor,
+              keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """The residual stream ``[B, S, hidden]`` after the first ``layers`` layers of ``table`` (``stack_table``
+    of ``x``'s dtype), in one native call (``decode_stack.cpp``; eager or inside a compiled step): each
+    layer's ``attention_input``, its keys and values written into ``keys``/``values [L, B, Hkv, T, D]``
+    at ``slots [B, S]`` in place, then its ``layer_output`` over the slots ``mask [B, 1, S, A]`` shows.
+    The same numbers as those ops layer by layer."""
+    out = _ops().decode_stack(x.reshape(-1, x.shape[-1]), table, layers, cos.reshape(-1, cos.shape[-1]),
                               sin.reshape(-1, sin.shape[-1]), keys, values, slots, mask.reshape(-1, mask.shape[-1]),
-                              eps, heads, kv_heads, cos.shape[-1] ** -0.5)
+                              eps, cos.shape[-1] ** -0.5)
     return out.view(x.shape)
 
 
-def run_paged_stack(x: torch.Tensor, stack: tuple[list, list], cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, inputs, eps: float, heads: int, kv_heads: int,
+def run_paged_stack(x: torch.Tensor, table: torch.Tensor, layers: int, cos: torch.Tensor, sin: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, inputs, eps: float,
                     sliding_window: int | None) -> torch.Tensor:
     """``run_stack`` over the paged cache ``keys``/``values [L, blocks, Hkv, block_size, D]`` (written in
     place) for the packed tokens ``x [T, hidden]`` of ``inputs`` (``genfn.batching.inputs.BatchInputs``):
     token ``t`` writes at ``inputs.slot_mapping[t]`` and attends positions ``0 .. inputs.positions[t]``
     of its request's block table (the last ``sliding_window`` of them), in position order, with the
     static cache's arithmetic: a decode token gets the bits a ``generate`` step gives it over the same
-    keys. ``stack``: ``stack_weights`` of ``x`` as ``[1, T, hidden]``."""
-    weights, layout = stack
-    return _ops().decode_stack_paged(x, weights, layout, cos, sin, keys, values, inputs.slot_mapping,
-                                     inputs.block_tables, inputs.request_index, inputs.positions, eps, heads,
-                                     kv_heads, cos.shape[-1] ** -0.5, sliding_window or 0)
+    keys."""
+    return _ops().decode_stack_paged(x, table, layers, cos, sin, keys, values, inputs.slot_mapping,
+                                     inputs.block_tables, inputs.request_index, inputs.positions, eps,
+                                     cos.shape[-1] ** -0.5, sliding_window or 0)

@@ -9,17 +9,26 @@
 // the op's in-place cache write is functionalized and then reinplaced: inductor hands it the state's
 // own cache buffers.
 //
-//   decode_stack(x [M, E], weights, layout, cos, sin [M, D], keys, values [L, B, Hkv, T, D],
-//                slots [B, S], visible [M, A], eps, heads, kv_heads, scale) -> x after the layers
+//   decode_stack_table(weights, layout, dtype, hidden, heads, kv_heads, head_dim) -> table
+//   decode_stack(x [M, E], table, layers, cos, sin [M, D], keys, values [L, B, Hkv, T, D],
+//                slots [B, S], visible [M, A], eps, scale) -> x after the first `layers` layers
+//
+// The table holds a stack's weights, checked once, as the call reads them: each layer's kind, its
+// norms and its linears' data pointers, with references that keep the weights alive. It is a
+// uint8 tensor of kTableBytes whose bytes are the table's header (the rest of it lives beside),
+// so a step passes its whole stack as one tensor. Passed as ~180 (1B) to ~440 (SmolLM2) tensors,
+// the weights cost a compiled step ~0.16-0.3 ms of inductor's wrapper and dynamo's bytecode turning
+// each into an argument, and an eager step the conversion of the list. A copy of the bytes is
+// refused: its header points at the table it was copied from (`self`), not at itself.
 //
 // x's rows are the B cache rows' S tokens each (M = B * S, a row's tokens consecutive); token s of
 // row b writes its keys and values at slot slots[b, s] of every layer it runs, then attends the
-// first A slots where its line of visible is set. The layers run are those `layout` describes
+// first A slots where its line of visible is set. The layers run are the table's first `layers`
 // (the cache may hold more: an early exit runs the first few).
 //
-//   decode_stack_paged(x [M, E], weights, layout, cos, sin [M, D], keys, values [L, NB, Hkv, bs, D],
+//   decode_stack_paged(x [M, E], table, layers, cos, sin [M, D], keys, values [L, NB, Hkv, bs, D],
 //                      slot_mapping [M], block_tables [R, W], request_index [M], positions [M], eps,
-//                      heads, kv_heads, scale, sliding_window) -> x after the layers
+//                      scale, sliding_window) -> x after the layers
 //
 // The same over continuous batching's paged cache: token m (any request's decode token, drafts or
 // a short prompt chunk) writes at slot slot_mapping[m] (block * bs + offset; negative: the sink,
@@ -27,10 +36,10 @@
 // sliding_window of them where sliding_window > 0), in position order: a decode token gets the
 // bits a static-cache step gives it over the same keys.
 //
-// The weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down as the
-// layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
-//   0, plain weights in x's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing more;
-//      a linear is one tensor, the weight.
+// The table's weights, layer after layer: attn_norm, mlp_norm, then wqkv, wo, w_gate_up and w_down
+// as the layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
+//   0, plain weights in the table's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing
+//      more; a linear is one tensor, the weight.
 //   1, tiles16 blocks (float32 x): per linear its block kind (0, 1 or 2); three tensors: codes,
 //      scales, minimums (None where the block kind has none).
 //   2, K-quant rows (float32 x): per linear its number of parts P, then their P formats; P tensors.
@@ -39,6 +48,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -50,8 +60,10 @@ namespace {
 using namespace genfn_kernels::layer;
 
 constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2;
+constexpr const char* kTableOp = "decode_stack_table";
 constexpr const char* kOp = "decode_stack";
 constexpr const char* kPagedOp = "decode_stack_paged";
+constexpr int64_t kMaxParts = genfn::kquant::SharedLinear::kMaxParts;
 
 // Reads the weights and the layout in the order the header above gives them.
 struct StackReader {
@@ -61,79 +73,202 @@ struct StackReader {
 
   bool done() const { return value == layout.size(); }
   int64_t next_value(const char* what) {
-    TORCH_CHECK(value < layout.size(), kOp, ": the layout ends before ", what);
+    TORCH_CHECK(value < layout.size(), kTableOp, ": the layout ends before ", what);
     return layout[value++];
   }
   c10::optional<at::Tensor> next_optional(const char* what) {
-    TORCH_CHECK(tensor < weights.size(), kOp, ": the weights end before ", what);
+    TORCH_CHECK(tensor < weights.size(), kTableOp, ": the weights end before ", what);
     return weights.get(tensor++);
   }
   at::Tensor next_tensor(const char* what) {
     c10::optional<at::Tensor> t = next_optional(what);
-    TORCH_CHECK(t.has_value(), kOp, ": ", what, " is None");
+    TORCH_CHECK(t.has_value(), kTableOp, ": ", what, " is None");
     return *t;
   }
 };
 
 constexpr const char* kLinearNames[] = {"wqkv", "wo", "w_gate_up", "w_down"};
 
-// A layer's four linears, read and checked for [rows, cols] = [N, E], [E, HD], [2F, E], [E, F].
-template <typename Linear>
-struct LayerLinears {
-  Linear wqkv, wo, gate_up, down;
-  int64_t F = 0;
-  std::vector<at::Tensor> keep;  // what the linears point into, made contiguous
+// One layer of the table: its kind, its norms and, for its four linears (wqkv [N, E], wo [E, HD],
+// w_gate_up [2F, E], w_down [E, F]), what that kind's linear reads.
+struct TableLayer {
+  int64_t kind = kPlain, F = 0;
+  const void* attn_norm = nullptr;
+  const void* mlp_norm = nullptr;
+  const void* plain[4] = {};                              // kPlain: the weights' rows
+  genfn_kernels::QuantWeight tiles[4] = {};               // kTiles
+  genfn::kquant::MatrixPart parts[4][kMaxParts] = {};     // kKQuant: each linear's parts
+  int64_t part_count[4] = {};
 };
 
-template <typename T>
-void read_plain(StackReader& in, const at::Tensor& x, int64_t N, int64_t HD, LayerLinears<DenseLinear<T>>& l) {
-  const int64_t E = x.size(1);
-  for (const char* name : kLinearNames) l.keep.push_back(in.next_tensor(name).contiguous());
-  const at::Tensor& down = l.keep[3];
-  TORCH_CHECK(down.dim() == 2, kOp, ": w_down must be [hidden, intermediate], got ", down.sizes());
-  l.F = down.size(1);
+constexpr uint64_t kTableMagic = 0x67656e666e535442ull;  // "genfnSTB"
+
+// The header the table tensor's bytes are; kTableBytes of them.
+struct TableHeader {
+  uint64_t magic;
+  const TableHeader* self;  // where this header was built: a copy of the bytes points elsewhere
+};
+constexpr int64_t kTableBytes = sizeof(TableHeader);
+
+struct StackTable {
+  TableHeader header{kTableMagic, &header};
+  at::ScalarType dtype = at::kFloat;
+  int64_t E = 0, heads = 0, kv_heads = 0, D = 0;
+  std::vector<TableLayer> layers;
+  std::vector<at::Tensor> keep;  // the tensors the layers point into, alive as long as the table
+};
+
+void read_plain(StackReader& in, const at::Tensor& probe, int64_t N, int64_t HD, TableLayer& l,
+                std::vector<at::Tensor>& keep) {
+  const int64_t E = probe.size(1);
+  at::Tensor w[4];
+  for (int i = 0; i < 4; ++i) w[i] = in.next_tensor(kLinearNames[i]).contiguous();
+  TORCH_CHECK(w[3].dim() == 2, kTableOp, ": w_down must be [hidden, intermediate], got ", w[3].sizes());
+  l.F = w[3].size(1);
   const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
-  DenseLinear<T>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
   for (int i = 0; i < 4; ++i) {
-    check_weight(l.keep[i], x, rows[i], cols[i], kOp, kLinearNames[i]);
-    linears[i]->w = l.keep[i].template data_ptr<T>();
+    check_weight(w[i], probe, rows[i], cols[i], kTableOp, kLinearNames[i]);
+    TORCH_CHECK(w[i].device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
+    l.plain[i] = w[i].data_ptr();
+    keep.push_back(w[i]);
   }
 }
 
-void read_tiles(StackReader& in, int64_t E, int64_t N, int64_t HD, LayerLinears<QuantLinear>& l) {
+void read_tiles(StackReader& in, int64_t E, int64_t N, int64_t HD, TableLayer& l, std::vector<at::Tensor>& keep) {
   int64_t kinds[4];
   c10::optional<at::Tensor> parts[4][3];
   for (int i = 0; i < 4; ++i) {
     kinds[i] = in.next_value(kLinearNames[i]);
     for (auto& part : parts[i]) part = in.next_optional(kLinearNames[i]);
-    TORCH_CHECK(parts[i][0].has_value() && parts[i][1].has_value(), kOp, ": ", kLinearNames[i],
+    TORCH_CHECK(parts[i][0].has_value() && parts[i][1].has_value(), kTableOp, ": ", kLinearNames[i],
                 "'s codes and scales must be tensors");
   }
-  TORCH_CHECK(parts[3][0]->dim() == 3, kOp, ": w_down's codes must be [tiles, blocks, bytes]");
+  TORCH_CHECK(parts[3][0]->dim() == 3, kTableOp, ": w_down's codes must be [tiles, blocks, bytes]");
   l.F = parts[3][0]->size(1) * 32;
   const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
-  QuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
-  for (int i = 0; i < 4; ++i)
-    linears[i]->w = quant_weight(*parts[i][0], *parts[i][1], parts[i][2], kinds[i], rows[i], cols[i], kOp,
-                                 kLinearNames[i]);
+  for (int i = 0; i < 4; ++i) {
+    for (const auto& part : parts[i])
+      if (part.has_value()) {
+        TORCH_CHECK(part->device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
+        keep.push_back(*part);
+      }
+    l.tiles[i] = quant_weight(*parts[i][0], *parts[i][1], parts[i][2], kinds[i], rows[i], cols[i], kTableOp,
+                              kLinearNames[i]);
+  }
 }
 
-void read_kquant(StackReader& in, int64_t E, int64_t N, int64_t HD, LayerLinears<KQuantLinear>& l) {
+void read_kquant(StackReader& in, int64_t E, int64_t N, int64_t HD, TableLayer& l, std::vector<at::Tensor>& keep) {
   std::vector<at::Tensor> parts[4];
   std::vector<int64_t> formats[4];
   for (int i = 0; i < 4; ++i) {
     const int64_t count = in.next_value(kLinearNames[i]);
-    TORCH_CHECK(count >= 1 && count <= genfn::kquant::SharedLinear::kMaxParts, kOp, ": ", kLinearNames[i],
-                " must have 1 to ", genfn::kquant::SharedLinear::kMaxParts, " parts, got ", count);
+    TORCH_CHECK(count >= 1 && count <= kMaxParts, kTableOp, ": ", kLinearNames[i], " must have 1 to ", kMaxParts,
+                " parts, got ", count);
     for (int64_t p = 0; p < count; ++p) formats[i].push_back(in.next_value(kLinearNames[i]));
     for (int64_t p = 0; p < count; ++p) parts[i].push_back(in.next_tensor(kLinearNames[i]));
   }
   l.F = kquant_rows(parts[2]) / 2;
   const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
+  for (int i = 0; i < 4; ++i) {
+    KQuantLinear linear;
+    std::vector<at::Tensor> contiguous;
+    contiguous.reserve(kMaxParts);  // no reallocation: the linear points into it
+    kquant_weight(linear, parts[i], formats[i], rows[i], cols[i], kTableOp, kLinearNames[i], contiguous);
+    l.part_count[i] = linear.shared.count;
+    for (int64_t p = 0; p < linear.shared.count; ++p) l.parts[i][p] = linear.shared.parts[p];
+    for (auto& part : contiguous) keep.push_back(std::move(part));
+  }
+}
+
+at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weights, const std::vector<int64_t>& layout,
+                              at::ScalarType dtype, int64_t hidden, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, kTableOp, ": dtype must be float32 or bfloat16, got ",
+              dtype);
+  TORCH_CHECK(hidden >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && head_dim % 16 == 0 && head_dim <= 128,
+              kTableOp, ": ", heads, " query heads over ", kv_heads, " kv heads of head_dim ", head_dim,
+              " (a multiple of 16 up to 128) are not supported");
+  auto table = std::make_unique<StackTable>();
+  table->dtype = dtype;
+  table->E = hidden;
+  table->heads = heads;
+  table->kv_heads = kv_heads;
+  table->D = head_dim;
+  const int64_t N = (heads + 2 * kv_heads) * head_dim, HD = heads * head_dim;
+  // A row of x as the layers take it: what the checks of x's dtype and width read.
+  const at::Tensor probe = at::empty({1, hidden}, at::TensorOptions().dtype(dtype));
+  StackReader reader{weights, layout};
+  while (!reader.done()) {
+    TableLayer l;
+    l.kind = reader.next_value("a layer's kind");
+    TORCH_CHECK(l.kind >= kPlain && l.kind <= kKQuant, kTableOp,
+                ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", l.kind);
+    // What x must be for the layer's weights (tiles16: float32 and AVX512_VNNI; K-quant: float32).
+    check_rows(probe, kTableOp, l.kind == kPlain ? Weights::kPlain : l.kind == kTiles ? Weights::kTiles
+                                                                                       : Weights::kKQuant);
+    at::Tensor norms[2] = {reader.next_tensor("attn_norm").contiguous(), reader.next_tensor("mlp_norm").contiguous()};
+    check_norm(norms[0], probe, kTableOp, "attn_norm");
+    check_norm(norms[1], probe, kTableOp, "mlp_norm");
+    l.attn_norm = norms[0].data_ptr();
+    l.mlp_norm = norms[1].data_ptr();
+    for (auto& norm : norms) table->keep.push_back(std::move(norm));
+    if (l.kind == kPlain)
+      read_plain(reader, probe, N, HD, l, table->keep);
+    else if (l.kind == kTiles)
+      read_tiles(reader, hidden, N, HD, l, table->keep);
+    else
+      read_kquant(reader, hidden, N, HD, l, table->keep);
+    table->layers.push_back(l);
+  }
+  TORCH_CHECK(!table->layers.empty() && reader.tensor == weights.size(), kTableOp,
+              ": the layout must describe every weight, one layer at least");
+  StackTable* raw = table.release();
+  return at::from_blob(&raw->header, {kTableBytes}, [raw](void*) { delete raw; }, at::TensorOptions().dtype(at::kByte));
+}
+
+// The table a decode_stack call was handed, checked.
+const StackTable& table_of(const at::Tensor& table, const char* op) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kByte && table.dim() == 1 &&
+                  table.numel() == kTableBytes && table.is_contiguous(),
+              op, ": table must be what decode_stack_table returned, a uint8 [", kTableBytes, "] CPU tensor, got ",
+              table.sizes(), " ", table.scalar_type());
+  const auto* header = static_cast<const TableHeader*>(table.data_ptr());
+  TORCH_CHECK(header->magic == kTableMagic && header->self == header, op,
+              ": table is not a stack table decode_stack_table built (a copy of one's bytes is not)");
+  return *reinterpret_cast<const StackTable*>(header);  // the header is the table's first member
+}
+
+// The four linears of a layer of one kind, pointed at a table layer's weights in turn: their
+// buffers (activations' codes, work queues) serve every layer of a call.
+template <typename Linear>
+struct LayerLinears {
+  Linear wqkv, wo, gate_up, down;
+  int64_t F = 0;
+};
+
+template <typename T>
+void point(LayerLinears<DenseLinear<T>>& l, const TableLayer& w, int64_t, int64_t) {
+  DenseLinear<T>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  for (int i = 0; i < 4; ++i) linears[i]->w = static_cast<const T*>(w.plain[i]);
+  l.F = w.F;
+}
+
+void point(LayerLinears<QuantLinear>& l, const TableLayer& w, int64_t, int64_t) {
+  QuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
+  for (int i = 0; i < 4; ++i) linears[i]->w = w.tiles[i];
+  l.F = w.F;
+}
+
+void point(LayerLinears<KQuantLinear>& l, const TableLayer& w, int64_t E, int64_t HD) {
   KQuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
-  l.keep.reserve(4 * genfn::kquant::SharedLinear::kMaxParts);  // no reallocation: the linears point into it
-  for (int i = 0; i < 4; ++i)
-    kquant_weight(*linears[i], parts[i], formats[i], rows[i], cols[i], kOp, kLinearNames[i], l.keep);
+  const int64_t cols[] = {E, HD, E, w.F};
+  for (int i = 0; i < 4; ++i) {
+    genfn::kquant::SharedLinear& s = linears[i]->shared;
+    s.count = w.part_count[i];
+    s.K = cols[i];
+    for (int64_t p = 0; p < s.count; ++p) s.parts[p] = w.parts[i][p];
+  }
+  l.F = w.F;
 }
 
 // What the stack shares between its layers, checked once.
@@ -141,22 +276,27 @@ struct StackShape {
   int64_t M, E, D, heads, kv_heads, N, HD;
 };
 
-// x, cos and sin, and a 5-D cache with its kv heads at dim 2 and head_dim at dim 4 (both layouts).
-StackShape check_stack(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                       const at::Tensor& values, int64_t heads, int64_t kv_heads, const char* layout) {
-  check_rows(x, kOp, Weights::kPlain);
+// x, cos and sin against the table, and a 5-D cache with its kv heads at dim 2 and head_dim at dim 4
+// (both layouts) holding at least the `layers` the call runs, of the table's.
+StackShape check_stack(const StackTable& table, int64_t layers, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& keys, const at::Tensor& values, const char* op,
+                       const char* layout) {
+  check_rows(x, op, Weights::kPlain);
   const auto dtype = x.scalar_type();
-  const int64_t M = x.size(0), E = x.size(1), D = cos.size(-1);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && cos.scalar_type() == dtype &&
-                  sin.scalar_type() == dtype && D % 2 == 0,
-              kOp, ": cos and sin must be [M, head_dim] in x's dtype, got ", cos.sizes(), " ", cos.scalar_type());
+  const int64_t M = x.size(0), E = x.size(1), D = table.D, heads = table.heads, kv_heads = table.kv_heads;
+  TORCH_CHECK(dtype == table.dtype && E == table.E, op, ": x must be [M, ", table.E, "] in ", table.dtype,
+              " as the table's weights, got ", x.sizes(), " ", dtype);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              op, ": cos and sin must be [M, ", D, "] in x's dtype, got ", cos.sizes(), " ", cos.scalar_type());
   TORCH_CHECK(keys.dim() == 5 && values.sizes() == keys.sizes() && keys.scalar_type() == dtype &&
                   values.scalar_type() == dtype && keys.size(2) == kv_heads && keys.size(4) == D,
-              kOp, ": keys and values must be ", layout, " with ", kv_heads, " kv heads of ", D,
+              op, ": keys and values must be ", layout, " with ", kv_heads, " kv heads of ", D,
               " in x's dtype, got ", keys.sizes(), " ", keys.scalar_type());
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && D % 16 == 0 && D <= 128, kOp, ": ", heads,
-              " query heads over ", kv_heads, " kv heads of head_dim ", D,
-              " (a multiple of 16 up to 128) are not supported");
+  const int64_t held = static_cast<int64_t>(table.layers.size());
+  TORCH_CHECK(layers >= 1 && layers <= held && layers <= keys.size(0), op, ": layers must be 1 to ",
+              std::min(held, keys.size(0)), " (the table's ", held, ", the cache's ", keys.size(0), "), got ",
+              layers);
   return {M, E, D, heads, kv_heads, (heads + 2 * kv_heads) * D, heads * D};
 }
 
@@ -296,115 +436,90 @@ void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const T
 }
 
 template <typename T, typename Cache>
-at::Tensor run_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
-                     const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                     const Cache& cache, int64_t cache_layers, double eps, double scale) {
+at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layers, const at::Tensor& x,
+                     const at::Tensor& cos, const at::Tensor& sin, const Cache& cache, double eps, double scale) {
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   // Two buffers for the residual stream, each layer reading one and writing the other.
   at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
   at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
   const at::Tensor xc = x.contiguous();
   const T* in = xc.data_ptr<T>();
-  StackReader reader{weights, layout};
-  int64_t layer = 0;
-  for (; !reader.done(); ++layer) {
-    TORCH_CHECK(layer < cache_layers, kOp, ": the layout describes more layers than the cache's ", cache_layers);
-    const int64_t kind = reader.next_value("a layer's kind");
-    const at::Tensor attn_norm = reader.next_tensor("attn_norm").contiguous();
-    const at::Tensor mlp_norm = reader.next_tensor("mlp_norm").contiguous();
-    check_norm(attn_norm, x, kOp, "attn_norm");
-    check_norm(mlp_norm, x, kOp, "mlp_norm");
+  LayerLinears<DenseLinear<T>> plain;
+  std::unique_ptr<LayerLinears<QuantLinear>> tiles;     // made for a table that has such layers
+  std::unique_ptr<LayerLinears<KQuantLinear>> kquants;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const TableLayer& w = table.layers[layer];
     T* out = streams[layer % 2].data_ptr<T>();
     const auto run = [&](auto& linears) {
-      run_layer<T>(s, linears, in, attn_norm.data_ptr<T>(), mlp_norm.data_ptr<T>(), cc.data_ptr<T>(),
-                   sc.data_ptr<T>(), cache, layer, static_cast<float>(eps), static_cast<float>(scale),
-                   qkv.data_ptr<T>(), q.data_ptr<T>(), out);
+      point(linears, w, s.E, s.HD);
+      run_layer<T>(s, linears, in, static_cast<const T*>(w.attn_norm), static_cast<const T*>(w.mlp_norm),
+                   cc.data_ptr<T>(), sc.data_ptr<T>(), cache, layer, static_cast<float>(eps),
+                   static_cast<float>(scale), qkv.data_ptr<T>(), q.data_ptr<T>(), out);
     };
-    TORCH_CHECK(kind >= kPlain && kind <= kKQuant, kOp,
-                ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", kind);
-    // What x must be for the layer's weights (tiles16: float32 and AVX512_VNNI; K-quant: float32).
-    check_rows(x, kOp, kind == kPlain ? Weights::kPlain : kind == kTiles ? Weights::kTiles : Weights::kKQuant);
-    if (kind == kPlain) {
-      LayerLinears<DenseLinear<T>> linears;
-      read_plain<T>(reader, x, s.N, s.HD, linears);
-      run(linears);
+    if (w.kind == kPlain) {
+      run(plain);
     } else if constexpr (std::is_same_v<T, float>) {
-      if (kind == kTiles) {
-        LayerLinears<QuantLinear> linears;
-        read_tiles(reader, s.E, s.N, s.HD, linears);
-        run(linears);
+      if (w.kind == kTiles) {
+        if (!tiles) tiles = std::make_unique<LayerLinears<QuantLinear>>();
+        run(*tiles);
       } else {
-        LayerLinears<KQuantLinear> linears;
-        read_kquant(reader, s.E, s.N, s.HD, linears);
-        run(linears);
+        if (!kquants) kquants = std::make_unique<LayerLinears<KQuantLinear>>();
+        run(*kquants);
       }
     } else {
-      TORCH_INTERNAL_ASSERT(false, "check_rows lets only plain layers take bfloat16 x");
+      TORCH_INTERNAL_ASSERT(false, "decode_stack_table lets only plain layers take bfloat16 x");
     }
     in = out;
   }
-  TORCH_CHECK(layer >= 1 && reader.tensor == weights.size(), kOp, ": the layout must describe every weight, ",
-              "one layer at least");
-  return streams[(layer - 1) % 2];
+  return streams[(layers - 1) % 2];
 }
 
-template <typename T>
-at::Tensor dense_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
-                       const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                       at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible,
-                       double eps, double scale) {
+at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& table, int64_t layers, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+                        const at::Tensor& visible, double eps, double scale) {
+  const StackTable& t = table_of(table, kOp);
+  const StackShape s = check_stack(t, layers, x, cos, sin, keys, values, kOp, "[layers, B, kv_heads, slots, D]");
   const at::Tensor slot_list = slots.contiguous(), vis = visible.contiguous();
-  const DenseCache<T> cache = dense_cache<T>(s, keys, values, slot_list, vis);
-  return run_stack<T>(s, x, weights, layout, cos, sin, cache, keys.size(0), eps, scale);
-}
-
-at::Tensor decode_stack(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
-                        const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                        at::Tensor& keys, at::Tensor& values, const at::Tensor& slots, const at::Tensor& visible,
-                        double eps, int64_t heads, int64_t kv_heads, double scale) {
-  const StackShape s = check_stack(x, cos, sin, keys, values, heads, kv_heads, "[layers, B, kv_heads, slots, D]");
   if (x.scalar_type() == at::kFloat)
-    return dense_stack<float>(s, x, weights, layout, cos, sin, keys, values, slots, visible, eps, scale);
-  return dense_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slots, visible, eps, scale);
+    return run_stack<float>(s, t, layers, x, cos, sin, dense_cache<float>(s, keys, values, slot_list, vis), eps,
+                            scale);
+  return run_stack<c10::BFloat16>(s, t, layers, x, cos, sin,
+                                  dense_cache<c10::BFloat16>(s, keys, values, slot_list, vis), eps, scale);
 }
 
-template <typename T>
-at::Tensor paged_stack(const StackShape& s, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
-                       const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                       at::Tensor& keys, at::Tensor& values, const at::Tensor& slot_mapping,
-                       const at::Tensor& block_tables, const at::Tensor& request_index, const at::Tensor& positions,
-                       double eps, double scale, int64_t sliding_window) {
-  const PagedCache<T> cache = paged_cache<T>(s, keys, values, slot_mapping.contiguous(), block_tables.contiguous(),
-                                             request_index.contiguous(), positions.contiguous(), sliding_window);
-  return run_stack<T>(s, x, weights, layout, cos, sin, cache, keys.size(0), eps, scale);
-}
-
-at::Tensor decode_stack_paged(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
-                              const std::vector<int64_t>& layout, const at::Tensor& cos, const at::Tensor& sin,
-                              at::Tensor& keys, at::Tensor& values, const at::Tensor& slot_mapping,
-                              const at::Tensor& block_tables, const at::Tensor& request_index,
-                              const at::Tensor& positions, double eps, int64_t heads, int64_t kv_heads, double scale,
+at::Tensor decode_stack_paged(const at::Tensor& x, const at::Tensor& table, int64_t layers, const at::Tensor& cos,
+                              const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
+                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& request_index, const at::Tensor& positions, double eps, double scale,
                               int64_t sliding_window) {
-  const StackShape s = check_stack(x, cos, sin, keys, values, heads, kv_heads,
+  const StackTable& t = table_of(table, kPagedOp);
+  const StackShape s = check_stack(t, layers, x, cos, sin, keys, values, kPagedOp,
                                    "[layers, blocks, kv_heads, block_size, D]");
+  const at::Tensor mapping = slot_mapping.contiguous(), tables = block_tables.contiguous(),
+                   requests = request_index.contiguous(), where = positions.contiguous();
   if (x.scalar_type() == at::kFloat)
-    return paged_stack<float>(s, x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables,
-                              request_index, positions, eps, scale, sliding_window);
-  return paged_stack<c10::BFloat16>(s, x, weights, layout, cos, sin, keys, values, slot_mapping, block_tables,
-                                    request_index, positions, eps, scale, sliding_window);
+    return run_stack<float>(s, t, layers, x, cos, sin,
+                            paged_cache<float>(s, keys, values, mapping, tables, requests, where, sliding_window),
+                            eps, scale);
+  return run_stack<c10::BFloat16>(
+      s, t, layers, x, cos, sin,
+      paged_cache<c10::BFloat16>(s, keys, values, mapping, tables, requests, where, sliding_window), eps, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
-  m.def("decode_stack(Tensor x, Tensor?[] weights, int[] layout, Tensor cos, Tensor sin, Tensor(a!) keys, "
-        "Tensor(b!) values, Tensor slots, Tensor visible, float eps, int heads, int kv_heads, float scale) -> Tensor");
-  m.def("decode_stack_paged(Tensor x, Tensor?[] weights, int[] layout, Tensor cos, Tensor sin, Tensor(a!) keys, "
+  m.def("decode_stack_table(Tensor?[] weights, int[] layout, ScalarType dtype, int hidden, int heads, "
+        "int kv_heads, int head_dim) -> Tensor");
+  m.def("decode_stack(Tensor x, Tensor table, int layers, Tensor cos, Tensor sin, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor slots, Tensor visible, float eps, float scale) -> Tensor");
+  m.def("decode_stack_paged(Tensor x, Tensor table, int layers, Tensor cos, Tensor sin, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor slot_mapping, Tensor block_tables, Tensor request_index, Tensor positions, "
-        "float eps, int heads, int kv_heads, float scale, int sliding_window) -> Tensor");
+        "float eps, float scale, int sliding_window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
+  m.impl("decode_stack_table", &decode_stack_table);
   m.impl("decode_stack", &decode_stack);
   m.impl("decode_stack_paged", &decode_stack_paged);
 }

@@ -37,7 +37,7 @@ from genfn.quant.fuse import cat_rows
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms", "first_layers",
-           "eager_params", "STACK_PLAN"]
+           "step_params", "STACK_TABLE"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -383,28 +383,37 @@ def _native_attention_input(spec: LlamaSpec, layer: Mapping[str, Any], i: int, x
 
 
 def _native_stack(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.Tensor,
-                  cache) -> tuple[list, list] | None:
-    """The step's whole stack of layers as one native call (``decode_layer.run_stack``), where every
-    layer would take the fused native layer on its own: the same numbers without the Python, dispatch
-    and glue between the layers' calls (~70 us a layer eager; in a compiled step inductor's wrapper
-    calls and the cache writes' kernels between them). An eager run's params carry the stack's
-    weights worked out once (``eager_params``)."""
+                  cache) -> torch.Tensor | None:
+    """The table (``decode_layer.stack_table``) of the step's whole stack of layers as one native call
+    (``decode_layer.run_stack``), where every layer would take the fused native layer on its own: the
+    same numbers without the Python, dispatch and glue between the layers' calls (~70 us a layer
+    eager; in a compiled step inductor's wrapper calls and the cache writes' kernels between them).
+    Generate's params carry the table built once (``step_params``); other params get one built here,
+    each call. None where the stack does not run."""
     if not _native_layers_take(spec, cache) or spec.tensor_shard is not None:
         return None
-    plan = params.get(STACK_PLAN)
-    if plan is not None:  # (the plan answers for its own layers only: it checks ``layers`` against them)
-        return plan.weights(x, layers, cache.keys, spec.head_dim)
-    return decode_layer.stack_weights(x, layers, cache.keys, spec.head_dim)
+    if not decode_layer.stack_takes(x, cache.keys, spec.head_dim):
+        return None
+    # ``layers`` are the params' first few (``first_layers``); the table answers for x's dtype only.
+    table = params.get(STACK_TABLE) if x.dtype == params["norm"].dtype else None
+    if table is None:
+        table = decode_layer.stack_table(layers, x.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return table
 
 
-# The params entry of an eager run's decode_layer.StackPlan (eager_params).
-STACK_PLAN = "decode_stack_plan"
+# The params entry of the native stack's table (step_params).
+STACK_TABLE = "decode_stack_table"
 
 
-def eager_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``params`` as one eager run's steps read them (``genfn.models.registry.eager_params``): with a
-    ``decode_layer.StackPlan`` of its layers, so a step does not walk every layer's weights again."""
-    return {**params, STACK_PLAN: decode_layer.StackPlan(params["layers"])}
+def step_params(spec: LlamaSpec, params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``params`` as generate's steps read them, eager and compiled (``genfn.models.registry.step_params``):
+    with the native stack's table of its layers (``decode_layer.stack_table``), so a step neither walks
+    every layer's weights again nor hands each to the native call."""
+    if not spec.is_plain_llama or spec.tensor_shard is not None:
+        return params
+    table = decode_layer.stack_table(params["layers"], params["norm"].dtype, spec.num_heads, spec.num_kv_heads,
+                                     spec.head_dim)
+    return params if table is None else {**params, STACK_TABLE: table}
 
 
 def _native_layers_take(spec: LlamaSpec, cache) -> bool:
@@ -476,10 +485,10 @@ def apply(
                                   logits_to_keep), cache
     hidden_states = [x] if output_hidden_states else None
     attentions = [] if output_attentions else None
-    stack = None if output_hidden_states or output_attentions else _native_stack(spec, params, layers, x, cache)
-    if stack is not None:
-        x = decode_layer.run_stack(x, stack, cos, sin, cache.keys, cache.values, slots, mask, spec.rms_norm_eps,
-                                   spec.num_heads, spec.num_kv_heads)
+    table = None if output_hidden_states or output_attentions else _native_stack(spec, params, layers, x, cache)
+    if table is not None:
+        x = decode_layer.run_stack(x, table, len(layers), cos, sin, cache.keys, cache.values, slots, mask,
+                                   spec.rms_norm_eps)
     else:
         row_plan = prefill_layer.prefill_rows(cache, attention_mask, tokens.shape[1], attend_len)
         for i, layer in enumerate(layers):

@@ -112,12 +112,12 @@ class Model:
         return Model(self.spec, params, self.apply_fn, self.init_cache_fn, tokenizer=self.tokenizer,
                      generation_config=self.generation_config, config=dict(self.config), source=self.source)
 
-    def functional(self, *, eager: bool = False) -> FunctionalModel:
-        """The value a step function receives (eager and compiled alike): spec, params, apply.
-        ``eager``: for one eager run, whose steps may read values the family derives from the params
-        once (``registry.eager_params``); the params must not change while it runs."""
-        params = registry.eager_params(self.spec, self.params) if eager else self.params
-        return FunctionalModel(self.spec, params, self.apply_fn)
+    def functional(self) -> FunctionalModel:
+        """The value a step function receives (eager and compiled alike): spec, params, apply. Its
+        params may carry values the family derives from them once (``registry.step_params``: Llama's
+        native stack table), which read the weights as they are now: take a new one after replacing
+        a weight."""
+        return FunctionalModel(self.spec, registry.step_params(self.spec, self.params), self.apply_fn)
 
     def init_cache(self, batch_size: int, max_cache_len: int, implementation: str | None = "static",
                    cache_config: dict | None = None):

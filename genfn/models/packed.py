@@ -32,7 +32,7 @@ from genfn.kernels import linear as plain_linear
 from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits
-from genfn.models.llama import STACK_PLAN, LlamaSpec, _rms_norm, projection_norms
+from genfn.models.llama import STACK_TABLE, LlamaSpec, _rms_norm, projection_norms
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -63,11 +63,9 @@ def unpacked_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def pack_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
     """The eager forward's weights: the linears packed once for oneDNN's GEMM (many rows times each
-    weight; ``genfn.kernels.packed_gemm``), and the native stack's weights worked out once
-    (``decode_layer.StackPlan`` of the plain layers). The compiled graph takes the plain tensors."""
-    packed = pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
-    plain = [{name: _plain(w) for name, w in layer.items()} for layer in packed["layers"]]
-    return {**packed, STACK_PLAN: decode_layer.StackPlan(plain)}
+    weight; ``genfn.kernels.packed_gemm``); the native stack's table (``step_params``) stays as it is.
+    The compiled graph takes the plain tensors."""
+    return pack_linear_weights(params, ("lm_head",), ("wqkv", "wo", "w_gate_up", "w_down"))
 
 
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,10 +310,10 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
     if invariant.batch_invariant():
         return _invariant_packed(spec, params, inputs, cache, plan, x, cos, sin)
     check_plan(plan, num_tokens)
-    stack = _paged_stack(spec, params, x, cache, plan)
-    if stack is not None:
-        x = decode_layer.run_paged_stack(x, stack, cos, sin, cache.keys, cache.values, inputs, spec.rms_norm_eps,
-                                         spec.num_heads, spec.num_kv_heads, spec.sliding_window)
+    table = _paged_stack(spec, params, x, cache, plan)
+    if table is not None:
+        x = decode_layer.run_paged_stack(x, table, len(params["layers"]), cos, sin, cache.keys, cache.values, inputs,
+                                         spec.rms_norm_eps, spec.sliding_window)
         mlp_out, cache = None, cache.replace()
     else:
         native = plan is not None and spec.is_plain_llama and _native_layer_ops(x, params["norm"])
@@ -335,24 +333,27 @@ def apply_packed(spec: LlamaSpec, params: Mapping[str, Any], inputs, cache: Page
 
 
 def _paged_stack(spec: LlamaSpec, params: Mapping[str, Any], x: torch.Tensor, cache: PagedKVCache,
-                 plan: PackedPlan | None) -> tuple[list, list] | None:
-    """The packed tokens' whole stack of layers as one native call (``decode_layer.run_paged_stack``)
+                 plan: PackedPlan | None) -> torch.Tensor | None:
+    """The table of the packed tokens' whole stack of layers as one native call (``decode_layer.run_paged_stack``)
     where ``generate``'s step would take the native stack: Llama's own layers, at most
     ``decode_layer.MAX_LAYER_ROWS`` tokens (a decode step of a few requests, drafts, a short prompt),
     one process. Not a piece of a prompt that generate's prefill runs through the prefill kernel:
     the stack walks each query's keys. The eager forward's GEMM copies (``PackedWeight``) are read
-    as their plain weights. Its ``(weights, layout)``, or None."""
+    as their plain weights: the params' own table (``llama.step_params``), or one built here. None
+    where the stack does not run."""
     if not spec.is_plain_llama or spec.tensor_shard is not None or x.shape[0] > decode_layer.MAX_LAYER_ROWS:
         return None
     if plan is not None and plan.rows_of_prompts_from(MIN_PREFILL_QUERIES):
         return None
     if not cache.keys.is_contiguous():
         return None
-    plan = params.get(STACK_PLAN)
-    if plan is not None:
-        return plan.weights(x.unsqueeze(0), plan.layers, cache.keys, spec.head_dim)
-    plain = [{name: _plain(w) for name, w in layer.items()} for layer in params["layers"]]
-    return decode_layer.stack_weights(x.unsqueeze(0), plain, cache.keys, spec.head_dim)
+    if not decode_layer.stack_takes(x.unsqueeze(0), cache.keys, spec.head_dim):
+        return None
+    table = params.get(STACK_TABLE) if x.dtype == params["norm"].dtype else None
+    if table is None:
+        plain = [{name: _plain(w) for name, w in layer.items()} for layer in params["layers"]]
+        table = decode_layer.stack_table(plain, x.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return table
 
 
 def _plain(weight):

@@ -16,9 +16,9 @@ when the forward must run eagerly (the batching manager then never compiles it).
 request's), each in place, returning the cache.
 ``packed_forward(model)`` finds it; the batching manager refuses a model whose family has none.
 
-A family may declare ``eager_params(params)``: the params as one eager run's steps read them, with
-values derived from them once per run instead of every step (Llama: the native decode stack's list of
-weights). ``eager_params(spec, params)`` applies it; a compiled step takes the plain params.
+A family may declare ``step_params(spec, params)``: the params as generate's steps read them (eager
+and compiled), with values derived from them once instead of every step (Llama: the native decode
+stack's table of weights). ``step_params(spec, params)`` here applies it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPES", "PACKED_FORWARDS", "architecture_of", "native_family", "family_or_none",
-           "packed_forward", "eager_params"]
+           "packed_forward", "step_params"]
 
 # Hugging Face architecture name -> the genfn module implementing it.
 ARCHITECTURES: dict[str, str] = {
@@ -80,11 +80,11 @@ def packed_forward(model) -> ModuleType | None:
     return None if name is None else importlib.import_module(name)
 
 
-def eager_params(spec, params):
-    """``params`` as an eager run's steps read them: the ``eager_params`` of the family that defines
+def step_params(spec, params):
+    """``params`` as generate's steps read them: the ``step_params`` of the family that defines
     ``spec``'s class (see the module docstring), else ``params`` as they are."""
-    prepare = getattr(sys.modules.get(type(spec).__module__), "eager_params", None)
-    return params if prepare is None else prepare(params)
+    prepare = getattr(sys.modules.get(type(spec).__module__), "step_params", None)
+    return params if prepare is None else prepare(spec, params)
 
 
 def architecture_of(config: Mapping[str, Any]) -> str | None:
