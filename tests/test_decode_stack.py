@@ -138,6 +138,7 @@ def test_a_stack_the_native_step_does_not_take_has_no_table_or_does_not_run():
     assert _table([layers[0], {**layers[1], "bqkv": torch.zeros(1)}]) is None
     assert _table([layers[0], {**layers[1], "wo": layers[1]["wo"].clone().requires_grad_()}]) is None
     assert _table(layers, torch.bfloat16) is None  # float32 weights
+    assert decode_layer.stack_table(layers, torch.float32, K_HEADS, K_KV_HEADS, 24) is None  # head_dim
     assert not decode_layer.stack_takes(torch.randn(1, 40, K_HIDDEN), keys, HEAD_DIM)  # a prefill
     assert not decode_layer.stack_takes(x.bfloat16(), keys.bfloat16(), HEAD_DIM)  # eager bfloat16
 

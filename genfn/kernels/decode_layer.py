@@ -212,10 +212,11 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     """The weights of ``layers`` as ``run_stack`` reads them for activations of ``dtype``: one uint8 tensor
     (``decode_stack.cpp``'s table) holding each layer's kind and its weights' pointers, checked here
     once, and references that keep the weights alive. None where a layer does not run natively
-    (``layer_kind``), where a weight asks for gradients, or without the native kernels. The table
+    (``layer_kind``), where a weight asks for gradients, for heads the native attention does not
+    take (``stack_takes``' head_dim), or without the native kernels. The table
     reads the weights as they are now: weights replaced later (not changed in place) need a new
     table, as a compiled step closes over the weights it was traced with."""
-    if not decode_linear_available():
+    if head_dim % 16 or head_dim > 128 or heads % kv_heads or not decode_linear_available():
         return None
     weights, layout = [], []
     for layer in layers:
