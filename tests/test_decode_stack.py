@@ -292,3 +292,27 @@ def test_a_compiled_step_takes_the_stack_and_keeps_the_layer_calls_bits(tiny_pai
     assert stacks == 0
     assert torch.equal(ours.sequences, layers.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))
+
+
+@needs_kernel
+def test_a_compiled_apply_on_params_without_a_table_builds_one_in_its_graph():
+    """A loop of the user's own that compiles ``apply`` over the model's plain params (no
+    ``step_params``): the graph builds the stack's table itself and gives the eager step's logits."""
+    from conftest import tiny_pair
+
+    _, model = tiny_pair("LlamaForCausalLM", seed=1)
+    ids, positions = torch.tensor([[5, 17, 3, 88]]), torch.arange(4)[None]
+    with torch.no_grad():
+        _, cache = model.apply(ids, positions, model.init_cache(1, 32))
+
+        def step(params, tokens, positions, cache):
+            return model.apply_fn(model.spec, params, tokens, positions, cache)[0]
+
+        eager = step(model.params, ids[:, -1:], positions[:, -1:] + 1, cache)
+        compiled = torch.compile(step, fullgraph=True)
+        compiled(model.params, ids[:, -1:], positions[:, -1:] + 1, cache)
+        with torch.profiler.profile() as profile:
+            ours = compiled(model.params, ids[:, -1:], positions[:, -1:] + 1, cache)
+    counts = {e.key: e.count for e in profile.key_averages()}
+    assert counts.get("genfn_kernels::decode_stack_table") == 1 and counts.get("genfn_kernels::decode_stack") == 1
+    assert torch.equal(ours, eager)
