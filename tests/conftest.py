@@ -86,6 +86,14 @@ def assert_prefill_and_cached_steps_match(hf_model, model, ids, mask, steps: int
     return ref.logits[real]
 
 
+def fresh_model(model):
+    """``model``'s weights in a new ``Model``: nothing derived from them is kept yet (``Model.functional``'s
+    native stack table), so a decision patched since (``layer_kind``, ``step_params``) takes effect."""
+    from genfn.models.model import Model
+
+    return Model(model.spec, model.params, model.apply_fn, model.init_cache_fn)
+
+
 def record_native_layers(monkeypatch, calls: list) -> None:
     """Record ``(tokens per row, native)`` in ``calls`` for each step's decision that
     genfn.kernels.decode_layer makes of its layers' form: the stack's for the whole step

@@ -13,7 +13,7 @@ from genfn.models import llama
 from genfn.models.rope import apply_rope
 from genfn.quant.weight import QuantizedWeight
 from test_paged_native import needs_kernel
-from conftest import record_native_layers
+from conftest import fresh_model, record_native_layers
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN = 9, 3, 64, 576, 1536
 EPS = 1e-5
@@ -181,7 +181,7 @@ def test_a_decode_takes_the_native_layer_and_keeps_transformers_tokens(tiny_pair
     assert calls and all(took for seq, took in calls if seq == 1)  # every decode layer of every step
     assert not any(took for seq, took in calls if seq > 1)  # the prompts' 18 tokens are a prefill
     monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
-    plain = genfn.generate(model, PROMPTS, **settings)
+    plain = genfn.generate(fresh_model(model), PROMPTS, **settings)
     assert torch.equal(ours.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-5, rtol=2e-5)
     with torch.no_grad():
@@ -280,7 +280,7 @@ def test_a_quantized_static_cache_decode_takes_the_quantized_layer(tiny_pair_f32
     ours = genfn.generate(quantized, PROMPTS, **GENERATE)
     assert calls and all(took for seq, took in calls if seq == 1)
     monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
-    plain = genfn.generate(quantized, PROMPTS, **GENERATE)
+    plain = genfn.generate(fresh_model(quantized), PROMPTS, **GENERATE)
     # float32 sums in another order can move an activation's 8-bit code by one: close, not equal.
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=2e-3, rtol=2e-3)
 

@@ -234,12 +234,14 @@ def test_eager_generate_takes_the_stack_and_keeps_its_tokens_and_logits(tiny_pai
 
 @needs_kernel
 def test_an_eager_run_builds_the_stacks_table_once_and_keeps_its_tokens_and_logits(tiny_pair_f32, monkeypatch):
-    """The run's params carry the stack's table (``llama.step_params``): its steps neither build one
-    again nor hand every weight to the native call, and give what steps that build their own give."""
+    """The run's params carry the stack's table (``llama.step_params``, made once per model by
+    ``Model.functional``): its steps neither build one again nor hand every weight to the native call,
+    a later run builds none, and they give what steps that build their own give."""
     import genfn
+    from conftest import fresh_model
     from genfn.models import registry
 
-    _, model = tiny_pair_f32
+    model = fresh_model(tiny_pair_f32[1])
     builds = []
     stack_table = decode_layer.stack_table
     monkeypatch.setattr(decode_layer, "stack_table", lambda layers, *a: builds.append(len(layers)) or
@@ -247,9 +249,11 @@ def test_an_eager_run_builds_the_stacks_table_once_and_keeps_its_tokens_and_logi
     settings = dict(GENERATE, cache_implementation="static", max_cache_len=48)
     ours = genfn.generate(model, PROMPTS, **settings)
     assert builds == [len(model.params["layers"])]
+    genfn.generate(model, PROMPTS, **settings)
+    assert builds == [len(model.params["layers"])]
     monkeypatch.setattr(registry, "step_params", lambda spec, params: params)
     builds.clear()
-    every_step = genfn.generate(model, PROMPTS, **settings)
+    every_step = genfn.generate(fresh_model(model), PROMPTS, **settings)
     assert len(builds) == GENERATE["max_new_tokens"] - 1  # the prefill's first token takes no stack
     assert torch.equal(ours.sequences, every_step.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(every_step.logits))
@@ -316,3 +320,23 @@ def test_a_compiled_apply_on_params_without_a_table_builds_one_in_its_graph():
     counts = {e.key: e.count for e in profile.key_averages()}
     assert counts.get("genfn_kernels::decode_stack_table") == 1 and counts.get("genfn_kernels::decode_stack") == 1
     assert torch.equal(ours, eager)
+
+
+@needs_kernel
+def test_a_draft_models_rounds_build_no_table(monkeypatch):
+    """An assistant's draft steps read its params through ``Model.functional`` every round: the table
+    is made once per model, not once per round (as it was, eager and inside a compiled step)."""
+    import genfn
+    from conftest import tiny_pair
+
+    _, target = tiny_pair("LlamaForCausalLM", seed=1)
+    _, assistant = tiny_pair("LlamaForCausalLM", seed=2)
+    builds = []
+    stack_table = decode_layer.stack_table
+    monkeypatch.setattr(decode_layer, "stack_table", lambda layers, *a: builds.append(len(layers)) or
+                        stack_table(layers, *a))
+    out = genfn.generate(target, torch.tensor([[5, 17, 3, 88, 41, 9]]), max_new_tokens=24, min_new_tokens=24,
+                         assistant_model=assistant, do_sample=False, cache_implementation="static", max_cache_len=64,
+                         disable_compile=True)
+    assert out.shape[1] == 30
+    assert len(builds) == 2  # the target's and the assistant's

@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 import genfn
-from conftest import finish_gguf, gguf_writer, llama_cpp_permute, record_native_layers, tiny_hf_model
+from conftest import (finish_gguf, fresh_model, gguf_writer, llama_cpp_permute, record_native_layers,
+                      tiny_hf_model)
 from genfn import kernels
 from genfn.kernels import kquant
 from genfn.models.loaders.gguf import read_gguf
@@ -355,7 +356,7 @@ def test_a_k_quant_static_cache_decode_takes_the_fused_layer_and_keeps_its_token
     assert any(seq > 1 and took for seq, took in calls)  # verifications ran in the fused layer
     assert torch.equal(looked_up.sequences, fused.sequences)
     monkeypatch.setattr(decode_layer, "layer_kind", lambda *a: None)
-    plain = genfn.generate(model, prompt, **kw)
+    plain = genfn.generate(fresh_model(model), prompt, **kw)
     assert torch.equal(fused.sequences, plain.sequences)
     # The layer's norm, RoPE and SiLU round a last bit otherwise than torch's ops, which can move an
     # 8-bit activation code by a step: the logits are close, not equal.

@@ -137,12 +137,13 @@ def test_continuous_batching_gives_a_short_requests_generate_logits_on_the_stack
 
 @needs_kernel
 def test_the_eager_batching_forward_builds_the_stacks_table_once(tiny_pair_f32, monkeypatch):
-    """The engine's params carry the stack's table (``llama.step_params``, kept by ``pack_params``),
+    """The engine's params carry the stack's table (``Model.functional``'s, kept by ``pack_params``),
     built once for every forward of the engine, whatever its token count."""
     from batching_support import run_requests
+    from conftest import fresh_model
     from genfn import ContinuousBatchingConfig
 
-    _, model = tiny_pair_f32
+    model = fresh_model(tiny_pair_f32[1])
     builds, forwards = [], []
     stack_table, run_paged_stack = decode_layer.stack_table, decode_layer.run_paged_stack
     monkeypatch.setattr(decode_layer, "stack_table", lambda layers, *a: builds.append(len(layers)) or

@@ -38,8 +38,9 @@ from genfn.batching.row_state import carried_step, keep_carried, merge_request_c
 from genfn.kernels import decode_linear_available
 from genfn.kernels.invariant import deterministic
 from genfn.cache.paged import PackedPlan
+from genfn.compile_boundary import functional
 from genfn.driver import own_code
-from genfn.models.registry import PACKED_FORWARDS, packed_forward, step_params
+from genfn.models.registry import PACKED_FORWARDS, packed_forward
 from genfn.processors.chain import ProcessorChain
 from genfn.processors.context import LogitsContext
 from genfn.processors.grammar import FREE_ROW
@@ -171,8 +172,8 @@ class Engine:
         # The mode's linears read the plain weights (genfn.kernels.invariant): packing them would be
         # work and memory for nothing.
         packed = compile is None and not batch_invariant
-        # The params generate's steps read (the native stack's table built once), eager and compiled.
-        params = step_params(model.spec, model.params)
+        # The params generate's steps read (the native stack's table, made once per model), eager and compiled.
+        params = functional(model).params
         self.params = family.pack_params(params) if packed else params
         self._forwards: dict[tuple[int, int], Any] = {}
         self._merged: tuple[tuple, ProcessorChain | None, torch.Tensor | None, torch.Tensor | None] | None = None

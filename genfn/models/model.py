@@ -47,6 +47,7 @@ class Model:
         self.config = config or {}
         self.source = source
         self.compiled_steps: dict = {}
+        self._functional: tuple | None = None  # (the params it was made of, functional()'s value)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,7 +66,7 @@ class Model:
         return getattr(self.spec, "max_position_embeddings", None)
 
     def apply(self, tokens, positions, cache, attention_mask=None, **kwargs):
-        return self.apply_fn(self.spec, self.params, tokens, positions, cache, attention_mask, **kwargs)
+        return self.functional().apply(tokens, positions, cache, attention_mask, **kwargs)
 
     def __call__(self, input_ids, attention_mask=None, *, cache=None) -> ModelCallOutput:
         """One forward over ``input_ids [B, S]`` (left padding marked 0 in ``attention_mask``), like
@@ -115,9 +116,14 @@ class Model:
     def functional(self) -> FunctionalModel:
         """The value a step function receives (eager and compiled alike): spec, params, apply. Its
         params may carry values the family derives from them once (``registry.step_params``: Llama's
-        native stack table), which read the weights as they are now: take a new one after replacing
-        a weight."""
-        return FunctionalModel(self.spec, registry.step_params(self.spec, self.params), self.apply_fn)
+        native stack table), made on the first call and kept while ``self.params`` is the same object:
+        they read the weights as they were then, so after replacing a weight inside the params
+        (rather than changing it in place) assign ``self.params`` anew, or make a new ``Model``."""
+        made = self._functional
+        if made is None or made[0] is not self.params:
+            made = self._functional = (self.params, FunctionalModel(
+                self.spec, registry.step_params(self.spec, self.params), self.apply_fn))
+        return made[1]
 
     def init_cache(self, batch_size: int, max_cache_len: int, implementation: str | None = "static",
                    cache_config: dict | None = None):
