@@ -238,38 +238,35 @@ const StackTable& table_of(const at::Tensor& table, const char* op) {
   return *reinterpret_cast<const StackTable*>(header);  // the header is the table's first member
 }
 
+// A linear pointed at the table's weights for linear i of layer w, of `cols` inputs.
+template <typename T>
+void point_linear(DenseLinear<T>& l, const TableLayer& w, int i, int64_t) {
+  l.w = static_cast<const T*>(w.plain[i]);
+}
+
+void point_linear(QuantLinear& l, const TableLayer& w, int i, int64_t) { l.w = w.tiles[i]; }
+
+void point_linear(KQuantLinear& l, const TableLayer& w, int i, int64_t cols) {
+  genfn::kquant::SharedLinear& s = l.shared;
+  s.count = w.part_count[i];
+  s.K = cols;
+  for (int64_t p = 0; p < s.count; ++p) s.parts[p] = w.parts[i][p];
+}
+
 // The four linears of a layer of one kind, pointed at a table layer's weights in turn: their
 // buffers (activations' codes, work queues) serve every layer of a call.
 template <typename Linear>
 struct LayerLinears {
   Linear wqkv, wo, gate_up, down;
   int64_t F = 0;
-};
-
-template <typename T>
-void point(LayerLinears<DenseLinear<T>>& l, const TableLayer& w, int64_t, int64_t) {
-  DenseLinear<T>* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
-  for (int i = 0; i < 4; ++i) linears[i]->w = static_cast<const T*>(w.plain[i]);
-  l.F = w.F;
-}
-
-void point(LayerLinears<QuantLinear>& l, const TableLayer& w, int64_t, int64_t) {
-  QuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
-  for (int i = 0; i < 4; ++i) linears[i]->w = w.tiles[i];
-  l.F = w.F;
-}
-
-void point(LayerLinears<KQuantLinear>& l, const TableLayer& w, int64_t E, int64_t HD) {
-  KQuantLinear* linears[] = {&l.wqkv, &l.wo, &l.gate_up, &l.down};
-  const int64_t cols[] = {E, HD, E, w.F};
-  for (int i = 0; i < 4; ++i) {
-    genfn::kquant::SharedLinear& s = linears[i]->shared;
-    s.count = w.part_count[i];
-    s.K = cols[i];
-    for (int64_t p = 0; p < s.count; ++p) s.parts[p] = w.parts[i][p];
+  // Pointed at table layer w: linear i reads what the table holds for it, of inputs cols[i].
+  void point(const TableLayer& w, int64_t E, int64_t HD) {
+    Linear* linears[] = {&wqkv, &wo, &gate_up, &down};
+    const int64_t cols[] = {E, HD, E, w.F};
+    for (int i = 0; i < 4; ++i) point_linear(*linears[i], w, i, cols[i]);
+    F = w.F;
   }
-  l.F = w.F;
-}
+};
 
 // What the stack shares between its layers, checked once.
 struct StackShape {
@@ -451,7 +448,7 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
     const TableLayer& w = table.layers[layer];
     T* out = streams[layer % 2].data_ptr<T>();
     const auto run = [&](auto& linears) {
-      point(linears, w, s.E, s.HD);
+      linears.point(w, s.E, s.HD);
       run_layer<T>(s, linears, in, static_cast<const T*>(w.attn_norm), static_cast<const T*>(w.mlp_norm),
                    cc.data_ptr<T>(), sc.data_ptr<T>(), cache, layer, static_cast<float>(eps),
                    static_cast<float>(scale), qkv.data_ptr<T>(), q.data_ptr<T>(), out);

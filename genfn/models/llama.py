@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from genfn.quant.fuse import cat_rows
 
 __all__ = ["LlamaSpec", "SUPPORTED_ARCHITECTURES", "spec_from_config", "params_from_state_dict", "apply",
            "init_cache", "ModelOutput", "mtp_head", "attention_mask", "projection_norms", "first_layers",
-           "step_params", "STACK_TABLE"]
+           "step_params", "stack_table_of", "STACK_TABLE"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            *variants.VARIANT_MODEL_TYPES.values())
@@ -394,11 +394,8 @@ def _native_stack(spec: LlamaSpec, params: Mapping[str, Any], layers, x: torch.T
         return None
     if not decode_layer.stack_takes(x, cache.keys, spec.head_dim):
         return None
-    # ``layers`` are the params' first few (``first_layers``); the table answers for x's dtype only.
-    table = params.get(STACK_TABLE) if x.dtype == params["norm"].dtype else None
-    if table is None:
-        table = decode_layer.stack_table(layers, x.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    return table
+    # ``layers`` are the params' first few (``first_layers``): the table of all of them serves.
+    return stack_table_of(spec, params, x.dtype, lambda: layers)
 
 
 # The params entry of the native stack's table (step_params).
@@ -411,9 +408,21 @@ def step_params(spec: LlamaSpec, params: Mapping[str, Any]) -> Mapping[str, Any]
     every layer's weights again nor hands each to the native call."""
     if not spec.is_plain_llama or spec.tensor_shard is not None:
         return params
-    table = decode_layer.stack_table(params["layers"], params["norm"].dtype, spec.num_heads, spec.num_kv_heads,
-                                     spec.head_dim)
+    table = _built_stack_table(spec, params["layers"], params["norm"].dtype)
     return params if table is None else {**params, STACK_TABLE: table}
+
+
+def stack_table_of(spec: LlamaSpec, params: Mapping[str, Any], dtype: torch.dtype,
+                   layers: Callable[[], list]) -> torch.Tensor | None:
+    """The native stack's table for activations of ``dtype``: the params' own (``step_params``, made for
+    the norms' dtype, which is x's), else one built now of ``layers()`` (params of the user's own,
+    without one)."""
+    table = params.get(STACK_TABLE) if dtype == params["norm"].dtype else None
+    return table if table is not None else _built_stack_table(spec, layers(), dtype)
+
+
+def _built_stack_table(spec: LlamaSpec, layers, dtype: torch.dtype) -> torch.Tensor | None:
+    return decode_layer.stack_table(layers, dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
 
 def _native_layers_take(spec: LlamaSpec, cache) -> bool:

@@ -32,7 +32,7 @@ from genfn.kernels import linear as plain_linear
 from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
 from genfn.models.invariant_layers import check_invariant_spec, invariant_layers, invariant_logits
-from genfn.models.llama import STACK_TABLE, LlamaSpec, _rms_norm, projection_norms
+from genfn.models.llama import LlamaSpec, _rms_norm, projection_norms, stack_table_of
 from genfn.models.moe import moe_mlp
 from genfn.models.rope import rope_cos_sin
 
@@ -349,11 +349,8 @@ def _paged_stack(spec: LlamaSpec, params: Mapping[str, Any], x: torch.Tensor, ca
         return None
     if not decode_layer.stack_takes(x.unsqueeze(0), cache.keys, spec.head_dim):
         return None
-    table = params.get(STACK_TABLE) if x.dtype == params["norm"].dtype else None
-    if table is None:
-        plain = [{name: _plain(w) for name, w in layer.items()} for layer in params["layers"]]
-        table = decode_layer.stack_table(plain, x.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    return table
+    return stack_table_of(spec, params, x.dtype,
+                          lambda: [{name: _plain(w) for name, w in layer.items()} for layer in params["layers"]])
 
 
 def _plain(weight):
