@@ -54,24 +54,40 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups:
   }
 };
 
-// Tiles of quantized rows against float32 activations: the threads quantize x a share of rows
-// each (a group's rows into its own buffer), meet, and sum the tiles shared out balanced.
+// Whether each thread of a team quantizes all M rows of x for itself instead of a share of them: where
+// its share would be about as many rows (of one row, one thread's share is the row and the others'
+// nothing), so the barrier that shares need costs more than the rows it saves. SmolLM2 Q4_1's
+// one-row stack, alternated in one process: 0.92x the time without the four barriers a layer.
+inline bool quantize_alone(int64_t M, int64_t team) { return M <= (M + team - 1) / team + 1; }
+
+// Tiles of quantized rows against float32 activations: the threads quantize x (each all of a few
+// rows for itself, quantize_alone; else a share of the rows each, a group's rows into its own
+// buffer, and meet), then sum the tiles shared out balanced.
 struct QuantLinear {
   static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
   QuantWeight w;
   genfn_kernels::QuantActivations x8[kGroups];
   int64_t per = 0, groups = 0, rows[kGroups] = {};  // prepare's split of the M rows (group_size)
+  bool alone = false;
   RowQueue tiles;
   void prepare(int64_t M, int64_t, int64_t team) {
     per = genfn_kernels::group_size(M);
     groups = (M + per - 1) / per;
+    alone = groups == 1 && quantize_alone(M, team);
     for (int64_t g = 0; g < groups; ++g) {
       rows[g] = std::min(per, M - g * per);
-      x8[g].resize(rows[g], w.blocks * 32);
+      if (!alone) x8[g].resize(rows[g], w.blocks * 32);
     }
     tiles.prepare_blocks(w.tiles, team);
   }
   void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+    if (alone) {  // the same codes in every thread: a row's quantization does not depend on who runs it
+      thread_local genfn_kernels::QuantActivations own;
+      own.resize(rows[0], w.blocks * 32);
+      genfn_kernels::quantize_rows_share(x, rows[0], K, own, 0, 1);
+      genfn_kernels::quant_linear_share_groups(1, rows, &own, K, w, &y, t, tiles);
+      return;
+    }
     float* out[kGroups];
     for (int64_t g = 0; g < groups; ++g) {
       out[g] = y + g * per * N;
@@ -106,28 +122,40 @@ struct KQuantLinear {
   }
 };
 
+// Inside a parallel region, thread t of `team`: qkv = rms_norm(x) @ wqkv.T with RoPE on q's and k's
+// heads, each rotated head then handed to place(m, head, rotated) by the thread that rotated it (q's
+// heads 0 .. heads - 1, then k's), so a caller can move it on without another pass. A barrier must
+// follow before another thread reads qkv or what place wrote.
+template <typename T, typename Linear, typename Place>
+void attention_input_in(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
+                        int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv, int64_t t,
+                        int64_t team, const Place& place) {
+  // Every thread normalizes the few rows itself: cheaper than a barrier.
+  thread_local std::vector<T> h;
+  h.resize(M * E);
+  rms_norm_rows(x, norm, M, E, eps, h.data());
+  wqkv(M, h.data(), E, N, qkv, t, team);
+#pragma omp barrier
+  const int64_t rotated = heads + kv_heads;  // q's heads, then k's
+  const auto [begin, end] = share(M * rotated, t, team);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t m = i / rotated, head = i % rotated;
+    T* x_head = qkv + m * N + head * D;
+    rows::rotate_head(x_head, cos + m * D, sin + m * D, D, x_head);  // in place
+    place(m, head, x_head);
+  }
+}
+
+// attention_input_in in a parallel region of its own (wqkv prepared here).
 template <typename T, typename Linear>
 void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
                      int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv) {
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   wqkv.prepare(M, N, threads);
 #pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    // Every thread normalizes the few rows itself: cheaper than a barrier.
-    thread_local std::vector<T> h;
-    h.resize(M * E);
-    rms_norm_rows(x, norm, M, E, eps, h.data());
-    wqkv(M, h.data(), E, N, qkv, t, team);
-#pragma omp barrier
-    const int64_t rotated = heads + kv_heads;  // q's heads, then k's
-    const auto [begin, end] = share(M * rotated, t, team);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / rotated, head = i % rotated;
-      T* x_head = qkv + m * N + head * D;
-      rows::rotate_head(x_head, cos + m * D, sin + m * D, D, x_head);  // in place
-    }
-  }
+  attention_input_in(x, norm, wqkv, cos, sin, M, E, N, heads, kv_heads, D, eps, qkv,
+                     static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()),
+                     [](int64_t, int64_t, const T*) {});
 }
 
 // Inside a parallel region, thread t of `team`: act = silu(g) * u for g, u = rms_norm(x1) @ w_gate_up.T
@@ -184,60 +212,77 @@ struct PagedAttention {
   }
 };
 
+// The buffers the threads of a layer's output half share: the attention output, the o projection,
+// the gate/up projection, the SwiGLU activation, the down projection.
+template <typename T>
+struct OutputBuffers {
+  std::vector<T> data;
+  T *attn = nullptr, *o = nullptr, *gate_up = nullptr, *act = nullptr, *down = nullptr;
+  void resize(int64_t M, int64_t E, int64_t HD, int64_t F) {
+    data.resize(M * (HD + E + 2 * F + F + E));
+    attn = data.data();
+    o = attn + M * HD;
+    gate_up = o + M * E;
+    act = gate_up + M * 2 * F;
+    down = act + M * F;
+  }
+};
+
+// Inside a parallel region, thread t of `team`: out = x1 + down(silu(g) * u) for x1 = x +
+// attention(q) @ wo.T, with b's buffers (sized for M, E, heads * D and F) shared by the team. Each
+// thread writes its share of out's columns: a barrier must follow before another thread reads out.
+template <typename T, typename Linear, typename Attention>
+void layer_output_in(const T* x, const T* q, const Attention& attend, Linear& wo, const T* mlp_norm,
+                     Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads, int64_t kv_heads,
+                     int64_t D, int64_t F, float eps, T* out, const OutputBuffers<T>& b, int64_t t, int64_t team) {
+  const int64_t HD = heads * D, groups = heads / kv_heads;
+  if ((M * kv_heads) % team == 0) {
+    // One task per (row, kv head) where they split evenly: each kv head's keys and values are
+    // read once for its whole query group (at 8 rows, a query head at a time read them three
+    // times over, ~12 % of a Q4_1 step).
+    const auto [begin, end] = share(M * kv_heads, t, team);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
+      attend(m, kv, q + first * D, groups, b.attn + first * D);
+    }
+  } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
+    const auto [begin, end] = share(M * heads, t, team);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / heads, head = i % heads;
+      attend(m, head / groups, q + i * D, int64_t{1}, b.attn + i * D);
+    }
+  }
+#pragma omp barrier
+  wo(M, b.attn, HD, E, b.o, t, team);
+#pragma omp barrier
+  // The residual after attention, by every thread for itself.
+  thread_local std::vector<T> x1;
+  x1.resize(M * E);
+  rows::add_row(x, b.o, M * E, x1.data());
+  mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, b.gate_up, b.act, t, team);
+#pragma omp barrier
+  w_down(M, b.act, F, E, b.down, t, team);
+#pragma omp barrier
+  const auto [begin, end] = share(E, t, team);
+  for (int64_t m = 0; m < M; ++m)
+    rows::add_row(x1.data() + m * E + begin, b.down + m * E + begin, end - begin, out + m * E + begin);
+}
+
+// layer_output_in in a parallel region of its own (the linears prepared here).
 template <typename T, typename Linear, typename Attention>
 void layer_output(const T* x, const T* q, const Attention& attend, Linear& wo, const T* mlp_norm, Linear& w_gate_up,
                   Linear& w_down, int64_t M, int64_t E, int64_t heads, int64_t kv_heads, int64_t D, int64_t F,
                   float eps, T* out) {
-  const int64_t HD = heads * D, groups = heads / kv_heads;
-  // Buffers every thread reads: the attention output, the o projection, the gate/up projection,
-  // the SwiGLU activation, the down projection.
-  thread_local std::vector<T> shared;
-  shared.resize(M * (HD + E + 2 * F + F + E));
-  T* attn = shared.data();
-  T* o = attn + M * HD;
-  T* gate_up = o + M * E;
-  T* act = gate_up + M * 2 * F;
-  T* down = act + M * F;
+  thread_local OutputBuffers<T> own;
+  OutputBuffers<T>& buffers = own;  // this thread's, which the region's threads share (by name each has its own)
+  buffers.resize(M, E, heads * D, F);
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   wo.prepare(M, E, threads);
   w_gate_up.prepare(M, 2 * F, threads);
   w_down.prepare(M, E, threads);
 #pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    if ((M * kv_heads) % team == 0) {
-      // One task per (row, kv head) where they split evenly: each kv head's keys and values are
-      // read once for its whole query group (at 8 rows, a query head at a time read them three
-      // times over, ~12 % of a Q4_1 step).
-      const auto [begin, end] = share(M * kv_heads, t, team);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
-        attend(m, kv, q + first * D, groups, attn + first * D);
-      }
-    } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
-      const auto [begin, end] = share(M * heads, t, team);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / heads, head = i % heads;
-        attend(m, head / groups, q + i * D, int64_t{1}, attn + i * D);
-      }
-    }
-#pragma omp barrier
-    wo(M, attn, HD, E, o, t, team);
-#pragma omp barrier
-    // The residual after attention, by every thread for itself.
-    thread_local std::vector<T> x1;
-    x1.resize(M * E);
-    rows::add_row(x, o, M * E, x1.data());
-    mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, gate_up, act, t, team);
-#pragma omp barrier
-    w_down(M, act, F, E, down, t, team);
-#pragma omp barrier
-    {
-      const auto [begin, end] = share(E, t, team);
-      for (int64_t m = 0; m < M; ++m)
-        rows::add_row(x1.data() + m * E + begin, down + m * E + begin, end - begin, out + m * E + begin);
-    }
-  }
+  layer_output_in(x, q, attend, wo, mlp_norm, w_gate_up, w_down, M, E, heads, kv_heads, D, F, eps, out, buffers,
+                  static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()));
 }
 
 // The layer's weights: plain (float32 or bfloat16 x), tiles16 blocks (float32 x and VNNI), K-quant

@@ -47,6 +47,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -259,12 +260,17 @@ template <typename Linear>
 struct LayerLinears {
   Linear wqkv, wo, gate_up, down;
   int64_t F = 0;
-  // Pointed at table layer w: linear i reads what the table holds for it, of inputs cols[i].
-  void point(const TableLayer& w, int64_t E, int64_t HD) {
+  // Pointed at table layer w (linear i reads what the table holds for it, of inputs cols[i]) and
+  // prepared for M rows of x on `threads` threads.
+  void ready(const TableLayer& w, int64_t M, int64_t E, int64_t N, int64_t HD, int64_t threads) {
     Linear* linears[] = {&wqkv, &wo, &gate_up, &down};
     const int64_t cols[] = {E, HD, E, w.F};
     for (int i = 0; i < 4; ++i) point_linear(*linears[i], w, i, cols[i]);
     F = w.F;
+    wqkv.prepare(M, N, threads);
+    wo.prepare(M, E, threads);
+    gate_up.prepare(M, 2 * F, threads);
+    down.prepare(M, E, threads);
   }
 };
 
@@ -307,20 +313,16 @@ struct DenseCache {
   const bool* visible;
   int64_t per_row, span;
 
-  // Token m's keys and values (in its row of qkv, after q) into its slot of its cache row.
-  void write(const StackShape& s, int64_t layer, const T* qkv) const {
-    const int64_t KVD = s.kv_heads * s.D;
-    T* k = keys.data_ptr<T>() + layer * keys.stride(0);
-    T* v = values.data_ptr<T>() + layer * values.stride(0);
-    for (int64_t m = 0; m < s.M; ++m) {
-      const int64_t b = m / per_row, slot = slots[m];
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const T* src = qkv + m * s.N + s.HD + h * s.D;
-        std::memcpy(k + b * keys.stride(1) + h * keys.stride(2) + slot * keys.stride(3), src, s.D * sizeof(T));
-        std::memcpy(v + b * values.stride(1) + h * values.stride(2) + slot * values.stride(3), src + KVD,
-                    s.D * sizeof(T));
-      }
-    }
+  // Token m's keys and values of kv head h (in its row of qkv, after q) into its slot of its cache row.
+  void write(const StackShape& s, int64_t layer, const T* qkv, int64_t m, int64_t h) const {
+    const int64_t b = m / per_row, slot = slots[m];
+    const T* src = qkv + m * s.N + s.HD + h * s.D;
+    std::memcpy(keys.data_ptr<T>() + layer * keys.stride(0) + b * keys.stride(1) + h * keys.stride(2) +
+                    slot * keys.stride(3),
+                src, s.D * sizeof(T));
+    std::memcpy(values.data_ptr<T>() + layer * values.stride(0) + b * values.stride(1) + h * values.stride(2) +
+                    slot * values.stride(3),
+                src + s.kv_heads * s.D, s.D * sizeof(T));
   }
   DenseAttention<T> attention(const StackShape& s, int64_t layer, float scale) const {
     return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0), visible,
@@ -360,16 +362,11 @@ struct PagedCache {
   std::vector<int64_t> starts;   // [M + 1]: token m's are offsets[starts[m] .. starts[m + 1])
   int64_t head_stride;
 
-  void write(const StackShape& s, int64_t layer, const T* qkv) const {
-    const int64_t KVD = s.kv_heads * s.D;
-    T* k = keys.data_ptr<T>() + layer * keys.stride(0);
-    T* v = values.data_ptr<T>() + layer * values.stride(0);
-    for (int64_t m = 0; m < s.M; ++m)
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const T* src = qkv + m * s.N + s.HD + h * s.D;
-        std::memcpy(k + writes[m] + h * head_stride, src, s.D * sizeof(T));
-        std::memcpy(v + writes[m] + h * head_stride, src + KVD, s.D * sizeof(T));
-      }
+  void write(const StackShape& s, int64_t layer, const T* qkv, int64_t m, int64_t h) const {
+    const T* src = qkv + m * s.N + s.HD + h * s.D;
+    const int64_t at = layer * keys.stride(0) + writes[m] + h * head_stride;
+    std::memcpy(keys.data_ptr<T>() + at, src, s.D * sizeof(T));
+    std::memcpy(values.data_ptr<T>() + at, src + s.kv_heads * s.D, s.D * sizeof(T));
   }
   PagedAttention<T> attention(const StackShape& s, int64_t layer, float scale) const {
     return {keys.data_ptr<T>() + layer * keys.stride(0), values.data_ptr<T>() + layer * values.stride(0),
@@ -421,17 +418,34 @@ PagedCache<T> paged_cache(const StackShape& s, at::Tensor& keys, at::Tensor& val
   return cache;
 }
 
+// Layer `layer` inside the stack's parallel region, thread t of `team`: its attention input, each
+// rotated q head copied to q and each k head's keys and values written into the cache by the thread
+// that rotated it, then its output into `out`. A barrier must follow before `out` is read.
 template <typename T, typename Linear, typename Cache>
-void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const T* attn_norm, const T* mlp_norm,
-               const T* cos, const T* sin, const Cache& cache, int64_t layer, float eps, float scale, T* qkv, T* q,
-               T* out) {
-  attention_input(x, attn_norm, l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads, s.D, eps, qkv);
-  cache.write(s, layer, qkv);
-  for (int64_t m = 0; m < s.M; ++m) std::memcpy(q + m * s.HD, qkv + m * s.N, s.HD * sizeof(T));
-  layer_output(x, q, cache.attention(s, layer, scale), l.wo, mlp_norm, l.gate_up, l.down, s.M, s.E, s.heads,
-               s.kv_heads, s.D, l.F, eps, out);
+void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const TableLayer& w, const T* cos,
+               const T* sin, const Cache& cache, int64_t layer, float eps, float scale, T* qkv, T* q,
+               const OutputBuffers<T>& buffers, T* out, int64_t t, int64_t team) {
+  const auto place = [&](int64_t m, int64_t head, const T* rotated) {
+    if (head < s.heads) std::memcpy(q + (m * s.heads + head) * s.D, rotated, s.D * sizeof(T));
+    else cache.write(s, layer, qkv, m, head - s.heads);
+  };
+  attention_input_in(x, static_cast<const T*>(w.attn_norm), l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads,
+                     s.D, eps, qkv, t, team, place);
+#pragma omp barrier
+  layer_output_in(x, q, cache.attention(s, layer, scale), l.wo, static_cast<const T*>(w.mlp_norm), l.gate_up, l.down,
+                  s.M, s.E, s.heads, s.kv_heads, s.D, l.F, eps, out, buffers, t, team);
 }
 
+// Each kind of layer's linears, two sets: layer i runs set i % 2 while one thread readies the other
+// for layer i + 1 (the barrier that ends layer i publishes it; set i % 2 is free once layer i ends).
+template <typename Linear>
+using LinearSets = std::array<LayerLinears<Linear>, 2>;
+
+// The whole stack in one parallel region: its threads meet only where data passes between them
+// (after a linear's products, the rotated heads and cache writes, the attention, the SwiGLU, a
+// layer's output): 8 times a layer where a one-row layer of Q4_1 tiles met 14 times in two regions
+// of its own, the cache writes on one thread between them. SmolLM2 Q4_1, fresh processes
+// alternated: 1.05x the tokens a second eager, 1.07x compiled; the 1B shape within its noise.
 template <typename T, typename Cache>
 at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layers, const at::Tensor& x,
                      const at::Tensor& cos, const at::Tensor& sin, const Cache& cache, double eps, double scale) {
@@ -440,33 +454,58 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
   at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
   const at::Tensor xc = x.contiguous();
-  const T* in = xc.data_ptr<T>();
-  LayerLinears<DenseLinear<T>> plain;
-  std::unique_ptr<LayerLinears<QuantLinear>> tiles;     // made for a table that has such layers
-  std::unique_ptr<LayerLinears<KQuantLinear>> kquants;
+  int64_t F = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const TableLayer& w = table.layers[layer];
-    T* out = streams[layer % 2].data_ptr<T>();
-    const auto run = [&](auto& linears) {
-      linears.point(w, s.E, s.HD);
-      run_layer<T>(s, linears, in, static_cast<const T*>(w.attn_norm), static_cast<const T*>(w.mlp_norm),
-                   cc.data_ptr<T>(), sc.data_ptr<T>(), cache, layer, static_cast<float>(eps),
-                   static_cast<float>(scale), qkv.data_ptr<T>(), q.data_ptr<T>(), out);
-    };
-    if (w.kind == kPlain) {
-      run(plain);
+    const int64_t kind = table.layers[layer].kind;
+    TORCH_INTERNAL_ASSERT(kind == kPlain || (std::is_same_v<T, float>),
+                          "decode_stack_table lets only plain layers take bfloat16 x");
+    F = std::max(F, table.layers[layer].F);
+  }
+  thread_local OutputBuffers<T> own;
+  OutputBuffers<T>& buffers = own;  // this thread's, which the region's threads share
+  buffers.resize(s.M, s.E, s.HD, F);
+  LinearSets<DenseLinear<T>> plain;
+  std::unique_ptr<LinearSets<QuantLinear>> tiles;  // made for a table that has such layers
+  std::unique_ptr<LinearSets<KQuantLinear>> kquants;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t kind = table.layers[layer].kind;
+    if (kind == kTiles && !tiles) tiles = std::make_unique<LinearSets<QuantLinear>>();
+    if (kind == kKQuant && !kquants) kquants = std::make_unique<LinearSets<KQuantLinear>>();
+  }
+  const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
+  // Calls f with layer's set of linears of its kind.
+  const auto with_linears = [&](int64_t layer, auto&& f) {
+    const int64_t kind = table.layers[layer].kind;
+    if (kind == kPlain) {
+      f((plain)[layer % 2]);
     } else if constexpr (std::is_same_v<T, float>) {
-      if (w.kind == kTiles) {
-        if (!tiles) tiles = std::make_unique<LayerLinears<QuantLinear>>();
-        run(*tiles);
-      } else {
-        if (!kquants) kquants = std::make_unique<LayerLinears<KQuantLinear>>();
-        run(*kquants);
-      }
-    } else {
-      TORCH_INTERNAL_ASSERT(false, "decode_stack_table lets only plain layers take bfloat16 x");
+      if (kind == kTiles) f((*tiles)[layer % 2]);
+      else f((*kquants)[layer % 2]);
     }
-    in = out;
+  };
+  const auto ready = [&](int64_t layer) {
+    with_linears(layer, [&](auto& l) { l.ready(table.layers[layer], s.M, s.E, s.N, s.HD, threads); });
+  };
+  ready(0);
+  const T* first = xc.data_ptr<T>();
+  const T* cos_rows = cc.data_ptr<T>();
+  const T* sin_rows = sc.data_ptr<T>();
+  T* stream[2] = {streams[0].data_ptr<T>(), streams[1].data_ptr<T>()};
+  T* qkv_rows = qkv.data_ptr<T>();
+  T* q_rows = q.data_ptr<T>();
+  const float e = static_cast<float>(eps), a = static_cast<float>(scale);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const T* in = layer == 0 ? first : stream[(layer - 1) % 2];
+      with_linears(layer, [&](auto& l) {
+        run_layer<T>(s, l, in, table.layers[layer], cos_rows, sin_rows, cache, layer, e, a, qkv_rows, q_rows,
+                     buffers, stream[layer % 2], t, team);
+      });
+      if (t == 0 && layer + 1 < layers) ready(layer + 1);
+#pragma omp barrier
+    }
   }
   return streams[(layers - 1) % 2];
 }
