@@ -54,15 +54,9 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups:
   }
 };
 
-// Whether each thread of a team quantizes all M rows of x for itself instead of a share of them: where
-// its share would be about as many rows (of one row, one thread's share is the row and the others'
-// nothing), so the barrier that shares need costs more than the rows it saves. SmolLM2 Q4_1's
-// one-row stack, alternated in one process: 0.92x the time without the four barriers a layer.
-inline bool quantize_alone(int64_t M, int64_t team) { return M <= (M + team - 1) / team + 1; }
-
 // Tiles of quantized rows against float32 activations: the threads quantize x (each all of a few
-// rows for itself, quantize_alone; else a share of the rows each, a group's rows into its own
-// buffer, and meet), then sum the tiles shared out balanced.
+// rows for itself, row_queue.h's quantize_alone; else a share of the rows each, a group's rows into
+// its own buffer, and meet), then sum the tiles shared out balanced.
 struct QuantLinear {
   static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
   QuantWeight w;
@@ -73,7 +67,7 @@ struct QuantLinear {
   void prepare(int64_t M, int64_t, int64_t team) {
     per = genfn_kernels::group_size(M);
     groups = (M + per - 1) / per;
-    alone = groups == 1 && quantize_alone(M, team);
+    alone = groups == 1 && genfn_kernels::quantize_alone(M, team);
     for (int64_t g = 0; g < groups; ++g) {
       rows[g] = std::min(per, M - g * per);
       if (!alone) x8[g].resize(rows[g], w.blocks * 32);
@@ -114,8 +108,18 @@ inline const genfn::kquant::LayerEntry& kquant_entry() {
 
 struct KQuantLinear {
   genfn::kquant::SharedLinear shared;
-  void prepare(int64_t M, int64_t, int64_t team) { kquant_entry().prepare(shared, M, team); }
+  bool alone = false;  // each thread quantizes x for itself (quantize_alone), as QuantLinear
+  void prepare(int64_t M, int64_t, int64_t team) {
+    kquant_entry().prepare(shared, M, team);
+    alone = shared.groups == 1 && genfn_kernels::quantize_alone(M, team);
+  }
   void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team) {
+    if (alone) {
+      thread_local genfn::kquant::ActivationsK own[genfn::kquant::SharedLinear::kMaxParts];
+      kquant_entry().quantize_all(shared, x, own);
+      kquant_entry().rows_share_from(shared, own, y, t);
+      return;
+    }
     kquant_entry().quantize_share(shared, x, t, team);
 #pragma omp barrier
     kquant_entry().rows_share(shared, y, t);

@@ -236,6 +236,10 @@ struct LayerEntry {
   void (*prepare)(SharedLinear& s, int64_t M, int64_t threads);
   void (*quantize_share)(SharedLinear& s, const float* x, int64_t t, int64_t team);
   void (*rows_share)(SharedLinear& s, float* y, int64_t t);
+  // A thread's own copy of all of x quantized in every layout of s (one per layout), and its claimed
+  // rows against that copy: for a few rows, where a share and a barrier cost more than the rows.
+  void (*quantize_all)(SharedLinear& s, const float* x, ActivationsK* into);
+  void (*rows_share_from)(SharedLinear& s, const ActivationsK* x, float* y, int64_t t);
 };
 
 __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }

@@ -335,9 +335,22 @@ void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
   }
 }
 
-// Thread t's claimed rows of every part: each weight row decoded once per group of x's rows, and
-// still in L1 for the next group; y [M, N] with N all parts' rows.
-void rows_share(SharedLinear& s, float* y, int64_t t) {
+// All of x in every layout of s into `into` (one per layout), by one thread: its own copy, the same
+// codes a share gives (LayerEntry::quantize_all).
+void quantize_all(SharedLinear& s, const float* x, ActivationsK* into) {
+  const bool avx512 = quantize_avx512();
+  for (int64_t l = 0; l < s.layouts; ++l) {
+    into[l].resize(s.M, s.K, s.block[l], !s.x[l].offsets4.empty());
+    const int64_t unit = quantize_unit(s.block[l]);
+    for (int64_t m = 0; m < s.M; ++m)
+      for (int64_t k0 = 0; k0 < s.K; k0 += unit)
+        quantize_span_k(x, m, k0, std::min(k0 + unit, s.K), s.block[l], s.order[l], avx512, into[l]);
+  }
+}
+
+// Thread t's claimed rows of every part against x (one per layout): each weight row decoded once per
+// group of x's rows, and still in L1 for the next group; y [M, N] with N all parts' rows.
+void rows_share_from(SharedLinear& s, const ActivationsK* x, float* y, int64_t t) {
   const int64_t N = s.first[s.count];
   auto rows = [&](int64_t n0, int64_t n1) {
     int64_t p = 0;
@@ -347,7 +360,7 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
       const bool r8 = interleaved(s.parts[p].format);
       if (r8 && (n - s.first[p]) % kR8Rows) continue;
       const uint8_t* w = s.parts[p].w + (n - s.first[p]) * s.row_bytes[p];
-      const ActivationsK& a = s.x[s.layout_of[p]];
+      const ActivationsK& a = x[s.layout_of[p]];
       for (int64_t m0 = 0; m0 < s.M; m0 += s.per)
         (m0 + s.per <= s.M ? s.full[p] : s.last[p])(w, s.blocks[p], a, m0, y + m0 * N + n, N);
     }
@@ -356,8 +369,11 @@ void rows_share(SharedLinear& s, float* y, int64_t t) {
       s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); }, rows);
 }
 
+// Thread t's claimed rows against the shared quantized x (quantize_share's).
+void rows_share(SharedLinear& s, float* y, int64_t t) { rows_share_from(s, s.x, y, t); }
+
 constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &quantize_share,
-                                 &rows_share};
+                                 &rows_share, &quantize_all, &rows_share_from};
 
 // row_kernels: every row count through the row kernels (whose per-row result is the same at any row
 // count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
@@ -409,9 +425,15 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-    quantize_share(s, xp, t, team);
+    if (s.groups == 1 && genfn_kernels::quantize_alone(M, team)) {  // the same for every thread
+      thread_local ActivationsK own[SharedLinear::kMaxParts];
+      quantize_all(s, xp, own);
+      rows_share_from(s, own, yp, t);
+    } else {
+      quantize_share(s, xp, t, team);
 #pragma omp barrier
-    rows_share(s, yp, t);
+      rows_share(s, yp, t);
+    }
   }
   return y.view(out_sizes).to(x.scalar_type());
 }
