@@ -108,21 +108,9 @@ inline const genfn::kquant::LayerEntry& kquant_entry() {
 
 struct KQuantLinear {
   genfn::kquant::SharedLinear shared;
-  bool alone = false;  // each thread quantizes x for itself (quantize_alone), as QuantLinear
-  void prepare(int64_t M, int64_t, int64_t team) {
-    kquant_entry().prepare(shared, M, team);
-    alone = shared.groups == 1 && genfn_kernels::quantize_alone(M, team);
-  }
+  void prepare(int64_t M, int64_t, int64_t team) { kquant_entry().prepare(shared, M, team); }
   void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team) {
-    if (alone) {
-      thread_local genfn::kquant::ActivationsK own[genfn::kquant::SharedLinear::kMaxParts];
-      kquant_entry().quantize_all(shared, x, own);
-      kquant_entry().rows_share_from(shared, own, y, t);
-      return;
-    }
-    kquant_entry().quantize_share(shared, x, t, team);
-#pragma omp barrier
-    kquant_entry().rows_share(shared, y, t);
+    kquant_entry().linear_share(shared, x, y, t, team);
   }
 };
 

@@ -454,30 +454,27 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
   at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
   const at::Tensor xc = x.contiguous();
-  int64_t F = 0;
+  LinearSets<DenseLinear<T>> plain;
+  std::unique_ptr<LinearSets<QuantLinear>> tiles;  // made for a table that has such layers
+  std::unique_ptr<LinearSets<KQuantLinear>> kquants;
+  int64_t F = 0;  // the widest MLP, which the shared buffers must hold
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t kind = table.layers[layer].kind;
     TORCH_INTERNAL_ASSERT(kind == kPlain || (std::is_same_v<T, float>),
                           "decode_stack_table lets only plain layers take bfloat16 x");
+    if (kind == kTiles && !tiles) tiles = std::make_unique<LinearSets<QuantLinear>>();
+    if (kind == kKQuant && !kquants) kquants = std::make_unique<LinearSets<KQuantLinear>>();
     F = std::max(F, table.layers[layer].F);
   }
   thread_local OutputBuffers<T> own;
   OutputBuffers<T>& buffers = own;  // this thread's, which the region's threads share
   buffers.resize(s.M, s.E, s.HD, F);
-  LinearSets<DenseLinear<T>> plain;
-  std::unique_ptr<LinearSets<QuantLinear>> tiles;  // made for a table that has such layers
-  std::unique_ptr<LinearSets<KQuantLinear>> kquants;
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const int64_t kind = table.layers[layer].kind;
-    if (kind == kTiles && !tiles) tiles = std::make_unique<LinearSets<QuantLinear>>();
-    if (kind == kKQuant && !kquants) kquants = std::make_unique<LinearSets<KQuantLinear>>();
-  }
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   // Calls f with layer's set of linears of its kind.
   const auto with_linears = [&](int64_t layer, auto&& f) {
     const int64_t kind = table.layers[layer].kind;
     if (kind == kPlain) {
-      f((plain)[layer % 2]);
+      f(plain[layer % 2]);
     } else if constexpr (std::is_same_v<T, float>) {
       if (kind == kTiles) f((*tiles)[layer % 2]);
       else f((*kquants)[layer % 2]);

@@ -208,8 +208,8 @@ int64_t set_gemm_min_rows(int64_t rows);
 // The matrix is up to kMaxParts row ranges stacked, each in its own format (a Q4_K_M file's q/k
 // in Q4_K beside v in Q6_K): x is quantized once per layout the parts read (order, block), and the
 // rows of all parts shared out together. The caller fills parts, count and K; then prepare before
-// the region, and in it every thread calls quantize_share, meets the others at a barrier, and
-// calls rows_share.
+// the region, and in it every thread calls linear_share (which quantizes x, by a share and a
+// barrier or, for a few rows, each thread for itself, then sums the thread's claimed rows).
 struct MatrixPart {
   const uint8_t* w;  // rows [rows, K / block_inputs(format) * block_bytes(format)], contiguous
   int64_t format, rows;
@@ -234,12 +234,9 @@ struct SharedLinear {
 struct LayerEntry {
   int64_t size;  // sizeof(SharedLinear) in the K-quant library's build, which the caller checks
   void (*prepare)(SharedLinear& s, int64_t M, int64_t threads);
-  void (*quantize_share)(SharedLinear& s, const float* x, int64_t t, int64_t team);
-  void (*rows_share)(SharedLinear& s, float* y, int64_t t);
-  // A thread's own copy of all of x quantized in every layout of s (one per layout), and its claimed
-  // rows against that copy: for a few rows, where a share and a barrier cost more than the rows.
-  void (*quantize_all)(SharedLinear& s, const float* x, ActivationsK* into);
-  void (*rows_share_from)(SharedLinear& s, const ActivationsK* x, float* y, int64_t t);
+  // Thread t of `team`'s part of y [M, N] = x [M, K] @ W.T, inside the region (it may meet the team at
+  // a barrier: every thread of the team calls it).
+  void (*linear_share)(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team);
 };
 
 __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }

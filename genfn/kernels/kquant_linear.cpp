@@ -336,7 +336,7 @@ void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
 }
 
 // All of x in every layout of s into `into` (one per layout), by one thread: its own copy, the same
-// codes a share gives (LayerEntry::quantize_all).
+// codes a share gives.
 void quantize_all(SharedLinear& s, const float* x, ActivationsK* into) {
   const bool avx512 = quantize_avx512();
   for (int64_t l = 0; l < s.layouts; ++l) {
@@ -350,7 +350,7 @@ void quantize_all(SharedLinear& s, const float* x, ActivationsK* into) {
 
 // Thread t's claimed rows of every part against x (one per layout): each weight row decoded once per
 // group of x's rows, and still in L1 for the next group; y [M, N] with N all parts' rows.
-void rows_share_from(SharedLinear& s, const ActivationsK* x, float* y, int64_t t) {
+void rows_share(SharedLinear& s, const ActivationsK* x, float* y, int64_t t) {
   const int64_t N = s.first[s.count];
   auto rows = [&](int64_t n0, int64_t n1) {
     int64_t p = 0;
@@ -369,11 +369,22 @@ void rows_share_from(SharedLinear& s, const ActivationsK* x, float* y, int64_t t
       s.queue, t, s.chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { rows(begin, end); }, rows);
 }
 
-// Thread t's claimed rows against the shared quantized x (quantize_share's).
-void rows_share(SharedLinear& s, float* y, int64_t t) { rows_share_from(s, s.x, y, t); }
+// Thread t of `team`'s part of y = x @ W.T inside a parallel region, s prepared: a few rows of x
+// quantized by every thread for itself (quantize_alone, the same for every thread of the team), else
+// a share of x by each and a barrier; then its claimed rows (LayerEntry::linear_share).
+void linear_share(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team) {
+  if (s.groups == 1 && genfn_kernels::quantize_alone(s.M, team)) {
+    thread_local ActivationsK own[SharedLinear::kMaxParts];
+    quantize_all(s, x, own);
+    rows_share(s, own, y, t);
+    return;
+  }
+  quantize_share(s, x, t, team);
+#pragma omp barrier
+  rows_share(s, s.x, y, t);
+}
 
-constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &quantize_share,
-                                 &rows_share, &quantize_all, &rows_share_from};
+constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &linear_share};
 
 // row_kernels: every row count through the row kernels (whose per-row result is the same at any row
 // count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
@@ -417,24 +428,12 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   const int64_t passes = (M + kMaxRowsAtOnce - 1) / kMaxRowsAtOnce;
   if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
     prepare_shared(s, M, 1);
-    quantize_share(s, xp, 0, 1);
-    rows_share(s, yp, 0);
+    linear_share(s, xp, yp, 0, 1);
     return y.view(out_sizes).to(x.scalar_type());
   }
   prepare_shared(s, M, threads);
 #pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-    if (s.groups == 1 && genfn_kernels::quantize_alone(M, team)) {  // the same for every thread
-      thread_local ActivationsK own[SharedLinear::kMaxParts];
-      quantize_all(s, xp, own);
-      rows_share_from(s, own, yp, t);
-    } else {
-      quantize_share(s, xp, t, team);
-#pragma omp barrier
-      rows_share(s, yp, t);
-    }
-  }
+  linear_share(s, xp, yp, static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()));
   return y.view(out_sizes).to(x.scalar_type());
 }
 
