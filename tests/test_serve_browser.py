@@ -102,13 +102,18 @@ def page(browser, server_url):
     page.on("pageerror", lambda error: errors.append(str(error)))
     page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     page.goto(server_url + "/")
-    page.wait_for_function("name => document.getElementById('model-name').textContent === name", arg=MODEL_NAME)
+    _wait_for_server_defaults(page)
     yield page
     # Printed output shows only when the test failed: what the page held when it gave up waiting.
     print(f"the page at the end: {page.evaluate(PAGE_STATE)}")
     print("its console:", *console, sep="\n  ")
     context.close()
     assert not errors, f"the page raised: {errors}"
+
+
+def _wait_for_server_defaults(page) -> None:
+    """Waits for the page's /v1/models answer (the engine panel may show the model name before it)."""
+    page.wait_for_function("name => document.title.startsWith(name)", arg=MODEL_NAME)
 
 
 PAGE_STATE = """() => {
@@ -264,6 +269,29 @@ def test_bad_settings_and_server_errors_are_shown_readably(page):
     assert "max_tokens" in banner or "context" in banner, banner
     # The failed turn goes back to the message box for another try.
     assert page.input_value("#prompt") == "Hello"
+
+
+def test_a_setting_typed_before_the_server_defaults_arrive_is_kept(browser, server_url):
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        held = []  # the page's /v1/models request, answered only once the user has typed
+        page.route("**/v1/models", lambda route: held.append(route))
+        page.goto(server_url + "/")
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while not held:
+            assert time.monotonic() < deadline, "the page never asked for /v1/models"
+            page.wait_for_timeout(20)
+        defaults = httpx.get(server_url + "/v1/models", timeout=START_TIMEOUT_S).json()["data"][0]["sampling_defaults"]
+        assert "temperature" in defaults and "top_p" in defaults, defaults
+        page.fill("#temperature", "1.3")
+        held[0].continue_()
+        _wait_for_server_defaults(page)
+        assert page.input_value("#temperature") == "1.3", "the server's default overwrote the user's setting"
+        assert float(page.input_value("#top_p")) == defaults["top_p"], "an untouched setting lost the server default"
+    finally:
+        context.close()
 
 
 def test_an_error_event_in_the_middle_of_a_stream_is_shown_with_the_text_so_far(page):

@@ -433,7 +433,11 @@
   });
   ui.stop.addEventListener("click", stop);
   ui.newChat.addEventListener("click", newChat);
-  ui.settings.addEventListener("input", saveSettings);
+  ui.settings.addEventListener("input", (event) => {
+    // A setting the user typed is theirs: server defaults that arrive later must not overwrite it.
+    if (event.target && event.target.id) chosenSettings.add(event.target.id);
+    saveSettings();
+  });
   ui.settings.addEventListener("submit", (event) => event.preventDefault());
 
   restoreSettings();
