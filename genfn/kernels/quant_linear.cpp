@@ -88,7 +88,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 // 10.6 GB/s through L2 against 11.7 at 4 KiB into L1, which it keeps.
 // One row of x: genfn_kernels::one_row_window (on AMD cores 8 KiB into L1, the 8-bit tiles left
 // to the hardware prefetchers, which streamed them fastest: Zen 4, Q8_0 batch 1 7.19 against 8.20
-// ms a token with 16 KiB fetched into L2; on Intel cores 16 KiB into L2).
+// ms a token with 16 KiB fetched into L2; on Intel cores 16 KiB into L2). Two or three rows:
+// genfn_kernels::few_quantized_rows_window.
 // From four rows on, 4 KiB is too short a lead for a weight that comes from memory (a step's
 // layers, the LM head): the stream is also fetched 32 KiB ahead into L2, so the 4 KiB into L1
 // finds it there. SmolLM2's 49152 x 576 Q8_0 head, one thread, 11 rows: 2.0-2.3 against 3.0-3.8
@@ -96,7 +97,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 template <int M>
 genfn_kernels::StreamWindow stream_window(int64_t kind) {
   if constexpr (M == 1) return genfn_kernels::one_row_window(kind == kQ8);
-  if constexpr (M < 4) return genfn_kernels::kFewRowsWindow;
+  if constexpr (M < 4) return genfn_kernels::few_quantized_rows_window();
   return {4096, true};
 }
 template <int M>

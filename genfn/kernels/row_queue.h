@@ -50,8 +50,8 @@ struct StreamWindow {
   void fetch(const void* p) const { fetch_line(p, into_l1); }
 };
 
-// The window of a product with 2-8 rows of x, on every CPU (kStreamWindow into L2); the tiles
-// kernels take a window of their own from four rows (quant_linear.cpp).
+// The window of a float32 or bfloat16 product with 2-8 rows of x, on every CPU (kStreamWindow into
+// L2; decode_linear.cpp). Quantized products take few_quantized_rows_window.
 constexpr StreamWindow kFewRowsWindow{kStreamWindow, false};
 
 // The window of a product with one row of x. On Intel cores 16 KiB into L2, whose prefetchers alone
@@ -67,6 +67,20 @@ inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
   static const bool intel = __builtin_cpu_is("intel");
   if (intel) return {kStreamWindow, false};
   if (eight_bit_tiles) return {};
+  return {kL1StreamWindow, true};
+}
+
+// The window of a quantized product with 2-8 rows of x (the tiles kernels' 2-3 rows, the K-quant and
+// IQ4 rows' 2-8; the tiles take a window of their own from four rows, quant_linear.cpp). On Intel
+// cores kFewRowsWindow. On AMD's, 8 KiB into L1 as one row fetches (one_row_window), where 16 KiB into
+// L2 left these products short of their stream too (session 30, Zen 5, each layer stack alternated
+// in one process against the L2 window: SmolLM2 Q4_1 2-3 rows 0.88x the time, 1B Q4_0 0.97x, Q8_0
+// 0.89-0.93x, Q4_K_M 0.94x at 2 rows and 0.97x at 8, 0.5B Q4_K_M 0.89-0.93x at 2-4 rows and 0.96x at
+// 8; bfloat16 rows did not gain and keep kFewRowsWindow). The 8-bit tiles too: at one row the
+// prefetchers alone stream them fastest, at 2-3 the window does (0.89-0.93x).
+inline StreamWindow few_quantized_rows_window() {
+  static const bool intel = __builtin_cpu_is("intel");
+  if (intel) return kFewRowsWindow;
   return {kL1StreamWindow, true};
 }
 
