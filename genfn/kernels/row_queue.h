@@ -76,7 +76,7 @@ inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
 // L2 left these products short of their stream too (session 30, Zen 5, each layer stack alternated
 // in one process against the L2 window: SmolLM2 Q4_1 2-3 rows 0.88x the time, 1B Q4_0 0.97x, Q8_0
 // 0.89-0.93x, Q4_K_M 0.94x at 2 rows and 0.97x at 8, 0.5B Q4_K_M 0.89-0.93x at 2-4 rows and 0.96x at
-// 8; float32 rows, from a BF16 file, did not gain and keep kFewRowsWindow). The 8-bit tiles too: at one row the
+// 8; float32 rows did not gain and keep kFewRowsWindow). The 8-bit tiles too: at one row the
 // prefetchers alone stream them fastest, at 2-3 the window does (0.89-0.93x).
 inline StreamWindow few_quantized_rows_window() {
   static const bool intel = __builtin_cpu_is("intel");
