@@ -73,11 +73,11 @@ inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
 // The window of a quantized product with 2-8 rows of x (the tiles kernels' 2-3 rows, the K-quant and
 // IQ4 rows' 2-8; the tiles take a window of their own from four rows, quant_linear.cpp). On Intel
 // cores kFewRowsWindow. On AMD's, 8 KiB into L1 as one row fetches (one_row_window), where 16 KiB into
-// L2 left these products short of their stream too (session 30, Zen 5, each layer stack alternated
-// in one process against the L2 window: SmolLM2 Q4_1 2-3 rows 0.88x the time, 1B Q4_0 0.97x, Q8_0
-// 0.89-0.93x, Q4_K_M 0.94x at 2 rows and 0.97x at 8, 0.5B Q4_K_M 0.89-0.93x at 2-4 rows and 0.96x at
-// 8; float32 rows did not gain and keep kFewRowsWindow). The 8-bit tiles too: at one row the
-// prefetchers alone stream them fastest, at 2-3 the window does (0.89-0.93x).
+// L2 left these products short of their stream too (session 30, Zen 5, one stack call alternated
+// between the windows in one process: SmolLM2 Q4_1 2-3 rows 0.94-0.96x the time, 1B Q4_0 0.98x, 1B
+// Q4_K_M and Q5_K_M 0.94x at 2 rows, Q4_K_M 0.96-0.97x at 8, IQ4_XS 0.98x). The 8-bit tiles too: at
+// one row the prefetchers alone stream them fastest, at 2-3 the window does (1B Q8_0 0.81-0.84x).
+// float32 and bfloat16 rows (decode_linear.cpp) were not measured this way and keep kFewRowsWindow.
 inline StreamWindow few_quantized_rows_window() {
   static const bool intel = __builtin_cpu_is("intel");
   if (intel) return kFewRowsWindow;
