@@ -340,3 +340,27 @@ def test_a_draft_models_rounds_build_no_table(monkeypatch):
                          disable_compile=True)
     assert out.shape[1] == 30
     assert len(builds) == 2  # the target's and the assistant's
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads", [(16, 1), (32, 2)])
+def test_more_query_heads_a_kv_head_than_the_attention_holds_keep_transformers_tokens(heads, kv_heads):
+    # 16 query heads to a kv head, twice the attention's registers (decode_attention.cpp's kMaxGroups):
+    # one task per (row, kv head) takes them all at once (one thread, or rows times kv heads even).
+    import genfn
+    from conftest import tiny_pair
+
+    hf_model, model = tiny_pair(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=heads * 16,
+                                head_dim=16)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            expected = hf_model.generate(ids, max_new_tokens=8, do_sample=False)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                out = genfn.generate(model, ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                                     max_cache_len=32, disable_compile=True)
+                assert torch.equal(out, expected), f"{count} threads"
+    finally:
+        torch.set_num_threads(threads)

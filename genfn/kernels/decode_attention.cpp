@@ -101,6 +101,14 @@ template <typename T, int V>
 void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* offsets, int64_t n, int64_t groups,
                     float scale, float softcap, T* out, std::vector<float>& scores) {
   constexpr int64_t D = V * kLanes;
+  if (groups > kMaxGroups) {
+    // More query heads share the kv head than the registers below hold (multi-query models): each head's
+    // sums are its own, so kMaxGroups at a time give the same bits.
+    for (int64_t g = 0; g < groups; g += kMaxGroups)
+      attend_rows_at<T, V>(q + g * D, keys, values, offsets, n, std::min(kMaxGroups, groups - g), scale, softcap,
+                           out + g * D, scores);
+    return;
+  }
   if (n == 0) {  // nothing visible: zeros, not the NaN of an empty softmax
     for (int64_t i = 0; i < groups * D; ++i) narrow(out + i, 0.f);
     return;
