@@ -54,6 +54,12 @@ struct StreamWindow {
 // L2; decode_linear.cpp). Quantized products take few_quantized_rows_window.
 constexpr StreamWindow kFewRowsWindow{kStreamWindow, false};
 
+// Whether this CPU is Intel's: the stream windows below differ between its cores and AMD's.
+inline bool intel_cores() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // The window of a product with one row of x. On Intel cores 16 KiB into L2, whose prefetchers alone
 // left a one-row stream 10-20 % short of the read rate (session 15's Xeon). On AMD's, 8 KiB into L1:
 // there, once the memory is fast, the prefetchers alone leave a one-row kernel's stream well short of
@@ -64,8 +70,7 @@ constexpr StreamWindow kFewRowsWindow{kStreamWindow, false};
 // 4 KiB ahead into L1 (Q4_0 tiles 1.00-1.07x, against 1.09-1.17x at 8 KiB). The 8-bit tiles keep the
 // prefetchers alone on AMD: fetched, they read 0.93-0.97x as fast (`eight_bit_tiles`).
 inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
-  static const bool intel = __builtin_cpu_is("intel");
-  if (intel) return {kStreamWindow, false};
+  if (intel_cores()) return {kStreamWindow, false};
   if (eight_bit_tiles) return {};
   return {kL1StreamWindow, true};
 }
@@ -78,11 +83,7 @@ inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
 // Q4_K_M and Q5_K_M 0.94x at 2 rows, Q4_K_M 0.96-0.97x at 8, IQ4_XS 0.98x). The 8-bit tiles too: at
 // one row the prefetchers alone stream them fastest, at 2-3 the window does (1B Q8_0 0.81-0.84x).
 // float32 and bfloat16 rows (decode_linear.cpp) were not measured this way and keep kFewRowsWindow.
-inline StreamWindow few_quantized_rows_window() {
-  static const bool intel = __builtin_cpu_is("intel");
-  if (intel) return kFewRowsWindow;
-  return {kL1StreamWindow, true};
-}
+inline StreamWindow few_quantized_rows_window() { return intel_cores() ? kFewRowsWindow : one_row_window(); }
 
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
