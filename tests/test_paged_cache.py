@@ -333,6 +333,31 @@ def test_workload_hints_give_sizes_that_hold_the_workload():
         WorkloadHints(expected_new_tokens=10, max_new_tokens=5)
 
 
+def test_a_budget_picked_for_whole_prompts_holds_the_longest_prompt_the_hints_name():
+    hints = WorkloadHints(expected_prompt_len=9, expected_new_tokens=6, concurrent_requests=5, max_prompt_len=19)
+    assert resolve(hints).max_batch_tokens == 14  # room for the typical prompt only: chunks split a longer one
+    assert resolve(hints, whole_prompts=True).max_batch_tokens == 19
+    assert resolve(hints, whole_prompts=True, max_batch_tokens=16).max_batch_tokens == 16  # a budget given wins
+    assert resolve(WorkloadHints(), whole_prompts=True).max_batch_tokens == resolve(WorkloadHints()).max_batch_tokens
+
+
+def test_generate_batch_with_chunked_prefill_off_runs_a_prompt_longer_than_the_typical_budget():
+    # The budget generate_batch picks (requests + the typical prompt) was shorter than its longest
+    # prompt: with chunked prefill off that request failed though the user set no budget at all.
+    import genfn
+    from conftest import tiny_pair
+    from genfn.batching.api import generate_batch
+
+    _, model = tiny_pair()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 12, 7, 19, 3)]
+    out = generate_batch(model, prompts, max_new_tokens=4, min_new_tokens=4, do_sample=False, chunked_prefill=False)
+    alone = [genfn.generate(model, torch.tensor([p]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                            disable_compile=True)[0, len(p):].tolist() for p in prompts]
+    assert [r.error for r in out.values()] == [None] * 5
+    assert [list(r.generated_tokens) for r in out.values()] == alone
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: scheduler -> index tensors -> paged cache -> attention, against dense greedy decoding
 # ----------------------------------------------------------------------------------------------

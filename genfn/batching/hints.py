@@ -82,11 +82,14 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 def resolve(hints: WorkloadHints | None = None, *, block_size: int | None = None, num_blocks: int | None = None,
             max_batch_tokens: int | None = None, max_requests_per_batch: int | None = None,
             memory_budget_bytes: int | None = None, num_layers: int | None = None, num_kv_heads: int | None = None,
-            head_dim: int | None = None, dtype: torch.dtype = torch.float32) -> BatchingSizes:
+            head_dim: int | None = None, dtype: torch.dtype = torch.float32,
+            whole_prompts: bool = False) -> BatchingSizes:
     """Sizes for ``hints`` (defaults: ``WorkloadHints()``); arguments given win over the hints.
 
     ``memory_budget_bytes`` (with the model's ``num_layers``, ``num_kv_heads``, ``head_dim`` and
-    the cache ``dtype``) caps the block count at what that memory holds.
+    the cache ``dtype``) caps the block count at what that memory holds. ``whole_prompts``: each
+    prompt runs in one forward (chunked prefill off), so the token budget picked holds the hints'
+    longest prompt (``max_prompt_len``).
     """
     hints = hints or WorkloadHints()
     for name, value in (("block_size", block_size), ("num_blocks", num_blocks),
@@ -119,6 +122,9 @@ def resolve(hints: WorkloadHints | None = None, *, block_size: int | None = None
     if max_batch_tokens is None:
         # Every running request decodes, and a typical prompt is prefilled alongside in one chunk.
         max_batch_tokens = max_requests_per_batch + hints.expected_prompt_len
+        if whole_prompts and hints.max_prompt_len is not None:
+            # A prompt that may not be split fails in a forward too small for it.
+            max_batch_tokens = max(max_batch_tokens, hints.max_prompt_len)
     return BatchingSizes(block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
                          max_requests_per_batch=max_requests_per_batch,
                          max_blocks_per_request=min(table_width, num_blocks))

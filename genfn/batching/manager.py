@@ -86,6 +86,9 @@ class ContinuousBatchingManager(RankRoles):  # a tensor-parallel model's ranks: 
         self.model = model
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
+        # Hints the caller gives describe its requests (generate_batch's and the batch CLI's, its very
+        # prompts); the default ones only a bound on any request, which sizes no forward.
+        self._hints_given = workload_hints is not None
         self.workload_hints = workload_hints or WorkloadHints.for_context(getattr(model, "max_position_embeddings", None))
         if chunked_prefill is not None and not isinstance(chunked_prefill, bool):
             raise TypeError(f"`chunked_prefill` must be a bool or None, got {type(chunked_prefill).__name__}")
@@ -137,7 +140,7 @@ class ContinuousBatchingManager(RankRoles):  # a tensor-parallel model's ranks: 
         sizes = resolve(self.workload_hints, block_size=cb.page_size, num_blocks=cb.num_blocks,
                         max_batch_tokens=cb.max_batch_tokens, max_requests_per_batch=cb.max_requests_per_batch,
                         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        dtype=self.model.dtype)
+                        dtype=self.model.dtype, whole_prompts=self._hints_given and not self.chunked_prefill)
         if cb.max_blocks_per_request:
             sizes = dataclasses.replace(sizes, max_blocks_per_request=min(cb.max_blocks_per_request,
                                                                           sizes.num_blocks))
