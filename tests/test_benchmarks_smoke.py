@@ -98,6 +98,9 @@ def test_results_go_to_the_checkout_or_the_working_directory(tmp_path, monkeypat
     written = results.write_results("decode", {"results": []}, tag="t")
     assert written.parent == tmp_path / "mine" and written.name.endswith("-t.json")
     assert json.loads(written.read_text()) == {"results": []}
+    again = results.write_results("decode", {"results": [1]}, tag="t")  # the same minute, most likely
+    assert again != written and again.name.endswith("-t.json")
+    assert json.loads(written.read_text()) == {"results": []} and json.loads(again.read_text()) == {"results": [1]}
 
 
 def test_importing_genfn_does_not_import_the_peers():

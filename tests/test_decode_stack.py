@@ -364,3 +364,39 @@ def test_more_query_heads_a_kv_head_than_the_attention_holds_keep_transformers_t
                 assert torch.equal(out, expected), f"{count} threads"
     finally:
         torch.set_num_threads(threads)
+
+
+# Shapes the fixed fixtures do not reach: head dims that are not powers of two, wide query groups,
+# widths that are not multiples of the block sizes (those linears stay float beside quantized ones).
+ODD_SHAPES = {"dim48_group12": dict(num_attention_heads=12, num_key_value_heads=1, hidden_size=96, head_dim=48,
+                                    intermediate_size=256),
+              "dim80_group9": dict(num_attention_heads=27, num_key_value_heads=3, hidden_size=432, head_dim=80,
+                                   intermediate_size=96),
+              "dim112_kv5": dict(num_attention_heads=10, num_key_value_heads=5, hidden_size=160, head_dim=112,
+                                 intermediate_size=352)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", list(ODD_SHAPES.values()), ids=list(ODD_SHAPES))
+def test_odd_shapes_keep_transformers_tokens_in_steps_and_lookup_rounds(shape):
+    import genfn
+    from conftest import padded_prompts, tiny_pair
+
+    hf_model, model = tiny_pair(num_hidden_layers=2, **shape)
+    ids, mask = padded_prompts(batch=3, length=9, seed=4)
+    lookup = torch.tensor([[5, 17, 3, 88, 41, 9, 5, 17, 3, 88, 41, 9, 5, 17, 3]])
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                    cache_implementation="static", max_cache_len=40, disable_compile=True)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            expected = hf_model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                                         do_sample=False, pad_token_id=0)
+            expected_lookup = hf_model.generate(lookup, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                assert torch.equal(genfn.generate(model, ids, attention_mask=mask, **settings), expected)
+                assert torch.equal(genfn.generate(model, lookup, prompt_lookup_num_tokens=5, **settings),
+                                   expected_lookup)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """Where a benchmark writes its JSON: ``<results dir>/<name>-<UTC date and time>[-tag].json``
-unless the caller names a file, with the folder made on the way.
+unless the caller names a file, with the folder made on the way. A second run in the same minute
+gets ``-2``, ``-3``, ... after the time rather than overwriting the first run's file.
 
 The results dir is ``$GENFN_BENCH_RESULTS`` when set; else, in a source checkout (genfn imported
 from a tree with a ``benchmarks/`` folder beside the package), that folder's ``results/``; else
@@ -33,7 +34,12 @@ def write_results(name: str, payload: Any, path: str | Path | None = None, tag: 
         out = Path(path)
     else:
         stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}"
-        out = results_dir() / f"{name}-{stamp}{'-' + tag if tag else ''}.json"
+        suffix = f"{'-' + tag if tag else ''}.json"
+        out = results_dir() / f"{name}-{stamp}{suffix}"
+        count = 1
+        while out.exists():  # a run in the same minute: never overwrite an earlier run's results
+            count += 1
+            out = results_dir() / f"{name}-{stamp}-{count}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=indent))
     return out
