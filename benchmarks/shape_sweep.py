@@ -17,8 +17,8 @@ threads. Paths (``--paths``):
               compiled op-by-op layers (tokens and logits)
 ``families``  Mistral and Gemma 2/3 (short sliding windows), Qwen2, Qwen3, Phi-3, Qwen3-MoE, Llama:
               ``generate`` (static and dynamic cache) against transformers, then ``generate_batch``
-``batching``  a Llama in a random format: ``generate_batch`` (chunked prefill on or off) against
-              ``generate`` one prompt at a time
+``batching``  a Llama in a random format: ``generate_batch`` (chunked prefill on or off; greedy, beam
+              search or prompt lookup) against ``generate`` one prompt at a time
 
 Prints a line per shape and a count of failures; exits 1 if any shape failed. Timing is no part of
 it. Session 31's run of all four paths found one failure (``generate_batch`` with chunked prefill
@@ -209,15 +209,20 @@ def check_batching(rng, trial, formats) -> tuple[str, list[str]]:
     prompts = [torch.randint(3, VOCAB, (rng.randint(2, 20),), generator=gen).tolist()
                for _ in range(rng.choice([1, 2, 3, 5, 9, 12]))]
     chunked = rng.random() < 0.5
-    alone = [genfn.generate(model, torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                            do_sample=False, disable_compile=True)[0, len(p):].tolist() for p in prompts]
-    results = generate_batch(model, prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                             chunked_prefill=chunked)
-    label = f"{shape}, {fmt}, {len(prompts)} prompts, chunked prefill {'on' if chunked else 'off'}"
+    strategy = rng.choice(STRATEGIES)
+    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **strategy)
+    # A request's returned sequences come back as results of their own (request id, then ".1", ...).
+    alone = [row for p in prompts
+             for row in genfn.generate(model, torch.tensor([p]), disable_compile=True, **settings)[:, len(p):].tolist()]
+    results = generate_batch(model, prompts, chunked_prefill=chunked, **settings)
+    label = f"{shape}, {fmt}, {strategy or 'greedy'}, {len(prompts)} prompts, chunked prefill {'on' if chunked else 'off'}"
     if [list(r.generated_tokens) for r in results.values()] == alone:
         return label, []
     return label, [f"generate_batch differs from generate (errors: {[r.error for r in results.values()]})"]
 
+
+# What a batch's requests run: greedy, beam search (one or several sequences returned), prompt lookup.
+STRATEGIES = ({}, {"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2}, {"prompt_lookup_num_tokens": 4})
 
 PATHS = {"eager": check_eager, "compiled": check_compiled, "families": check_family, "batching": check_batching}
 

@@ -186,6 +186,23 @@ def test_waiting_requests_are_admitted_in_arrival_order():
     assert [(c.request_id, len(c.token_ids)) for c in batch.chunks] == [("a", 6)]
 
 
+def test_without_chunked_prefill_a_prompt_over_this_steps_budget_but_within_a_forward_waits():
+    # Speculative requests keep room for their drafts, so a step's budget can be less than a forward
+    # holds: a whole prompt that fits the forward must wait for the room, not fail for good.
+    state = S.init_scheduler(64, 4, policy(prefix_caching=False, chunked_prefill=False))
+    state = S.add_request(state, make_request("too_big", range(1, 20), max_new_tokens=1))
+    state = S.add_request(state, make_request("p", range(1, 13), max_new_tokens=1))
+    waiting, batch = S.schedule(state, 8, max_batch_tokens=16)
+    assert not batch.chunks
+    assert [f.request_id for f in batch.failed] == ["too_big"]  # 19 tokens fit no forward of 16
+    assert "token budget (16)" in batch.failed[0].error
+    assert "p" in waiting.waiting
+    _, batch = S.schedule(waiting, 16, max_batch_tokens=16)
+    assert [(c.request_id, len(c.token_ids)) for c in batch.chunks] == [("p", 12)]
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        S.schedule(state, 16, max_batch_tokens=8)
+
+
 def test_without_chunked_prefill_a_prompt_over_the_budget_fails():
     state = S.init_scheduler(64, 4, policy(chunked_prefill=False))
     state = S.add_request(state, make_request("big", range(1, 30), max_new_tokens=1))

@@ -434,7 +434,9 @@ def engine_step(engine: Engine, state: S.SchedulerState, token_budget: int | Non
     The batching manager's loop runs exactly this step."""
     state, cancelled = S.clear_cancelled(state)
     token_budget = token_budget or engine.max_batch_tokens
-    state, batch = S.schedule(state, SP.schedule_budget(state, token_budget))
+    # Room kept for drafts shrinks this step's budget, not what a forward holds: a whole prompt
+    # that fits a forward waits for the room rather than fail.
+    state, batch = S.schedule(state, SP.schedule_budget(state, token_budget), max_batch_tokens=token_budget)
     state, batch = SP.add_drafts(state, batch, token_budget=token_budget, max_len=engine.max_len,
                                 model=engine.model)
     state, batch, joined = SG.add_sequences(state, batch, engine.max_requests)

@@ -385,16 +385,23 @@ def _ordered_active(state: SchedulerState) -> list[Hashable]:
     return decoding + prefilling if state.policy.kind == "fifo" else prefilling + decoding
 
 
-def schedule(state: SchedulerState, token_budget: int,
-             cache_budget: int | None = None) -> tuple[SchedulerState, ScheduledBatch]:
+def schedule(state: SchedulerState, token_budget: int, cache_budget: int | None = None, *,
+             max_batch_tokens: int | None = None) -> tuple[SchedulerState, ScheduledBatch]:
     """The next forward's chunks within the budgets; see the module docstring for the policy.
 
-    A request whose tokens can never fit the cache (or the block-table width), or, without
-    chunked prefill, whose prompt exceeds ``token_budget``, ends FAILED with the reason in
-    ``error`` and is listed in ``batch.failed``.
+    ``max_batch_tokens``: the most tokens any forward takes (``None``: ``token_budget``), where this
+    step's ``token_budget`` may be less (room kept for speculative drafts). A request whose tokens
+    can never fit the cache (or the block-table width), or, without chunked prefill, whose prompt
+    exceeds ``max_batch_tokens``, ends FAILED with the reason in ``error`` and is listed in
+    ``batch.failed``; a prompt that fits a whole forward but not this step's budget waits.
     """
     _check_budget("token_budget", token_budget, allow_none=False)
     _check_budget("cache_budget", cache_budget, allow_none=True)
+    _check_budget("max_batch_tokens", max_batch_tokens, allow_none=True)
+    if max_batch_tokens is None:
+        max_batch_tokens = token_budget
+    elif max_batch_tokens < token_budget:
+        raise ValueError(f"`max_batch_tokens` ({max_batch_tokens}) must be >= `token_budget` ({token_budget})")
     policy = state.policy
     draft = _Draft(state)
     tokens_left, kv_left, rows_left = token_budget, cache_budget, policy.max_requests_per_batch
@@ -477,9 +484,9 @@ def schedule(state: SchedulerState, token_budget: int,
         if error is not None:
             draft.fail(request_id, error)
             continue
-        if not policy.chunked_prefill and request.num_tokens > token_budget:
+        if not policy.chunked_prefill and request.num_tokens > max_batch_tokens:
             draft.fail(request_id, f"request {request_id!r} has {request.num_tokens} tokens to prefill, more than "
-                                   f"the token budget ({token_budget}), and chunked prefill is off")
+                                   f"the token budget ({max_batch_tokens}), and chunked prefill is off")
             continue
         trial, reused = draft.alloc, 0
         if policy.prefix_caching:
