@@ -18,11 +18,12 @@ threads. Paths (``--paths``):
 ``families``  Mistral and Gemma 2/3 (short sliding windows), Qwen2, Qwen3, Phi-3, Qwen3-MoE, Llama:
               ``generate`` (static and dynamic cache) against transformers, then ``generate_batch``
 ``batching``  a Llama in a random format: ``generate_batch`` (chunked prefill on or off; greedy, beam
-              search or prompt lookup) against ``generate`` one prompt at a time
+              search, prompt lookup or seeded sampling) against ``generate`` one prompt at a time
 
 Prints a line per shape and a count of failures; exits 1 if any shape failed. Timing is no part of
-it. Session 31's run of all four paths found one failure (``generate_batch`` with chunked prefill
-off, since fixed; docs/guides/k-quants-and-scale.md, *Session 31*).
+it. In session 31 it found three bugs, since fixed (docs/guides/k-quants-and-scale.md, *Session 31*):
+``generate_batch`` with chunked prefill off failing its own long prompts, the same beside speculative
+requests, and multi-query models' batched requests leaving ``generate``'s bits.
 """
 
 from __future__ import annotations
@@ -210,10 +211,11 @@ def check_batching(rng, trial, formats) -> tuple[str, list[str]]:
                for _ in range(rng.choice([1, 2, 3, 5, 9, 12]))]
     chunked = rng.random() < 0.5
     strategy = rng.choice(STRATEGIES)
-    settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **strategy)
+    settings = dict(dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False), **strategy)
+    alone_settings = {("key" if name == "seed" else name): value for name, value in settings.items()}
     # A request's returned sequences come back as results of their own (request id, then ".1", ...).
-    alone = [row for p in prompts
-             for row in genfn.generate(model, torch.tensor([p]), disable_compile=True, **settings)[:, len(p):].tolist()]
+    alone = [row for p in prompts for row in genfn.generate(model, torch.tensor([p]), disable_compile=True,
+                                                            **alone_settings)[:, len(p):].tolist()]
     results = generate_batch(model, prompts, chunked_prefill=chunked, **settings)
     label = f"{shape}, {fmt}, {strategy or 'greedy'}, {len(prompts)} prompts, chunked prefill {'on' if chunked else 'off'}"
     if [list(r.generated_tokens) for r in results.values()] == alone:
@@ -221,8 +223,12 @@ def check_batching(rng, trial, formats) -> tuple[str, list[str]]:
     return label, [f"generate_batch differs from generate (errors: {[r.error for r in results.values()]})"]
 
 
-# What a batch's requests run: greedy, beam search (one or several sequences returned), prompt lookup.
-STRATEGIES = ({}, {"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2}, {"prompt_lookup_num_tokens": 4})
+# What a batch's requests run: greedy, beam search (one or several sequences returned), prompt lookup,
+# seeded sampling (alone, several sequences, with prompt lookup): a seeded request gives
+# generate(key=seed)'s tokens.
+_SAMPLED = {"do_sample": True, "temperature": 1.3, "top_k": 20, "seed": 11}
+STRATEGIES = ({}, {"num_beams": 2}, {"num_beams": 3, "num_return_sequences": 2}, {"prompt_lookup_num_tokens": 4},
+              _SAMPLED, dict(_SAMPLED, num_return_sequences=2), dict(_SAMPLED, prompt_lookup_num_tokens=3))
 
 PATHS = {"eager": check_eager, "compiled": check_compiled, "families": check_family, "batching": check_batching}
 

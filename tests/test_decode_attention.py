@@ -32,10 +32,11 @@ def test_the_dense_op_loads_wherever_the_kernels_build():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 9, 3, 256, 256, 64), (4, 9, 3, 300, 137, 64), (2, 4, 4, 64, 64, 128),
-                                   (3, 8, 1, 40, 33, 16)])
+                                   (3, 8, 1, 40, 33, 16), (2, 16, 1, 50, 50, 32), (2, 24, 2, 40, 37, 48)])
 def test_dense_decode_attention_equals_sdpa(dtype, shape):
-    """Grouped and plain heads, head_dim 16..128, a mask with holes, the cache sliced to the
-    attended span: the op equals SDPA (float32 to rounding; bfloat16 within its last bit)."""
+    """Grouped and plain heads (up to 12 and 16 query heads a kv head, more than the walk's registers
+    hold at once), head_dim 16..128, a mask with holes, the cache sliced to the attended span: the op
+    equals SDPA (float32 to rounding; bfloat16 within its last bit)."""
     q, keys, values, mask = _case(dtype, *shape)
     expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=shape[1] != shape[2])
     out = kernels.decode_attention(q, keys, values, mask)

@@ -206,6 +206,31 @@ def test_the_compiled_batching_forward_takes_the_paged_stack(tiny_pair_f32):
 
 @needs_kernel
 @needs_vnni
+def test_a_multi_query_models_short_prompts_keep_generates_logits_in_a_batch_of_many():
+    """16 query heads over one kv head: a batch of more than 16 tokens runs the packed forward op by
+    op, whose decode rows and short prompts attend through the paged walk. That walk refused more
+    than 8 heads a kv head and fell back to torch's attention, so ulp differences moved 8-bit
+    activation codes: logprobs up to 6e-3 apart from generate's (beam search then kept other beams).
+    The walk takes any group now, 8 heads at a time as the stack's."""
+    from conftest import tiny_pair
+    from batching_support import run_requests
+    from genfn import ContinuousBatchingConfig
+    from genfn.models.model import Model
+    from genfn.models.quantized import quantize_params
+
+    _, model = tiny_pair(num_attention_heads=16, num_key_value_heads=1, hidden_size=480, head_dim=32,
+                         intermediate_size=96, num_hidden_layers=2, seed=18)
+    model = Model(model.spec, quantize_params(model.params, "q4_0"), model.apply_fn, model.init_cache_fn)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 9, 14, 3, 11, 7, 16, 2, 12, 8, 11, 6)]
+    cb = ContinuousBatchingConfig(max_batch_tokens=128, max_requests_per_batch=12)
+    outputs, _ = run_requests(model, [(p, 6, {"do_sample": False}) for p in prompts], cb)
+    for prompt, out in zip(prompts, outputs):
+        assert (out.generated_tokens, out.logprobs) == _alone(model, prompt, 6)
+
+
+@needs_kernel
+@needs_vnni
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_block_quantized_requests_get_generates_logits_in_mixed_forwards(tiny_pair_f32, fmt):
     """Whole prompts of 20-30 tokens prefilled together (op by op: their keys and values through the

@@ -377,7 +377,7 @@ def planned_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, planned:
         tokens, tables, lengths = planned.native_decode
         rows = tokens.shape[0]
         qd = q if rows == num_tokens else q.index_select(0, tokens)
-        if _native_ok(keys, qd) and head_dim % 16 == 0 and head_dim <= 128 and groups <= 8:  # the op's limits
+        if _native_ok(keys, qd) and head_dim % 16 == 0 and head_dim <= 128:  # the op's limits
             attn = _native_ops().paged_query_attention(qd.to(keys.dtype), keys, values, tables, lengths, scale,
                                                         planned.sliding_window or 0, softcap or 0.0).to(q.dtype)
         else:  # a cache the op does not take (dtype): the reference over the same tables

@@ -278,7 +278,7 @@ def _takes_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
         and mask.shape[0] == batch and mask.shape[3] <= keys.shape[2]
         and head_dim % 16 == 0 and head_dim <= 128
-        and heads % kv_heads == 0 and heads // kv_heads <= 8
+        and heads % kv_heads == 0
         and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.stride(2) == values.stride(2)
         and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
         and decode_attention_available()

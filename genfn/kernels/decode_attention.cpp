@@ -225,9 +225,9 @@ at::Tensor dense_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
     TORCH_CHECK(keys.size(0) == q.size(0), "dense_decode_attention: keys ", keys.sizes(), " do not match q ",
                 q.sizes(), " (give cache_rows where queries share cache rows)");
   }
-  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
+  TORCH_CHECK(keys.size(1) >= 1 && q.size(1) % keys.size(1) == 0,
               "dense_decode_attention: query heads (", q.size(1), ") must be a multiple of kv heads (",
-              keys.size(1), "), at most ", kMaxGroups, " per kv head");
+              keys.size(1), ")");
   TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxQueryVectors,
               "dense_decode_attention: head_dim must be a multiple of 16 up to 256, got ", q.size(2));
   TORCH_CHECK(visible.dim() == 2 && visible.size(0) == q.size(0) && visible.size(1) <= keys.size(2) &&
@@ -321,8 +321,9 @@ at::Tensor paged_query_attention(const at::Tensor& q, const at::Tensor& keys, co
               "paged_query_attention: q must be [N, H, D] and keys/values [blocks, kv_heads, block_size, D]");
   TORCH_CHECK(q.size(2) == keys.size(3) && q.size(2) % kLanes == 0 && q.size(2) / kLanes <= kMaxQueryVectors,
               "paged_query_attention: head_dim must match the cache's and be a multiple of 16 up to 256");
-  TORCH_CHECK(q.size(1) % keys.size(1) == 0 && q.size(1) / keys.size(1) <= kMaxGroups,
-              "paged_query_attention: query heads must be a multiple of kv heads, at most ", kMaxGroups, " per kv head");
+  TORCH_CHECK(keys.size(1) >= 1 && q.size(1) % keys.size(1) == 0,
+              "paged_query_attention: query heads (", q.size(1), ") must be a multiple of kv heads (", keys.size(1),
+              ")");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lengths.dim() == 1 && lengths.size(0) == q.size(0) &&
                   tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "paged_query_attention: tables must be int64 [N, W] and lengths int64 [N] for N queries");

@@ -43,7 +43,7 @@ def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
     few = x.shape[1] < MIN_PREFILL_QUERIES
     return (spec.is_plain_llama and spec.tensor_shard is None and x.dtype in (torch.float32, torch.bfloat16)
             and layer["attn_norm"].dtype == layer["mlp_norm"].dtype == x.dtype
-            and x.device.type == "cpu" and (not few or (x.dtype == torch.float32 and spec.num_query_groups <= 8))
+            and x.device.type == "cpu" and (not few or x.dtype == torch.float32)
             and spec.head_dim % 16 == 0 and spec.head_dim <= 256
             and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and decode_attention_available())
 
