@@ -311,3 +311,38 @@ def test_a_model_of_placed_blocks_runs_and_matches_the_old_path(mixed_file):
     new_logits, old_logits = model(ids).logits, old(ids).logits
     assert new_logits.shape == (1, 6, VOCAB) and torch.isfinite(new_logits).all()
     torch.testing.assert_close(new_logits, old_logits, rtol=0.05, atol=0.05 * old_logits.abs().max().item())
+
+
+# A Q4_K_M file of a model whose widths are no multiple of 256 (SmolLM2's 576, Qwen2.5-0.5B's 896):
+# llama.cpp writes those matrices in Q5_0 (Q8_0 where the mix asks for Q6_K), the rest in K-quants.
+Q5_0_TYPES = {0: {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+                  "ffn_up": "Q5_0", "ffn_down": "Q6_K"},
+              1: {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+                  "ffn_up": "Q5_0", "ffn_down": "Q5_0"}}
+
+
+def test_q5_0_matrices_are_kept_as_q8_0_tiles_with_their_values_bit_for_bit(tmp_path):
+    """Q5_0 was dequantized to float32 on load (32 bits a weight, the float products); its codes fit
+    Q8_0's, so it is kept as Q8_0 tiles (8.5 bits), fused with a Q8_0 part where it sits beside one, and
+    its values are the gguf package's, through the arena's tiles and through ``RowBlocks`` alike."""
+    from genfn.quant.blocks import dequantize, from_gguf_bytes, widen_gguf_blocks
+
+    path = write_file(tmp_path / "q5.gguf", types=Q5_0_TYPES, embed="Q5_0", output=None)
+    model = genfn.load(path, quantize="gguf")
+    floats = genfn.load(path)
+    file = read_gguf(str(path))
+    for i, layer in enumerate(model.params["layers"]):
+        for name in ("wqkv", "wo", "w_gate_up"):
+            assert isinstance(layer[name], QuantizedWeight) and layer[name].format == "q8_0", (i, name)
+            assert torch.equal(layer[name].dequantize(), floats.params["layers"][i][name]), (i, name)
+    assert isinstance(model.params["layers"][1]["w_down"], QuantizedWeight)
+    raw = file.raw("blk.1.attn_output.weight")
+    widened, type_name = widen_gguf_blocks(raw, "Q5_0")
+    assert type_name == "Q8_0" and widened.shape == (HIDDEN, HIDDEN // 32 * 34)
+    values = gguf.quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType.Q5_0)
+    rows = from_gguf_bytes(widened, type_name, (HIDDEN, HIDDEN))
+    assert torch.equal(dequantize(rows), torch.from_numpy(np.asarray(values, np.float32)))
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    assert torch.equal(genfn.generate(model, ids, max_new_tokens=6, do_sample=False, disable_compile=True)[:, :6], ids)
+    torch.testing.assert_close(model(ids).logits, floats(ids).logits, rtol=0.05,
+                               atol=0.05 * floats(ids).logits.abs().max().item())

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 
-__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "BLOCK", "quantize", "dequantize", "from_gguf_bytes",
+__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "GGUF_WIDENED", "widen_gguf_blocks", "BLOCK", "quantize", "dequantize", "from_gguf_bytes",
            "gguf_block_fields"]
 
 BLOCK = 32
@@ -37,6 +37,12 @@ EIGHT_BIT = frozenset({"q8_0", "int8"})
 WITH_MINIMUM = frozenset({"q4_1", "int4"})
 # ggml type names -> format; these are the GGUF types kept as blocks (others are dequantized).
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+# ggml types kept as another kept type's blocks, value for value (``widen_gguf_blocks``). llama.cpp
+# writes Q5_0 where a Q4_K mix meets a matrix whose inputs are no multiple of 256 (every q/k/v/o and
+# gate/up matrix of SmolLM2's 576-wide or Qwen2.5-0.5B's 896-wide layers): as Q8_0 it takes 8.5 bits a
+# weight instead of float32's 32, and the 8-bit tiles' products give llama.cpp's Q5_0 sums (an
+# integer dot per block, then its two scales).
+GGUF_WIDENED = {"Q5_0": "Q8_0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,24 @@ def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ..
         names, formats, offsets = names + ["m"], formats + ["<f2"], offsets + [2]
     block = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + code_bytes})
     return np.ascontiguousarray(raw).reshape(-1).view(block).reshape(rows, cols // BLOCK)
+
+
+def widen_gguf_blocks(raw: np.ndarray, ggml_type_name: str) -> tuple[np.ndarray, str]:
+    """``(raw, type)``: a tensor's blocks in the kept type ``GGUF_WIDENED`` names for its type (a
+    fresh array), or ``raw`` and its type as they are. A Q5_0 block (float16 scale ``d``, 32 high
+    bits, 16 bytes of low nibbles) holds codes 0..31 of values ``d * (code - 16)``; its Q8_0 block
+    is the same ``d`` and the int8 codes ``code - 16``: the same values, bit for bit."""
+    if ggml_type_name != "Q5_0":
+        return raw, ggml_type_name
+    blocks = np.ascontiguousarray(raw).reshape(-1, 22)
+    high = blocks[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is input j's fifth bit
+    low = blocks[:, 6:22]
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1).astype(np.int16)  # inputs 0..15, then 16..31
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    out = np.empty((blocks.shape[0], 34), np.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = (nibbles + (fifth << 4) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(*raw.shape[:-1], -1) if raw.ndim > 1 else out.reshape(-1), "Q8_0"
 
 
 def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> RowBlocks:

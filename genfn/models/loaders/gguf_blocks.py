@@ -1,8 +1,8 @@
 """A GGUF file's quantized matrices, from the file mapping to where the decode steps read them,
 each byte written once at most: ``place_blocks``.
 
-Each Q8_0/Q4_0/Q4_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in memory
-from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
+Each Q8_0/Q4_0/Q4_1 matrix (and Q5_0, as Q8_0: ``genfn.quant.blocks.GGUF_WIDENED``) is written
+into the kernel's tiles (``QuantizedWeight``) in memory from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
 place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
 A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks. One that every decode step
 reads whole (a layer's, the LM head, a tied embedding: ``_streamed``) goes into the arena where it
@@ -45,7 +45,7 @@ from gguf import GGMLQuantizationType
 
 from genfn import kernels
 from genfn.kernels import kquant
-from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
+from genfn.quant.blocks import GGUF_FORMATS, GGUF_WIDENED, gguf_block_fields, widen_gguf_blocks
 from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, INTERLEAVED_OF, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
@@ -60,11 +60,18 @@ _LAYER_WEIGHT = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 
 
 def _kept_type(gguf, name: str) -> str | None:
-    """The ggml type name of a matrix whose blocks are kept (2-D, a format genfn's kernels run), else None."""
+    """The ggml type name of a matrix whose blocks are kept (2-D, a format genfn's kernels run), as
+    they are kept (a Q5_0 matrix's as Q8_0: ``GGUF_WIDENED``), else None."""
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
+    type_name = GGUF_WIDENED.get(type_name, type_name)
     kept = type_name in GGUF_FORMATS or type_name in GGUF_K_FORMATS
     return type_name if kept and len(info.shape) == 2 else None
+
+
+def _kept_raw(gguf, name: str) -> np.ndarray:
+    """A kept matrix's blocks as ``_kept_type`` names them: the file's, or widened (a fresh array)."""
+    return widen_gguf_blocks(gguf.raw(name), GGMLQuantizationType(gguf.tensors[name].ggml_type).name)[0]
 
 
 def _group(gguf, name: str, kept=_kept_type) -> list[str]:
@@ -209,7 +216,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         tiles = slice(tile, tile + -(-n // TILE))
         part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
                                whole.format, n, cols)
-        _fill_tiles(part, gguf.raw(name), type_name, row_order(name))
+        _fill_tiles(part, _kept_raw(gguf, name), type_name, row_order(name))
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
