@@ -9,6 +9,8 @@ model with random weights (normal, std 0.02; norms 1) and a real vocabulary meas
 trained one of the same shape would. Shapes (dense Llama, SwiGLU, tied embeddings, SmolLM2's
 49,152-token vocabulary and tokenizer, copied from the shipped SmolLM2 file):
 
+    135m  SmolLM2-135M's layers: 30, hidden 576, FFN 1536, 9/3 heads of 64 (576 is no multiple of 256:
+          see the K-quant fallbacks below)
     0.5b  24 layers, hidden 1024, FFN 4096, 16/8 heads of 64
     1b    Llama-3.2-1B's layers: 16, hidden 2048, FFN 8192, 32/8 heads of 64
     3b    Llama-3.2-3B's layers: 28, hidden 3072, FFN 8192, 24/8 heads of 128
@@ -52,6 +54,7 @@ import torch
 from genfn.bench.gguf_matrices import encode
 
 SHAPES = {
+    "135m": dict(layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3, head_dim=64),
     "0.5b": dict(layers=24, hidden=1024, ffn=4096, heads=16, kv_heads=8, head_dim=64),
     "1b": dict(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64),
     "3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, head_dim=128),
@@ -80,16 +83,24 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def tensor_type(fmt: str, part: str, layer: int | None, layers: int) -> str:
-    """The ggml type of a matrix (``part``: GGUF name stem, e.g. ``attn_v`` or ``token_embd``)."""
+# What llama-quantize writes instead of a 256-input super-block type where a matrix's rows are no
+# multiple of 256 inputs (llama.cpp's llama-quant.cpp; IQ4_XS's fallback is encode's own).
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def tensor_type(fmt: str, part: str, layer: int | None, layers: int, cols: int = 256) -> str:
+    """The ggml type of a matrix (``part``: GGUF name stem, e.g. ``attn_v`` or ``token_embd``) of
+    ``cols`` inputs."""
     if fmt in ("f32", "f16", "bf16", "q4_k", "q6_k"):
-        return fmt.upper()
-    if part == "token_embd":  # tied: it is the output matrix too
-        return "Q8_0" if fmt == "q8_0" else "Q6_K"
-    if fmt in ("q4_k_m", "q5_k_m"):
+        kind = fmt.upper()
+    elif part == "token_embd":  # tied: it is the output matrix too
+        kind = "Q8_0" if fmt == "q8_0" else "Q6_K"
+    elif fmt in ("q4_k_m", "q5_k_m"):
         base = "Q4_K" if fmt == "q4_k_m" else "Q5_K"
-        return "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else base
-    return fmt.upper()
+        kind = "Q6_K" if part in ("attn_v", "ffn_down") and _more_bits(layer, layers) else base
+    else:
+        kind = fmt.upper()
+    return K_FALLBACK.get(kind, kind) if cols % 256 else kind
 
 
 def _tokenizer_fields(writer) -> None:
@@ -141,7 +152,7 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
         return torch.randn(rows, cols, generator=generator) * 0.02
 
     def add(name: str, part: str, layer: int | None, rows: int, cols: int) -> None:
-        array, raw = encode(matrix(rows, cols), tensor_type(fmt, part, layer, s["layers"]))
+        array, raw = encode(matrix(rows, cols), tensor_type(fmt, part, layer, s["layers"], cols))
         writer.add_tensor(name, array, raw_dtype=raw)
 
     def add_experts(name: str, part: str, layer: int, rows: int, cols: int) -> None:
@@ -149,7 +160,7 @@ def make(shape: str, fmt: str, path: Path, seed: int = 0) -> None:
         chunks, raw = [], None
         for start in range(0, s["experts"], 16):
             count = min(16, s["experts"] - start)
-            array, raw = encode(matrix(count * rows, cols), tensor_type(fmt, part, layer, s["layers"]))
+            array, raw = encode(matrix(count * rows, cols), tensor_type(fmt, part, layer, s["layers"], cols))
             chunks.append(array.reshape(count, rows, -1))
         writer.add_tensor(name, np.concatenate(chunks), raw_dtype=raw)
 

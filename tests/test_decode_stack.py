@@ -400,3 +400,34 @@ def test_odd_shapes_keep_transformers_tokens_in_steps_and_lookup_rounds(shape):
                                    expected_lookup)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+@needs_vnni
+def test_layers_mixing_tiles_and_k_quant_rows_run_the_stack_with_the_layer_ops_bits(tmp_path, monkeypatch):
+    """A Q4_K_M file of a 576-wide model keeps its Q5_0 matrices as Q8_0 tiles beside Q4_K/Q6_K rows:
+    such a layer ran op by op (the stack took one kind a layer). The stack takes it now, each linear
+    through its own kind's kernel, with the bits of the layer op by op."""
+    import genfn
+    from test_load_memory import write_file
+
+    tiles = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
+             "ffn_up": "Q5_0"}
+    types = {0: dict(tiles, ffn_down="Q6_K"), 1: dict(tiles, attn_output="Q4_K", ffn_down="Q4_K"),
+             2: dict(tiles, ffn_down="Q8_0")}
+    model = genfn.load(write_file(tmp_path / "mixed.gguf", types=types, embed="Q8_0", output=None), quantize="gguf")
+    assert [decode_layer.layer_kind(layer, torch.float32) for layer in model.params["layers"]] == [3, 3, 1]
+    assert not decode_layer.takes(torch.zeros(1, 1, 256), model.params["layers"][0], torch.zeros(1, 2, 8, 64), 64)
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3], [8, 9, 10, 11, 12, 13]])
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                    output_logits=True, disable_compile=True, cache_implementation="static", max_cache_len=40,
+                    attention_mask=torch.ones_like(ids), pad_token_id=0)
+    stacks = []
+    run_stack = decode_layer.run_stack
+    monkeypatch.setattr(decode_layer, "run_stack", lambda x, *a: stacks.append(x.shape[:2]) or run_stack(x, *a))
+    ours = genfn.generate(model, ids, **settings)
+    assert stacks
+    monkeypatch.setattr(llama, "_native_stack", lambda *a: None)
+    layers = genfn.generate(model, ids, **settings)
+    assert torch.equal(ours.sequences, layers.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))

@@ -32,6 +32,8 @@ def encode(values: torch.Tensor, ggml_type: str) -> tuple[np.ndarray, object]:
         return encode(values, "IQ4_NL")
     if ggml_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         return quantize_k(values, ggml_type.lower()).data.numpy(), qtype
+    if ggml_type in ("Q5_0", "Q5_1"):  # K-quant mixes' fallbacks (no genfn quantizer): the gguf package's
+        return gguf.quants.quantize(values.float().numpy(), qtype), qtype
     blocks = quantize(values, ggml_type.lower())
     n, nb = blocks.codes.shape[:2]
     parts = [blocks.scales.reshape(n, nb, 1).view(torch.uint8)]

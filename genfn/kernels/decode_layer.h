@@ -114,6 +114,23 @@ struct KQuantLinear {
   }
 };
 
+// A linear of a layer whose linears mix the two quantized kinds: a Q4_K_M file of a 576-wide model
+// keeps its Q5_0 matrices as Q8_0 tiles beside Q4_K/Q6_K rows. Each linear runs its own kind's
+// code (every thread takes the same branch, so the kinds' barriers line up).
+struct MixedLinear {
+  bool tiles = true;
+  QuantLinear quant;
+  KQuantLinear kquant;
+  void prepare(int64_t M, int64_t N, int64_t team) {
+    if (tiles) quant.prepare(M, N, team);
+    else kquant.prepare(M, N, team);
+  }
+  void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+    if (tiles) quant(M, x, K, N, y, t, team);
+    else kquant(M, x, K, N, y, t, team);
+  }
+};
+
 // Inside a parallel region, thread t of `team`: qkv = rms_norm(x) @ wqkv.T with RoPE on q's and k's
 // heads, each rotated head then handed to place(m, head, rotated) by the thread that rotated it (q's
 // heads 0 .. heads - 1, then k's), so a caller can move it on without another pass. A barrier must

@@ -59,10 +59,13 @@ _BF16_DOT = native.cpu_has("avx512_bf16")
 _VNNI = native.cpu_has("avx512_vnni")
 
 
+def _tiles(weight) -> bool:
+    return isinstance(weight, QuantizedWeight) and weight.layout == "tiles16" and weight.codes.is_cpu
+
+
 def quantized(layer: Mapping[str, Any]) -> bool:
     """Whether every linear of ``layer`` is a block-quantized weight the quantized form reads."""
-    return all(isinstance(layer.get(n), QuantizedWeight) and layer[n].layout == "tiles16"
-               and layer[n].codes.is_cpu for n in _LINEARS)
+    return all(_tiles(layer.get(n)) for n in _LINEARS)
 
 
 # The most row ranges in other formats one K-quant linear may stack (kquant.h's SharedLinear::kMaxParts).
@@ -91,7 +94,7 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
     block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
     float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
-    return stack_takes(x, keys, head_dim) and layer_kind(layer, x.dtype) is not None
+    return stack_takes(x, keys, head_dim) and layer_kind(layer, x.dtype) in (_PLAIN, _TILES, _KQUANT)
 
 
 def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
@@ -112,8 +115,10 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
     return decode_linear_available()
 
 
-# A layer's kind, as decode_stack_table's layout numbers it.
-_PLAIN, _TILES, _KQUANT = 0, 1, 2
+# A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles or
+# K-quant rows (a Q4_K_M file's Q5_0 matrices kept as Q8_0 tiles beside its K-quant rows): only the
+# stack runs it, not the per-layer ops.
+_PLAIN, _TILES, _KQUANT, _MIXED = 0, 1, 2, 3
 
 
 def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
@@ -130,6 +135,10 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         if dtype != torch.float32:
             return None
         kind, plain = _KQUANT, _NORMS
+    elif all(_tiles(layer.get(n)) or _kquant_parts(layer.get(n)) for n in _LINEARS) and kquant.kquant_available():
+        if dtype != torch.float32 or not _VNNI:
+            return None
+        kind, plain = _MIXED, _NORMS
     elif dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT):
         return None
     else:
@@ -142,6 +151,11 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         if torch.is_grad_enabled() and weight.requires_grad:
             return None
     return kind
+
+
+def _in_features(weight) -> int:
+    """A quantized linear's inputs (a ``RowStack``'s parts share them)."""
+    return (weight.parts[0] if isinstance(weight, RowStack) else weight).in_features
 
 
 def _ops():
@@ -225,11 +239,17 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
             return None
         layout.append(kind)
         weights += (layer["attn_norm"], layer["mlp_norm"])
+        if kind != _PLAIN:
+            layout.append(_in_features(layer["w_down"]))  # the MLP's width
         for name in _LINEARS:
             weight = layer[name]
             if kind == _PLAIN:
                 weights.append(weight)
-            elif kind == _TILES:
+                continue
+            tiles = isinstance(weight, QuantizedWeight)
+            if kind == _MIXED:
+                layout.append(_TILES if tiles else _KQUANT)
+            if tiles:
                 layout.append(weight.kind)
                 weights += (weight.codes, weight.scales, weight.mins)
             else:

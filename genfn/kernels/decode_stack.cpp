@@ -40,9 +40,12 @@
 // as the layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
 //   0, plain weights in the table's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing
 //      more; a linear is one tensor, the weight.
-//   1, tiles16 blocks (float32 x): per linear its block kind (0, 1 or 2); three tensors: codes,
-//      scales, minimums (None where the block kind has none).
-//   2, K-quant rows (float32 x): per linear its number of parts P, then their P formats; P tensors.
+//   1, tiles16 blocks (float32 x): the MLP's width F, then per linear its block kind (0, 1 or 2);
+//      three tensors: codes, scales, minimums (None where the block kind has none).
+//   2, K-quant rows (float32 x): F, then per linear its number of parts P and their P formats; P
+//      tensors.
+//   3, a mix of the two (float32 x; a Q4_K_M file's Q5_0 matrices kept as Q8_0 tiles beside its K-quant
+//      rows): F, then per linear its kind (1 or 2) and what that kind reads, as above.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -60,7 +63,7 @@ namespace {
 
 using namespace genfn_kernels::layer;
 
-constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2;
+constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2, kMixed = 3;
 constexpr const char* kTableOp = "decode_stack_table";
 constexpr const char* kOp = "decode_stack";
 constexpr const char* kPagedOp = "decode_stack_paged";
@@ -100,6 +103,7 @@ struct TableLayer {
   genfn_kernels::QuantWeight tiles[4] = {};               // kTiles
   genfn::kquant::MatrixPart parts[4][kMaxParts] = {};     // kKQuant: each linear's parts
   int64_t part_count[4] = {};
+  int64_t linear_kind[4] = {};                            // kMixed: kTiles or kKQuant, each linear's
 };
 
 constexpr uint64_t kTableMagic = 0x67656e666e535442ull;  // "genfnSTB"
@@ -135,49 +139,57 @@ void read_plain(StackReader& in, const at::Tensor& probe, int64_t N, int64_t HD,
   }
 }
 
-void read_tiles(StackReader& in, int64_t E, int64_t N, int64_t HD, TableLayer& l, std::vector<at::Tensor>& keep) {
-  int64_t kinds[4];
-  c10::optional<at::Tensor> parts[4][3];
-  for (int i = 0; i < 4; ++i) {
-    kinds[i] = in.next_value(kLinearNames[i]);
-    for (auto& part : parts[i]) part = in.next_optional(kLinearNames[i]);
-    TORCH_CHECK(parts[i][0].has_value() && parts[i][1].has_value(), kTableOp, ": ", kLinearNames[i],
-                "'s codes and scales must be tensors");
-  }
-  TORCH_CHECK(parts[3][0]->dim() == 3, kTableOp, ": w_down's codes must be [tiles, blocks, bytes]");
-  l.F = parts[3][0]->size(1) * 32;
-  const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
-  for (int i = 0; i < 4; ++i) {
-    for (const auto& part : parts[i])
-      if (part.has_value()) {
-        TORCH_CHECK(part->device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
-        keep.push_back(*part);
-      }
-    l.tiles[i] = quant_weight(*parts[i][0], *parts[i][1], parts[i][2], kinds[i], rows[i], cols[i], kTableOp,
-                              kLinearNames[i]);
-  }
+// Linear i of tiles16 blocks: its block kind and three tensors (minimums None where it has none).
+void read_tiles_linear(StackReader& in, int i, int64_t rows, int64_t cols, TableLayer& l,
+                       std::vector<at::Tensor>& keep) {
+  const int64_t kind = in.next_value(kLinearNames[i]);
+  c10::optional<at::Tensor> parts[3];
+  for (auto& part : parts) part = in.next_optional(kLinearNames[i]);
+  TORCH_CHECK(parts[0].has_value() && parts[1].has_value(), kTableOp, ": ", kLinearNames[i],
+              "'s codes and scales must be tensors");
+  for (const auto& part : parts)
+    if (part.has_value()) {
+      TORCH_CHECK(part->device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
+      keep.push_back(*part);
+    }
+  l.tiles[i] = quant_weight(*parts[0], *parts[1], parts[2], kind, rows, cols, kTableOp, kLinearNames[i]);
 }
 
-void read_kquant(StackReader& in, int64_t E, int64_t N, int64_t HD, TableLayer& l, std::vector<at::Tensor>& keep) {
-  std::vector<at::Tensor> parts[4];
-  std::vector<int64_t> formats[4];
-  for (int i = 0; i < 4; ++i) {
-    const int64_t count = in.next_value(kLinearNames[i]);
-    TORCH_CHECK(count >= 1 && count <= kMaxParts, kTableOp, ": ", kLinearNames[i], " must have 1 to ", kMaxParts,
-                " parts, got ", count);
-    for (int64_t p = 0; p < count; ++p) formats[i].push_back(in.next_value(kLinearNames[i]));
-    for (int64_t p = 0; p < count; ++p) parts[i].push_back(in.next_tensor(kLinearNames[i]));
-  }
-  l.F = kquant_rows(parts[2]) / 2;
+// Linear i of K-quant rows: its number of parts P, their P formats, P tensors.
+void read_kquant_linear(StackReader& in, int i, int64_t rows, int64_t cols, TableLayer& l,
+                        std::vector<at::Tensor>& keep) {
+  const int64_t count = in.next_value(kLinearNames[i]);
+  TORCH_CHECK(count >= 1 && count <= kMaxParts, kTableOp, ": ", kLinearNames[i], " must have 1 to ", kMaxParts,
+              " parts, got ", count);
+  std::vector<int64_t> formats;
+  std::vector<at::Tensor> parts;
+  for (int64_t p = 0; p < count; ++p) formats.push_back(in.next_value(kLinearNames[i]));
+  for (int64_t p = 0; p < count; ++p) parts.push_back(in.next_tensor(kLinearNames[i]));
+  KQuantLinear linear;
+  std::vector<at::Tensor> contiguous;
+  contiguous.reserve(kMaxParts);  // no reallocation: the linear points into it
+  kquant_weight(linear, parts, formats, rows, cols, kTableOp, kLinearNames[i], contiguous);
+  l.part_count[i] = linear.shared.count;
+  for (int64_t p = 0; p < linear.shared.count; ++p) l.parts[i][p] = linear.shared.parts[p];
+  for (auto& part : contiguous) keep.push_back(std::move(part));
+}
+
+// A quantized layer's linears after the MLP's width F: every one of the layer's kind, or (kMixed)
+// each after its own kind.
+void read_quantized(StackReader& in, int64_t E, int64_t N, int64_t HD, TableLayer& l, std::vector<at::Tensor>& keep) {
+  l.F = in.next_value("the MLP's width");
+  TORCH_CHECK(l.F >= 1, kTableOp, ": the MLP's width must be >= 1, got ", l.F);
   const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
   for (int i = 0; i < 4; ++i) {
-    KQuantLinear linear;
-    std::vector<at::Tensor> contiguous;
-    contiguous.reserve(kMaxParts);  // no reallocation: the linear points into it
-    kquant_weight(linear, parts[i], formats[i], rows[i], cols[i], kTableOp, kLinearNames[i], contiguous);
-    l.part_count[i] = linear.shared.count;
-    for (int64_t p = 0; p < linear.shared.count; ++p) l.parts[i][p] = linear.shared.parts[p];
-    for (auto& part : contiguous) keep.push_back(std::move(part));
+    int64_t kind = l.kind;
+    if (l.kind == kMixed) {
+      kind = in.next_value(kLinearNames[i]);
+      TORCH_CHECK(kind == kTiles || kind == kKQuant, kTableOp, ": a mixed layer's ", kLinearNames[i],
+                  " must be of kind 1 (tiles16) or 2 (K-quant), got ", kind);
+      l.linear_kind[i] = kind;
+    }
+    if (kind == kTiles) read_tiles_linear(in, i, rows[i], cols[i], l, keep);
+    else read_kquant_linear(in, i, rows[i], cols[i], l, keep);
   }
 }
 
@@ -202,11 +214,12 @@ at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weight
   while (!reader.done()) {
     TableLayer l;
     l.kind = reader.next_value("a layer's kind");
-    TORCH_CHECK(l.kind >= kPlain && l.kind <= kKQuant, kTableOp,
-                ": a layer's kind must be 0 (plain), 1 (tiles16) or 2 (K-quant), got ", l.kind);
-    // What x must be for the layer's weights (tiles16: float32 and AVX512_VNNI; K-quant: float32).
-    check_rows(probe, kTableOp, l.kind == kPlain ? Weights::kPlain : l.kind == kTiles ? Weights::kTiles
-                                                                                       : Weights::kKQuant);
+    TORCH_CHECK(l.kind >= kPlain && l.kind <= kMixed, kTableOp,
+                ": a layer's kind must be 0 (plain), 1 (tiles16), 2 (K-quant) or 3 (mixed), got ", l.kind);
+    // What x must be for the layer's weights (tiles16, mixed too: float32 and AVX512_VNNI; K-quant:
+    // float32).
+    check_rows(probe, kTableOp, l.kind == kPlain ? Weights::kPlain : l.kind == kKQuant ? Weights::kKQuant
+                                                                                        : Weights::kTiles);
     at::Tensor norms[2] = {reader.next_tensor("attn_norm").contiguous(), reader.next_tensor("mlp_norm").contiguous()};
     check_norm(norms[0], probe, kTableOp, "attn_norm");
     check_norm(norms[1], probe, kTableOp, "mlp_norm");
@@ -215,10 +228,8 @@ at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weight
     for (auto& norm : norms) table->keep.push_back(std::move(norm));
     if (l.kind == kPlain)
       read_plain(reader, probe, N, HD, l, table->keep);
-    else if (l.kind == kTiles)
-      read_tiles(reader, hidden, N, HD, l, table->keep);
     else
-      read_kquant(reader, hidden, N, HD, l, table->keep);
+      read_quantized(reader, hidden, N, HD, l, table->keep);
     table->layers.push_back(l);
   }
   TORCH_CHECK(!table->layers.empty() && reader.tensor == weights.size(), kTableOp,
@@ -252,6 +263,12 @@ void point_linear(KQuantLinear& l, const TableLayer& w, int i, int64_t cols) {
   s.count = w.part_count[i];
   s.K = cols;
   for (int64_t p = 0; p < s.count; ++p) s.parts[p] = w.parts[i][p];
+}
+
+void point_linear(MixedLinear& l, const TableLayer& w, int i, int64_t cols) {
+  l.tiles = w.linear_kind[i] == kTiles;
+  if (l.tiles) point_linear(l.quant, w, i, cols);
+  else point_linear(l.kquant, w, i, cols);
 }
 
 // The four linears of a layer of one kind, pointed at a table layer's weights in turn: their
@@ -457,6 +474,7 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   LinearSets<DenseLinear<T>> plain;
   std::unique_ptr<LinearSets<QuantLinear>> tiles;  // made for a table that has such layers
   std::unique_ptr<LinearSets<KQuantLinear>> kquants;
+  std::unique_ptr<LinearSets<MixedLinear>> mixed;
   int64_t F = 0;  // the widest MLP, which the shared buffers must hold
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t kind = table.layers[layer].kind;
@@ -464,6 +482,7 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
                           "decode_stack_table lets only plain layers take bfloat16 x");
     if (kind == kTiles && !tiles) tiles = std::make_unique<LinearSets<QuantLinear>>();
     if (kind == kKQuant && !kquants) kquants = std::make_unique<LinearSets<KQuantLinear>>();
+    if (kind == kMixed && !mixed) mixed = std::make_unique<LinearSets<MixedLinear>>();
     F = std::max(F, table.layers[layer].F);
   }
   thread_local OutputBuffers<T> own;
@@ -477,7 +496,8 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
       f(plain[layer % 2]);
     } else if constexpr (std::is_same_v<T, float>) {
       if (kind == kTiles) f((*tiles)[layer % 2]);
-      else f((*kquants)[layer % 2]);
+      else if (kind == kKQuant) f((*kquants)[layer % 2]);
+      else f((*mixed)[layer % 2]);
     }
   };
   const auto ready = [&](int64_t layer) {
