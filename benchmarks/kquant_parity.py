@@ -15,6 +15,11 @@ float32 scale) for the K-quant matrices, and leave the float32 ones unquantized:
     llama.cpp-q6_k              the float32 model quantized by llama.cpp itself
                                 (``llama_model_quantize``, file type Q6_K: its searching quantizer
                                 for the down projections, Q8_0 as its fallback for the rest)
+    llama.cpp-q4_k_m            the same, file type Q4_K_M: what a SmolLM2 Q4_K_M download holds
+                                (Q4_K/Q6_K down projections, Q5_0 and Q8_0 fallbacks for the rest,
+                                which genfn keeps as Q8_0 tiles; both engines quantize the
+                                fallbacks' activations per 32 inputs, llama.cpp's scale rounded to
+                                float16 as for q8_0 below)
     q8_0                        every matrix Q8_0, no K-quant: llama.cpp rounds each 32-input
                                 block's activation scale to float16 (its block_q8_0), genfn keeps
                                 it in float32, so here the two do quantize activations differently
@@ -52,7 +57,7 @@ from genfn.default_model import default_model_path
 
 # One static cache size for every prompt, so each file compiles its step once.
 COMPILED_CACHE_LEN = 160
-FORMATS = ("q4_k", "q6_k", "llama.cpp-q6_k", "q5_k", "iq4_xs", "q8_0", "f32")
+FORMATS = ("q4_k", "q6_k", "llama.cpp-q6_k", "llama.cpp-q4_k_m", "q5_k", "iq4_xs", "q8_0", "f32")
 
 
 def model_file(fmt: str) -> str:
@@ -61,8 +66,8 @@ def model_file(fmt: str) -> str:
         return llamacpp.variant_path(source, "F32")
     if fmt == "q8_0":
         return llamacpp.variant_path(source, "Q8_0")
-    if fmt == "llama.cpp-q6_k":
-        return llamacpp_quantized(llamacpp.variant_path(source, "F32"), "Q6_K")
+    if fmt in ("llama.cpp-q6_k", "llama.cpp-q4_k_m"):
+        return llamacpp_quantized(llamacpp.variant_path(source, "F32"), fmt.split("-")[1].upper())
     return llamacpp.variant_path(source, "F32", {"ffn_down": fmt.upper()})
 
 
