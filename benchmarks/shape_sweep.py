@@ -35,6 +35,8 @@ import sys
 
 import torch
 
+from genfn.bench.tiny_models import tiny_pair
+
 BLOCK_FORMATS = ("q4_0", "q8_0", "q4_1")
 K_FORMATS = ("q4_k", "q5_k_r8", "q6_k", "iq4_xs", "q4_k_m")
 # A Q4_K_M file's layer as the GGUF loader keeps it: q and k in Q4_K beside v in Q6_K (one RowStack),
@@ -43,26 +45,8 @@ Q4_K_M = {"wq_k": "q4_k_r8", "wv": "q6_k", "wo": "q5_k", "w_gate_up": "q4_k_r8",
 FAMILIES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
             "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM")
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
-VOCAB = 97
+VOCAB = 97  # the tiny models' vocabulary (genfn.bench.tiny_models)
 NEW_TOKENS = 6
-
-
-def tiny_pair(arch: str, seed: int, **overrides):
-    """(transformers model, genfn model) of one random tiny shape, the same weights."""
-    import transformers
-
-    from genfn.models.model import from_hf_state_dict
-
-    config_cls = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
-        arch, arch.replace("ForCausalLM", "Config")))
-    settings = dict(vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                    **overrides)
-    torch.manual_seed(seed)
-    config = config_cls(**settings)
-    hf_model = getattr(transformers, arch)(config).eval()
-    config_dict = config.to_dict()
-    config_dict["architectures"] = [arch]
-    return hf_model, from_hf_state_dict(config_dict, hf_model.state_dict())
 
 
 def draw_shape(rng: random.Random, group_sizes=(1, 2, 3, 4, 5, 7, 8, 9, 12, 16)) -> dict:

@@ -153,11 +153,6 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
     return kind
 
 
-def _in_features(weight) -> int:
-    """A quantized linear's inputs (a ``RowStack``'s parts share them)."""
-    return (weight.parts[0] if isinstance(weight, RowStack) else weight).in_features
-
-
 def _ops():
     if not decode_linear_available():
         raise RuntimeError(f"genfn.kernels.decode_layer needs the native kernels, which are {kernel_status()}")
@@ -240,7 +235,7 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
         layout.append(kind)
         weights += (layer["attn_norm"], layer["mlp_norm"])
         if kind != _PLAIN:
-            layout.append(_in_features(layer["w_down"]))  # the MLP's width
+            layout.append(layer["w_down"].shape[1])  # the MLP's width
         for name in _LINEARS:
             weight = layer[name]
             if kind == _PLAIN:
