@@ -87,7 +87,7 @@ def test_force_bf16_linear_path_names_its_argument():
         kernels.force_bf16_linear_path("avx2")
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("k, n", [(576, 200), (96, 1536)])
 def test_quantized_linear_row_zero_is_the_same_at_1_to_64_rows(fmt, k, n):
     torch.manual_seed(1)

@@ -221,7 +221,7 @@ needs_vnni = pytest.mark.skipif(not decode_layer._VNNI, reason="the quantized la
 
 @needs_kernel
 @needs_vnni
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1"])
 @pytest.mark.parametrize("batch, span", [(1, 40), (3, 57), (8, 9)])
 def test_quantized_layer_equals_the_op_by_op_quantized_layer(fmt, batch, span):
     gen = torch.Generator().manual_seed(6)
@@ -256,7 +256,7 @@ def test_the_quantized_layer_takes_float32_activations_and_names_bad_weights():
     assert not decode_layer.takes(x, {**layer, "wo": _layer(torch.float32)["wo"]}, keys, HEAD_DIM)  # mixed
     cos, sin = _rope(1, torch.float32)
     wqkv = layer["wqkv"]
-    with pytest.raises(RuntimeError, match="decode_attention_input_quant: wqkv's kind must be 0, 1 or 2"):
+    with pytest.raises(RuntimeError, match=r"decode_attention_input_quant: wqkv's kind must be 0 \(q4_0\), .* or 4"):
         torch.ops.genfn_kernels.decode_attention_input_quant(x[:, 0], layer["attn_norm"], wqkv.codes, wqkv.scales,
                                                               wqkv.mins, 7, cos[:, 0], sin[:, 0], EPS, HEADS, KV_HEADS)
     q, cache = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, 8, HEAD_DIM)

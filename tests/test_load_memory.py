@@ -30,8 +30,8 @@ from genfn.quant.blocks import gguf_block_fields
 from genfn.quant.kquants import INTERLEAVED, unpack_r8
 from genfn.state.base import NAMESPACE
 
-# Layer 0 mixes formats inside its fused q/k/v (a run of Q4_0, then Q8_0) and uses all three
-# tiled formats; layer 1 is a Q4_K_M-like K-quant layer; the embedding (300 rows: a tile ends
+# Layer 0 mixes formats inside its fused q/k/v (Q4_0, then Q8_0: kept as one Q8_0 run) and uses
+# all three 4- and 8-bit tiled formats; layer 1 is a Q4_K_M-like K-quant layer; the embedding (300 rows: a tile ends
 # half full) is Q8_0, the untied output Q4_1.
 TYPES = {
     0: {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
@@ -131,12 +131,10 @@ def test_placed_blocks_equal_the_tiled_ones_bit_for_bit(mixed_file):
     assert old_paths == new_paths
     for path, a, b in zip(new_paths, old_leaves, new_leaves):
         if path == ("layers", 0, "wqkv"):
-            # Q4_0 q/k with a Q8_0 v: the old path dequantized the mix to float32 to fuse it; now
-            # each run keeps its blocks (a RowStack) with the very same values.
-            assert isinstance(a, torch.Tensor) and isinstance(b, RowStack)
-            assert [p.format for p in b.parts] == ["q4_0", "q8_0"] and torch.equal(b.dequantize(), a)
-        else:
-            assert type(a) is type(b) and _same_weight(a, b), path
+            # Q4_0 q/k with a Q8_0 v: dequantized to float32 to be fused until session 22, then a
+            # RowStack of the two runs; now q/k widen into Q8_0 (value for value) and all is one matrix.
+            assert isinstance(b, QuantizedWeight) and b.format == "q8_0"
+        assert type(a) is type(b) and _same_weight(a, b), path
     assert isinstance(new["embed"], QuantizedWeight) and new["embed"].shape == (VOCAB, HIDDEN)  # 300 rows: half a tile
 
 
@@ -146,8 +144,9 @@ def test_fused_parts_are_views_of_one_allocation(mixed_file):
     assert isinstance(gate_up, QuantizedWeight) and gate_up.shape == (2 * FFN, HIDDEN)
     k_run = params["layers"][1]["w_gate_up"]
     assert isinstance(k_run, KQuantWeight) and k_run.shape == (2 * FFN, HIDDEN)
-    qk = params["layers"][0]["wqkv"].parts[0]
-    for weight in (gate_up, k_run, qk):
+    qkv = params["layers"][0]["wqkv"]  # Q4_0 q/k widened into their Q8_0 v's format: one run
+    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q8_0"
+    for weight in (gate_up, k_run, qkv):
         for t in (weight.codes, weight.scales) if isinstance(weight, QuantizedWeight) else (weight.data,):
             # one allocation from its start: each leaf has its own storage (no aliasing for torch.compile)
             assert t.data_ptr() == t.untyped_storage().data_ptr()
@@ -180,6 +179,8 @@ def test_the_arena_receives_each_byte_once(mixed_file, monkeypatch):
                if GGMLQuantizationType(info.ggml_type).name != "F32" and name not in in_place)
     floats = sum(leaf.numel() * leaf.element_size() for leaf in optree.tree_leaves(params, namespace=NAMESPACE)
                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() <= 1)
+    # Layer 0's Q4_0 q and k are kept as Q8_0 tiles beside their v: 16 more bytes a block.
+    kept += (HEADS + KV_HEADS) * (HIDDEN // HEADS) * (HIDDEN // 32) * (34 - 18)
     # Tiles pad a matrix to whole tiles of 16 rows: the embedding's and the head's 300 rows to 304.
     padding = 2 * 4 * (HIDDEN // 32) * 34
     floats = floats if huge_pages_available() else 0  # without huge pages the norms stay where they are
@@ -321,26 +322,27 @@ Q5_0_TYPES = {0: {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_ou
                   "ffn_up": "Q5_0", "ffn_down": "Q5_0"}}
 
 
-def test_q5_0_matrices_are_kept_as_q8_0_tiles_with_their_values_bit_for_bit(tmp_path):
-    """Q5_0 was dequantized to float32 on load (32 bits a weight, the float products); its codes fit
-    Q8_0's, so it is kept as Q8_0 tiles (8.5 bits), fused with a Q8_0 part where it sits beside one, and
-    its values are the gguf package's, through the arena's tiles and through ``RowBlocks`` alike."""
-    from genfn.quant.blocks import dequantize, from_gguf_bytes, widen_gguf_blocks
+def test_q5_0_matrices_are_kept_as_q5_0_tiles_with_their_values_bit_for_bit(tmp_path):
+    """Q5_0 was dequantized to float32 on load (32 bits a weight), then kept as Q8_0 tiles (8.5 bits);
+    it is kept as its own 5.5 bits now, widened to Q8_0 only where it is fused with a Q8_0 part
+    (layer 0's q/k beside its Q8_0 v: the products are the same bits either way), and its values
+    are the gguf package's, through the arena's tiles and through ``RowBlocks`` alike."""
+    from genfn.quant.blocks import dequantize, from_gguf_bytes
 
     path = write_file(tmp_path / "q5.gguf", types=Q5_0_TYPES, embed="Q5_0", output=None)
     model = genfn.load(path, quantize="gguf")
     floats = genfn.load(path)
     file = read_gguf(str(path))
+    expected = {0: {"wqkv": "q8_0", "wo": "q5_0", "w_gate_up": "q5_0"},
+                1: {"wqkv": "q5_0", "wo": "q5_0", "w_gate_up": "q5_0", "w_down": "q5_0"}}
     for i, layer in enumerate(model.params["layers"]):
-        for name in ("wqkv", "wo", "w_gate_up"):
-            assert isinstance(layer[name], QuantizedWeight) and layer[name].format == "q8_0", (i, name)
+        for name, fmt in expected[i].items():
+            assert isinstance(layer[name], QuantizedWeight) and layer[name].format == fmt, (i, name, layer[name])
             assert torch.equal(layer[name].dequantize(), floats.params["layers"][i][name]), (i, name)
-    assert isinstance(model.params["layers"][1]["w_down"], QuantizedWeight)
     raw = file.raw("blk.1.attn_output.weight")
-    widened, type_name = widen_gguf_blocks(raw, "Q5_0")
-    assert type_name == "Q8_0" and widened.shape == (HIDDEN, HIDDEN // 32 * 34)
     values = gguf.quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType.Q5_0)
-    rows = from_gguf_bytes(widened, type_name, (HIDDEN, HIDDEN))
+    rows = from_gguf_bytes(raw, "Q5_0", (HIDDEN, HIDDEN))
+    assert rows.format == "q5_0" and rows.codes.shape == (HIDDEN, HIDDEN // 32, 20)
     assert torch.equal(dequantize(rows), torch.from_numpy(np.asarray(values, np.float32)))
     ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
     assert torch.equal(genfn.generate(model, ids, max_new_tokens=6, do_sample=False, disable_compile=True)[:, :6], ids)

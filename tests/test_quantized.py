@@ -31,7 +31,8 @@ needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="the native kernels need
 # Blocks
 
 
-@pytest.mark.parametrize("fmt,ggml", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1")])
+@pytest.mark.parametrize("fmt,ggml", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q5_0", "Q5_0"),
+                                      ("q5_1", "Q5_1")])
 def test_quantizing_equals_ggml_bit_for_bit(fmt, ggml):
     torch.manual_seed(1)
     w = torch.randn(24, 96) * torch.logspace(-3, 1, 24).unsqueeze(1)
@@ -94,7 +95,7 @@ def test_a_lookup_reads_the_rows_of_the_tiles_exactly(fmt, rows):
 def test_the_native_lookup_names_an_index_outside_the_rows_and_what_is_wrong_with_the_tiles():
     weight = QuantizedWeight.from_rows(quantize(torch.randn(40, 128), "q4_1"))  # a last tile of 8 rows
     lookup, first = torch.ops.genfn_kernels.tiles_lookup, torch.tensor([0])
-    with pytest.raises(RuntimeError, match="tiles_lookup: mins are given for q4_1 and only for it"):
+    with pytest.raises(RuntimeError, match="tiles_lookup: mins are given for q4_1 and q5_1 and only for them"):
         lookup(weight.codes, weight.scales, None, 1, 40, first)
     with pytest.raises(RuntimeError, match="tiles_lookup: out_features 60 does not fill 3 tiles"):
         lookup(weight.codes, weight.scales, weight.mins, 1, 60, first)
@@ -122,7 +123,7 @@ def test_fusing_rows_keeps_blocks_and_falls_back_to_float_for_mixed_formats():
 
 
 def test_quantize_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="q8_0, q4_0, q4_1, int8, int4"):
+    with pytest.raises(ValueError, match="q8_0, q4_0, q4_1, q5_0, q5_1, int8, int4"):
         quantize(torch.randn(4, 32), "q5_k")
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 40), "q8_0")

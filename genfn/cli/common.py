@@ -17,7 +17,7 @@ __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_
 
 USER_ERROR = 2
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
+QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4")
 GENFN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -353,7 +353,7 @@ def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Quantized weights
 
-_FORMAT_OF_KIND = {0: "q4_0", 1: "q4_1", 2: "q8_0"}
+_FORMAT_OF_KIND = {0: "q4_0", 1: "q4_1", 2: "q8_0", 3: "q5_0", 4: "q5_1"}
 # None until the first quantized call: whether quant_linear is the native op or the torch fallback.
 _quant_native: bool | None = None
 

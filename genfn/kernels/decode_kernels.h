@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "row_queue.h"
+#include "tile_kinds.h"
 
 namespace genfn_kernels {
 
@@ -77,12 +78,12 @@ void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, 
                      c10::BFloat16* y, int64_t t, RowQueue& queue);
 
 // A block-quantized weight in genfn/quant/weight.py's "tiles16" layout, as quant_linear reads it:
-// `tiles` tiles of 16 output rows, `blocks` blocks of 32 inputs each; `kind` 0 (Q4_0), 1 (with
-// minimums: Q4_1, int4) or 2 (8-bit).
+// `tiles` tiles of 16 output rows, `blocks` blocks of 32 inputs each; `kind` a TileKind
+// (tile_kinds.h): 0 (Q4_0), 1 (with minimums: Q4_1, int4), 2 (8-bit), 3 (Q5_0) or 4 (Q5_1).
 struct QuantWeight {
   const uint8_t* codes;
   const uint16_t* scales;  // float16
-  const uint16_t* mins;    // float16, kind 1 only
+  const uint16_t* mins;    // float16, kinds 1 and 4 only
   int64_t kind, tiles, blocks, out_features;
 };
 // Rows of x quantized to 8 bits per block of 32 (quant_linear.cpp): codes, block scales, block

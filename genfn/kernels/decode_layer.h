@@ -326,22 +326,22 @@ inline void check_weight(const at::Tensor& w, const at::Tensor& x, int64_t rows,
 }
 
 // A quantized weight of [rows, cols] as quant_linear takes it (codes [tiles, blocks, bytes] uint8,
-// float16 scales and, for kind 1, minimums), checked; the tensors must outlive the call.
+// float16 scales and, for kinds 1 and 4, minimums), checked; the tensors must outlive the call.
 inline QuantWeight quant_weight(const at::Tensor& codes, const at::Tensor& scales,
                                 const c10::optional<at::Tensor>& mins, int64_t kind, int64_t rows, int64_t cols,
                                 const char* op, const char* name) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": ", name, "'s kind must be 0, 1 or 2, got ", kind);
-  const int64_t tiles = (rows + 15) / 16, blocks = cols / 32, bytes = (kind == 2 ? 8 : 4) * 64;
+  TORCH_CHECK(valid_tile_kind(kind), op, ": ", name, "'s kind must be ", kTileKindNames, ", got ", kind);
+  const int64_t tiles = (rows + 15) / 16, blocks = cols / 32, bytes = tile_block_bytes(kind);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(0) == tiles &&
                   codes.size(1) == blocks && codes.size(2) == bytes && cols % 32 == 0,
               op, ": ", name, "'s codes must be contiguous uint8 [", tiles, ", ", blocks, ", ", bytes, "] for [", rows,
               ", ", cols, "], got ", codes.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == tiles * blocks * 16,
               op, ": ", name, "'s scales must be contiguous float16, ", tiles * blocks * 16, " of them");
-  const bool has_min = kind == 1;
+  const bool has_min = has_minimum(kind);
   TORCH_CHECK(!has_min || (mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
                            mins->numel() == scales.numel()),
-              op, ": ", name, " of kind 1 needs float16 minimums shaped like its scales");
+              op, ": ", name, " of kind 1 or 4 needs float16 minimums shaped like its scales");
   return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
           has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr, kind, tiles, blocks,
           rows};

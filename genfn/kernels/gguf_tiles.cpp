@@ -1,4 +1,4 @@
-// A GGUF file's Q4_0 / Q4_1 / Q8_0 blocks written into QuantizedWeight's tiles (genfn/quant/weight.py)
+// A GGUF file's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks written into QuantizedWeight's tiles (genfn/quant/weight.py)
 // in one pass: the GGUF loader's repack (genfn/models/loaders/gguf_blocks.py). And the same blocks
 // dequantized to float32 rows in one pass (gguf_dequantize_rows), the float load's path; and rows
 // of the tiles dequantized the same way (tiles_lookup), an embedding lookup in a tied head's blocks.
@@ -15,8 +15,9 @@
 // contention they cost seconds.
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
-//   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80)
-//   scales[tile, b, r] = the block's float16 scale; mins[tile, b, r] = its float16 minimum (Q4_1)
+//   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80;
+//         a Q5 block's codes are its record's fifth bits, then its nibbles: tile_kinds.h)
+//   scales[tile, b, r] = the block's float16 scale; mins[tile, b, r] = its float16 minimum (Q4_1, Q5_1)
 // Rows of the last tile past out_features are written as zeros.
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -27,9 +28,18 @@
 #include <cstring>
 #include <optional>
 
+#include "tile_kinds.h"
+
 namespace {
 
-// kind: QuantizedWeight.kind (KERNEL_KIND): 0 = Q4_0, 1 = Q4_1, 2 = Q8_0.
+using genfn_kernels::has_minimum;
+using genfn_kernels::kQ4;
+using genfn_kernels::kQ4Min;
+using genfn_kernels::kQ5;
+using genfn_kernels::kQ5Min;
+using genfn_kernels::kQ8;
+
+// kind: QuantizedWeight.kind (KERNEL_KIND, tile_kinds.h).
 struct BlockLayout {
   int64_t bytes;       // one block's record in the file
   int64_t code_bytes;  // its codes
@@ -37,10 +47,15 @@ struct BlockLayout {
 };
 
 BlockLayout layout_of(const char* op, int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, op, ": kind must be 0 (q4_0), 1 (q4_1) or 2 (q8_0); got ", kind);
-  if (kind == 0) return {18, 16, 2};
-  if (kind == 1) return {20, 16, 4};
-  return {34, 32, 2};
+  TORCH_CHECK(genfn_kernels::valid_tile_kind(kind), op, ": kind must be ", genfn_kernels::kTileKindNames, "; got ",
+              kind);
+  switch (kind) {
+    case kQ4: return {18, 16, 2};
+    case kQ4Min: return {20, 16, 4};
+    case kQ5: return {22, 20, 2};
+    case kQ5Min: return {24, 20, 4};
+    default: return {34, 32, 2};
+  }
 }
 
 constexpr int64_t kTile = 16;
@@ -62,7 +77,7 @@ void check_tiles(const char* op, const BlockLayout& lay, int64_t kind, const at:
                 op, ": ", name, " must be contiguous float16 [tiles, blocks, 16]");
   };
   check_half(scales, "scales");
-  TORCH_CHECK(mins.has_value() == (kind == 1), op, ": mins are given for q4_1 and only for it");
+  TORCH_CHECK(mins.has_value() == has_minimum(kind), op, ": mins are given for q4_1 and q5_1 and only for them");
   if (mins) check_half(*mins, "mins");
 }
 
@@ -154,7 +169,7 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   uint16_t* scale_out = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* min_out = mins ? reinterpret_cast<uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
   const int64_t width = lay.code_bytes * kTile;
-  const uint32_t flip = kind == 2 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
+  const uint32_t flip = kind == kQ8 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
 
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t live = std::min(kTile, out_features - tile * kTile);
@@ -175,14 +190,15 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
 }
 
 // One block's 32 values, as the gguf package's numpy dequantization computes them (one rounding per
-// operation, never fused: d * q for Q8_0 and Q4_0 with q = u - 8, (d * u) + m for Q4_1). The
-// _round_ intrinsics are compiler builtins, which -ffp-contract never merges into an FMA.
+// operation, never fused: d * q for Q8_0, and for Q4_0 and Q5_0 with q = u - 8 or u - 16; (d * u) + m
+// for Q4_1 and Q5_1). The _round_ intrinsics are compiler builtins, which -ffp-contract never merges
+// into an FMA.
 inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
   constexpr int kRound = _MM_FROUND_CUR_DIRECTION;
   uint16_t half_scale, half_min = 0;
   std::memcpy(&half_scale, record, 2);
   const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_scale)));
-  if (kind == 2) {
+  if (kind == kQ8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(record + 2);
     for (int half = 0; half < 2; ++half) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
@@ -191,15 +207,24 @@ inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
     }
     return;
   }
-  if (kind == 1) std::memcpy(&half_min, record + 2, 2);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + (kind == 1 ? 4 : 2)));
+  const bool with_min = has_minimum(kind), fifth = genfn_kernels::has_fifth_bits(kind);
+  if (with_min) std::memcpy(&half_min, record + 2, 2);
+  const uint8_t* after_head = record + (with_min ? 4 : 2);
+  uint32_t high_bits = 0;
+  if (fifth) std::memcpy(&high_bits, after_head, 4);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(after_head + (fifth ? 4 : 0)));
   const __m512i wide = _mm512_cvtepu8_epi32(packed);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
-  const __m512i codes[2] = {_mm512_and_si512(wide, nibble), _mm512_and_si512(_mm512_srli_epi32(wide, 4), nibble)};
+  __m512i codes[2] = {_mm512_and_si512(wide, nibble), _mm512_and_si512(_mm512_srli_epi32(wide, 4), nibble)};
+  if (fifth)  // input k's fifth bit is bit k of the word: values 0..15, then 16..31
+    for (int half = 0; half < 2; ++half)
+      codes[half] = _mm512_mask_add_epi32(codes[half], static_cast<__mmask16>(high_bits >> (16 * half)), codes[half],
+                                          _mm512_set1_epi32(16));
   const __m512 m = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_min)));
   for (int half = 0; half < 2; ++half) {  // low nibbles are values 0..15, high nibbles 16..31
-    if (kind == 0) {
-      const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(codes[half], _mm512_set1_epi32(8)));
+    if (!with_min) {
+      const __m512i offset = _mm512_set1_epi32(genfn_kernels::code_offset(kind));
+      const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(codes[half], offset));
       _mm512_storeu_ps(out + 16 * half, _mm512_mul_round_ps(d, values, kRound));
     } else {
       const __m512 scaled = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(codes[half]), kRound);
@@ -247,7 +272,7 @@ at::Tensor tiles_lookup(const at::Tensor& codes, const at::Tensor& scales, const
   const uint8_t* code_out = codes.data_ptr<uint8_t>();
   const uint16_t* scale_out = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* min_out = mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-  const uint32_t flip = kind == 2 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
+  const uint32_t flip = kind == kQ8 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
   float* values = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = row_of[i];

@@ -116,20 +116,21 @@ struct ExpertStack {
 
 ExpertStack expert_stack(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                          int64_t kind, int64_t rows, const char* name) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "moe_decode_quant: ", name, " kind must be 0, 1 or 2, got ", kind);
+  TORCH_CHECK(genfn_kernels::valid_tile_kind(kind), "moe_decode_quant: ", name, " kind must be ",
+              genfn_kernels::kTileKindNames, ", got ", kind);
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "moe_decode_quant: ",
               name, " codes must be contiguous uint8 [E, tiles, blocks, bytes]");
   const int64_t experts = codes.size(0), tiles = codes.size(1), blocks = codes.size(2);
-  TORCH_CHECK(codes.size(3) == (kind == 2 ? 8 : 4) * 64, "moe_decode_quant: ", name, " codes of ", codes.size(3),
+  TORCH_CHECK(codes.size(3) == genfn_kernels::tile_block_bytes(kind), "moe_decode_quant: ", name, " codes of ", codes.size(3),
               " bytes a block do not match kind ", kind);
   TORCH_CHECK(rows <= tiles * 16 && rows > (tiles - 1) * 16, "moe_decode_quant: ", name, " rows (", rows,
               ") do not fit ", tiles, " tiles");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == experts * tiles * blocks * 16,
               "moe_decode_quant: ", name, " scales must be contiguous float16 [E, tiles, blocks, 16]");
-  const bool has_min = kind == 1;
+  const bool has_min = genfn_kernels::has_minimum(kind);
   TORCH_CHECK(!has_min || (mins.has_value() && mins->scalar_type() == at::kHalf && mins->is_contiguous() &&
                            mins->numel() == scales.numel()),
-              "moe_decode_quant: ", name, " kind 1 needs float16 mins shaped like the scales");
+              "moe_decode_quant: ", name, " kinds 1 and 4 need float16 mins shaped like the scales");
   const auto half = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   return {codes.data_ptr<uint8_t>(), half(scales), has_min ? half(*mins) : nullptr, kind, experts, tiles, blocks, rows,
           tiles * blocks * codes.size(3), tiles * blocks * 16};

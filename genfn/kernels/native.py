@@ -68,7 +68,7 @@ DECODE = NativeLibrary(
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp", "prefill_attention.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "kquant.h",
-             _HERE / "attention_lanes.h", _HERE / "row_ops.h"),
+             _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using F.linear")

@@ -1,5 +1,5 @@
 // y = x @ dequantize(W).T for many rows of x (prefill, large batches) and W in the "tiles16"
-// layout (Q8_0 / Q4_0 / Q4_1, genfn/quant/weight.py): quant_linear.cpp's arithmetic, bit for bit,
+// layout (Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, genfn/quant/weight.py and tile_kinds.h): quant_linear.cpp's arithmetic, bit for bit,
 // blocked for a GEMM.
 //
 // quant_linear.cpp's tiles run one row of x at a time against one tile of 16 weight rows: per
@@ -10,7 +10,7 @@
 // in registers, each chunk of weight codes loaded once for 8 rows and each broadcast of four
 // activation codes used for both tiles. Per output and block the float32 step is quant_linear's
 // (sum converted, times d_w * d_x, fused into the output's one chain over the blocks in order,
-// then Q4_1's minimum times d_x sum(q)), so every output has the row kernels' bits whatever the
+// then a minimum's term, d_x sum(q) times it), so every output has the row kernels' bits whatever the
 // number of rows: batch-invariant, and `init` continues a tensor-parallel rank's chain as there.
 //
 // The activations are quantized once per call, each thread a share of the rows, as quant_linear
@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "tile_kinds.h"
 
 namespace {
 
@@ -44,11 +45,17 @@ constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
 constexpr int kRows = 8;   // rows of x per step
 constexpr int kTiles = 2;  // tiles of W per step
-enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
+using genfn_kernels::code_offset;
+using genfn_kernels::has_minimum;
+using genfn_kernels::kQ4;
+using genfn_kernels::kQ4Min;
+using genfn_kernels::kQ5;
+using genfn_kernels::kQ5Min;
+using genfn_kernels::kQ8;
+using genfn_kernels::tile_block_bytes;
 // Weight code bytes a run of tile pairs holds: a few pairs' codes kept in L2 (1 MiB a Zen 4/5 core).
 constexpr int64_t kRunBytes = 256 * 1024;
 
-constexpr int64_t code_bytes(int64_t kind) { return kind == kQ8 ? 512 : 256; }
 // From 16 rows the GEMM beat the row kernels' groups of 8 (each group streams the tiles again
 // from L1/L2 with one chain in flight).
 constexpr int64_t kDefaultMinRows = 16;
@@ -69,8 +76,6 @@ struct GroupedActivations {
   std::vector<float> scale;       // [groups][blocks][kRows]
   std::vector<float> scaled_sum;  // [groups][blocks][kRows]
 };
-
-constexpr int32_t code_offset(int64_t kind) { return kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0); }
 
 // Groups [g0, g1) of x's rows into a (sized already).
 void quantize_groups(const float* x, int64_t M, int64_t K, int64_t kind, int64_t g0, int64_t g1,
@@ -97,9 +102,9 @@ void quantize_groups(const float* x, int64_t M, int64_t K, int64_t kind, int64_t
 template <int R, int T, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_against_tiles(
     const GroupedActivations& a, int64_t g, const QuantWeight& w, int64_t t0, float* y, int64_t N, const float* init) {
-  constexpr int64_t kCodeBytes = code_bytes(kind);
+  constexpr int64_t kCodeBytes = tile_block_bytes(kind);
+  constexpr bool kMin = has_minimum(kind);
   const int64_t nb = w.blocks, m0 = g * kRows;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __mmask16 keep[T];
   for (int t = 0; t < T; ++t) keep[t] = genfn_kernels::lanes_below(N - (t0 + t) * kTile);
   // The accumulators live in L1 (16 integer sums take half the registers); each is read and
@@ -115,14 +120,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_against_tiles(
   const float* x_scaled_sum = a.scaled_sum.data() + g * nb * kRows;
   const uint8_t* codes = w.codes + t0 * nb * kCodeBytes;
   const uint16_t* scales = w.scales + t0 * nb * kTile;
-  const uint16_t* mins = kind == kQ4Min ? w.mins + t0 * nb * kTile : nullptr;
+  const uint16_t* mins = kMin ? w.mins + t0 * nb * kTile : nullptr;
   for (int64_t b = 0; b < nb; ++b, x += kRows * kBlock, x_bias += kRows, x_scale += kRows, x_scaled_sum += kRows) {
     __m512i s[R][T];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) s[r][t] = _mm512_set1_epi32(x_bias[r]);
-    // Four inputs per lane a chunk: Q8_0 has 8 chunks a block; Q4 4 bytes hold inputs 4c..4c+3
-    // in the low nibbles and 16+4c..16+4c+3 in the high ones.
+    // Four inputs per lane a chunk: Q8_0 has 8 chunks a block; the 4- and 5-bit kinds 4, whose
+    // 4 bytes a row hold inputs 4c..4c+3 and 16+4c..16+4c+3 (tile_kinds.h).
     if constexpr (kind == kQ8) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -138,11 +143,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_against_tiles(
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m512i low[T], high[T];
-        for (int t = 0; t < T; ++t) {
-          const __m512i packed = _mm512_loadu_si512(codes + (t * nb + b) * kCodeBytes + 64 * j);
-          low[t] = _mm512_and_si512(packed, low_nibbles);
-          high[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-        }
+        for (int t = 0; t < T; ++t)
+          genfn_kernels::unpack_nibble_chunk<kind>(codes + (t * nb + b) * kCodeBytes, j, low[t], high[t]);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* xb = reinterpret_cast<const int32_t*>(x + r * kBlock);
@@ -157,7 +159,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_against_tiles(
     __m512 d[T], minimum[T];
     for (int t = 0; t < T; ++t) {
       d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (t * nb + b) * kTile)));
-      if constexpr (kind == kQ4Min)
+      if constexpr (kMin)
         minimum[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + (t * nb + b) * kTile)));
     }
 #pragma GCC unroll 8
@@ -166,7 +168,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_against_tiles(
       for (int t = 0; t < T; ++t) {
         // quant_linear's step: the same operations in the same order.
         __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]), _mm512_mul_ps(d[t], dx), _mm512_load_ps(acc[r][t]));
-        if constexpr (kind == kQ4Min) sum = _mm512_fmadd_ps(minimum[t], _mm512_set1_ps(x_scaled_sum[r]), sum);
+        if constexpr (kMin) sum = _mm512_fmadd_ps(minimum[t], _mm512_set1_ps(x_scaled_sum[r]), sum);
         _mm512_store_ps(acc[r][t], sum);
       }
     }
@@ -199,9 +201,13 @@ StepFn step_for(int64_t rows, int64_t tiles) {
 }
 
 StepFn pick_step(int64_t kind, int64_t rows, int64_t tiles) {
-  if (kind == kQ4) return step_for<kQ4>(rows, tiles);
-  if (kind == kQ4Min) return step_for<kQ4Min>(rows, tiles);
-  return step_for<kQ8>(rows, tiles);
+  switch (kind) {
+    case kQ4: return step_for<kQ4>(rows, tiles);
+    case kQ4Min: return step_for<kQ4Min>(rows, tiles);
+    case kQ5: return step_for<kQ5>(rows, tiles);
+    case kQ5Min: return step_for<kQ5Min>(rows, tiles);
+    default: return step_for<kQ8>(rows, tiles);
+  }
 }
 
 // Tile pairs [p0, p1) against every row of x: each group of rows over all the pairs in turn.
@@ -238,7 +244,7 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const QuantWeight& w, floa
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   pairs.prepare_blocks(pair_count, threads);
   // A run's codes stay in L2, and every thread claims a few runs (the last claim is short).
-  const int64_t pair_bytes = kTiles * w.blocks * code_bytes(w.kind);
+  const int64_t pair_bytes = kTiles * w.blocks * tile_block_bytes(w.kind);
   const int64_t chunk = std::max<int64_t>(1, std::min(kRunBytes / pair_bytes, pair_count / (4 * threads)));
 #pragma omp parallel num_threads(threads)
   {

@@ -4,8 +4,8 @@
 // ties to even, and the block's code sum, as llama.cpp's Q8_1). Then per tile of 16 output rows
 // and per block, `vpdpbusd` multiplies the weights' unsigned codes by the activation's signed
 // bytes, four inputs per lane and one output row per lane; the integer sums are exact, and each
-// block adds d_w * d_x * sum in float32. Minimums (Q4_1) and code offsets (8 for Q4_0, 128 for
-// the 8-bit formats) fold into the activation block sums:
+// block adds d_w * d_x * sum in float32. Minimums (Q4_1, Q5_1) and code offsets (8 for Q4_0, 16
+// for Q5_0, 128 for the 8-bit formats; tile_kinds.h) fold into the activation block sums:
 //   sum_k (d u_k + m) d_x q_k = d d_x sum(u q) + m d_x sum(q),   u - c offsets by c sum(q).
 // The weight is streamed once per call: 9-15 rows of x run in even groups of at most 8 over a few
 // tiles at a time while those are in L1 (the fused layer's share of a linear, run by the op in a
@@ -31,14 +31,20 @@
 #include <omp.h>
 
 #include "decode_kernels.h"
+#include "tile_kinds.h"
 
 namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
-enum Kind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2 };
-
-constexpr int chunks_of(int64_t kind) { return kind == kQ8 ? 8 : 4; }
+using genfn_kernels::code_offset;
+using genfn_kernels::has_minimum;
+using genfn_kernels::kQ4;
+using genfn_kernels::kQ4Min;
+using genfn_kernels::kQ5;
+using genfn_kernels::kQ5Min;
+using genfn_kernels::kQ8;
+using genfn_kernels::tile_block_bytes;
 
 // scaled_sum is scale * sum: what a minimum multiplies.
 using Activations = genfn_kernels::QuantActivations;
@@ -109,10 +115,10 @@ template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes, const uint16_t* scales,
     const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y, const float* init) {
-  constexpr int kChunks = chunks_of(kind);
-  constexpr int64_t kBlockBytes = kChunks * 64;
-  constexpr int32_t kOffset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  constexpr int64_t kBlockBytes = tile_block_bytes(kind);
+  constexpr int kChunks = kBlockBytes / 64;
+  constexpr int32_t kOffset = code_offset(kind);
+  constexpr bool kMin = has_minimum(kind);
   // The scales (and minimums) stream beside the codes: 32 bytes a block against 256 or 512.
   const genfn_kernels::StreamWindow window = stream_window<M>(kind);
   const int64_t kPrefetchBytes = window.bytes, kScalePrefetchBytes = kPrefetchBytes / 8;
@@ -122,17 +128,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     const int64_t length = (t1 - t0) * nb * kBlockBytes;
     const char* start = reinterpret_cast<const char*>(codes + t0 * nb * kBlockBytes);
     const char* scale_start = reinterpret_cast<const char*>(scales + t0 * nb * kTile);
-    const char* min_start = kind == kQ4Min ? reinterpret_cast<const char*>(mins + t0 * nb * kTile) : nullptr;
+    const char* min_start = kMin ? reinterpret_cast<const char*>(mins + t0 * nb * kTile) : nullptr;
     for (int64_t off = 0; off < std::min(kPrefetchBytes, length); off += 64) window.fetch(start + off);
     for (int64_t off = 0; off < std::min(kScalePrefetchBytes, length / 8); off += 64) {
       window.fetch(scale_start + off);
-      if constexpr (kind == kQ4Min) window.fetch(min_start + off);
+      if constexpr (kMin) window.fetch(min_start + off);
     }
     for (int64_t off = kPrefetchBytes; off < std::min(kFarBytes, length); off += 64)
       _mm_prefetch(start + off, _MM_HINT_T1);
     for (int64_t off = kScalePrefetchBytes; off < std::min(kFarScaleBytes, length / 8); off += 64) {
       _mm_prefetch(scale_start + off, _MM_HINT_T1);
-      if constexpr (kind == kQ4Min) _mm_prefetch(min_start + off, _MM_HINT_T1);
+      if constexpr (kMin) _mm_prefetch(min_start + off, _MM_HINT_T1);
     }
   }
   for (int64_t t = t0; t < t1; ++t) {
@@ -143,7 +149,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     for (int m = 0; m < M; ++m) acc[m] = init ? _mm512_maskz_loadu_ps(keep, init + m * N + n0) : _mm512_setzero_ps();
     const uint8_t* c = codes + t * nb * kBlockBytes;
     const uint16_t* sc = scales + t * nb * kTile;
-    const uint16_t* mn = kind == kQ4Min ? mins + t * nb * kTile : nullptr;
+    const uint16_t* mn = kMin ? mins + t * nb * kTile : nullptr;
     for (int64_t b = 0; b < nb; ++b, c += kBlockBytes) {
       // Nothing past the window's end: that is another thread's share.
       if (kPrefetchBytes > 0 && c + kPrefetchBytes + kBlockBytes <= codes_end) {
@@ -151,14 +157,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
         // Scales (and minimums): 32 bytes a block, a line every other block.
         if (b % 2 == 0) {
           window.fetch(reinterpret_cast<const char*>(sc + b * kTile) + kScalePrefetchBytes);
-          if constexpr (kind == kQ4Min) window.fetch(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes);
+          if constexpr (kMin) window.fetch(reinterpret_cast<const char*>(mn + b * kTile) + kScalePrefetchBytes);
         }
       }
       if (kFarBytes > 0 && c + kFarBytes + kBlockBytes <= codes_end) {
         for (int j = 0; j < kChunks; ++j) _mm_prefetch(reinterpret_cast<const char*>(c + kFarBytes + 64 * j), _MM_HINT_T1);
         if (b % 2 == 0) {
           _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kFarScaleBytes, _MM_HINT_T1);
-          if constexpr (kind == kQ4Min)
+          if constexpr (kMin)
             _mm_prefetch(reinterpret_cast<const char*>(mn + b * kTile) + kFarScaleBytes, _MM_HINT_T1);
         }
       }
@@ -166,15 +172,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
       if constexpr (kind == kQ8) {
         for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(c + 64 * j);
       } else {
-        for (int j = 0; j < 4; ++j) {
-          const __m512i packed = _mm512_loadu_si512(c + 64 * j);
-          w[j] = _mm512_and_si512(packed, low_nibbles);
-          w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-        }
+        for (int j = 0; j < 4; ++j) genfn_kernels::unpack_nibble_chunk<kind>(c, j, w[j], w[4 + j]);
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * kTile)));
       __m512 mins_b;
-      if constexpr (kind == kQ4Min)
+      if constexpr (kMin)
         mins_b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * kTile)));
       for (int m = 0; m < M; ++m) {
         const int32_t* xb = reinterpret_cast<const int32_t*>(a.codes.data() + m * K + b * kBlock);
@@ -190,7 +192,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
         s0 = _mm512_add_epi32(s0, s1);
         const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(a.scale[m * nb + b]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), dx, acc[m]);
-        if constexpr (kind == kQ4Min)
+        if constexpr (kMin)
           acc[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc[m]);
       }
     }
@@ -202,25 +204,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
 void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const uint8_t* codes,
                       const c10::Half* scales, const c10::Half* mins, const Activations& a, int64_t K, int64_t N,
                       float* y, const float* init) {
-  const int chunks = chunks_of(kind);
-  const int32_t offset = kind == kQ4 ? 8 : (kind == kQ8 ? 128 : 0);
+  const int64_t block_bytes = tile_block_bytes(kind);
+  const int32_t offset = code_offset(kind);
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t r = 0; r < kTile && t * kTile + r < N; ++r)
       for (int64_t m = 0; m < M; ++m) {
         float acc = init ? init[m * N + t * kTile + r] : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* c = codes + (t * nb + b) * chunks * 64;
+          const uint8_t* c = codes + (t * nb + b) * block_bytes;
           const int8_t* xq = a.codes.data() + m * K + b * kBlock;
           int32_t s = -offset * a.sum[m * nb + b];
-          for (int j = 0; j < 8; ++j)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = kind == kQ8 ? c[j * 64 + r * 4 + i] : c[(j % 4) * 64 + r * 4 + i];
-              const int32_t u = kind == kQ8 ? byte : (j < 4 ? byte & 0x0F : byte >> 4);
-              s += u * xq[j * 4 + i];
-            }
+          for (int64_t k = 0; k < kBlock; ++k) s += genfn_kernels::tile_code(c, kind, r, k) * xq[k];
           const float d = static_cast<float>(scales[(t * nb + b) * kTile + r]);
           acc = std::fma(static_cast<float>(s), d * a.scale[m * nb + b], acc);
-          if (kind == kQ4Min) acc = std::fma(static_cast<float>(mins[(t * nb + b) * kTile + r]),
+          if (has_minimum(kind)) acc = std::fma(static_cast<float>(mins[(t * nb + b) * kTile + r]),
                                              a.scaled_sum[m * nb + b], acc);
         }
         y[m * N + t * kTile + r] = acc;
@@ -246,10 +243,13 @@ void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t fetch_end, bool fi
 void run_share(int64_t M, int64_t kind, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb,
                const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K,
                int64_t N, float* y, const float* init = nullptr) {
-  if (kind == kQ4) dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-  else if (kind == kQ4Min)
-    dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-  else dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+  switch (kind) {
+    case kQ4: return dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case kQ4Min: return dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case kQ5: return dispatch_rows<kQ5>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case kQ5Min: return dispatch_rows<kQ5Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    default: return dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+  }
 }
 
 bool has_vnni() {
@@ -260,21 +260,22 @@ bool has_vnni() {
 at::Tensor linear_from(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t kind, int64_t out_features,
                        const c10::optional<at::Tensor>& init) {
-  TORCH_CHECK(kind == kQ4 || kind == kQ4Min || kind == kQ8, "quant_linear: kind must be 0, 1 or 2, got ", kind);
+  TORCH_CHECK(genfn_kernels::valid_tile_kind(kind), "quant_linear: kind must be ", genfn_kernels::kTileKindNames,
+              ", got ", kind);
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "quant_linear: codes must be uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: scales must be float16");
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "quant_linear: CPU tensors only");
   const int64_t K = x.size(-1);
   const int64_t tiles = codes.size(0), nb = codes.size(1);
   TORCH_CHECK(K == nb * kBlock, "quant_linear: x has ", K, " features, the weight expects ", nb * kBlock);
-  TORCH_CHECK(codes.size(2) == chunks_of(kind) * 64, "quant_linear: codes of ", codes.size(2),
+  TORCH_CHECK(codes.size(2) == tile_block_bytes(kind), "quant_linear: codes of ", codes.size(2),
               " bytes a block do not match kind ", kind);
   TORCH_CHECK(out_features <= tiles * kTile && out_features > (tiles - 1) * kTile,
               "quant_linear: ", out_features, " output rows do not fit ", tiles, " tiles");
   TORCH_CHECK(scales.numel() == tiles * nb * kTile, "quant_linear: scales do not match the codes");
-  const bool has_min = kind == kQ4Min;
+  const bool has_min = has_minimum(kind);
   TORCH_CHECK(!has_min || (mins.has_value() && mins->numel() == scales.numel() && mins->scalar_type() == at::kHalf),
-              "quant_linear: kind 1 (with minimums) needs float16 mins shaped like the scales");
+              "quant_linear: kinds 1 and 4 (with minimums) need float16 mins shaped like the scales");
   const int64_t N = out_features;
   const int64_t M = K == 0 ? 0 : x.numel() / K;
   auto out_sizes = x.sizes().vec();
@@ -372,7 +373,7 @@ void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActi
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
                                const float* const* init) {
   // ~8 KiB of codes a claim, as linear_balanced claims rows.
-  const int64_t tile_bytes = w.blocks * chunks_of(w.kind) * 64;
+  const int64_t tile_bytes = w.blocks * tile_block_bytes(w.kind);
   const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
   // Every group over the claimed tiles while they are in L1: the first fetches ahead, the others
   // read what it brought.

@@ -263,7 +263,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     over a torch.distributed process group.
 
     ``quantize``: None (default) loads every weight as ``dtype``; ``"gguf"`` keeps a GGUF file's
-    own Q8_0/Q4_0/Q4_1 blocks bit for bit; ``"q8_0" | "q4_0" | "q4_1" | "int8" | "int4"``
+    own blocks bit for bit (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants); ``"q8_0" | "q4_0" |
+    "q4_1" | "q5_0" | "q5_1" | "int8" | "int4"``
     quantizes the float weights on load. Quantized linears run ``genfn.kernels``' VNNI kernel
     (see ``genfn.models.quantized``); activations stay ``dtype``.
     """

@@ -33,7 +33,7 @@ from genfn.quant.weight import TILE, QuantizedWeight
 __all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
 
 QUANTIZE_CHOICES = ("gguf", *FORMATS)
-HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "int4": "int8"}
+HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0", "int4": "int8"}
 LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
 # A mixture of experts' stacked projections (genfn.models.moe), quantized expert by expert.
 EXPERT_PARAMS = ("experts_gate_up", "experts_down")

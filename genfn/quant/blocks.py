@@ -10,12 +10,16 @@ Formats (``w`` a weight, ``u`` its stored code, ``d``/``m`` float16 scale/minimu
     q8_0   groups of 32, w = d * q, q int8 in [-127, 127]     (GGUF Q8_0, 34 bytes / 32 weights)
     q4_0   groups of 32, w = d * (u - 8), u in [0, 15]        (GGUF Q4_0, 18 bytes / 32 weights)
     q4_1   groups of 32, w = d * u + m, u in [0, 15]          (GGUF Q4_1, 20 bytes / 32 weights)
+    q5_0   groups of 32, w = d * (u - 16), u in [0, 31]       (GGUF Q5_0, 22 bytes / 32 weights)
+    q5_1   groups of 32, w = d * u + m, u in [0, 31]          (GGUF Q5_1, 24 bytes / 32 weights)
     int8   one group per row (channel-wise), w = d * q        (torch-style weight-only int8)
     int4   groups of 64, w = d * u + m, u in [0, 15]          (torch-style group-wise int4)
 
 Codes are always stored per block of 32 inputs as GGUF lays them out: 32 signed bytes for the
 8-bit formats; 16 bytes for the 4-bit ones, byte ``j`` holding input ``j`` in its low nibble and
-input ``j + 16`` in its high nibble. Quantizing from float follows ggml's reference rounding.
+input ``j + 16`` in its high nibble; for the 5-bit ones a little-endian 32-bit word of fifth bits
+(bit ``j`` input ``j``'s) and then those 16 nibble bytes, 20 bytes in the order of GGUF's record.
+Quantizing from float follows ggml's reference rounding.
 """
 
 from __future__ import annotations
@@ -26,32 +30,37 @@ import numpy as np
 import torch
 
 
-__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "GGUF_WIDENED", "widen_gguf_blocks", "BLOCK", "quantize", "dequantize", "from_gguf_bytes",
-           "gguf_block_fields"]
+__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "BLOCK", "common_format", "widen", "to_gguf_bytes", "quantize",
+           "dequantize", "from_gguf_bytes", "gguf_block_fields"]
 
 BLOCK = 32
 # Inputs per scale; None means one scale for the whole row.
-_GROUP = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "int8": None, "int4": 64}
+_GROUP = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "int8": None, "int4": 64}
 FORMATS = tuple(_GROUP)
 EIGHT_BIT = frozenset({"q8_0", "int8"})
-WITH_MINIMUM = frozenset({"q4_1", "int4"})
+FIVE_BIT = frozenset({"q5_0", "q5_1"})
+WITH_MINIMUM = frozenset({"q4_1", "q5_1", "int4"})
+# What a code is offset by (w = d * (u - offset)) in the formats without a minimum.
+CODE_OFFSET = {"q4_0": 8, "q5_0": 16, "q8_0": 0, "int8": 0}
 # ggml type names -> format; these are the GGUF types kept as blocks (others are dequantized).
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-# ggml types kept as another kept type's blocks, value for value (``widen_gguf_blocks``). llama.cpp
-# writes Q5_0 where a Q4_K mix meets a matrix whose inputs are no multiple of 256 (every q/k/v/o and
-# gate/up matrix of SmolLM2's 576-wide or Qwen2.5-0.5B's 896-wide layers): as Q8_0 it takes 8.5 bits a
-# weight instead of float32's 32, and the 8-bit tiles' products give llama.cpp's Q5_0 sums (an
-# integer dot per block, then its two scales).
-GGUF_WIDENED = {"Q5_0": "Q8_0"}
+# llama.cpp writes Q5_0 (Q5_1) where a Q4_K (Q5_K) mix meets a matrix whose inputs are no multiple
+# of 256: every q/k/v/o and gate/up matrix of SmolLM2's 576-wide or Qwen2.5-0.5B's 896-wide layers.
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1"}
+_GGUF_TYPE_OF = {fmt: name for name, fmt in GGUF_FORMATS.items()}
+# The formats each format's blocks widen into value for value (``widen``), narrowest first. The
+# kernels' integer sums are unchanged too (codes and their offsets move together, scales and
+# minimums stay), so a widened matrix gives the same products bit for bit, at more bytes read.
+_WIDER = {"q4_0": ("q5_0", "q8_0"), "q5_0": ("q8_0",), "q4_1": ("q5_1",)}
 
 
 @dataclasses.dataclass(frozen=True)
 class RowBlocks:
     """An ``[out_features, in_features]`` matrix of quantization blocks, rows in storage order.
 
-    codes:  uint8 ``[N, K // 32, 32]`` (8-bit formats; int8 values as their bytes) or
-            ``[N, K // 32, 16]`` (4-bit formats, two inputs a byte).
-    scales: float16 ``[N, groups]``; mins: float16 ``[N, groups]`` for q4_1/int4, else None.
+    codes:  uint8 ``[N, K // 32, 32]`` (8-bit formats; int8 values as their bytes),
+            ``[N, K // 32, 16]`` (4-bit formats, two inputs a byte) or ``[N, K // 32, 20]``
+            (5-bit formats: the fifth bits' word, then the nibbles).
+    scales: float16 ``[N, groups]``; mins: float16 ``[N, groups]`` for q4_1/q5_1/int4, else None.
     """
 
     format: str
@@ -84,38 +93,38 @@ def _check_format(fmt: str) -> None:
 # GGUF bytes
 
 
+def _gguf_record(fmt: str) -> np.dtype:
+    """One GGUF block of ``fmt`` as a numpy structured type (``gguf_block_fields``' fields)."""
+    code_bytes = 32 if fmt in EIGHT_BIT else 20 if fmt in FIVE_BIT else 16
+    head = 4 if fmt in WITH_MINIMUM else 2
+    names, formats, offsets = ["d", "q", "words"], ["<f2", ("u1", code_bytes), ("<u4", code_bytes // 4)], [0, head, head]
+    if fmt in WITH_MINIMUM:
+        names, formats, offsets = names + ["m"], formats + ["<f2"], offsets + [2]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + code_bytes})
+
+
 def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A GGUF tensor's blocks (``raw``: its uint8 data, e.g. a view of the file mapping) as a numpy
     structured view ``[rows, cols // 32]``, no copy: fields ``d`` (float16 scale), ``m`` (float16
-    minimum, Q4_1 only), ``q`` (the code bytes) and ``words`` (the same codes as uint32, four bytes
-    a word: the unit the kernel's tiles interleave)."""
-    fmt = GGUF_FORMATS[ggml_type_name]
+    minimum, Q4_1 and Q5_1 only), ``q`` (the code bytes: a Q5 record's fifth bits, then its nibbles)
+    and ``words`` (the same codes as uint32, four bytes a word: the unit the kernel's tiles interleave)."""
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    code_bytes = 32 if fmt in EIGHT_BIT else 16
-    head = 4 if fmt == "q4_1" else 2
-    names, formats, offsets = ["d", "q", "words"], ["<f2", ("u1", code_bytes), ("<u4", code_bytes // 4)], [0, head, head]
-    if fmt == "q4_1":
-        names, formats, offsets = names + ["m"], formats + ["<f2"], offsets + [2]
-    block = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + code_bytes})
+    block = _gguf_record(GGUF_FORMATS[ggml_type_name])
     return np.ascontiguousarray(raw).reshape(-1).view(block).reshape(rows, cols // BLOCK)
 
 
-def widen_gguf_blocks(raw: np.ndarray, ggml_type_name: str) -> tuple[np.ndarray, str]:
-    """``(raw, type)``: a tensor's blocks in the kept type ``GGUF_WIDENED`` names for its type (a
-    fresh array), or ``raw`` and its type as they are. A Q5_0 block (float16 scale ``d``, 32 high
-    bits, 16 bytes of low nibbles) holds codes 0..31 of values ``d * (code - 16)``; its Q8_0 block
-    is the same ``d`` and the int8 codes ``code - 16``: the same values, bit for bit."""
-    if ggml_type_name != "Q5_0":
-        return raw, ggml_type_name
-    blocks = np.ascontiguousarray(raw).reshape(-1, 22)
-    high = blocks[:, 2:6].copy().view("<u4")  # [n, 1]: bit j is input j's fifth bit
-    low = blocks[:, 6:22]
-    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1).astype(np.int16)  # inputs 0..15, then 16..31
-    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
-    out = np.empty((blocks.shape[0], 34), np.uint8)
-    out[:, :2] = blocks[:, :2]
-    out[:, 2:] = (nibbles + (fifth << 4) - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(*raw.shape[:-1], -1) if raw.ndim > 1 else out.reshape(-1), "Q8_0"
+def to_gguf_bytes(blocks: RowBlocks) -> np.ndarray:
+    """uint8 ``[N, K // 32 * record bytes]``: the blocks of a GGUF format as a GGUF tensor's data
+    (``from_gguf_bytes``' inverse, bit for bit)."""
+    if blocks.format not in _GGUF_TYPE_OF:
+        raise ValueError(f"blocks must be in a GGUF format ({', '.join(_GGUF_TYPE_OF)}); got {blocks.format!r}")
+    n, k = blocks.shape
+    out = np.empty((n, k // BLOCK), _gguf_record(blocks.format))
+    out["d"] = blocks.scales.numpy()
+    out["q"] = blocks.codes.numpy()
+    if blocks.mins is not None:
+        out["m"] = blocks.mins.numpy()
+    return out.view(np.uint8).reshape(n, -1)
 
 
 def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> RowBlocks:
@@ -128,7 +137,37 @@ def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]
     def tensor(name: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[name]))
 
-    return RowBlocks(fmt, tensor("q"), tensor("d"), tensor("m") if fmt == "q4_1" else None)
+    return RowBlocks(fmt, tensor("q"), tensor("d"), tensor("m") if fmt in WITH_MINIMUM else None)
+
+
+def common_format(formats) -> str | None:
+    """The narrowest GGUF format that holds blocks of each of ``formats`` value for value (one of
+    them, or one they all widen into), or None where there is none (a format with minimums beside
+    one without, or a format outside ``GGUF_FORMATS``)."""
+    held = None
+    for fmt in formats:
+        mine = {fmt, *_WIDER.get(fmt, ())} if fmt in _GGUF_TYPE_OF else set()
+        held = mine if held is None else held & mine
+    if not held:
+        return None
+    return max(held, key=lambda f: len(_WIDER.get(f, ())))  # the narrowest widens into the most
+
+
+def widen(blocks: RowBlocks, fmt: str) -> RowBlocks:
+    """``blocks`` in ``fmt``, a format they widen into (``common_format``): every value, scale and
+    minimum kept, the codes moved by the formats' offsets (q4_0's ``u`` is q5_0's ``u + 8`` and
+    q8_0's ``u - 8``)."""
+    if blocks.format == fmt:
+        return blocks
+    if fmt not in _WIDER.get(blocks.format, ()):
+        raise ValueError(f"{blocks.format} blocks do not widen into {fmt!r}; they widen into "
+                         f"{', '.join(_WIDER.get(blocks.format, ())) or 'no other format'}")
+    signed = unpack_codes(blocks) - CODE_OFFSET.get(blocks.format, 0)  # u - offset: the values over d (no minimum)
+    if fmt in EIGHT_BIT:
+        codes = signed.to(torch.int8).view(torch.uint8).contiguous()
+    else:
+        codes = _pack_five_bits(signed + CODE_OFFSET.get(fmt, 0))
+    return RowBlocks(fmt, codes, blocks.scales, blocks.mins)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,17 +175,32 @@ def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]
 
 
 def unpack_codes(blocks: RowBlocks) -> torch.Tensor:
-    """int16 ``[N, K // 32, 32]``: each input's code (signed for 8-bit formats, 0..15 for 4-bit)."""
+    """int16 ``[N, K // 32, 32]``: each input's code (signed for 8-bit formats, 0..15 for 4-bit,
+    0..31 for 5-bit)."""
     codes = blocks.codes
     if blocks.format in EIGHT_BIT:
         return codes.view(torch.int8).to(torch.int16)
+    fifth = None
+    if blocks.format in FIVE_BIT:
+        bits = codes[..., :4].to(torch.int16)  # byte i holds inputs 8i..8i+7's fifth bits
+        fifth = ((bits.unsqueeze(-1) >> torch.arange(8, dtype=torch.int16)) & 1).flatten(-2)
+        codes = codes[..., 4:]
     wide = codes.to(torch.int16)
-    return torch.cat([wide & 0x0F, wide >> 4], dim=-1)
+    nibbles = torch.cat([wide & 0x0F, wide >> 4], dim=-1)
+    return nibbles if fifth is None else nibbles | (fifth << 4)
 
 
 def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     u = u.to(torch.uint8)
     return (u[..., :16] | (u[..., 16:] << 4)).contiguous()
+
+
+def _pack_five_bits(u: torch.Tensor) -> torch.Tensor:
+    """Codes 0..31 ``[..., 32]`` as a 5-bit block's 20 bytes: the fifth bits' word, then the nibbles."""
+    u = u.to(torch.uint8)
+    fifth = ((u >> 4) & 1).reshape(*u.shape[:-1], 4, 8)
+    words = (fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat([words, _pack_nibbles(u & 0x0F)], dim=-1).contiguous()
 
 
 def _per_block(values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -162,10 +216,8 @@ def dequantize(blocks: RowBlocks) -> torch.Tensor:
     if blocks.format in WITH_MINIMUM:
         m = _per_block(blocks.mins, blocks.shape).to(torch.float32).unsqueeze(-1)
         w = q * d + m
-    elif blocks.format == "q4_0":
-        w = (q - 8) * d
     else:
-        w = q * d
+        w = (q - CODE_OFFSET[blocks.format]) * d if CODE_OFFSET[blocks.format] else q * d
     return w.reshape(blocks.shape)
 
 
@@ -189,21 +241,24 @@ def quantize(weight: torch.Tensor, fmt: str) -> RowBlocks:
         q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
         codes = q.reshape(n, k // BLOCK, BLOCK).view(torch.uint8)
         return RowBlocks(fmt, codes.contiguous(), d.to(torch.float16), None)
-    if fmt == "q4_0":
-        # ggml: the value of largest magnitude maps to -8, codes truncate x / d + 8.5.
+    top = 31 if fmt in FIVE_BIT else 15
+    pack = _pack_five_bits if fmt in FIVE_BIT else _pack_nibbles
+    if fmt in ("q4_0", "q5_0"):
+        # ggml: the value of largest magnitude maps to -8 (-16), codes truncate x / d + 8.5 (16.5).
+        offset = CODE_OFFSET[fmt]
         idx = w.abs().argmax(-1, keepdim=True)
         extreme = torch.gather(w, -1, idx).squeeze(-1)
-        d = extreme / -8
+        d = extreme / -offset
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        u = torch.clamp(torch.trunc(w * inv.unsqueeze(-1) + 8.5), max=15)
-        codes = _pack_nibbles(u.reshape(n, k // BLOCK, BLOCK))
+        u = torch.clamp(torch.trunc(w * inv.unsqueeze(-1) + (offset + 0.5)), max=top)
+        codes = pack(u.reshape(n, k // BLOCK, BLOCK))
         return RowBlocks(fmt, codes, d.to(torch.float16), None)
-    # q4_1 / int4: [min, max] onto 0..15, codes truncate (x - min) / d + 0.5.
+    # q4_1 / q5_1 / int4: [min, max] onto 0..15 (0..31), codes truncate (x - min) / d + 0.5.
     lo, hi = w.amin(-1), w.amax(-1)
-    d = (hi - lo) / 15
+    d = (hi - lo) / top
     if fmt == "int4":
         d, lo = d.to(torch.float16).to(torch.float32), lo.to(torch.float16).to(torch.float32)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    u = torch.clamp(torch.trunc((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5), 0, 15)
-    codes = _pack_nibbles(u.reshape(n, k // BLOCK, BLOCK))
+    u = torch.clamp(torch.trunc((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5), 0, top)
+    codes = pack(u.reshape(n, k // BLOCK, BLOCK))
     return RowBlocks(fmt, codes, d.to(torch.float16), lo.to(torch.float16))

@@ -8,13 +8,15 @@ block (32 inputs), with the 16 rows of a block interleaved four code bytes at a 
 
     codes  uint8   [tiles, K // 32, chunks * 64]   chunk c = bytes 4c..4c+3 of each of the 16 rows
     scales float16 [tiles, K // 32, 16]
-    mins   float16 [tiles, K // 32, 16]            q4_1 / int4 only
+    mins   float16 [tiles, K // 32, 16]            q4_1 / q5_1 / int4 only
 
 One AVX-512 register then holds one chunk of 16 rows, and ``vpdpbusd`` against four activation
 bytes broadcast to every lane leaves each row's partial dot product in its own lane: no
 horizontal sums, and one float16 -> float32 conversion turns 16 scales into the lanes' factors.
 4-bit blocks keep GGUF's nibble order (byte j: input j low, input j + 16 high), so a chunk's low
-nibbles meet inputs 4c..4c+3 and its high nibbles 16+4c..16+4c+3. 8-bit codes are stored offset
+nibbles meet inputs 4c..4c+3 and its high nibbles 16+4c..16+4c+3. 5-bit blocks (q5_0, q5_1) are
+one chunk of the rows' fifth-bit words and then those 4 nibble chunks: GGUF's record after its
+scales, word for word (``genfn/kernels/tile_kinds.h`` reads them). 8-bit codes are stored offset
 by 128 (``vpdpbusd`` multiplies unsigned by signed bytes); the kernel subtracts 128 times the
 activation block's sum, which it has anyway. Every code and scale is the source's, moved, not
 recomputed.
@@ -34,10 +36,14 @@ from genfn.state.base import pytree_dataclass, static_field
 __all__ = ["QuantizedWeight", "TILE", "KERNEL_KIND", "cat_tiles"]
 
 TILE = 16
-# The kernel's three dot products: 4-bit with a fixed offset of 8, 4-bit with a minimum, 8-bit.
-KERNEL_KIND = {"q4_0": 0, "q4_1": 1, "int4": 1, "q8_0": 2, "int8": 2}
+# The kernel's dot products (genfn/kernels/tile_kinds.h): 4-bit with a fixed offset of 8, 4-bit with
+# a minimum, 8-bit, 5-bit with an offset of 16, 5-bit with a minimum.
+KERNEL_KIND = {"q4_0": 0, "q4_1": 1, "int4": 1, "q8_0": 2, "int8": 2, "q5_0": 3, "q5_1": 4}
 # What each format becomes once its scales are spread per block of 32 (the tile layout's unit).
-_PER_BLOCK_FORMAT = {"q4_0": "q4_0", "q4_1": "q4_1", "int4": "q4_1", "q8_0": "q8_0", "int8": "q8_0"}
+_PER_BLOCK_FORMAT = {"q4_0": "q4_0", "q4_1": "q4_1", "int4": "q4_1", "q8_0": "q8_0", "int8": "q8_0", "q5_0": "q5_0",
+                     "q5_1": "q5_1"}
+# Code bytes a block of 32 inputs takes, per row.
+_CODE_BYTES = {"q4_0": 16, "q4_1": 16, "q8_0": 32, "q5_0": 20, "q5_1": 20}
 
 
 @pytree_dataclass
@@ -95,11 +101,11 @@ class QuantizedWeight:
         """An all-zero weight of this shape in the tile layout, its tensors from ``empty(shape,
         dtype)`` (which must give zero-filled memory; default ``torch.zeros``), to be filled by
         ``fill_from_blocks``; ``fmt`` one of the GGUF formats (scales per block of 32)."""
-        if fmt not in ("q4_0", "q4_1", "q8_0"):
-            raise ValueError(f"fmt must be one of q4_0, q4_1, q8_0; got {fmt!r}")
+        if fmt not in _CODE_BYTES:
+            raise ValueError(f"fmt must be one of {', '.join(_CODE_BYTES)}; got {fmt!r}")
         empty = empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         tiles, blocks = -(-out_features // TILE), in_features // BLOCK
-        codes = empty((tiles, blocks, (32 if fmt in EIGHT_BIT else 16) * TILE), torch.uint8)
+        codes = empty((tiles, blocks, _CODE_BYTES[fmt] * TILE), torch.uint8)
         mins = empty((tiles, blocks, TILE), torch.float16) if fmt in WITH_MINIMUM else None
         return cls(codes, empty((tiles, blocks, TILE), torch.float16), mins, fmt, out_features, in_features)
 

@@ -21,7 +21,7 @@ from genfn.default_model import command_quantize
 __all__ = ["add_arguments", "main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "int8", "int4")
+_QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4")
 
 
 def _positive_int(text: str) -> int:

@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from genfn.quant.blocks import GGUF_FORMATS, GGUF_WIDENED, RowBlocks, from_gguf_bytes, widen_gguf_blocks
+from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
 from genfn.quant.fuse import cat_rows
 from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
@@ -456,8 +456,8 @@ def _tensor(gguf: GGUFFile, name: str, keep_blocks: bool, dtype: torch.dtype,
     # A mixture of experts' stacked projection [E, rows, cols] is kept as its E * rows rows of
     # blocks (no block crosses a row); _stacked_experts splits them per expert again.
     matrix = (int(np.prod(shape[:-1])), shape[-1])
-    if keep_blocks and GGUF_WIDENED.get(type_name, type_name) in GGUF_FORMATS and len(shape) in (2, 3):
-        return from_gguf_bytes(*widen_gguf_blocks(gguf.raw(name, cut), type_name), matrix)
+    if keep_blocks and type_name in GGUF_FORMATS and len(shape) in (2, 3):
+        return from_gguf_bytes(gguf.raw(name, cut), type_name, matrix)
     if keep_blocks and type_name in GGUF_K_FORMATS and len(shape) in (2, 3):
         # A row slice is still one run of the mapping's bytes (no copy); a column slice is copied.
         return KQuantWeight.from_bytes(mapped(np.ascontiguousarray(gguf.raw(name, cut))), GGUF_K_FORMATS[type_name],

@@ -1,7 +1,7 @@
 """A GGUF file's quantized matrices, from the file mapping to where the decode steps read them,
 each byte written once at most: ``place_blocks``.
 
-Each Q8_0/Q4_0/Q4_1 matrix (and Q5_0, as Q8_0: ``genfn.quant.blocks.GGUF_WIDENED``) is written
+Each Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 matrix is written
 into the kernel's tiles (``QuantizedWeight``) in memory from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
 place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
 A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks. One that every decode step
@@ -45,7 +45,7 @@ from gguf import GGMLQuantizationType
 
 from genfn import kernels
 from genfn.kernels import kquant
-from genfn.quant.blocks import GGUF_FORMATS, GGUF_WIDENED, gguf_block_fields, widen_gguf_blocks
+from genfn.quant.blocks import GGUF_FORMATS, common_format, from_gguf_bytes, gguf_block_fields, to_gguf_bytes, widen
 from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, INTERLEAVED_OF, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
@@ -60,18 +60,11 @@ _LAYER_WEIGHT = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 
 
 def _kept_type(gguf, name: str) -> str | None:
-    """The ggml type name of a matrix whose blocks are kept (2-D, a format genfn's kernels run), as
-    they are kept (a Q5_0 matrix's as Q8_0: ``GGUF_WIDENED``), else None."""
+    """The ggml type name of a matrix whose blocks are kept (2-D, a format genfn's kernels run), else None."""
     info = gguf.tensors[name]
     type_name = GGMLQuantizationType(info.ggml_type).name
-    type_name = GGUF_WIDENED.get(type_name, type_name)
     kept = type_name in GGUF_FORMATS or type_name in GGUF_K_FORMATS
     return type_name if kept and len(info.shape) == 2 else None
-
-
-def _kept_raw(gguf, name: str) -> np.ndarray:
-    """A kept matrix's blocks as ``_kept_type`` names them: the file's, or widened (a fresh array)."""
-    return widen_gguf_blocks(gguf.raw(name), GGMLQuantizationType(gguf.tensors[name].ggml_type).name)[0]
 
 
 def _group(gguf, name: str, kept=_kept_type) -> list[str]:
@@ -83,13 +76,27 @@ def _group(gguf, name: str, kept=_kept_type) -> list[str]:
     return [n for n in names if n in gguf.tensors and kept(gguf, n) is not None]
 
 
+def _run_type(gguf, run: list[str]) -> str | None:
+    """The ggml type a run of matrices is kept in: their one type, or for tile formats the narrowest
+    that holds each part's blocks value for value (``genfn.quant.blocks.common_format``: a Q4_K_M file
+    of a 576-wide model has Q5_0 q/k beside a Q8_0 v, fused as Q8_0 tiles); None where there is none."""
+    types = {_kept_type(gguf, name) for name in run}
+    if len(types) == 1:
+        return types.pop()
+    if not types <= GGUF_FORMATS.keys():
+        return None
+    common = common_format(GGUF_FORMATS[t] for t in types)
+    return None if common is None else next(t for t, f in GGUF_FORMATS.items() if f == common)
+
+
 def _runs(gguf, names: list[str]) -> list[list[str]]:
-    """``names`` split where the type or width changes, or where a tiled part ends inside a tile."""
+    """``names`` split where the type (``_run_type``) or width changes, or where a tiled part ends
+    inside a tile."""
     runs: list[list[str]] = []
     for name in names:
         if runs:
             last = runs[-1][-1]
-            same = (_kept_type(gguf, name) == _kept_type(gguf, last)
+            same = (_run_type(gguf, runs[-1] + [name]) is not None
                     and gguf.tensors[name].shape[1] == gguf.tensors[last].shape[1]
                     and (_kept_type(gguf, last) in GGUF_K_FORMATS or gguf.tensors[last].shape[0] % TILE == 0))
             if same:
@@ -185,7 +192,7 @@ def _run_in_file(gguf, run: list[str], orders: list[np.ndarray | None], arena) -
 
 
 def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
-    type_name = _kept_type(gguf, run[0])
+    type_name = _run_type(gguf, run)
     cols = gguf.tensors[run[0]].shape[1]
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
@@ -216,7 +223,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         tiles = slice(tile, tile + -(-n // TILE))
         part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
                                whole.format, n, cols)
-        _fill_tiles(part, _kept_raw(gguf, name), type_name, row_order(name))
+        _fill_tiles(part, _raw_as(gguf, name, type_name), type_name, row_order(name))
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
@@ -261,6 +268,16 @@ def _write_r8_run(gguf, run, row_order, arena, rows, cols, fmt: str) -> dict[str
         out[name] = KQuantWeight(data[start:start + n], fmt, n, cols)
         start += n
     return out
+
+
+def _raw_as(gguf, name: str, type_name: str) -> np.ndarray:
+    """A tile format's matrix's blocks in ``type_name``: the file's bytes, or widened into that type
+    (a fresh array; ``_run_type``)."""
+    raw, own = gguf.raw(name), _kept_type(gguf, name)
+    if own == type_name:
+        return raw
+    rows = from_gguf_bytes(raw, own, tuple(gguf.tensors[name].shape))
+    return to_gguf_bytes(widen(rows, GGUF_FORMATS[type_name]))
 
 
 def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order: np.ndarray | None) -> None:
