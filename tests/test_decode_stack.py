@@ -405,18 +405,25 @@ def test_odd_shapes_keep_transformers_tokens_in_steps_and_lookup_rounds(shape):
 @needs_kernel
 @needs_vnni
 def test_layers_mixing_tiles_and_k_quant_rows_run_the_stack_with_the_layer_ops_bits(tmp_path, monkeypatch):
-    """A Q4_K_M file of a 576-wide model keeps its Q5_0 matrices as Q8_0 tiles beside Q4_K/Q6_K rows:
-    such a layer ran op by op (the stack took one kind a layer). The stack takes it now, each linear
-    through its own kind's kernel, with the bits of the layer op by op."""
+    """A Q4_K_M file of a 576-wide model keeps its Q5_0 matrices as tiles beside Q4_K/Q6_K rows: such
+    a layer ran op by op (the stack took one kind a layer). The stack takes it now, each linear
+    through its own kind's kernel, with the bits of the layer op by op. So too a Q5_K_M file's
+    layers, whose q/k/v stacks Q5_1 q/k on a Q8_0 v (no tile kind holds both): the stack runs the
+    parts of one linear in turn (layers 3 and 4, the latter all tiles)."""
     import genfn
+    from genfn.quant.stack import RowStack
     from test_load_memory import write_file
 
     tiles = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0",
              "ffn_up": "Q5_0"}
+    q5_1 = {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q5_1", "ffn_gate": "Q5_1",
+            "ffn_up": "Q5_1"}
     types = {0: dict(tiles, ffn_down="Q6_K"), 1: dict(tiles, attn_output="Q4_K", ffn_down="Q4_K"),
-             2: dict(tiles, ffn_down="Q8_0")}
+             2: dict(tiles, ffn_down="Q8_0"), 3: dict(q5_1, ffn_down="Q5_K"), 4: dict(q5_1, ffn_down="Q5_1")}
     model = genfn.load(write_file(tmp_path / "mixed.gguf", types=types, embed="Q8_0", output=None), quantize="gguf")
-    assert [decode_layer.layer_kind(layer, torch.float32) for layer in model.params["layers"]] == [3, 3, 1]
+    assert [decode_layer.layer_kind(layer, torch.float32) for layer in model.params["layers"]] == [3, 3, 1, 3, 3]
+    stacked = model.params["layers"][4]["wqkv"]
+    assert isinstance(stacked, RowStack) and [p.format for p in stacked.parts] == ["q5_1", "q8_0"]
     assert not decode_layer.takes(torch.zeros(1, 1, 256), model.params["layers"][0], torch.zeros(1, 2, 8, 64), 64)
     ids = torch.tensor([[5, 17, 42, 7, 99, 3], [8, 9, 10, 11, 12, 13]])
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True,

@@ -107,10 +107,11 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
                         RowQueue& queue);
 // quant_linear_share for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
 // every group over each claimed chunk of tiles: the weight streams once for all of them. Group g's
-// chains start at init[g]'s values where init is given (quant_linear_from).
+// chains start at init[g]'s values where init is given (quant_linear_from). y's (and init's) rows
+// lie `ld` floats apart (0: w.out_features), wider where w is one part of a stacked linear.
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
-                               const float* const* init = nullptr);
+                               const float* const* init = nullptr, int64_t ld = 0);
 // Whether quant_linear hands a product of this many rows of x to quant_gemm (from 16 rows unless
 // the op quant_gemm_min_rows set another count).
 bool quant_gemm_takes(int64_t rows);

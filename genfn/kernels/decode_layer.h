@@ -56,39 +56,47 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups:
 
 // Tiles of quantized rows against float32 activations: the threads quantize x (each all of a few
 // rows for itself, row_queue.h's quantize_alone; else a share of the rows each, a group's rows into
-// its own buffer, and meet), then sum the tiles shared out balanced.
+// its own buffer, and meet), then sum the tiles shared out balanced. A matrix may stack up to
+// kMaxParts parts of different tile kinds (a Q5_K_M file's Q5_1 q/k beside a Q8_0 v), row ranges
+// of the output one after another: x is quantized once, and each part's tiles are shared out in
+// turn (a thread done with its share of one part goes on to the next; they write other outputs).
 struct QuantLinear {
   static constexpr int64_t kGroups = kMaxLayerRows / kMaxDecodeRows;
-  QuantWeight w;
+  static constexpr int64_t kMaxParts = 4;
+  QuantWeight parts[kMaxParts];
+  int64_t count = 1;
   genfn_kernels::QuantActivations x8[kGroups];
   int64_t per = 0, groups = 0, rows[kGroups] = {};  // prepare's split of the M rows (group_size)
   bool alone = false;
-  RowQueue tiles;
+  RowQueue tiles[kMaxParts];
   void prepare(int64_t M, int64_t, int64_t team) {
     per = genfn_kernels::group_size(M);
     groups = (M + per - 1) / per;
     alone = groups == 1 && genfn_kernels::quantize_alone(M, team);
     for (int64_t g = 0; g < groups; ++g) {
       rows[g] = std::min(per, M - g * per);
-      if (!alone) x8[g].resize(rows[g], w.blocks * 32);
+      if (!alone) x8[g].resize(rows[g], parts[0].blocks * 32);
     }
-    tiles.prepare_blocks(w.tiles, team);
+    for (int64_t p = 0; p < count; ++p) tiles[p].prepare_blocks(parts[p].tiles, team);
   }
   void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+    const genfn_kernels::QuantActivations* codes = x8;
     if (alone) {  // the same codes in every thread: a row's quantization does not depend on who runs it
       thread_local genfn_kernels::QuantActivations own;
-      own.resize(rows[0], w.blocks * 32);
+      own.resize(rows[0], parts[0].blocks * 32);
       genfn_kernels::quantize_rows_share(x, rows[0], K, own, 0, 1);
-      genfn_kernels::quant_linear_share_groups(1, rows, &own, K, w, &y, t, tiles);
-      return;
+      codes = &own;
+    } else {
+      for (int64_t g = 0; g < groups; ++g)
+        genfn_kernels::quantize_rows_share(x + g * per * K, rows[g], K, x8[g], t, team);
+#pragma omp barrier
     }
     float* out[kGroups];
-    for (int64_t g = 0; g < groups; ++g) {
-      out[g] = y + g * per * N;
-      genfn_kernels::quantize_rows_share(x + g * per * K, rows[g], K, x8[g], t, team);
+    int64_t first = 0;  // the part's first output
+    for (int64_t p = 0; p < count; first += parts[p].out_features, ++p) {
+      for (int64_t g = 0; g < groups; ++g) out[g] = y + g * per * N + first;
+      genfn_kernels::quant_linear_share_groups(groups, rows, codes, K, parts[p], out, t, tiles[p], nullptr, N);
     }
-#pragma omp barrier
-    genfn_kernels::quant_linear_share_groups(groups, rows, x8, K, w, out, t, tiles);
   }
 };
 

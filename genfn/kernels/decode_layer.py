@@ -81,6 +81,17 @@ def _kquant_parts(weight) -> tuple | None:
     return parts
 
 
+# The most row ranges in other tile kinds one tiles linear may stack (decode_layer.h's QuantLinear::kMaxParts).
+_MAX_TILE_PARTS = 4
+
+
+def _tile_parts(weight) -> tuple | None:
+    """A linear's tiles parts (one, or a ``RowStack``'s: a Q5_K_M file's Q5_1 q/k beside its Q8_0 v),
+    or None where it is not all tiles on the CPU."""
+    parts = weight.parts if isinstance(weight, RowStack) else (weight,)
+    return parts if len(parts) <= _MAX_TILE_PARTS and all(_tiles(p) for p in parts) else None
+
+
 def kquantized(layer: Mapping[str, Any]) -> bool:
     """Whether every linear of ``layer`` is GGUF K-quant rows (a ``KQuantWeight``, or a ``RowStack`` of
     them) that the ``_kquant`` form reads with the native K-quant kernels."""
@@ -115,9 +126,9 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
     return decode_linear_available()
 
 
-# A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles or
-# K-quant rows (a Q4_K_M file's Q5_0 matrices kept as Q8_0 tiles beside its K-quant rows): only the
-# stack runs it, not the per-layer ops.
+# A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles
+# (a stack of parts in several tile kinds among them) or K-quant rows (a Q4_K_M file's Q5_0 matrices
+# kept as tiles beside its K-quant rows): only the stack runs it, not the per-layer ops.
 _PLAIN, _TILES, _KQUANT, _MIXED = 0, 1, 2, 3
 
 
@@ -135,7 +146,8 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         if dtype != torch.float32:
             return None
         kind, plain = _KQUANT, _NORMS
-    elif all(_tiles(layer.get(n)) or _kquant_parts(layer.get(n)) for n in _LINEARS) and kquant.kquant_available():
+    elif (all(_tile_parts(layer.get(n)) or _kquant_parts(layer.get(n)) for n in _LINEARS)
+          and (all(_tile_parts(layer.get(n)) for n in _LINEARS) or kquant.kquant_available())):
         if dtype != torch.float32 or not _VNNI:
             return None
         kind, plain = _MIXED, _NORMS
@@ -241,12 +253,15 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
             if kind == _PLAIN:
                 weights.append(weight)
                 continue
-            tiles = isinstance(weight, QuantizedWeight)
+            tiles = _tile_parts(weight)
             if kind == _MIXED:
                 layout.append(_TILES if tiles else _KQUANT)
             if tiles:
-                layout.append(weight.kind)
-                weights += (weight.codes, weight.scales, weight.mins)
+                layout.append(len(tiles))
+                for part in tiles:
+                    layout += (part.kind, part.out_features)
+                for part in tiles:
+                    weights += (part.codes, part.scales, part.mins)
             else:
                 parts = _kquant_parts(weight)
                 layout += (len(parts), *(FORMAT_ID[p.format] for p in parts))

@@ -40,11 +40,12 @@
 // as the layer's kind reads them. `layout` holds, per layer, the kind and what each linear needs:
 //   0, plain weights in the table's dtype (float32, or bfloat16 on a CPU with AVX512_BF16): nothing
 //      more; a linear is one tensor, the weight.
-//   1, tiles16 blocks (float32 x): the MLP's width F, then per linear its block kind (0, 1 or 2);
-//      three tensors: codes, scales, minimums (None where the block kind has none).
+//   1, tiles16 blocks (float32 x): the MLP's width F, then per linear its number of parts P (row
+//      ranges in different tile kinds, one after another) and each part's tile kind (tile_kinds.h)
+//      and rows; three tensors a part: codes, scales, minimums (None where the kind has none).
 //   2, K-quant rows (float32 x): F, then per linear its number of parts P and their P formats; P
 //      tensors.
-//   3, a mix of the two (float32 x; a Q4_K_M file's Q5_0 matrices kept as Q8_0 tiles beside its K-quant
+//   3, a mix of the two (float32 x; a Q4_K_M file's Q5_0 matrices kept as tiles beside its K-quant
 //      rows): F, then per linear its kind (1 or 2) and what that kind reads, as above.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -100,7 +101,8 @@ struct TableLayer {
   const void* attn_norm = nullptr;
   const void* mlp_norm = nullptr;
   const void* plain[4] = {};                              // kPlain: the weights' rows
-  genfn_kernels::QuantWeight tiles[4] = {};               // kTiles
+  genfn_kernels::QuantWeight tiles[4][QuantLinear::kMaxParts] = {};  // kTiles: each linear's parts
+  int64_t tile_count[4] = {};
   genfn::kquant::MatrixPart parts[4][kMaxParts] = {};     // kKQuant: each linear's parts
   int64_t part_count[4] = {};
   int64_t linear_kind[4] = {};                            // kMixed: kTiles or kKQuant, each linear's
@@ -139,20 +141,35 @@ void read_plain(StackReader& in, const at::Tensor& probe, int64_t N, int64_t HD,
   }
 }
 
-// Linear i of tiles16 blocks: its block kind and three tensors (minimums None where it has none).
+// Linear i of tiles16 blocks: its number of parts P, each part's tile kind and rows, then three
+// tensors a part (minimums None where its kind has none).
 void read_tiles_linear(StackReader& in, int i, int64_t rows, int64_t cols, TableLayer& l,
                        std::vector<at::Tensor>& keep) {
-  const int64_t kind = in.next_value(kLinearNames[i]);
-  c10::optional<at::Tensor> parts[3];
-  for (auto& part : parts) part = in.next_optional(kLinearNames[i]);
-  TORCH_CHECK(parts[0].has_value() && parts[1].has_value(), kTableOp, ": ", kLinearNames[i],
-              "'s codes and scales must be tensors");
-  for (const auto& part : parts)
-    if (part.has_value()) {
-      TORCH_CHECK(part->device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
-      keep.push_back(*part);
-    }
-  l.tiles[i] = quant_weight(*parts[0], *parts[1], parts[2], kind, rows, cols, kTableOp, kLinearNames[i]);
+  const int64_t count = in.next_value(kLinearNames[i]);
+  TORCH_CHECK(count >= 1 && count <= QuantLinear::kMaxParts, kTableOp, ": ", kLinearNames[i], " must have 1 to ",
+              QuantLinear::kMaxParts, " parts, got ", count);
+  int64_t kinds[QuantLinear::kMaxParts], part_rows[QuantLinear::kMaxParts], total = 0;
+  for (int64_t p = 0; p < count; ++p) {
+    kinds[p] = in.next_value(kLinearNames[i]);
+    part_rows[p] = in.next_value(kLinearNames[i]);
+    TORCH_CHECK(part_rows[p] >= 1, kTableOp, ": ", kLinearNames[i], "'s parts must have rows, got ", part_rows[p]);
+    total += part_rows[p];
+  }
+  TORCH_CHECK(total == rows, kTableOp, ": ", kLinearNames[i], "'s parts hold ", total, " rows, it needs ", rows);
+  for (int64_t p = 0; p < count; ++p) {
+    c10::optional<at::Tensor> tensors[3];
+    for (auto& tensor : tensors) tensor = in.next_optional(kLinearNames[i]);
+    TORCH_CHECK(tensors[0].has_value() && tensors[1].has_value(), kTableOp, ": ", kLinearNames[i],
+                "'s codes and scales must be tensors");
+    for (const auto& tensor : tensors)
+      if (tensor.has_value()) {
+        TORCH_CHECK(tensor->device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
+        keep.push_back(*tensor);
+      }
+    l.tiles[i][p] = quant_weight(*tensors[0], *tensors[1], tensors[2], kinds[p], part_rows[p], cols, kTableOp,
+                                 kLinearNames[i]);
+  }
+  l.tile_count[i] = count;
 }
 
 // Linear i of K-quant rows: its number of parts P, their P formats, P tensors.
@@ -256,7 +273,10 @@ void point_linear(DenseLinear<T>& l, const TableLayer& w, int i, int64_t) {
   l.w = static_cast<const T*>(w.plain[i]);
 }
 
-void point_linear(QuantLinear& l, const TableLayer& w, int i, int64_t) { l.w = w.tiles[i]; }
+void point_linear(QuantLinear& l, const TableLayer& w, int i, int64_t) {
+  l.count = w.tile_count[i];
+  for (int64_t p = 0; p < l.count; ++p) l.parts[p] = w.tiles[i][p];
+}
 
 void point_linear(KQuantLinear& l, const TableLayer& w, int i, int64_t cols) {
   genfn::kquant::SharedLinear& s = l.shared;

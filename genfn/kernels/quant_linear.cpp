@@ -109,12 +109,13 @@ genfn_kernels::StreamWindow stream_window(int64_t kind) {
 template <int M>
 constexpr int64_t far_prefetch_bytes() { return M < 4 ? 0 : 32768; }
 
-// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32. The stream is fetched ahead
+// Tiles [t0, t1) against M rows of quantized x; y is [M, N] float32, rows `ld` apart (as are
+// init's), N where y is the whole output, wider where it is one part of a stacked linear's. The stream is fetched ahead
 // up to tile `fetch_end` (past it lies another thread's share), its first window only if `first`.
 template <int M, int64_t kind>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes, const uint16_t* scales,
-    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y, const float* init) {
+    const uint16_t* mins, const Activations& a, int64_t K, int64_t N, int64_t ld, float* y, const float* init) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kind);
   constexpr int kChunks = kBlockBytes / 64;
   constexpr int32_t kOffset = code_offset(kind);
@@ -146,7 +147,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
     const __mmask16 keep = n0 + kTile <= N ? static_cast<__mmask16>(0xFFFF)
                                            : static_cast<__mmask16>((1u << (N - n0)) - 1);
     __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = init ? _mm512_maskz_loadu_ps(keep, init + m * N + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) acc[m] = init ? _mm512_maskz_loadu_ps(keep, init + m * ld + n0) : _mm512_setzero_ps();
     const uint8_t* c = codes + t * nb * kBlockBytes;
     const uint16_t* sc = scales + t * nb * kTile;
     const uint16_t* mn = kMin ? mins + t * nb * kTile : nullptr;
@@ -196,7 +197,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void run_tiles(
           acc[m] = _mm512_fmadd_ps(mins_b, _mm512_set1_ps(a.scaled_sum[m * nb + b]), acc[m]);
       }
     }
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, acc[m]);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ld + n0, keep, acc[m]);
   }
 }
 
@@ -226,29 +227,29 @@ void run_tiles_scalar(int64_t M, int64_t kind, int64_t tiles, int64_t nb, const 
 
 template <int64_t kind>
 void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes,
-                   const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N, float* y,
-                   const float* init) {
+                   const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N,
+                   int64_t ld, float* y, const float* init) {
   switch (M) {
-    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
   }
 }
 
 void run_share(int64_t M, int64_t kind, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb,
                const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K,
-               int64_t N, float* y, const float* init = nullptr) {
+               int64_t N, int64_t ld, float* y, const float* init) {
   switch (kind) {
-    case kQ4: return dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case kQ4Min: return dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case kQ5: return dispatch_rows<kQ5>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    case kQ5Min: return dispatch_rows<kQ5Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
-    default: return dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, y, init);
+    case kQ4: return dispatch_rows<kQ4>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case kQ4Min: return dispatch_rows<kQ4Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case kQ5: return dispatch_rows<kQ5>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    case kQ5Min: return dispatch_rows<kQ5Min>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+    default: return dispatch_rows<kQ8>(M, t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
   }
 }
 
@@ -371,7 +372,8 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
 
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
-                               const float* const* init) {
+                               const float* const* init, int64_t ld) {
+  if (ld == 0) ld = w.out_features;
   // ~8 KiB of codes a claim, as linear_balanced claims rows.
   const int64_t tile_bytes = w.blocks * tile_block_bytes(w.kind);
   const int64_t chunk = std::max<int64_t>(1, 8192 / tile_bytes);
@@ -380,7 +382,7 @@ void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActi
   auto tiles = [&](int64_t begin, int64_t end, int64_t fetch_end, bool first) {
     for (int64_t g = 0; g < groups; ++g)
       run_share(M[g], w.kind, begin, end, g == 0 ? fetch_end : end, g == 0 && first, w.blocks, w.codes, w.scales,
-                w.mins, a[g], K, w.out_features, y[g], init ? init[g] : nullptr);
+                w.mins, a[g], K, w.out_features, ld, y[g], init ? init[g] : nullptr);
   };
   run_balanced(
       queue, t, chunk,
