@@ -37,7 +37,7 @@ import torch
 
 from genfn.bench.tiny_models import tiny_pair
 
-BLOCK_FORMATS = ("q4_0", "q8_0", "q4_1")
+BLOCK_FORMATS = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1")
 K_FORMATS = ("q4_k", "q5_k_r8", "q6_k", "iq4_xs", "q4_k_m")
 # A Q4_K_M file's layer as the GGUF loader keeps it: q and k in Q4_K beside v in Q6_K (one RowStack),
 # the output projection in Q5_K, gate and up in Q4_K rows interleaved 8 to a group, down in Q6_K.
@@ -72,7 +72,7 @@ def padded_prompts(rng: random.Random, seed: int, batch: int, length: int = 7):
 def in_format(model, fmt: str):
     """``model`` with its layers' linears in ``fmt``: a block format (a linear whose inputs are no
     multiple of 32 stays float), or a K-quant format or mix (a linear whose inputs are no multiple of
-    256 in Q8_0, as llama.cpp writes it; of 32 neither, float)."""
+    256 in llama.cpp's fallback, Q5_0, Q5_1 or Q8_0; of 32 neither, float)."""
     from genfn.models.model import Model
     from genfn.models.quantized import quantize_params
     from genfn.quant.kquants import quantize_k
@@ -87,10 +87,12 @@ def in_format(model, fmt: str):
     else:
         def convert(w, fmt):
             # llama.cpp's quantizer writes a matrix whose inputs are no multiple of 256 in a block
-            # format instead (Q8_0 here): a float matrix would run torch's GEMM, whose sums depend
-            # on the row count (docs/guides/determinism.md), where every kernel here does not.
+            # format instead (Q4_K's as Q5_0, Q5_K's as Q5_1, the others' as Q8_0; a q/k/v whose
+            # parts differ stays a RowStack of tiles here): a float matrix would run torch's GEMM,
+            # whose sums depend on the row count (docs/guides/determinism.md), where every kernel here does not.
             if w.shape[1] % 256:
-                return QuantizedWeight.from_rows(quantize(w, "q8_0")) if w.shape[1] % 32 == 0 else w
+                fallback = "q5_0" if fmt.startswith("q4_k") else "q5_1" if fmt.startswith("q5_k") else "q8_0"
+                return QuantizedWeight.from_rows(quantize(w, fallback)) if w.shape[1] % 32 == 0 else w
             if fmt.endswith("_r8") and w.shape[0] % 8:
                 fmt = fmt[:-len("_r8")]
             return quantize_k(w, fmt)

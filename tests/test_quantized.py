@@ -162,6 +162,27 @@ def test_kernel_matches_the_float64_reference(fmt, rows, out_features, in_featur
 
 
 @needs_kernel
+@pytest.mark.parametrize("narrow, wide", [("q4_0", "q5_0"), ("q4_0", "q8_0"), ("q5_0", "q8_0"), ("q4_1", "q5_1")])
+@pytest.mark.parametrize("rows", [1, 5, 20])  # 20: the GEMM
+def test_widened_blocks_keep_their_values_and_the_kernels_products_bit_for_bit(narrow, wide, rows):
+    """A fused matrix whose parts widen into one format is kept in it (genfn.quant.blocks.widen): the
+    codes move with the formats' offsets, so the integer sums and every float step are the same."""
+    from genfn.quant.blocks import common_format, widen
+
+    torch.manual_seed(rows)
+    blocks = quantize(torch.randn(72, 96) * 0.05, narrow)
+    wider = widen(blocks, wide)
+    assert wider.format == wide and torch.equal(dequantize(wider), dequantize(blocks))
+    x = torch.randn(rows, 96)
+    assert torch.equal(kernels.linear(x, QuantizedWeight.from_rows(wider)),
+                       kernels.linear(x, QuantizedWeight.from_rows(blocks)))
+    assert common_format([narrow, wide]) == wide and common_format([narrow]) == narrow
+    assert common_format(["q5_1", "q8_0"]) is None and common_format(["q4_0", "int4"]) is None
+    with pytest.raises(ValueError, match="q8_0 blocks do not widen into 'q5_0'"):
+        widen(quantize(torch.randn(16, 32), "q8_0"), "q5_0")
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [3, 9, 15])  # one group; 5 + 4; 8 + 7 (the GEMM takes 16)
 # 1000 rows: 320-580 KB of codes, so from four rows of x the stream also runs fetched 32 KiB ahead.
