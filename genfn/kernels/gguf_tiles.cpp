@@ -32,12 +32,7 @@
 
 namespace {
 
-using genfn_kernels::has_minimum;
-using genfn_kernels::kQ4;
-using genfn_kernels::kQ4Min;
-using genfn_kernels::kQ5;
-using genfn_kernels::kQ5Min;
-using genfn_kernels::kQ8;
+using namespace genfn_kernels::tile_kinds;
 
 // kind: QuantizedWeight.kind (KERNEL_KIND, tile_kinds.h).
 struct BlockLayout {

@@ -45,14 +45,7 @@ constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
 constexpr int kRows = 8;   // rows of x per step
 constexpr int kTiles = 2;  // tiles of W per step
-using genfn_kernels::code_offset;
-using genfn_kernels::has_minimum;
-using genfn_kernels::kQ4;
-using genfn_kernels::kQ4Min;
-using genfn_kernels::kQ5;
-using genfn_kernels::kQ5Min;
-using genfn_kernels::kQ8;
-using genfn_kernels::tile_block_bytes;
+using namespace genfn_kernels::tile_kinds;
 // Weight code bytes a run of tile pairs holds: a few pairs' codes kept in L2 (1 MiB a Zen 4/5 core).
 constexpr int64_t kRunBytes = 256 * 1024;
 

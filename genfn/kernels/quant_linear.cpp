@@ -37,14 +37,7 @@ namespace {
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
-using genfn_kernels::code_offset;
-using genfn_kernels::has_minimum;
-using genfn_kernels::kQ4;
-using genfn_kernels::kQ4Min;
-using genfn_kernels::kQ5;
-using genfn_kernels::kQ5Min;
-using genfn_kernels::kQ8;
-using genfn_kernels::tile_block_bytes;
+using namespace genfn_kernels::tile_kinds;
 
 // scaled_sum is scale * sum: what a minimum multiplies.
 using Activations = genfn_kernels::QuantActivations;

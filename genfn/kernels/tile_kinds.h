@@ -18,6 +18,8 @@
 #include <cstdint>
 
 namespace genfn_kernels {
+// Inline: genfn_kernels::kQ4 as well, and `using namespace genfn_kernels::tile_kinds` takes only these.
+inline namespace tile_kinds {
 
 enum TileKind : int64_t { kQ4 = 0, kQ4Min = 1, kQ8 = 2, kQ5 = 3, kQ5Min = 4 };
 
@@ -73,4 +75,5 @@ inline int32_t tile_code(const uint8_t* block, int64_t kind, int64_t r, int64_t 
   return u;
 }
 
+}  // namespace tile_kinds
 }  // namespace genfn_kernels
