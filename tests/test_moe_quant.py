@@ -19,7 +19,7 @@ from test_families import pair, write_family_gguf
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-TILE_FORMATS = ["q8_0", "q4_0", "q4_1"]
+TILE_FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 K_FORMATS = ["q4_k", "q6_k", "iq4_nl", "iq4_xs"]
 
 
@@ -119,8 +119,8 @@ def _pair_256(arch: str):
     return _PAIRS_256[arch]
 
 
-CASES = [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_0"), ("mixtral", "Q4_1"), ("olmoe", "Q8_0"),
-         ("Qwen3MoeForCausalLM", "Q4_K"), ("MixtralForCausalLM", "Q6_K")]
+CASES = [("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_0"), ("mixtral", "Q4_1"), ("olmoe", "Q8_0"), ("qwen3_moe", "Q5_0"),
+         ("mixtral", "Q5_1"), ("Qwen3MoeForCausalLM", "Q4_K"), ("MixtralForCausalLM", "Q6_K")]
 
 
 def _hf(name: str):

@@ -23,6 +23,7 @@ CHECKS = [(arch, "arch_check", dict(arch=arch, **({"sliding_window": 5} if arch 
           for arch in ARCHS]
 CHECKS += [("q8_0", "arch_check", dict(arch="LlamaForCausalLM", quantize="q8_0")),
            ("q4_1", "arch_check", dict(arch="LlamaForCausalLM", quantize="q4_1", intermediate_size=128)),
+           ("q5_1", "arch_check", dict(arch="LlamaForCausalLM", quantize="q5_1", intermediate_size=128)),
            ("uneven", "arch_check", dict(arch="LlamaForCausalLM", num_attention_heads=6, num_key_value_heads=3,
                                          hidden_size=96, vocab_size=101)),
            ("kv_error", "kv_error_check", {})]
@@ -80,14 +81,14 @@ def _result(results, name) -> list:
     return per_rank
 
 
-@pytest.mark.parametrize("name", [*ARCHS, "q8_0", "q4_1", "uneven"])
+@pytest.mark.parametrize("name", [*ARCHS, "q8_0", "q4_1", "q5_1", "uneven"])
 def test_tokens_equal_one_process(results, name):
     for rank, result in enumerate(_result(results, name)):
         for mode in ("greedy", "sampled", "beam", "prompt_lookup"):
             whole, sharded = result[mode]
             assert sharded == whole, f"{name} {mode} on rank {rank}: TP=2 {sharded} != TP=1 {whole}"
         assert result["logit_gap"] < 1e-4, f"{name}: logits differ by {result['logit_gap']}"
-        if name in ("q8_0", "q4_1"):  # the row-parallel sums chained in one process's order: its bits
+        if name in ("q8_0", "q4_1", "q5_1"):  # the row-parallel sums chained in one process's order: its bits
             assert result["logit_gap"] == 0 and result["step_gap"] == 0, (result["logit_gap"], result["step_gap"])
         else:
             assert result["step_gap"] < 1e-4, f"{name}: decode steps' logits differ by {result['step_gap']}"
