@@ -123,7 +123,7 @@ struct KQuantLinear {
 };
 
 // A linear of a layer whose linears mix the two quantized kinds: a Q4_K_M file of a 576-wide model
-// keeps its Q5_0 matrices as Q8_0 tiles beside Q4_K/Q6_K rows. Each linear runs its own kind's
+// keeps its Q5_0 matrices as tiles beside Q4_K/Q6_K rows. Each linear runs its own kind's
 // code (every thread takes the same branch, so the kinds' barriers line up).
 struct MixedLinear {
   bool tiles = true;

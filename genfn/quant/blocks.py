@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 
-__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "BLOCK", "common_format", "widen", "to_gguf_bytes", "quantize",
-           "dequantize", "from_gguf_bytes", "gguf_block_fields"]
+__all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "GGUF_TYPE_OF_FORMAT", "BLOCK", "code_bytes", "common_format",
+           "widen", "to_gguf_bytes", "quantize", "dequantize", "from_gguf_bytes", "gguf_block_fields"]
 
 BLOCK = 32
 # Inputs per scale; None means one scale for the whole row.
@@ -46,7 +46,7 @@ CODE_OFFSET = {"q4_0": 8, "q5_0": 16, "q8_0": 0, "int8": 0}
 # llama.cpp writes Q5_0 (Q5_1) where a Q4_K (Q5_K) mix meets a matrix whose inputs are no multiple
 # of 256: every q/k/v/o and gate/up matrix of SmolLM2's 576-wide or Qwen2.5-0.5B's 896-wide layers.
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1"}
-_GGUF_TYPE_OF = {fmt: name for name, fmt in GGUF_FORMATS.items()}
+GGUF_TYPE_OF_FORMAT = {fmt: name for name, fmt in GGUF_FORMATS.items()}
 # The formats each format's blocks widen into value for value (``widen``), narrowest first. The
 # kernels' integer sums are unchanged too (codes and their offsets move together, scales and
 # minimums stay), so a widened matrix gives the same products bit for bit, at more bytes read.
@@ -93,14 +93,19 @@ def _check_format(fmt: str) -> None:
 # GGUF bytes
 
 
+def code_bytes(fmt: str) -> int:
+    """The bytes of codes one block of 32 inputs takes in ``fmt`` (a row's; ``RowBlocks.codes``' last dim)."""
+    return 32 if fmt in EIGHT_BIT else 20 if fmt in FIVE_BIT else 16
+
+
 def _gguf_record(fmt: str) -> np.dtype:
     """One GGUF block of ``fmt`` as a numpy structured type (``gguf_block_fields``' fields)."""
-    code_bytes = 32 if fmt in EIGHT_BIT else 20 if fmt in FIVE_BIT else 16
+    width = code_bytes(fmt)
     head = 4 if fmt in WITH_MINIMUM else 2
-    names, formats, offsets = ["d", "q", "words"], ["<f2", ("u1", code_bytes), ("<u4", code_bytes // 4)], [0, head, head]
+    names, formats, offsets = ["d", "q", "words"], ["<f2", ("u1", width), ("<u4", width // 4)], [0, head, head]
     if fmt in WITH_MINIMUM:
         names, formats, offsets = names + ["m"], formats + ["<f2"], offsets + [2]
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + code_bytes})
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": head + width})
 
 
 def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -116,8 +121,8 @@ def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ..
 def to_gguf_bytes(blocks: RowBlocks) -> np.ndarray:
     """uint8 ``[N, K // 32 * record bytes]``: the blocks of a GGUF format as a GGUF tensor's data
     (``from_gguf_bytes``' inverse, bit for bit)."""
-    if blocks.format not in _GGUF_TYPE_OF:
-        raise ValueError(f"blocks must be in a GGUF format ({', '.join(_GGUF_TYPE_OF)}); got {blocks.format!r}")
+    if blocks.format not in GGUF_TYPE_OF_FORMAT:
+        raise ValueError(f"blocks must be in a GGUF format ({', '.join(GGUF_TYPE_OF_FORMAT)}); got {blocks.format!r}")
     n, k = blocks.shape
     out = np.empty((n, k // BLOCK), _gguf_record(blocks.format))
     out["d"] = blocks.scales.numpy()
@@ -146,7 +151,7 @@ def common_format(formats) -> str | None:
     one without, or a format outside ``GGUF_FORMATS``)."""
     held = None
     for fmt in formats:
-        mine = {fmt, *_WIDER.get(fmt, ())} if fmt in _GGUF_TYPE_OF else set()
+        mine = {fmt, *_WIDER.get(fmt, ())} if fmt in GGUF_TYPE_OF_FORMAT else set()
         held = mine if held is None else held & mine
     if not held:
         return None

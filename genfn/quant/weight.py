@@ -29,7 +29,8 @@ import functools
 import numpy as np
 import torch
 
-from genfn.quant.blocks import BLOCK, EIGHT_BIT, WITH_MINIMUM, RowBlocks, _per_block, dequantize
+from genfn.quant.blocks import (BLOCK, EIGHT_BIT, GGUF_TYPE_OF_FORMAT, WITH_MINIMUM, RowBlocks, _per_block, code_bytes,
+                                dequantize)
 from genfn.quant.views import joined_rows
 from genfn.state.base import pytree_dataclass, static_field
 
@@ -42,8 +43,6 @@ KERNEL_KIND = {"q4_0": 0, "q4_1": 1, "int4": 1, "q8_0": 2, "int8": 2, "q5_0": 3,
 # What each format becomes once its scales are spread per block of 32 (the tile layout's unit).
 _PER_BLOCK_FORMAT = {"q4_0": "q4_0", "q4_1": "q4_1", "int4": "q4_1", "q8_0": "q8_0", "int8": "q8_0", "q5_0": "q5_0",
                      "q5_1": "q5_1"}
-# Code bytes a block of 32 inputs takes, per row.
-_CODE_BYTES = {"q4_0": 16, "q4_1": 16, "q8_0": 32, "q5_0": 20, "q5_1": 20}
 
 
 @pytree_dataclass
@@ -101,11 +100,11 @@ class QuantizedWeight:
         """An all-zero weight of this shape in the tile layout, its tensors from ``empty(shape,
         dtype)`` (which must give zero-filled memory; default ``torch.zeros``), to be filled by
         ``fill_from_blocks``; ``fmt`` one of the GGUF formats (scales per block of 32)."""
-        if fmt not in _CODE_BYTES:
-            raise ValueError(f"fmt must be one of {', '.join(_CODE_BYTES)}; got {fmt!r}")
+        if fmt not in GGUF_TYPE_OF_FORMAT:
+            raise ValueError(f"fmt must be one of {', '.join(GGUF_TYPE_OF_FORMAT)}; got {fmt!r}")
         empty = empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         tiles, blocks = -(-out_features // TILE), in_features // BLOCK
-        codes = empty((tiles, blocks, _CODE_BYTES[fmt] * TILE), torch.uint8)
+        codes = empty((tiles, blocks, code_bytes(fmt) * TILE), torch.uint8)
         mins = empty((tiles, blocks, TILE), torch.float16) if fmt in WITH_MINIMUM else None
         return cls(codes, empty((tiles, blocks, TILE), torch.float16), mins, fmt, out_features, in_features)
 

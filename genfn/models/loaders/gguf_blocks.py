@@ -1,8 +1,8 @@
 """A GGUF file's quantized matrices, from the file mapping to where the decode steps read them,
 each byte written once at most: ``place_blocks``.
 
-Each Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 matrix is written
-into the kernel's tiles (``QuantizedWeight``) in memory from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
+Each Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 matrix is written into the kernel's tiles (``QuantizedWeight``) in
+memory from ``arena.empty`` (``genfn.models.weight_arena.WeightArena``: huge pages, the weights' final
 place), by the native kernels in one pass (``gguf_tiles.cpp``), else by numpy.
 A Q4_K/Q5_K/Q6_K/IQ4 matrix (``KQuantWeight``) is the file's own blocks. One that every decode step
 reads whole (a layer's, the LM head, a tied embedding: ``_streamed``) goes into the arena where it
@@ -45,7 +45,8 @@ from gguf import GGMLQuantizationType
 
 from genfn import kernels
 from genfn.kernels import kquant
-from genfn.quant.blocks import GGUF_FORMATS, common_format, from_gguf_bytes, gguf_block_fields, to_gguf_bytes, widen
+from genfn.quant.blocks import (GGUF_FORMATS, GGUF_TYPE_OF_FORMAT, common_format, from_gguf_bytes, gguf_block_fields,
+                                to_gguf_bytes, widen)
 from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, INTERLEAVED_OF, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
@@ -85,8 +86,7 @@ def _run_type(gguf, run: list[str]) -> str | None:
         return types.pop()
     if not types <= GGUF_FORMATS.keys():
         return None
-    common = common_format(GGUF_FORMATS[t] for t in types)
-    return None if common is None else next(t for t, f in GGUF_FORMATS.items() if f == common)
+    return GGUF_TYPE_OF_FORMAT.get(common_format(GGUF_FORMATS[t] for t in types))
 
 
 def _runs(gguf, names: list[str]) -> list[list[str]]:
