@@ -1,0 +1,115 @@
+"""One decode step's native layer stack, this tree's decode library against a git revision's, in one process.
+
+    python benchmarks/stack_ab.py --model llama-1b-q4_0.gguf --baseline main
+    python benchmarks/stack_ab.py --model SmolLM2-135M-Instruct.llama.cpp-Q4_K_M.gguf --baseline HEAD~1 --rows 8
+
+The step's own call is captured from an eager ``genfn.generate`` of the file (greedy on a repeated
+sentence; ``--rows`` above 1 drafts that many minus one tokens by prompt lookup, so the call verifies
+``--rows`` positions of one sequence), then replayed: each round times ``--calls`` calls of this tree's
+``decode_stack`` and as many of the revision's (``genfn.bench.revision_kernels``, op namespace
+``genfn_kernels_base``; the order swapped every other round), and a ``tensor.sum`` over 256 MB
+beside them, because this VM's memory reads ~55 or ~90 GB/s by the minute and a one-row stack follows
+it. Both libraries must give the same bits. Prints each round's medians, the memory's rate and the
+ratio, then the median ratio over the rounds in each memory state.
+
+The revision's library takes this tree's table (the layout must not have changed between them) and
+reaches the K-quant kernels through this tree's K-quant library: for a change inside the K-quant
+library, alternate fresh processes instead (``trees_ab.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import genfn
+from genfn.bench.revision_kernels import build_at_revision
+from genfn.kernels import decode_layer, native
+
+# The memory's read rate (tensor.sum, GB/s) above which a round counts as the VM's fast state.
+_FAST_GBS = 70.0
+
+
+def capture(path: str, rows: int) -> tuple:
+    """The arguments of the median-time ``run_stack`` call of ``rows`` rows in an eager generate."""
+    model = genfn.load(path, quantize="gguf")
+    calls = []
+    original = decode_layer.run_stack
+
+    def spy(*args):
+        out = original(*args)
+        if args[0].reshape(-1, args[0].shape[-1]).shape[0] == rows:  # the table stays shared
+            calls.append(tuple(a.clone() if isinstance(a, torch.Tensor) and a is not args[1] else a for a in args))
+        return out
+
+    ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)])
+    extra = {"prompt_lookup_num_tokens": rows - 1, "num_assistant_tokens_schedule": "constant"} if rows > 1 else {}
+    decode_layer.run_stack = spy
+    try:
+        genfn.generate(model, ids, max_new_tokens=32, do_sample=False, cache_implementation="static",
+                       disable_compile=True, **extra)
+    finally:
+        decode_layer.run_stack = original
+    if not calls:
+        raise SystemExit(f"no step of {rows} rows ran through the native stack for {path}")
+    return model, calls[len(calls) // 2]
+
+
+def stack_call(namespace, args: tuple) -> torch.Tensor:
+    x, table, layers, cos, sin, keys, values, slots, mask, eps = args
+    return namespace.decode_stack(x.reshape(-1, x.shape[-1]), table, layers, cos.reshape(-1, cos.shape[-1]),
+                                  sin.reshape(-1, sin.shape[-1]), keys, values, slots,
+                                  mask.reshape(-1, mask.shape[-1]), eps, cos.shape[-1] ** -0.5)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a GGUF file")
+    ap.add_argument("--baseline", required=True, help="git revision whose decode kernels to compare with")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.ops.load_library(str(build_at_revision(native.DECODE, args.baseline,
+                                                 {"genfn_kernels": "genfn_kernels_base"})))
+    _, call = capture(args.model, args.rows)
+    libraries = {"this tree": torch.ops.genfn_kernels, args.baseline: torch.ops.genfn_kernels_base}
+    # Both write the same cache slots with the same keys and values: replaying either leaves the call's inputs.
+    outputs = [stack_call(namespace, call) for namespace in libraries.values()]
+    if not torch.equal(*outputs):
+        raise SystemExit("the two libraries give different bits")
+    buffer = torch.ones(64 * 1024 * 1024)
+    ratios: dict[str, list[float]] = {"fast": [], "slow": []}
+    print(f"{args.model}, {args.rows} row(s), {args.threads} threads; ms per stack call (median of {args.calls})")
+    for round_ in range(args.rounds):
+        order = list(libraries.items())[:: 1 if round_ % 2 == 0 else -1]
+        medians = {}
+        for name, namespace in order:
+            for _ in range(3):
+                stack_call(namespace, call)
+            times = []
+            for _ in range(args.calls):
+                start = time.perf_counter()
+                stack_call(namespace, call)
+                times.append(time.perf_counter() - start)
+            medians[name] = statistics.median(times) * 1e3
+        start = time.perf_counter()
+        buffer.sum()
+        gbs = buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
+        ratio = medians["this tree"] / medians[args.baseline]
+        ratios["fast" if gbs >= _FAST_GBS else "slow"].append(ratio)
+        print(f"  round {round_ + 1}: " + ", ".join(f"{n} {m:.3f}" for n, m in medians.items())
+              + f"; tensor.sum {gbs:.1f} GB/s; this tree / {args.baseline} {ratio:.3f}")
+    for state, values in ratios.items():
+        if values:
+            print(f"{state} memory ({len(values)} rounds): median ratio {statistics.median(values):.3f} "
+                  f"(range {min(values):.3f}-{max(values):.3f})")
+
+
+if __name__ == "__main__":
+    main()
