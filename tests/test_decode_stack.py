@@ -409,7 +409,8 @@ def test_layers_mixing_tiles_and_k_quant_rows_run_the_stack_with_the_layer_ops_b
     a layer ran op by op (the stack took one kind a layer). The stack takes it now, each linear
     through its own kind's kernel, with the bits of the layer op by op. So too a Q5_K_M file's
     layers, whose q/k/v stacks Q5_1 q/k on a Q8_0 v (no tile kind holds both): the stack runs the
-    parts of one linear in turn (layers 3 and 4, the latter all tiles)."""
+    parts of one linear in turn (layers 3 and 4, the latter all tiles), as it does a Q5_0 q/k beside a
+    Q8_0 v (kept in their own formats, not widened into one: every layer's q/k/v here)."""
     import genfn
     from genfn.quant.stack import RowStack
     from test_load_memory import write_file
@@ -421,9 +422,11 @@ def test_layers_mixing_tiles_and_k_quant_rows_run_the_stack_with_the_layer_ops_b
     types = {0: dict(tiles, ffn_down="Q6_K"), 1: dict(tiles, attn_output="Q4_K", ffn_down="Q4_K"),
              2: dict(tiles, ffn_down="Q8_0"), 3: dict(q5_1, ffn_down="Q5_K"), 4: dict(q5_1, ffn_down="Q5_1")}
     model = genfn.load(write_file(tmp_path / "mixed.gguf", types=types, embed="Q8_0", output=None), quantize="gguf")
-    assert [decode_layer.layer_kind(layer, torch.float32) for layer in model.params["layers"]] == [3, 3, 1, 3, 3]
+    assert [decode_layer.layer_kind(layer, torch.float32) for layer in model.params["layers"]] == [3, 3, 3, 3, 3]
     stacked = model.params["layers"][4]["wqkv"]
     assert isinstance(stacked, RowStack) and [p.format for p in stacked.parts] == ["q5_1", "q8_0"]
+    stacked = model.params["layers"][2]["wqkv"]
+    assert isinstance(stacked, RowStack) and [p.format for p in stacked.parts] == ["q5_0", "q8_0"]
     assert not decode_layer.takes(torch.zeros(1, 1, 256), model.params["layers"][0], torch.zeros(1, 2, 8, 64), 64)
     ids = torch.tensor([[5, 17, 42, 7, 99, 3], [8, 9, 10, 11, 12, 13]])
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True,

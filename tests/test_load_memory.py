@@ -132,8 +132,12 @@ def test_placed_blocks_equal_the_tiled_ones_bit_for_bit(mixed_file):
     for path, a, b in zip(new_paths, old_leaves, new_leaves):
         if path == ("layers", 0, "wqkv"):
             # Q4_0 q/k with a Q8_0 v: dequantized to float32 to be fused until session 22, then a
-            # RowStack of the two runs; now q/k widen into Q8_0 (value for value) and all is one matrix.
-            assert isinstance(b, QuantizedWeight) and b.format == "q8_0"
+            # RowStack of the two runs, in session 32 one run widened into Q8_0; a RowStack again since
+            # session 33 (q/k at their own 4.5 bits). The old path widens the fused RowBlocks.
+            assert isinstance(a, QuantizedWeight) and a.format == "q8_0"
+            assert isinstance(b, RowStack) and [p.format for p in b.parts] == ["q4_0", "q8_0"]
+            assert torch.equal(torch.cat([p.dequantize() for p in b.parts]), a.dequantize())
+            continue
         assert type(a) is type(b) and _same_weight(a, b), path
     assert isinstance(new["embed"], QuantizedWeight) and new["embed"].shape == (VOCAB, HIDDEN)  # 300 rows: half a tile
 
@@ -144,9 +148,9 @@ def test_fused_parts_are_views_of_one_allocation(mixed_file):
     assert isinstance(gate_up, QuantizedWeight) and gate_up.shape == (2 * FFN, HIDDEN)
     k_run = params["layers"][1]["w_gate_up"]
     assert isinstance(k_run, KQuantWeight) and k_run.shape == (2 * FFN, HIDDEN)
-    qkv = params["layers"][0]["wqkv"]  # Q4_0 q/k widened into their Q8_0 v's format: one run
-    assert isinstance(qkv, QuantizedWeight) and qkv.format == "q8_0"
-    for weight in (gate_up, k_run, qkv):
+    qkv = params["layers"][0]["wqkv"]  # Q4_0 q/k beside a Q8_0 v: two runs, each in its own format
+    assert isinstance(qkv, RowStack) and [p.format for p in qkv.parts] == ["q4_0", "q8_0"]
+    for weight in (gate_up, k_run, *qkv.parts):
         for t in (weight.codes, weight.scales) if isinstance(weight, QuantizedWeight) else (weight.data,):
             # one allocation from its start: each leaf has its own storage (no aliasing for torch.compile)
             assert t.data_ptr() == t.untyped_storage().data_ptr()
@@ -179,8 +183,6 @@ def test_the_arena_receives_each_byte_once(mixed_file, monkeypatch):
                if GGMLQuantizationType(info.ggml_type).name != "F32" and name not in in_place)
     floats = sum(leaf.numel() * leaf.element_size() for leaf in optree.tree_leaves(params, namespace=NAMESPACE)
                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() <= 1)
-    # Layer 0's Q4_0 q and k are kept as Q8_0 tiles beside their v: 16 more bytes a block.
-    kept += (HEADS + KV_HEADS) * (HIDDEN // HEADS) * (HIDDEN // 32) * (34 - 18)
     # Tiles pad a matrix to whole tiles of 16 rows: the embedding's and the head's 300 rows to 304.
     padding = 2 * 4 * (HIDDEN // 32) * 34
     floats = floats if huge_pages_available() else 0  # without huge pages the norms stay where they are
@@ -324,21 +326,22 @@ Q5_0_TYPES = {0: {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_ou
 
 def test_q5_0_matrices_are_kept_as_q5_0_tiles_with_their_values_bit_for_bit(tmp_path):
     """Q5_0 was dequantized to float32 on load (32 bits a weight), then kept as Q8_0 tiles (8.5 bits);
-    it is kept as its own 5.5 bits now, widened to Q8_0 only where it is fused with a Q8_0 part
-    (layer 0's q/k beside its Q8_0 v: the products are the same bits either way), and its values
-    are the gguf package's, through the arena's tiles and through ``RowBlocks`` alike."""
+    it is kept as its own 5.5 bits now, also where it is fused with a Q8_0 part (layer 0's q/k beside
+    its Q8_0 v: a ``RowStack`` of the two), and its values are the gguf package's, through the arena's
+    tiles and through ``RowBlocks`` alike."""
     from genfn.quant.blocks import dequantize, from_gguf_bytes
 
     path = write_file(tmp_path / "q5.gguf", types=Q5_0_TYPES, embed="Q5_0", output=None)
     model = genfn.load(path, quantize="gguf")
     floats = genfn.load(path)
     file = read_gguf(str(path))
-    expected = {0: {"wqkv": "q8_0", "wo": "q5_0", "w_gate_up": "q5_0"},
+    expected = {0: {"wqkv": ["q5_0", "q8_0"], "wo": "q5_0", "w_gate_up": "q5_0"},
                 1: {"wqkv": "q5_0", "wo": "q5_0", "w_gate_up": "q5_0", "w_down": "q5_0"}}
     for i, layer in enumerate(model.params["layers"]):
         for name, fmt in expected[i].items():
-            assert isinstance(layer[name], QuantizedWeight) and layer[name].format == fmt, (i, name, layer[name])
-            assert torch.equal(layer[name].dequantize(), floats.params["layers"][i][name]), (i, name)
+            parts = layer[name].parts if isinstance(layer[name], RowStack) else (layer[name],)
+            assert [p.format for p in parts if isinstance(p, QuantizedWeight)] == ([fmt] if isinstance(fmt, str) else fmt)
+            assert torch.equal(torch.cat([p.dequantize() for p in parts]), floats.params["layers"][i][name]), (i, name)
     raw = file.raw("blk.1.attn_output.weight")
     values = gguf.quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType.Q5_0)
     rows = from_gguf_bytes(raw, "Q5_0", (HIDDEN, HIDDEN))

@@ -31,7 +31,7 @@ import torch
 
 
 __all__ = ["RowBlocks", "FORMATS", "GGUF_FORMATS", "GGUF_TYPE_OF_FORMAT", "BLOCK", "code_bytes", "common_format",
-           "widen", "to_gguf_bytes", "quantize", "dequantize", "from_gguf_bytes", "gguf_block_fields"]
+           "widen", "quantize", "dequantize", "from_gguf_bytes", "gguf_block_fields"]
 
 BLOCK = 32
 # Inputs per scale; None means one scale for the whole row.
@@ -116,20 +116,6 @@ def gguf_block_fields(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ..
     rows, cols = int(np.prod(shape[:-1])), shape[-1]
     block = _gguf_record(GGUF_FORMATS[ggml_type_name])
     return np.ascontiguousarray(raw).reshape(-1).view(block).reshape(rows, cols // BLOCK)
-
-
-def to_gguf_bytes(blocks: RowBlocks) -> np.ndarray:
-    """uint8 ``[N, K // 32 * record bytes]``: the blocks of a GGUF format as a GGUF tensor's data
-    (``from_gguf_bytes``' inverse, bit for bit)."""
-    if blocks.format not in GGUF_TYPE_OF_FORMAT:
-        raise ValueError(f"blocks must be in a GGUF format ({', '.join(GGUF_TYPE_OF_FORMAT)}); got {blocks.format!r}")
-    n, k = blocks.shape
-    out = np.empty((n, k // BLOCK), _gguf_record(blocks.format))
-    out["d"] = blocks.scales.numpy()
-    out["q"] = blocks.codes.numpy()
-    if blocks.mins is not None:
-        out["m"] = blocks.mins.numpy()
-    return out.view(np.uint8).reshape(n, -1)
 
 
 def from_gguf_bytes(raw: np.ndarray, ggml_type_name: str, shape: tuple[int, ...]) -> RowBlocks:

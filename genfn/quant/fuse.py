@@ -3,10 +3,11 @@ each part comes in: float tensors, ``RowBlocks``, ``QuantizedWeight`` tiles, K-q
 
 Parts a loader wrote back to back in one allocation (``genfn.models.loaders.gguf_blocks`` does
 for a GGUF file's blocks) are joined as a view; others are copied once. No code or scale is ever
-recomputed: parts in different quantized formats are widened into the narrowest format that holds
-them all value for value where there is one (``genfn.quant.blocks.widen``: Q5_0 beside Q8_0 as
-Q8_0, the kernels' products unchanged), else stay a ``RowStack`` of runs, each in its own format,
-rather than being dequantized to be fused.
+recomputed: tiles and K-quant blocks in different formats stay a ``RowStack`` of runs, each in its
+own format (the native stack runs them part by part), rather than being dequantized or widened to
+be fused; ``RowBlocks``, which no native stack runs, are widened into the narrowest format that
+holds them all value for value where there is one (``genfn.quant.blocks.widen``: Q5_0 beside Q8_0
+as Q8_0, the products unchanged).
 """
 
 from __future__ import annotations
@@ -54,28 +55,21 @@ def _common(formats: set) -> str | None:
 
 
 def _stack_runs(parts: list):
-    """Parts among which some are tiles or K-quant blocks: runs of one type and width, and of one
-    format or formats that widen into one, are concatenated; a mix stays a ``RowStack`` of its runs,
-    each kept in its own format (dequantizing a K-quant run to fuse it would cost 7x its memory and
-    its native kernel)."""
+    """Parts among which some are tiles or K-quant blocks: runs of one type, width and format are
+    concatenated; a mix stays a ``RowStack`` of its runs, each kept in its own format (dequantizing
+    a K-quant run to fuse it would cost 7x its memory and its native kernel; widening Q5_0 tiles
+    beside a Q8_0 part into Q8_0, 1.55x their bytes, which a one-row step reads from memory)."""
     runs: list[list] = []
     for part in parts:
         run = runs[-1] if runs else [None]
         last = run[-1]
         same = (isinstance(part, (KQuantWeight, QuantizedWeight)) and type(part) is type(last)
                 and part.in_features == last.in_features
-                and (part.format == last.format
-                     or isinstance(part, QuantizedWeight) and _common({p.format for p in run} | {part.format})))
+                and part.format == last.format)
         if same:
             run.append(part)
         else:
             runs.append([part])
-    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else _cat_tile_run(run)
+    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_tiles(run)
               if isinstance(run[0], QuantizedWeight) else cat_rows(run) for run in runs]
     return merged[0] if len(merged) == 1 else RowStack(tuple(merged))
-
-
-def _cat_tile_run(run: list[QuantizedWeight]) -> QuantizedWeight:
-    """A run of tiles joined, parts of another format than the run's common one widened first."""
-    common = _common({p.format for p in run})
-    return cat_tiles([p if p.format == common else QuantizedWeight.from_rows(widen(p.to_rows(), common)) for p in run])

@@ -45,8 +45,7 @@ from gguf import GGMLQuantizationType
 
 from genfn import kernels
 from genfn.kernels import kquant
-from genfn.quant.blocks import (GGUF_FORMATS, GGUF_TYPE_OF_FORMAT, common_format, from_gguf_bytes, gguf_block_fields,
-                                to_gguf_bytes, widen)
+from genfn.quant.blocks import GGUF_FORMATS, gguf_block_fields
 from genfn.quant.kquants import FORMAT_ID, GGUF_K_FORMATS, INTERLEAVED_OF, KQuantWeight
 from genfn.quant.weight import KERNEL_KIND, TILE, QuantizedWeight
 
@@ -78,15 +77,13 @@ def _group(gguf, name: str, kept=_kept_type) -> list[str]:
 
 
 def _run_type(gguf, run: list[str]) -> str | None:
-    """The ggml type a run of matrices is kept in: their one type, or for tile formats the narrowest
-    that holds each part's blocks value for value (``genfn.quant.blocks.common_format``: a Q4_K_M file
-    of a 576-wide model has Q5_0 q/k beside a Q8_0 v, fused as Q8_0 tiles); None where there is none."""
+    """The ggml type a run of matrices is kept in: their one type; None where they differ. Parts of
+    two tile formats stay two runs (a Q4_K_M file of a 576-wide model has Q5_0 q/k beside a Q8_0 v:
+    fused, a ``RowStack`` of the two, which the native stack runs part by part) rather than one run
+    widened into the wider format (``genfn.quant.blocks.widen``): the same products, but 1.55x the
+    bytes of q/k, and at that size a step reads its weights from memory."""
     types = {_kept_type(gguf, name) for name in run}
-    if len(types) == 1:
-        return types.pop()
-    if not types <= GGUF_FORMATS.keys():
-        return None
-    return GGUF_TYPE_OF_FORMAT.get(common_format(GGUF_FORMATS[t] for t in types))
+    return types.pop() if len(types) == 1 else None
 
 
 def _runs(gguf, names: list[str]) -> list[list[str]]:
@@ -223,7 +220,7 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
         tiles = slice(tile, tile + -(-n // TILE))
         part = QuantizedWeight(whole.codes[tiles], whole.scales[tiles], None if whole.mins is None else whole.mins[tiles],
                                whole.format, n, cols)
-        _fill_tiles(part, _raw_as(gguf, name, type_name), type_name, row_order(name))
+        _fill_tiles(part, gguf.raw(name), type_name, row_order(name))
         out[name] = part
         gguf.release(name)
         tile = tiles.stop
@@ -268,16 +265,6 @@ def _write_r8_run(gguf, run, row_order, arena, rows, cols, fmt: str) -> dict[str
         out[name] = KQuantWeight(data[start:start + n], fmt, n, cols)
         start += n
     return out
-
-
-def _raw_as(gguf, name: str, type_name: str) -> np.ndarray:
-    """A tile format's matrix's blocks in ``type_name``: the file's bytes, or widened into that type
-    (a fresh array; ``_run_type``)."""
-    raw, own = gguf.raw(name), _kept_type(gguf, name)
-    if own == type_name:
-        return raw
-    rows = from_gguf_bytes(raw, own, tuple(gguf.tensors[name].shape))
-    return to_gguf_bytes(widen(rows, GGUF_FORMATS[type_name]))
 
 
 def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order: np.ndarray | None) -> None:
