@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.ops.load_library(str(build_at_revision(native.DECODE, args.baseline,
                                                  {"genfn_kernels": "genfn_kernels_base"})))
-    _, call = capture(args.model, args.rows)
+    model, call = capture(args.model, args.rows)  # kept alive: the call's table points into its weights
     libraries = {"this tree": torch.ops.genfn_kernels, args.baseline: torch.ops.genfn_kernels_base}
     # Both write the same cache slots with the same keys and values: replaying either leaves the call's inputs.
     outputs = [stack_call(namespace, call) for namespace in libraries.values()]

@@ -61,15 +61,13 @@ def _stack_runs(parts: list):
     beside a Q8_0 part into Q8_0, 1.55x their bytes, which a one-row step reads from memory)."""
     runs: list[list] = []
     for part in parts:
-        run = runs[-1] if runs else [None]
-        last = run[-1]
+        last = runs[-1][-1] if runs else None
         same = (isinstance(part, (KQuantWeight, QuantizedWeight)) and type(part) is type(last)
-                and part.in_features == last.in_features
-                and part.format == last.format)
+                and part.format == last.format and part.in_features == last.in_features)
         if same:
-            run.append(part)
+            runs[-1].append(part)
         else:
             runs.append([part])
-    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_tiles(run)
-              if isinstance(run[0], QuantizedWeight) else cat_rows(run) for run in runs]
+    merged = [cat_k(run) if isinstance(run[0], KQuantWeight) else cat_tiles(run) if isinstance(run[0], QuantizedWeight)
+              else cat_rows(run) for run in runs]
     return merged[0] if len(merged) == 1 else RowStack(tuple(merged))

@@ -76,24 +76,17 @@ def _group(gguf, name: str, kept=_kept_type) -> list[str]:
     return [n for n in names if n in gguf.tensors and kept(gguf, n) is not None]
 
 
-def _run_type(gguf, run: list[str]) -> str | None:
-    """The ggml type a run of matrices is kept in: their one type; None where they differ. Parts of
-    two tile formats stay two runs (a Q4_K_M file of a 576-wide model has Q5_0 q/k beside a Q8_0 v:
-    fused, a ``RowStack`` of the two, which the native stack runs part by part) rather than one run
-    widened into the wider format (``genfn.quant.blocks.widen``): the same products, but 1.55x the
-    bytes of q/k, and at that size a step reads its weights from memory."""
-    types = {_kept_type(gguf, name) for name in run}
-    return types.pop() if len(types) == 1 else None
-
-
 def _runs(gguf, names: list[str]) -> list[list[str]]:
-    """``names`` split where the type (``_run_type``) or width changes, or where a tiled part ends
-    inside a tile."""
+    """``names`` split where the type or width changes, or where a tiled part ends inside a tile.
+    Parts of two tile formats stay two runs (a Q4_K_M file of a 576-wide model has Q5_0 q/k beside a
+    Q8_0 v: fused, a ``RowStack`` of the two, which the native stack runs part by part) rather than
+    one run widened into the wider format (``genfn.quant.blocks.widen``): the same products, but
+    1.55x the bytes of q/k, and at that size a step reads its weights from memory."""
     runs: list[list[str]] = []
     for name in names:
         if runs:
             last = runs[-1][-1]
-            same = (_run_type(gguf, runs[-1] + [name]) is not None
+            same = (_kept_type(gguf, name) == _kept_type(gguf, last)
                     and gguf.tensors[name].shape[1] == gguf.tensors[last].shape[1]
                     and (_kept_type(gguf, last) in GGUF_K_FORMATS or gguf.tensors[last].shape[0] % TILE == 0))
             if same:
@@ -189,7 +182,7 @@ def _run_in_file(gguf, run: list[str], orders: list[np.ndarray | None], arena) -
 
 
 def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWeight | KQuantWeight]:
-    type_name = _run_type(gguf, run)
+    type_name = _kept_type(gguf, run[0])
     cols = gguf.tensors[run[0]].shape[1]
     rows = [gguf.tensors[name].shape[0] for name in run]
     out: dict[str, QuantizedWeight | KQuantWeight] = {}
