@@ -3,7 +3,9 @@
 torch here runs its thread pool on GNU OpenMP (libgomp), and so do the native kernels
 (``at::parallel_for``) and inductor's compiled C++. Between two parallel regions libgomp's idle
 threads spin for ``GOMP_SPINCOUNT`` iterations (300 000 by default, some milliseconds) before
-they sleep. A decode step runs hundreds of short regions, so on a quiet machine spinning
+they sleep, and so do the threads of genfn's native decode stack at the barriers where they
+meet inside a region (``genfn/kernels/team_barrier.h`` reads the same settings the same way: one
+policy for both). A decode step runs hundreds of short regions, so on a quiet machine spinning
 saves a wake-up per region; beside another busy process it is a collapse, because the spinning
 thread keeps the core the working thread needs (measured here: 1.5 tok/s with the default spin,
 14 tok/s with ``OMP_WAIT_POLICY=PASSIVE``, which sleeps at once).

@@ -52,6 +52,7 @@
 namespace {
 
 using namespace genfn_kernels::layer;
+using genfn_kernels::TeamBarrier;
 
 at::Tensor decode_attention_input(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& wqkv,
                                   const at::Tensor& cos, const at::Tensor& sin, double eps, int64_t heads,
@@ -163,10 +164,11 @@ at::Tensor decode_mlp_input_quant(const at::Tensor& x, const at::Tensor& mlp_nor
   float* gu = gate_up_rows.data();
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   gate_up.prepare(M, out_features, threads);
+  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   mlp_input(xc.data_ptr<float>(), nc.data_ptr<float>(), gate_up, M, E, F, static_cast<float>(eps), gu,
             act.data_ptr<float>(), static_cast<int64_t>(omp_get_thread_num()),
-            static_cast<int64_t>(omp_get_num_threads()));
+            static_cast<int64_t>(omp_get_num_threads()), barrier);
   return act;
 }
 

@@ -49,7 +49,7 @@ struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups:
   const T* w;
   RowQueue rows;
   void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads, std::is_same_v<T, c10::BFloat16>); }
-  void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t) {
+  void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t, TeamBarrier&) {
     linear_balanced(M, x, w, K, N, y, t, rows);
   }
 };
@@ -79,7 +79,8 @@ struct QuantLinear {
     }
     for (int64_t p = 0; p < count; ++p) tiles[p].prepare_blocks(parts[p].tiles, team);
   }
-  void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
+  void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team,
+                  TeamBarrier& barrier) {
     const genfn_kernels::QuantActivations* codes = x8;
     if (alone) {  // the same codes in every thread: a row's quantization does not depend on who runs it
       thread_local genfn_kernels::QuantActivations own;
@@ -89,7 +90,7 @@ struct QuantLinear {
     } else {
       for (int64_t g = 0; g < groups; ++g)
         genfn_kernels::quantize_rows_share(x + g * per * K, rows[g], K, x8[g], t, team);
-#pragma omp barrier
+      barrier.wait(team);
     }
     float* out[kGroups];
     int64_t first = 0;  // the part's first output
@@ -107,7 +108,7 @@ inline const genfn::kquant::LayerEntry& kquant_entry() {
   static const genfn::kquant::LayerEntry* entry = [] {
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("genfn_kquant::kquant_layer_entry", "");
     const auto* found = reinterpret_cast<const genfn::kquant::LayerEntry*>(op.typed<int64_t()>().call());
-    TORCH_CHECK(found->size == static_cast<int64_t>(sizeof(genfn::kquant::SharedLinear)),
+    TORCH_CHECK(found->key == genfn::kquant::layer_entry_key(),
                 "the K-quant kernels were built from another kquant.h than the decode kernels");
     return found;
   }();
@@ -117,8 +118,9 @@ inline const genfn::kquant::LayerEntry& kquant_entry() {
 struct KQuantLinear {
   genfn::kquant::SharedLinear shared;
   void prepare(int64_t M, int64_t, int64_t team) { kquant_entry().prepare(shared, M, team); }
-  void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team) {
-    kquant_entry().linear_share(shared, x, y, t, team);
+  void operator()(int64_t, const float* x, int64_t, int64_t, float* y, int64_t t, int64_t team,
+                  TeamBarrier& barrier) {
+    kquant_entry().linear_share(shared, x, y, t, team, barrier);
   }
 };
 
@@ -133,9 +135,10 @@ struct MixedLinear {
     if (tiles) quant.prepare(M, N, team);
     else kquant.prepare(M, N, team);
   }
-  void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team) {
-    if (tiles) quant(M, x, K, N, y, t, team);
-    else kquant(M, x, K, N, y, t, team);
+  void operator()(int64_t M, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team,
+                  TeamBarrier& barrier) {
+    if (tiles) quant(M, x, K, N, y, t, team, barrier);
+    else kquant(M, x, K, N, y, t, team, barrier);
   }
 };
 
@@ -146,13 +149,13 @@ struct MixedLinear {
 template <typename T, typename Linear, typename Place>
 void attention_input_in(const T* x, const T* norm, Linear& wqkv, const T* cos, const T* sin, int64_t M, int64_t E,
                         int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv, int64_t t,
-                        int64_t team, const Place& place) {
+                        int64_t team, TeamBarrier& barrier, const Place& place) {
   // Every thread normalizes the few rows itself: cheaper than a barrier.
   thread_local std::vector<T> h;
   h.resize(M * E);
   rms_norm_rows(x, norm, M, E, eps, h.data());
-  wqkv(M, h.data(), E, N, qkv, t, team);
-#pragma omp barrier
+  wqkv(M, h.data(), E, N, qkv, t, team, barrier);
+  barrier.wait(team);
   const int64_t rotated = heads + kv_heads;  // q's heads, then k's
   const auto [begin, end] = share(M * rotated, t, team);
   for (int64_t i = begin; i < end; ++i) {
@@ -169,9 +172,10 @@ void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, cons
                      int64_t N, int64_t heads, int64_t kv_heads, int64_t D, float eps, T* qkv) {
   const int64_t threads = omp_in_parallel() ? 1 : at::get_num_threads();
   wqkv.prepare(M, N, threads);
+  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   attention_input_in(x, norm, wqkv, cos, sin, M, E, N, heads, kv_heads, D, eps, qkv,
-                     static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()),
+                     static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()), barrier,
                      [](int64_t, int64_t, const T*) {});
 }
 
@@ -180,12 +184,12 @@ void attention_input(const T* x, const T* norm, Linear& wqkv, const T* cos, cons
 // before act is read.
 template <typename T, typename Linear>
 void mlp_input(const T* x1, const T* mlp_norm, Linear& w_gate_up, int64_t M, int64_t E, int64_t F, float eps,
-               T* gate_up, T* act, int64_t t, int64_t team) {
+               T* gate_up, T* act, int64_t t, int64_t team, TeamBarrier& barrier) {
   thread_local std::vector<T> h;
   h.resize(M * E);
   rms_norm_rows(x1, mlp_norm, M, E, eps, h.data());
-  w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team);
-#pragma omp barrier
+  w_gate_up(M, h.data(), E, 2 * F, gate_up, t, team, barrier);
+  barrier.wait(team);
   const auto [begin, end] = share(F, t, team);
   for (int64_t m = 0; m < M; ++m) {
     const T* gate = gate_up + m * 2 * F;
@@ -245,13 +249,20 @@ struct OutputBuffers {
   }
 };
 
+// Where layer_output_in writes out: a share of its columns by each thread into one buffer (a
+// barrier must follow before another thread reads it), or all of it by each thread into a buffer
+// of its own, which the thread reads on without waiting for the others (out may then be x).
+enum class Out { kShared, kOwn };
+
 // Inside a parallel region, thread t of `team`: out = x1 + down(silu(g) * u) for x1 = x +
-// attention(q) @ wo.T, with b's buffers (sized for M, E, heads * D and F) shared by the team. Each
-// thread writes its share of out's columns: a barrier must follow before another thread reads out.
-template <typename T, typename Linear, typename Attention>
+// attention(q) @ wo.T, with b's buffers (sized for M, E, heads * D and F) shared by the team, written
+// as `where` says. Thread 0, whose share of the attention is the smallest, calls
+// after_attention() once it has attended its share: work of its own that fills its wait there.
+template <typename T, typename Linear, typename Attention, typename AfterAttention>
 void layer_output_in(const T* x, const T* q, const Attention& attend, Linear& wo, const T* mlp_norm,
                      Linear& w_gate_up, Linear& w_down, int64_t M, int64_t E, int64_t heads, int64_t kv_heads,
-                     int64_t D, int64_t F, float eps, T* out, const OutputBuffers<T>& b, int64_t t, int64_t team) {
+                     int64_t D, int64_t F, float eps, T* out, Out where, const OutputBuffers<T>& b, int64_t t,
+                     int64_t team, TeamBarrier& barrier, const AfterAttention& after_attention) {
   const int64_t HD = heads * D, groups = heads / kv_heads;
   if ((M * kv_heads) % team == 0) {
     // One task per (row, kv head) where they split evenly: each kv head's keys and values are
@@ -269,18 +280,19 @@ void layer_output_in(const T* x, const T* q, const Attention& attend, Linear& wo
       attend(m, head / groups, q + i * D, int64_t{1}, b.attn + i * D);
     }
   }
-#pragma omp barrier
-  wo(M, b.attn, HD, E, b.o, t, team);
-#pragma omp barrier
+  if (t == 0) after_attention();
+  barrier.wait(team);
+  wo(M, b.attn, HD, E, b.o, t, team, barrier);
+  barrier.wait(team);
   // The residual after attention, by every thread for itself.
   thread_local std::vector<T> x1;
   x1.resize(M * E);
   rows::add_row(x, b.o, M * E, x1.data());
-  mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, b.gate_up, b.act, t, team);
-#pragma omp barrier
-  w_down(M, b.act, F, E, b.down, t, team);
-#pragma omp barrier
-  const auto [begin, end] = share(E, t, team);
+  mlp_input(x1.data(), mlp_norm, w_gate_up, M, E, F, eps, b.gate_up, b.act, t, team, barrier);
+  barrier.wait(team);
+  w_down(M, b.act, F, E, b.down, t, team, barrier);
+  barrier.wait(team);
+  const auto [begin, end] = where == Out::kOwn ? std::pair<int64_t, int64_t>{0, E} : share(E, t, team);
   for (int64_t m = 0; m < M; ++m)
     rows::add_row(x1.data() + m * E + begin, b.down + m * E + begin, end - begin, out + m * E + begin);
 }
@@ -297,9 +309,11 @@ void layer_output(const T* x, const T* q, const Attention& attend, Linear& wo, c
   wo.prepare(M, E, threads);
   w_gate_up.prepare(M, 2 * F, threads);
   w_down.prepare(M, E, threads);
+  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
-  layer_output_in(x, q, attend, wo, mlp_norm, w_gate_up, w_down, M, E, heads, kv_heads, D, F, eps, out, buffers,
-                  static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()));
+  layer_output_in(x, q, attend, wo, mlp_norm, w_gate_up, w_down, M, E, heads, kv_heads, D, F, eps, out, Out::kShared,
+                  buffers, static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()),
+                  barrier, [] {});
 }
 
 // The layer's weights: plain (float32 or bfloat16 x), tiles16 blocks (float32 x and VNNI), K-quant

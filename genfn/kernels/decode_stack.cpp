@@ -63,6 +63,7 @@
 namespace {
 
 using namespace genfn_kernels::layer;
+using genfn_kernels::TeamBarrier;
 
 constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2, kMixed = 3;
 constexpr const char* kTableOp = "decode_stack_table";
@@ -457,38 +458,44 @@ PagedCache<T> paged_cache(const StackShape& s, at::Tensor& keys, at::Tensor& val
 
 // Layer `layer` inside the stack's parallel region, thread t of `team`: its attention input, each
 // rotated q head copied to q and each k head's keys and values written into the cache by the thread
-// that rotated it, then its output into `out`. A barrier must follow before `out` is read.
-template <typename T, typename Linear, typename Cache>
+// that rotated it, then its output, all of it into the thread's own `out` (which may be x).
+// after_attention as layer_output_in's.
+template <typename T, typename Linear, typename Cache, typename AfterAttention>
 void run_layer(const StackShape& s, LayerLinears<Linear>& l, const T* x, const TableLayer& w, const T* cos,
                const T* sin, const Cache& cache, int64_t layer, float eps, float scale, T* qkv, T* q,
-               const OutputBuffers<T>& buffers, T* out, int64_t t, int64_t team) {
+               const OutputBuffers<T>& buffers, T* out, int64_t t, int64_t team, TeamBarrier& barrier,
+               const AfterAttention& after_attention) {
   const auto place = [&](int64_t m, int64_t head, const T* rotated) {
     if (head < s.heads) std::memcpy(q + (m * s.heads + head) * s.D, rotated, s.D * sizeof(T));
     else cache.write(s, layer, qkv, m, head - s.heads);
   };
   attention_input_in(x, static_cast<const T*>(w.attn_norm), l.wqkv, cos, sin, s.M, s.E, s.N, s.heads, s.kv_heads,
-                     s.D, eps, qkv, t, team, place);
-#pragma omp barrier
+                     s.D, eps, qkv, t, team, barrier, place);
+  barrier.wait(team);
   layer_output_in(x, q, cache.attention(s, layer, scale), l.wo, static_cast<const T*>(w.mlp_norm), l.gate_up, l.down,
-                  s.M, s.E, s.heads, s.kv_heads, s.D, l.F, eps, out, buffers, t, team);
+                  s.M, s.E, s.heads, s.kv_heads, s.D, l.F, eps, out, Out::kOwn, buffers, t, team, barrier,
+                  after_attention);
 }
 
 // Each kind of layer's linears, two sets: layer i runs set i % 2 while one thread readies the other
-// for layer i + 1 (the barrier that ends layer i publishes it; set i % 2 is free once layer i ends).
+// for layer i + 1 (set (i + 1) % 2 is free once every thread has met in layer i, and the barrier
+// after layer i's attention publishes it).
 template <typename Linear>
 using LinearSets = std::array<LayerLinears<Linear>, 2>;
 
 // The whole stack in one parallel region: its threads meet only where data passes between them
-// (after a linear's products, the rotated heads and cache writes, the attention, the SwiGLU, a
-// layer's output): 8 times a layer where a one-row layer of Q4_1 tiles met 14 times in two regions
-// of its own, the cache writes on one thread between them. SmolLM2 Q4_1, fresh processes
-// alternated: 1.05x the tokens a second eager, 1.07x compiled; the 1B shape within its noise.
+// (after a linear's products, the rotated heads and cache writes, the attention, the SwiGLU): 7
+// times a layer where a one-row layer of Q4_1 tiles met 14 times in two regions of its own, the
+// cache writes on one thread between them. SmolLM2 Q4_1, fresh processes alternated: 1.05x the
+// tokens a second eager, 1.07x compiled (at 8 meetings); the 1B shape within its noise. Each thread
+// adds a layer's whole output to a residual stream of its own (E adds, not E / team), so no meeting
+// ends a layer, and thread 0 readies the next layer's linears beside the attention, where it has
+// the fewest heads and waited.
 template <typename T, typename Cache>
 at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layers, const at::Tensor& x,
                      const at::Tensor& cos, const at::Tensor& sin, const Cache& cache, double eps, double scale) {
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  // Two buffers for the residual stream, each layer reading one and writing the other.
-  at::Tensor streams[2] = {at::empty({s.M, s.E}, x.options()), at::empty({s.M, s.E}, x.options())};
+  at::Tensor result = at::empty({s.M, s.E}, x.options());
   at::Tensor qkv = at::empty({s.M, s.N}, x.options()), q = at::empty({s.M, s.HD}, x.options());
   const at::Tensor xc = x.contiguous();
   LinearSets<DenseLinear<T>> plain;
@@ -527,24 +534,29 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   const T* first = xc.data_ptr<T>();
   const T* cos_rows = cc.data_ptr<T>();
   const T* sin_rows = sc.data_ptr<T>();
-  T* stream[2] = {streams[0].data_ptr<T>(), streams[1].data_ptr<T>()};
+  T* result_rows = result.data_ptr<T>();
   T* qkv_rows = qkv.data_ptr<T>();
   T* q_rows = q.data_ptr<T>();
   const float e = static_cast<float>(eps), a = static_cast<float>(scale);
+  TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    thread_local std::vector<T> residual;  // this thread's residual stream
+    residual.resize(s.M * s.E);
     for (int64_t layer = 0; layer < layers; ++layer) {
-      const T* in = layer == 0 ? first : stream[(layer - 1) % 2];
+      const auto ready_next = [&] {
+        if (layer + 1 < layers) ready(layer + 1);
+      };
       with_linears(layer, [&](auto& l) {
-        run_layer<T>(s, l, in, table.layers[layer], cos_rows, sin_rows, cache, layer, e, a, qkv_rows, q_rows,
-                     buffers, stream[layer % 2], t, team);
+        run_layer<T>(s, l, layer == 0 ? first : residual.data(), table.layers[layer], cos_rows, sin_rows, cache,
+                     layer, e, a, qkv_rows, q_rows, buffers, residual.data(), t, team, barrier,
+                     ready_next);
       });
-      if (t == 0 && layer + 1 < layers) ready(layer + 1);
-#pragma omp barrier
     }
+    if (t == 0) std::copy(residual.begin(), residual.end(), result_rows);
   }
-  return streams[(layers - 1) % 2];
+  return result;
 }
 
 at::Tensor decode_stack(const at::Tensor& x, const at::Tensor& table, int64_t layers, const at::Tensor& cos,

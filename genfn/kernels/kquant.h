@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "row_queue.h"
+#include "team_barrier.h"
 
 #define GENFN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define GENFN_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), always_inline))
@@ -231,12 +232,20 @@ struct SharedLinear {
 // The K-quant library's entry points for SharedLinear. The decode library is built with AVX-512
 // flags and these kernels without, and torch loads each library on its own (RTLD_LOCAL), so
 // neither links the other: the decode library asks the op kquant_layer_entry for this table.
+// What a library's entry table was built as: sizeof(SharedLinear) and the revision of the entries'
+// signatures (raise kLayerEntryRevision with any change to them), compared before any entry is
+// called. Before revision 2 the key was sizeof(SharedLinear) alone, so an older decode library
+// refuses a newer table too (benchmarks/stack_ab.py pairs a revision's decode library with this
+// tree's K-quant library).
+constexpr int64_t kLayerEntryRevision = 2;  // 2: linear_share meets at a TeamBarrier
+constexpr int64_t layer_entry_key() { return static_cast<int64_t>(sizeof(SharedLinear)) << 8 | kLayerEntryRevision; }
 struct LayerEntry {
-  int64_t size;  // sizeof(SharedLinear) in the K-quant library's build, which the caller checks
+  int64_t key;  // layer_entry_key() in the K-quant library's build, which the caller checks
   void (*prepare)(SharedLinear& s, int64_t M, int64_t threads);
   // Thread t of `team`'s part of y [M, N] = x [M, K] @ W.T, inside the region (it may meet the team at
-  // a barrier: every thread of the team calls it).
-  void (*linear_share)(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team);
+  // `barrier`: every thread of the team calls it).
+  void (*linear_share)(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team,
+                       genfn_kernels::TeamBarrier& barrier);
 };
 
 __attribute__((target("f16c"), always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }

@@ -372,7 +372,8 @@ void rows_share(SharedLinear& s, const ActivationsK* x, float* y, int64_t t) {
 // Thread t of `team`'s part of y = x @ W.T inside a parallel region, s prepared: a few rows of x
 // quantized by every thread for itself (quantize_alone, the same for every thread of the team), else
 // a share of x by each and a barrier; then its claimed rows (LayerEntry::linear_share).
-void linear_share(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team) {
+void linear_share(SharedLinear& s, const float* x, float* y, int64_t t, int64_t team,
+                  genfn_kernels::TeamBarrier& barrier) {
   if (s.groups == 1 && genfn_kernels::quantize_alone(s.M, team)) {
     thread_local ActivationsK own[SharedLinear::kMaxParts];
     quantize_all(s, x, own);
@@ -380,11 +381,11 @@ void linear_share(SharedLinear& s, const float* x, float* y, int64_t t, int64_t 
     return;
   }
   quantize_share(s, x, t, team);
-#pragma omp barrier
+  barrier.wait(team);
   rows_share(s, s.x, y, t);
 }
 
-constexpr LayerEntry kLayerEntry{static_cast<int64_t>(sizeof(SharedLinear)), &prepare_shared, &linear_share};
+constexpr LayerEntry kLayerEntry{layer_entry_key(), &prepare_shared, &linear_share};
 
 // row_kernels: every row count through the row kernels (whose per-row result is the same at any row
 // count, as is the GEMM's, but not the same as the GEMM's), for the batch-invariant mode.
@@ -428,12 +429,15 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   const int64_t passes = (M + kMaxRowsAtOnce - 1) / kMaxRowsAtOnce;
   if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
     prepare_shared(s, M, 1);
-    linear_share(s, xp, yp, 0, 1);
+    genfn_kernels::TeamBarrier alone;
+    linear_share(s, xp, yp, 0, 1, alone);
     return y.view(out_sizes).to(x.scalar_type());
   }
   prepare_shared(s, M, threads);
+  genfn_kernels::TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
-  linear_share(s, xp, yp, static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()));
+  linear_share(s, xp, yp, static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()),
+               barrier);
   return y.view(out_sizes).to(x.scalar_type());
 }
 

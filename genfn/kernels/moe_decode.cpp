@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#include "team_barrier.h"
 
 namespace {
 
@@ -192,26 +193,27 @@ std::tuple<at::Tensor, at::Tensor> moe_decode_quant(
   genfn_kernels::QuantActivations* act8p = act8.data();
   float *gp = gate_up.data(), *ap = act.data(), *dp = down.data();
   genfn_kernels::RowQueue* qp = queues.get();
+  genfn_kernels::TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
     // A row of x (or of the SwiGLU) is quantized by one thread; rotating which spreads them.
     for (int64_t r = 0; r < rows; ++r) genfn_kernels::quantize_rows_share(xp + r * hidden, 1, hidden, x8p[r], (t + r) % team, team);
-#pragma omp barrier
+    barrier.wait(team);
     for (int64_t p = 0; p < pairs; ++p)
       genfn_kernels::quant_linear_share(1, x8p[p / top_k], hidden, gu.expert(chosen[p]), gp + p * 2 * inter, t, qp[p]);
-#pragma omp barrier
+    barrier.wait(team);
     for (int64_t i = pairs * inter * t / team; i < pairs * inter * (t + 1) / team; ++i) {
       const int64_t p = i / inter, r = i % inter;
       const float gate = gp[p * 2 * inter + r], up = gp[p * 2 * inter + inter + r];
       ap[i] = gate / (1.0f + std::exp(-gate)) * up;
     }
-#pragma omp barrier
+    barrier.wait(team);
     for (int64_t p = 0; p < pairs; ++p) genfn_kernels::quantize_rows_share(ap + p * inter, 1, inter, act8p[p], (t + p) % team, team);
-#pragma omp barrier
+    barrier.wait(team);
     for (int64_t p = 0; p < pairs; ++p)
       genfn_kernels::quant_linear_share(1, act8p[p], inter, dn.expert(chosen[p]), dp + p * hidden, t, qp[pairs + p]);
-#pragma omp barrier
+    barrier.wait(team);
     for (int64_t i = rows * hidden * t / team; i < rows * hidden * (t + 1) / team; ++i) {
       const int64_t r = i / hidden, h = i % hidden;
       float sum = 0.0f;

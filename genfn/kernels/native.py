@@ -67,7 +67,7 @@ DECODE = NativeLibrary(
                                             "decode_layer.cpp", "decode_stack.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp", "prefill_attention.cpp")),
-    headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "kquant.h",
+    headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h", _HERE / "kquant.h",
              _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
@@ -78,7 +78,8 @@ KQUANT = NativeLibrary(
                                                       _HERE / "kquant_gemm.cpp", _HERE / "iq4_linear.cpp",
                                                       _HERE / "kquant_r8.cpp", _HERE / "kquant_q6k.cpp",
                                                       _HERE / "kquant_lookup.cpp"),
-    headers=(_HERE / "kquant.h", _HERE / "kquant_quantize.h", _HERE / "row_queue.h", _HERE / "kquant_rows.h"),
+    headers=(_HERE / "kquant.h", _HERE / "kquant_quantize.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
+             _HERE / "kquant_rows.h"),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
 LIBRARIES = (DECODE, KQUANT)
 

@@ -1,4 +1,5 @@
-// Lets go of the calling thread's OpenMP worker threads.
+// How genfn's OpenMP threads wait: the calling thread's worker pool let go of, and the spin counts
+// at which the native kernels' own barrier (team_barrier.h) stops polling and sleeps.
 //
 // libgomp keeps a pool of worker threads per thread that started a parallel region. Once two
 // threads of a process have run torch ops, the process holds two pools, more OpenMP threads than
@@ -11,12 +12,27 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "team_barrier.h"
+
 namespace {
 
 bool release_thread_pool() { return omp_pause_resource_all(omp_pause_soft) == 0; }
+
+// [spin, throttled] for these settings (None: unset), as TeamBarrier reads them from the environment.
+std::vector<int64_t> barrier_spin_limits(const std::optional<std::string>& wait_policy,
+                                         const std::optional<std::string>& spin_count) {
+  const genfn_kernels::SpinLimits limits = genfn_kernels::spin_limits_from(
+      wait_policy ? wait_policy->c_str() : nullptr, spin_count ? spin_count->c_str() : nullptr);
+  return {limits.spin, limits.throttled};
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   m.def("release_thread_pool() -> bool", &release_thread_pool);
+  m.def("barrier_spin_limits(str? wait_policy, str? spin_count) -> int[]", &barrier_spin_limits);
 }
