@@ -14,7 +14,9 @@ ratio, then the median ratio over the rounds in each memory state.
 
 The revision's library takes this tree's table (the layout must not have changed between them) and
 reaches the K-quant kernels through this tree's K-quant library: for a change inside the K-quant
-library, alternate fresh processes instead (``trees_ab.py``).
+library, alternate fresh processes instead (``trees_ab.py``). A revision whose ``kquant.h`` entry key
+differs from this tree's (before d3df57f, where ``linear_share`` took no barrier) refuses the table of
+a file with K-quant layers: for those, too, alternate fresh processes.
 """
 
 from __future__ import annotations
