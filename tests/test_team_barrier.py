@@ -38,18 +38,19 @@ def test_the_barrier_spins_as_long_as_libgomp_would(policy, count, expected):
 
 
 @needs_kernel
-@pytest.mark.parametrize("policy", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "1"}])
-def test_a_stack_whose_threads_sleep_at_every_barrier_gives_the_same_bits(policy):
+@pytest.mark.parametrize("policy, threads", [({"OMP_WAIT_POLICY": "PASSIVE"}, 2), ({"GOMP_SPINCOUNT": "1"}, 2),
+                                             ({}, 2 * (os.cpu_count() or 1))])
+def test_a_stack_whose_threads_sleep_at_every_barrier_gives_the_same_bits(policy, threads):
     """With no spin every thread that waits sleeps on the generation (the futex path) and is woken by
-    the last to arrive: the stack tests pass unchanged, on two threads, and nothing hangs."""
+    the last to arrive; a team of more threads than CPUs polls only the throttled count and sleeps
+    while the others are descheduled: the stack tests pass unchanged and nothing hangs."""
     tests = Path(__file__).parent
-    env = {**os.environ, **policy, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, **policy, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
         [str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
     env.pop("GENFN_WAIT_POLICY", None)
-    if "GOMP_SPINCOUNT" in policy:
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
-        env.pop("GOMP_SPINCOUNT", None)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if name not in policy:
+            env.pop(name, None)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
          str(tests / "test_decode_stack.py"), "-k", "gives_the_layer_ops_bits or paged"],

@@ -4,6 +4,7 @@
 // and layers, the K-quant row kernels).
 #pragma once
 
+#include <sched.h>
 #include <strings.h>
 #include <xmmintrin.h>
 
@@ -51,9 +52,16 @@ inline SpinLimits spin_limits_from(const char* policy, const char* count) {
   return limits;
 }
 
+// The CPUs this process may run on, as libgomp counts them (its affinity mask, not every online CPU).
+inline int64_t available_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
+}
+
 inline int64_t spin_limit(int64_t team) {
   static const SpinLimits limits = spin_limits_from(std::getenv("OMP_WAIT_POLICY"), std::getenv("GOMP_SPINCOUNT"));
-  static const int64_t cpus = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  static const int64_t cpus = available_cpus();
   return team > cpus ? limits.throttled : limits.spin;
 }
 
