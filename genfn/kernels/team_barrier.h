@@ -20,7 +20,7 @@ namespace genfn_kernels {
 // How many times a thread waiting at a barrier polls, a `pause` each, before it sleeps: libgomp's
 // count, from the settings it reads once when it loads. GOMP_SPINCOUNT=N[k|M|G|T] or
 // "infinite" where set; else OMP_WAIT_POLICY=ACTIVE: without end, PASSIVE: none, unset: 300 000.
-// A team larger than the machine's hardware threads polls at most libgomp's throttled count (1000
+// A team larger than the CPUs the process may run on polls at most libgomp's throttled count (1000
 // under ACTIVE, else 100). genfn's command line sets these for the machine's load
 // (genfn/wait_policy.py); a program that imports genfn sets them as for any OpenMP code.
 struct SpinLimits {
