@@ -75,8 +75,8 @@ class TeamBarrier {
     const uint32_t seen = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
       arrived_.store(0, std::memory_order_relaxed);
-      // seq_cst with sleepers_ below: a thread that counted itself asleep after this load saw
-      // the new generation first, and so does not sleep.
+      // seq_cst, as a sleeper's count and load below: either this load sees a thread counted
+      // asleep, or that thread's next load of the generation sees this store and it does not sleep.
       generation_.store(seen + 1, std::memory_order_seq_cst);
       if (sleepers_.load(std::memory_order_seq_cst) > 0) generation_.notify_all();
       return;
