@@ -229,9 +229,6 @@ struct SharedLinear {
   ActivationsK x[kMaxParts];
   genfn_kernels::RowQueue queue;
 };
-// The K-quant library's entry points for SharedLinear. The decode library is built with AVX-512
-// flags and these kernels without, and torch loads each library on its own (RTLD_LOCAL), so
-// neither links the other: the decode library asks the op kquant_layer_entry for this table.
 // What a library's entry table was built as: sizeof(SharedLinear) and the revision of the entries'
 // signatures (raise kLayerEntryRevision with any change to them), compared before any entry is
 // called. Before revision 2 the key was sizeof(SharedLinear) alone, so an older decode library
@@ -239,6 +236,9 @@ struct SharedLinear {
 // tree's K-quant library).
 constexpr int64_t kLayerEntryRevision = 2;  // 2: linear_share meets at a TeamBarrier
 constexpr int64_t layer_entry_key() { return static_cast<int64_t>(sizeof(SharedLinear)) << 8 | kLayerEntryRevision; }
+// The K-quant library's entry points for SharedLinear. The decode library is built with AVX-512
+// flags and these kernels without, and torch loads each library on its own (RTLD_LOCAL), so
+// neither links the other: the decode library asks the op kquant_layer_entry for this table.
 struct LayerEntry {
   int64_t key;  // layer_entry_key() in the K-quant library's build, which the caller checks
   void (*prepare)(SharedLinear& s, int64_t M, int64_t threads);

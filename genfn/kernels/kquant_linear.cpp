@@ -427,14 +427,13 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t passes = (M + kMaxRowsAtOnce - 1) / kMaxRowsAtOnce;
+  genfn_kernels::TeamBarrier barrier;
   if (threads == 1 || N * row_bytes * passes <= 16384) {  // too little work to share out
     prepare_shared(s, M, 1);
-    genfn_kernels::TeamBarrier alone;
-    linear_share(s, xp, yp, 0, 1, alone);
+    linear_share(s, xp, yp, 0, 1, barrier);
     return y.view(out_sizes).to(x.scalar_type());
   }
   prepare_shared(s, M, threads);
-  genfn_kernels::TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   linear_share(s, xp, yp, static_cast<int64_t>(omp_get_thread_num()), static_cast<int64_t>(omp_get_num_threads()),
                barrier);
