@@ -81,7 +81,9 @@ def _table(layers, dtype=torch.float32):
 
 @needs_kernel
 @pytest.mark.parametrize("kinds", list(STACKS.values()), ids=list(STACKS))
-@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (2, 5)])
+# (1, 4) and (1, 8): one group of rows, quantized whole by each thread for wqkv and gate_up, and past
+# four rows the gate/up tiles paired (arrange_layer_inputs), where the layer ops share both out.
+@pytest.mark.parametrize("batch, seq", [(1, 1), (3, 1), (1, 4), (1, 8), (2, 5)])
 def test_the_stack_gives_the_layer_ops_bits_and_cache(kinds, batch, seq):
     layers = _stack_layers(kinds)
     x, cos, sin, keys, values, slots, visible = _step_inputs(batch, seq, len(layers) + 1)

@@ -68,16 +68,38 @@ struct QuantLinear {
   genfn_kernels::QuantActivations x8[kGroups];
   int64_t per = 0, groups = 0, rows[kGroups] = {};  // prepare's split of the M rows (group_size)
   bool alone = false;
+  // Set before prepare where each thread holds all of x itself (the norm of the residual it keeps):
+  // then each quantizes one group's rows whole for itself, with no meeting, and no codes pass
+  // between the threads (see arrange_layer_inputs).
+  bool own_input = false;
   RowQueue tiles[kMaxParts];
   void prepare(int64_t M, int64_t, int64_t team) {
     per = genfn_kernels::group_size(M);
     groups = (M + per - 1) / per;
-    alone = groups == 1 && genfn_kernels::quantize_alone(M, team);
+    alone = groups == 1 && (own_input || genfn_kernels::quantize_alone(M, team));
     for (int64_t g = 0; g < groups; ++g) {
       rows[g] = std::min(per, M - g * per);
       if (!alone) x8[g].resize(rows[g], parts[0].blocks * 32);
     }
     for (int64_t p = 0; p < count; ++p) tiles[p].prepare_blocks(parts[p].tiles, team);
+  }
+  // A gate/up matrix of one part (the gate's F rows, then the up's) run as two parts, so that each
+  // thread's share of the tiles is the same columns of both and the SwiGLU after it (mlp_input,
+  // share(F)) reads the gate and up its own thread wrote.
+  void pair_gate_up(int64_t F) {
+    if (count != 1 || F % 16 != 0 || parts[0].out_features != 2 * F) return;
+    QuantWeight gate = parts[0], up = parts[0];
+    const int64_t tiles = F / 16, skipped = tiles * up.blocks;
+    gate.tiles = tiles;
+    gate.out_features = F;
+    up.tiles -= tiles;
+    up.out_features = F;
+    up.codes += skipped * genfn_kernels::tile_block_bytes(up.kind);
+    up.scales += skipped * 16;
+    if (up.mins != nullptr) up.mins += skipped * 16;
+    parts[0] = gate;
+    parts[1] = up;
+    count = 2;
   }
   void operator()(int64_t, const float* x, int64_t K, int64_t N, float* y, int64_t t, int64_t team,
                   TeamBarrier& barrier) {
@@ -100,6 +122,24 @@ struct QuantLinear {
     }
   }
 };
+
+// How a layer's tiles linears meet their inputs, set before prepare for M rows. Each thread keeps
+// the residual whole, so it quantizes wqkv's and gate_up's x (the residual's norm) whole for itself
+// (own_input); past kMaxDecodeRows / 2 rows the gate/up tiles run paired (pair_gate_up). Both keep
+// lines of memory from passing between the threads: where this VM's two threads sit on different
+// dies (its TeamBarrier then costs ~170-200 ns, against ~30 on one die), each line that one writes
+// and the other reads costs several times what it does on one die, and SmolLM2 Q4_1's 8-row stack
+// took 2.6-2.7 ms there against ~2.0 on one die. Alternated in one process where the threads sat
+// on different dies: the own quantization 0.97x the stack's time at 4 rows and 0.975x at 8, the
+// pairing 0.96x at 8 (1.006x at 4 and 1.008x at 1, within the rounds' spread, so not taken there).
+// The same bits either way. Other kinds of linear read their inputs as they are.
+template <typename Linear>
+void arrange_layer_inputs(Linear&, Linear&, int64_t, int64_t) {}
+inline void arrange_layer_inputs(QuantLinear& wqkv, QuantLinear& gate_up, int64_t F, int64_t M) {
+  wqkv.own_input = true;
+  gate_up.own_input = true;
+  if (M > kMaxDecodeRows / 2) gate_up.pair_gate_up(F);
+}
 
 // GGUF K-quant rows (Q4_K, Q5_K, Q6_K, IQ4; a matrix may stack parts in several formats) against
 // float32 activations: kquant_linear's row kernels, which live in the K-quant library
@@ -141,6 +181,12 @@ struct MixedLinear {
     else kquant(M, x, K, N, y, t, team, barrier);
   }
 };
+// A mixed layer's tiles linears meet their inputs as arrange_layer_inputs says, where each is tiles.
+inline void arrange_layer_inputs(MixedLinear& wqkv, MixedLinear& gate_up, int64_t F, int64_t M) {
+  wqkv.quant.own_input = wqkv.tiles;
+  gate_up.quant.own_input = gate_up.tiles;
+  if (gate_up.tiles && M > kMaxDecodeRows / 2) gate_up.quant.pair_gate_up(F);
+}
 
 // Inside a parallel region, thread t of `team`: qkv = rms_norm(x) @ wqkv.T with RoPE on q's and k's
 // heads, each rotated head then handed to place(m, head, rotated) by the thread that rotated it (q's

@@ -305,6 +305,7 @@ struct LayerLinears {
     const int64_t cols[] = {E, HD, E, w.F};
     for (int i = 0; i < 4; ++i) point_linear(*linears[i], w, i, cols[i]);
     F = w.F;
+    arrange_layer_inputs(wqkv, gate_up, F, M);
     wqkv.prepare(M, N, threads);
     wo.prepare(M, E, threads);
     gate_up.prepare(M, 2 * F, threads);
