@@ -216,14 +216,17 @@ def _best(runs: list[dict]) -> dict:
 
 def sampled(run) -> dict:
     """``run()``'s result with ``read_gbs``: ``tensor.sum``'s read rate sampled here just before and
-    just after it. The VM's memory moves from one minute to the next (45-90 GB/s on sessions 23-26's
-    Zen 5), so a step's share of the read rate means something only against the rate of its minute;
-    sampled in this process, not the child's, so the sample's buffer is not in the child's peak RSS."""
-    from genfn.bench.decode import read_bandwidth_gbs
+    just after it, and ``meeting_ns``: the threads' meeting time beside each (``thread_meeting_ns``:
+    whether they sat on one die or on two). The VM's memory moves from one minute to the next (45-90
+    GB/s on sessions 23-35's Zen 5, the fast minutes those on two dies), so a step's share of the read
+    rate means something only against the rate of its minute; sampled in this process, not the
+    child's, so the sample's buffer is not in the child's peak RSS."""
+    from genfn.bench.decode import read_bandwidth_gbs, thread_meeting_ns
 
-    before = read_bandwidth_gbs(mib=256, repeats=3)[0]
+    before, meeting_before = read_bandwidth_gbs(mib=256, repeats=3)[0], thread_meeting_ns()
     result = run()
     result["read_gbs"] = [before, read_bandwidth_gbs(mib=256, repeats=3)[0]]
+    result["meeting_ns"] = [meeting_before, thread_meeting_ns()]
     return result
 
 
@@ -292,6 +295,10 @@ def main(args) -> int:
                 if shares:
                     print(f"  {engine} b1 share of the read rate sampled beside it, per round: "
                           f"{'  '.join(f'{v:.0%}' for v in shares)}  median {statistics.median(shares):.0%}")
+                meetings = [max(r["meeting_ns"]) for r in per_round if None not in r.get("meeting_ns", [None])]
+                if meetings:
+                    print(f"  {engine} threads' meeting beside it, ns per round (~30-60: one die; ~170-300: two): "
+                          f"{'  '.join(f'{v:.0f}' for v in meetings)}")
         report["models"].append({"model": model, "file_bytes": size, "token_bytes": token_bytes,
                                  "roofline_tok_s": roofline, "results": results, "rounds": runs,
                                  "paired_ratios": paired})

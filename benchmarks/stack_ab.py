@@ -9,8 +9,10 @@ sentence; ``--rows`` above 1 drafts that many minus one tokens by prompt lookup,
 ``decode_stack`` and as many of the revision's (``genfn.bench.revision_kernels``, op namespace
 ``genfn_kernels_base``; the order swapped every other round), and a ``tensor.sum`` over 256 MB
 beside them, because this VM's memory reads ~55 or ~90 GB/s by the minute and a one-row stack follows
-it. Both libraries must give the same bits. Prints each round's medians, the memory's rate and the
-ratio, then the median ratio over the rounds in each memory state.
+it, and the time the two threads take to meet (``thread_meeting_ns``), which says whether they sat on
+one die or on two that minute (the memory's fast state is the second). Both libraries must give the
+same bits. Prints each round's medians, the memory's rate, the meeting and the ratio, then the median
+ratio over the rounds in each state.
 
 The revision's library takes this tree's table (the layout must not have changed between them) and
 reaches the K-quant kernels through this tree's K-quant library: for a change inside the K-quant
@@ -28,11 +30,13 @@ import time
 import torch
 
 import genfn
+from genfn.bench.decode import thread_meeting_ns
 from genfn.bench.revision_kernels import build_at_revision
 from genfn.kernels import decode_layer, native
 
-# The memory's read rate (tensor.sum, GB/s) above which a round counts as the VM's fast state.
-_FAST_GBS = 70.0
+# A meeting of the two threads (thread_meeting_ns) slower than this, in ns, puts a round in the state
+# where they sit on two dies (on sessions 23-35's Zen 5 VM ~30-60 ns on one, ~170-300 on two).
+_TWO_DIES_NS = 100.0
 
 
 def capture(path: str, rows: int) -> tuple:
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
     if not torch.equal(*outputs):
         raise SystemExit("the two libraries give different bits")
     buffer = torch.ones(64 * 1024 * 1024)
-    ratios: dict[str, list[float]] = {"fast": [], "slow": []}
+    ratios: dict[str, list[float]] = {"one die": [], "two dies": []}
     print(f"{args.model}, {args.rows} row(s), {args.threads} threads; ms per stack call (median of {args.calls})")
     for round_ in range(args.rounds):
         order = list(libraries.items())[:: 1 if round_ % 2 == 0 else -1]
@@ -103,13 +107,14 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         buffer.sum()
         gbs = buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
+        meeting = thread_meeting_ns()
         ratio = medians["this tree"] / medians[args.baseline]
-        ratios["fast" if gbs >= _FAST_GBS else "slow"].append(ratio)
+        ratios["two dies" if meeting > _TWO_DIES_NS else "one die"].append(ratio)
         print(f"  round {round_ + 1}: " + ", ".join(f"{n} {m:.3f}" for n, m in medians.items())
-              + f"; tensor.sum {gbs:.1f} GB/s; this tree / {args.baseline} {ratio:.3f}")
+              + f"; tensor.sum {gbs:.1f} GB/s, a meeting {meeting:.0f} ns; this tree / {args.baseline} {ratio:.3f}")
     for state, values in ratios.items():
         if values:
-            print(f"{state} memory ({len(values)} rounds): median ratio {statistics.median(values):.3f} "
+            print(f"threads on {state} ({len(values)} rounds): median ratio {statistics.median(values):.3f} "
                   f"(range {min(values):.3f}-{max(values):.3f})")
 
 

@@ -57,3 +57,21 @@ def test_a_stack_whose_threads_sleep_at_every_barrier_gives_the_same_bits(policy
         env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+@needs_kernel
+def test_the_meeting_time_is_measured_for_the_intra_op_team_and_checks_its_argument():
+    """benchmarks record how long the threads take to meet (whether they sat on one die or on two);
+    the op runs the barrier with torch's intra-op threads and refuses a count that measures nothing."""
+    from genfn.bench.decode import thread_meeting_ns
+
+    before = torch.get_num_threads()
+    try:
+        for threads in {1, before}:
+            torch.set_num_threads(threads)
+            ns = thread_meeting_ns(meetings=200)
+            assert ns is not None and 0.0 < ns < 1e7
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="meetings must be at least 1, got 0"):
+        torch.ops.genfn_kernels.barrier_meeting_ns(0)

@@ -126,6 +126,22 @@ def read_bandwidth_gbs(mib: int = 512, repeats: int = 7) -> tuple[float, float]:
     return rates
 
 
+def thread_meeting_ns(meetings: int = 20000) -> float | None:
+    """Nanoseconds a meeting of torch's intra-op threads at the decode kernels' barrier takes (best of
+    three runs; None without the native kernels): how far apart the cores they run on sit. On sessions
+    23-35's 2-core Zen 5 VM it read ~30-60 ns in some minutes and ~170-300 in others: the two vCPUs sat
+    on one die, or on two. On two each die reads memory through its own link (``tensor.sum`` ~90
+    against ~55 GB/s), so a one-row step, which streams its weights, runs faster, and every cache
+    line that one thread writes and the other reads costs several times as much, so the few-row
+    steps, which are bound by arithmetic and pass lines between the threads at each meeting, run
+    slower (SmolLM2 Q4_1's 8-row stack 2.6-2.7 ms against ~2.0)."""
+    from genfn.kernels import decode_linear_available
+
+    if not decode_linear_available():
+        return None
+    return float(torch.ops.genfn_kernels.barrier_meeting_ns(meetings))
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a batch-1 decode step streams: every matrix once (tied head counted once),
     the embedding table only when it is not also the LM head (then one row is read, ~0)."""
