@@ -313,10 +313,16 @@ void layer_output_in(const T* x, const T* q, const Attention& attend, Linear& wo
   if ((M * kv_heads) % team == 0) {
     // One task per (row, kv head) where they split evenly: each kv head's keys and values are
     // read once for its whole query group (at 8 rows, a query head at a time read them three
-    // times over, ~12 % of a Q4_1 step).
+    // times over, ~12 % of a Q4_1 step). The tasks go kv head by kv head, so a thread takes
+    // every row of its kv heads: the rows of a lookup round attend the same slots, which the next
+    // row finds in L2, and each thread reads its share of the kv heads, not all of them (by rows,
+    // both threads read every head's keys and values). SmolLM2 Q4_1 over the copy task's span
+    // (benchmarks/lookup_rounds.py's prompt, alternated in one process): the stack at 2 / 4 rows
+    // 0.95x / 0.97x the time with the threads on two dies, at 4 rows 0.97x on one die (0.98x over a
+    // short span), at 8 rows 1.00x. The same bits: a task's arithmetic does not depend on who runs it.
     const auto [begin, end] = share(M * kv_heads, t, team);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / kv_heads, kv = i % kv_heads, first = m * heads + kv * groups;
+      const int64_t m = i % M, kv = i / M, first = m * heads + kv * groups;
       attend(m, kv, q + first * D, groups, b.attn + first * D);
     }
   } else {  // one task per (row, query head): 9 heads split 5/4 where 3 kv heads would split 2/1
