@@ -295,10 +295,10 @@ def main(args) -> int:
                 if shares:
                     print(f"  {engine} b1 share of the read rate sampled beside it, per round: "
                           f"{'  '.join(f'{v:.0%}' for v in shares)}  median {statistics.median(shares):.0%}")
-                meetings = [max(r["meeting_ns"]) for r in per_round if None not in r.get("meeting_ns", [None])]
-                if meetings:
-                    print(f"  {engine} threads' meeting beside it, ns per round (~30-60: one die; ~170-300: two): "
-                          f"{'  '.join(f'{v:.0f}' for v in meetings)}")
+                meetings = [r["meeting_ns"] for r in per_round if None not in r.get("meeting_ns", [None])]
+                if meetings:  # before/after the run: a pair that differs is a run the VM moved during
+                    print(f"  {engine} threads' meeting before/after it, ns per round (~30-60: one die; ~170-300: two): "
+                          f"{'  '.join(f'{b:.0f}/{a:.0f}' for b, a in meetings)}")
         report["models"].append({"model": model, "file_bytes": size, "token_bytes": token_bytes,
                                  "roofline_tok_s": roofline, "results": results, "rounds": runs,
                                  "paired_ratios": paired})
