@@ -2,10 +2,12 @@
 
     python benchmarks/stack_ab.py --model llama-1b-q4_0.gguf --baseline main
     python benchmarks/stack_ab.py --model SmolLM2-135M-Instruct.llama.cpp-Q4_K_M.gguf --baseline HEAD~1 --rows 8
+    python benchmarks/stack_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --baseline HEAD~1 --rows 4 --prompt copy
 
 The step's own call is captured from an eager ``genfn.generate`` of the file (greedy on a repeated
-sentence; ``--rows`` above 1 drafts that many minus one tokens by prompt lookup, so the call verifies
-``--rows`` positions of one sequence), then replayed: each round times ``--calls`` calls of this tree's
+sentence, or with ``--prompt copy`` on the copy task's longer prompt; ``--rows`` above 1 drafts that
+many minus one tokens by prompt lookup, so the call verifies ``--rows`` positions of one sequence),
+then replayed: each round times ``--calls`` calls of this tree's
 ``decode_stack`` and as many of the revision's (``genfn.bench.revision_kernels``, op namespace
 ``genfn_kernels_base``; the order swapped every other round), and a ``tensor.sum`` over 256 MB
 beside them, because this VM's memory reads ~55 or ~90 GB/s by the minute and a one-row stack follows
@@ -39,8 +41,10 @@ from genfn.kernels import decode_layer, native
 _TWO_DIES_NS = 100.0
 
 
-def capture(path: str, rows: int) -> tuple:
-    """The arguments of the median-time ``run_stack`` call of ``rows`` rows in an eager generate."""
+def capture(path: str, rows: int, prompt: str = "short") -> tuple:
+    """The arguments of the median-time ``run_stack`` call of ``rows`` rows in an eager generate of
+    ``prompt``: ``"short"`` (a sentence four times, ~50 slots attended) or ``"copy"`` (the rewriting
+    task of ``assisted.py`` and ``lookup_rounds.py``, ~300 slots: the attention weighs more there)."""
     model = genfn.load(path, quantize="gguf")
     calls = []
     original = decode_layer.run_stack
@@ -51,12 +55,18 @@ def capture(path: str, rows: int) -> tuple:
             calls.append(tuple(a.clone() if isinstance(a, torch.Tensor) and a is not args[1] else a for a in args))
         return out
 
-    ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)])
+    if prompt == "copy":
+        from assisted import prompts
+
+        ids, mask = prompts(model.tokenizer, 1)
+    else:
+        ids = torch.tensor([model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)])
+        mask = None
     extra = {"prompt_lookup_num_tokens": rows - 1, "num_assistant_tokens_schedule": "constant"} if rows > 1 else {}
     decode_layer.run_stack = spy
     try:
-        genfn.generate(model, ids, max_new_tokens=32, do_sample=False, cache_implementation="static",
-                       disable_compile=True, **extra)
+        genfn.generate(model, ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
+                       cache_implementation="static", disable_compile=True, **extra)
     finally:
         decode_layer.run_stack = original
     if not calls:
@@ -76,6 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", required=True, help="a GGUF file")
     ap.add_argument("--baseline", required=True, help="git revision whose decode kernels to compare with")
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--prompt", choices=["short", "copy"], default="short",
+                    help="what the captured step attends: a short sentence or the copy task's ~300 slots")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -83,7 +95,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.ops.load_library(str(build_at_revision(native.DECODE, args.baseline,
                                                  {"genfn_kernels": "genfn_kernels_base"})))
-    model, call = capture(args.model, args.rows)  # kept alive: the call's table points into its weights
+    model, call = capture(args.model, args.rows, args.prompt)  # kept alive: the call's table points into its weights
     libraries = {"this tree": torch.ops.genfn_kernels, args.baseline: torch.ops.genfn_kernels_base}
     # Both write the same cache slots with the same keys and values: replaying either leaves the call's inputs.
     outputs = [stack_call(namespace, call) for namespace in libraries.values()]
@@ -91,7 +103,8 @@ def main(argv=None) -> None:
         raise SystemExit("the two libraries give different bits")
     buffer = torch.ones(64 * 1024 * 1024)
     ratios: dict[str, list[float]] = {"one die": [], "two dies": []}
-    print(f"{args.model}, {args.rows} row(s), {args.threads} threads; ms per stack call (median of {args.calls})")
+    print(f"{args.model}, {args.rows} row(s), {args.prompt} prompt, {args.threads} threads; "
+          f"ms per stack call (median of {args.calls})")
     for round_ in range(args.rounds):
         order = list(libraries.items())[:: 1 if round_ % 2 == 0 else -1]
         medians = {}
