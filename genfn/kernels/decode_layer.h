@@ -181,11 +181,12 @@ struct MixedLinear {
     else kquant(M, x, K, N, y, t, team, barrier);
   }
 };
-// A mixed layer's tiles linears meet their inputs as arrange_layer_inputs says, where each is tiles.
+// A mixed layer's tiles linears meet their inputs as arrange_layer_inputs says. Only a linear that
+// runs tiles reads its QuantLinear, so own_input may be set on any; gate_up's parts are paired only
+// where they are tiles.
 inline void arrange_layer_inputs(MixedLinear& wqkv, MixedLinear& gate_up, int64_t F, int64_t M) {
-  wqkv.quant.own_input = wqkv.tiles;
-  gate_up.quant.own_input = gate_up.tiles;
-  if (gate_up.tiles && M > kMaxDecodeRows / 2) gate_up.quant.pair_gate_up(F);
+  if (gate_up.tiles) arrange_layer_inputs(wqkv.quant, gate_up.quant, F, M);
+  else wqkv.quant.own_input = true;
 }
 
 // Inside a parallel region, thread t of `team`: qkv = rms_norm(x) @ wqkv.T with RoPE on q's and k's
