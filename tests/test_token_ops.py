@@ -1,5 +1,6 @@
 """The packed forward's native elementwise ops (genfn/kernels/token_ops.cpp) against the torch
-steps they replace (genfn.models.packed._TorchLayerOps), and the thread-pool release."""
+steps they replace (genfn.models.packed._TorchLayerOps), the thread-pool release, and prompt
+lookup's native scan (genfn/kernels/lookup_ops.cpp) against its tensor ops."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from genfn import kernels
 from genfn.models.packed import _NativeLayerOps, _TorchLayerOps
@@ -155,3 +158,34 @@ def test_argmax_is_torch_argmax_for_every_shape_and_edge():
     assert torch.equal(argmax(block.double()), torch.argmax(block.double(), dim=-1))  # torch's
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.genfn_kernels.argmax_rows(logits.double())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), batch=st.integers(1, 4), width=st.integers(2, 24), vocab=st.integers(2, 5),
+       k=st.integers(1, 6), max_ngram=st.integers(1, 4), occurrence=st.sampled_from(["latest", "earliest"]),
+       eos=st.sampled_from([(), (1,), (0, 2)]), padded=st.booleans(), limited=st.booleans())
+def test_prompt_lookup_scan_is_the_tensor_ops(data, batch, width, vocab, k, max_ngram, occurrence, eos, padded,
+                                               limited):
+    """The native scan returns the tensor ops' draft and num_valid tensor for tensor, the garbage
+    columns past num_valid included (the target is fed them), for any padding, length and budget."""
+    from genfn.strategies.assisted.prompt_lookup import _propose_with_tensor_ops, propose_prompt_lookup
+
+    tokens = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
+                                             min_size=batch, max_size=batch)))
+    cur_len = torch.tensor([data.draw(st.integers(1, width)) for _ in range(batch)])
+    first = torch.tensor([data.draw(st.integers(0, int(n) - 1)) for n in cur_len]) if padded else None
+    max_length = cur_len + torch.tensor([data.draw(st.integers(0, 4)) for _ in range(batch)]) if limited else None
+    native = propose_prompt_lookup(tokens, cur_len, k, max_ngram, occurrence=occurrence, eos_token_ids=eos,
+                                   max_length=max_length, first_column=first)
+    expected = _propose_with_tensor_ops(tokens, cur_len, k, max_ngram, occurrence, eos, max_length, first)
+    assert torch.equal(native[0], expected[0]) and torch.equal(native[1], expected[1])
+
+
+def test_prompt_lookup_scan_refuses_what_it_does_not_take():
+    tokens = torch.zeros(2, 8, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="cur_len"):
+        torch.ops.genfn_kernels.propose_prompt_lookup(tokens, torch.zeros(3, dtype=torch.int64), None, None, [], 2,
+                                                      2, True)
+    with pytest.raises(RuntimeError, match="tokens"):
+        torch.ops.genfn_kernels.propose_prompt_lookup(tokens.int(), torch.zeros(2, dtype=torch.int64), None, None, [],
+                                                      2, 2, True)

@@ -195,6 +195,11 @@ def _register_token_ops_fake() -> None:
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::propose_prompt_lookup")
+    def _(tokens, cur_len, first_column, max_length, eos_token_ids, num_output_tokens, max_matching_ngram_size,
+          latest):
+        return tokens.new_empty((tokens.shape[0], num_output_tokens)), tokens.new_empty((tokens.shape[0],))
+
 
 def _register_quant_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::quant_linear")

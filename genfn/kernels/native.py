@@ -66,7 +66,7 @@ DECODE = NativeLibrary(
     sources=tuple(_HERE / name for name in ("decode_linear.cpp", "quant_linear.cpp", "decode_attention.cpp",
                                             "decode_layer.cpp", "decode_stack.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
-                                            "quant_gemm.cpp", "prefill_attention.cpp")),
+                                            "quant_gemm.cpp", "prefill_attention.cpp", "lookup_ops.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h", _HERE / "kquant.h",
              _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),

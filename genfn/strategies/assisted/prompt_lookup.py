@@ -1,8 +1,9 @@
 """Prompt lookup decoding: draft the tokens that followed an earlier occurrence of the row's last n-gram.
 
-Vectorized over the batch: every row matches its own n-grams inside the static ``[B, N]`` token
-buffer, with one comparison of all windows per n-gram size and no loop over rows, so the
-proposal runs inside a compiled step. As transformers' ``PromptLookupCandidateGenerator``, the
+Every row matches its own n-grams inside the static ``[B, N]`` token buffer with no host sync, so
+the proposal runs inside a compiled step: on the CPU as one native op that scans each row
+(``genfn/kernels/lookup_ops.cpp``), elsewhere as tensor ops that compare all windows of every row
+at once (the same tensors, in ~80 small ops an eager step would dispatch one by one). As transformers' ``PromptLookupCandidateGenerator``, the
 largest n-gram size that occurs earlier wins, the continuation never reaches past the row's
 filled tokens, and the draft stops before its first EOS. Which occurrence of that n-gram is
 used is ``occurrence``: ``"latest"`` (the most recent one, nearest to what is being written) or
@@ -13,6 +14,8 @@ verification makes the output identical to plain decoding either way.
 from __future__ import annotations
 
 import torch
+
+from genfn.kernels import decode_linear_available
 
 __all__ = ["propose_prompt_lookup", "OCCURRENCES"]
 
@@ -57,11 +60,25 @@ def propose_prompt_lookup(tokens: torch.Tensor, cur_len: torch.Tensor, num_outpu
     ``j >= num_valid[b]`` is garbage (but always a token id from the buffer).
     """
     _check(tokens, cur_len, num_output_tokens, max_matching_ngram_size, occurrence, eos_token_ids)
-    batch, width = tokens.shape
-    device = tokens.device
+    batch = tokens.shape[0]
     lengths = cur_len.to(torch.int64)
     first = _row_vector(first_column, "first_column", batch)
     max_length = _row_vector(max_length, "max_length", batch)
+    if tokens.device.type == "cpu" and decode_linear_available():
+        # One native scan a row: the same tensors as the tensor ops, which an eager step would
+        # dispatch as ~80 small ops.
+        return torch.ops.genfn_kernels.propose_prompt_lookup(tokens, lengths, first, max_length, list(eos_token_ids),
+                                                             num_output_tokens, max_matching_ngram_size,
+                                                             occurrence == "latest")
+    return _propose_with_tensor_ops(tokens, lengths, num_output_tokens, max_matching_ngram_size, occurrence,
+                                    eos_token_ids, max_length, first)
+
+
+def _propose_with_tensor_ops(tokens, lengths, num_output_tokens, max_matching_ngram_size, occurrence, eos_token_ids,
+                             max_length, first):
+    """:func:`propose_prompt_lookup` as tensor ops: every window of every row compared at once."""
+    batch, width = tokens.shape
+    device = tokens.device
     start = torch.zeros(batch, dtype=torch.int64, device=device)  # first continuation column
     found = torch.zeros(batch, dtype=torch.bool, device=device)
     for n in range(min(max_matching_ngram_size, width - 1), 0, -1):
