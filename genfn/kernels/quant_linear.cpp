@@ -95,8 +95,10 @@ void quantize_activations(const float* x, int64_t M, int64_t K, Activations& a) 
 // ms; in cache the extra prefetches cost 0-3.5 %.
 template <int M>
 genfn_kernels::StreamWindow stream_window(int64_t kind) {
-  if constexpr (M == 1) return genfn_kernels::one_row_window(kind == kQ8);
-  if constexpr (M < 4) return genfn_kernels::few_quantized_rows_window();
+  if constexpr (M == 1)
+    return genfn_kernels::one_row_window(kind == kQ8 ? genfn_kernels::StreamKind::kEightBitTiles
+                                                     : genfn_kernels::StreamKind::kTiles);
+  if constexpr (M < 4) return genfn_kernels::few_quantized_rows_window(genfn_kernels::StreamKind::kTiles);
   return {4096, true};
 }
 template <int M>

@@ -5,6 +5,7 @@
 // the K-quant row kernels).
 #pragma once
 
+#include <cpuid.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
@@ -60,30 +61,65 @@ inline bool intel_cores() {
   return intel;
 }
 
-// The window of a product with one row of x. On Intel cores 16 KiB into L2, whose prefetchers alone
-// left a one-row stream 10-20 % short of the read rate (session 15's Xeon). On AMD's, 8 KiB into L1:
-// there, once the memory is fast, the prefetchers alone leave a one-row kernel's stream well short of
-// a plain read of the same bytes (Zen 5, one thread: Q4_0 tiles 82-87 % of it, 94 % fetched; 1B shapes'
-// layer matrices, 2 threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 63-67 ->
-// 76-77 GB/s, Q4_K_M's 62-68 -> 72-76, Q5_K_M's 70-71 -> 72-74, bfloat16 66-71 -> 75-76; in slow
-// stretches the same within a few per cent). Into L2 it did not pay there (Q4_K_M 0.99-1.01x), nor
-// 4 KiB ahead into L1 (Q4_0 tiles 1.00-1.07x, against 1.09-1.17x at 8 KiB). The 8-bit tiles keep the
-// prefetchers alone on AMD: fetched, they read 0.93-0.97x as fast (`eight_bit_tiles`).
-inline StreamWindow one_row_window(bool eight_bit_tiles = false) {
+// Whether this CPU's family is 0x1A or later (AMD's Zen 5): its cores and Zen 4's (family 0x19) want
+// different windows for the same streams.
+inline bool zen5_or_later() {
+  static const bool later = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xf;
+    return (base == 0xf ? base + ((eax >> 20) & 0xff) : base) >= 0x1a;
+  }();
+  return later;
+}
+
+// What a thread's weight stream holds: the window that streams it fastest depends on the kernel that
+// reads it as much as on the core.
+enum class StreamKind {
+  kFloatRows,      // float32 / bfloat16 rows (decode_linear.cpp)
+  kTiles,          // 4-bit tiles (Q4_0, Q4_1, int4, Q5_0, Q5_1; quant_linear.cpp)
+  kEightBitTiles,  // Q8_0 / int8 tiles
+  kBlockRows,      // K-quant and IQ4 rows, plain or interleaved (kquant_rows.h)
+};
+
+// The window of a product with one row of x. On Intel cores 16 KiB into L2 for every stream, whose
+// prefetchers alone left a one-row stream 10-20 % short of the read rate (session 15's Xeon). The
+// 8-bit tiles keep the prefetchers alone on AMD's: fetched, they read 0.93-0.97x as fast (Zen 5) and
+// 0.88x (Zen 4, 1B Q8_0 step, session 36). On Zen 5, 8 KiB into L1 for the rest: there, once the
+// memory is fast, the prefetchers alone leave a one-row kernel's stream well short of a plain read of
+// the same bytes (one thread: Q4_0 tiles 82-87 % of it, 94 % fetched; 1B shapes' layer matrices, 2
+// threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 63-67 -> 76-77 GB/s, Q4_K_M's
+// 62-68 -> 72-76, Q5_K_M's 70-71 -> 72-74, bfloat16 66-71 -> 75-76; in slow stretches the same within
+// a few per cent). Into L2 it did not pay there (Q4_K_M 0.99-1.01x), nor 4 KiB ahead into L1 (Q4_0
+// tiles 1.00-1.07x, against 1.09-1.17x at 8 KiB). Zen 4 (session 36, a 1B step of each format in one
+// process, the windows alternated call by call; benchmarks/results/stream-windows-2026-12-06-s36-zen4.log):
+// the K-quant rows stream fastest 16 KiB into L2 (Q4_K_M 0.83-0.84x the time of 8 KiB into L1, which
+// gains nothing over the prefetchers alone there; SmolLM2's Q4_K_M 0.91x), the float rows with the
+// prefetchers alone (bfloat16 0.86-0.95x; into L2 0.98x), the 4-bit tiles about alike every way
+// (into L2 0.97-0.99x, 4 KiB into L1 0.96-0.97x), so they keep Zen 5's.
+inline StreamWindow one_row_window(StreamKind kind) {
   if (intel_cores()) return {kStreamWindow, false};
-  if (eight_bit_tiles) return {};
-  return {kL1StreamWindow, true};
+  if (kind == StreamKind::kEightBitTiles) return {};
+  if (zen5_or_later() || kind == StreamKind::kTiles) return {kL1StreamWindow, true};
+  if (kind == StreamKind::kBlockRows) return {kStreamWindow, false};
+  return {};
 }
 
 // The window of a quantized product with 2-8 rows of x (the tiles kernels' 2-3 rows, the K-quant and
 // IQ4 rows' 2-8; the tiles take a window of their own from four rows, quant_linear.cpp). On Intel
-// cores kFewRowsWindow. On AMD's, 8 KiB into L1 as one row fetches (one_row_window), where 16 KiB into
-// L2 left these products short of their stream too (session 30, Zen 5, one stack call alternated
-// between the windows in one process: SmolLM2 Q4_1 2-3 rows 0.94-0.96x the time, 1B Q4_0 0.98x, 1B
-// Q4_K_M and Q5_K_M 0.94x at 2 rows, Q4_K_M 0.96-0.97x at 8, IQ4_XS 0.98x). The 8-bit tiles too: at
-// one row the prefetchers alone stream them fastest, at 2-3 the window does (1B Q8_0 0.81-0.84x).
-// float32 and bfloat16 rows (decode_linear.cpp) were not measured this way and keep kFewRowsWindow.
-inline StreamWindow few_quantized_rows_window() { return intel_cores() ? kFewRowsWindow : one_row_window(); }
+// cores kFewRowsWindow. On Zen 5, 8 KiB into L1 as one row fetches, where 16 KiB into L2 left these
+// products short of their stream too (session 30, one stack call alternated between the windows in
+// one process: SmolLM2 Q4_1 2-3 rows 0.94-0.96x the time, 1B Q4_0 0.98x, 1B Q4_K_M and Q5_K_M 0.94x at
+// 2 rows, Q4_K_M 0.96-0.97x at 8, IQ4_XS 0.98x). The 8-bit tiles too: at one row the prefetchers alone
+// stream them fastest, at 2-3 the window does (1B Q8_0 0.81-0.84x). On Zen 4 the K-quant rows 16 KiB
+// into L2 here too (SmolLM2 Q4_K_M's 4-row round 0.93x the time), the tiles 8 KiB into L1 (the
+// prefetchers alone 1.06x, into L2 1.00x at 3 rows). float32 and bfloat16 rows (decode_linear.cpp)
+// were not measured this way and keep kFewRowsWindow.
+inline StreamWindow few_quantized_rows_window(StreamKind kind) {
+  if (intel_cores()) return kFewRowsWindow;
+  if (!zen5_or_later() && kind == StreamKind::kBlockRows) return {kStreamWindow, false};
+  return {kL1StreamWindow, true};
+}
 
 // The rows of one product shared out to T threads that balance their work: each thread owns an
 // even contiguous run of row blocks and streams it from the front in small chunks; one that
