@@ -12,8 +12,10 @@ burst of load hits every case alike; each case keeps its fastest call. A step is
 state is left where it was (the cache writes the same slots again), so every call repeats the
 same round. Cases: the plain step and the round at each k, eager, compiled, and compiled with each
 ``--inductor-option`` (``name=value``, an inductor config entry, e.g. the previous default of a
-setting genfn's backend changes). Prints one JSON line per engine: the step and round in ms
-and the round in plain steps (issue 31's bar: ~1.33).
+setting genfn's backend changes); with ``--tensor-ops-proposal`` each round also as it runs where the
+native kernels are not (prompt lookup's proposal as tensor ops, not ``lookup_ops.cpp``'s scan).
+Prints one JSON line per engine: the step and round in ms and the round in plain steps (issue 31's
+bar: ~1.33).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 
 import genfn  # noqa: E402
 from genfn import driver  # noqa: E402
+from genfn.strategies.assisted import prompt_lookup  # noqa: E402
 from assisted import prompts  # noqa: E402
 
 
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--inductor-option", type=inductor_option, action="append", default=[],
                         help="name=value: one more compiled engine with this inductor option (repeatable)")
     parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--tensor-ops-proposal", action="store_true",
+                        help="also time each round with prompt lookup's proposal as tensor ops")
     args = parser.parse_args()
     model = genfn.load(args.model, quantize="gguf") if args.model else genfn.load(quantize=args.quantize)
     ids, mask = prompts(model.tokenizer, 1)
@@ -81,34 +86,43 @@ def main() -> None:
     for name, value in args.inductor_option:
         engines[f"compiled {name}={value}"] = {name: value}
     ks = [0] + [int(v) for v in args.lookup_tokens.split(",")]
+    native = prompt_lookup.decode_linear_available
+    variants = {"": native, " tensor-ops": lambda: False} if args.tensor_ops_proposal else {"": native}
     cases = {}
     for k in ks:
         settings = {"prompt_lookup_num_tokens": k} if k else {}
         for engine, options in engines.items():
-            strategy, state, compile_options = kept_step(model, ids, mask, options is not None, args.new_tokens,
-                                                         **settings)
-            if options is None:
-                fn = driver.eager_step(strategy.step, model)
-            else:
-                compile_options = dict(compile_options)
-                compile_options["options"] = {**compile_options.get("options", {}), **options}
-                fn = driver.compiled_step(strategy.step, model, state, compile_options)
-            fn(state)
-            cases[engine, k] = (fn, state)
+            for suffix, proposal in variants.items() if k else [("", native)]:
+                # The proposal's path is read as the step runs (and as a compiled step is traced).
+                prompt_lookup.decode_linear_available = proposal
+                strategy, state, compile_options = kept_step(model, ids, mask, options is not None,
+                                                             args.new_tokens, **settings)
+                if options is None:
+                    fn = driver.eager_step(strategy.step, model)
+                else:
+                    compile_options = dict(compile_options)
+                    compile_options["options"] = {**compile_options.get("options", {}), **options}
+                    fn = driver.compiled_step(strategy.step, model, state, compile_options)
+                fn(state)
+                cases[engine + suffix, k] = (fn, state, proposal)
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(args.calls):
-        for case, (fn, state) in cases.items():
+        for case, (fn, state, proposal) in cases.items():
+            prompt_lookup.decode_linear_available = proposal
             start = time.perf_counter()
             fn(state)
             best[case] = min(best[case], time.perf_counter() - start)
+    prompt_lookup.decode_linear_available = native
     for engine in engines:
         step = best[engine, 0]
         weights = os.path.basename(args.model) if args.model else "blocks" if args.quantize else "float32"
         line = dict(engine=engine, weights=weights, threads=torch.get_num_threads(),
                     load_average=round(os.getloadavg()[0], 2), calls=args.calls, step_ms=round(step * 1e3, 3))
         for k in ks[1:]:
-            line[f"round_ms_k{k}"] = round(best[engine, k] * 1e3, 3)
-            line[f"steps_per_round_k{k}"] = round(best[engine, k] / step, 2)
+            for suffix in variants:
+                name = f"k{k}" + suffix.replace(" ", "_")
+                line[f"round_ms_{name}"] = round(best[engine + suffix, k] * 1e3, 3)
+                line[f"steps_per_round_{name}"] = round(best[engine + suffix, k] / step, 2)
         print(json.dumps(line), flush=True)
 
 
