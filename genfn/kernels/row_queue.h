@@ -85,7 +85,7 @@ enum class StreamKind {
 // The window of a product with one row of x. On Intel cores 16 KiB into L2 for every stream, whose
 // prefetchers alone left a one-row stream 10-20 % short of the read rate (session 15's Xeon). The
 // 8-bit tiles keep the prefetchers alone on AMD's: fetched, they read 0.93-0.97x as fast (Zen 5) and
-// 0.88x (Zen 4, 1B Q8_0 step, session 36). On Zen 5, 8 KiB into L1 for the rest: there, once the
+// 0.91-0.92x (Zen 4, 1B Q8_0 step, session 36). On Zen 5, 8 KiB into L1 for the rest: there, once the
 // memory is fast, the prefetchers alone leave a one-row kernel's stream well short of a plain read of
 // the same bytes (one thread: Q4_0 tiles 82-87 % of it, 94 % fetched; 1B shapes' layer matrices, 2
 // threads, in stretches where `tensor.sum` read 80-90 GB/s: Q4_0 tiles 63-67 -> 76-77 GB/s, Q4_K_M's
