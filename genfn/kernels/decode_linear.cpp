@@ -36,8 +36,9 @@ constexpr int kLanes = 16;
 // GB/s, float32 31.4 against 28.7, tensor.sum 31-33); on Zen 5 8 KiB into L1, where 16 KiB into
 // L2 cost a one-row step (and on a Zen 4 in session 11, SmolLM2 batch 1, in one process: float32
 // 16.9 against 22.7 ms a token, bfloat16 11.7 against 12.6); on Zen 4 the prefetchers alone, which
-// beat both there (session 36: the 1B bfloat16 step 0.86-0.95x the time of 8 KiB into L1). Bits unchanged (docs/guides/k-quants-and-scale.md, *One row
-// fetched ahead on Intel*, *Session 26*).
+// beat both there (session 36: the 1B bfloat16 step 0.86-0.95x the time of 8 KiB into L1). Bits
+// unchanged (docs/guides/k-quants-and-scale.md, *One row fetched ahead on Intel*, *Session 26*,
+// *Session 36*).
 template <int M>
 genfn_kernels::StreamWindow stream_window() {
   return M == 1 ? genfn_kernels::one_row_window(genfn_kernels::StreamKind::kFloatRows) : genfn_kernels::kFewRowsWindow;

@@ -27,17 +27,17 @@
 namespace genfn::kquant {
 
 // A row kernel's own weight stream fetched ahead, a line at a time as its reads reach each block:
-// spread over the row, not all of a row's lines before it, which stalls the core on the fetches it
-// has in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache: 0.85x the time spread). At
-// one row of x, genfn_kernels::one_row_window: every K-quant and IQ4 format is a 4- to 6-bit format
-// that unpacks its codes (on Zen 5 8 KiB into L1, on Intel's cores and Zen 4 16 KiB into L2; before it, only q5_k_r8 and q6_k_r8, whose
-// groups read several regions of a 1.4-1.7 KiB block at once, fetched there, 16 KiB into L2: 1.37-1.65x
-// as fast as the prefetchers alone for q6_k_r8). At 2-8 rows genfn_kernels::few_quantized_rows_window
-// (on Intel cores kStreamWindow into L2, where the rows fetched nothing before: the Xeon, 1B shapes
-// out of cache, Q4_K 0.51-0.80x the time, Q6_K 0.61-0.75x, q4_k_r8 0.82-1.00x; on Zen 4 the same; on Zen 5 8 KiB into L1). Rows a thread reads one
-// after another continue each other's fetches. The kernel does not know where its thread's run ends,
-// so up to the window past it is fetched too (prefetches do not fault; another thread reads those
-// bytes).
+// spread over the row, not all of a row's lines before it, which stalls the core on the fetches it has
+// in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache: 0.85x the time spread). At one row
+// of x, genfn_kernels::one_row_window: every K-quant and IQ4 format is a 4- to 6-bit format that
+// unpacks its codes (on Zen 5 8 KiB into L1, on Intel's cores and Zen 4 16 KiB into L2; before it, only
+// q5_k_r8 and q6_k_r8, whose groups read several regions of a 1.4-1.7 KiB block at once, fetched there,
+// 16 KiB into L2: 1.37-1.65x as fast as the prefetchers alone for q6_k_r8). At 2-8 rows
+// genfn_kernels::few_quantized_rows_window (on Intel cores kStreamWindow into L2, where the rows
+// fetched nothing before: the Xeon, 1B shapes out of cache, Q4_K 0.51-0.80x the time, Q6_K 0.61-0.75x,
+// q4_k_r8 0.82-1.00x; on Zen 4 the same; on Zen 5 8 KiB into L1). Rows a thread reads one after another
+// continue each other's fetches. The kernel does not know where its thread's run ends, so up to the
+// window past it is fetched too (prefetches do not fault; another thread reads those bytes).
 template <int M>
 struct StreamFetch {
   genfn_kernels::StreamWindow window;

@@ -3,7 +3,8 @@
 //
 // The torch formulation compares every window of the token buffer with the row's last n-gram, for
 // each n-gram size, in ~80 small tensor ops. A compiled step fuses them; an eager one dispatched each,
-// ~0.1 ms of a SmolLM2 round of ~2-3 ms, for what is a scan of a few hundred int64s. Here a row scans
+// ~0.17 ms a round against ~0.02 here (benchmarks/lookup_proposal.py, Zen 4), for what is a scan of
+// a few hundred int64s. Here a row scans
 // its filled columns once per n-gram size, nearest window first for "latest", and stops at the first
 // match. The result is the torch formulation's, tensor for tensor: the same start column, the same
 // draft (garbage columns included, read at the clamped column), the same num_valid.

@@ -3,9 +3,10 @@
 Every row matches its own n-grams inside the static ``[B, N]`` token buffer with no host sync, so
 the proposal runs inside a compiled step: on the CPU as one native op that scans each row
 (``genfn/kernels/lookup_ops.cpp``), elsewhere as tensor ops that compare all windows of every row
-at once (the same tensors, in ~80 small ops an eager step would dispatch one by one). As transformers' ``PromptLookupCandidateGenerator``, the
-largest n-gram size that occurs earlier wins, the continuation never reaches past the row's
-filled tokens, and the draft stops before its first EOS. Which occurrence of that n-gram is
+at once (the same tensors, in ~80 small ops an eager step would dispatch one by one). As
+transformers' ``PromptLookupCandidateGenerator``, the largest n-gram size that occurs earlier wins,
+the continuation never reaches past the row's filled tokens, and the draft stops before its first
+EOS. Which occurrence of that n-gram is
 used is ``occurrence``: ``"latest"`` (the most recent one, nearest to what is being written) or
 ``"earliest"`` (transformers' choice, the first from the left). The drafts only change speed:
 verification makes the output identical to plain decoding either way.
