@@ -124,6 +124,22 @@ def test_genfn_bench_runs_under_openmps_default_unless_the_user_chose(monkeypatc
     assert benchmark_environment()["OMP_WAIT_POLICY"] == "PASSIVE"  # the user's own choice is kept
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the load's own peak is read on Linux")
+def test_model_bench_times_the_load_alone_and_reads_its_own_peak(tiny_model_dir, tmp_path):
+    """The load bar (<= 1 s/GB, peak <= 1.15x the file) is the load's own: the imports and the
+    native kernels come before the timer, and the peak is VmHWM reset just before the load, so it
+    is at least what the load left resident and at most the whole run's peak."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_bench.py"), "--child", "--model",
+                           str(tiny_model_dir), "--engine", "genfn", "--batches", "1", "--new-tokens", "2",
+                           "--prefill", "0", "--repeats", "1", "--threads", "1"],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["import_s"] > 0 and result["load_s"] > 0
+    assert result["rss_after_load_mb"] <= result["load_peak_mb"] <= result["peak_rss_mb"]
+    assert result["decode_tok_s"]["1"] > 0
+
+
 def test_model_bench_pairs_each_round_with_its_peers():
     """On a VM whose read bandwidth drifts, the ratio that counts is genfn's over each peer's in the
     same round; a failed run drops only its own round."""
