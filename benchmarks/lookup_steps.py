@@ -15,7 +15,7 @@ same round. Cases: the plain step and the round at each k, eager, compiled, and 
 setting genfn's backend changes); with ``--tensor-ops-proposal`` each round also as it runs where the
 native kernels are not (prompt lookup's proposal as tensor ops, not ``lookup_ops.cpp``'s scan).
 Prints one JSON line per engine: the step and round in ms and the round in plain steps (issue 31's
-bar: ~1.33).
+bar: ~1.33). ``--profile CALLS`` then profiles each case and prints its ops' self time a call.
 """
 
 from __future__ import annotations
@@ -56,6 +56,23 @@ def kept_step(model, ids, mask, compiled: bool, new_tokens: int, **settings):
     return strategy, driver.limit_attention(state, int(state.cur_len.max()) + strategy.tokens_per_step - 1), options
 
 
+def profile_ops(fn, state, proposal, calls: int, top: int = 8) -> dict:
+    """Where a case's time goes: ``torch.profiler`` over ``calls`` calls, each op's self CPU time a call
+    (the ``top`` largest, the rest summed) in ms, and the wall time a call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt_lookup.decode_linear_available = proposal
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(state)
+        wall = (time.perf_counter() - start) / calls
+    ops = sorted(((e.key, e.self_cpu_time_total / 1e3 / calls) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    out = {name: round(ms, 3) for name, ms in ops[:top]}
+    out["other ops"] = round(sum(ms for _, ms in ops[top:]), 3)
+    return {"wall_ms": round(wall * 1e3, 3), "self_ms": out}
+
+
 def inductor_option(text: str) -> tuple[str, object]:
     name, sep, value = text.partition("=")
     if not sep or not name:
@@ -77,6 +94,8 @@ def main() -> None:
     parser.add_argument("--inductor-option", type=inductor_option, action="append", default=[],
                         help="name=value: one more compiled engine with this inductor option (repeatable)")
     parser.add_argument("--no-eager", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="then profile CALLS calls of each case and print its ops' self time a call")
     parser.add_argument("--tensor-ops-proposal", action="store_true",
                         help="also time each round with prompt lookup's proposal as tensor ops")
     args = parser.parse_args()
@@ -113,6 +132,11 @@ def main() -> None:
             fn(state)
             best[case] = min(best[case], time.perf_counter() - start)
     prompt_lookup.decode_linear_available = native
+    if args.profile:
+        for case, (fn, state, proposal) in cases.items():
+            print(json.dumps({"case": f"{case[0]} k={case[1]}", **profile_ops(fn, state, proposal, args.profile)}),
+                  flush=True)
+        prompt_lookup.decode_linear_available = native
     for engine in engines:
         step = best[engine, 0]
         weights = os.path.basename(args.model) if args.model else "blocks" if args.quantize else "float32"
