@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -44,14 +45,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 PROMPT_LEN = 16
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _peak_mb() -> float:
@@ -94,7 +87,7 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    out: dict = {"engine": args.engine, "model": args.model, "rss_before_mb": _rss_mb()}
+    out: dict = {"engine": args.engine, "model": args.model}
     gen = torch.Generator().manual_seed(0)
     # The load alone is timed (issue 31's bar, as benchmarks/load_memory.py times it): the engine's
     # imports and genfn's native kernels come first, and the load's peak is read from VmHWM reset
@@ -110,7 +103,7 @@ def child(args) -> dict:
         is_gguf = args.model.endswith(".gguf")
         kind = _gguf_kind(args.model) if is_gguf else "float32"
     out["import_s"] = time.perf_counter() - t
-    out["rss_before_mb"] = _rss_mb()
+    out["rss_before_mb"] = _status_mb("VmRSS:")
     _forget_peak()
     t = time.perf_counter()
     if args.engine == "llama.cpp":
@@ -122,7 +115,7 @@ def child(args) -> dict:
                  else genfn.load(args.model, dtype=getattr(torch, kind)))
         vocab = model.spec.vocab_size
     out["load_s"] = time.perf_counter() - t
-    out["rss_after_load_mb"] = _rss_mb()
+    out["rss_after_load_mb"] = _status_mb("VmRSS:")
     out["load_peak_mb"] = _status_mb("VmHWM:")
 
     def prompts(batch: int, length: int) -> torch.Tensor:
@@ -241,7 +234,7 @@ def _best(runs: list[dict]) -> dict:
                 best[key] = max(best.get(key, 0), r[key])
         for key in ("load_s", "load_peak_mb", "peak_rss_mb"):
             if key in r:
-                best[key] = min(best[key], r[key])
+                best[key] = min(best.get(key, r[key]), r[key])
     return best
 
 
@@ -304,7 +297,7 @@ def main(args) -> int:
             extra = ""
             if "load_s" in r:
                 extra = f"  load {r['load_s']:5.2f} s ({r['load_s'] * 1e9 / size:4.2f} s/GB)"
-                if r.get("load_peak_mb", float("nan")) == r.get("load_peak_mb"):  # not NaN: read
+                if not math.isnan(r.get("load_peak_mb", math.nan)):  # read where /proc/self/status is
                     grown = r["load_peak_mb"] - r["rss_before_mb"]
                     extra += f"  the load's peak {grown / 1e3:5.2f} GB ({grown * 1e6 / size:4.2f}x file)"
                 extra += (f"  the run's peak RSS {r['peak_rss_mb'] / 1e3:5.2f} GB "
