@@ -22,7 +22,7 @@ Per engine: tok/s of greedy decoding at each batch (random prompts of 16 tokens,
 new ones each, best of ``--repeats``), prefill tok/s of one ``--prefill``-token prompt, load
 seconds (the load alone: imports and genfn's native kernels come before it, as in
 ``benchmarks/load_memory.py``), the load's peak (``VmHWM`` reset before it, over the resident memory
-before it) and the whole run's peak RSS; per file: its size, the bytes of matrices a batch-1 token reads, and the
+before it) and the run's peak RSS from the load on; per file: its size, the bytes of matrices a batch-1 token reads, and the
 roofline (those bytes / the read bandwidth measured here) with each engine's share of it. Each
 child is bracketed by two samples of ``tensor.sum``'s read rate, and every round's batch-1 share of
 the faster of them is printed too: the share that means something where the memory's rate drifts.
@@ -48,7 +48,11 @@ PROMPT_LEN = 16
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The peak resident memory since the load began: ``VmHWM``, which ``_forget_peak`` reset before it.
+    Where ``/proc`` has none, getrusage's peak, which counts more: after a fork and an exec it starts
+    from the parent's resident memory at the fork (Linux keeps the old address space's peak)."""
+    peak = _status_mb("VmHWM:")
+    return peak if not math.isnan(peak) else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _status_mb(key: str) -> float:
