@@ -22,8 +22,9 @@ Per engine: tok/s of greedy decoding at each batch (random prompts of 16 tokens,
 new ones each, best of ``--repeats``), prefill tok/s of one ``--prefill``-token prompt, load
 seconds (the load alone: imports and genfn's native kernels come before it, as in
 ``benchmarks/load_memory.py``), the load's peak (``VmHWM`` reset before it, over the resident memory
-before it) and the run's peak RSS from the load on; per file: its size, the bytes of matrices a batch-1 token reads, and the
-roofline (those bytes / the read bandwidth measured here) with each engine's share of it. Each
+before it) and the run's peak RSS from the load on; per file: its size, the bytes of matrices a
+batch-1 token reads, and the roofline (those bytes / the read bandwidth measured here) with each
+engine's share of it. Each
 child is bracketed by two samples of ``tensor.sum``'s read rate, and every round's batch-1 share of
 the faster of them is printed too: the share that means something where the memory's rate drifts.
 Results go to ``--json`` (default ``benchmarks/results/model-<time>.json``).

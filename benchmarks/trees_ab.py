@@ -55,7 +55,8 @@ def main() -> None:
                   f"{prefill}", flush=True)
     for phase in phases:
         for tree in trees:
-            print(f"{phase} {tree} median {statistics.median(rates[phase][tree]):.1f} best {max(rates[phase][tree]):.1f}")
+            print(f"{phase} {tree} median {statistics.median(rates[phase][tree]):.1f} "
+                  f"best {max(rates[phase][tree]):.1f}")
         for tree in trees[1:]:
             print(f"{phase} paired {tree} / {trees[0]}:",
                   " ".join(f"{a / b:.3f}" for a, b in zip(rates[phase][tree], rates[phase][trees[0]])))

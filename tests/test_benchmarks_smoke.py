@@ -6,6 +6,7 @@ The full runs are the scripts' own business: they take minutes to hours on SmolL
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -124,11 +125,11 @@ def test_genfn_bench_runs_under_openmps_default_unless_the_user_chose(monkeypatc
     assert benchmark_environment()["OMP_WAIT_POLICY"] == "PASSIVE"  # the user's own choice is kept
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the load's own peak is read on Linux")
 def test_model_bench_times_the_load_alone_and_reads_its_own_peak(tiny_model_dir, tmp_path):
     """The load bar (<= 1 s/GB, peak <= 1.15x the file) is the load's own: the imports and the
     native kernels come before the timer, and the peak is VmHWM reset just before the load, so it
-    is at least what the load left resident and at most the whole run's peak."""
+    is at least what the load left resident and at most the run's peak. Where there is no
+    /proc/self/status (not Linux) the load's peak is reported as not read (NaN), never guessed."""
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_bench.py"), "--child", "--model",
                            str(tiny_model_dir), "--engine", "genfn", "--batches", "1", "--new-tokens", "2",
                            "--prefill", "0", "--repeats", "1", "--threads", "1"],
@@ -136,8 +137,11 @@ def test_model_bench_times_the_load_alone_and_reads_its_own_peak(tiny_model_dir,
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert result["import_s"] > 0 and result["load_s"] > 0
-    assert result["rss_after_load_mb"] <= result["load_peak_mb"] <= result["peak_rss_mb"]
     assert result["decode_tok_s"]["1"] > 0
+    if Path("/proc/self/status").exists():
+        assert result["rss_after_load_mb"] <= result["load_peak_mb"] <= result["peak_rss_mb"]
+    else:
+        assert math.isnan(result["load_peak_mb"])
 
 
 def test_model_bench_pairs_each_round_with_its_peers():
