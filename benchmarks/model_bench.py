@@ -14,6 +14,8 @@ time compare. Engines:
     genfn           genfn eager: ``genfn.load(file, quantize="gguf")`` for quantized files (their
                     blocks as stored), bfloat16 for F16/BF16 files, float32 for F32 ones
     genfn-compiled  the same model, ``cache_implementation="static"`` (the step compiled)
+    genfn-coded     genfn-compiled with an F16/BF16 file's linears coded in 12.2 bits, every weight
+                    kept (``quantize="coded_bf16"``; a quantized file loads as for genfn-compiled)
     llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
     llama-bench     ``--llama-bench PATH``: a ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's;
                     extra flags with ``--llama-bench-args``, e.g. ``"-rtr 1"``), tg and pp512
@@ -46,6 +48,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 PROMPT_LEN = 16
+# genfn's engines whose decode is put over each peer's: the compiled ones (the coded one over the
+# plain compiled one too), or the eager one where neither ran.
+_COMPILED = ("genfn-coded", "genfn-compiled")
+
+
+def _pairs(present) -> list[tuple[str, str]]:
+    """(genfn engine, peer) among the engines `present`, in the order their ratios print."""
+    ours = [e for e in _COMPILED if e in present] or ["genfn"]
+    peers = {o: (("genfn-compiled",) if o == "genfn-coded" else ()) + ("llama.cpp", "llama-bench") for o in ours}
+    return [(o, p) for o in ours for p in peers[o] if o in present and p in present]
 
 
 def _peak_mb() -> float:
@@ -116,8 +128,9 @@ def child(args) -> dict:
                                    max(PROMPT_LEN + args.new_tokens + 8, args.prefill + 8))
         vocab = runner.n_vocab
     else:
+        coded = args.engine == "genfn-coded" and kind == "bfloat16"
         model = (genfn.load(args.model, quantize="gguf") if kind == "quantized"
-                 else genfn.load(args.model, dtype=getattr(torch, kind)))
+                 else genfn.load(args.model, dtype=getattr(torch, kind), quantize="coded_bf16" if coded else None))
         vocab = model.spec.vocab_size
     out["load_s"] = time.perf_counter() - t
     out["rss_after_load_mb"] = _status_mb("VmRSS:")
@@ -131,7 +144,8 @@ def child(args) -> dict:
         same compiled graph (a cache of another length would be another graph, built in the call)."""
         if args.engine == "llama.cpp":
             return runner.generate(ids.tolist(), new_tokens)
-        extra = {"cache_implementation": "static", "max_cache_len": cache_len} if args.engine == "genfn-compiled" else {}
+        compiled = args.engine in ("genfn-compiled", "genfn-coded")
+        extra = {"cache_implementation": "static", "max_cache_len": cache_len} if compiled else {}
         with torch.no_grad():
             return genfn.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=0, **extra)
@@ -208,11 +222,8 @@ def paired_ratios(runs: dict[str, list]) -> dict[str, list[float]]:
     """genfn's decode tok/s over each peer's in the same round, per batch: on a VM whose read
     bandwidth drifts between minutes, runs back to back compare where best-of-rounds across
     minutes need not."""
-    ours = "genfn-compiled" if "genfn-compiled" in runs else "genfn"
     out = {}
-    for peer in ("llama.cpp", "llama-bench"):
-        if ours not in runs or peer not in runs:
-            continue
+    for ours, peer in _pairs(runs):
         for i, (a, b) in enumerate(zip(runs[ours], runs[peer])):
             if "error" in a or "error" in b:
                 continue
@@ -310,14 +321,12 @@ def main(args) -> int:
             prefill = f"  pp{args.prefill} {r['prefill_tok_s']:7.1f}" if "prefill_tok_s" in r else ""
             print(f"  {r['engine']:15s} decode tok/s {decode}{share}{prefill}{extra}", flush=True)
         by = {r["engine"]: r for r in results if "error" not in r}
-        ours = by.get("genfn-compiled") or by.get("genfn")
-        for peer in ("llama.cpp", "llama-bench"):
-            if ours and peer in by:
-                ratios = "  ".join(f"b{b} {v / by[peer]['decode_tok_s'][b]:.2f}" for b, v in ours["decode_tok_s"].items()
-                                   if b in by[peer]["decode_tok_s"])
-                pp = (f"  pp {ours['prefill_tok_s'] / by[peer]['prefill_tok_s']:.2f}"
-                      if "prefill_tok_s" in ours and "prefill_tok_s" in by[peer] else "")
-                print(f"  {ours['engine']} / {peer}: {ratios}{pp}")
+        for ours, peer in ((by[name], peer) for name, peer in _pairs(by)):
+            ratios = "  ".join(f"b{b} {v / by[peer]['decode_tok_s'][b]:.2f}" for b, v in ours["decode_tok_s"].items()
+                               if b in by[peer]["decode_tok_s"])
+            pp = (f"  pp {ours['prefill_tok_s'] / by[peer]['prefill_tok_s']:.2f}"
+                  if "prefill_tok_s" in ours and "prefill_tok_s" in by[peer] else "")
+            print(f"  {ours['engine']} / {peer}: {ratios}{pp}")
         paired = paired_ratios(runs) if args.rounds > 1 else {}
         for name, per_round in paired.items():
             print(f"  {name} per round: {'  '.join(f'{v:.2f}' for v in per_round)}  median {statistics.median(per_round):.2f}")
@@ -346,7 +355,7 @@ def main(args) -> int:
 def add_arguments(ap) -> None:
     ap.add_argument("--model", default=None, help="GGUF files or HF directories, comma-separated")
     ap.add_argument("--model-engines", default="genfn,llama.cpp",
-                    help="with --model: genfn, genfn-compiled, llama.cpp (comma list)")
+                    help="with --model: genfn, genfn-compiled, genfn-coded, llama.cpp (comma list)")
     ap.add_argument("--llama-bench", default=None, help="with --model: path of a llama-bench binary to run too")
     ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags, e.g. '-rtr 1' for ik_llama.cpp")
     ap.add_argument("--prefill", type=int, default=512, help="with --model: prompt length of the prefill test (0: none)")

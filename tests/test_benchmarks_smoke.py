@@ -158,3 +158,9 @@ def test_model_bench_pairs_each_round_with_its_peers():
             "llama-bench": [{"decode_tok_s": {1: 50.0}}, {"decode_tok_s": {1: 40.0}}]}
     assert model_bench.paired_ratios(runs) == {"genfn-compiled / llama.cpp b1": [44.0 / 30.0],
                                                "genfn-compiled / llama-bench b1": [0.8, 1.1]}
+    # a coded run is put over the plain compiled one as well as over the peers
+    runs["genfn-coded"] = [{"decode_tok_s": {"1": 50.0}}, {"decode_tok_s": {"1": 55.0}}]
+    ratios = model_bench.paired_ratios(runs)
+    assert ratios["genfn-coded / genfn-compiled b1"] == [50.0 / 40.0, 55.0 / 44.0]
+    assert ratios["genfn-coded / llama-bench b1"] == [1.0, 55.0 / 40.0]
+    assert "genfn / llama.cpp b1" not in ratios

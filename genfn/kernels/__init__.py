@@ -26,13 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from genfn.kernels import native
+from genfn.kernels.coded_bf16 import coded_linear, encode_coded_bf16, register_coded_fake
+from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
            "decode_linear_available", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
-           "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS"]
+           "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS", "coded_linear", "encode_coded_bf16"]
 
 _OP_NAMESPACE = "genfn_kernels"
 
@@ -73,6 +75,8 @@ def needs_build() -> bool:
 
 
 def _register_fake() -> None:
+    register_coded_fake(_OP_NAMESPACE)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
     def _(x, weight):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -256,12 +260,15 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the decode kernel when ``x`` has only a few rows;
     a ``QuantizedWeight`` always takes the quantized kernel, a ``KQuantWeight`` the K-quant one
-    (``kquant.py``), a ``RowStack`` each part's own."""
+    (``kquant.py``), a ``CodedBfloat16`` the coded one (``coded_bf16.py``), a ``RowStack`` each part's own."""
     if isinstance(weight, QuantizedWeight):
         y = quantized_linear(x, weight)
         return y if bias is None else y + bias
     if isinstance(weight, KQuantWeight):
         y = kquant_linear(x, weight)
+        return y if bias is None else y + bias
+    if isinstance(weight, CodedBfloat16):
+        y = coded_linear(x, weight)
         return y if bias is None else y + bias
     if isinstance(weight, RowStack):  # parts in different formats: each through its own kernel
         y = torch.cat([linear(x, part) for part in weight.parts], dim=-1)

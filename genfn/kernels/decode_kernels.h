@@ -77,6 +77,22 @@ void linear_balanced(int64_t M, const float* x, const float* w, int64_t K, int64
 void linear_balanced(int64_t M, const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t N,
                      c10::BFloat16* y, int64_t t, RowQueue& queue);
 
+// A bfloat16 matrix [N, K] in 12.2 bits, every weight kept (genfn/quant/coded_bf16.py, coded_bf16.cpp):
+// per row 96 bytes of records a group of 64 weights, a base byte a group, and the raw groups' high
+// bytes (row n's from raw_start[n]).
+struct CodedWeight {
+  const uint8_t* records;
+  const uint8_t* bases;
+  const uint8_t* raw;
+  const int64_t* raw_start;
+  int64_t N, K;
+};
+// Thread t's share of y[M, N] = x[M, K] @ decode(w).T (any M, in groups of at most kMaxDecodeRows),
+// rows shared out balanced (queue.prepare_blocks(w.N, T) before the region), summed as
+// linear_balanced sums a plain bfloat16 weight: the same bits.
+void coded_linear_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w, c10::BFloat16* y, int64_t t,
+                        RowQueue& queue);
+
 // A block-quantized weight in genfn/quant/weight.py's "tiles16" layout, as quant_linear reads it:
 // `tiles` tiles of 16 output rows, `blocks` blocks of 32 inputs each; `kind` a TileKind
 // (tile_kinds.h): 0 (Q4_0), 1 (with minimums: Q4_1, int4), 2 (8-bit), 3 (Q5_0) or 4 (Q5_1).

@@ -21,6 +21,15 @@
 #include "kquant.h"
 #include "row_ops.h"
 
+namespace genfn_kernels {
+
+// A coded bfloat16 matrix's four tensors (records, bases, raw, raw_start), checked against each
+// other (coded_bf16.cpp); the tensors must outlive the call.
+CodedWeight coded_weight_of(const at::Tensor& records, const at::Tensor& bases, const at::Tensor& raw,
+                            const at::Tensor& raw_start, const char* op);
+
+}  // namespace genfn_kernels
+
 namespace genfn_kernels::layer {
 
 // The most rows a layer call takes: the linears run them in even groups of at most kMaxDecodeRows
@@ -44,12 +53,22 @@ void rms_norm_rows(const T* x, const T* w, int64_t M, int64_t E, float eps, T* o
 
 // The two kinds of weight a layer's linears read. Each is prepared before the parallel region,
 // then called by every thread of it with the same arguments: y[M, N] = x[M, K] @ w.T.
+// Rows of T, shared out balanced (past 8 rows, in groups: linear_balanced); or, bfloat16 only, a
+// coded matrix (coded.records set: coded_bf16.cpp), its rows shared out alike and summed to the bits
+// the plain rows give.
 template <typename T>
-struct DenseLinear {  // rows of T, shared out balanced (past 8 rows, in groups: linear_balanced)
+struct DenseLinear {
   const T* w;
+  CodedWeight coded{};
   RowQueue rows;
-  void prepare(int64_t M, int64_t N, int64_t threads) { rows.prepare(M, N, threads, std::is_same_v<T, c10::BFloat16>); }
+  void prepare(int64_t M, int64_t N, int64_t threads) {
+    if (coded.records) rows.prepare_blocks(N, threads);
+    else rows.prepare(M, N, threads, std::is_same_v<T, c10::BFloat16>);
+  }
   void operator()(int64_t M, const T* x, int64_t K, int64_t N, T* y, int64_t t, int64_t, TeamBarrier&) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (coded.records) return coded_linear_share(M, x, coded, y, t, rows);
+    }
     linear_balanced(M, x, w, K, N, y, t, rows);
   }
 };

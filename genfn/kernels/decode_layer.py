@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch
 
 from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, kquant, native
+from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.kquants import FORMAT_ID, KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
@@ -129,7 +130,8 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
 # A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles
 # (a stack of parts in several tile kinds among them) or K-quant rows (a Q4_K_M file's Q5_0 matrices
 # kept as tiles beside its K-quant rows): only the stack runs it, not the per-layer ops.
-_PLAIN, _TILES, _KQUANT, _MIXED = 0, 1, 2, 3
+# A coded layer's linears are each a CodedBfloat16 (bfloat16 x): only the stack runs it.
+_PLAIN, _TILES, _KQUANT, _MIXED, _CODED = 0, 1, 2, 3, 4
 
 
 def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
@@ -151,6 +153,10 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         if dtype != torch.float32 or not _VNNI:
             return None
         kind, plain = _MIXED, _NORMS
+    elif all(isinstance(layer.get(n), CodedBfloat16) for n in _LINEARS):
+        if dtype != torch.bfloat16 or not _BF16_DOT:
+            return None
+        kind, plain = _CODED, _NORMS
     elif dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT):
         return None
     else:
@@ -246,12 +252,15 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
             return None
         layout.append(kind)
         weights += (layer["attn_norm"], layer["mlp_norm"])
-        if kind != _PLAIN:
+        if kind not in (_PLAIN, _CODED):
             layout.append(layer["w_down"].shape[1])  # the MLP's width
         for name in _LINEARS:
             weight = layer[name]
             if kind == _PLAIN:
                 weights.append(weight)
+                continue
+            if kind == _CODED:
+                weights += weight.tensors()
                 continue
             tiles = _tile_parts(weight)
             if kind == _MIXED:

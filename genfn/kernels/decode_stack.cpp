@@ -47,6 +47,8 @@
 //      tensors.
 //   3, a mix of the two (float32 x; a Q4_K_M file's Q5_0 matrices kept as tiles beside its K-quant
 //      rows): F, then per linear its kind (1 or 2) and what that kind reads, as above.
+//   4, coded bfloat16 (bfloat16 x; coded_bf16.cpp): nothing more; four tensors a linear: records,
+//      bases, raw, raw_start.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -65,7 +67,7 @@ namespace {
 using namespace genfn_kernels::layer;
 using genfn_kernels::TeamBarrier;
 
-constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2, kMixed = 3;
+constexpr int64_t kPlain = 0, kTiles = 1, kKQuant = 2, kMixed = 3, kCoded = 4;
 constexpr const char* kTableOp = "decode_stack_table";
 constexpr const char* kOp = "decode_stack";
 constexpr const char* kPagedOp = "decode_stack_paged";
@@ -102,6 +104,7 @@ struct TableLayer {
   const void* attn_norm = nullptr;
   const void* mlp_norm = nullptr;
   const void* plain[4] = {};                              // kPlain: the weights' rows
+  genfn_kernels::CodedWeight coded[4] = {};               // kCoded: the coded matrices
   genfn_kernels::QuantWeight tiles[4][QuantLinear::kMaxParts] = {};  // kTiles: each linear's parts
   int64_t tile_count[4] = {};
   genfn::kquant::MatrixPart parts[4][kMaxParts] = {};     // kKQuant: each linear's parts
@@ -139,6 +142,31 @@ void read_plain(StackReader& in, const at::Tensor& probe, int64_t N, int64_t HD,
     TORCH_CHECK(w[i].device().is_cpu(), kTableOp, ": ", kLinearNames[i], " must be on the CPU");
     l.plain[i] = w[i].data_ptr();
     keep.push_back(w[i]);
+  }
+}
+
+// A coded bfloat16 layer's four linears (coded_bf16.cpp): four tensors each, records, bases, raw
+// and raw_start.
+void read_coded(StackReader& in, const at::Tensor& probe, int64_t N, int64_t HD, TableLayer& l,
+                std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(probe.scalar_type() == at::kBFloat16, kTableOp, ": coded layers (kind 4) take bfloat16 x, not ",
+              probe.scalar_type());
+  const int64_t E = probe.size(1);
+  at::Tensor w[4][4];
+  for (int i = 0; i < 4; ++i)
+    for (auto& t : w[i]) t = in.next_tensor(kLinearNames[i]).contiguous();
+  TORCH_CHECK(w[3][0].dim() == 2, kTableOp, ": w_down's records must be [hidden, intermediate / 64 * 96], got ",
+              w[3][0].sizes());
+  l.F = w[3][0].size(1) / 96 * 64;
+  const int64_t rows[] = {N, E, 2 * l.F, E}, cols[] = {E, HD, E, l.F};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& records = w[i][0];
+    TORCH_CHECK(records.dim() == 2 && records.size(0) == rows[i] && records.size(1) == cols[i] / 64 * 96 &&
+                    cols[i] % 64 == 0,
+                kTableOp, ": ", kLinearNames[i], "'s records must be [", rows[i], ", ", cols[i] / 64 * 96,
+                "] (a coded [", rows[i], ", ", cols[i], "] matrix), got ", records.sizes());
+    l.coded[i] = genfn_kernels::coded_weight_of(w[i][0], w[i][1], w[i][2], w[i][3], kTableOp);
+    for (auto& t : w[i]) keep.push_back(t);
   }
 }
 
@@ -232,12 +260,14 @@ at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weight
   while (!reader.done()) {
     TableLayer l;
     l.kind = reader.next_value("a layer's kind");
-    TORCH_CHECK(l.kind >= kPlain && l.kind <= kMixed, kTableOp,
-                ": a layer's kind must be 0 (plain), 1 (tiles16), 2 (K-quant) or 3 (mixed), got ", l.kind);
+    TORCH_CHECK(l.kind >= kPlain && l.kind <= kCoded, kTableOp,
+                ": a layer's kind must be 0 (plain), 1 (tiles16), 2 (K-quant), 3 (mixed) or 4 (coded bfloat16), got ",
+                l.kind);
     // What x must be for the layer's weights (tiles16, mixed too: float32 and AVX512_VNNI; K-quant:
     // float32).
-    check_rows(probe, kTableOp, l.kind == kPlain ? Weights::kPlain : l.kind == kKQuant ? Weights::kKQuant
-                                                                                        : Weights::kTiles);
+    check_rows(probe, kTableOp, l.kind == kPlain || l.kind == kCoded ? Weights::kPlain
+                                : l.kind == kKQuant                  ? Weights::kKQuant
+                                                                     : Weights::kTiles);
     at::Tensor norms[2] = {reader.next_tensor("attn_norm").contiguous(), reader.next_tensor("mlp_norm").contiguous()};
     check_norm(norms[0], probe, kTableOp, "attn_norm");
     check_norm(norms[1], probe, kTableOp, "mlp_norm");
@@ -246,6 +276,8 @@ at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weight
     for (auto& norm : norms) table->keep.push_back(std::move(norm));
     if (l.kind == kPlain)
       read_plain(reader, probe, N, HD, l, table->keep);
+    else if (l.kind == kCoded)
+      read_coded(reader, probe, N, HD, l, table->keep);
     else
       read_quantized(reader, hidden, N, HD, l, table->keep);
     table->layers.push_back(l);
@@ -272,6 +304,7 @@ const StackTable& table_of(const at::Tensor& table, const char* op) {
 template <typename T>
 void point_linear(DenseLinear<T>& l, const TableLayer& w, int i, int64_t) {
   l.w = static_cast<const T*>(w.plain[i]);
+  l.coded = w.coded[i];
 }
 
 void point_linear(QuantLinear& l, const TableLayer& w, int i, int64_t) {
@@ -506,8 +539,9 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   int64_t F = 0;  // the widest MLP, which the shared buffers must hold
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t kind = table.layers[layer].kind;
-    TORCH_INTERNAL_ASSERT(kind == kPlain || (std::is_same_v<T, float>),
-                          "decode_stack_table lets only plain layers take bfloat16 x");
+    constexpr bool kBfloat16 = std::is_same_v<T, c10::BFloat16>;
+    TORCH_INTERNAL_ASSERT(kind == kPlain || (kind == kCoded) == kBfloat16,
+                          "decode_stack_table lets only plain and coded layers take bfloat16 x, and coded ones only it");
     if (kind == kTiles && !tiles) tiles = std::make_unique<LinearSets<QuantLinear>>();
     if (kind == kKQuant && !kquants) kquants = std::make_unique<LinearSets<KQuantLinear>>();
     if (kind == kMixed && !mixed) mixed = std::make_unique<LinearSets<MixedLinear>>();
@@ -520,7 +554,7 @@ at::Tensor run_stack(const StackShape& s, const StackTable& table, int64_t layer
   // Calls f with layer's set of linears of its kind.
   const auto with_linears = [&](int64_t layer, auto&& f) {
     const int64_t kind = table.layers[layer].kind;
-    if (kind == kPlain) {
+    if (kind == kPlain || kind == kCoded) {
       f(plain[layer % 2]);
     } else if constexpr (std::is_same_v<T, float>) {
       if (kind == kTiles) f((*tiles)[layer % 2]);

@@ -266,11 +266,14 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     own blocks bit for bit (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants); ``"q8_0" | "q4_0" |
     "q4_1" | "q5_0" | "q5_1" | "int8" | "int4"``
     quantizes the float weights on load. Quantized linears run ``genfn.kernels``' VNNI kernel
-    (see ``genfn.models.quantized``); activations stay ``dtype``.
+    (see ``genfn.models.quantized``); activations stay ``dtype``. ``"coded_bf16"`` (with
+    ``dtype=torch.bfloat16``, on a CPU with AVX512_BF16) quantizes nothing: it keeps every linear
+    weight bit for bit in 12.2 bits instead of 16 (``genfn.quant.coded_bf16``), so a decode step,
+    which waits on memory, reads 0.76x the bytes; tokens are those of the bfloat16 model.
     """
     from genfn import kernels
     from genfn.models.loaders import find_checkpoint_format, load_checkpoint
-    from genfn.models.quantized import check_quantize, quantize_params
+    from genfn.models.quantized import CODED_BF16, check_quantize, quantize_params
 
     if path is None:
         from genfn.default_model import default_model_path
@@ -279,6 +282,8 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
     dtype = _check_dtype(dtype)
     refuse_hub_id(path)
     quantize = check_quantize(quantize)
+    if quantize == CODED_BF16 and dtype != torch.bfloat16:
+        raise ValueError(f"quantize={CODED_BF16!r} codes bfloat16 weights: load with dtype=torch.bfloat16, got {dtype}")
     shard_plan = None if tensor_shard is None else _slice_plan(tensor_shard)
     # The weights' final place: a GGUF file's kept blocks are written into it as they are read.
     arena = WeightArena()

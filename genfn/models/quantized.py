@@ -24,15 +24,19 @@ from typing import Any
 
 import torch
 
+from genfn.kernels import encode_coded_bf16
 from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
+from genfn.quant.coded_bf16 import encodable
 from genfn.quant.experts import QuantizedExperts
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import TILE, QuantizedWeight
 
-__all__ = ["QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
+__all__ = ["CODED_BF16", "QUANTIZE_CHOICES", "check_quantize", "quantize_params", "LINEAR_PARAMS"]
 
-QUANTIZE_CHOICES = ("gguf", *FORMATS)
+# Not a quantization: bfloat16 linears coded losslessly in 12.2 bits a weight (genfn.quant.coded_bf16).
+CODED_BF16 = "coded_bf16"
+QUANTIZE_CHOICES = ("gguf", *FORMATS, CODED_BF16)
 HEAD_FORMAT = {"q4_0": "q8_0", "q4_1": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0", "int4": "int8"}
 LINEAR_PARAMS = ("wqkv", "wo", "w_gate_up", "w_down")
 # A mixture of experts' stacked projections (genfn.models.moe), quantized expert by expert.
@@ -46,6 +50,11 @@ def check_quantize(quantize: str | None) -> str | None:
 
 
 def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
+    if fmt == CODED_BF16:
+        if encodable(weight):
+            return encode_coded_bf16(weight)
+        kept_float.append(name)
+        return weight
     if isinstance(weight, RowBlocks):
         return QuantizedWeight.from_rows(weight)
     if isinstance(weight, KQuantWeight):  # a GGUF file's K-quant blocks: the kernel reads them as stored
@@ -64,7 +73,7 @@ def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
 def _quantized_experts(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
     """A stacked expert projection ``[E, out, in]``: a GGUF file's blocks stay as loaded
     (``QuantizedExperts``), float experts are quantized per expert row by row like any matrix."""
-    if isinstance(weight, QuantizedExperts) or fmt == "gguf":
+    if isinstance(weight, QuantizedExperts) or fmt in ("gguf", CODED_BF16):
         return weight
     num_experts, rows, cols = weight.shape
     if cols % (64 if fmt == "int4" else BLOCK) or rows % TILE:  # each expert fills whole tiles
@@ -87,14 +96,18 @@ def quantize_params(params: dict, fmt: str) -> dict:
             if key in layer:
                 layer[key] = _quantized_experts(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
-    head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float)
+    # A coded model keeps its head plain: it is the embedding's table too, looked up row by row.
+    head = params["lm_head"] if fmt == CODED_BF16 else _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt),
+                                                                  "lm_head", kept_float)
     embed = params["embed"]
     if isinstance(embed, RowBlocks):  # a GGUF file's blocks: the lookup reads them in place
         embed = head if embed is params["lm_head"] else QuantizedWeight.from_rows(embed)
     out = dict(params, layers=layers, lm_head=head, embed=embed)
     if kept_float:
-        warnings.warn(f"genfn: quantize={fmt!r}: {', '.join(kept_float[:4])} kept in float (in_features not a "
-                      f"multiple of the block size)", RuntimeWarning, stacklevel=3)
+        why = ("not bfloat16 [N, K] with K a multiple of 64" if fmt == CODED_BF16
+               else "in_features not a multiple of the block size")
+        warnings.warn(f"genfn: quantize={fmt!r}: {', '.join(kept_float[:4])} kept in float ({why})", RuntimeWarning,
+                      stacklevel=3)
     return out
 
 

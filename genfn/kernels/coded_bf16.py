@@ -1,0 +1,55 @@
+"""The native side of ``genfn.quant.coded_bf16.CodedBfloat16`` (``coded_bf16.cpp``): encoding a
+bfloat16 matrix, and the linear that multiplies by one.
+
+Every output of ``coded_linear`` is summed as the plain bfloat16 kernel sums it (``linear`` on the
+decoded matrix, up to ``MAX_LINEAR_ROWS`` rows of x), so a coded model gives its plain model's bits;
+past those rows (a prefill) the matrix is decoded and ``linear`` takes it, as it takes a plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from genfn.quant.coded_bf16 import CodedBfloat16, encodable
+
+__all__ = ["coded_linear", "encode_coded_bf16", "register_coded_fake"]
+
+
+def encode_coded_bf16(weight: torch.Tensor) -> CodedBfloat16:
+    """``weight`` (bfloat16 ``[N, K]``, ``K`` a multiple of 64) coded in 12.2 bits a weight; its
+    ``decode()`` gives back every bit."""
+    from genfn import kernels
+
+    if not encodable(weight):
+        raise ValueError(f"encode_coded_bf16: weight must be a bfloat16 [N, K] CPU tensor with K a multiple of 64 "
+                         f"and no gradient, got {getattr(weight, 'dtype', type(weight))} "
+                         f"{list(getattr(weight, 'shape', ()))}")
+    if not (kernels.native.cpu_has("avx512_bf16") and kernels.decode_linear_available()):
+        raise RuntimeError("encode_coded_bf16: coded bfloat16 weights need the native kernels on a CPU with "
+                           f"AVX512_BF16 (vdpbf16ps); the kernels are {kernels.kernel_status()}")
+    records, bases, raw, raw_start = torch.ops.genfn_kernels.coded_bf16_encode(weight)
+    return CodedBfloat16(records, bases, raw, raw_start, out_features=weight.shape[0], in_features=weight.shape[1])
+
+
+def coded_linear(x: torch.Tensor, weight: CodedBfloat16) -> torch.Tensor:
+    """``x @ weight.decode().T``, the bits ``genfn.kernels.linear`` gives on the decoded matrix."""
+    from genfn import kernels
+
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the coded weight expects {weight.in_features}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"linear: a coded bfloat16 weight takes bfloat16 x, got {x.dtype}")
+    rows = x.numel() // max(weight.in_features, 1)
+    if rows > kernels.MAX_LINEAR_ROWS[torch.bfloat16] or (torch.is_grad_enabled() and x.requires_grad):
+        return kernels.linear(x, torch.ops.genfn_kernels.coded_bf16_decode(*weight.tensors()))
+    return torch.ops.genfn_kernels.coded_bf16_linear(x, *weight.tensors())
+
+
+def register_coded_fake(namespace: str) -> None:
+    @torch.library.register_fake(f"{namespace}::coded_bf16_linear")
+    def _(x, records, bases, raw, raw_start):
+        return x.new_empty((*x.shape[:-1], records.shape[0]))
+
+    @torch.library.register_fake(f"{namespace}::coded_bf16_decode")
+    def _(records, bases, raw, raw_start):
+        return records.new_empty((records.shape[0], records.shape[1] // 96 * 64), dtype=torch.bfloat16)
