@@ -202,15 +202,21 @@ namespace {
 
 using genfn_kernels::coded_weight_of;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> coded_bf16_encode(const at::Tensor& weight) {
+std::tuple<at::Tensor, at::Tensor> coded_bf16_encode(const at::Tensor& weight, at::Tensor& records,
+                                                     at::Tensor& bases) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(), kEncodeOp,
               ": weight must be a bfloat16 [N, K] CPU tensor, got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % kGroup == 0 && K > 0, kEncodeOp, ": K (", K, ") must be a positive multiple of 64");
   TORCH_CHECK(genfn_kernels::cpu_has_avx512_bf16(), kEncodeOp, ": this CPU has no AVX-512 (BW) to encode with");
-  const at::Tensor w = weight.contiguous();
   const int64_t G = K / kGroup;
-  at::Tensor records = at::empty({N, G * kGroupBytes}, at::kByte), bases = at::empty({N, G}, at::kByte);
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous() && records.dim() == 2 &&
+                  records.size(0) == N && records.size(1) == G * kGroupBytes,
+              kEncodeOp, ": records must be a contiguous uint8 [", N, ", ", G * kGroupBytes, "] tensor, got ",
+              records.sizes());
+  TORCH_CHECK(bases.scalar_type() == at::kByte && bases.is_contiguous() && bases.numel() == N * G, kEncodeOp,
+              ": bases must be a contiguous uint8 [", N, ", ", G, "] tensor, got ", bases.sizes());
+  const at::Tensor w = weight.contiguous();
   at::Tensor start = at::empty({N + 1}, at::kLong);
   // Each span of rows lists its raw groups apart (few: ~0.5-1 % of the groups), then they go into
   // place once every row's count is known.
@@ -241,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> coded_bf16_encode(con
   for (int64_t span = 0; span < spans; ++span)
     if (!spilled[span].empty())
       std::memcpy(out + s[span * kSpanRows] * kGroup, spilled[span].data(), spilled[span].size());
-  return {records, bases, raw, start};
+  return {raw, start};
 }
 
 at::Tensor coded_bf16_decode(const at::Tensor& records, const at::Tensor& bases, const at::Tensor& raw,
@@ -299,7 +305,8 @@ void coded_linear_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w,
 }  // namespace genfn_kernels
 
 TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
-  m.def("coded_bf16_encode(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Fills records and bases (allocated where the weight is to live); returns raw and raw_start.
+  m.def("coded_bf16_encode(Tensor weight, Tensor(a!) records, Tensor(b!) bases) -> (Tensor, Tensor)");
   m.def("coded_bf16_decode(Tensor records, Tensor bases, Tensor raw, Tensor raw_start) -> Tensor");
   m.def("coded_bf16_linear(Tensor x, Tensor records, Tensor bases, Tensor raw, Tensor raw_start) -> Tensor");
 }

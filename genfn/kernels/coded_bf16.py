@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from genfn.quant.coded_bf16 import CodedBfloat16, encodable
+from genfn.quant.coded_bf16 import GROUP, CodedBfloat16, encodable
 
 __all__ = ["coded_linear", "encode_coded_bf16", "register_coded_fake"]
 
 
-def encode_coded_bf16(weight: torch.Tensor) -> CodedBfloat16:
+def encode_coded_bf16(weight: torch.Tensor, arena=None) -> CodedBfloat16:
     """``weight`` (bfloat16 ``[N, K]``, ``K`` a multiple of 64) coded in 12.2 bits a weight; its
-    ``decode()`` gives back every bit."""
+    ``decode()`` gives back every bit. ``arena`` (a ``genfn.models.weight_arena.WeightArena``): where
+    the records and bases are written (a loaded model's weights, on huge pages)."""
     from genfn import kernels
 
     if not encodable(weight):
@@ -27,7 +28,12 @@ def encode_coded_bf16(weight: torch.Tensor) -> CodedBfloat16:
     if not (kernels.native.cpu_has("avx512_bf16") and kernels.decode_linear_available()):
         raise RuntimeError("encode_coded_bf16: coded bfloat16 weights need the native kernels on a CPU with "
                            f"AVX512_BF16 (vdpbf16ps); the kernels are {kernels.kernel_status()}")
-    records, bases, raw, raw_start = torch.ops.genfn_kernels.coded_bf16_encode(weight)
+    rows, groups = weight.shape[0], weight.shape[1] // GROUP
+    def empty(shape):
+        return torch.empty(shape, dtype=torch.uint8) if arena is None else arena.empty(shape, torch.uint8)
+
+    records, bases = empty((rows, groups * 96)), empty((rows, groups))
+    raw, raw_start = torch.ops.genfn_kernels.coded_bf16_encode(weight, records, bases)
     return CodedBfloat16(records, bases, raw, raw_start, out_features=weight.shape[0], in_features=weight.shape[1])
 
 

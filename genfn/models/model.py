@@ -295,6 +295,10 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
             raise ValueError(f"quantize='gguf' keeps a GGUF file's blocks, but {path} is a {kind} checkpoint; "
                              "pick a format to quantize to (q8_0, q4_0, q4_1, int8, int4)")
         ckpt = load_gguf_checkpoint(resolved, dtype=dtype, keep_blocks=True, shard_plan=shard_plan, arena=arena)
+    elif quantize == CODED_BF16:
+        # The floats are read once, to be coded into the arena: left in the file's mapping where
+        # they lie there as they are used (no copy into fresh memory, which is what a load waits on).
+        ckpt = load_checkpoint(path, dtype=dtype, shard_plan=shard_plan, arena=WeightArena(huge_pages=False))
     else:
         # Weights quantized on load pass through floats that are not kept: only unquantized ones go
         # straight to the arena.
@@ -307,7 +311,7 @@ def load(path: str | os.PathLike | None = None, *, dtype=torch.float32, quantize
         if isinstance(model, EncoderDecoderModel):
             raise ValueError(f"quantize={quantize!r} supports the Llama family; {model.spec.architecture} loads "
                              f"unquantized (quantize=None)")
-        model.params = quantize_params(model.params, quantize)
+        model.params = quantize_params(model.params, quantize, arena)
     # Last, so the arena holds the weights the steps will read (a quantized model's codes, not
     # floats); what the loader already wrote there stays in place.
     model.params = place_in_arena(model.params, arena)

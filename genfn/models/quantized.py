@@ -49,10 +49,10 @@ def check_quantize(quantize: str | None) -> str | None:
     return quantize
 
 
-def _quantized(weight: Any, fmt: str, name: str, kept_float: list) -> Any:
+def _quantized(weight: Any, fmt: str, name: str, kept_float: list, arena=None) -> Any:
     if fmt == CODED_BF16:
         if encodable(weight):
-            return encode_coded_bf16(weight)
+            return encode_coded_bf16(weight, arena)
         kept_float.append(name)
         return weight
     if isinstance(weight, RowBlocks):
@@ -82,8 +82,9 @@ def _quantized_experts(weight: Any, fmt: str, name: str, kept_float: list) -> An
     return QuantizedExperts.from_blocks(quantize(weight.reshape(-1, cols), fmt), num_experts)
 
 
-def quantize_params(params: dict, fmt: str) -> dict:
-    """``params`` with its linear weights as ``QuantizedWeight`` in ``fmt`` (see module docstring)."""
+def quantize_params(params: dict, fmt: str, arena=None) -> dict:
+    """``params`` with its linear weights as ``QuantizedWeight`` in ``fmt`` (see module docstring);
+    ``arena``: where coded bfloat16 weights are written (quantized ones are placed by the caller)."""
     check_quantize(fmt)
     kept_float: list[str] = []
     layers = []
@@ -91,7 +92,7 @@ def quantize_params(params: dict, fmt: str) -> dict:
         layer = dict(layer)
         for key in LINEAR_PARAMS:
             if key in layer:  # a mixture of experts' layer has no w_gate_up/w_down, but stacked experts
-                layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float)
+                layer[key] = _quantized(layer[key], fmt, f"layers.{i}.{key}", kept_float, arena)
         for key in EXPERT_PARAMS:
             if key in layer:
                 layer[key] = _quantized_experts(layer[key], fmt, f"layers.{i}.{key}", kept_float)

@@ -84,10 +84,12 @@ class WeightArena:
     (``huge_pages_available()``), ``enabled`` is False and ``empty`` hands out ordinary memory.
     """
 
-    def __init__(self, chunk_bytes: int = 256 << 20):
+    def __init__(self, chunk_bytes: int = 256 << 20, *, huge_pages: bool = True):
+        """``huge_pages=False``: ordinary memory, and a loader leaves what it can in the file's mapping
+        (a source that is read once, as the floats a coded model is encoded from)."""
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive; got {chunk_bytes}")
-        self.enabled = huge_pages_available()
+        self.enabled = huge_pages and huge_pages_available()
         self.chunk_bytes = chunk_bytes
         self._mapping: mmap.mmap | None = None
         self._next = self._end = 0  # offsets into the current mapping

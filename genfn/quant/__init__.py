@@ -5,10 +5,12 @@
 (weight.py) the runtime pytree in the kernel's tile layout, which ``genfn.kernels.linear``
 dispatches to the native VNNI kernel; ``reference_linear`` (reference.py) the same product in
 plain torch. ``QuantizedExperts`` (experts.py) is a mixture of experts' stacked projection in any
-of these formats, each expert's blocks a slice the MoE kernels read alone.
+of these formats, each expert's blocks a slice the MoE kernels read alone. ``CodedBfloat16``
+(coded_bf16.py) is not a quantization: a bfloat16 matrix kept bit for bit in 12.2 bits a weight.
 """
 
 from genfn.quant.blocks import FORMATS, GGUF_FORMATS, RowBlocks, dequantize, from_gguf_bytes, quantize
+from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.experts import QuantizedExperts
 from genfn.quant.fuse import cat_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, K_FORMATS, KQuantWeight, dequantize_k, quantize_k, reference_linear_k
@@ -16,9 +18,10 @@ from genfn.quant.reference import quantize_activations, reference_linear
 from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
-# The weight types the native quantized kernels take (kept whole as pytree nodes by the driver).
-QUANTIZED_TYPES = (QuantizedWeight, KQuantWeight, QuantizedExperts)
+# The weight types the native kernels take as they are (kept whole as pytree nodes by the driver).
+QUANTIZED_TYPES = (QuantizedWeight, KQuantWeight, QuantizedExperts, CodedBfloat16)
 
 __all__ = ["FORMATS", "GGUF_FORMATS", "RowBlocks", "QuantizedWeight", "cat_rows", "dequantize", "from_gguf_bytes",
            "quantize", "quantize_activations", "reference_linear", "KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS",
-           "dequantize_k", "quantize_k", "reference_linear_k", "RowStack", "QuantizedExperts", "QUANTIZED_TYPES"]
+           "dequantize_k", "quantize_k", "reference_linear_k", "RowStack", "QuantizedExperts", "QUANTIZED_TYPES",
+           "CodedBfloat16"]
