@@ -75,6 +75,15 @@ def test_the_linear_gives_the_plain_kernels_bits(rows_of_x, rows, cols):
         assert torch.equal(kernels.linear(x.view(1, rows_of_x, cols), coded), kernels.linear(x.view(1, rows_of_x, cols), w))
 
 
+def test_a_lookup_decodes_only_the_rows_it_is_given():
+    w = _matrix(50, 192, seed=3, kind="special")
+    coded = kernels.encode_coded_bf16(w)
+    tokens = torch.tensor([[3, 49, 0], [7, 7, 21]])
+    assert torch.equal(_bits(kernels.embedding(tokens, coded, torch.bfloat16)), _bits(w[tokens]))
+    with pytest.raises(RuntimeError, match="outside the 50 rows"):
+        kernels.embedding(torch.tensor([50]), coded, torch.bfloat16)
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="multiple of 64"):
         kernels.encode_coded_bf16(torch.zeros(4, 96, dtype=torch.bfloat16))
@@ -122,7 +131,8 @@ def _tiny_bf16(seed=0):
     from genfn.bench.tiny_models import tiny_hf_model
 
     hf, config = tiny_hf_model(seed=seed, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM)
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM,
+                               tie_word_embeddings=True)
     model = from_hf_state_dict(config, hf.state_dict(), dtype=torch.bfloat16)
     return model
 
@@ -133,6 +143,8 @@ def test_a_coded_models_tokens_and_logits_are_its_bfloat16_models(monkeypatch):
     coded = _tiny_bf16()
     coded.params = quantize_params(coded.params, "coded_bf16")
     assert isinstance(coded.params["layers"][0]["wqkv"], CodedBfloat16)
+    assert isinstance(coded.params["lm_head"], CodedBfloat16)
+    assert coded.params["embed"] is coded.params["lm_head"]  # tied: one coded table
     ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2, 33], [0, 0, 12, 7, 1, 1, 4, 50, 8]])
     kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)

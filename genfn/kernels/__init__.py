@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from genfn.kernels import native
-from genfn.kernels.coded_bf16 import coded_linear, encode_coded_bf16, register_coded_fake
+from genfn.kernels.coded_bf16 import coded_linear, coded_rows, encode_coded_bf16, register_coded_fake
 from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.kquants import KQuantWeight
 from genfn.quant.stack import RowStack
@@ -464,6 +464,8 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     ``QuantizedWeight``: a tied LM head's own) is read row by row: the looked-up rows' blocks
     gathered and dequantized, never the whole table (a token of a tied head's interleaved K-quant
     rows, ``q6_k_r8`` and the like, reads its own row out of its group of 8)."""
+    if isinstance(table, CodedBfloat16):  # a tied head's coded table: the looked-up rows decoded
+        return coded_rows(table, tokens).to(dtype)
     if isinstance(table, KQuantWeight):
         from genfn.kernels.kquant import kquant_lookup
 

@@ -270,6 +270,36 @@ at::Tensor coded_bf16_decode(const at::Tensor& records, const at::Tensor& bases,
   return out;
 }
 
+// Rows `index` of the coded matrix, bfloat16 [len(index), K]: an embedding lookup in a tied head's
+// table, which reads only the rows it gives.
+at::Tensor coded_bf16_rows(const at::Tensor& records, const at::Tensor& bases, const at::Tensor& raw,
+                           const at::Tensor& raw_start, const at::Tensor& index) {
+  const CodedWeight w = coded_weight_of(records, bases, raw, raw_start, "coded_bf16_rows");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "coded_bf16_rows: index must be int64 [n], got ",
+              index.scalar_type(), " ", index.sizes());
+  const at::Tensor rows = index.contiguous();
+  const int64_t* at_row = rows.data_ptr<int64_t>();
+  const int64_t n = rows.numel(), G = w.K / kGroup;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(at_row[i] >= 0 && at_row[i] < w.N, "coded_bf16_rows: index ", at_row[i], " is outside the ", w.N,
+                " rows");
+  at::Tensor out = at::empty({n, w.K}, at::kBFloat16);
+  __m512i* dst = reinterpret_cast<__m512i*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = at_row[i];
+      const uint8_t* row = w.records + r * G * kGroupBytes;
+      const uint8_t* raw_row = w.raw + w.raw_start[r] * kGroup;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512i low = _mm512_loadu_si512(row + low_at(g)), high = high_bytes(row, g, G, w.bases[r * G + g], raw_row);
+        _mm512_storeu_si512(dst + (i * G + g) * 2, _mm512_unpacklo_epi8(low, high));
+        _mm512_storeu_si512(dst + (i * G + g) * 2 + 1, _mm512_unpackhi_epi8(low, high));
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor coded_bf16_linear(const at::Tensor& x, const at::Tensor& records, const at::Tensor& bases,
                              const at::Tensor& raw, const at::Tensor& raw_start) {
   const CodedWeight w = coded_weight_of(records, bases, raw, raw_start, kLinearOp);
@@ -308,11 +338,13 @@ TORCH_LIBRARY_FRAGMENT(genfn_kernels, m) {
   // Fills records and bases (allocated where the weight is to live); returns raw and raw_start.
   m.def("coded_bf16_encode(Tensor weight, Tensor(a!) records, Tensor(b!) bases) -> (Tensor, Tensor)");
   m.def("coded_bf16_decode(Tensor records, Tensor bases, Tensor raw, Tensor raw_start) -> Tensor");
+  m.def("coded_bf16_rows(Tensor records, Tensor bases, Tensor raw, Tensor raw_start, Tensor index) -> Tensor");
   m.def("coded_bf16_linear(Tensor x, Tensor records, Tensor bases, Tensor raw, Tensor raw_start) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genfn_kernels, CPU, m) {
   m.impl("coded_bf16_encode", &coded_bf16_encode);
   m.impl("coded_bf16_decode", &coded_bf16_decode);
+  m.impl("coded_bf16_rows", &coded_bf16_rows);
   m.impl("coded_bf16_linear", &coded_bf16_linear);
 }

@@ -12,7 +12,7 @@ import torch
 
 from genfn.quant.coded_bf16 import GROUP, CodedBfloat16, encodable
 
-__all__ = ["coded_linear", "encode_coded_bf16", "register_coded_fake"]
+__all__ = ["coded_linear", "coded_rows", "encode_coded_bf16", "register_coded_fake"]
 
 
 def encode_coded_bf16(weight: torch.Tensor, arena=None) -> CodedBfloat16:
@@ -51,7 +51,18 @@ def coded_linear(x: torch.Tensor, weight: CodedBfloat16) -> torch.Tensor:
     return torch.ops.genfn_kernels.coded_bf16_linear(x, *weight.tensors())
 
 
+def coded_rows(weight: CodedBfloat16, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (int64, any shape) of ``weight.decode()``, ``[*index.shape, in_features]``,
+    reading only those rows: an embedding lookup in a tied head's coded table."""
+    rows = torch.ops.genfn_kernels.coded_bf16_rows(*weight.tensors(), index.reshape(-1))
+    return rows.view(*index.shape, weight.in_features)
+
+
 def register_coded_fake(namespace: str) -> None:
+    @torch.library.register_fake(f"{namespace}::coded_bf16_rows")
+    def _(records, bases, raw, raw_start, index):
+        return records.new_empty((index.shape[0], records.shape[1] // 96 * 64), dtype=torch.bfloat16)
+
     @torch.library.register_fake(f"{namespace}::coded_bf16_linear")
     def _(x, records, bases, raw, raw_start):
         return x.new_empty((*x.shape[:-1], records.shape[0]))

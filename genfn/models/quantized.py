@@ -97,10 +97,10 @@ def quantize_params(params: dict, fmt: str, arena=None) -> dict:
             if key in layer:
                 layer[key] = _quantized_experts(layer[key], fmt, f"layers.{i}.{key}", kept_float)
         layers.append(layer)
-    # A coded model keeps its head plain: it is the embedding's table too, looked up row by row.
-    head = params["lm_head"] if fmt == CODED_BF16 else _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt),
-                                                                  "lm_head", kept_float)
+    head = _quantized(params["lm_head"], HEAD_FORMAT.get(fmt, fmt), "lm_head", kept_float, arena)
     embed = params["embed"]
+    if fmt == CODED_BF16 and embed is params["lm_head"]:  # tied: the lookup decodes the head's rows
+        embed = head
     if isinstance(embed, RowBlocks):  # a GGUF file's blocks: the lookup reads them in place
         embed = head if embed is params["lm_head"] else QuantizedWeight.from_rows(embed)
     out = dict(params, layers=layers, lm_head=head, embed=embed)

@@ -101,6 +101,10 @@ class CodedBfloat16:
         out[..., word_of] = words
         return out.reshape(n, k).to(torch.int16).view(torch.bfloat16)
 
+    def dequantize(self) -> torch.Tensor:
+        """``decode()``: the values the kernels multiply by (as ``QuantizedWeight.dequantize`` names them)."""
+        return self.decode()
+
     def __repr__(self) -> str:
         return (f"CodedBfloat16({self.out_features}x{self.in_features}, {self.raw_groups} raw groups, "
                 f"{8 * self.nbytes / (self.out_features * self.in_features):.2f} bits a weight)")
