@@ -158,3 +158,16 @@ def test_a_coded_models_tokens_and_logits_are_its_bfloat16_models(monkeypatch):
 def test_load_refuses_coded_bf16_without_bfloat16():
     with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
         genfn.load(smollm2_path(), quantize="coded_bf16")
+
+
+def test_continuous_batching_gives_a_coded_model_its_bfloat16_models_tokens():
+    from genfn.batching.api import generate_batch
+
+    plain, coded = _tiny_bf16(seed=2), _tiny_bf16(seed=2)
+    coded.params = quantize_params(coded.params, "coded_bf16")
+    prompts = [[5, 17, 3, 88, 41], [9, 60, 2, 33], [12, 7, 1, 1, 4, 50, 8]]
+    expected, got = (generate_batch(m, prompts, genfn.GenerationConfig(max_new_tokens=6, do_sample=False))
+                     for m in (plain, coded))
+    for request, output in got.items():
+        assert output.generated_tokens == expected[request].generated_tokens
+        assert output.logprobs == expected[request].logprobs
