@@ -114,6 +114,13 @@ int64_t pack(Matrix& m) {
   return raw_groups;
 }
 
+// y[r * N + n] = the sum of row r's four accumulators, ((a0 + a1) + (a2 + a3)), reduced.
+template <int R>
+__attribute__((target("avx512f"))) inline void store_sums(const __m512 (*acc)[4], float* y, int64_t N, int64_t n) {
+  for (int r = 0; r < R; ++r)
+    y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
 // y[r, n] for rows n of w against R rows of x: four accumulators a row of x (32-weight chunks
 // round-robin), then summed as ((a0 + a1) + (a2 + a3)) and reduced.
 template <int R>
@@ -136,8 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void plain_rows(const Mat
           acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_loadu_si512(x + r * K + k + 32 * j));
       }
     }
-    for (int r = 0; r < R; ++r)
-      y[r * m.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    store_sums<R>(acc, y, m.N, n);
   }
 }
 
@@ -182,8 +188,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void packed_rows(const Ma
           acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, (__m512bh)_mm512_loadu_si512(x + r * K + k + 32 * j));
       }
     }
-    for (int r = 0; r < R; ++r)
-      y[r * m.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+    store_sums<R>(acc, y, m.N, n);
   }
 }
 

@@ -29,6 +29,12 @@ def default_model_path() -> str:
     raise FileNotFoundError(INSTALL_COMMAND)
 
 
+# The command lines' --quantize choices (the CLI's and the server's): genfn.load's, and "none".
+# Kept here, with no torch import, for the parsers; tests/test_coded_bf16.py checks they match
+# genfn.models.quantized.QUANTIZE_CHOICES.
+COMMAND_QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4", "coded_bf16")
+
+
 def command_quantize(requested: str | None, model: str | None, dtype: str) -> str | None:
     """The ``genfn.load(quantize=...)`` of the command line's ``--quantize`` (None when not given).
 

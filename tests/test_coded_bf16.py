@@ -171,3 +171,10 @@ def test_continuous_batching_gives_a_coded_model_its_bfloat16_models_tokens():
     for request, output in got.items():
         assert output.generated_tokens == expected[request].generated_tokens
         assert output.logprobs == expected[request].logprobs
+
+
+def test_the_command_lines_offer_what_load_takes():
+    from genfn.default_model import COMMAND_QUANTIZE
+    from genfn.models.quantized import QUANTIZE_CHOICES
+
+    assert set(COMMAND_QUANTIZE) == {*QUANTIZE_CHOICES, "none"}

@@ -9,6 +9,7 @@ import os
 import sys
 
 from genfn.cli.status import Status, format_seconds
+from genfn.default_model import COMMAND_QUANTIZE
 
 __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_int", "integer", "number",
            "add_model_arguments", "sampling_defaults_flag", "load_model", "may_compile", "require_tokenizer",
@@ -17,7 +18,7 @@ __all__ = ["USER_ERROR", "DTYPES", "QUANTIZE", "UserError", "Parser", "positive_
 
 USER_ERROR = 2
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4")
+QUANTIZE = COMMAND_QUANTIZE
 GENFN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,7 +75,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--quantize", choices=QUANTIZE, default=None,
                         help="quantized linears: 'gguf' keeps a GGUF file's own blocks, 'none' loads every weight in "
-                             "--dtype, the others quantize on load (default: none)")
+                             "--dtype, 'coded_bf16' (with --dtype bfloat16) keeps every weight in 12.2 bits, the others "
+                             "quantize on load (default: none)")
     parser.add_argument("--tp", type=positive_int, default=1, metavar="N",
                         help="tensor parallelism over N ranks (spawned here, or the ranks of `torchrun "
                              "--nproc-per-node N -m genfn ...`); see docs/guides/distributed.md")

@@ -250,23 +250,29 @@ std::tuple<at::Tensor, at::Tensor> coded_bf16_encode(const at::Tensor& weight, a
   return {raw, start};
 }
 
-at::Tensor coded_bf16_decode(const at::Tensor& records, const at::Tensor& bases, const at::Tensor& raw,
-                             const at::Tensor& raw_start) {
-  const CodedWeight w = coded_weight_of(records, bases, raw, raw_start, "coded_bf16_decode");
+// Rows rows[i] of w (row i itself where rows is null), i < n, decoded into out [n, K].
+void decode_rows(const CodedWeight& w, const int64_t* rows, int64_t n, at::BFloat16* out) {
   const int64_t G = w.K / kGroup;
-  at::Tensor out = at::empty({w.N, w.K}, at::kBFloat16);
-  __m512i* dst = reinterpret_cast<__m512i*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w.records + n * G * kGroupBytes;
-      const uint8_t* r = w.raw + w.raw_start[n] * kGroup;
+  __m512i* dst = reinterpret_cast<__m512i*>(out);
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows ? rows[i] : i;
+      const uint8_t* row = w.records + r * G * kGroupBytes;
+      const uint8_t* raw_row = w.raw + w.raw_start[r] * kGroup;
       for (int64_t g = 0; g < G; ++g) {
-        const __m512i low = _mm512_loadu_si512(row + low_at(g)), high = high_bytes(row, g, G, w.bases[n * G + g], r);
-        _mm512_storeu_si512(dst + (n * G + g) * 2, _mm512_unpacklo_epi8(low, high));
-        _mm512_storeu_si512(dst + (n * G + g) * 2 + 1, _mm512_unpackhi_epi8(low, high));
+        const __m512i low = _mm512_loadu_si512(row + low_at(g)), high = high_bytes(row, g, G, w.bases[r * G + g], raw_row);
+        _mm512_storeu_si512(dst + (i * G + g) * 2, _mm512_unpacklo_epi8(low, high));
+        _mm512_storeu_si512(dst + (i * G + g) * 2 + 1, _mm512_unpackhi_epi8(low, high));
       }
     }
   });
+}
+
+at::Tensor coded_bf16_decode(const at::Tensor& records, const at::Tensor& bases, const at::Tensor& raw,
+                             const at::Tensor& raw_start) {
+  const CodedWeight w = coded_weight_of(records, bases, raw, raw_start, "coded_bf16_decode");
+  at::Tensor out = at::empty({w.N, w.K}, at::kBFloat16);
+  decode_rows(w, nullptr, w.N, out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -279,24 +285,11 @@ at::Tensor coded_bf16_rows(const at::Tensor& records, const at::Tensor& bases, c
               index.scalar_type(), " ", index.sizes());
   const at::Tensor rows = index.contiguous();
   const int64_t* at_row = rows.data_ptr<int64_t>();
-  const int64_t n = rows.numel(), G = w.K / kGroup;
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = 0; i < rows.numel(); ++i)
     TORCH_CHECK(at_row[i] >= 0 && at_row[i] < w.N, "coded_bf16_rows: index ", at_row[i], " is outside the ", w.N,
                 " rows");
-  at::Tensor out = at::empty({n, w.K}, at::kBFloat16);
-  __m512i* dst = reinterpret_cast<__m512i*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = at_row[i];
-      const uint8_t* row = w.records + r * G * kGroupBytes;
-      const uint8_t* raw_row = w.raw + w.raw_start[r] * kGroup;
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512i low = _mm512_loadu_si512(row + low_at(g)), high = high_bytes(row, g, G, w.bases[r * G + g], raw_row);
-        _mm512_storeu_si512(dst + (i * G + g) * 2, _mm512_unpacklo_epi8(low, high));
-        _mm512_storeu_si512(dst + (i * G + g) * 2 + 1, _mm512_unpackhi_epi8(low, high));
-      }
-    }
-  });
+  at::Tensor out = at::empty({rows.numel(), w.K}, at::kBFloat16);
+  decode_rows(w, at_row, rows.numel(), out.data_ptr<at::BFloat16>());
   return out;
 }
 

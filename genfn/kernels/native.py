@@ -67,9 +67,9 @@ DECODE = NativeLibrary(
                                             "decode_layer.cpp", "decode_stack.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp", "prefill_attention.cpp", "lookup_ops.cpp",
-                                            "coded_bf16.cpp")),
+                                            "coded_bf16.cpp", "stack_table.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h", _HERE / "kquant.h",
-             _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h"),
+             _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h", _HERE / "stack_table.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using F.linear")

@@ -16,12 +16,12 @@ import sys
 import threading
 import time
 
-from genfn.default_model import command_quantize
+from genfn.default_model import COMMAND_QUANTIZE, command_quantize
 
 __all__ = ["add_arguments", "main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_QUANTIZE = ("gguf", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "int8", "int4")
+_QUANTIZE = COMMAND_QUANTIZE
 
 
 def _positive_int(text: str) -> int:
@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "else temperature 0.7, top-p 0.95, top-k 50), 'none' (OpenAI's: temperature 1, top-p 1), "
                              "or key=value pairs over auto, e.g. temperature=0.5,top_p=0.9")
     parser.add_argument("--quantize", choices=_QUANTIZE, default=None,
-                        help="'gguf' keeps a GGUF file's quantized blocks, 'none' loads every weight in --dtype, the others "
-                             "quantize on load (default: none)")
+                        help="'gguf' keeps a GGUF file's quantized blocks, 'none' loads every weight in --dtype, "
+                             "'coded_bf16' (with --dtype bfloat16) keeps every weight in 12.2 bits, the others quantize on "
+                             "load (default: none)")
     batching = parser.add_argument_group("continuous batching")
     batching.add_argument("--num-blocks", type=_positive_int, default=None, help="KV cache blocks (default: sized "
                                                                                 "for the workload)")
