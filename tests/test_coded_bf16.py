@@ -178,3 +178,28 @@ def test_the_command_lines_offer_what_load_takes():
     from genfn.models.quantized import QUANTIZE_CHOICES
 
     assert set(COMMAND_QUANTIZE) == {*QUANTIZE_CHOICES, "none"}
+
+
+def test_released_file_pages_read_back_the_same_and_anonymous_memory_is_left_alone(tmp_path):
+    import mmap
+    import sys
+
+    from genfn.models.weight_arena import release_file_pages
+
+    values = torch.arange(4 * mmap.PAGESIZE, dtype=torch.int32)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # read-only, as the GGUF loader maps
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.frombuffer warns that the buffer is not writable
+        in_file = torch.frombuffer(mapping, dtype=torch.int32)
+    assert int(in_file.sum()) == int(values.sum())  # resident now
+    released = release_file_pages(in_file)
+    assert released == (sys.platform == "linux")
+    assert torch.equal(in_file, values)  # read again from the page cache
+    anonymous = values.clone()
+    assert not release_file_pages(anonymous)
+    assert torch.equal(anonymous, values)

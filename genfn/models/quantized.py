@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from genfn.kernels import encode_coded_bf16
+from genfn.models.weight_arena import release_file_pages
 from genfn.quant.blocks import BLOCK, FORMATS, RowBlocks, quantize
 from genfn.quant.coded_bf16 import encodable
 from genfn.quant.experts import QuantizedExperts
@@ -52,7 +53,9 @@ def check_quantize(quantize: str | None) -> str | None:
 def _quantized(weight: Any, fmt: str, name: str, kept_float: list, arena=None) -> Any:
     if fmt == CODED_BF16:
         if encodable(weight):
-            return encode_coded_bf16(weight, arena)
+            coded = encode_coded_bf16(weight, arena)
+            release_file_pages(weight)  # read once: a file's floats leave resident memory as they are coded
+            return coded
         kept_float.append(name)
         return weight
     if isinstance(weight, RowBlocks):

@@ -35,7 +35,7 @@ import torch
 
 from genfn.state.base import NAMESPACE
 
-__all__ = ["WeightArena", "place_in_arena", "huge_pages_available", "huge_page_bytes"]
+__all__ = ["WeightArena", "place_in_arena", "huge_pages_available", "huge_page_bytes", "release_file_pages"]
 
 HUGE_PAGE = 2 << 20
 # Each tensor starts on a cache line, where the kernels' vector loads want it.
@@ -187,3 +187,36 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
     except (OSError, ValueError):
         return 0
     return 0
+
+
+def release_file_pages(tensor: torch.Tensor) -> bool:
+    """Let ``tensor``'s pages leave this process's resident memory where it is a view of a file
+    mapped read-only (a GGUF file's floats used where they lie): the page cache keeps them, and a later
+    read maps them again, so its values never change. Anonymous or writable memory is left alone
+    (dropped, it would read back as zeros). Returns whether pages were released; Linux only."""
+    if sys.platform != "linux" or tensor.numel() == 0:
+        return False
+    start = tensor.data_ptr()
+    stop = start + tensor.numel() * tensor.element_size()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                if low <= start and stop <= high:
+                    # read-only ("r--s", "r--p"; no "w"), and the sixth field names the file
+                    if fields[1][1] != "-" or len(fields) < 6 or not fields[5].strip().startswith("/"):
+                        return False
+                    break
+            else:
+                return False
+    except (OSError, ValueError):
+        return False
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, stop // page * page  # whole pages inside the tensor only
+    if last <= first:
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) == 0  # MADV_DONTNEED
