@@ -59,6 +59,11 @@ def coded_rows(weight: CodedBfloat16, index: torch.Tensor) -> torch.Tensor:
 
 
 def register_coded_fake(namespace: str) -> None:
+    @torch.library.register_fake(f"{namespace}::coded_bf16_gemm")
+    def _(x, records, bases, raw, raw_start, swiglu):
+        rows = records.shape[0] // 2 if swiglu else records.shape[0]
+        return x.new_empty((*x.shape[:-1], rows))
+
     @torch.library.register_fake(f"{namespace}::coded_bf16_rows")
     def _(records, bases, raw, raw_start, index):
         return records.new_empty((index.shape[0], records.shape[1] // 96 * 64), dtype=torch.bfloat16)

@@ -28,6 +28,7 @@ import torch
 
 from genfn.kernels import MIN_PREFILL_QUERIES, decode_attention_available, invariant, linear, prefill_attention
 from genfn.kernels.packed_gemm import bf16_gemm_preferred
+from genfn.quant.coded_bf16 import CodedBfloat16
 
 __all__ = ["takes", "prefill_layer", "PrefillRows", "prefill_rows", "first_real_slots"]
 
@@ -131,13 +132,19 @@ def first_real_slots(cache, attend_len) -> torch.Tensor:
 
 def _on_bf16_gemm(x: torch.Tensor, weight) -> bool:
     """Whether genfn's bfloat16 GEMM takes ``x @ weight.T``: both bfloat16, the weight a plain tensor
-    (a quantized one has its own kernels), on a CPU where that GEMM is the faster (without AMX)."""
-    return (isinstance(weight, torch.Tensor) and weight.dtype == x.dtype == torch.bfloat16
+    or a coded one (decoded as the GEMM takes it, so that a coded model's prefill has the plain
+    model's bits; a quantized weight has its own kernels), on a CPU where that GEMM is the faster
+    (without AMX)."""
+    return (isinstance(weight, (torch.Tensor, CodedBfloat16)) and weight.dtype == x.dtype == torch.bfloat16
             and bf16_gemm_preferred())
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if _on_bf16_gemm(x, weight):
+        if isinstance(weight, CodedBfloat16):
+            if bias is None:
+                return torch.ops.genfn_kernels.coded_bf16_gemm(x, *weight.tensors(), False)
+            weight = torch.ops.genfn_kernels.coded_bf16_decode(*weight.tensors())  # the GEMM adds the bias
         return torch.ops.genfn_kernels.bf16_gemm_plain(x, weight, bias, False)
     return linear(x, weight, bias)
 
@@ -145,5 +152,7 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
 def _swiglu(x: torch.Tensor, gate_up) -> torch.Tensor:
     """silu(gate) * up of ``x``'s gate/up projection (``gate_up = [gate; up]``)."""
     if _on_bf16_gemm(x, gate_up):
+        if isinstance(gate_up, CodedBfloat16):
+            return torch.ops.genfn_kernels.coded_bf16_gemm(x, *gate_up.tensors(), True)
         return torch.ops.genfn_kernels.bf16_gemm_swiglu(x, gate_up)
     return invariant.silu_mul(linear(x, gate_up))
