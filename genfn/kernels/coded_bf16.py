@@ -3,7 +3,9 @@ bfloat16 matrix, and the linear that multiplies by one.
 
 Every output of ``coded_linear`` is summed as the plain bfloat16 kernel sums it (``linear`` on the
 decoded matrix, up to ``MAX_LINEAR_ROWS`` rows of x), so a coded model gives its plain model's bits;
-past those rows (a prefill) the matrix is decoded and ``linear`` takes it, as it takes a plain one.
+past those rows the matrix is decoded and ``linear`` takes it, as it takes a plain one. The native
+prefill layer (``genfn.models.prefill_layer``) runs its GEMM through ``coded_bf16_gemm`` instead: the
+matrix decoded into a reused scratch for genfn's bfloat16 GEMM, the plain model's path there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def encode_coded_bf16(weight: torch.Tensor, arena=None) -> CodedBfloat16:
         raise RuntimeError("encode_coded_bf16: coded bfloat16 weights need the native kernels on a CPU with "
                            f"AVX512_BF16 (vdpbf16ps); the kernels are {kernels.kernel_status()}")
     rows, groups = weight.shape[0], weight.shape[1] // GROUP
+
     def empty(shape):
         return torch.empty(shape, dtype=torch.uint8) if arena is None else arena.empty(shape, torch.uint8)
 
