@@ -159,16 +159,7 @@ void coded_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w, int64_
       const int64_t rows = std::min(per, M - m0);
       const c10::BFloat16* xg = x + m0 * w.K;
       c10::BFloat16* yg = y + m0 * w.N;
-      switch (rows) {
-        case 1: coded_rows<1>(xg, w, c0, c1, yg, w.N); break;
-        case 2: coded_rows<2>(xg, w, c0, c1, yg, w.N); break;
-        case 3: coded_rows<3>(xg, w, c0, c1, yg, w.N); break;
-        case 4: coded_rows<4>(xg, w, c0, c1, yg, w.N); break;
-        case 5: coded_rows<5>(xg, w, c0, c1, yg, w.N); break;
-        case 6: coded_rows<6>(xg, w, c0, c1, yg, w.N); break;
-        case 7: coded_rows<7>(xg, w, c0, c1, yg, w.N); break;
-        default: coded_rows<8>(xg, w, c0, c1, yg, w.N); break;
-      }
+      genfn_kernels::with_rows(rows, [&](auto m) { coded_rows<decltype(m)::value>(xg, w, c0, c1, yg, w.N); });
     }
   }
 }
@@ -209,7 +200,8 @@ std::tuple<at::Tensor, at::Tensor> coded_bf16_encode(const at::Tensor& weight, a
               ": weight must be a bfloat16 [N, K] CPU tensor, got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % kGroup == 0 && K > 0, kEncodeOp, ": K (", K, ") must be a positive multiple of 64");
-  TORCH_CHECK(genfn_kernels::cpu_has_avx512_bf16(), kEncodeOp, ": this CPU has no AVX-512 (BW) to encode with");
+  TORCH_CHECK(genfn_kernels::cpu_has_avx512_bf16(), kEncodeOp,
+              ": this CPU has no AVX512_BF16, which the coded weights' kernels need (vdpbf16ps)");
   const int64_t G = K / kGroup;
   TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous() && records.dim() == 2 &&
                   records.size(0) == N && records.size(1) == G * kGroupBytes,

@@ -9,12 +9,29 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "row_queue.h"
 #include "tile_kinds.h"
 
 namespace genfn_kernels {
+
+// f(std::integral_constant<int, M>) for M rows of x, 1 to kMaxDecodeRows (more run as
+// kMaxDecodeRows): a kernel templated on its rows of x, called with a runtime count.
+template <typename F>
+void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 // 16 bfloat16 values widened to float32 lanes (exact).
 inline __m512 widen_bfloat16(__m256i halves) {

@@ -23,6 +23,7 @@
 namespace {
 
 using genfn_kernels::kMaxDecodeRows;
+using genfn_kernels::with_rows;
 constexpr int kLanes = 16;
 
 // How far ahead of the bytes being summed each thread's stream is fetched, into L2 (Zen 4 keeps
@@ -312,21 +313,6 @@ void balanced_rows(const typename Dot::Input* x, const typename Dot::Weight* w, 
       });
   if (t == 0)
     for (int64_t n = (N / R) * R; n < N; ++n) row_block<Dot, M, 1>(x, w, K, N, n, {}, y);
-}
-
-// f(std::integral_constant<int, M>) for M rows of x, 1 to kMaxDecodeRows (more run as 8).
-template <typename F>
-void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
 }
 
 // Blocks [b0, b1) of R weight rows against a group of M rows of x (at most 8; M a runtime value).

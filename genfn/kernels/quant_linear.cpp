@@ -224,16 +224,9 @@ template <int64_t kind>
 void dispatch_rows(int64_t M, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb, const uint8_t* codes,
                    const uint16_t* scales, const uint16_t* mins, const Activations& a, int64_t K, int64_t N,
                    int64_t ld, float* y, const float* init) {
-  switch (M) {
-    case 1: return run_tiles<1, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 2: return run_tiles<2, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 3: return run_tiles<3, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 4: return run_tiles<4, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 5: return run_tiles<5, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 6: return run_tiles<6, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    case 7: return run_tiles<7, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-    default: return run_tiles<8, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
-  }
+  genfn_kernels::with_rows(M, [&](auto rows) {
+    run_tiles<decltype(rows)::value, kind>(t0, t1, fetch_end, first, nb, codes, scales, mins, a, K, N, ld, y, init);
+  });
 }
 
 void run_share(int64_t M, int64_t kind, int64_t t0, int64_t t1, int64_t fetch_end, bool first, int64_t nb,
