@@ -164,3 +164,34 @@ def test_model_bench_pairs_each_round_with_its_peers():
     assert ratios["genfn-coded / genfn-compiled b1"] == [50.0 / 40.0, 55.0 / 44.0]
     assert ratios["genfn-coded / llama-bench b1"] == [1.0, 55.0 / 40.0]
     assert "genfn / llama.cpp b1" not in ratios
+
+
+def test_code_entropy_counts_each_field_and_bounds_a_recoding():
+    """``code_entropy.py``'s order-0 bound: an even histogram costs its log2, a constant nothing, and
+    a format's fields cost no more than they store (Q4_0's codes at most 4 bits; Q8_0's float16
+    scales at most 16)."""
+    import importlib.util
+
+    import numpy as np
+    import torch
+
+    from genfn.bench.gguf_matrices import encode
+
+    spec = importlib.util.spec_from_file_location("code_entropy_under_test", REPO / "benchmarks" / "code_entropy.py")
+    code_entropy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_entropy)
+    assert code_entropy.entropy_bits(np.arange(16)) == pytest.approx(64.0)
+    assert code_entropy.entropy_bits(np.full(100, 7)) == 0.0
+    values = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    for ggml_type, code_bits in (("Q4_0", 4), ("Q8_0", 8), ("Q6_K", 6)):
+        raw, _ = encode(values, ggml_type)
+        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(64, -1)
+        fields = code_entropy.field_entropies(raw, ggml_type, (64, 256))
+        assert 0 < fields["codes"] <= code_bits * values.numel()
+        assert 0 < fields["d"] <= 16 * values.numel() / (32 if ggml_type != "Q6_K" else 256)
+        tally = code_entropy.Tally()
+        tally.add(ggml_type, raw, (64, 256), coded=False)
+        (row,) = tally.rows()
+        assert row["stored_over_entropy"] > 1.0 and row["stored_bits_per_weight"] == code_entropy._STORED_BITS[ggml_type]
+    with pytest.raises(ValueError, match="Q2_K is not measured"):
+        code_entropy.field_entropies(raw, "Q2_K", (64, 256))

@@ -18,7 +18,7 @@ from genfn import kernels
 from genfn.kernels import kquant
 from genfn.models.loaders.gguf import read_gguf
 from genfn.quant import K_FORMATS, KQuantWeight, RowStack, dequantize_k, quantize_k, reference_linear_k
-from genfn.quant.kquants import BLOCK_BYTES, INTERLEAVED, quantize_activations_k, unpack_r8
+from genfn.quant.kquants import BLOCK_BYTES, INTERLEAVED, quantize_activations_k, unpack_k, unpack_r8
 
 GGML = {fmt.lower(): fmt for fmt in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 NATIVE = kquant.kquant_available()
@@ -104,6 +104,50 @@ def test_kquant_weight_checks_its_bytes():
         KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k", 4, 200)
     with pytest.raises(ValueError, match="one of q4_k, q5_k, q6_k"):
         quantize_k(torch.zeros(4, 256), "q3_k")
+
+
+def _ggml_q4_k_codes(u: np.ndarray) -> np.ndarray:
+    """The 128 code bytes of one Q4_K super-block holding codes ``u`` (256 values, 0..15), as ggml's
+    ``dequantize_row_q4_K`` reads them: 32 bytes per 64 inputs, low nibbles first."""
+    u = u.reshape(4, 2, 32)
+    return (u[:, 0] | (u[:, 1] << 4)).reshape(-1).astype(np.uint8)
+
+
+def _ggml_q6_k_codes(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ql, qh) of one Q6_K super-block holding codes ``u`` (256 values, 0..63), as ggml's
+    ``dequantize_row_q6_K`` reads them: per half of 128, ql[l] holds inputs l and l + 64 (low
+    nibbles), ql[l + 32] inputs l + 32 and l + 96, qh[l] the four inputs' top two bits."""
+    ql, qh = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
+    for half in range(2):
+        q = u[half * 128:(half + 1) * 128]
+        for lane in range(32):
+            a, b, c, d = (int(q[lane + 32 * i]) for i in range(4))
+            ql[half * 64 + lane] = (a & 15) | (c & 15) << 4
+            ql[half * 64 + lane + 32] = (b & 15) | (d & 15) << 4
+            qh[half * 32 + lane] = (a >> 4) | (b >> 4) << 2 | (c >> 4) << 4 | (d >> 4) << 6
+    return ql, qh
+
+
+def test_unpack_k_gives_each_inputs_code_in_ggmls_layout():
+    rng = np.random.default_rng(0)
+    u4, u6 = rng.integers(0, 16, 256), rng.integers(0, 64, 256)
+    scale_bytes = rng.integers(0, 256, 12).astype(np.uint8)
+    q4_k = np.concatenate([np.frombuffer(np.float16([0.5, 0.25]).tobytes(), np.uint8), scale_bytes, _ggml_q4_k_codes(u4)])
+    fields = unpack_k(torch.from_numpy(q4_k), "q4_k")
+    assert fields["codes"].tolist() == [u4.tolist()]
+    assert fields["d"].tolist() == [[0.5]] and fields["dmin"].tolist() == [[0.25]]
+    assert int(fields["scales"].max()) < 64 and int(fields["mins"].max()) < 64
+    ql, qh = _ggml_q6_k_codes(u6)
+    sub_scales = rng.integers(-128, 128, 16).astype(np.int8)
+    q6_k = np.concatenate([ql, qh, sub_scales.view(np.uint8), np.frombuffer(np.float16([2.0]).tobytes(), np.uint8)])
+    fields = unpack_k(torch.from_numpy(q6_k), "q6_k")
+    assert fields["codes"].tolist() == [u6.tolist()]
+    assert fields["scales"].tolist() == [sub_scales.tolist()] and fields["d"].tolist() == [[2.0]]
+    # and the values are the gguf package's, from those fields
+    expected = _gguf_values(torch.from_numpy(q6_k).reshape(1, -1), "q6_k")
+    assert torch.equal(dequantize_k(torch.from_numpy(q6_k).reshape(1, -1), "q6_k"), expected)
+    with pytest.raises(ValueError, match="'q4_k', 'q5_k', 'q6_k'"):
+        unpack_k(torch.zeros(1, 18, dtype=torch.uint8), "iq4_nl")
 
 
 @pytest.fixture(params=["avx512", "avx2"])

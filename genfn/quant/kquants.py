@@ -42,7 +42,7 @@ from genfn.state.base import pytree_dataclass, static_field
 
 __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_BYTES", "BLOCK_INPUTS",
            "INTERLEAVED", "INTERLEAVED_OF", "dequantize_k", "quantize_k", "quantize_activations_k",
-           "reference_linear_k", "repack_r8", "unpack_r8"]
+           "reference_linear_k", "repack_r8", "unpack_k", "unpack_r8"]
 
 SUPER_BLOCK = 256
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176,
@@ -190,10 +190,6 @@ def unpack_r8(weight: KQuantWeight) -> KQuantWeight:
     return KQuantWeight(rows, stored, weight.out_features, weight.in_features)
 
 
-def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).to(torch.float32)  # [n, 1]
-
-
 def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 8 six-bit scales and mins of Q4_K/Q5_K from their 12 bytes ``[n, 12]``: bytes 0-3 hold
     scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for mins; bytes
@@ -212,6 +208,39 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (codes >> shifts) & 0x0F
 
 
+def unpack_k(data: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The integer fields of Q4_K/Q5_K/Q6_K bytes (``[..., blocks * block_bytes]``), one row per
+    super-block: ``codes`` (uint8, one per input: 0..15, 0..31 or 0..63), ``scales`` (a group's
+    6-bit scale, uint8 ``[n, 8]``; Q6_K's signed 8-bit one per 16 inputs, int8 ``[n, 16]``),
+    ``mins`` (Q4_K/Q5_K, uint8 ``[n, 8]``), and the float16 ``d`` and ``dmin`` (``[n, 1]``). What
+    ``dequantize_k`` multiplies, and what a measure of the format's information counts
+    (``benchmarks/code_entropy.py``)."""
+    _check_format(fmt)
+    if fmt not in ("q4_k", "q5_k", "q6_k"):
+        raise ValueError(f"unpack_k: fmt must be one of 'q4_k', 'q5_k', 'q6_k', got {fmt!r}")
+    blocks = data.reshape(-1, BLOCK_BYTES[fmt])
+    n = blocks.shape[0]
+
+    def f16(start: int) -> torch.Tensor:
+        return blocks[:, start:start + 2].contiguous().view(torch.float16)
+
+    if fmt in ("q4_k", "q5_k"):
+        scales, mins = _scales_and_mins(blocks[:, 4:16])
+        qs = blocks[:, 16 + (32 if fmt == "q5_k" else 0):]
+        codes = _nibbles(qs.reshape(n, 4, 1, 32)).reshape(n, 8, 32)
+        if fmt == "q5_k":
+            qh = blocks[:, 16:48].reshape(n, 1, 32)
+            shifts = torch.arange(8, dtype=torch.uint8, device=data.device).reshape(1, 8, 1)
+            codes = codes | (((qh >> shifts) & 1) << 4)
+        return {"codes": codes.reshape(n, SUPER_BLOCK), "scales": scales, "mins": mins, "d": f16(0), "dmin": f16(2)}
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    low = _nibbles(ql.reshape(n, 2, 1, 64)).reshape(n, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).reshape(1, 1, 4, 1)
+    high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
+    codes = (low | (high << 4)).reshape(n, SUPER_BLOCK)
+    return {"codes": codes, "scales": blocks[:, 192:208].view(torch.int8), "d": f16(208)}
+
+
 def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
     """float32 values of K-quant bytes (``[..., blocks * block_bytes]`` -> ``[..., blocks * block_inputs]``),
     computed in the gguf package's order of float32 operations (bit for bit its result)."""
@@ -221,30 +250,17 @@ def dequantize_k(data: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt in INTERLEAVED:  # [rows, row bytes], whole groups
         rows = unpack_r8(KQuantWeight(data, fmt, data.shape[0], data.shape[1] // BLOCK_BYTES[fmt] * SUPER_BLOCK))
         return dequantize_k(rows.data, rows.format)
-    size = BLOCK_BYTES[fmt]
     lead = data.shape[:-1]
-    blocks = data.reshape(-1, size)
-    n = blocks.shape[0]
+    fields = unpack_k(data, fmt)
+    d = fields["d"].to(torch.float32)
+    n = d.shape[0]
     if fmt in ("q4_k", "q5_k"):
-        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        sc, m = _scales_and_mins(blocks[:, 4:16])
-        qs = blocks[:, 16 + (32 if fmt == "q5_k" else 0):]
-        q = _nibbles(qs.reshape(n, 4, 1, 32)).reshape(n, 8, 32)
-        if fmt == "q5_k":
-            qh = blocks[:, 16:48].reshape(n, 1, 32)
-            shifts = torch.arange(8, dtype=torch.uint8, device=data.device).reshape(1, 8, 1)
-            q = q | (((qh >> shifts) & 1) << 4)
-        scale = (d * sc.to(torch.float32)).unsqueeze(-1)
-        minimum = (dmin * m.to(torch.float32)).unsqueeze(-1)
-        values = scale * q.to(torch.float32) - minimum
+        scale = (d * fields["scales"].to(torch.float32)).unsqueeze(-1)
+        minimum = (fields["dmin"].to(torch.float32) * fields["mins"].to(torch.float32)).unsqueeze(-1)
+        values = scale * fields["codes"].reshape(n, 8, 32).to(torch.float32) - minimum
     else:
-        ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208].view(torch.int8)
-        d = _f16(blocks, 208)
-        scale = (d * sc.to(torch.float32)).reshape(n, 16, 1)
-        low = _nibbles(ql.reshape(n, 2, 1, 64)).reshape(n, 2, 4, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).reshape(1, 1, 4, 1)
-        high = (qh.reshape(n, 2, 1, 32) >> shifts) & 3
-        q = (low | (high << 4)).to(torch.int16) - 32
+        scale = (d * fields["scales"].to(torch.float32)).reshape(n, 16, 1)
+        q = fields["codes"].to(torch.int16) - 32
         values = scale * q.reshape(n, 16, 16).to(torch.float32)
     return values.reshape(*lead, -1)
 
