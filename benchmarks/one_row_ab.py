@@ -12,7 +12,7 @@ Q8_0/Q4_0/Q4_1 matrix of a GGUF file loaded with ``quantize="gguf"``. Each round
 in turn with either library and sums a float32 buffer of the same bytes (``tensor.sum``); checks
 that both libraries give the same bits; prints GB/s (best and median) and this tree's time over the
 revision's per round. This is how the one-row fetch ahead on Intel cores was measured
-(docs/guides/k-quants-and-scale.md, *One row fetched ahead on Intel*).
+(docs/measurements/scale-sessions.md, *One row fetched ahead on Intel*).
 """
 
 from __future__ import annotations

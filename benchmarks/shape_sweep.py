@@ -22,7 +22,7 @@ threads. Paths (``--paths``):
               search, prompt lookup or seeded sampling) against ``generate`` one prompt at a time
 
 Prints a line per shape and a count of failures; exits 1 if any shape failed. Timing is no part of
-it. In session 31 it found three bugs, since fixed (docs/guides/k-quants-and-scale.md, *Session 31*):
+it. In session 31 it found three bugs, since fixed (docs/measurements/scale-sessions.md, *Session 31*):
 ``generate_batch`` with chunked prefill off failing its own long prompts, the same beside speculative
 requests, and multi-query models' batched requests leaving ``generate``'s bits.
 """

@@ -12,7 +12,7 @@ of the layers' linears (the LM head left out):
   same bytes in one parallel region, each thread its share of every matrix's tensors side by side,
   the threads meeting after each matrix: the kernels' own stream with no arithmetic and no per-call
   cost. ``--threads 1`` shows what one core draws, which is what caps a one-row kernel once the
-  memory is fast (*Session 26* in docs/guides/k-quants-and-scale.md);
+  memory is fast (*Session 26* in docs/measurements/scale-sessions.md);
 - ``sum each tensor``: ``tensor.sum`` over each tensor those matrices are made of (codes, scales,
   minimums, K-quant rows), read as float32: the same streams with no arithmetic;
 - ``sum one buffer``: ``tensor.sum`` over one buffer of the same bytes (what the benchmarks' read
