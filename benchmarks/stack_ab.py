@@ -3,11 +3,13 @@
     python benchmarks/stack_ab.py --model llama-1b-q4_0.gguf --baseline main
     python benchmarks/stack_ab.py --model SmolLM2-135M-Instruct.llama.cpp-Q4_K_M.gguf --baseline HEAD~1 --rows 8
     python benchmarks/stack_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --baseline HEAD~1 --rows 4 --prompt copy
+    python benchmarks/stack_ab.py --model llama-1b-bf16.gguf --quantize coded_bf16 --baseline HEAD~1
 
 The step's own call is captured from an eager ``genfn.generate`` of the file (greedy on a repeated
 sentence, or with ``--prompt copy`` on the copy task's longer prompt; ``--rows`` above 1 drafts that
-many minus one tokens by prompt lookup, so the call verifies ``--rows`` positions of one sequence),
-then replayed: each round times ``--calls`` calls of this tree's
+many minus one tokens by prompt lookup, so the call verifies ``--rows`` positions of one sequence;
+``--quantize coded_bf16`` loads a BF16/F16 file in bfloat16 with its linears coded), then replayed:
+each round times ``--calls`` calls of this tree's
 ``decode_stack`` and as many of the revision's (``genfn.bench.revision_kernels``, op namespace
 ``genfn_kernels_base``; the order swapped every other round), and a ``tensor.sum`` over 256 MB
 beside them, because this VM's memory reads ~55 or ~90 GB/s by the minute and a one-row stack follows
@@ -41,11 +43,13 @@ from genfn.kernels import decode_layer, native
 _TWO_DIES_NS = 100.0
 
 
-def capture(path: str, rows: int, prompt: str = "short") -> tuple:
+def capture(path: str, rows: int, prompt: str = "short", quantize: str = "gguf") -> tuple:
     """The arguments of the median-time ``run_stack`` call of ``rows`` rows in an eager generate of
     ``prompt``: ``"short"`` (a sentence four times, ~50 slots attended) or ``"copy"`` (the rewriting
-    task of ``assisted.py`` and ``lookup_rounds.py``, ~300 slots: the attention weighs more there)."""
-    model = genfn.load(path, quantize="gguf")
+    task of ``assisted.py`` and ``lookup_rounds.py``, ~300 slots: the attention weighs more there).
+    ``quantize``: ``"gguf"`` (blocks as stored) or ``"coded_bf16"`` (bfloat16, linears coded)."""
+    dtype = torch.bfloat16 if quantize == "coded_bf16" else torch.float32
+    model = genfn.load(path, dtype=dtype, quantize=quantize)
     calls = []
     original = decode_layer.run_stack
 
@@ -64,11 +68,17 @@ def capture(path: str, rows: int, prompt: str = "short") -> tuple:
         mask = None
     extra = {"prompt_lookup_num_tokens": rows - 1, "num_assistant_tokens_schedule": "constant"} if rows > 1 else {}
     decode_layer.run_stack = spy
+    # A bfloat16 step takes the native stack only inside a compiled step (decode_layer.stack_takes): the
+    # eager generate that records the call says it is one.
+    compiling = decode_layer.torch.compiler.is_compiling
+    if quantize == "coded_bf16":
+        decode_layer.torch.compiler.is_compiling = lambda: True
     try:
         genfn.generate(model, ids, attention_mask=mask, max_new_tokens=32, do_sample=False,
                        cache_implementation="static", disable_compile=True, **extra)
     finally:
         decode_layer.run_stack = original
+        decode_layer.torch.compiler.is_compiling = compiling
     if not calls:
         raise SystemExit(f"no step of {rows} rows ran through the native stack for {path}")
     return model, calls[len(calls) // 2]
@@ -88,6 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--prompt", choices=["short", "copy"], default="short",
                     help="what the captured step attends: a short sentence or the copy task's ~300 slots")
+    ap.add_argument("--quantize", choices=["gguf", "coded_bf16"], default="gguf")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
@@ -95,7 +106,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     torch.ops.load_library(str(build_at_revision(native.DECODE, args.baseline,
                                                  {"genfn_kernels": "genfn_kernels_base"})))
-    model, call = capture(args.model, args.rows, args.prompt)  # kept alive: the call's table points into its weights
+    model, call = capture(args.model, args.rows, args.prompt, args.quantize)  # kept alive: the call's table points into its weights
     libraries = {"this tree": torch.ops.genfn_kernels, args.baseline: torch.ops.genfn_kernels_base}
     # Both write the same cache slots with the same keys and values: replaying either leaves the call's inputs.
     outputs = [stack_call(namespace, call) for namespace in libraries.values()]

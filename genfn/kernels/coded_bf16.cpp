@@ -116,14 +116,15 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i high_bytes(const uint
 // of plain bfloat16's time, benchmarks/bf16_lossless.cpp).
 constexpr int64_t kAheadBytes = 4096;
 
-// Rows [n0, n1) of w against the M rows of x (M <= 8): y[m * N + n], the plain kernel's sums.
+// Rows [n0, n1) of w against the M rows of x (M <= 8): y[m * N + n], the plain kernel's sums. Records
+// are fetched ahead up to row fetch_stop's (>= n1): the end of the thread's stream, not of this call's rows.
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void coded_rows(const c10::BFloat16* x, const CodedWeight& w,
                                                                        int64_t n0, int64_t n1, c10::BFloat16* y,
-                                                                       int64_t ld) {
+                                                                       int64_t ld, int64_t fetch_stop) {
   const int64_t K = w.K, G = K / kGroup, row_bytes = G * kGroupBytes;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
-  const char* end = reinterpret_cast<const char*>(w.records + n1 * row_bytes);
+  const char* end = reinterpret_cast<const char*>(w.records + fetch_stop * row_bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.records + n * row_bytes;
     const uint8_t* bases = w.bases + n * G;
@@ -149,8 +150,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void coded_rows(const c10
 }
 
 // Rows [n0, n1) against any M rows of x, in groups of at most 8 rows (genfn_kernels::group_size),
-// every group over each chunk of rows while its records are in L1/L2.
-void coded_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w, int64_t n0, int64_t n1, c10::BFloat16* y) {
+// every group over each chunk of rows while its records are in L1/L2; the stream is fetched ahead up
+// to row fetch_stop (the thread's run: a claim of the stack's queue is a few rows of it).
+void coded_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w, int64_t n0, int64_t n1, c10::BFloat16* y,
+                 int64_t fetch_stop) {
   constexpr int64_t kChunkRows = 16;
   const int64_t per = genfn_kernels::group_size(M);
   for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
@@ -159,7 +162,7 @@ void coded_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w, int64_
       const int64_t rows = std::min(per, M - m0);
       const c10::BFloat16* xg = x + m0 * w.K;
       c10::BFloat16* yg = y + m0 * w.N;
-      genfn_kernels::with_rows(rows, [&](auto m) { coded_rows<decltype(m)::value>(xg, w, c0, c1, yg, w.N); });
+      genfn_kernels::with_rows(rows, [&](auto m) { coded_rows<decltype(m)::value>(xg, w, c0, c1, yg, w.N, fetch_stop); });
     }
   }
 }
@@ -323,7 +326,7 @@ at::Tensor coded_bf16_linear(const at::Tensor& x, const at::Tensor& records, con
   if (M > 0) {
     const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
     c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { coded_share(M, xp, w, n0, n1, yp); });
+    at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { coded_share(M, xp, w, n0, n1, yp, n1); });
   }
   return y.view(sizes);
 }
@@ -337,8 +340,9 @@ void coded_linear_share(int64_t M, const c10::BFloat16* x, const CodedWeight& w,
   // ~8 KiB of records a claim, as the plain kernel's chunks.
   const int64_t chunk = std::max<int64_t>(1, 8192 / (w.K / kGroup * kGroupBytes));
   run_balanced(
-      queue, t, chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { coded_share(M, x, w, begin, end, y); },
-      [&](int64_t begin, int64_t end) { coded_share(M, x, w, begin, end, y); });
+      queue, t, chunk,
+      [&](int64_t begin, int64_t end, int64_t, int64_t stop) { coded_share(M, x, w, begin, end, y, stop); },
+      [&](int64_t begin, int64_t end) { coded_share(M, x, w, begin, end, y, end); });
 }
 
 }  // namespace genfn_kernels
