@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from genfn.structured.rows import GrammarRows
 
 __all__ = ["BeamGrammarRows"]
