@@ -152,6 +152,9 @@ def token_matrices(path: str):
             yield name, GGMLQuantizationType(info.ggml_type).name, info.shape, gguf.raw(name)
 
 
+_DISTRIBUTIONS = ("normal", "laplace", "t3")
+
+
 def synthetic_matrix(distribution: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     if distribution == "normal":
@@ -187,14 +190,24 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.model and not args.synthetic:
         parser.error("name --model FILES and/or --synthetic TYPES")
+    for path in filter(None, args.model.split(",")):
+        if not Path(path).is_file():
+            parser.error(f"--model: no file {path!r}")
+    for distribution in filter(None, args.distributions.split(",")):
+        if distribution not in _DISTRIBUTIONS:
+            parser.error(f"--distributions: {distribution!r} is none of {', '.join(_DISTRIBUTIONS)}")
     results = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "files": {}, "synthetic": {}}
     for path in filter(None, args.model.split(",")):
-        tally = Tally()
+        tally, skipped = Tally(), {}
         for _, ggml_type, shape, raw in token_matrices(path):
             if ggml_type in _STORED_BITS:
                 tally.add(ggml_type, raw, shape, coded=not args.no_coded)
+            else:
+                skipped[ggml_type] = skipped.get(ggml_type, 0) + 1
         results["files"][path] = tally.rows()
         _print(Path(path).name, results["files"][path])
+        if skipped:  # e.g. F32 matrices, whose 32-bit values no histogram here holds
+            print("  not measured: " + ", ".join(f"{t} ({n} matrices)" for t, n in sorted(skipped.items())))
     if args.synthetic:
         from genfn.bench.gguf_matrices import encode
 
