@@ -40,10 +40,18 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-# Stored bits per weight of each ggml type this measures.
-_STORED_BITS = {"F16": 16.0, "BF16": 16.0, "Q8_0": 34 * 8 / 32, "Q4_0": 18 * 8 / 32, "Q4_1": 20 * 8 / 32,
-                "Q5_0": 22 * 8 / 32, "Q5_1": 24 * 8 / 32, "Q4_K": 144 * 8 / 256, "Q5_K": 176 * 8 / 256,
-                "Q6_K": 210 * 8 / 256}
+# The ggml types whose fields this counts.
+_MEASURED = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+_DISTRIBUTIONS = ("normal", "laplace", "t3")
+
+
+def stored_bits(ggml_type: str) -> float:
+    """Bits a weight of ``ggml_type`` takes in the file (the gguf package's block sizes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    return 8.0 * block_bytes / weights
 
 
 def entropy_bits(values: np.ndarray) -> float:
@@ -74,8 +82,8 @@ def field_entropies(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> 
         if blocks.mins is not None:
             fields["m"] = entropy_bits(_u16(blocks.mins))
         return fields
-    if ggml_type in GGUF_K_FORMATS and ggml_type.startswith(("Q4_K", "Q5_K", "Q6_K")):
-        unpacked = unpack_k(torch.from_numpy(np.ascontiguousarray(raw)), GGUF_K_FORMATS[ggml_type])
+    if ggml_type in _K_QUANTS:
+        unpacked = unpack_k(torch.from_numpy(np.array(raw)), GGUF_K_FORMATS[ggml_type])  # a writable copy
         fields = {}
         for name, field in unpacked.items():
             if field.dtype == torch.float16:
@@ -84,7 +92,7 @@ def field_entropies(raw: np.ndarray, ggml_type: str, shape: tuple[int, ...]) -> 
                 values = field.numpy().astype(np.int64)
                 fields[name] = entropy_bits(values - values.min())
         return fields
-    raise ValueError(f"code_entropy: ggml type {ggml_type} is not measured; measured are {sorted(_STORED_BITS)}")
+    raise ValueError(f"code_entropy: ggml type {ggml_type} is not measured; measured are {', '.join(_MEASURED)}")
 
 
 def coded_bf16_bits(raw: np.ndarray, shape: tuple[int, ...]) -> float | None:
@@ -108,7 +116,7 @@ class Tally:
         entry = self.types.setdefault(ggml_type, {"weights": 0.0, "stored_bits": 0.0})
         weights = float(math.prod(shape))
         entry["weights"] += weights
-        entry["stored_bits"] += weights * _STORED_BITS[ggml_type]
+        entry["stored_bits"] += weights * stored_bits(ggml_type)
         for name, bits in field_entropies(raw, ggml_type, shape).items():
             entry[f"entropy_{name}"] = entry.get(f"entropy_{name}", 0.0) + bits
         if coded and ggml_type == "BF16":
@@ -152,9 +160,6 @@ def token_matrices(path: str):
             yield name, GGMLQuantizationType(info.ggml_type).name, info.shape, gguf.raw(name)
 
 
-_DISTRIBUTIONS = ("normal", "laplace", "t3")
-
-
 def synthetic_matrix(distribution: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     if distribution == "normal":
@@ -166,7 +171,7 @@ def synthetic_matrix(distribution: str, shape: tuple[int, int], seed: int) -> to
         normal = torch.randn(shape, generator=generator, dtype=torch.float64)
         chi2 = (torch.randn((3, *shape), generator=generator, dtype=torch.float64) ** 2).sum(0)
         return (normal / torch.sqrt(chi2 / 3) * 0.02 / math.sqrt(3)).float()
-    raise ValueError(f"--distributions: {distribution!r} is none of normal, laplace, t3")
+    raise ValueError(f"--distributions: {distribution!r} is none of {', '.join(_DISTRIBUTIONS)}")
 
 
 def _print(label: str, rows: list[dict]) -> None:
@@ -193,6 +198,9 @@ def main(argv=None) -> int:
     for path in filter(None, args.model.split(",")):
         if not Path(path).is_file():
             parser.error(f"--model: no file {path!r}")
+    for ggml_type in filter(None, args.synthetic.split(",")):
+        if ggml_type not in _MEASURED:
+            parser.error(f"--synthetic: {ggml_type!r} is none of {', '.join(_MEASURED)}")
     for distribution in filter(None, args.distributions.split(",")):
         if distribution not in _DISTRIBUTIONS:
             parser.error(f"--distributions: {distribution!r} is none of {', '.join(_DISTRIBUTIONS)}")
@@ -200,7 +208,7 @@ def main(argv=None) -> int:
     for path in filter(None, args.model.split(",")):
         tally, skipped = Tally(), {}
         for _, ggml_type, shape, raw in token_matrices(path):
-            if ggml_type in _STORED_BITS:
+            if ggml_type in _MEASURED:
                 tally.add(ggml_type, raw, shape, coded=not args.no_coded)
             else:
                 skipped[ggml_type] = skipped.get(ggml_type, 0) + 1
@@ -218,8 +226,6 @@ def main(argv=None) -> int:
         for distribution in filter(None, args.distributions.split(",")):
             values = synthetic_matrix(distribution, (rows, cols), seed=0)
             for ggml_type in filter(None, args.synthetic.split(",")):
-                if ggml_type not in _STORED_BITS:
-                    parser.error(f"--synthetic: {ggml_type!r} is none of {', '.join(sorted(_STORED_BITS))}")
                 raw, _ = encode(values, ggml_type)
                 tally = Tally()
                 tally.add(ggml_type, np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1), (rows, cols),

@@ -219,4 +219,4 @@ def release_file_pages(tensor: torch.Tensor) -> bool:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4) == 0  # MADV_DONTNEED
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) == 0
