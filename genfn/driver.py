@@ -178,7 +178,7 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
         if streamer is not None:
             # ``init`` chose each row's first token.
             streamer.put(state.tokens.gather(1, (state.cur_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1).cpu())
-        advance = None
+        advances = {}  # each step the strategy runs, compiled (or wrapped eagerly) at its first use
         for _ in range(num_steps):
             if view.all_done or _out_of_time(model, max_time, start_time):
                 break
@@ -186,9 +186,11 @@ def run(strategy, model, state, *, num_steps: int, streamer=None, stopping_crite
             # dynamic, so one compiled step serves every length.
             state = limit_attention(state, view.longest + strategy.tokens_per_step - 1,
                                     dynamic=compile_options is not None)
+            step = strategy.step if strategy.pick_step is None else strategy.pick_step(state)
+            advance = advances.get(step)
             if advance is None:
-                advance = (compiled_step(strategy.step, model, state, compile_options) if compile_options is not None
-                           else eager_step(strategy.step, model))
+                advance = advances[step] = (compiled_step(step, model, state, compile_options)
+                                            if compile_options is not None else eager_step(step, model))
                 stepped = advance(state)
             else:
                 with _trusted_guards(compile_options is not None):

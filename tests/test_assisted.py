@@ -5,6 +5,7 @@ every draft is rejected; sampling with a deterministic drafter reproduces plain 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import genfn
 from conftest import tiny_pair
 from genfn.strategies.assisted.block import BlockDrafter
 from genfn.strategies.assisted.drafter import Draft
+from genfn.strategies.assisted import step as speculative
+from genfn.strategies.assisted.drafter import PromptLookupDrafter
 from genfn.strategies.assisted.step import speculative_strategy
 
 MAX_CACHE = 64
@@ -94,15 +97,18 @@ def test_greedy_assisted_equals_plain_greedy_eager(models, name, batch):
 def test_greedy_assisted_equals_plain_greedy_compiled_batch4(models, name):
     target, assistant = models
     ids, mask = BATCH_4
-    before = len(target.compiled_steps)
+    before = set(target.compiled_steps)
     out = genfn.generate(target, ids, attention_mask=mask, max_new_tokens=NEW, **COMPILED, **_kwargs(name, assistant))
-    assert len(target.compiled_steps) == before + 1, "the speculative step did not go through the compiled path"
+    compiled = set(target.compiled_steps) - before
+    # Prompt lookup's rounds in which no row finds an earlier n-gram run the one-token step.
+    expected = ["step", "step_without_drafts"] if name == "prompt_lookup" else ["step"]
+    assert sorted(key[1].__name__ for key in compiled) == expected, "the speculative steps were not compiled"
     assert torch.equal(out, _plain(target, ids, mask))
-    # A second call with other prompts of the same shape reuses the compiled step.
+    # A second call with other prompts of the same shape reuses the compiled steps.
     ids2, mask2 = _repetitive_rows([6, 10, 13, 16], seed=3)
     again = genfn.generate(target, ids2, attention_mask=mask2, max_new_tokens=NEW, **COMPILED,
                            **_kwargs(name, assistant))
-    assert len(target.compiled_steps) == before + 1
+    assert set(target.compiled_steps) - before == compiled
     assert torch.equal(again, _plain(target, ids2, mask2))
 
 
@@ -184,6 +190,51 @@ def test_sampling_with_prompt_lookup_reproduces_plain_sampling(models):
     plain = genfn.generate(target, ids, attention_mask=mask, **settings)
     out = genfn.generate(target, ids, attention_mask=mask, prompt_lookup_num_tokens=4, **settings)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_rounds_without_drafts_run_the_one_token_step_and_change_nothing(models, do_sample):
+    """Where no row's n-gram occurs earlier, the round runs ``step_without_drafts`` (a one-token
+    forward) instead of the ``k + 1``-wide one; tokens, acceptance statistics and sampled draws are
+    those of the wide round on every state."""
+    target, _ = models
+    ids, mask = BATCH_4
+    picked = []
+
+    def counting(state):
+        chosen = speculative.pick_step(state)
+        picked.append(chosen.__name__)
+        return chosen
+
+    narrow = dataclasses.replace(speculative_strategy(PromptLookupDrafter(num_tokens=4)), pick_step=counting)
+    wide = dataclasses.replace(narrow, pick_step=None)
+    settings = dict(max_new_tokens=NEW, return_dict_in_generate=True, disable_compile=True, **STATIC)
+    if do_sample:
+        settings.update(do_sample=True, top_k=None, key=11)
+    out = genfn.generate(target, ids, attention_mask=mask, strategy=narrow, **settings)
+    reference = genfn.generate(target, ids, attention_mask=mask, strategy=wide, **settings)
+    assert "step_without_drafts" in picked and "step" in picked
+    assert torch.equal(out.sequences, reference.sequences)
+    for name in ("proposed", "accepted", "rounds"):
+        assert torch.equal(out.acceptance[name], reference.acceptance[name]), name
+    if not do_sample:
+        assert torch.equal(out.sequences, _plain(target, ids, mask))
+
+
+def test_pick_step_reads_the_pending_block(models):
+    def state_with(num_valid):
+        pending = Draft(tokens=torch.zeros(len(num_valid), 4, dtype=torch.int64), num_valid=torch.tensor(num_valid))
+        return types.SimpleNamespace(pending=pending)
+
+    assert speculative.pick_step(state_with([0, 2])) is speculative.step
+    assert speculative.pick_step(state_with([0, 0])) is speculative.step_without_drafts
+    assert speculative.pick_step(types.SimpleNamespace(pending=None)) is speculative.step
+    with pytest.raises(ValueError, match="pending block"):
+        speculative.step_without_drafts(None, types.SimpleNamespace(pending=None))
+    assert speculative_strategy(PromptLookupDrafter(num_tokens=4)).pick_step is speculative.pick_step
+    # A model drafter drafts while its budget lasts: its strategy always runs the wide step.
+    plain = _plain(*models[:1], *BATCH_1)
+    assert speculative_strategy(OracleDrafter(plain, shift=0)).pick_step is None
 
 
 def test_sampled_drafts_from_a_draft_model_give_valid_keyed_sequences(models):

@@ -441,15 +441,17 @@ def test_layers_mixing_tiles_and_k_quant_rows_run_the_stack_with_the_layer_ops_b
     assert stacks
     # Prompt-lookup rounds of 8 rows: each thread quantizes wqkv's and gate_up's x whole, and the
     # tiles gate/up runs paired (arrange_layer_inputs), where the layer ops share both out (the
-    # assisted strategy returns no logits: its tokens).
+    # assisted strategy returns no logits: its tokens). The prompt repeats, so lookup has drafts
+    # (a round with none runs one row).
+    looped = torch.tensor([[5, 17, 42, 7, 5, 17, 42, 7, 5, 17]])
     lookup = dict(settings, prompt_lookup_num_tokens=7, num_assistant_tokens_schedule="constant",
-                  attention_mask=torch.ones_like(ids[:1]), output_logits=False)
+                  attention_mask=torch.ones_like(looped), output_logits=False)
     stacks.clear()
-    ours_lookup = genfn.generate(model, ids[:1], **lookup)
+    ours_lookup = genfn.generate(model, looped, **lookup)
     assert (1, 8) in stacks
     monkeypatch.setattr(llama, "_native_stack", lambda *a: None)
     layers = genfn.generate(model, ids, **settings)
     assert torch.equal(ours.sequences, layers.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(layers.logits))
-    layers_lookup = genfn.generate(model, ids[:1], **lookup)
+    layers_lookup = genfn.generate(model, looped, **lookup)
     assert torch.equal(ours_lookup.sequences, layers_lookup.sequences)

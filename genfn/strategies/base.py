@@ -50,6 +50,9 @@ class Strategy:
     ``streams``: states expose ``tokens``/``cur_len``, so streamers and user stopping criteria work.
     ``outputs``: which per-step outputs (``OUTPUT_KINDS``) ``finish`` can return.
     ``whole_loop``: the step may run inside one ``while_loop`` graph (``compile_loop=True``).
+    ``pick_step(state) -> step``: when set, the driver asks it between steps (on the host) which
+    pure step runs next, e.g. a speculative round whose rows have no draft runs a one-token
+    forward. Every step it returns takes and returns states of one layout; each is compiled once.
     """
 
     name: str
@@ -62,11 +65,14 @@ class Strategy:
     streams: bool = True
     outputs: frozenset = frozenset()
     whole_loop: bool = False
+    pick_step: Callable[[Any], Callable[[Any, Any], Any]] | None = None
 
     def __post_init__(self):
         for name in ("init", "step", "finish", "collect"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"Strategy.{name} must be callable, got {type(getattr(self, name)).__name__}")
+        if self.pick_step is not None and not callable(self.pick_step):
+            raise TypeError(f"Strategy.pick_step must be None or callable, got {type(self.pick_step).__name__}")
         if not isinstance(self.tokens_per_step, int) or self.tokens_per_step < 1:
             raise ValueError(f"Strategy.tokens_per_step must be a positive int, got {self.tokens_per_step!r}")
         unknown = set(self.outputs) - OUTPUT_KINDS

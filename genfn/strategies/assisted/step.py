@@ -43,7 +43,8 @@ from genfn.strategies.base import Strategy
 from genfn.strategies.request import GenerationRequest, StepTrace
 
 __all__ = ["row_budget", "SpeculativeOptions", "SpeculativeState", "ModelDrafter", "PlainDrafter", "as_model_drafter",
-           "GenerateAssistedOutput", "init", "step", "finish", "speculative_strategy"]
+           "GenerateAssistedOutput", "init", "step", "step_without_drafts", "pick_step", "finish",
+           "speculative_strategy"]
 
 
 @runtime_checkable
@@ -138,11 +139,13 @@ class SpeculativeState:
     options: SpeculativeOptions = static_field()
     drafter: Any = static_field()
     processors: Any = None
-    # Structured outputs: the drafts proposed at the end of the previous step (a Draft), which the
-    # host checked against each row's grammar between steps (clipping num_valid), and the masks
-    # [B, k + 1, ceil(V / 32)] int32 of the block's k + 1 positions along the drafts. None unless
-    # the request has a response_format (genfn.structured.speculative).
+    # The drafts proposed at the end of the previous step (a Draft, num_valid within each row's
+    # budget), for a model-free drafter (the host picks the next step by them: pick_step) and under
+    # a grammar (the host checks them against each row's grammar between steps, clipping num_valid).
+    # None for a model drafter without a grammar, which drafts at the start of its step.
     pending: Any = None
+    # Structured outputs: the masks [B, k + 1, ceil(V / 32)] int32 of the block's k + 1 positions
+    # along the pending drafts (genfn.structured.speculative); None without a response_format.
     grammar_mask: torch.Tensor | None = None
 
 
@@ -194,14 +197,18 @@ def init(model, request: GenerationRequest, *, drafter: ModelDrafter, schedule=N
         drafter=drafter,
         processors=plain.processors,
     )
+    if request.grammar is None and not isinstance(drafter, PlainDrafter):
+        return state
+    # Under a grammar, and for a model-free drafter, the drafts are proposed at the end of a step:
+    # the host checks them against the matchers (and fills the block's masks), and sees the rows
+    # without a draft (``pick_step``), before the next step verifies them.
+    _, draft, drafter_state, cache = _propose(model, state)
+    state = state.replace(pending=draft, drafter_state=drafter_state, cache=cache)
     if request.grammar is None:
         return state
-    # Under a grammar the drafts are proposed at the end of a step, so the host can check them
-    # against the matchers (and fill the block's masks) before the next step verifies them.
-    _, draft, drafter_state, cache = _propose(model, state)
     width = plain.grammar_mask.shape[-1]
     masks = torch.full((batch, drafter.num_tokens + 1, width), -1, dtype=torch.int32, device=device)
-    return state.replace(pending=draft, drafter_state=drafter_state, cache=cache, grammar_mask=masks)
+    return state.replace(grammar_mask=masks)
 
 
 def _needs_target_hidden(drafter) -> bool:
@@ -225,9 +232,11 @@ def _draft_input(state: SpeculativeState) -> DraftInput:
 
 
 def _propose(model, state: SpeculativeState):
-    """``(view, draft, drafter_state, cache)``: the drafter's block for ``state``."""
+    """``(view, draft, drafter_state, cache)``: the drafter's block for ``state``, each row's
+    ``num_valid`` within its budget (so the host reads a pending block's real draft counts)."""
     view = _draft_input(state)
     draft, drafter_state, cache = state.drafter.draft(model, state.drafter_state, view, state.cache)
+    draft = draft.replace(num_valid=torch.minimum(draft.num_valid, view.budget))
     return view, draft, drafter_state, cache
 
 
@@ -235,8 +244,38 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
     """One speculative round for every row (pure; donates ``state``)."""
     if state.pending is None:
         return _verify(model, state, *_propose(model, state))
-    # Structured outputs: verify the drafts the host checked against the grammars, then propose the next.
-    verified = _verify(model, state, _draft_input(state), state.pending, state.drafter_state, state.cache)
+    return _verify_pending(model, state, state.pending)
+
+
+def step_without_drafts(model, state: SpeculativeState) -> SpeculativeState:
+    """The round of a state whose pending block gives no row a draft: the target's one-token forward
+    instead of ``k + 1`` positions of which ``k`` would be thrown away, then the next proposal.
+
+    Its tokens, cache, statistics and random draws are ``step``'s on the same state (every draw is
+    keyed by the row's counter, not by the block's width); only the forward is narrower.
+    """
+    pending = state.pending
+    if pending is None:
+        raise ValueError("step_without_drafts needs a pending block (a state whose drafts were proposed at the "
+                         "end of the previous step: a model-free drafter or a grammar)")
+    empty = pending.replace(tokens=pending.tokens[:, :0], num_valid=torch.zeros_like(pending.num_valid))
+    return _verify_pending(model, state, empty)
+
+
+def pick_step(state: SpeculativeState):
+    """Between steps, on the host: ``step_without_drafts`` when no row of the pending block has a
+    draft (prompt lookup found no earlier n-gram, or the rows are out of budget), else ``step``.
+
+    One read of a ``[B]`` tensor a round; on the CPU that is no synchronization at all."""
+    if state.pending is None or bool((state.pending.num_valid > 0).any()):
+        return step
+    return step_without_drafts
+
+
+def _verify_pending(model, state: SpeculativeState, draft) -> SpeculativeState:
+    """Verify the block proposed at the end of the previous step (checked by the host against the
+    rows' grammars, if any), then propose the next one."""
+    verified = _verify(model, state, _draft_input(state), draft, state.drafter_state, state.cache)
     _, draft, drafter_state, cache = _propose(model, verified)
     return verified.replace(pending=draft, drafter_state=drafter_state, cache=cache)
 
@@ -244,7 +283,7 @@ def step(model, state: SpeculativeState) -> SpeculativeState:
 def _verify(model, state: SpeculativeState, view: DraftInput, draft, drafter_state, cache) -> SpeculativeState:
     """Verify ``draft`` (proposed for ``state`` as ``view``) with one target forward and keep what agrees."""
     opts, drafter = state.options, state.drafter
-    k = drafter.num_tokens
+    k = draft.tokens.shape[1]  # the drafter's width, or 0 in step_without_drafts
     batch = state.tokens.shape[0]
     device = state.tokens.device
     counter = view.counter
@@ -262,7 +301,7 @@ def _verify(model, state: SpeculativeState, view: DraftInput, draft, drafter_sta
     else:
         logits, cache = model.apply(fed, positions, cache)
     # The grammar rules out tokens before the processors (the raw logits stay for the finiteness check).
-    allowed = logits if state.grammar_mask is None else apply_token_bitmask(logits, state.grammar_mask)
+    allowed = logits if state.grammar_mask is None else apply_token_bitmask(logits, state.grammar_mask[:, : k + 1])
     scores = process_block(state.processors, allowed, state.tokens, state.cur_len, state.prompt_len, draft.tokens)
     weight = state.ensemble_weight
     if opts.do_sample:
@@ -352,4 +391,7 @@ def speculative_strategy(drafter, *, schedule=None, ensemble_weight=None, on_fin
         step=step,
         finish=lambda state, trace, request: finish(state, trace, request, on_finish),
         tokens_per_step=k + 1,
+        # A model-free drafter (prompt lookup) often has nothing to propose; those rounds run the
+        # one-token forward. A draft model always drafts while the budget lasts.
+        pick_step=pick_step if isinstance(drafter, PlainDrafter) else None,
     )
