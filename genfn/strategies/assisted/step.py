@@ -258,7 +258,7 @@ def step_without_drafts(model, state: SpeculativeState) -> SpeculativeState:
     if pending is None:
         raise ValueError("step_without_drafts needs a pending block (a state whose drafts were proposed at the "
                          "end of the previous step: a model-free drafter or a grammar)")
-    empty = pending.replace(tokens=pending.tokens[:, :0], num_valid=torch.zeros_like(pending.num_valid))
+    empty = Draft(tokens=pending.tokens[:, :0], num_valid=torch.zeros_like(pending.num_valid))
     return _verify_pending(model, state, empty)
 
 
@@ -392,6 +392,7 @@ def speculative_strategy(drafter, *, schedule=None, ensemble_weight=None, on_fin
         finish=lambda state, trace, request: finish(state, trace, request, on_finish),
         tokens_per_step=k + 1,
         # A model-free drafter (prompt lookup) often has nothing to propose; those rounds run the
-        # one-token forward. A draft model always drafts while the budget lasts.
-        pick_step=pick_step if isinstance(drafter, PlainDrafter) else None,
+        # one-token forward. A draft model always drafts while the budget lasts, and a drafter with
+        # a distribution is verified against it (ensembles): both keep the one step.
+        pick_step=pick_step if isinstance(drafter, PlainDrafter) and not drafter.gives_logits else None,
     )
