@@ -35,7 +35,8 @@ import torch
 
 from genfn.state.base import NAMESPACE
 
-__all__ = ["WeightArena", "place_in_arena", "huge_pages_available", "huge_page_bytes", "release_file_pages"]
+__all__ = ["WeightArena", "place_in_arena", "huge_pages_available", "huge_page_bytes", "release_file_pages",
+           "whole_pages"]
 
 HUGE_PAGE = 2 << 20
 # Each tensor starts on a cache line, where the kernels' vector loads want it.
@@ -189,6 +190,13 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
     return 0
 
 
+def whole_pages(start: int, stop: int) -> tuple[int, int]:
+    """``(first, last)``: the whole pages inside the bytes ``[start, stop)`` (``last <= first`` when
+    none). Releasing a page that also holds a neighbour's bytes would drop those too."""
+    page = mmap.PAGESIZE
+    return -(-start // page) * page, stop // page * page
+
+
 def release_file_pages(tensor: torch.Tensor) -> bool:
     """Let ``tensor``'s pages leave this process's resident memory where it is a view of a file
     mapped read-only (a GGUF file's floats used where they lie): the page cache keeps them, and a later
@@ -212,8 +220,7 @@ def release_file_pages(tensor: torch.Tensor) -> bool:
                 return False
     except (OSError, ValueError):
         return False
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, stop // page * page  # whole pages inside the tensor only
+    first, last = whole_pages(start, stop)
     if last <= first:
         return False
     import ctypes

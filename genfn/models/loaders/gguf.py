@@ -30,6 +30,7 @@ from genfn.quant.blocks import GGUF_FORMATS, RowBlocks, from_gguf_bytes
 from genfn.quant.fuse import cat_rows
 from genfn.quant.experts import fuse_expert_rows
 from genfn.quant.kquants import GGUF_K_FORMATS, KQuantWeight
+from genfn.models.weight_arena import whole_pages
 
 from . import LoadedCheckpoint, gguf_gpt_oss
 from .checks import check_gguf_tensors
@@ -120,8 +121,7 @@ class GGUFFile:
         """Let go of the tensor's pages of the file mapping once its bytes are copied elsewhere: they
         leave this process's resident memory (the page cache keeps them; a later read maps them again)."""
         info = self.tensors[name]
-        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        stop = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        start, stop = whole_pages(info.offset, info.offset + info.nbytes)
         if stop > start and hasattr(mmap, "MADV_DONTNEED"):
             self._buffer.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
