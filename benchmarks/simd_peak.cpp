@@ -4,7 +4,8 @@
 // kernels) one core retires a second, with 12 independent chains so that latency is hidden; and
 // vdpbf16ps (bfloat16 pairs, 32 multiply-adds each: genfn's bfloat16 GEMM, bf16_gemm.cpp) where
 // the CPU has AVX512_BF16; and vpdpbusd each fed by its own qword broadcast from memory, as the
-// K-quant group kernels feed it, and one such broadcast for every two.
+// K-quant group kernels feed it, and one such broadcast for every two; and the tiles kernel's
+// eight-row block, with and without its float steps (tile_block_rate).
 // Zen 4 splits a 512-bit operation into two 256-bit halves, Zen 5 and Intel's AVX-512 cores do
 // not: the ceiling differs by ~2x between the VMs this project runs on, so measure it on the
 // machine whose steps you explain.
@@ -48,6 +49,59 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) double dpbf16_seconds(lon
   }
   for (int i = 0; i < kMaxChains; ++i) *sink += _mm512_reduce_add_ps(acc[i]);
   return best;
+}
+
+// The tiles kernel's block for eight rows of x (quant_linear.cpp's run_tiles, a Q4_1 tile): per row,
+// eight vpdpbusd in two chains, their sum, its conversion to float, the block's scale times the
+// row's (vmulps) and two fmas into the row's float chain (the product, then the minimum's term).
+// The float steps run on the pipes vpdpbusd runs on, so this is the kernel's ceiling at eight rows
+// with its bits (each output one float chain over the blocks). kFloat = false: the integer part alone.
+// Returns vpdpbusd a second.
+template <bool kFloat>
+double tile_block_rate(long iterations, float* sink) {
+  __m512i w[8];
+  for (int j = 0; j < 8; ++j) w[j] = _mm512_set1_epi8(static_cast<char>(j + 1));
+  __m512 acc[8];
+  __m512i kept[8];
+  for (int m = 0; m < 8; ++m) acc[m] = _mm512_set1_ps(static_cast<float>(m)), kept[m] = _mm512_setzero_si512();
+  alignas(64) static int32_t x_codes[64];
+  alignas(64) static float x_scales[8];
+  for (int i = 0; i < 64; ++i) x_codes[i] = i * 3;
+  for (int m = 0; m < 8; ++m) x_scales[m] = 1.0f + m;
+  __m512 d = _mm512_set1_ps(0.5f);
+  const __m512 minimum = _mm512_set1_ps(0.25f);
+  double best = 1e30;
+  // Timed inline, not through best_seconds' lambda: captured by reference, the registers would
+  // go through memory at every block.
+  for (int r = 0; r < 7; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    for (long n = 0; n < iterations; ++n) {
+      // Every weight register opaque each block, so no chain is hoisted out of the loop.
+      asm volatile("" : "+v"(w[0]), "+v"(w[1]), "+v"(w[2]), "+v"(w[3]), "+v"(w[4]), "+v"(w[5]), "+v"(w[6]),
+                   "+v"(w[7]), "+v"(d));
+#pragma GCC unroll 8
+      for (int m = 0; m < 8; ++m) {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(x_codes[m * 8 + j]));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(x_codes[m * 8 + j + 1]));
+        }
+        s0 = _mm512_add_epi32(s0, s1);
+        if constexpr (kFloat) {
+          const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(x_scales[m]));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), dx, acc[m]);
+          acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x_scales[m] * 0.5f), acc[m]);
+        } else {
+          kept[m] = _mm512_xor_si512(kept[m], s0);
+        }
+      }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s < best) best = s;
+  }
+  for (int m = 0; m < 8; ++m) *sink += _mm512_reduce_add_ps(acc[m]) + static_cast<float>(_mm512_reduce_add_epi32(kept[m]));
+  return static_cast<double>(iterations) * 64 / best;
 }
 
 int main() {
@@ -132,5 +186,10 @@ int main() {
   if (bf16_s > 0)
     std::printf("vdpbf16ps zmm: %.2f G/s = %.0f G bfloat16 multiply-adds/s a core (%.0f GFLOP/s)\n",
                 ops / bf16_s / 1e9, ops * 32 / bf16_s / 1e9, ops * 64 / bf16_s / 1e9);
-  std::printf("(sinks %lld %g %g)\n", int_sink, float_sink, bf16_sink);
+  float tile_sink = 0;
+  const double tile_int = tile_block_rate<false>(kIterations / 4, &tile_sink);
+  const double tile_float = tile_block_rate<true>(kIterations / 4, &tile_sink);
+  std::printf("vpdpbusd in the tiles kernel's eight-row block: %.2f G/s, %.2f G/s with its float steps (%.2fx the time)\n",
+              tile_int / 1e9, tile_float / 1e9, tile_int / tile_float);
+  std::printf("(sinks %lld %g %g %g)\n", int_sink, float_sink, bf16_sink, tile_sink);
 }
