@@ -4,7 +4,8 @@ A :class:`SpeculativeState` is a decoding state whose rows advance by 0..k+1 tok
 ``step`` is pure and has static shapes (the block is always ``k`` wide; each row's budget, valid
 draft count and kept count are ``[B]`` tensors), so the driver compiles it once:
 
-1. the drafter proposes ``[B, k]`` tokens and how many are valid per row;
+1. the drafter proposes ``[B, k]`` tokens and how many are valid per row (a model-free drafter,
+   and any drafter under a grammar, at the end of the previous step: ``SpeculativeState.pending``);
 2. the target runs ``[last token, drafts]`` (``[B, k + 1]``) at per-row positions in ONE forward,
    writing per-row cache slots;
 3. :func:`~genfn.strategies.assisted.verify.verify_greedy` (or ``verify_sampling``) decides each
@@ -15,6 +16,10 @@ draft count and kept count are ``[B]`` tensors), so the driver compiles it once:
 
 Finished rows append nothing (their columns stay padding, which is what plain decoding appends to
 them), so the trimmed output equals plain decoding's token for token.
+
+A round whose pending block gives no row a draft runs ``step_without_drafts`` instead, the same
+verification over the newest token alone (one position wide; the strategy's ``pick_step`` tells the
+driver, between steps). So the driver compiles at most two steps, each once.
 
 Invariants between steps: row ``b``'s cache holds columns ``< cur_len[b] - 1`` (the newest token is
 fed by the next step) and ``positions[b]`` is the position id of the last cached token. The token
