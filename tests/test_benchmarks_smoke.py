@@ -195,3 +195,19 @@ def test_code_entropy_counts_each_field_and_bounds_a_recoding():
         assert row["stored_over_entropy"] > 1.0 and row["stored_bits_per_weight"] == {"Q4_0": 4.5, "Q8_0": 8.5, "Q6_K": 6.5625}[ggml_type]
     with pytest.raises(ValueError, match="Q2_K is not measured"):
         code_entropy.field_entropies(raw, "Q2_K", (64, 256))
+
+
+def test_lookup_rounds_counts_the_rounds_without_drafts_and_times_both_strategies():
+    """``lookup_rounds.py --compare-wide --prompt open``, eagerly on SmolLM2's Q4_1 blocks: the
+    default strategy runs some rounds one position wide, the wide one none, and both give greedy's
+    tokens (the script checks the default's; the pairs' ratio is a number)."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lookup_rounds.py"), "--quantize", "gguf",
+                           "--lookup-tokens", "3", "--repeats", "1", "--prompt", "open", "--compare-wide",
+                           "--passes", "1"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(),
+                          cwd=REPO / "benchmarks")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
+    assert line["k"] == 3 and line["prompt"] == "open" and line["identical_to_greedy"] is True
+    assert line["narrow_rounds"] > 0 and line["pass_index"] == 0
+    assert line["paired_narrow_round_ms"] > 0 and line["paired_wide_round_ms"] > 0
+    assert math.isfinite(line["narrow_over_wide_median"])
