@@ -8,11 +8,10 @@
 // source rows are read block by block and the tile's bytes written in order, each 32-bit gather
 // taking one word of each row's record: a whole chunk of the tile, or the 16 rows' scales.
 //
-// One thread, on purpose: on the shared 2-core VM at load average 21, filling a 1B Q4_0 file's
-// tiles (into pages already present) took 1.07-1.15 s on one thread, 3.3-4.3 s on torch's two
-// (each of the 112 matrices' parallel regions waits for a descheduled thread) and 1.4-1.6 s in
-// numpy. On an idle machine two threads could save a fraction of a second per GB at most; under
-// contention they cost seconds.
+// On torch's threads, each claiming a few tiles at a time: a thread the OS deschedules (a busy
+// machine) holds up the others by one claim at most, where an even split left half the matrix to
+// it (session 8, on the shared 2-core VM at load average 21: 3.3-4.3 s on two threads against
+// 1.07-1.15 s on one, each of the 112 matrices' regions waiting for a descheduled thread).
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
 //   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80;
@@ -20,10 +19,12 @@
 //   scales[tile, b, r] = the block's float16 scale; mins[tile, b, r] = its float16 minimum (Q4_1, Q5_1)
 // Rows of the last tile past out_features are written as zeros.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -166,7 +167,7 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   const int64_t width = lay.code_bytes * kTile;
   const uint32_t flip = kind == kQ8 ? 0x80808080u : 0u;  // 8-bit codes are stored offset by 128
 
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  auto fill = [&](int64_t tile) {
     const int64_t live = std::min(kTile, out_features - tile * kTile);
     int64_t row_offset[kTile];
     for (int64_t r = 0; r < live; ++r) {
@@ -181,7 +182,16 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
     } else {
       partial_tile(src, row_offset, live, lay, nblocks, flip, code_tile, scale_tile, min_tile);
     }
-  }
+  };
+  // ~64 KiB of tiles a claim (four of a 2048-wide Q4_0 matrix): a claim is one atomic add, and a
+  // descheduled thread's unfinished claim is all the others wait for.
+  const int64_t claim = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, nblocks * (width + 4 * kTile)));
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + claim - 1) / claim);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t first; (first = next.fetch_add(claim)) < tiles;)
+      for (int64_t tile = first; tile < std::min(first + claim, tiles); ++tile) fill(tile);
+  });
 }
 
 // One block's 32 values, as the gguf package's numpy dequantization computes them (one rounding per
