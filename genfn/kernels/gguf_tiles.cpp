@@ -8,10 +8,7 @@
 // source rows are read block by block and the tile's bytes written in order, each 32-bit gather
 // taking one word of each row's record: a whole chunk of the tile, or the 16 rows' scales.
 //
-// On torch's threads, each claiming a few tiles at a time: a thread the OS deschedules (a busy
-// machine) holds up the others by one claim at most, where an even split left half the matrix to
-// it (session 8, on the shared 2-core VM at load average 21: 3.3-4.3 s on two threads against
-// 1.07-1.15 s on one, each of the 112 matrices' regions waiting for a descheduled thread).
+// Both fills run on torch's threads, each claiming a few tiles or rows at a time (each_claimed).
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
 //   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80;
@@ -146,6 +143,22 @@ void partial_tile(const uint8_t* src, const int64_t* row_offset, int64_t live, c
   }
 }
 
+// fill(i) for every i in [0, count) on torch's threads, each claiming ~64 KiB of output (items of
+// `item_bytes`) at a time: a claim is one atomic add, and a thread the OS deschedules (a busy
+// machine) holds the others up by its unfinished claim at most, where an even split left it half
+// the work (session 8, on the shared 2-core VM at load average 21: 3.3-4.3 s on two threads against
+// 1.07-1.15 s on one, each of a 1B model's 112 matrices waiting for a descheduled thread).
+template <typename Fill>
+void each_claimed(int64_t count, int64_t item_bytes, const Fill& fill) {
+  const int64_t claim = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, item_bytes));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (count + claim - 1) / claim);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t first; (first = next.fetch_add(claim)) < count;)
+      for (int64_t i = first; i < std::min(first + claim, count); ++i) fill(i);
+  });
+}
+
 void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, at::Tensor codes,
                           at::Tensor scales, const std::optional<at::Tensor>& mins, int64_t kind,
                           int64_t out_features) {
@@ -183,15 +196,7 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
       partial_tile(src, row_offset, live, lay, nblocks, flip, code_tile, scale_tile, min_tile);
     }
   };
-  // ~64 KiB of tiles a claim (four of a 2048-wide Q4_0 matrix): a claim is one atomic add, and a
-  // descheduled thread's unfinished claim is all the others wait for.
-  const int64_t claim = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, nblocks * (width + 4 * kTile)));
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (tiles + claim - 1) / claim);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first; (first = next.fetch_add(claim)) < tiles;)
-      for (int64_t tile = first; tile < std::min(first + claim, tiles); ++tile) fill(tile);
-  });
+  each_claimed(tiles, nblocks * (width + 4 * kTile), fill);
 }
 
 // One block's 32 values, as the gguf package's numpy dequantization computes them (one rounding per
@@ -253,11 +258,11 @@ void gguf_dequantize_rows(const at::Tensor& blocks, const std::optional<at::Tens
   const int64_t* order = checked_rows("gguf_dequantize_rows", rows, order_tensor, n, blocks.size(0));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
+  each_claimed(n, cols * static_cast<int64_t>(sizeof(float)), [&](int64_t i) {
     const uint8_t* row = src + (order ? order[i] : i) * blocks.stride(0);
     float* values = dst + i * out.stride(0);
     for (int64_t b = 0; b < nblocks; ++b) dequantize_block(row + b * lay.bytes, kind, values + 32 * b);
-  }
+  });
 }
 
 // Rows `index` of a QuantizedWeight's tiles as float32 [n, blocks * 32]: an embedding lookup in a tied
