@@ -8,7 +8,7 @@
 // source rows are read block by block and the tile's bytes written in order, each 32-bit gather
 // taking one word of each row's record: a whole chunk of the tile, or the 16 rows' scales.
 //
-// Both fills run on torch's threads, each claiming a few tiles or rows at a time (each_claimed).
+// Both fills run on torch's threads, which share the tiles or rows out as the decode kernels do (each_claimed).
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
 //   codes [tile, b, c * 64 + r * 4 + j] = code byte 4c + j of row r's block b (8-bit codes ^ 0x80;
@@ -21,11 +21,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 
+#include "row_queue.h"
 #include "tile_kinds.h"
 
 namespace {
@@ -143,19 +143,24 @@ void partial_tile(const uint8_t* src, const int64_t* row_offset, int64_t live, c
   }
 }
 
-// fill(i) for every i in [0, count) on torch's threads, each claiming ~64 KiB of output (items of
-// `item_bytes`) at a time: a claim is one atomic add, and a thread the OS deschedules (a busy
-// machine) holds the others up by its unfinished claim at most, where an even split left it half
-// the work (session 8, on the shared 2-core VM at load average 21: 3.3-4.3 s on two threads against
-// 1.07-1.15 s on one, each of a 1B model's 112 matrices waiting for a descheduled thread).
+// fill(i) for every i in [0, count) on torch's threads, balanced by the decode kernels' queue
+// (row_queue.h's run_balanced, ~64 KiB of output a chunk): a thread the OS deschedules (a busy
+// machine) holds the others up by its unfinished claim at most, and the rest of its run is taken
+// from the back, where an even split left it half the work (session 8, on the shared 2-core VM at
+// load average 21: 3.3-4.3 s on two threads against 1.07-1.15 s on one, each of a 1B model's 112
+// matrices waiting for a descheduled thread).
 template <typename Fill>
 void each_claimed(int64_t count, int64_t item_bytes, const Fill& fill) {
-  const int64_t claim = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, item_bytes));
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (count + claim - 1) / claim);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first; (first = next.fetch_add(claim)) < count;)
-      for (int64_t i = first; i < std::min(first + claim, count); ++i) fill(i);
+  const int64_t chunk = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, item_bytes));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (count + chunk - 1) / chunk);
+  genfn_kernels::RowQueue queue;
+  queue.prepare_blocks(count, threads);
+  auto span = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fill(i);
+  };
+  at::parallel_for(0, queue.threads, 1, [&](int64_t t, int64_t) {
+    genfn_kernels::run_balanced(queue, t, chunk, [&](int64_t begin, int64_t end, int64_t, int64_t) { span(begin, end); },
+                                span);
   });
 }
 
