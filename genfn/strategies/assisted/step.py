@@ -292,7 +292,7 @@ def _verify(model, state: SpeculativeState, view: DraftInput, draft, drafter_sta
     batch = state.tokens.shape[0]
     device = state.tokens.device
     counter = view.counter
-    num_valid = torch.minimum(draft.num_valid, view.budget)
+    num_valid = draft.num_valid  # within each row's budget: _propose clipped it
 
     newest = sample.newest_input(state)  # [B, 1]
     block = torch.arange(k + 1, device=device)
