@@ -103,13 +103,13 @@ def _one_pass(model, ids, mask, args, settings, pass_index: int) -> list[dict]:
                     decode_speedup=round((greedy - prefill) / (seconds - prefill), 2),
                     identical_to_greedy=bool(torch.equal(out.sequences, plain.sequences)))
         if args.compare_wide:
-            line.update(_compare_wide(model, ids, mask, k, args.repeats, prefill, greedy, step, rounds, settings))
+            line.update(_compare_wide(model, ids, mask, k, args.repeats, prefill, step, rounds, settings))
         print(json.dumps(line), flush=True)
         lines.append(line)
     return lines
 
 
-def _compare_wide(model, ids, mask, k, repeats, prefill, greedy, step, rounds, settings) -> dict:
+def _compare_wide(model, ids, mask, k, repeats, prefill, step, rounds, settings) -> dict:
     """The same task with every round ``k + 1`` wide, timed in pairs with the default (which runs
     the rounds without drafts narrow): best of each, and the median of the pairs' decode-time ratio."""
     options = dict(settings, max_new_tokens=64, prompt_lookup_num_tokens=k)
