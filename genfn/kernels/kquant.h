@@ -155,24 +155,25 @@ enum Order : int { kNatural = 0, kQ4KOrder = 1, kIQ4Order = 2 };
 // [M, K / block] (block = block_inputs of the weight's format), code sums per 16 inputs in natural
 // order [M, K / 16], and per 32 [M, K / 32] (|sum| <= 4064: an int16; what Q4_K's minimums and
 // q4_k_r8's groups multiply, read as they are rather than added up per weight row); where a reader
-// asks for them (resize's with_offsets4: a layout that a q6_k_r8 part reads, in natural order),
-// -32 times the sums per 4 [M, K / 4] (offsets4: where q6_k_r8's dot products start, so that
-// Q6_K's offset of 32 is off each lane's sum before its scale multiplies it); else offsets4 is
+// asks for them (resize's with_offsets8: a layout that a q6_k_r8 part reads, in natural order),
+// -32 times the code sums of each q6_k_r8 lane's 8 inputs [M, K / 8] (offsets8: per 16 inputs, the
+// sum of inputs 0-3 and 8-11, then of 4-7 and 12-15; where q6_k_r8's dot products start, so that
+// Q6_K's offset of 32 is off each lane's sum before its scale multiplies it); else offsets8 is
 // empty and the quantization skips it.
 struct ActivationsK {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int16_t> sums, sums32;
-  std::vector<int32_t> offsets4;
+  std::vector<int32_t> offsets8;
   int64_t M = 0, K = 0;
-  void resize(int64_t rows, int64_t inputs, int64_t block, bool with_offsets4 = false) {
+  void resize(int64_t rows, int64_t inputs, int64_t block, bool with_offsets8 = false) {
     M = rows;
     K = inputs;
     codes.resize(M * K);
     scale.resize(M * (K / block));
     sums.resize(M * (K / 16));
     sums32.resize(M * (K / 32));
-    offsets4.resize(with_offsets4 ? M * (K / 4) : 0);
+    offsets8.resize(with_offsets8 ? M * (K / 8) : 0);
   }
 };
 

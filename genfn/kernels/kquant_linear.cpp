@@ -291,7 +291,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
   const int rows_last = static_cast<int>(M - (s.groups - 1) * s.per);
   s.layouts = 0;
   int64_t widest = 1;
-  bool starts[SharedLinear::kMaxParts] = {};  // per layout: whether a q6_k_r8 part reads its offsets4
+  bool starts[SharedLinear::kMaxParts] = {};  // per layout: whether a q6_k_r8 part reads its offsets8
   for (int64_t p = 0; p < s.count; ++p) {
     const int64_t f = s.parts[p].format, block = block_inputs(f);
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
@@ -340,7 +340,7 @@ void quantize_share(SharedLinear& s, const float* x, int64_t t, int64_t team) {
 void quantize_all(SharedLinear& s, const float* x, ActivationsK* into) {
   const bool avx512 = quantize_avx512();
   for (int64_t l = 0; l < s.layouts; ++l) {
-    into[l].resize(s.M, s.K, s.block[l], !s.x[l].offsets4.empty());
+    into[l].resize(s.M, s.K, s.block[l], !s.x[l].offsets8.empty());
     const int64_t unit = quantize_unit(s.block[l]);
     for (int64_t m = 0; m < s.M; ++m)
       for (int64_t k0 = 0; k0 < s.K; k0 += unit)

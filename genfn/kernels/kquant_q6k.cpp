@@ -125,10 +125,12 @@ GENFN_VNNI void row_q6k_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a
 // of one row; here they serve 8 rows. One row of x, 512 x 2048 in L2, one thread: 1.6-1.7x the
 // file layout's speed, at 2-8 rows alike.
 //
-// The integers are the file layout's: a lane's dot of 4 inputs starts from -32 times their
-// activation sum (offsets4), so it is sum (u - 32) x, at most 4 x 32 x 127 (an int16), and
-// vpdpwssd multiplies its low word by the group's scale (16 inputs; the high word's is 0); the two
-// lanes of a row are added once per super-block. The float is add_block's, as every Q6_K kernel's.
+// The integers are the file layout's: a lane's dot of 8 inputs (two runs of 4, the group's 8 and
+// 8 more of its 16, in two chained vpdpbusd) starts from -32 times their activation sum (offsets8),
+// so it is sum (u - 32) x, at most 8 x 32 x 127 = 32512 (an int16), and vpdpwssd multiplies its low
+// word by the group's scale (16 inputs; the high word's is 0): one vpdpwssd for two vpdpbusd, where
+// a lane of 4 inputs took one for each (at 8 rows of x 0.8x the instructions). The two lanes of a
+// row are added once per super-block. The float is add_block's, as every Q6_K kernel's.
 
 // Word l of a scale vector: the group's scale of row l / 4 in the low word of each dword lane
 // (words 4r and 4r + 2: lanes 2r, 2r + 1), from 4 groups' 32 words (group q of them at 8 q).
@@ -173,16 +175,23 @@ GENFN_VNNI void rows_q6k_r8(const uint8_t* w, int64_t nb, const ActivationsK& a,
       for (int c = 0; c < kChains; ++c) sum[m][c] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const __m512i qh = _mm512_loadu_si512(w + kQ6R8High + 64 * (4 * h + k));
-        // bit pair p of each byte into bits 4-5 (bits above are cleared after the select)
-        const __m512i pairs[4] = {_mm512_slli_epi16(qh, 4), _mm512_slli_epi16(qh, 2), qh, _mm512_srli_epi16(qh, 2)};
+#pragma GCC unroll 2
+      for (int k = 0; k < 4; k += 2) {  // runs k and k + 1: inputs 0-7 and 8-15 of a group's 16
+        const __m512i qh[2] = {_mm512_loadu_si512(w + kQ6R8High + 64 * (4 * h + k)),
+                               _mm512_loadu_si512(w + kQ6R8High + 64 * (4 * h + k + 1))};
 #pragma GCC unroll 2
         for (int j = 0; j < 2; ++j) {
-          const __m512i ql = _mm512_loadu_si512(w + kQ6R8Low + 64 * (8 * h + 4 * j + k));
-          const __m512i codes[2] = {_mm512_and_si512(select_nibbles(ql, pairs[j], low4), six),
-                                    _mm512_and_si512(select_nibbles(_mm512_srli_epi16(ql, 4), pairs[2 + j], low4), six)};
+          __m512i codes[2][2];  // [e][run]
+#pragma GCC unroll 2
+          for (int r = 0; r < 2; ++r) {
+            // bit pair j of each byte into bits 4-5 for the low nibbles, pair 2 + j for the high
+            // (bits above are cleared after the select)
+            const __m512i pair_low = j == 0 ? _mm512_slli_epi16(qh[r], 4) : _mm512_slli_epi16(qh[r], 2);
+            const __m512i pair_high = j == 0 ? qh[r] : _mm512_srli_epi16(qh[r], 2);
+            const __m512i ql = _mm512_loadu_si512(w + kQ6R8Low + 64 * (8 * h + 4 * j + k + r));
+            codes[0][r] = _mm512_and_si512(select_nibbles(ql, pair_low, low4), six);
+            codes[1][r] = _mm512_and_si512(select_nibbles(_mm512_srli_epi16(ql, 4), pair_high, low4), six);
+          }
 #pragma GCC unroll 2
           for (int e = 0; e < 2; ++e) {  // low nibbles, then high: inputs 64 on, group 4 on
             const int input = 128 * h + 64 * e + 32 * j + 8 * k, group = 8 * h + 4 * e + 2 * j + k / 2;
@@ -190,9 +199,10 @@ GENFN_VNNI void rows_q6k_r8(const uint8_t* w, int64_t nb, const ActivationsK& a,
 #pragma GCC unroll 8
             for (int m = 0; m < M; ++m) {
               const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + input;
-              const int32_t* start = a.offsets4.data() + (m0 + m) * (K / 4) + (b * kSuper + input) / 4;
-              const __m512i dot = _mm512_dpbusd_epi32(_mm512_set1_epi64(load_i64(start)), codes[e],
-                                                      _mm512_set1_epi64(load_i64(x)));
+              const int32_t* start = a.offsets8.data() + (m0 + m) * (K / 8) + (b * kSuper + input) / 8;
+              __m512i dot = _mm512_dpbusd_epi32(_mm512_set1_epi64(load_i64(start)), codes[e][0],
+                                                _mm512_set1_epi64(load_i64(x)));
+              dot = _mm512_dpbusd_epi32(dot, codes[e][1], _mm512_set1_epi64(load_i64(x + 8)));
               sum[m][chain] = _mm512_dpwssd_epi32(sum[m][chain], dot, scales[group]);
             }
           }

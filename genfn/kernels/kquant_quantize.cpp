@@ -125,11 +125,14 @@ void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64
   const int16_t* sums = a.sums.data() + m * (a.K / 16) + k0 / 16;
   int16_t* pairs = a.sums32.data() + m * (a.K / 32) + k0 / 32;
   for (int64_t g = 0; g < (k1 - k0) / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
-  if (!a.offsets4.empty()) {  // where q6_k_r8's lanes start (kquant.h's offsets4; natural order)
+  if (!a.offsets8.empty()) {  // where q6_k_r8's lanes start (kquant.h's offsets8; natural order)
     const int8_t* codes = a.codes.data() + m * a.K + k0;
-    int32_t* starts = a.offsets4.data() + m * (a.K / 4) + k0 / 4;
-    for (int64_t i = 0; i < (k1 - k0) / 4; ++i)
-      starts[i] = -32 * (codes[4 * i] + codes[4 * i + 1] + codes[4 * i + 2] + codes[4 * i + 3]);
+    int32_t* starts = a.offsets8.data() + m * (a.K / 8) + k0 / 8;
+    const auto quad = [codes](int64_t i) { return codes[i] + codes[i + 1] + codes[i + 2] + codes[i + 3]; };
+    for (int64_t g = 0; g < (k1 - k0) / 16; ++g) {
+      starts[2 * g] = -32 * (quad(16 * g) + quad(16 * g + 8));
+      starts[2 * g + 1] = -32 * (quad(16 * g + 4) + quad(16 * g + 12));
+    }
   }
 }
 
