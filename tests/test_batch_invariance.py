@@ -10,7 +10,9 @@ import torch
 
 from genfn import kernels
 from genfn.kernels import native
+from genfn.kernels import kquant
 from genfn.quant.blocks import quantize
+from genfn.quant.kquants import quantize_k
 from genfn.quant.weight import QuantizedWeight
 from test_kernels import CAN_BUILD
 
@@ -94,6 +96,18 @@ def test_quantized_linear_row_zero_is_the_same_at_1_to_64_rows(fmt, k, n):
     weight = QuantizedWeight.from_rows(quantize(torch.randn(n, k) / k ** 0.5, fmt))
     x = torch.randn(64, k)
     _assert_row_zero_invariant(lambda rows: kernels.linear(rows, weight), x, range(2, 65))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_k_r8", "q5_k_r8", "q6_k_r8"])
+def test_k_quant_linear_row_zero_is_the_same_at_1_to_33_rows(fmt):
+    """The K-quant row kernels (and past them the GEMM) give a row its one-row bits among any other
+    rows. IQ4_XS on AVX-512 VNNI takes one row of x through its sign-fixing kernel and 2-8 rows through
+    vpdpbusd (iq4_linear.cpp), whose lanes must hold the same integers for this to hold."""
+    assert kquant.kquant_available(), kquant.kquant_status()
+    torch.manual_seed(5)
+    weight = quantize_k(torch.randn(48, 1024) / 32, fmt)
+    x = torch.randn(33, 1024)
+    _assert_row_zero_invariant(lambda rows: kernels.linear(rows, weight), x, range(2, 34))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -132,6 +132,69 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
 }
 
+// IQ4_XS on AVX-512 VNNI: the same lanes and the same integers, in fewer instructions. vpdpbusd
+// multiplies an unsigned byte by a signed one, so here the activation code is the unsigned side,
+// moved up by 128 (x xor 0x80 is x + 128 as a byte), and the weight value the signed one; a lane's
+// dot starts from -128 times the sum of its 8 weight values (one per super-block, shared by the rows
+// of x), so it is sum w x, and the low and high nibbles' products (the same sub-block) chain in one
+// lane. One vpmulld then applies the sub-block's scale (|sum w x| <= 8 x 127 x 127 is past an int16,
+// so vpdpwssd cannot), where the form above spends a sign fix, a vpmaddubsw and a vpmaddwd per 64
+// products of each row of x. The lane's integer is the one above, bit for bit, and so is its float.
+
+// dword i of a half h of a super-block belongs to sub-block 4h + i / 4.
+struct RunIndex32 {
+  alignas(64) uint32_t lanes[2][16];
+  constexpr RunIndex32() : lanes() {
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 16; ++i) lanes[h][i] = static_cast<uint32_t>(4 * h + i / 4);
+  }
+};
+constexpr RunIndex32 kRunIndex32;
+
+template <int M>
+GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex32.lanes[0]), _mm512_load_si512(kRunIndex32.lanes[1])};
+  StreamFetch<M> fetch(w);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
+    fetch.through(w + block_bytes(kIQ4XS));
+    const float d = half_to_float(load_u16(w));
+    const __m512i ls32 = _mm512_cvtepi16_epi32(_mm256_zextsi128_si256(iq4xs_scales512(w)));
+    __m512i scales[2], lo[2], hi[2], start[2];
+    for (int h = 0; h < 2; ++h) {
+      scales[h] = _mm512_permutexvar_epi32(run_index[h], ls32);
+      const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
+      lo[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+      hi[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+      const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo[h]), ones, hi[h]);
+      start[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
+      __m512i sum = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x + 128 * h), flip);
+        const __m512i x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 128 * h + 64), flip);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start[h], x_lo, lo[h]), x_hi, hi[h]);
+        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales[h]));
+      }
+      const float dx = a.scale[(m0 + m) * nb + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+}
+
+// IQ4_NL on AVX-512 VNNI, as iq4xs_vnni: four blocks' 8-input lanes from -128 times their weight
+// values' sums, the codes moved up by 128; a lane's integer is the form above's (its pair sums
+// added by vpmaddwd against ones), so it gets the same float.
+template <int M>
+GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N);
+
 // 16 index bytes at q (an IQ4_NL block's, an IQ4_XS sub-block's) as their 32 values in natural order.
 GENFN_AVX2_INLINE inline __m256i values256(const uint8_t* q, __m256i table, __m256i low4) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -235,6 +298,48 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 }
 
 template <int M>
+GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  constexpr int64_t kBytes = block_bytes(kIQ4NL);
+  __m512 acc[M];
+  __m256 tail[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    tail[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread = _mm512_load_si512(kSpread);
+  const __m512i index_words = _mm512_load_si512(kGroupWords.indices);
+  const __m512i scale_words = _mm512_load_si512(kGroupWords.scales);
+  int64_t b = 0;
+  StreamFetch<M> fetch(w);
+  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {
+    fetch.through(w + 4 * kBytes);
+    const __m512i first = _mm512_loadu_si512(w);
+    const __m512i q = _mm512_permutex2var_epi16(first, index_words, _mm512_maskz_loadu_epi8(0xFF, w + 64));
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
+    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
+    const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, first));
+    const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
+      const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x), flip), x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 64), flip);
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, x_lo, lo), x_hi, hi);
+      const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + (m0 + m) * nb + b)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
+    }
+  }
+  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
+  for (; b < nb; ++b, w += kBytes)  // the last one to three blocks, as iq4nl_avx512 takes them
+    iq4nl_block256<M>(w, b, nb, a, m0, table256, low4_256, ones256, tail);
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+}
+
+template <int M>
 GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -254,7 +359,12 @@ namespace genfn::kquant {
 
 RowFn pick_iq4(Isa isa, int64_t format, int rows) {
   if (isa == kAvx512) {
-    if (format == kIQ4NL) { GENFN_ROW_CASES(rows, iq4nl_avx512) }
+    if (format == kIQ4NL) {
+      if (has_vnni()) { GENFN_ROW_CASES(rows, iq4nl_vnni) }
+      GENFN_ROW_CASES(rows, iq4nl_avx512)
+    }
+    // One row of x gains nothing (its per-block work is the weight sums' own), so it keeps the form above.
+    if (has_vnni() && rows > 1) { GENFN_ROW_CASES(rows, iq4xs_vnni) }
     GENFN_ROW_CASES(rows, iq4xs_avx512)
   }
   if (format == kIQ4NL) { GENFN_ROW_CASES(rows, iq4nl_avx2) }
