@@ -189,6 +189,41 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
 }
 
+// One row of IQ4_XS on VNNI: the weight's values moved up by 128 are the unsigned side and the
+// activation codes the signed one, each lane starting from the activations' offsets8 (-128 times its
+// 8 codes, kquant.h), so no code is flipped and no weight summed: at one row those were as many
+// instructions as the sign fix they replace. The same lane integers again.
+alignas(16) constexpr uint8_t kValuesPlus128[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+template <int M>
+GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t) {
+  static_assert(M == 1, "one row of x");
+  __m512 acc = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValuesPlus128)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex32.lanes[0]), _mm512_load_si512(kRunIndex32.lanes[1])};
+  const int8_t* x = a.codes.data() + m0 * K;
+  const int32_t* start = a.offsets8.data() + m0 * (K / 8);
+  const float* dx = a.scale.data() + m0 * nb;
+  StreamFetch<1> fetch(w);
+  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
+    fetch.through(w + block_bytes(kIQ4XS));
+    const __m512i ls32 = _mm512_cvtepi16_epi32(_mm256_zextsi128_si256(iq4xs_scales512(w)));
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
+      const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+      const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * h), lo, _mm512_loadu_si512(x + 128 * h));
+      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 128 * h + 64));
+      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(run_index[h], ls32)));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(half_to_float(load_u16(w)) * dx[b]), acc);
+  }
+  y[0] = reduce512(acc);
+}
+
 // IQ4_NL on AVX-512 VNNI, as iq4xs_vnni: four blocks' 8-input lanes from -128 times their weight
 // values' sums, the codes moved up by 128; a lane's integer is the form above's (its pair sums
 // added by vpmaddwd against ones), so it gets the same float.
@@ -363,8 +398,10 @@ RowFn pick_iq4(Isa isa, int64_t format, int rows) {
       if (has_vnni()) { GENFN_ROW_CASES(rows, iq4nl_vnni) }
       GENFN_ROW_CASES(rows, iq4nl_avx512)
     }
-    // One row of x gains nothing (its per-block work is the weight sums' own), so it keeps the form above.
-    if (has_vnni() && rows > 1) { GENFN_ROW_CASES(rows, iq4xs_vnni) }
+    if (has_vnni()) {  // kquant.h's reads_offsets names these: their activations carry offsets8
+      if (rows == 1) return &iq4xs_vnni_one<1>;
+      GENFN_ROW_CASES(rows, iq4xs_vnni)
+    }
     GENFN_ROW_CASES(rows, iq4xs_avx512)
   }
   if (format == kIQ4NL) { GENFN_ROW_CASES(rows, iq4nl_avx2) }

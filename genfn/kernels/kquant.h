@@ -142,6 +142,9 @@ inline bool has_vnni() {
   return yes;
 }
 
+// Whether format f's row kernels on path isa read the activations' offsets8 (above).
+inline bool reads_offsets(Isa isa, int64_t f) { return f == kQ6KR8 || (f == kIQ4XS && isa == kAvx512 && has_vnni()); }
+
 // How the activation codes of a row are laid out, so that one load meets the nibbles a weight
 // register holds (each permutation applies per whole 128 inputs; a shorter tail stays natural):
 //   kNatural
@@ -155,11 +158,14 @@ enum Order : int { kNatural = 0, kQ4KOrder = 1, kIQ4Order = 2 };
 // [M, K / block] (block = block_inputs of the weight's format), code sums per 16 inputs in natural
 // order [M, K / 16], and per 32 [M, K / 32] (|sum| <= 4064: an int16; what Q4_K's minimums and
 // q4_k_r8's groups multiply, read as they are rather than added up per weight row); where a reader
-// asks for them (resize's with_offsets8: a layout that a q6_k_r8 part reads, in natural order),
-// -32 times the code sums of each q6_k_r8 lane's 8 inputs [M, K / 8] (offsets8: per 16 inputs, the
-// sum of inputs 0-3 and 8-11, then of 4-7 and 12-15; where q6_k_r8's dot products start, so that
-// Q6_K's offset of 32 is off each lane's sum before its scale multiplies it); else offsets8 is
-// empty and the quantization skips it.
+// asks for them (resize's with_offsets8: a layout whose row kernel reads them, reads_offsets),
+// where the dot products of a kernel's 32-bit lanes start, one per lane of 8 inputs [M, K / 8]
+// (offsets8), so that a code offset is off each lane's sum before its scale multiplies it:
+//   natural order (q6_k_r8): -32 times the code sums of inputs 0-3 and 8-11 of each 16, then of 4-7
+//                            and 12-15 (Q6_K's codes are u + 32)
+//   kIQ4Order (one row of IQ4_XS on VNNI): per 128 inputs, lane i -128 times the sum of the codes
+//                            stored at 4i .. 4i + 3 and 64 + 4i .. + 3 (iq4_linear.cpp's values w + 128)
+// else offsets8 is empty and the quantization skips it.
 struct ActivationsK {
   std::vector<int8_t> codes;
   std::vector<float> scale;

@@ -291,7 +291,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
   const int rows_last = static_cast<int>(M - (s.groups - 1) * s.per);
   s.layouts = 0;
   int64_t widest = 1;
-  bool starts[SharedLinear::kMaxParts] = {};  // per layout: whether a q6_k_r8 part reads its offsets8
+  bool starts[SharedLinear::kMaxParts] = {};  // per layout: whether a part's kernels read its offsets8
   for (int64_t p = 0; p < s.count; ++p) {
     const int64_t f = s.parts[p].format, block = block_inputs(f);
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat && s.K % block == 0, "a K-quant part of format ", f, " over ", s.K,
@@ -314,7 +314,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
       ++s.layouts;
     }
     s.layout_of[p] = l;
-    starts[l] = starts[l] || f == kQ6KR8;
+    starts[l] = starts[l] || reads_offsets(isa, f);
   }
   for (int64_t l = 0; l < s.layouts; ++l) s.x[l].resize(M, s.K, s.block[l], starts[l]);
   s.queue.prepare_blocks(s.first[s.count], threads);
@@ -482,8 +482,8 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   thread_local ActivationsK x_buffer, act_buffer;
   ActivationsK& xa = x_buffer;
   ActivationsK& aa = act_buffer;
-  xa.resize(1, hidden, gu_block);
-  aa.resize(1, inter, dn_block);
+  xa.resize(1, hidden, gu_block, reads_offsets(isa, gate_up_format));
+  aa.resize(1, inter, dn_block, reads_offsets(isa, down_format));
   std::vector<float> gu(2 * inter), act(inter), dn(hidden);
   const RowFn gu_fn = pick(isa, gate_up_format, 1), dn_fn = pick(isa, down_format, 1);
   const uint8_t* gp = gate_up.data_ptr<uint8_t>();

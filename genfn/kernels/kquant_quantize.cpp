@@ -125,13 +125,19 @@ void genfn::kquant::quantize_span_k(const float* x, int64_t m, int64_t k0, int64
   const int16_t* sums = a.sums.data() + m * (a.K / 16) + k0 / 16;
   int16_t* pairs = a.sums32.data() + m * (a.K / 32) + k0 / 32;
   for (int64_t g = 0; g < (k1 - k0) / 32; ++g) pairs[g] = static_cast<int16_t>(sums[2 * g] + sums[2 * g + 1]);
-  if (!a.offsets8.empty()) {  // where q6_k_r8's lanes start (kquant.h's offsets8; natural order)
+  if (!a.offsets8.empty()) {  // where the kernels' lanes start (kquant.h's offsets8)
     const int8_t* codes = a.codes.data() + m * a.K + k0;
     int32_t* starts = a.offsets8.data() + m * (a.K / 8) + k0 / 8;
     const auto quad = [codes](int64_t i) { return codes[i] + codes[i + 1] + codes[i + 2] + codes[i + 3]; };
-    for (int64_t g = 0; g < (k1 - k0) / 16; ++g) {
-      starts[2 * g] = -32 * (quad(16 * g) + quad(16 * g + 8));
-      starts[2 * g + 1] = -32 * (quad(16 * g + 4) + quad(16 * g + 12));
+    if (order == kIQ4Order) {
+      for (int64_t run = 0; run < (k1 - k0) / 128; ++run)
+        for (int64_t i = 0; i < 16; ++i)
+          starts[16 * run + i] = -128 * (quad(128 * run + 4 * i) + quad(128 * run + 64 + 4 * i));
+    } else {
+      for (int64_t g = 0; g < (k1 - k0) / 16; ++g) {
+        starts[2 * g] = -32 * (quad(16 * g) + quad(16 * g + 8));
+        starts[2 * g + 1] = -32 * (quad(16 * g + 4) + quad(16 * g + 12));
+      }
     }
   }
 }
