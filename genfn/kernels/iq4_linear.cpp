@@ -141,15 +141,11 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
 // so vpdpwssd cannot), where the form above spends a sign fix, a vpmaddubsw and a vpmaddwd per 64
 // products of each row of x. The lane's integer is the one above, bit for bit, and so is its float.
 
-// dword i of a half h of a super-block belongs to sub-block 4h + i / 4.
-struct RunIndex32 {
-  alignas(64) uint32_t lanes[2][16];
-  constexpr RunIndex32() : lanes() {
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 16; ++i) lanes[h][i] = static_cast<uint32_t>(4 * h + i / 4);
-  }
-};
-constexpr RunIndex32 kRunIndex32;
+// Sub-block scales for vpmulld: dword i of half h the scale of sub-block 4h + i / 4, sign-extended (both
+// words of the dword hold it after kRunIndex's permute; the high one, shifted down, is the int32).
+GENFN_VNNI_INLINE inline __m512i scales32(__m512i ls16, int h) {
+  return _mm512_srai_epi32(_mm512_permutexvar_epi16(_mm512_load_si512(kRunIndex.lanes[h]), ls16), 16);
+}
 
 template <int M>
 GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
@@ -158,15 +154,14 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex32.lanes[0]), _mm512_load_si512(kRunIndex32.lanes[1])};
   StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));
     const float d = half_to_float(load_u16(w));
-    const __m512i ls32 = _mm512_cvtepi16_epi32(_mm256_zextsi128_si256(iq4xs_scales512(w)));
+    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
     __m512i scales[2], lo[2], hi[2], start[2];
     for (int h = 0; h < 2; ++h) {
-      scales[h] = _mm512_permutexvar_epi32(run_index[h], ls32);
+      scales[h] = scales32(ls16, h);
       const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
       lo[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
       hi[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
@@ -202,14 +197,13 @@ GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK&
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValuesPlus128)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex32.lanes[0]), _mm512_load_si512(kRunIndex32.lanes[1])};
   const int8_t* x = a.codes.data() + m0 * K;
   const int32_t* start = a.offsets8.data() + m0 * (K / 8);
   const float* dx = a.scale.data() + m0 * nb;
   StreamFetch<1> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
     fetch.through(w + block_bytes(kIQ4XS));
-    const __m512i ls32 = _mm512_cvtepi16_epi32(_mm256_zextsi128_si256(iq4xs_scales512(w)));
+    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
     __m512i sum = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
       const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
@@ -217,7 +211,7 @@ GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK&
       const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
       __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * h), lo, _mm512_loadu_si512(x + 128 * h));
       dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 128 * h + 64));
-      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(run_index[h], ls32)));
+      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales32(ls16, h)));
     }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(half_to_float(load_u16(w)) * dx[b]), acc);
   }
@@ -257,47 +251,60 @@ GENFN_AVX2_INLINE inline void iq4nl_block256(const uint8_t* w, int64_t b, int64_
   }
 }
 
+// Four IQ4_NL blocks at w (72 bytes): their 128 indices as one 64-byte run group (a block a 128-bit
+// lane, its low nibbles inputs 0-15) and their four scales lane by lane.
+GENFN_AVX512_INLINE inline void nl_group(const uint8_t* w, __m512i& indices, __m512& scales) {
+  const __m512i first = _mm512_loadu_si512(w);
+  // Only the group's last 8 bytes: a masked load reads nothing past the row.
+  indices = _mm512_permutex2var_epi16(first, _mm512_load_si512(kGroupWords.indices), _mm512_maskz_loadu_epi8(0xFF, w + 64));
+  const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(_mm512_load_si512(kGroupWords.scales), first));
+  scales = _mm512_permutexvar_ps(_mm512_load_si512(kSpread), _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
+}
+
+// Row `row` of x's scales of blocks b .. b + 3, lane by lane as nl_group's.
+GENFN_AVX512_INLINE inline __m512 nl_x_scales(const ActivationsK& a, int64_t row, int64_t nb, int64_t b) {
+  return _mm512_permutexvar_ps(_mm512_load_si512(kSpread), _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + row * nb + b)));
+}
+
+// A row's last one to three blocks (rows not a multiple of 128 inputs), one at a time from block b
+// at w, and the rows' sums into y.
+template <int M>
+GENFN_AVX512_INLINE inline void nl_finish(const uint8_t* w, int64_t b, int64_t nb, const ActivationsK& a, int64_t m0,
+                                          const __m512* acc, float* y, int64_t N) {
+  __m256 tail[M];
+  for (int m = 0; m < M; ++m) tail[m] = _mm256_setzero_ps();
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (; b < nb; ++b, w += block_bytes(kIQ4NL)) iq4nl_block256<M>(w, b, nb, a, m0, table, low4, ones, tail);
+  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+}
+
 template <int M>
 GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   constexpr int64_t kBytes = block_bytes(kIQ4NL);
+  static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");
   __m512 acc[M];
-  __m256 tail[M];
-  for (int m = 0; m < M; ++m) {
-    acc[m] = _mm512_setzero_ps();
-    tail[m] = _mm256_setzero_ps();
-  }
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-  const __m512i spread = _mm512_load_si512(kSpread);
   int64_t b = 0;
-  const __m512i index_words = _mm512_load_si512(kGroupWords.indices);
-  const __m512i scale_words = _mm512_load_si512(kGroupWords.scales);
-  static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");
   StreamFetch<M> fetch(w);
   for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {  // four blocks (128 inputs) per register
     fetch.through(w + 4 * kBytes);
-    const __m512i first = _mm512_loadu_si512(w);
-    // Only the group's last 8 bytes: a masked load reads nothing past the row.
-    const __m512i last = _mm512_maskz_loadu_epi8(0xFF, w + 64);
-    const __m512i q = _mm512_permutex2var_epi16(first, index_words, last);
+    __m512i q;
+    __m512 dw;
+    nl_group(w, q, dw);
     const Signed512 lo = values512(table, _mm512_and_si512(q, low4));
     const Signed512 hi = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-    const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, first));
-    const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
       const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(pairs512(lo, x), ones),
                                            _mm512_madd_epi16(pairs512(hi, x + 64), ones));
-      const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + (m0 + m) * nb + b)));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
     }
   }
-  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
-  for (; b < nb; ++b, w += kBytes)  // the last one to three blocks of a row not a multiple of 128
-    iq4nl_block256<M>(w, b, nb, a, m0, table256, low4_256, ones256, tail);
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,42 +343,29 @@ template <int M>
 GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   constexpr int64_t kBytes = block_bytes(kIQ4NL);
   __m512 acc[M];
-  __m256 tail[M];
-  for (int m = 0; m < M; ++m) {
-    acc[m] = _mm512_setzero_ps();
-    tail[m] = _mm256_setzero_ps();
-  }
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i spread = _mm512_load_si512(kSpread);
-  const __m512i index_words = _mm512_load_si512(kGroupWords.indices);
-  const __m512i scale_words = _mm512_load_si512(kGroupWords.scales);
   int64_t b = 0;
   StreamFetch<M> fetch(w);
   for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {
     fetch.through(w + 4 * kBytes);
-    const __m512i first = _mm512_loadu_si512(w);
-    const __m512i q = _mm512_permutex2var_epi16(first, index_words, _mm512_maskz_loadu_epi8(0xFF, w + 64));
+    __m512i q;
+    __m512 dw;
+    nl_group(w, q, dw);
     const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
     const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
     const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
     const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
-    const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(scale_words, first));
-    const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
       const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x), flip), x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 64), flip);
       const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, x_lo, lo), x_hi, hi);
-      const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + (m0 + m) * nb + b)));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
     }
   }
-  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m256i low4_256 = _mm256_set1_epi8(0x0F), ones256 = _mm256_set1_epi16(1);
-  for (; b < nb; ++b, w += kBytes)  // the last one to three blocks, as iq4nl_avx512 takes them
-    iq4nl_block256<M>(w, b, nb, a, m0, table256, low4_256, ones256, tail);
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
 }
 
 template <int M>
