@@ -141,6 +141,22 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
 // so vpdpwssd cannot), where the form above spends a sign fix, a vpmaddubsw and a vpmaddwd per 64
 // products of each row of x. The lane's integer is the one above, bit for bit, and so is its float.
 
+// -128 times the sum of each lane's 8 weight values (its 4 of lo and 4 of hi): where a lane's dot
+// against codes moved up by 128 starts, so that it ends at sum w x.
+GENFN_VNNI_INLINE inline __m512i weight_start(__m512i lo, __m512i hi) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
+}
+
+// Each lane's sum w x: the 64 codes at x against lo and the 64 at x + 64 against hi, both moved up
+// by 128 (x xor 0x80), from weight_start's start.
+GENFN_VNNI_INLINE inline __m512i flipped_dot(__m512i start, __m512i lo, __m512i hi, const int8_t* x) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x), flip), x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 64), flip);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, x_lo, lo), x_hi, hi);
+}
+
 // Sub-block scales for vpmulld: dword i of half h the scale of sub-block 4h + i / 4, sign-extended (both
 // words of the dword hold it after kRunIndex's permute; the high one, shifted down, is the int32).
 GENFN_VNNI_INLINE inline __m512i scales32(__m512i ls16, int h) {
@@ -153,7 +169,7 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));
@@ -165,18 +181,13 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
       const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
       lo[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
       hi[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-      const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo[h]), ones, hi[h]);
-      start[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
+      start[h] = weight_start(lo[h], hi[h]);
     }
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
       __m512i sum = _mm512_setzero_si512();
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x + 128 * h), flip);
-        const __m512i x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 128 * h + 64), flip);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start[h], x_lo, lo[h]), x_hi, hi[h]);
-        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales[h]));
-      }
+      for (int h = 0; h < 2; ++h)
+        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(flipped_dot(start[h], lo[h], hi[h], x + 128 * h), scales[h]));
       const float dx = a.scale[(m0 + m) * nb + b];
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
     }
@@ -190,9 +201,7 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 // instructions as the sign fix they replace. The same lane integers again.
 alignas(16) constexpr uint8_t kValuesPlus128[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-template <int M>
 GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t) {
-  static_assert(M == 1, "one row of x");
   __m512 acc = _mm512_setzero_ps();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValuesPlus128)));
@@ -217,12 +226,6 @@ GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK&
   }
   y[0] = reduce512(acc);
 }
-
-// IQ4_NL on AVX-512 VNNI, as iq4xs_vnni: four blocks' 8-input lanes from -128 times their weight
-// values' sums, the codes moved up by 128; a lane's integer is the form above's (its pair sums
-// added by vpmaddwd against ones), so it gets the same float.
-template <int M>
-GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N);
 
 // 16 index bytes at q (an IQ4_NL block's, an IQ4_XS sub-block's) as their 32 values in natural order.
 GENFN_AVX2_INLINE inline __m256i values256(const uint8_t* q, __m256i table, __m256i low4) {
@@ -307,6 +310,35 @@ GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   nl_finish<M>(w, b, nb, a, m0, acc, y, N);
 }
 
+// IQ4_NL on AVX-512 VNNI, as iq4xs_vnni: four blocks' 8-input lanes from -128 times their weight
+// values' sums, the codes moved up by 128; a lane's integer is iq4nl_avx512's (its pair sums added
+// by vpmaddwd against ones), so it gets the same float.
+template <int M>
+GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  constexpr int64_t kBytes = block_bytes(kIQ4NL);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  int64_t b = 0;
+  StreamFetch<M> fetch(w);
+  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {
+    fetch.through(w + 4 * kBytes);
+    __m512i q;
+    __m512 dw;
+    nl_group(w, q, dw);
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    const __m512i start = weight_start(lo, hi);
+    for (int m = 0; m < M; ++m) {
+      const __m512i sum = flipped_dot(start, lo, hi, a.codes.data() + (m0 + m) * K + b * 32);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
+    }
+  }
+  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2
 
@@ -340,35 +372,6 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 }
 
 template <int M>
-GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  constexpr int64_t kBytes = block_bytes(kIQ4NL);
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t K = a.K;
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  int64_t b = 0;
-  StreamFetch<M> fetch(w);
-  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {
-    fetch.through(w + 4 * kBytes);
-    __m512i q;
-    __m512 dw;
-    nl_group(w, q, dw);
-    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
-    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-    const __m512i values = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, lo), ones, hi);
-    const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(values, 7));
-    for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
-      const __m512i x_lo = _mm512_xor_si512(_mm512_loadu_si512(x), flip), x_hi = _mm512_xor_si512(_mm512_loadu_si512(x + 64), flip);
-      const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, x_lo, lo), x_hi, hi);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
-    }
-  }
-  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
-}
-
-template <int M>
 GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -392,8 +395,8 @@ RowFn pick_iq4(Isa isa, int64_t format, int rows) {
       if (has_vnni()) { GENFN_ROW_CASES(rows, iq4nl_vnni) }
       GENFN_ROW_CASES(rows, iq4nl_avx512)
     }
-    if (has_vnni()) {  // kquant.h's reads_offsets names these: their activations carry offsets8
-      if (rows == 1) return &iq4xs_vnni_one<1>;
+    if (has_vnni()) {
+      if (rows == 1) return &iq4xs_vnni_one;  // reads offsets8: kquant.h's reads_offsets names it
       GENFN_ROW_CASES(rows, iq4xs_vnni)
     }
     GENFN_ROW_CASES(rows, iq4xs_avx512)

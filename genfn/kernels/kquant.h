@@ -142,8 +142,11 @@ inline bool has_vnni() {
   return yes;
 }
 
-// Whether format f's row kernels on path isa read the activations' offsets8 (above).
-inline bool reads_offsets(Isa isa, int64_t f) { return f == kQ6KR8 || (f == kIQ4XS && isa == kAvx512 && has_vnni()); }
+// Whether format f's row kernel on path isa for `rows` rows of x (pick's) reads the activations'
+// offsets8 (above): q6_k_r8's, and one row of IQ4_XS on VNNI (iq4_linear.cpp).
+inline bool reads_offsets(Isa isa, int64_t f, int64_t rows) {
+  return f == kQ6KR8 || (f == kIQ4XS && rows == 1 && isa == kAvx512 && has_vnni());
+}
 
 // How the activation codes of a row are laid out, so that one load meets the nibbles a weight
 // register holds (each permutation applies per whole 128 inputs; a shorter tail stays natural):

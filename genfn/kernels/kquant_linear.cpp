@@ -314,7 +314,7 @@ void prepare_shared(SharedLinear& s, int64_t M, int64_t threads) {
       ++s.layouts;
     }
     s.layout_of[p] = l;
-    starts[l] = starts[l] || reads_offsets(isa, f);
+    starts[l] = starts[l] || reads_offsets(isa, f, s.per) || reads_offsets(isa, f, rows_last);
   }
   for (int64_t l = 0; l < s.layouts; ++l) s.x[l].resize(M, s.K, s.block[l], starts[l]);
   s.queue.prepare_blocks(s.first[s.count], threads);
@@ -482,8 +482,8 @@ std::tuple<at::Tensor, at::Tensor> kquant_moe_decode(const at::Tensor& x, const 
   thread_local ActivationsK x_buffer, act_buffer;
   ActivationsK& xa = x_buffer;
   ActivationsK& aa = act_buffer;
-  xa.resize(1, hidden, gu_block, reads_offsets(isa, gate_up_format));
-  aa.resize(1, inter, dn_block, reads_offsets(isa, down_format));
+  xa.resize(1, hidden, gu_block, reads_offsets(isa, gate_up_format, 1));
+  aa.resize(1, inter, dn_block, reads_offsets(isa, down_format, 1));
   std::vector<float> gu(2 * inter), act(inter), dn(hidden);
   const RowFn gu_fn = pick(isa, gate_up_format, 1), dn_fn = pick(isa, down_format, 1);
   const uint8_t* gp = gate_up.data_ptr<uint8_t>();
