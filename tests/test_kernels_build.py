@@ -213,8 +213,8 @@ def test_a_warm_start_says_loading_and_never_building(dirs, fresh_loader, monkey
 def test_a_cold_start_says_building_once_and_where(dirs, fresh_loader, monkeypatch):
     _place(dirs.cache, native.file_name(native.DECODE))
     lines = _status_lines(monkeypatch, kquant_too=True)  # a GGUF model kept quantized: the K-quant kernels too
-    assert lines[0] == (f"genfn: building the native K-quant kernels into {dirs.cache} (once; about a minute "
-                        "of g++ on an idle machine)...")
+    assert lines[0] == (f"genfn: building the native K-quant kernels into {dirs.cache} (once; a few minutes "
+                        "of g++ on a 2-core machine)...")
     assert lines[1].startswith("genfn: built the native K-quant kernels (")
 
 

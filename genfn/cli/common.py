@@ -149,8 +149,8 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
     if kquant and kquant_kernels.needs_build():
         building.append(native.KQUANT.what)
     what = " and ".join([native.DECODE.what] + ([native.KQUANT.what] if kquant else []))
-    status.begin(f"building the native {' and '.join(building)} into {native.cache_dir()} (once; about a minute "
-                 "of g++ on an idle machine)" if building else f"loading the native {what}")
+    status.begin(f"building the native {' and '.join(building)} into {native.cache_dir()} ({native.BUILD_NOTE})"
+                 if building else f"loading the native {what}")
     available = kernels.quant_linear_available()
     if kquant:
         kquant_kernels.kquant_available()

@@ -58,8 +58,7 @@ def main(args, status: Status) -> int:
     for library in native.LIBRARIES:
         found = native.plan(library)
         if args.action == "build" and found.action == "build":
-            status.begin(f"building the native {library.what} into {native.cache_dir()} "
-                         "(once; about a minute of g++ on an idle machine)")
+            status.begin(f"building the native {library.what} into {native.cache_dir()} ({native.BUILD_NOTE})")
             try:
                 path = native.build(library)
             except (OSError, RuntimeError) as error:

@@ -9,7 +9,7 @@ takes, in order:
    compiles the libraries there when the build environment has torch and a compiler (setup.py),
    and a wheel made with ``pip wheel .`` carries them;
 2. the cache, ``$GENFN_KERNEL_CACHE`` (default ``~/.cache/genfn/kernels``);
-3. else a build into the cache, once (about a minute of g++ on an idle machine).
+3. else a build into the cache, once (``BUILD_NOTE``: minutes of g++).
 
 A file whose key differs (other sources, torch, flags) is never picked, since its name differs. A
 library compiled with ISA flags (the decode kernels' ``-mavx512f ...``) is loaded, or built, only
@@ -37,11 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["NativeLibrary", "DECODE", "KQUANT", "LIBRARIES", "Plan", "plan", "load", "build", "library_key",
+__all__ = ["NativeLibrary", "DECODE", "KQUANT", "LIBRARIES", "BUILD_NOTE", "Plan", "plan", "load", "build", "library_key",
            "file_name", "cache_dir", "prebuilt_dir", "compiler", "compile_command", "cpu_flags", "cpu_has"]
 
 _HERE = Path(__file__).resolve().parent
 _BUILD_TIMEOUT_S = 600
+# What a build's status line says it costs: the decode kernels alone took 152 s of g++ on an idle
+# 2-core Zen 4 (session 41, benchmarks/results/startup-2026-12-07-s41-zen4-eager.log).
+BUILD_NOTE = "once; a few minutes of g++ on a 2-core machine"
 # Named, not __name__: setup.py loads this file under another module name.
 _logger = logging.getLogger("genfn.kernels")
 
@@ -211,9 +214,8 @@ def build(library: NativeLibrary, directory: Path | None = None) -> Path:
     with open(directory / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            # Say so: the one-time build is about a minute of g++ and would otherwise look like a hang.
-            _logger.info("building the native %s into %s (once; about a minute of g++ on an idle machine)",
-                         library.what, directory)
+            # Say so: the one-time build takes minutes of g++ and would otherwise look like a hang.
+            _logger.info("building the native %s into %s (%s)", library.what, directory, BUILD_NOTE)
             start = time.perf_counter()
             partial = target.with_suffix(f".{os.getpid()}.tmp")
             done = subprocess.run(compile_command(library, partial), capture_output=True, text=True,
