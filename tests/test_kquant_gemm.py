@@ -1,4 +1,4 @@
-"""The K-quant GEMM (``kquant_gemm.cpp``: Q4_K/Q5_K/Q6_K products of many rows): against the float64
+"""The K-quant GEMM (``kquant_gemm.cpp``: Q4_K/Q5_K/Q6_K/IQ4_XS products of many rows): against the float64
 reference at odd sizes and row counts, its AVX2 and AVX-512 paths against each other, every row's
 bits independent of the rows beside it, the hand-over from the row kernels, and a Q4_K_M-like
 model whose prefill runs through it."""
@@ -15,7 +15,7 @@ from genfn.kernels import kquant
 from genfn.quant import quantize_k, reference_linear_k
 from test_kquants import isa, write_kquant_gguf  # noqa: F401  (isa: the ISA-path fixture)
 
-FORMATS = ("q4_k", "q5_k", "q6_k")
+FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 NATIVE = kquant.kquant_available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
@@ -62,6 +62,29 @@ def test_avx2_and_avx512_gemms_give_the_same_bits(gemm_rows, fmt):
     finally:
         kquant.force_isa(None)
     assert torch.equal(results["avx512"], results["avx2"])
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q6_k_r8"])
+def test_avx2_and_avx512_row_kernels_give_the_same_bits(fmt):
+    """The row kernels of 1-8 rows of x (a decode step, a few drafts) add one exact integer per
+    super-block into each output in add_block's order on both paths, so a machine's ISA does not
+    change a row's bits. (IQ4_XS summed 16 float lanes a row on AVX-512 and 8 on AVX2 until its
+    kernels took add_block, for the GEMM's sake.)"""
+    if torch.ops.genfn_kquant.kquant_isa() < 2:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 row kernels run here (their own tests do), there is "
+                    "no second path to compare them with")
+    from genfn.quant.kquants import repack_r8
+
+    weight, x = _problem(fmt.removesuffix("_r8"), 40, 768, 13)
+    if fmt.endswith("_r8"):
+        weight = repack_r8(weight)
+    try:
+        for rows in (1, 2, 3, 5, 8, 13):
+            results = {path: (kquant.force_isa(path), kernels.kquant_linear(x[:rows], weight, row_kernels=True))[1]
+                       for path in ("avx512", "avx2")}
+            assert torch.equal(results["avx512"], results["avx2"]), rows
+    finally:
+        kquant.force_isa(None)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -10,8 +10,11 @@
 // 2 * 127 * 127 in 16 bits). On AVX-512, |w| is a shuffle of the table's magnitudes and w < 0 where
 // the index is below 8 (the table is sorted): one test gives the mask that negates x. Per block the
 // dot product is an exact integer sum:
-//   IQ4_XS  the eight sub-block scales (ls - 32, 6 bits) multiply their sub-blocks' pair sums in
-//           vpmaddwd, so a super-block is one integer, scaled once by d_w * d_x (x in Q8_K per 256);
+//   IQ4_XS  the eight sub-block scales (ls - 32, 6 bits) multiply their sub-blocks' sums, and the
+//           super-block's lanes are summed into one exact integer, added to the output's float32
+//           sum as every K-quant kernel adds one (kquant.h's add_block, x in Q8_K per 256), so the
+//           GEMM (kquant_gemm.cpp), which takes IQ4_XS products of 16 rows and more, gives a row
+//           the same bits as these kernels;
 //   IQ4_NL  x is quantized per 32 inputs (the block), so each block's integer is scaled by its own
 //           d_w * d_x; the AVX-512 path takes four blocks per 512-bit register, their scales lane
 //           by lane.
@@ -56,16 +59,6 @@ struct GroupWords {
 };
 constexpr GroupWords kGroupWords;
 
-// IQ4_XS's eight sub-block scales (ls - 32) as int16: scales_h (2 bytes at w + 2) holds bits 4-5 of
-// sub-block i's at bits 2i, scales_l (4 bytes at w + 4) bits 0-3 at bits 4i.
-__attribute__((always_inline)) inline void iq4xs_scales(const uint8_t* w, int16_t out[8]) {
-  const uint32_t high = load_u16(w + 2);
-  uint32_t low;
-  std::memcpy(&low, w + 4, 4);
-  for (int i = 0; i < 8; ++i)
-    out[i] = static_cast<int16_t>((((low >> (4 * i)) & 0x0F) | (((high >> (2 * i)) & 0x03) << 4)) - 32);
-}
-
 // ---------------------------------------------------------------------------------------------
 // AVX-512
 
@@ -100,8 +93,9 @@ GENFN_AVX512_INLINE inline __m512i pairs512(const Signed512& w, const int8_t* x)
 
 template <int M>
 GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m512i sum[8];
+  for (int m = M; m < 8; ++m) sum[m] = _mm512_setzero_si512();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -121,15 +115,14 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
     }
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-      __m512i sum = _mm512_madd_epi16(pairs512(lo[0], x), scales[0]);
-      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(hi[0], x + 64), scales[0]));
-      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(lo[1], x + 128), scales[1]));
-      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs512(hi[1], x + 192), scales[1]));
-      const float dx = a.scale[(m0 + m) * nb + b];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      sum[m] = _mm512_madd_epi16(pairs512(lo[0], x), scales[0]);
+      sum[m] = _mm512_add_epi32(sum[m], _mm512_madd_epi16(pairs512(hi[0], x + 64), scales[0]));
+      sum[m] = _mm512_add_epi32(sum[m], _mm512_madd_epi16(pairs512(lo[1], x + 128), scales[1]));
+      sum[m] = _mm512_add_epi32(sum[m], _mm512_madd_epi16(pairs512(hi[1], x + 192), scales[1]));
     }
+    add_rows<M>(acc, sum, d, a, m0, nb, b);
   }
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+  store_rows<M>(acc, y, N);
 }
 
 // IQ4_XS on AVX-512 VNNI: the same lanes and the same integers, in fewer instructions. vpdpbusd
@@ -165,8 +158,9 @@ GENFN_VNNI_INLINE inline __m512i scales32(__m512i ls16, int h) {
 
 template <int M>
 GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m512i sum[8];
+  for (int m = M; m < 8; ++m) sum[m] = _mm512_setzero_si512();
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -185,46 +179,61 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
     }
     for (int m = 0; m < M; ++m) {
       const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper;
-      __m512i sum = _mm512_setzero_si512();
-      for (int h = 0; h < 2; ++h)
-        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(flipped_dot(start[h], lo[h], hi[h], x + 128 * h), scales[h]));
-      const float dx = a.scale[(m0 + m) * nb + b];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[m]);
+      sum[m] = _mm512_add_epi32(_mm512_mullo_epi32(flipped_dot(start[0], lo[0], hi[0], x), scales[0]),
+                                _mm512_mullo_epi32(flipped_dot(start[1], lo[1], hi[1], x + 128), scales[1]));
     }
+    add_rows<M>(acc, sum, d, a, m0, nb, b);
   }
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]);
+  store_rows<M>(acc, y, N);
 }
 
 // One row of IQ4_XS on VNNI: the weight's values moved up by 128 are the unsigned side and the
 // activation codes the signed one, each lane starting from the activations' offsets8 (-128 times its
 // 8 codes, kquant.h), so no code is flipped and no weight summed: at one row those were as many
 // instructions as the sign fix they replace. The same lane integers again.
-alignas(16) constexpr uint8_t kValuesPlus128[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// One super-block's lanes: sum w x per lane, each sub-block's scale applied (the same integers as
+// iq4xs_vnni's lanes).
+GENFN_VNNI_INLINE inline __m512i iq4xs_one_block(const uint8_t* w, const int8_t* x, const int32_t* start,
+                                                 __m512i table, __m512i low4) {
+  const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
+  __m512i sum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * h), lo, _mm512_loadu_si512(x + 128 * h));
+    dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 128 * h + 64));
+    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales32(ls16, h)));
+  }
+  return sum;
+}
 
 GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t) {
-  __m512 acc = _mm512_setzero_ps();
+  float acc = 0.0f;
   const int64_t K = a.K;
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValuesPlus128)));
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesPlus128)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int8_t* x = a.codes.data() + m0 * K;
   const int32_t* start = a.offsets8.data() + m0 * (K / 8);
   const float* dx = a.scale.data() + m0 * nb;
   StreamFetch<1> fetch(w);
-  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
-    fetch.through(w + block_bytes(kIQ4XS));
-    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
-    __m512i sum = _mm512_setzero_si512();
-    for (int h = 0; h < 2; ++h) {
-      const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
-      const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
-      const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * h), lo, _mm512_loadu_si512(x + 128 * h));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 128 * h + 64));
-      sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales32(ls16, h)));
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {  // eight super-blocks' sums reduced by one network (add_eight_blocks)
+    __m512i sum[8];
+    alignas(32) float scale[8];
+    for (int i = 0; i < 8; ++i, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
+      fetch.through(w + block_bytes(kIQ4XS));
+      sum[i] = iq4xs_one_block(w, x, start, table, low4);
+      scale[i] = half_to_float(load_u16(w)) * dx[b + i];
     }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(half_to_float(load_u16(w)) * dx[b]), acc);
+    acc = add_eight_blocks(acc, sum_lanes8(sum), scale);
   }
-  y[0] = reduce512(acc);
+  for (; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
+    fetch.through(w + block_bytes(kIQ4XS));
+    acc = add_block(acc, sum_lanes(iq4xs_one_block(w, x, start, table, low4)), half_to_float(load_u16(w)) * dx[b]);
+  }
+  y[0] = acc;
 }
 
 // 16 index bytes at q (an IQ4_NL block's, an IQ4_XS sub-block's) as their 32 values in natural order.
@@ -344,8 +353,9 @@ GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 
 template <int M>
 GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  RowSums acc = {_mm256_setzero_ps(), 0.0f};
+  __m256i sum[8];
+  for (int m = M; m < 8; ++m) sum[m] = _mm256_setzero_si256();
   const int64_t K = a.K;
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -355,7 +365,6 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
     const float d = half_to_float(load_u16(w));
     int16_t ls[8];
     iq4xs_scales(w, ls);
-    __m256i sum[M];
     for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {  // sub-block i: inputs 32i..32i+31
       const __m256i v = values256(w + 8 + 16 * i, table, low4);
@@ -365,10 +374,9 @@ GENFN_AVX2 void iq4xs_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, 
         sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(pairs256(magnitude, v, x), scale));
       }
     }
-    for (int m = 0; m < M; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
+    add_rows<M>(acc, sum, d, a, m0, nb, b);
   }
-  for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);
+  store_rows<M>(acc, y, N);
 }
 
 template <int M>

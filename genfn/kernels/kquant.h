@@ -45,9 +45,13 @@ constexpr int64_t block_bytes(int64_t f) {
 }
 // Inputs per weight block; the activations get one scale per as many inputs.
 constexpr int64_t block_inputs(int64_t f) { return f == kIQ4NL ? 32 : kSuper; }
+
 // IQ4_NL / IQ4_XS: the one table of 16 int8 values their 4-bit indices point into (llama.cpp's kvalues_iq4nl).
 alignas(16) inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                      1,    13,   25,  38,  53,  69,  89,  113};
+// The same values moved up by 128: unsigned bytes, for the side of vpdpbusd that takes those.
+alignas(16) inline constexpr uint8_t kIQ4ValuesPlus128[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                              129, 141, 153, 166, 181, 197, 217, 241};
 
 // q4_k_r8: rows 8g .. 8g + 7 of a Q4_K matrix, super-block by super-block, each super-block of the
 // group group_block_bytes bytes (8 x 144, no byte added; genfn/quant/kquants.py's repack_r8 is the same in
@@ -266,6 +270,16 @@ __attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
+// IQ4_XS's eight sub-block scales (ls - 32) as int16: scales_h (2 bytes at w + 2) holds bits 4-5 of
+// sub-block i's at bits 2i, scales_l (4 bytes at w + 4) bits 0-3 at bits 4i.
+__attribute__((always_inline)) inline void iq4xs_scales(const uint8_t* w, int16_t out[8]) {
+  const uint32_t high = load_u16(w + 2);
+  uint32_t low;
+  std::memcpy(&low, w + 4, 4);
+  for (int i = 0; i < 8; ++i)
+    out[i] = static_cast<int16_t>((((low >> (4 * i)) & 0x0F) | (((high >> (2 * i)) & 0x03) << 4)) - 32);
+}
+
 // Eight bytes as one int64 (a qword that a vpbroadcastq meets all of a register's lanes with).
 __attribute__((always_inline)) inline int64_t load_i64(const void* p) {
   int64_t v;
@@ -312,12 +326,45 @@ GENFN_AVX2_INLINE inline __m256i sum_lanes8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// Lane m: activation row m0 + m's scale of super-block b, for m < rows (zero past them).
-GENFN_AVX2_INLINE inline __m256 block_scales8(const ActivationsK& a, int64_t m0, int64_t nb, int64_t b, int rows) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i index = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(nb)));
-  const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lanes));
-  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.scale.data() + m0 * nb + b, index, live, 4);
+// sum_lanes8 for the first M registers of v: at most four take half its shuffles (lanes 4-7 zero).
+GENFN_AVX512_INLINE inline __m256i sum_lanes4(const __m512i* v, int M) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i t1 = M > 2 ? _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]))
+                           : _mm512_setzero_si512();
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));  // a chunk: rows 0-3
+  const __m512i s = _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm256_zextsi128_si256(_mm512_castsi512_si128(_mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)))));
+}
+
+GENFN_AVX2_INLINE inline __m256i sum_lanes4(const __m256i* v, int M) {
+  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+  const __m256i t1 = M > 2 ? _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]))
+                           : _mm256_setzero_si256();
+  const __m256i u = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+  return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}
+
+// Lane m < M: the sum of v[m]'s int32 lanes (v past M zeros), by the smaller network where it serves.
+template <int M>
+GENFN_AVX512_INLINE inline __m256i sum_rows(const __m512i* v) {
+  if constexpr (M <= 4) return sum_lanes4(v, M);
+  else return sum_lanes8(v);
+}
+
+template <int M>
+GENFN_AVX2_INLINE inline __m256i sum_rows(const __m256i* v) {
+  if constexpr (M <= 4) return sum_lanes4(v, M);
+  else return sum_lanes8(v);
+}
+
+// Lane m: activation row m0 + m's scale of super-block b, for m < M (zero past them), loaded one by
+// one: a gather (vgatherdps, slow on AMD) and the eight-row network for fewer rows cost the K-quant
+// row kernels 6-17 % of their time at 2-4 rows (benchmarks/results/kquant-few-rows-2026-12-07-s42-zen4.log).
+template <int M>
+GENFN_AVX2_INLINE inline __m256 block_scales8(const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
+  const float* s = a.scale.data() + m0 * nb + b;
+  auto at = [&](int m) { return m < M ? s[m * nb] : 0.0f; };
+  return _mm256_setr_ps(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
 }
 
 // A super-block's part of an output, added in the one order every K-quant kernel adds it (the row
@@ -375,8 +422,8 @@ struct RowSums {
       const float dx = a.scale[m0 * nb + b];                                                                 \
       acc.one = add_block(acc.one, sum_lanes(sum[0]), sum_lanes(mins[0]), d * dx, dmin * dx);                \
     } else {                                                                                                 \
-      const __m256 dx = block_scales8(a, m0, nb, b, M);                                                      \
-      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), sum_lanes8(mins), _mm256_mul_ps(_mm256_set1_ps(d), dx), \
+      const __m256 dx = block_scales8<M>(a, m0, nb, b);                                                      \
+      acc.lanes = add_block(acc.lanes, sum_rows<M>(sum), sum_rows<M>(mins), _mm256_mul_ps(_mm256_set1_ps(d), dx), \
                             _mm256_mul_ps(_mm256_set1_ps(dmin), dx));                                        \
     }                                                                                                        \
   }                                                                                                          \
@@ -386,7 +433,8 @@ struct RowSums {
     if constexpr (M == 1)                                                                                    \
       acc.one = add_block(acc.one, sum_lanes(sum[0]), d * a.scale[m0 * nb + b]);                             \
     else                                                                                                     \
-      acc.lanes = add_block(acc.lanes, sum_lanes8(sum), _mm256_mul_ps(_mm256_set1_ps(d), block_scales8(a, m0, nb, b, M))); \
+      acc.lanes = add_block(acc.lanes, sum_rows<M>(sum),                                                    \
+                            _mm256_mul_ps(_mm256_set1_ps(d), block_scales8<M>(a, m0, nb, b)));               \
   }
 GENFN_ADD_ROWS(GENFN_AVX512_INLINE, __m512i)
 GENFN_ADD_ROWS(GENFN_AVX2_INLINE, __m256i)

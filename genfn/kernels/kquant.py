@@ -113,7 +113,7 @@ def force_isa(isa: str | None) -> str:
 
 
 def gemm_min_rows(rows: int | None) -> int:
-    """Set the fewest rows of ``x`` that a Q4_K/Q5_K/Q6_K product hands to the GEMM
+    """Set the fewest rows of ``x`` that a Q4_K/Q5_K/Q6_K/IQ4_XS product hands to the GEMM
     (``kquant_gemm.cpp``) instead of the row kernels (``None``: the default, 16), for tests and
     benchmarks of either path; returns the count now in force."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
@@ -141,7 +141,7 @@ def kquant_lookup(table: KQuantWeight, tokens: torch.Tensor) -> torch.Tensor:
 
 def kquant_linear(x: torch.Tensor, weight: KQuantWeight, *, row_kernels: bool = False) -> torch.Tensor:
     """``x @ weight.dequantize().T`` with ``x`` quantized per 256 inputs (per 32 for iq4_nl) to 8 bits
-    (llama.cpp's Q8_K). Q4_K/Q5_K/Q6_K products of many rows (``gemm_min_rows``) run the GEMM, which
+    (llama.cpp's Q8_K). Q4_K/Q5_K/Q6_K/IQ4_XS products of many rows (``gemm_min_rows``) run the GEMM, which
     adds each super-block into an output in the row kernels' order (``add_block`` in kquant.h), so a
     row's result has the same bits whichever ran it; ``row_kernels`` keeps every row count on the
     row kernels (the batch-invariant mode's choice)."""

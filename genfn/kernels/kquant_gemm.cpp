@@ -1,5 +1,5 @@
-// y = x @ dequantize(W).T for many rows of x (prefill, large batches) and W in Q4_K, Q5_K or Q6_K:
-// an int8 GEMM over the super-blocks as the file stores them (genfn/quant/kquants.py).
+// y = x @ dequantize(W).T for many rows of x (prefill, large batches) and W in Q4_K, Q5_K, Q6_K or
+// IQ4_XS: an int8 GEMM over the super-blocks as the file stores them (genfn/quant/kquants.py, iq4.py).
 //
 // The row kernels of kquant_linear.cpp decode a weight row once per 8 rows of x, so a 512-row
 // prefill decodes every row 64 times and spends two multiply instructions (vpmaddubsw + vpmaddwd)
@@ -19,7 +19,10 @@
 // (as a minimum of 32 sc per 16 inputs) are one more integer sum, `vpdpwssd` against the
 // activations' code sums per 32 or 16 inputs:
 //   y = d d_x sum_g sc_g sum_g(u q) - dmin d_x sum_j m_j sum_j(q),   Q6_K: m_j = 32 sc_j, dmin = d
-// (Q6_K's offset comes off the integer sum before its one multiply-add).
+// (Q6_K's offset comes off the integer sum before its one multiply-add). IQ4_XS is the same sum with
+// u its table value plus 128 and m_g = 128 ls_g per 32 inputs, so its integer is sum_g ls_g sum_g(w q)
+// as iq4_linear.cpp's kernels reduce it (on AVX2, where the pairs of vpmaddubsw would overflow such
+// codes, the values stay signed and the product takes w's sign onto q).
 // The GEMM keeps no layout of its own: it reads the rows as the loader left them (as stored, or
 // interleaved 8 to a group: q4_k_r8, q5_k_r8, q6_k_r8), and the panel (16 bytes per input, 32 KiB at
 // K = 2048) is rebuilt per call: a 16-row product of an 8192 x 2048
@@ -43,8 +46,11 @@ std::atomic<int64_t> min_rows{kDefaultMinRows};
 // Sub-blocks (one scale each) per super-block.
 constexpr int groups_of(int64_t format) { return stored_format(format) == kQ6K ? 16 : 8; }
 // Minimums per super-block, taken in int16 pairs against the activations' code sums: Q4_K/Q5_K
-// have one per 32 inputs, Q6_K's offset one per 16.
+// have one per 32 inputs, Q6_K's offset one per 16, IQ4_XS's one per 32.
 constexpr int pairs_of(int64_t format) { return stored_format(format) == kQ6K ? 8 : 4; }
+// Formats whose "minimums" are an offset of the codes (Q6_K's 32, IQ4_XS's 128 on VNNI), taken off
+// the integer sum before its one multiply-add; Q4_K/Q5_K's are a second term with their own dmin.
+constexpr bool offset_of_codes(int64_t format) { return stored_format(format) == kQ6K || format == kIQ4XS; }
 
 // One tile of the weight, unpacked (see the top of this file).
 struct Panel {
@@ -69,11 +75,31 @@ GENFN_AVX2_INLINE inline __m256i q6_high_bits(__m256i high, int shift) {
 }
 
 // A row's super-block as 256 codes in natural order, its group scales and minimums (one per 32
-// inputs for Q4_K/Q5_K, Q6_K's 32 sc per 16).
+// inputs for Q4_K/Q5_K, Q6_K's 32 sc per 16). IQ4_XS: its values moved up by 128 (0-255, for the
+// unsigned side of vpdpbusd) with 128 ls per sub-block as the minimum; `signed_values` (AVX2, whose
+// vpmaddubsw pairs would overflow int16 on such codes): the values themselves as int8, no minimum.
 template <int64_t F>
-GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* minimum, float& d, float& dmin) {
+GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* minimum, float& d, float& dmin,
+                             bool signed_values) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  if constexpr (F == kQ4K || F == kQ5K) {
+  if constexpr (F == kIQ4XS) {
+    d = dmin = half_to_float(load_u16(w));
+    int16_t ls[8];
+    iq4xs_scales(w, ls);
+    for (int g = 0; g < 8; ++g) {
+      scale[g] = ls[g];
+      minimum[g] = signed_values ? 0 : 128 * ls[g];
+    }
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(
+        signed_values ? static_cast<const void*>(kIQ4Values) : static_cast<const void*>(kIQ4ValuesPlus128))));
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c, 2c + 1: low nibbles inputs 0-15, high 16-31
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 + 32 * c));
+      const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(packed, low4));
+      const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+      store_group(codes, 2 * c, _mm256_permute2x128_si256(lo, hi, 0x20));
+      store_group(codes, 2 * c + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+  } else if constexpr (F == kQ4K || F == kQ5K) {
     d = half_to_float(load_u16(w));
     dmin = half_to_float(load_u16(w + 2));
     uint64_t sc, mn;
@@ -163,9 +189,10 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
       if constexpr (interleaved(F)) {
         uint8_t stored[block_bytes(F)];
         r8_load<F>(w + n / kR8Rows * kR8Rows * row_bytes + b * group_block_bytes(F), n % kR8Rows, stored);
-        unpack_block<stored_format(F)>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at]);
+        unpack_block<stored_format(F)>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at], scale_pairs);
       } else {
-        unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at]);
+        unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at],
+                        scale_pairs);
       }
       for (int g = 0; g < kGroups; ++g)
         p.scales[(b * kGroups + g) * kTile + n] = scale_pairs ? int16_pair(scale[g], scale[g]) : scale[g];
@@ -214,7 +241,7 @@ inline int32_t four_codes(const int8_t* p) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: rows m0 .. m0 + R - 1 of x against one panel; writes `keep` of its 16 columns.
 
-template <int R, int kGroups, int kPairs>
+template <int R, int kGroups, int kPairs, bool kOffset>
 GENFN_VNNI void panel_avx512(
     const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N, __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;  // groups of four inputs per sub-block
@@ -250,7 +277,7 @@ GENFN_VNNI void panel_avx512(
     const __m512 d = _mm512_loadu_ps(p.d.data() + b * kTile), dmin = _mm512_loadu_ps(p.dmin.data() + b * kTile);
     for (int r = 0; r < R; ++r) {  // kquant.h's add_block, a lane an output
       const __m512 dx = _mm512_set1_ps(rows.scale[r][b]);
-      if constexpr (kPairs == pairs_of(kQ6K))  // the offset of 32 comes off the integer
+      if constexpr (kOffset)  // the codes' offset comes off the integer
         acc[r] = add_block(acc[r], _mm512_sub_epi32(total[r], mins[r]), _mm512_mul_ps(d, dx));
       else
         acc[r] = add_block(acc[r], total[r], mins[r], _mm512_mul_ps(d, dx), _mm512_mul_ps(dmin, dx));
@@ -260,9 +287,11 @@ GENFN_VNNI void panel_avx512(
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX2: the same over two halves of 8 weight rows; the scales come as int16 pairs.
+// AVX2: the same over two halves of 8 weight rows; the scales come as int16 pairs. kSigned (IQ4_XS):
+// the codes are signed values, multiplied as |w| by x with w's sign (vpmaddubsw takes an unsigned
+// side), and there is no offset to take off.
 
-template <int R, int kGroups, int kPairs>
+template <int R, int kGroups, int kPairs, bool kOffset, bool kSigned>
 GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N,
                            __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;
@@ -281,16 +310,18 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a,
         const int step = g * kSteps + s;
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step));
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step + 32));
+        const __m256i u0 = kSigned ? _mm256_abs_epi8(w0) : w0, u1 = kSigned ? _mm256_abs_epi8(w1) : w1;
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_set1_epi32(four_codes(rows.codes[r] + b * kSuper + 4 * step));
-          total[r][0] = _mm256_add_epi32(total[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), scale[0]));
-          total[r][1] = _mm256_add_epi32(total[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), scale[1]));
+          const __m256i x0 = kSigned ? _mm256_sign_epi8(x, w0) : x, x1 = kSigned ? _mm256_sign_epi8(x, w1) : x;
+          total[r][0] = _mm256_add_epi32(total[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), scale[0]));
+          total[r][1] = _mm256_add_epi32(total[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x1), scale[1]));
         }
       }
     }
     __m256i mins[R][2];
     for (int r = 0; r < R; ++r) mins[r][0] = mins[r][1] = _mm256_setzero_si256();
-    for (int q = 0; q < kPairs; ++q) {
+    for (int q = 0; q < (kSigned ? 0 : kPairs); ++q) {
       const int32_t* m = p.mins.data() + (b * kPairs + q) * kTile;
       const __m256i m0v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m));
       const __m256i m1v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8));
@@ -306,7 +337,7 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a,
       const __m256 dmin = _mm256_loadu_ps(p.dmin.data() + b * kTile + 8 * h);
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(rows.scale[r][b]);
-        if constexpr (kPairs == pairs_of(kQ6K))
+        if constexpr (kOffset)
           acc[r][h] = add_block(acc[r][h], _mm256_sub_epi32(total[r][h], mins[r][h]), _mm256_mul_ps(d, dx));
         else
           acc[r][h] = add_block(acc[r][h], total[r][h], mins[r][h], _mm256_mul_ps(d, dx), _mm256_mul_ps(dmin, dx));
@@ -331,25 +362,28 @@ using PanelFn = void (*)(const Panel&, int64_t, const GemmActivations&, int64_t,
 // AVX2 4 in its 16.
 constexpr int kRowsAvx512 = 8, kRowsAvx2 = 4;
 
-template <int kGroups, int kPairs>
+template <int64_t F>
 PanelFn pick_panel(bool vnni, int rows) {
+  constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
+  constexpr bool kOffset = offset_of_codes(F);
   if (vnni) {
     switch (rows) {
-      case 1: return &panel_avx512<1, kGroups, kPairs>;
-      case 2: return &panel_avx512<2, kGroups, kPairs>;
-      case 3: return &panel_avx512<3, kGroups, kPairs>;
-      case 4: return &panel_avx512<4, kGroups, kPairs>;
-      case 5: return &panel_avx512<5, kGroups, kPairs>;
-      case 6: return &panel_avx512<6, kGroups, kPairs>;
-      case 7: return &panel_avx512<7, kGroups, kPairs>;
-      default: return &panel_avx512<8, kGroups, kPairs>;
+      case 1: return &panel_avx512<1, kGroups, kPairs, kOffset>;
+      case 2: return &panel_avx512<2, kGroups, kPairs, kOffset>;
+      case 3: return &panel_avx512<3, kGroups, kPairs, kOffset>;
+      case 4: return &panel_avx512<4, kGroups, kPairs, kOffset>;
+      case 5: return &panel_avx512<5, kGroups, kPairs, kOffset>;
+      case 6: return &panel_avx512<6, kGroups, kPairs, kOffset>;
+      case 7: return &panel_avx512<7, kGroups, kPairs, kOffset>;
+      default: return &panel_avx512<8, kGroups, kPairs, kOffset>;
     }
   }
+  constexpr bool kSigned = F == kIQ4XS;
   switch (rows) {
-    case 1: return &panel_avx2<1, kGroups, kPairs>;
-    case 2: return &panel_avx2<2, kGroups, kPairs>;
-    case 3: return &panel_avx2<3, kGroups, kPairs>;
-    default: return &panel_avx2<4, kGroups, kPairs>;
+    case 1: return &panel_avx2<1, kGroups, kPairs, kOffset, kSigned>;
+    case 2: return &panel_avx2<2, kGroups, kPairs, kOffset, kSigned>;
+    case 3: return &panel_avx2<3, kGroups, kPairs, kOffset, kSigned>;
+    default: return &panel_avx2<4, kGroups, kPairs, kOffset, kSigned>;
   }
 }
 
@@ -357,8 +391,8 @@ template <int64_t F>
 void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, bool vnni) {
   const int64_t M = a.q8k.M, K = a.q8k.K, nb = K / kSuper, row_bytes = nb * block_bytes(F);
   const int step = vnni ? kRowsAvx512 : kRowsAvx2;
-  const PanelFn full = pick_panel<groups_of(F), pairs_of(F)>(vnni, step);
-  const PanelFn tail = pick_panel<groups_of(F), pairs_of(F)>(vnni, static_cast<int>(M % step));
+  const PanelFn full = pick_panel<F>(vnni, step);
+  const PanelFn tail = pick_panel<F>(vnni, static_cast<int>(M % step));
   const int64_t tiles = (N + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     thread_local Panel panel;  // each worker its own
@@ -377,7 +411,7 @@ void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, 
 }  // namespace
 
 bool gemm_takes(int64_t format, int64_t rows) {
-  return (format == kQ4K || format == kQ5K || format == kQ6K || interleaved(format)) &&
+  return (format == kQ4K || format == kQ5K || format == kQ6K || format == kIQ4XS || interleaved(format)) &&
          rows >= min_rows.load(std::memory_order_relaxed);
 }
 
@@ -399,6 +433,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   else if (format == kQ5KR8) run_tiles<kQ5KR8>(a, w, N, y, vnni);
   else if (format == kQ6KR8) run_tiles<kQ6KR8>(a, w, N, y, vnni);
   else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
+  else if (format == kIQ4XS) run_tiles<kIQ4XS>(a, w, N, y, vnni);
   else run_tiles<kQ6K>(a, w, N, y, vnni);
 }
 
