@@ -15,7 +15,7 @@ from genfn.kernels import kquant
 from genfn.quant import quantize_k, reference_linear_k
 from test_kquants import isa, write_kquant_gguf  # noqa: F401  (isa: the ISA-path fixture)
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
+FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs", "iq4_nl")
 NATIVE = kquant.kquant_available()
 pytestmark = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
@@ -75,7 +75,8 @@ def test_avx2_and_avx512_row_kernels_give_the_same_bits(fmt):
                     "no second path to compare them with")
     from genfn.quant.kquants import repack_r8
 
-    weight, x = _problem(fmt.removesuffix("_r8"), 40, 768, 13)
+    # 1184 inputs: IQ4_NL's 37 blocks are four groups of eight, a group of four, one block alone.
+    weight, x = _problem(fmt.removesuffix("_r8"), 40, 1184 if fmt == "iq4_nl" else 768, 13)
     if fmt.endswith("_r8"):
         weight = repack_r8(weight)
     try:
@@ -117,7 +118,8 @@ def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_row
     batch of 16 rows and more) as through the row kernels of one row (a decode step) or eight."""
     from genfn.quant.kquants import repack_r8
 
-    weight, x = _problem(fmt.removesuffix("_r8"), 48, 2816, 40)  # 11 super-blocks: eight, then three
+    # 11 super-blocks: eight, then three; IQ4_NL's 37 blocks of 32: four groups of eight lanes, four, one.
+    weight, x = _problem(fmt.removesuffix("_r8"), 48, 1184 if fmt == "iq4_nl" else 2816, 40)
     if fmt.endswith("_r8"):
         weight = repack_r8(weight)
     gemm_rows(1)

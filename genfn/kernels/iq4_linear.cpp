@@ -42,8 +42,6 @@ struct RunIndex {
   }
 };
 constexpr RunIndex kRunIndex;
-// float lane k of four blocks' scales: block k / 4.
-alignas(64) constexpr int32_t kSpread[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
 
 // Four IQ4_NL blocks are 72 bytes: block j's scale is 16-bit word 9j, its 16 index bytes words
 // 9j + 1 .. 9j + 8. Every field lies on a word, so one two-source word permute of the group's two
@@ -247,106 +245,143 @@ GENFN_AVX2_INLINE inline __m256i pairs256(__m256i magnitude, __m256i w, const in
   return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w));
 }
 
-// Block b of nb (at w) of an IQ4_NL row against M rows of activations, one block at a time: the AVX2
-// path's every block, the AVX-512 path's last one to three. Each row's exact integer sum, scaled by
-// d_w * d_x, is added to its acc[m] (table: kIQ4Values in both lanes, low4: 0x0F, ones: int16 1).
+// IQ4_NL's float32 sum of an output, the same for every kernel (these, on both paths, and the GEMM's,
+// kquant_gemm.cpp): eight lanes, block b's exact integer times d_w * d_x (one float product) added
+// into lane b % 8 by one fused multiply-add, the lanes then summed as reduce256 sums them. Eight
+// lanes keep eight chains of fused multiply-adds in flight at one row of x; the GEMM keeps the
+// eight as accumulators of its own. A lane whose block is absent (a row's last blocks) is left as
+// it was, not added a zero to.
+
+// Blocks b .. b + count - 1 (count <= 8, at w) of an IQ4_NL row against M rows of activations in
+// natural order, into lanes lane .. lane + count - 1 of acc[m] (lane + count <= 8): the AVX2 path's
+// every block, the AVX-512 path's last one to three. A block's 32 products are paired in 16 bits
+// (|w| * x with w's sign) and summed in 8 int32 lanes, reduced to its integer by sum_lanes8.
 template <int M>
-GENFN_AVX2_INLINE inline void iq4nl_block256(const uint8_t* w, int64_t b, int64_t nb, const ActivationsK& a,
-                                             int64_t m0, __m256i table, __m256i low4, __m256i ones, __m256 acc[M]) {
-  const __m256i v = values256(w + 2, table, low4);
-  const __m256i magnitude = _mm256_abs_epi8(v);
-  const float d = half_to_float(load_u16(w));
+GENFN_AVX2_INLINE inline void nl_blocks256(const uint8_t* w, int64_t b, int count, int lane, int64_t nb,
+                                           const ActivationsK& a, int64_t m0, __m256 acc[M]) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i sums[M][8];
+  alignas(32) float dw[8] = {};
+  alignas(32) int32_t live[8] = {};
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 8; ++i) sums[m][i] = _mm256_setzero_si256();
+  for (int i = 0; i < count; ++i, w += block_bytes(kIQ4NL)) {
+    const __m256i v = values256(w + 2, table, low4);
+    const __m256i magnitude = _mm256_abs_epi8(v);
+    dw[lane + i] = half_to_float(load_u16(w));
+    live[lane + i] = -1;
+    for (int m = 0; m < M; ++m)
+      sums[m][lane + i] = _mm256_madd_epi16(pairs256(magnitude, v, a.codes.data() + (m0 + m) * a.K + (b + i) * 32), ones);
+  }
+  const __m256 mask = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(live)));
   for (int m = 0; m < M; ++m) {
-    const int8_t* x = a.codes.data() + (m0 + m) * a.K + b * 32;
-    const __m256i sum = _mm256_madd_epi16(pairs256(magnitude, v, x), ones);
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d * a.scale[(m0 + m) * nb + b]), acc[m]);
+    alignas(32) float dx[8] = {};
+    for (int i = 0; i < count; ++i) dx[lane + i] = a.scale[(m0 + m) * nb + b + i];
+    const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw), _mm256_load_ps(dx));
+    const __m256 added = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(sums[m])), scale, acc[m]);
+    acc[m] = _mm256_blendv_ps(acc[m], added, mask);
   }
 }
 
 // Four IQ4_NL blocks at w (72 bytes): their 128 indices as one 64-byte run group (a block a 128-bit
-// lane, its low nibbles inputs 0-15) and their four scales lane by lane.
-GENFN_AVX512_INLINE inline void nl_group(const uint8_t* w, __m512i& indices, __m512& scales) {
+// lane, its low nibbles inputs 0-15) and their four scales.
+GENFN_AVX512_INLINE inline void nl_group(const uint8_t* w, __m512i& indices, __m128& scales) {
   const __m512i first = _mm512_loadu_si512(w);
   // Only the group's last 8 bytes: a masked load reads nothing past the row.
   indices = _mm512_permutex2var_epi16(first, _mm512_load_si512(kGroupWords.indices), _mm512_maskz_loadu_epi8(0xFF, w + 64));
-  const __m128i halves = _mm512_castsi512_si128(_mm512_permutexvar_epi16(_mm512_load_si512(kGroupWords.scales), first));
-  scales = _mm512_permutexvar_ps(_mm512_load_si512(kSpread), _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
+  scales = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(_mm512_load_si512(kGroupWords.scales), first)));
 }
 
-// Row `row` of x's scales of blocks b .. b + 3, lane by lane as nl_group's.
-GENFN_AVX512_INLINE inline __m512 nl_x_scales(const ActivationsK& a, int64_t row, int64_t nb, int64_t b) {
-  return _mm512_permutexvar_ps(_mm512_load_si512(kSpread), _mm512_castps128_ps512(_mm_loadu_ps(a.scale.data() + row * nb + b)));
+// Eight blocks' integers, lane j block j: `low` holds blocks 0-3 and `high` blocks 4-7, four lanes of
+// partial sums each (block j in 128-bit lane j).
+GENFN_AVX512_INLINE inline __m256i nl_block_sums(__m512i low, __m512i high) {
+  const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi32(low, high), _mm512_unpackhi_epi32(low, high));
+  const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, static_cast<_MM_PERM_ENUM>(0x4E)));  // lane 0 low's, 1 high's
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), u));
 }
 
-// A row's last one to three blocks (rows not a multiple of 128 inputs), one at a time from block b
-// at w, and the rows' sums into y.
+// Blocks b .. b + 7 (or b .. b + 3 where `keep` is 0x0F: high and dw_high are then zeros) into acc[m].
 template <int M>
-GENFN_AVX512_INLINE inline void nl_finish(const uint8_t* w, int64_t b, int64_t nb, const ActivationsK& a, int64_t m0,
-                                          const __m512* acc, float* y, int64_t N) {
-  __m256 tail[M];
-  for (int m = 0; m < M; ++m) tail[m] = _mm256_setzero_ps();
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (; b < nb; ++b, w += block_bytes(kIQ4NL)) iq4nl_block256<M>(w, b, nb, a, m0, table, low4, ones, tail);
-  for (int m = 0; m < M; ++m) y[m * N] = reduce512(acc[m]) + reduce256(tail[m]);
+GENFN_AVX512_INLINE inline void nl_add_group(const __m512i* low, const __m512i* high, __m128 dw_low, __m128 dw_high,
+                                             const ActivationsK& a, int64_t m0, int64_t nb, int64_t b, __mmask8 keep,
+                                             __m256* acc) {
+  const __m256 dw = _mm256_set_m128(dw_high, dw_low);
+  for (int m = 0; m < M; ++m) {
+    const __m256 scale = _mm256_mul_ps(dw, _mm256_maskz_loadu_ps(keep, a.scale.data() + (m0 + m) * nb + b));
+    acc[m] = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(nl_block_sums(low[m], high[m])), scale, acc[m], keep);
+  }
 }
 
+// Four blocks (128 inputs) at w per register, two registers a group of eight lanes: each row's
+// partial sums (block j in 128-bit lane j) and the blocks' scales.
 template <int M>
-GENFN_AVX512 void iq4nl_avx512(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  constexpr int64_t kBytes = block_bytes(kIQ4NL);
-  static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t K = a.K;
+GENFN_AVX512_INLINE inline void nl_sums_avx512(const uint8_t* w, int64_t b, const ActivationsK& a, int64_t m0,
+                                               __m512i* sum, __m128& dw) {
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-  int64_t b = 0;
-  StreamFetch<M> fetch(w);
-  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {  // four blocks (128 inputs) per register
-    fetch.through(w + 4 * kBytes);
-    __m512i q;
-    __m512 dw;
-    nl_group(w, q, dw);
-    const Signed512 lo = values512(table, _mm512_and_si512(q, low4));
-    const Signed512 hi = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-    for (int m = 0; m < M; ++m) {
-      const int8_t* x = a.codes.data() + (m0 + m) * K + b * 32;
-      const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(pairs512(lo, x), ones),
-                                           _mm512_madd_epi16(pairs512(hi, x + 64), ones));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
-    }
+  __m512i q;
+  nl_group(w, q, dw);
+  const Signed512 lo = values512(table, _mm512_and_si512(q, low4));
+  const Signed512 hi = values512(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+  for (int m = 0; m < M; ++m) {
+    const int8_t* x = a.codes.data() + (m0 + m) * a.K + b * 32;
+    sum[m] = _mm512_add_epi32(_mm512_madd_epi16(pairs512(lo, x), ones), _mm512_madd_epi16(pairs512(hi, x + 64), ones));
   }
-  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
+}
+
+// The IQ4_NL row kernel's text, stamped for AVX-512 (NAME iq4nl_avx512, SUMS nl_sums_avx512) and
+// for VNNI (iq4nl_vnni, nl_sums_vnni): eight blocks a step in two registers of four, a last group of
+// four, then the last one to three blocks (their codes in natural order) one at a time.
+#define GENFN_IQ4NL_KERNEL(NAME, TARGET, SUMS)                                                               \
+  template <int M>                                                                                           \
+  TARGET void NAME(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {  \
+    constexpr int64_t kBytes = block_bytes(kIQ4NL);                                                           \
+    static_assert(4 * kBytes == 64 + 8, "four IQ4_NL blocks are one 64-byte load and 8 bytes more");         \
+    __m256 acc[M];                                                                                           \
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();                                                \
+    StreamFetch<M> fetch(w);                                                                                 \
+    __m512i low[M], high[M];                                                                                 \
+    __m128 dw_low, dw_high;                                                                                  \
+    int64_t b = 0;                                                                                           \
+    for (; b + 8 <= nb; b += 8, w += 8 * kBytes) {                                                           \
+      fetch.through(w + 8 * kBytes);                                                                         \
+      SUMS<M>(w, b, a, m0, low, dw_low);                                                                     \
+      SUMS<M>(w + 4 * kBytes, b + 4, a, m0, high, dw_high);                                                  \
+      nl_add_group<M>(low, high, dw_low, dw_high, a, m0, nb, b, 0xFF, acc);                                  \
+    }                                                                                                        \
+    if (b + 4 <= nb) {                                                                                       \
+      fetch.through(w + 4 * kBytes);                                                                         \
+      SUMS<M>(w, b, a, m0, low, dw_low);                                                                     \
+      for (int m = 0; m < M; ++m) high[m] = _mm512_setzero_si512();                                          \
+      nl_add_group<M>(low, high, dw_low, _mm_setzero_ps(), a, m0, nb, b, 0x0F, acc);                         \
+      b += 4;                                                                                                \
+      w += 4 * kBytes;                                                                                       \
+    }                                                                                                        \
+    if (b < nb) nl_blocks256<M>(w, b, static_cast<int>(nb - b), static_cast<int>(b % 8), nb, a, m0, acc);   \
+    for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);                                                \
+  }
+
+GENFN_IQ4NL_KERNEL(iq4nl_avx512, GENFN_AVX512, nl_sums_avx512)
+
+template <int M>
+GENFN_VNNI_INLINE inline void nl_sums_vnni(const uint8_t* w, int64_t b, const ActivationsK& a, int64_t m0,
+                                           __m512i* sum, __m128& dw) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i q;
+  nl_group(w, q, dw);
+  const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+  const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+  const __m512i start = weight_start(lo, hi);
+  for (int m = 0; m < M; ++m) sum[m] = flipped_dot(start, lo, hi, a.codes.data() + (m0 + m) * a.K + b * 32);
 }
 
 // IQ4_NL on AVX-512 VNNI, as iq4xs_vnni: four blocks' 8-input lanes from -128 times their weight
 // values' sums, the codes moved up by 128; a lane's integer is iq4nl_avx512's (its pair sums added
-// by vpmaddwd against ones), so it gets the same float.
-template <int M>
-GENFN_VNNI void iq4nl_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
-  constexpr int64_t kBytes = block_bytes(kIQ4NL);
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t K = a.K;
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  int64_t b = 0;
-  StreamFetch<M> fetch(w);
-  for (; b + 4 <= nb; b += 4, w += 4 * kBytes) {
-    fetch.through(w + 4 * kBytes);
-    __m512i q;
-    __m512 dw;
-    nl_group(w, q, dw);
-    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
-    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-    const __m512i start = weight_start(lo, hi);
-    for (int m = 0; m < M; ++m) {
-      const __m512i sum = flipped_dot(start, lo, hi, a.codes.data() + (m0 + m) * K + b * 32);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, nl_x_scales(a, m0 + m, nb, b)), acc[m]);
-    }
-  }
-  nl_finish<M>(w, b, nb, a, m0, acc, y, N);
-}
+// by vpmaddwd against ones), and so is each block's, so it gets the same float.
+GENFN_IQ4NL_KERNEL(iq4nl_vnni, GENFN_VNNI, nl_sums_vnni)
+#undef GENFN_IQ4NL_KERNEL
 
 // ---------------------------------------------------------------------------------------------
 // AVX2
@@ -383,12 +418,10 @@ template <int M>
 GENFN_AVX2 void iq4nl_avx2(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   StreamFetch<M> fetch(w);
-  for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4NL)) {
-    fetch.through(w + block_bytes(kIQ4NL));
-    iq4nl_block256<M>(w, b, nb, a, m0, table, low4, ones, acc);
+  for (int64_t b = 0; b < nb; b += 8, w += 8 * block_bytes(kIQ4NL)) {
+    fetch.through(w + 8 * block_bytes(kIQ4NL));
+    nl_blocks256<M>(w, b, static_cast<int>(std::min<int64_t>(8, nb - b)), 0, nb, a, m0, acc);
   }
   for (int m = 0; m < M; ++m) y[m * N] = reduce256(acc[m]);
 }

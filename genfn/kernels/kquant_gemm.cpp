@@ -34,11 +34,12 @@
 #include <atomic>
 
 #include "kquant.h"
+#include "kquant_panel.h"
 
 namespace genfn::kquant {
 namespace {
 
-constexpr int kTile = 16;                  // weight rows per panel
+constexpr int kTile = kPanelRows;
 constexpr int64_t kPanelBlock = 16 * 256;  // panel code bytes per super-block
 constexpr int64_t kDefaultMinRows = 16;
 std::atomic<int64_t> min_rows{kDefaultMinRows};
@@ -144,26 +145,6 @@ GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* 
   }
 }
 
-// 8 rows of 8 dwords at `from` (stride `pitch` bytes) written as 8 columns at `to` (stride 64 bytes).
-GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, uint8_t* to) {
-  __m256i r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i * pitch));
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * i), _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 64 * (i + 4)), _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
-  }
-}
-
 // Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8 and
 // q5_k_r8, q6_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
@@ -230,12 +211,6 @@ inline Rows rows_at(const GemmActivations& a, int64_t m0) {
     rows.scale[r] = a.q8k.scale.data() + (m0 + r) * (K / kSuper);
   }
   return rows;
-}
-
-inline int32_t four_codes(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -393,25 +368,19 @@ void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, 
   const int step = vnni ? kRowsAvx512 : kRowsAvx2;
   const PanelFn full = pick_panel<F>(vnni, step);
   const PanelFn tail = pick_panel<F>(vnni, static_cast<int>(M % step));
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    thread_local Panel panel;  // each worker its own
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTile;
-      const int rows = static_cast<int>(std::min<int64_t>(kTile, N - n0));
-      unpack_tile<F>(w + n0 * row_bytes, row_bytes, rows, nb, !vnni, panel);
-      const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-      int64_t m0 = 0;
-      for (; m0 + step <= M; m0 += step) full(panel, nb, a, m0, y + n0, N, keep);
-      if (m0 < M) tail(panel, nb, a, m0, y + n0, N, keep);
-    }
-  });
+  over_tiles<Panel>(
+      M, N, step, full, tail,
+      [&](int64_t n0, int rows, Panel& panel) { unpack_tile<F>(w + n0 * row_bytes, row_bytes, rows, nb, !vnni, panel); },
+      [&](PanelFn kernel, const Panel& panel, int64_t m0, int64_t n0, __mmask16 keep) {
+        kernel(panel, nb, a, m0, y + n0, N, keep);
+      });
 }
 
 }  // namespace
 
 bool gemm_takes(int64_t format, int64_t rows) {
-  return (format == kQ4K || format == kQ5K || format == kQ6K || format == kIQ4XS || interleaved(format)) &&
+  return (format == kQ4K || format == kQ5K || format == kQ6K || format == kIQ4XS || format == kIQ4NL ||
+          interleaved(format)) &&
          rows >= min_rows.load(std::memory_order_relaxed);
 }
 
@@ -421,6 +390,7 @@ int64_t set_gemm_min_rows(int64_t rows) {
 }
 
 void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa) {
+  if (format == kIQ4NL) return iq4nl_gemm(x, M, K, w, N, y, isa);  // blocks of 32, activations per 32
   thread_local GemmActivations buffers;  // reused across calls; the workers read the caller's
   GemmActivations& a = buffers;
   ActivationsK& q8k = a.q8k;
