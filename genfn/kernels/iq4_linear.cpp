@@ -71,7 +71,7 @@ GENFN_AVX512_INLINE inline Signed512 values512(__m512i magnitudes, __m512i nibbl
 }
 
 // IQ4_XS's eight sub-block scales (as iq4xs_scales) in SIMD: 8 int16.
-GENFN_AVX512_INLINE inline __m128i iq4xs_scales512(const uint8_t* w) {
+GENFN_AVX512_INLINE inline __m256i iq4xs_scales_int32(const uint8_t* w) {
   uint32_t low;
   std::memcpy(&low, w + 4, 4);
   const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -79,8 +79,11 @@ GENFN_AVX512_INLINE inline __m128i iq4xs_scales512(const uint8_t* w) {
                                                               _mm256_slli_epi32(shifts, 2)), _mm256_set1_epi32(0x0F));
   const __m256i bits_high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u16(w + 2)),
                                                                _mm256_slli_epi32(shifts, 1)), _mm256_set1_epi32(0x03));
-  const __m256i scales = _mm256_sub_epi32(_mm256_or_si256(bits_low, _mm256_slli_epi32(bits_high, 4)), _mm256_set1_epi32(32));
-  return _mm256_cvtepi32_epi16(scales);
+  return _mm256_sub_epi32(_mm256_or_si256(bits_low, _mm256_slli_epi32(bits_high, 4)), _mm256_set1_epi32(32));
+}
+
+GENFN_AVX512_INLINE inline __m128i iq4xs_scales512(const uint8_t* w) {
+  return _mm256_cvtepi32_epi16(iq4xs_scales_int32(w));
 }
 
 // w * x for 64 signed weight values and the 64 activation codes at x, adjacent pairs summed in 16 bits.
@@ -148,10 +151,12 @@ GENFN_VNNI_INLINE inline __m512i flipped_dot(__m512i start, __m512i lo, __m512i 
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, x_lo, lo), x_hi, hi);
 }
 
-// Sub-block scales for vpmulld: dword i of half h the scale of sub-block 4h + i / 4, sign-extended (both
-// words of the dword hold it after kRunIndex's permute; the high one, shifted down, is the int32).
-GENFN_VNNI_INLINE inline __m512i scales32(__m512i ls16, int h) {
-  return _mm512_srai_epi32(_mm512_permutexvar_epi16(_mm512_load_si512(kRunIndex.lanes[h]), ls16), 16);
+// Sub-block scales for vpmulld: dword i of half h the scale of sub-block 4h + i / 4, from the eight as
+// int32 (iq4xs_scales_int32) by one permute.
+GENFN_VNNI_INLINE inline __m512i scales32(__m256i ls32, int h) {
+  const __m512i index = h == 0 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                               : _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+  return _mm512_permutexvar_epi32(index, _mm512_castsi256_si512(ls32));
 }
 
 template <int M>
@@ -166,10 +171,10 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));
     const float d = half_to_float(load_u16(w));
-    const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
+    const __m256i ls32 = iq4xs_scales_int32(w);
     __m512i scales[2], lo[2], hi[2], start[2];
     for (int h = 0; h < 2; ++h) {
-      scales[h] = scales32(ls16, h);
+      scales[h] = scales32(ls32, h);
       const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
       lo[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
       hi[h] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
@@ -194,7 +199,7 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
 // iq4xs_vnni's lanes).
 GENFN_VNNI_INLINE inline __m512i iq4xs_one_block(const uint8_t* w, const int8_t* x, const int32_t* start,
                                                  __m512i table, __m512i low4) {
-  const __m512i ls16 = _mm512_castsi128_si512(iq4xs_scales512(w));
+  const __m256i ls32 = iq4xs_scales_int32(w);
   __m512i sum = _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
     const __m512i q = _mm512_loadu_si512(w + 8 + 64 * h);
@@ -202,7 +207,7 @@ GENFN_VNNI_INLINE inline __m512i iq4xs_one_block(const uint8_t* w, const int8_t*
     const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
     __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(start + 16 * h), lo, _mm512_loadu_si512(x + 128 * h));
     dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 128 * h + 64));
-    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales32(ls16, h)));
+    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales32(ls32, h)));
   }
   return sum;
 }
@@ -217,15 +222,22 @@ GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK&
   const float* dx = a.scale.data() + m0 * nb;
   StreamFetch<1> fetch(w);
   int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {  // eight super-blocks' sums reduced by one network (add_eight_blocks)
-    __m512i sum[8];
-    alignas(32) float scale[8];
+  // Eight super-blocks at a time: their lanes reduced by one network, their integers converted and
+  // their scales formed as vectors, then added block after block as add_block adds them (its bits).
+  for (; b + 8 <= nb; b += 8) {
+    __m256i halves[8];  // each block's lanes folded to 8 first: 256-bit shuffles cost half of 512-bit ones on Zen 4
+    alignas(16) uint16_t d[8];
     for (int i = 0; i < 8; ++i, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
       fetch.through(w + block_bytes(kIQ4XS));
-      sum[i] = iq4xs_one_block(w, x, start, table, low4);
-      scale[i] = half_to_float(load_u16(w)) * dx[b + i];
+      const __m512i sum = iq4xs_one_block(w, x, start, table, low4);
+      halves[i] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+      d[i] = load_u16(w);
     }
-    acc = add_eight_blocks(acc, sum_lanes8(sum), scale);
+    alignas(32) float sums[8], scale[8];
+    _mm256_store_ps(sums, _mm256_cvtepi32_ps(sum_lanes8(halves)));
+    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d))),
+                                         _mm256_loadu_ps(dx + b)));
+    for (int i = 0; i < 8; ++i) acc = std::fma(sums[i], scale[i], acc);
   }
   for (; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
     fetch.through(w + block_bytes(kIQ4XS));

@@ -345,10 +345,15 @@ GENFN_AVX2_INLINE inline __m256i sum_lanes4(const __m256i* v, int M) {
 }
 
 // Lane m < M: the sum of v[m]'s int32 lanes (v past M zeros), by the smaller network where it serves.
+// The 512-bit lanes are folded to 256 bits first: 256-bit shuffles cost half as much on Zen 4.
 template <int M>
 GENFN_AVX512_INLINE inline __m256i sum_rows(const __m512i* v) {
-  if constexpr (M <= 4) return sum_lanes4(v, M);
-  else return sum_lanes8(v);
+  __m256i halves[8];
+  for (int m = 0; m < 8; ++m)
+    halves[m] = m < M ? _mm256_add_epi32(_mm512_castsi512_si256(v[m]), _mm512_extracti64x4_epi64(v[m], 1))
+                      : _mm256_setzero_si256();
+  if constexpr (M <= 4) return sum_lanes4(halves, M);
+  else return sum_lanes8(halves);
 }
 
 template <int M>
