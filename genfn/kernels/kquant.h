@@ -364,7 +364,7 @@ GENFN_AVX2_INLINE inline __m256i sum_rows(const __m256i* v) {
 
 // Lane m: activation row m0 + m's scale of super-block b, for m < M (zero past them), loaded one by
 // one: a gather (vgatherdps, slow on AMD) and the eight-row network for fewer rows cost the K-quant
-// row kernels 6-17 % of their time at 2-4 rows (benchmarks/results/kquant-few-rows-2026-12-07-s42-zen4.log).
+// row kernels 4-16 % of their time at 2-4 rows (benchmarks/results/kquant-few-rows-2026-12-07-s42-zen4.log).
 template <int M>
 GENFN_AVX2_INLINE inline __m256 block_scales8(const ActivationsK& a, int64_t m0, int64_t nb, int64_t b) {
   const float* s = a.scale.data() + m0 * nb + b;
