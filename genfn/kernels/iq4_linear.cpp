@@ -159,6 +159,13 @@ GENFN_VNNI_INLINE inline __m512i scales32(__m256i ls32, int h) {
   return _mm512_permutexvar_epi32(index, _mm512_castsi256_si512(ls32));
 }
 
+// d_w * d_x of eight super-blocks: their float16 d (gathered as the kernel reads the blocks) times the
+// activations' eight scales at dx, as add_eight_blocks takes them.
+GENFN_AVX512_INLINE inline void eight_scales(const uint16_t* d, const float* dx, float* scale) {
+  _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d))),
+                                       _mm256_loadu_ps(dx)));
+}
+
 // Super-block b (at w) against M rows of x: each row's lanes, sum w x with the sub-block scales applied.
 template <int M>
 GENFN_VNNI_INLINE inline void iq4xs_block_sums(const uint8_t* w, const ActivationsK& a, int64_t m0, int64_t b,
@@ -190,8 +197,8 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
   int64_t b = 0;
   if constexpr (M == 2) {
     // Two rows: as the one-row kernel, eight super-blocks at a time, each row's integers reduced by one
-    // network and converted, the scales formed as a vector, then added block after block (a row's
-    // lane of add_rows, the same operations): 2 rows' reductions a block cost 1.05-1.12x the old time.
+    // network, then added block after block (a row's lane of add_rows, the same operations): 2 rows'
+    // reductions a block cost 1.05-1.12x the old time.
     float row_acc[2] = {0.0f, 0.0f};
     for (; b + 8 <= nb; b += 8) {
       __m256i halves[2][8];
@@ -199,16 +206,13 @@ GENFN_VNNI void iq4xs_vnni(const uint8_t* w, int64_t nb, const ActivationsK& a, 
       for (int i = 0; i < 8; ++i, w += block_bytes(kIQ4XS)) {
         fetch.through(w + block_bytes(kIQ4XS));
         iq4xs_block_sums<M>(w, a, m0, b + i, sum);
-        for (int m = 0; m < 2; ++m)
-          halves[m][i] = _mm256_add_epi32(_mm512_castsi512_si256(sum[m]), _mm512_extracti64x4_epi64(sum[m], 1));
+        for (int m = 0; m < 2; ++m) halves[m][i] = fold_lanes(sum[m]);
         d[i] = load_u16(w);
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d)));
       for (int m = 0; m < 2; ++m) {
-        alignas(32) float sums[8], scale[8];
-        _mm256_store_ps(sums, _mm256_cvtepi32_ps(sum_lanes8(halves[m])));
-        _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_loadu_ps(a.scale.data() + (m0 + m) * nb + b)));
-        for (int i = 0; i < 8; ++i) row_acc[m] = std::fma(sums[i], scale[i], row_acc[m]);
+        alignas(32) float scale[8];
+        eight_scales(d, a.scale.data() + (m0 + m) * nb + b, scale);
+        row_acc[m] = add_eight_blocks(row_acc[m], sum_lanes8(halves[m]), scale);
       }
     }
     acc.lanes = _mm256_setr_ps(row_acc[0], row_acc[1], 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
@@ -253,22 +257,19 @@ GENFN_VNNI void iq4xs_vnni_one(const uint8_t* w, int64_t nb, const ActivationsK&
   const float* dx = a.scale.data() + m0 * nb;
   StreamFetch<1> fetch(w);
   int64_t b = 0;
-  // Eight super-blocks at a time: their lanes reduced by one network, their integers converted and
-  // their scales formed as vectors, then added block after block as add_block adds them (its bits).
+  // Eight super-blocks at a time: their lanes reduced by one network, their scales formed as one
+  // vector, then added block after block as add_block adds them (add_eight_blocks, its bits).
   for (; b + 8 <= nb; b += 8) {
-    __m256i halves[8];  // each block's lanes folded to 8 first: 256-bit shuffles cost half of 512-bit ones on Zen 4
+    __m256i halves[8];
     alignas(16) uint16_t d[8];
     for (int i = 0; i < 8; ++i, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
       fetch.through(w + block_bytes(kIQ4XS));
-      const __m512i sum = iq4xs_one_block(w, x, start, table, low4);
-      halves[i] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+      halves[i] = fold_lanes(iq4xs_one_block(w, x, start, table, low4));
       d[i] = load_u16(w);
     }
-    alignas(32) float sums[8], scale[8];
-    _mm256_store_ps(sums, _mm256_cvtepi32_ps(sum_lanes8(halves)));
-    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d))),
-                                         _mm256_loadu_ps(dx + b)));
-    for (int i = 0; i < 8; ++i) acc = std::fma(sums[i], scale[i], acc);
+    alignas(32) float scale[8];
+    eight_scales(d, dx + b, scale);
+    acc = add_eight_blocks(acc, sum_lanes8(halves), scale);
   }
   for (; b < nb; ++b, w += block_bytes(kIQ4XS), x += kSuper, start += kSuper / 8) {
     fetch.through(w + block_bytes(kIQ4XS));

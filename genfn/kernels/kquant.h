@@ -344,14 +344,17 @@ GENFN_AVX2_INLINE inline __m256i sum_lanes4(const __m256i* v, int M) {
   return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
 }
 
+// v's 16 int32 lanes as 8: lane i plus lane i + 8 (exact). Reductions of 512-bit lanes fold first,
+// then shuffle 256-bit registers, which cost half as much on Zen 4.
+GENFN_AVX512_INLINE inline __m256i fold_lanes(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
 // Lane m < M: the sum of v[m]'s int32 lanes (v past M zeros), by the smaller network where it serves.
-// The 512-bit lanes are folded to 256 bits first: 256-bit shuffles cost half as much on Zen 4.
 template <int M>
 GENFN_AVX512_INLINE inline __m256i sum_rows(const __m512i* v) {
   __m256i halves[8];
-  for (int m = 0; m < 8; ++m)
-    halves[m] = m < M ? _mm256_add_epi32(_mm512_castsi512_si256(v[m]), _mm512_extracti64x4_epi64(v[m], 1))
-                      : _mm256_setzero_si256();
+  for (int m = 0; m < 8; ++m) halves[m] = m < M ? fold_lanes(v[m]) : _mm256_setzero_si256();
   if constexpr (M <= 4) return sum_lanes4(halves, M);
   else return sum_lanes8(halves);
 }
@@ -452,10 +455,12 @@ GENFN_ADD_ROWS(GENFN_AVX2_INLINE, __m256i)
 // in cache, compute-bound on one thread, within the noise or a few % slower, and Q4_K's file-layout
 // kernel was 3-6 % slower out of cache this way (four blocks a network as well), so it stays a
 // block at a time (benchmarks/results/q6k-eight-blocks-ab-2026-12-05-s21.log).
+// The eight integers are converted as one vector (the same floats as add_block's one by one: each
+// exact integer rounded to nearest), scale[i] is d * d_x of block i.
 GENFN_AVX2_INLINE inline float add_eight_blocks(float acc, __m256i sums, const float* scale) {
-  alignas(32) int32_t s[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(s), sums);
-  for (int i = 0; i < 8; ++i) acc = add_block(acc, s[i], scale[i]);
+  alignas(32) float s[8];
+  _mm256_store_ps(s, _mm256_cvtepi32_ps(sums));
+  for (int i = 0; i < 8; ++i) acc = std::fma(s[i], scale[i], acc);
   return acc;
 }
 

@@ -145,10 +145,11 @@ GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* 
   }
 }
 
-// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p. q4_k_r8 and
+// Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p; for_avx2: the
+// AVX2 kernel's panel (scales as int16 pairs, IQ4_XS's values signed). q4_k_r8 and
 // q5_k_r8, q6_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
-GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool scale_pairs, Panel& p) {
+GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool for_avx2, Panel& p) {
   constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
   p.codes.resize(nb * kPanelBlock);
   p.scales.resize(nb * kGroups * kTile);
@@ -170,13 +171,13 @@ GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64
       if constexpr (interleaved(F)) {
         uint8_t stored[block_bytes(F)];
         r8_load<F>(w + n / kR8Rows * kR8Rows * row_bytes + b * group_block_bytes(F), n % kR8Rows, stored);
-        unpack_block<stored_format(F)>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at], scale_pairs);
+        unpack_block<stored_format(F)>(stored, natural[n], scale, minimum, p.d[at], p.dmin[at], for_avx2);
       } else {
         unpack_block<F>(w + n * row_bytes + b * block_bytes(F), natural[n], scale, minimum, p.d[at], p.dmin[at],
-                        scale_pairs);
+                        for_avx2);
       }
       for (int g = 0; g < kGroups; ++g)
-        p.scales[(b * kGroups + g) * kTile + n] = scale_pairs ? int16_pair(scale[g], scale[g]) : scale[g];
+        p.scales[(b * kGroups + g) * kTile + n] = for_avx2 ? int16_pair(scale[g], scale[g]) : scale[g];
       for (int q = 0; q < kPairs; ++q)
         p.mins[(b * kPairs + q) * kTile + n] = int16_pair(minimum[2 * q], minimum[2 * q + 1]);
     }
