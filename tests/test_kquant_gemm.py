@@ -27,6 +27,14 @@ def gemm_rows():
     kquant.gemm_min_rows(None)
 
 
+def _skip_without_a_second_path():
+    """The AVX2-against-AVX-512 tests compare two paths; a CPU without AVX-512 has only the AVX2 one, which
+    the ``isa`` fixture's tests still run there."""
+    if torch.ops.genfn_kquant.kquant_isa() < 2:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 kernels run here (the isa-parametrized tests run "
+                    "them), there is no second path to compare them with")
+
+
 def _problem(fmt: str, out_features: int, in_features: int, rows: int, seed: int = 0):
     torch.manual_seed(seed)
     weight = quantize_k(torch.randn(out_features, in_features), fmt)
@@ -51,9 +59,7 @@ def test_gemm_matches_the_reference_at_odd_sizes_and_row_counts(isa, gemm_rows, 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx2_and_avx512_gemms_give_the_same_bits(gemm_rows, fmt):
-    if torch.ops.genfn_kquant.kquant_isa() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 GEMM runs here (its own tests do), there is no "
-                    "second path to compare it with")
+    _skip_without_a_second_path()
     weight, x = _problem(fmt, 45, 768, 70)
     gemm_rows(1)
     try:
@@ -66,13 +72,11 @@ def test_avx2_and_avx512_gemms_give_the_same_bits(gemm_rows, fmt):
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q6_k_r8"])
 def test_avx2_and_avx512_row_kernels_give_the_same_bits(fmt):
-    """The row kernels of 1-8 rows of x (a decode step, a few drafts) add one exact integer per
-    super-block into each output in add_block's order on both paths, so a machine's ISA does not
-    change a row's bits. (IQ4_XS summed 16 float lanes a row on AVX-512 and 8 on AVX2 until its
-    kernels took add_block, for the GEMM's sake.)"""
-    if torch.ops.genfn_kquant.kquant_isa() < 2:
-        pytest.skip("this CPU has no AVX-512: only the AVX2 row kernels run here (their own tests do), there is "
-                    "no second path to compare them with")
+    """The row kernels (a decode step, a few drafts; 13 rows: a call of eight and one of five) add each
+    block's exact integer into an output in one order on both paths (add_block; IQ4_NL's eight lanes),
+    so a machine's ISA does not change a row's bits. (IQ4 summed its own vector lanes, 16 on AVX-512 and
+    8 on AVX2, until session 42 gave it the GEMMs' orders.)"""
+    _skip_without_a_second_path()
     from genfn.quant.kquants import repack_r8
 
     # 1184 inputs: IQ4_NL's 37 blocks are four groups of eight, a group of four, one block alone.
