@@ -27,7 +27,7 @@ namespace {
 
 constexpr int kTile = kPanelRows;
 constexpr int64_t kBlock = 32;           // inputs per IQ4_NL block
-constexpr int64_t kPanelBlock = 16 * kBlock;  // panel bytes per block
+constexpr int64_t kPanelBlock = kTile * kBlock;  // panel bytes per block
 constexpr int kLanes = 8;                // the float32 sum's lanes (block b into lane b % 8)
 
 struct Panel {
@@ -186,11 +186,9 @@ PanelFn pick_panel(bool vnni, int rows) {
 void iq4nl_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, Isa isa) {
   thread_local Activations buffers;  // reused across calls; the workers read the caller's
   Activations& a = buffers;
-  a.q8.resize(M, K, kBlock);
   const bool vnni = isa == kAvx512 && has_vnni();
   if (vnni) a.flipped.resize(M * K);
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
-    quantize_rows_k(x, m0, m1, K, kBlock, kNatural, a.q8);
+  quantize_for_gemm(x, M, K, kBlock, a.q8, [&](int64_t m0, int64_t m1) {
     if (vnni)
       for (int64_t i = m0 * K; i < m1 * K; ++i) a.flipped[i] = static_cast<int8_t>(a.q8.codes[i] ^ 0x80);
   });

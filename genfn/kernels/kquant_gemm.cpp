@@ -394,10 +394,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   if (format == kIQ4NL) return iq4nl_gemm(x, M, K, w, N, y, isa);  // blocks of 32, activations per 32
   thread_local GemmActivations buffers;  // reused across calls; the workers read the caller's
   GemmActivations& a = buffers;
-  ActivationsK& q8k = a.q8k;
-  q8k.resize(M, K, kSuper);
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)),
-                   [&](int64_t m0, int64_t m1) { quantize_rows_k(x, m0, m1, K, kSuper, kNatural, q8k); });
+  quantize_for_gemm(x, M, K, kSuper, a.q8k, [](int64_t, int64_t) {});
   const bool vnni = isa == kAvx512 && has_vnni();
   if (format == kQ4K) run_tiles<kQ4K>(a, w, N, y, vnni);
   else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);

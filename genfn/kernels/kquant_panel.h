@@ -32,6 +32,18 @@ GENFN_AVX2_INLINE inline void transpose_8x8(const uint8_t* from, int64_t pitch, 
   }
 }
 
+// The activations of M rows quantized once for a GEMM, per `block` inputs in natural order (as the
+// row kernels quantize them, so a block's codes and scale are theirs), the rows shared out among the
+// threads; then(m0, m1) runs on each share once it is quantized.
+template <typename Then>
+void quantize_for_gemm(const float* x, int64_t M, int64_t K, int64_t block, ActivationsK& a, const Then& then) {
+  a.resize(M, K, block);
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K / 64, 1)), [&](int64_t m0, int64_t m1) {
+    quantize_rows_k(x, m0, m1, K, block, kNatural, a);
+    then(m0, m1);
+  });
+}
+
 // Weight rows per tile (a panel): one per 32-bit lane of a 512-bit register.
 constexpr int kPanelRows = 16;
 
