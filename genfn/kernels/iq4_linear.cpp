@@ -32,17 +32,6 @@ using namespace genfn::kquant;
 // kIQ4Values' magnitudes; the table is sorted, so indices 0-7 are the negative values.
 alignas(16) constexpr uint8_t kMagnitudes[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// int16 lane k of a 64-byte run group belongs to run k / 8 (four runs of 16 bytes, 8 pair sums
-// each); for IQ4_XS's half h of a super-block that is sub-block 4h + k / 8.
-struct RunIndex {
-  alignas(64) uint16_t lanes[2][32];
-  constexpr RunIndex() : lanes() {
-    for (int h = 0; h < 2; ++h)
-      for (int k = 0; k < 32; ++k) lanes[h][k] = static_cast<uint16_t>(4 * h + k / 8);
-  }
-};
-constexpr RunIndex kRunIndex;
-
 // Four IQ4_NL blocks are 72 bytes: block j's scale is 16-bit word 9j, its 16 index bytes words
 // 9j + 1 .. 9j + 8. Every field lies on a word, so one two-source word permute of the group's two
 // loads places the four index runs in the four 128-bit lanes, and one permute of the first load
@@ -100,7 +89,8 @@ GENFN_AVX512 void iq4xs_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   const int64_t K = a.K;
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMagnitudes)));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i run_index[2] = {_mm512_load_si512(kRunIndex.lanes[0]), _mm512_load_si512(kRunIndex.lanes[1])};
+  // Half h of a super-block: sub-block 4h + k / 8 for int16 lane k.
+  const __m512i run_index[2] = {_mm512_load_si512(kRunWords.lanes[0]), _mm512_load_si512(kRunWords.lanes[1])};
   StreamFetch<M> fetch(w);
   for (int64_t b = 0; b < nb; ++b, w += block_bytes(kIQ4XS)) {
     fetch.through(w + block_bytes(kIQ4XS));

@@ -20,19 +20,11 @@ namespace genfn::kquant {
 namespace {
 
 // The int16 lanes of a quarter's 16 dword sums (4 inputs each): the low word of dword i takes the
-// scale of the quarter's group i / 4 (of 16 inputs), the high word 0 (a zeroing mask).
-struct Q6WordIndex {
-  alignas(64) uint16_t lanes[4][32];
-  constexpr Q6WordIndex() : lanes() {
-    for (int q = 0; q < 4; ++q)
-      for (int k = 0; k < 32; ++k) lanes[q][k] = static_cast<uint16_t>(4 * q + k / 8);
-  }
-};
-constexpr Q6WordIndex kQ6WordIndex;
+// scale of the quarter's group i / 4 (of 16 inputs; kRunWords), the high word 0 (a zeroing mask).
 constexpr __mmask32 kLowWords = 0x55555555u;
 
 GENFN_VNNI_INLINE inline __m512i quarter_scales(__m256i scales16, int quarter) {
-  return _mm512_maskz_permutexvar_epi16(kLowWords, _mm512_load_si512(kQ6WordIndex.lanes[quarter]),
+  return _mm512_maskz_permutexvar_epi16(kLowWords, _mm512_load_si512(kRunWords.lanes[quarter]),
                                         _mm512_castsi256_si512(scales16));
 }
 

@@ -26,6 +26,18 @@
 
 namespace genfn::kquant {
 
+// Which scale each int16 lane of a 64-byte load takes, where the load covers four runs of 8
+// lanes (16 bytes each): lane k of quarter q belongs to run 4q + k / 8. Q6_K's quarters map their
+// dword sums to its 16 groups so; IQ4_XS's two halves (q = 0, 1) their pair sums to its 8 sub-blocks.
+struct RunWords {
+  alignas(64) uint16_t lanes[4][32];
+  constexpr RunWords() : lanes() {
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 32; ++k) lanes[q][k] = static_cast<uint16_t>(4 * q + k / 8);
+  }
+};
+constexpr RunWords kRunWords;
+
 // A row kernel's own weight stream fetched ahead, a line at a time as its reads reach each block:
 // spread over the row, not all of a row's lines before it, which stalls the core on the fetches it has
 // in flight (Q6_K 2048 x 8192 at one row, 2 threads, out of cache: 0.85x the time spread). At one row
