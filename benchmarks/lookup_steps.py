@@ -16,6 +16,11 @@ setting genfn's backend changes); with ``--tensor-ops-proposal`` each round also
 native kernels are not (prompt lookup's proposal as tensor ops, not ``lookup_ops.cpp``'s scan).
 Prints one JSON line per engine: the step and round in ms and the round in plain steps (issue 31's
 bar: ~1.33). ``--profile CALLS`` then profiles each case and prints its ops' self time a call.
+``--hold K SECONDS`` then calls the compiled round at k = K (0: the plain step) for SECONDS more, after
+printing its pid, so that a native profiler can attach to what runs inside the step's kernels:
+
+    python benchmarks/lookup_steps.py --model llama-1b-q4_0.gguf --lookup-tokens 7 --no-eager --hold 7 30 &
+    perf record -e cpu-clock -g -p PID -- sleep 15; perf report --no-children --sort sym
 """
 
 from __future__ import annotations
@@ -98,7 +103,11 @@ def main() -> None:
                         help="then profile CALLS calls of each case and print its ops' self time a call")
     parser.add_argument("--tensor-ops-proposal", action="store_true",
                         help="also time each round with prompt lookup's proposal as tensor ops")
+    parser.add_argument("--hold", nargs=2, type=float, metavar=("K", "SECONDS"), default=None,
+                        help="then call the compiled case at k = K (0: the plain step) for SECONDS, for a profiler")
     args = parser.parse_args()
+    if args.hold is not None and int(args.hold[0]) not in [0] + [int(v) for v in args.lookup_tokens.split(",")]:
+        parser.error(f"--hold K must be 0 or one of --lookup-tokens ({args.lookup_tokens}), got {args.hold[0]:g}")
     model = genfn.load(args.model, quantize="gguf") if args.model else genfn.load(quantize=args.quantize)
     ids, mask = prompts(model.tokenizer, 1)
     engines = {"compiled": {}} if args.no_eager else {"eager": None, "compiled": {}}
@@ -148,6 +157,23 @@ def main() -> None:
                 line[f"round_ms_{name}"] = round(best[engine + suffix, k] * 1e3, 3)
                 line[f"steps_per_round_{name}"] = round(best[engine + suffix, k] / step, 2)
         print(json.dumps(line), flush=True)
+    if args.hold is not None:
+        hold(cases[("compiled", int(args.hold[0]))], args.hold[1])
+
+
+def hold(case, seconds: float) -> None:
+    """Calls one case for ``seconds`` (its pid printed first), then prints its calls' mean and best."""
+    fn, state, proposal = case
+    prompt_lookup.decode_linear_available = proposal
+    print(f"holding pid {os.getpid()} for {seconds:g} s", flush=True)
+    calls, best, start = 0, float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        began = time.perf_counter()
+        fn(state)
+        best = min(best, time.perf_counter() - began)
+        calls += 1
+    mean = (time.perf_counter() - start) / calls
+    print(json.dumps(dict(held_calls=calls, mean_ms=round(mean * 1e3, 3), best_ms=round(best * 1e3, 3))), flush=True)
 
 
 if __name__ == "__main__":
