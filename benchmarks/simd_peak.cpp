@@ -5,7 +5,8 @@
 // vdpbf16ps (bfloat16 pairs, 32 multiply-adds each: genfn's bfloat16 GEMM, bf16_gemm.cpp) where
 // the CPU has AVX512_BF16; and vpdpbusd each fed by its own qword broadcast from memory, as the
 // K-quant group kernels feed it, and one such broadcast for every two; and the tiles kernel's
-// eight-row block, with and without its float steps (tile_block_rate).
+// eight-row block, with and without its float steps, and with them but no minimum (Q4_0's and Q8_0's
+// tiles; tile_block_rate).
 // Zen 4 splits a 512-bit operation into two 256-bit halves, Zen 5 and Intel's AVX-512 cores do
 // not: the ceiling differs by ~2x between the VMs this project runs on, so measure it on the
 // machine whose steps you explain.
