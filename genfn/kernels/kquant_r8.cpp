@@ -7,9 +7,11 @@
 //
 // Why: the row kernels of the file's layout spend a vpmaddubsw + vpmaddwd pair and a scale
 // shuffle per 64 weight bytes of one row, and at one row of x they compute only ~1.5x the bytes
-// a core can read (benchmarks/q4k_r8_patterns.cpp). Here a qword broadcast of 8 activation codes
-// meets 16 lanes, two per weight row, of a 64-byte load, so one vpdpbusd does the work of that
-// pair for 8 rows at once, and the scales of 8 rows unpack in one pass of 256-bit logic.
+// a core can read (a standalone harness measured it when this layout was built, 33f8384;
+// benchmarks/kquant_kernels.py --stream measures the library's kernels now). Here a qword
+// broadcast of 8 activation codes meets 16 lanes, two per weight row, of a 64-byte load, so one
+// vpdpbusd does the work of that pair for 8 rows at once, and the scales of 8 rows unpack in one
+// pass of 256-bit logic.
 //
 // The integers are the row kernels': per group of 32 inputs each lane's dot of 16 inputs (at
 // most 16 x 15 x 127, an int16; of 8 inputs for Q5_K's codes, which the fifth bit, added as 16,
