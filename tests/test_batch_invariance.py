@@ -98,7 +98,8 @@ def test_quantized_linear_row_zero_is_the_same_at_1_to_64_rows(fmt, k, n):
     _assert_row_zero_invariant(lambda rows: kernels.linear(rows, weight), x, range(2, 65))
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_k_r8", "q5_k_r8", "q6_k_r8"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_k_r8", "q5_k_r8", "q6_k_r8",
+                                 "iq4_xs_r8"])
 def test_k_quant_linear_row_zero_is_the_same_at_1_to_33_rows(fmt):
     """The K-quant row kernels (and past them the GEMM) give a row its one-row bits among any other
     rows. IQ4_XS on AVX-512 VNNI takes one row of x through its sign-fixing kernel and 2-8 rows through

@@ -14,6 +14,7 @@ import torch
 import genfn
 from conftest import tiny_hf_model
 from genfn import kernels
+from genfn.kernels import kquant
 from genfn.quant import KQuantWeight, dequantize_k, quantize_k, reference_linear_k
 from genfn.quant.iq4 import KVALUES
 from test_kquants import assert_the_files_blocks_are_kept, greedy_with_logits, native_and_reference
@@ -108,7 +109,9 @@ def iq4_file(tmp_path_factory):
 def test_gguf_iq4_model_keeps_the_files_blocks_and_decodes_as_the_dequantized_model(iq4_file, monkeypatch):
     model = genfn.load(iq4_file, quantize="gguf")
     layer = model.params["layers"][0]
-    assert [layer[k].format for k in ("wqkv", "wo", "w_gate_up", "w_down")] == ["iq4_nl"] * 3 + ["iq4_xs"]
+    # IQ4_XS interleaved 8 rows to a group where its group kernel runs (AVX-512 VNNI), as stored elsewhere.
+    down = "iq4_xs_r8" if kquant.group_kernel_runs("iq4_xs_r8") else "iq4_xs"
+    assert [layer[k].format for k in ("wqkv", "wo", "w_gate_up", "w_down")] == ["iq4_nl"] * 3 + [down]
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "iq4_nl"
     assert_the_files_blocks_are_kept(model, iq4_file, "iq4_nl")
     # Against the same arithmetic in torch the kernels add only float32 summation order, which can

@@ -70,7 +70,7 @@ def test_avx2_and_avx512_gemms_give_the_same_bits(gemm_rows, fmt):
     assert torch.equal(results["avx512"], results["avx2"])
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q6_k_r8"])
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q6_k_r8", "iq4_xs_r8"])
 def test_avx2_and_avx512_row_kernels_give_the_same_bits(fmt):
     """The row kernels (a decode step, a few drafts; 13 rows: a call of eight and one of five) add each
     block's exact integer into an output in one order on both paths (add_block; IQ4_NL's eight lanes),
@@ -115,7 +115,7 @@ def test_the_gemm_takes_over_from_the_row_kernels_at_gemm_min_rows(gemm_rows):
     assert torch.equal(kernels.kquant_linear(x, weight, row_kernels=True), row_kernels)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q5_k_r8", "q6_k_r8"])
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_k_r8", "q5_k_r8", "q6_k_r8", "iq4_xs_r8"])
 def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_rows, fmt):
     """Every K-quant kernel adds a super-block's integer sums into its float32 output in one order
     (kquant.h's add_block), so a row's outputs have the same bits through the GEMM (a prefill, a

@@ -41,7 +41,7 @@ def gguf_rows(table: KQuantWeight, tokens: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.float32))
 
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_k_r8", "q5_k_r8", "q6_k_r8")
+FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_k_r8", "q5_k_r8", "q6_k_r8", "iq4_xs_r8")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -88,7 +88,7 @@ def test_bad_tokens_and_tables_are_refused():
         kquant.kquant_lookup(table, torch.tensor([-1]))
     with pytest.raises(RuntimeError, match="index must be a 1-D integer tensor"):
         kquant.kquant_lookup(table, torch.tensor([1.0]))
-    with pytest.raises(RuntimeError, match="format must be 0..7"):
+    with pytest.raises(RuntimeError, match="format must be 0..8"):
         torch.ops.genfn_kquant.kquant_lookup(table.data, 9, 16, torch.tensor([1]))
     with pytest.raises(RuntimeError, match="data has 16 rows for 12 out_features"):
         torch.ops.genfn_kquant.kquant_lookup(table.data, 5, 12, torch.tensor([1]))

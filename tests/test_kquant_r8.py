@@ -1,6 +1,6 @@
-"""Q4_K, Q5_K and Q6_K rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``): the
-repack, its inverse, the decode kernels over it (``kquant_r8.cpp``, ``kquant_q6k.cpp``) and a GGUF
-model loaded with it."""
+"""Q4_K, Q5_K, Q6_K and IQ4_XS rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``,
+``iq4_xs_r8``): the repack, its inverse, the decode kernels over it (``kquant_r8.cpp``,
+``kquant_q6k.cpp``) and a GGUF model loaded with it."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ NATIVE = kquant.kquant_available()
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the K-quant kernels are {kquant.kquant_status()}")
 
 
-FORMATS = ("q4_k", "q5_k", "q6_k")
-FORMAT_ID = {"q4_k_r8": 5, "q5_k_r8": 6, "q6_k_r8": 7}
-BLOCK = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
+FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
+FORMAT_ID = {"q4_k_r8": 5, "q5_k_r8": 6, "q6_k_r8": 7, "iq4_xs_r8": 8}
+BLOCK = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
 
 
 def _random_k(fmt: str, rows: int, blocks: int, seed: int) -> KQuantWeight:
     """Any bytes at all (every code, fifth bit, high pair, scale and minimum; Q6_K's int8 scales of
-    either sign), with finite float16 d and dmin (Q6_K: d, its last two bytes)."""
+    either sign), with finite float16 d and dmin (Q6_K: d, its last two bytes; IQ4_XS: d, then any
+    scale bits)."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (rows, blocks, BLOCK[fmt]), dtype=torch.uint8, generator=g)
     if fmt == "q6_k":
@@ -41,12 +42,18 @@ def _random_k(fmt: str, rows: int, blocks: int, seed: int) -> KQuantWeight:
     return KQuantWeight(data.reshape(rows, -1), fmt, rows, 256 * blocks)
 
 
+def _sorted_units(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The bytes, sorted; IQ4_XS's as nibbles, which its interleaving pairs anew."""
+    units = torch.cat([data & 0x0F, data >> 4]) if fmt == "iq4_xs" else data
+    return units.flatten().sort().values
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_package(fmt):
     weight = _random_k(fmt, 24, 3, seed=0)
     packed = repack_r8(weight)
     assert packed.format == f"{fmt}_r8" and packed.data.shape == weight.data.shape
-    assert torch.equal(packed.data.flatten().sort().values, weight.data.flatten().sort().values)
+    assert torch.equal(_sorted_units(packed.data, fmt), _sorted_units(weight.data, fmt))
     assert not torch.equal(packed.data, weight.data)
     assert torch.equal(unpack_r8(packed).data, weight.data)
     theirs = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType[fmt.upper()])
@@ -59,9 +66,9 @@ def test_repack_is_a_permutation_of_the_bytes_and_dequantizes_as_the_gguf_packag
 def test_repack_refuses_what_it_cannot_interleave():
     with pytest.raises(ValueError, match="multiple of 8"):
         repack_r8(quantize_k(torch.randn(12, 256), "q4_k"))
-    with pytest.raises(ValueError, match="q4_k, q5_k or q6_k weight"):
-        repack_r8(quantize_k(torch.randn(8, 256), "iq4_xs"))
-    with pytest.raises(ValueError, match="needs a q4_k_r8, q5_k_r8 or q6_k_r8 weight"):
+    with pytest.raises(ValueError, match="q4_k, q5_k, q6_k or iq4_xs weight"):
+        repack_r8(quantize_k(torch.randn(8, 256), "iq4_nl"))
+    with pytest.raises(ValueError, match="needs a q4_k_r8, q5_k_r8, q6_k_r8 or iq4_xs_r8 weight"):
         unpack_r8(quantize_k(torch.randn(8, 256), "q6_k"))
     with pytest.raises(ValueError, match="q4_k_r8 needs out_features to be a multiple of 8"):
         KQuantWeight(torch.zeros(4, 144, dtype=torch.uint8), "q4_k_r8", 4, 256)
@@ -125,13 +132,17 @@ def test_both_paths_give_the_same_bits_and_rows_never_depend_on_their_batch(fmt)
 
 
 @needs_native
-def test_q6_k_r8_runs_where_the_library_takes_its_group_kernel():
+def test_q6_k_r8_and_iq4_xs_r8_run_where_the_library_takes_their_group_kernels():
+    vnni = kquant.kquant_isa() == "avx512" and native.cpu_has("avx512_vnni")
     try:
-        assert kquant.q6_k_r8_runs() == (kquant.kquant_isa() == "avx512" and native.cpu_has("avx512_vnni"))
-        kquant.force_isa("avx2")  # the AVX2 path takes q6_k_r8's groups a row at a time
-        assert not kquant.q6_k_r8_runs()
+        assert kquant.group_kernel_runs("q6_k_r8") == vnni and kquant.group_kernel_runs("iq4_xs_r8") == vnni
+        assert kquant.group_kernel_runs("q4_k_r8")
+        kquant.force_isa("avx2")  # the AVX2 path takes their groups a row at a time
+        assert not kquant.group_kernel_runs("q6_k_r8") and not kquant.group_kernel_runs("iq4_xs_r8")
     finally:
         kquant.force_isa(None)
+    with pytest.raises(ValueError, match="group_kernel_runs: fmt must be one of"):
+        kquant.group_kernel_runs("q6_k")
     with pytest.raises(RuntimeError, match="unknown format"):
         torch.ops.genfn_kquant.kquant_own_kernel_runs(99)
 
@@ -149,7 +160,7 @@ def test_a_gguf_models_layers_load_interleaved_and_decode_q4_ks_tokens(tmp_path,
     assert layer["w_gate_up"].format == "q4_k_r8" and plain["w_gate_up"].format == "q4_k"
     assert layer["wo"].format == "q5_k_r8" and plain["wo"].format == "q5_k"
     # Q6_K where q6_k_r8's kernel runs (AVX-512 VNNI); as stored elsewhere.
-    assert layer["w_down"].format == ("q6_k_r8" if kquant.q6_k_r8_runs() else "q6_k") and plain["w_down"].format == "q6_k"
+    assert layer["w_down"].format == ("q6_k_r8" if kquant.group_kernel_runs("q6_k_r8") else "q6_k") and plain["w_down"].format == "q6_k"
     for name in ("w_gate_up", "wo", "w_down"):
         assert torch.equal(layer[name].dequantize(), plain[name].dequantize())
     assert torch.equal(layer["wqkv"].dequantize(), plain["wqkv"].dequantize())  # q/k unpermuted alike
@@ -184,3 +195,33 @@ def test_a_gguf_models_head_loads_interleaved_and_a_tied_tables_lookup_reads_its
     ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)
     assert torch.equal(ours.sequences, theirs.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(theirs.logits), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_a_gguf_models_iq4_xs_layers_load_interleaved_where_their_kernel_runs_and_decode_the_same(tmp_path,
+                                                                                                    monkeypatch):
+    # llama.cpp's IQ4_XS files keep most layer matrices in IQ4_XS: interleaved where iq4_xs_r8's group
+    # kernel runs (AVX-512 VNNI), as stored elsewhere; either way the same values, tokens and logits.
+    hf, _ = tiny_hf_model(vocab_size=296, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    path = tmp_path / "tiny-iq4_xs.gguf"
+    types = {"attn_q": "iq4_xs", "attn_k": "iq4_xs", "attn_v": "q5_k", "attn_output": "iq4_xs", "ffn_gate": "iq4_xs",
+             "ffn_up": "iq4_xs", "ffn_down": "iq4_xs", "token_embd": "iq4_xs"}
+    write_kquant_gguf(path, hf, types)
+    packed = genfn.load(path, quantize="gguf")
+    monkeypatch.setenv("GENFN_Q4K_R8", "0")
+    stored = genfn.load(path, quantize="gguf")
+    r8 = kquant.group_kernel_runs("iq4_xs_r8")
+    layer, plain = packed.params["layers"][1], stored.params["layers"][1]
+    for name in ("w_gate_up", "wo", "w_down"):
+        assert layer[name].format == ("iq4_xs_r8" if r8 else "iq4_xs") and plain[name].format == "iq4_xs"
+        assert torch.equal(layer[name].dequantize(), plain[name].dequantize())
+    assert torch.equal(layer["wqkv"].dequantize(), plain["wqkv"].dequantize())  # q/k unpermuted alike
+    # The tied table is the head: interleaved with it, a token's lookup puts its group's rows back.
+    assert packed.params["embed"].format == ("iq4_xs_r8" if r8 else "iq4_xs")
+    tokens = torch.tensor([[0, 7, 8, 15, 100, 295]])
+    assert torch.equal(kernels.embedding(tokens, packed.params["embed"], torch.float32),
+                       kernels.embedding(tokens, stored.params["embed"], torch.float32))
+    ours, theirs = greedy_with_logits(packed, 12), greedy_with_logits(stored, 12)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(theirs.logits))  # the same bits, row kernels and GEMM

@@ -186,7 +186,7 @@ def test_kernel_matches_the_reference_on_odd_shapes(isa, fmt, out_features, in_f
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs", "iq4_nl", "q4_k_r8"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs", "iq4_nl", "q4_k_r8", "iq4_xs_r8"])
 def test_every_weight_row_is_summed_once_whatever_the_thread_count(isa, fmt):
     # The row kernels share a weight's rows out balanced (row_queue.h): threads claim chunks of
     # their own run and steal from the back of the others'. A row skipped or claimed twice, a
@@ -197,7 +197,7 @@ def test_every_weight_row_is_summed_once_whatever_the_thread_count(isa, fmt):
     # skipped or cut wrong would leave stale codes. q4_k_r8 (whole groups of 8 rows): a group is
     # written by the claim that holds its first row.
     torch.manual_seed(4)
-    weight = quantize_k(torch.randn(304 if fmt == "q4_k_r8" else 301, 512), fmt)
+    weight = quantize_k(torch.randn(304 if fmt.endswith("_r8") else 301, 512), fmt)
     x = torch.randn(9, 512)
     before = torch.get_num_threads()
     try:
@@ -223,7 +223,7 @@ def test_kernel_takes_bfloat16_activations_and_rejects_mismatches():
     with pytest.raises(ValueError, match="x has 512 features"):
         kernels.linear(torch.randn(1, 512), weight)
     with pytest.raises(RuntimeError, match="format must be 0"):
-        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 8, 8)
+        torch.ops.genfn_kquant.kquant_linear(x, weight.data, 9, 8)
     with pytest.raises(RuntimeError, match="rows hold 100 bytes, not 210"):
         torch.ops.genfn_kquant.kquant_linear(x, weight.data[:, :100], 2, 8)
     with pytest.raises(ValueError, match="isa must be"):
@@ -349,7 +349,7 @@ def test_gguf_k_quant_model_keeps_the_files_blocks_and_decodes_as_the_reference(
     layer = model.params["layers"][0]
     # A layer's Q4_K and Q5_K matrices are repacked 8 rows to a group for the decode kernels (q4_k_r8,
     # q5_k_r8), its Q6_K ones where q6_k_r8's kernel runs.
-    q6 = "q6_k_r8" if kquant.q6_k_r8_runs() else "q6_k"
+    q6 = "q6_k_r8" if kquant.group_kernel_runs("q6_k_r8") else "q6_k"
     assert isinstance(layer["wqkv"], RowStack) and [p.format for p in layer["wqkv"].parts] == ["q4_k_r8", q6]
     assert layer["wo"].format == "q5_k_r8" and layer["w_gate_up"].format == "q4_k_r8" and layer["w_down"].format == q6
     assert isinstance(model.params["lm_head"], KQuantWeight) and model.params["lm_head"].format == "q6_k"

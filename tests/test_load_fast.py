@@ -145,7 +145,7 @@ def test_k_quant_matrices_lie_in_the_file_without_huge_pages_and_in_the_arena_wi
     qk, v = layer["wqkv"].parts  # Q4_K q/k, then the Q6_K v
     assert not in_file(qk)
     assert layer["wo"].format == "q5_k_r8" and not in_file(layer["wo"])
-    if kquant.q6_k_r8_runs():
+    if kquant.group_kernel_runs("q6_k_r8"):
         assert layer["w_down"].format == v.format == "q6_k_r8" and not in_file(layer["w_down"]) and not in_file(v)
     else:
         assert all(in_file(w) is not huge_pages for w in (layer["w_down"], v))

@@ -498,7 +498,7 @@ inline void kquant_weight(KQuantLinear& linear, const std::vector<at::Tensor>& p
   for (size_t p = 0; p < parts.size(); ++p) {
     const int64_t f = formats[p];
     TORCH_CHECK(f >= kQ4K && f <= kLastFormat, op, ": ", name, "'s formats must be 0 (q4_k), 1 (q5_k), 2 (q6_k), ",
-                "3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8), 6 (q5_k_r8) or 7 (q6_k_r8), got ", f);
+                "3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8), 6 (q5_k_r8), 7 (q6_k_r8) or 8 (iq4_xs_r8), got ", f);
     const int64_t block = block_inputs(f), row_bytes = cols / block * block_bytes(f);
     const at::Tensor& part = parts[p];
     TORCH_CHECK(cols % block == 0 && part.dim() == 2 && part.scalar_type() == at::kByte && part.size(1) == row_bytes &&

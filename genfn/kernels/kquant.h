@@ -33,12 +33,16 @@ namespace genfn::kquant {
 constexpr int64_t kSuper = 256;
 // The op's format argument (genfn.quant.kquants.FORMAT_ID). kQ4KR8: Q4_K with its rows
 // interleaved 8 to a group at load (below); a row of its data holds no one matrix row's blocks.
-// kQ5KR8, kQ6KR8: Q5_K and Q6_K alike (below).
-enum Format : int64_t { kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5, kQ5KR8 = 6, kQ6KR8 = 7 };
-constexpr int64_t kLastFormat = kQ6KR8;
-constexpr bool interleaved(int64_t f) { return f == kQ4KR8 || f == kQ5KR8 || f == kQ6KR8; }
+// kQ5KR8, kQ6KR8, kIQ4XSR8: Q5_K, Q6_K and IQ4_XS alike (below).
+enum Format : int64_t {
+  kQ4K = 0, kQ5K = 1, kQ6K = 2, kIQ4NL = 3, kIQ4XS = 4, kQ4KR8 = 5, kQ5KR8 = 6, kQ6KR8 = 7, kIQ4XSR8 = 8
+};
+constexpr int64_t kLastFormat = kIQ4XSR8;
+constexpr bool interleaved(int64_t f) { return f == kQ4KR8 || f == kQ5KR8 || f == kQ6KR8 || f == kIQ4XSR8; }
 // The file's format of an interleaved one.
-constexpr int64_t stored_format(int64_t f) { return f == kQ4KR8 ? kQ4K : f == kQ5KR8 ? kQ5K : f == kQ6KR8 ? kQ6K : f; }
+constexpr int64_t stored_format(int64_t f) {
+  return f == kQ4KR8 ? kQ4K : f == kQ5KR8 ? kQ5K : f == kQ6KR8 ? kQ6K : f == kIQ4XSR8 ? kIQ4XS : f;
+}
 constexpr int64_t block_bytes(int64_t f) {
   f = stored_format(f);
   return f == kQ4K ? 144 : f == kQ5K ? 176 : f == kQ6K ? 210 : f == kIQ4NL ? 18 : 136;
@@ -80,9 +84,20 @@ alignas(16) inline constexpr uint8_t kIQ4ValuesPlus128[16] = {1,   24,  45,  63,
 //   kQ6R8High    per half h and k one 64-byte run, the 8 rows' qh bytes 32h + 8k .. + 7: bit pair
 //                2j (j = 0, 1) of a byte is the high pair of the low nibbles of low run (h, j, k) at
 //                that byte, pair 2 + 2j of its high nibbles
+//
+// iq4_xs_r8: IQ4_XS's rows alike, each group super-block 8 x 136 bytes (benchmarks/iq4xs_r8_patterns.cpp
+// measured this layout's kernel apart first):
+//   kX8D          8 x d (float16)
+//   kX8ScalesLow  the rows' 4 bytes of low scale nibbles as dword r, so sub-block s's is bits 4s .. 4s + 3
+//   kX8ScalesHigh the rows' 16-bit words of high bit pairs as word r (sub-block s's at bits 2s, 2s + 1)
+//   kX8Codes      per sub-block s two 64-byte runs t, each the 8 rows' 8 bytes (row r at 8 r): byte j
+//                 holds the indices of inputs 32s + 16t + j (low nibble) and 32s + 16t + 8 + j (high),
+//                 so a qword broadcast of 8 activation codes meets lane 2r (inputs 0-3 and 8-11 of each
+//                 16) and 2r + 1 (4-7 and 12-15), the lanes offsets8's natural order starts
 constexpr int64_t kR8Rows = 8;
 constexpr int64_t kR8D = 0, kR8DMin = 16, kR8Scales = 32, kR8Codes = 128, kR8High = 1152;
 constexpr int64_t kQ6R8D = 0, kQ6R8Scales = 16, kQ6R8Low = 144, kQ6R8High = 1168;
+constexpr int64_t kX8D = 0, kX8ScalesLow = 16, kX8ScalesHigh = 48, kX8Codes = 64;
 constexpr int64_t group_block_bytes(int64_t f) { return kR8Rows * block_bytes(f); }
 
 // Row r's Q6_K super-block as GGUF stores it (ql, qh, scales, d: 210 bytes) into / out of its
@@ -102,12 +117,44 @@ __attribute__((always_inline)) inline void q6_r8_load(const uint8_t* group, int 
   for (int run = 0; run < 8; ++run) std::memcpy(block + 128 + 8 * run, group + kQ6R8High + 64 * run + 8 * r, 8);
 }
 
+// Row r's IQ4_XS super-block as GGUF stores it (d, scales_h, scales_l, then 16 index bytes a
+// sub-block: byte i's low nibble input i, its high one input 16 + i) into / out of its group's
+// iq4_xs_r8 super-block: the nibbles of bytes i and 8 + i (i < 8) of a sub-block pair up anew.
+__attribute__((always_inline)) inline void iq4xs_r8_store(const uint8_t* block, int r, uint8_t* group) {
+  std::memcpy(group + kX8D + 2 * r, block, 2);
+  std::memcpy(group + kX8ScalesHigh + 2 * r, block + 2, 2);
+  std::memcpy(group + kX8ScalesLow + 4 * r, block + 4, 4);
+  for (int s = 0; s < 8; ++s) {
+    const uint8_t* q = block + 8 + 16 * s;
+    uint8_t* run = group + kX8Codes + 128 * s + 8 * r;
+    for (int j = 0; j < 8; ++j) {
+      run[j] = static_cast<uint8_t>((q[j] & 0x0F) | (q[8 + j] << 4));
+      run[64 + j] = static_cast<uint8_t>((q[j] >> 4) | (q[8 + j] & 0xF0));
+    }
+  }
+}
+__attribute__((always_inline)) inline void iq4xs_r8_load(const uint8_t* group, int r, uint8_t* block) {
+  std::memcpy(block, group + kX8D + 2 * r, 2);
+  std::memcpy(block + 2, group + kX8ScalesHigh + 2 * r, 2);
+  std::memcpy(block + 4, group + kX8ScalesLow + 4 * r, 4);
+  for (int s = 0; s < 8; ++s) {
+    const uint8_t* run = group + kX8Codes + 128 * s + 8 * r;
+    uint8_t* q = block + 8 + 16 * s;
+    for (int j = 0; j < 8; ++j) {
+      q[j] = static_cast<uint8_t>((run[j] & 0x0F) | (run[64 + j] << 4));
+      q[8 + j] = static_cast<uint8_t>((run[j] >> 4) | (run[64 + j] & 0xF0));
+    }
+  }
+}
+
 // Row r's super-block as GGUF stores it (Q4_K: 144 bytes; Q5_K: 176, its qh before its codes;
-// Q6_K: 210) into / out of its group's super-block of format F.
+// Q6_K: 210; IQ4_XS: 136) into / out of its group's super-block of format F.
 template <int64_t F>
 __attribute__((always_inline)) inline void r8_store(const uint8_t* block, int r, uint8_t* group) {
   if constexpr (F == kQ6KR8) {
     q6_r8_store(block, r, group);
+  } else if constexpr (F == kIQ4XSR8) {
+    iq4xs_r8_store(block, r, group);
   } else {
     constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
     std::memcpy(group + kR8D + 2 * r, block, 2);
@@ -124,6 +171,8 @@ template <int64_t F>
 __attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, uint8_t* block) {
   if constexpr (F == kQ6KR8) {
     q6_r8_load(group, r, block);
+  } else if constexpr (F == kIQ4XSR8) {
+    iq4xs_r8_load(group, r, block);
   } else {
     constexpr int64_t codes = F == kQ5KR8 ? 48 : 16;
     std::memcpy(block, group + kR8D + 2 * r, 2);
@@ -147,9 +196,11 @@ inline bool has_vnni() {
 }
 
 // Whether format f's row kernel on path isa for `rows` rows of x (pick's) reads the activations'
-// offsets8 (above): q6_k_r8's, and one row of IQ4_XS on VNNI (iq4_linear.cpp).
+// offsets8 (above): q6_k_r8's and iq4_xs_r8's (natural order), and one row of IQ4_XS on VNNI
+// (iq4_linear.cpp, kIQ4Order).
 inline bool reads_offsets(Isa isa, int64_t f, int64_t rows) {
-  return f == kQ6KR8 || (f == kIQ4XS && rows == 1 && isa == kAvx512 && has_vnni());
+  return f == kQ6KR8 || (f == kIQ4XSR8 && isa == kAvx512 && has_vnni()) ||
+         (f == kIQ4XS && rows == 1 && isa == kAvx512 && has_vnni());
 }
 
 // How the activation codes of a row are laid out, so that one load meets the nibbles a weight
@@ -198,11 +249,11 @@ using RowFn = void (*)(const uint8_t* w, int64_t nb, const ActivationsK& a, int6
 RowFn pick_iq4(Isa isa, int64_t format, int rows);
 // Q6_K rows on AVX-512 VNNI (kquant_q6k.cpp), for 1..8 rows of x (8: any more).
 RowFn pick_q6k_vnni(int rows);
-// q4_k_r8 / q5_k_r8 / q6_k_r8 (kquant_r8.cpp, kquant_q6k.cpp; `format`), for 1..8 rows of x: a
+// q4_k_r8 / q5_k_r8 / q6_k_r8 / iq4_xs_r8 (kquant_r8.cpp, kquant_q6k.cpp; `format`), for 1..8 rows of x: a
 // call takes w at a group's first super-block and writes its 8 rows, y[m * N + r] for r < 8.
 RowFn pick_r8(Isa isa, int64_t format, int rows);
 // q6_k_r8 on AVX-512 VNNI (kquant_q6k.cpp); elsewhere its groups go through the Q6_K row kernels
-// a row at a time (kquant_r8.cpp).
+// a row at a time (kquant_linear.cpp), as iq4_xs_r8's go through IQ4_XS's.
 RowFn pick_q6k_r8_vnni(int rows);
 
 // Rows m0..m1 of x [M, K] into a (sized for M rows already) as llama.cpp's quantize_row_q8_K_ref

@@ -93,12 +93,14 @@ def kquant_isa() -> str:
     return _ISA_NAMES[int(torch.ops.genfn_kquant.kquant_isa())]
 
 
-def q6_k_r8_runs() -> bool:
-    """Whether ``q6_k_r8``'s group kernel runs here (the native library's answer: its AVX-512 path
-    on a CPU with VNNI). Elsewhere a ``q6_k_r8`` group goes a row at a time through Q6_K's row kernel
-    (the same bits, slower than Q6_K as stored), so the GGUF loader interleaves Q6_K only where this
-    holds."""
-    return kquant_available() and bool(torch.ops.genfn_kquant.kquant_own_kernel_runs(FORMAT_ID["q6_k_r8"]))
+def group_kernel_runs(fmt: str) -> bool:
+    """Whether interleaved format ``fmt``'s group kernel runs here (the native library's answer):
+    ``q6_k_r8``'s and ``iq4_xs_r8``'s need its AVX-512 path on a CPU with VNNI, and elsewhere their
+    groups go a row at a time through the stored format's row kernel (the same bits, slower than the
+    format as stored), so the GGUF loader interleaves Q6_K and IQ4_XS only where this holds."""
+    if fmt not in INTERLEAVED:
+        raise ValueError(f"group_kernel_runs: fmt must be one of {sorted(INTERLEAVED)}, got {fmt!r}")
+    return kquant_available() and bool(torch.ops.genfn_kquant.kquant_own_kernel_runs(FORMAT_ID[fmt]))
 
 
 def force_isa(isa: str | None) -> str:

@@ -24,7 +24,7 @@
 // as iq4_linear.cpp's kernels reduce it (on AVX2, where the pairs of vpmaddubsw would overflow such
 // codes, the values stay signed and the product takes w's sign onto q).
 // The GEMM keeps no layout of its own: it reads the rows as the loader left them (as stored, or
-// interleaved 8 to a group: q4_k_r8, q5_k_r8, q6_k_r8), and the panel (16 bytes per input, 32 KiB at
+// interleaved 8 to a group: q4_k_r8, q5_k_r8, q6_k_r8, iq4_xs_r8), and the panel (16 bytes per input, 32 KiB at
 // K = 2048) is rebuilt per call: a 16-row product of an 8192 x 2048
 // matrix, unpacking included, took 1.07 ms on two Zen 4 cores.
 #include <ATen/Parallel.h>
@@ -51,7 +51,9 @@ constexpr int groups_of(int64_t format) { return stored_format(format) == kQ6K ?
 constexpr int pairs_of(int64_t format) { return stored_format(format) == kQ6K ? 8 : 4; }
 // Formats whose "minimums" are an offset of the codes (Q6_K's 32, IQ4_XS's 128 on VNNI), taken off
 // the integer sum before its one multiply-add; Q4_K/Q5_K's are a second term with their own dmin.
-constexpr bool offset_of_codes(int64_t format) { return stored_format(format) == kQ6K || format == kIQ4XS; }
+constexpr bool offset_of_codes(int64_t format) {
+  return stored_format(format) == kQ6K || stored_format(format) == kIQ4XS;
+}
 
 // One tile of the weight, unpacked (see the top of this file).
 struct Panel {
@@ -146,8 +148,8 @@ GENFN_AVX2 void unpack_block(const uint8_t* w, uint8_t* codes, int* scale, int* 
 }
 
 // Weight rows n0 .. n0 + rows - 1 (rows <= 16; the rest of the tile is zeros) into p; for_avx2: the
-// AVX2 kernel's panel (scales as int16 pairs, IQ4_XS's values signed). q4_k_r8 and
-// q5_k_r8, q6_k_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
+// AVX2 kernel's panel (scales as int16 pairs, IQ4_XS's values signed). q4_k_r8, q5_k_r8,
+// q6_k_r8 and iq4_xs_r8: a tile is two whole groups, each row's super-block put back as the file stores it first.
 template <int64_t F>
 GENFN_AVX2 void unpack_tile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, bool for_avx2, Panel& p) {
   constexpr int kGroups = groups_of(F), kPairs = pairs_of(F);
@@ -354,7 +356,7 @@ PanelFn pick_panel(bool vnni, int rows) {
       default: return &panel_avx512<8, kGroups, kPairs, kOffset>;
     }
   }
-  constexpr bool kSigned = F == kIQ4XS;
+  constexpr bool kSigned = stored_format(F) == kIQ4XS;
   switch (rows) {
     case 1: return &panel_avx2<1, kGroups, kPairs, kOffset, kSigned>;
     case 2: return &panel_avx2<2, kGroups, kPairs, kOffset, kSigned>;
@@ -400,6 +402,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   else if (format == kQ4KR8) run_tiles<kQ4KR8>(a, w, N, y, vnni);
   else if (format == kQ5KR8) run_tiles<kQ5KR8>(a, w, N, y, vnni);
   else if (format == kQ6KR8) run_tiles<kQ6KR8>(a, w, N, y, vnni);
+  else if (format == kIQ4XSR8) run_tiles<kIQ4XSR8>(a, w, N, y, vnni);
   else if (format == kQ5K) run_tiles<kQ5K>(a, w, N, y, vnni);
   else if (format == kIQ4XS) run_tiles<kIQ4XS>(a, w, N, y, vnni);
   else run_tiles<kQ6K>(a, w, N, y, vnni);

@@ -242,29 +242,37 @@ RowFn pick_row(Isa isa, int rows) {
   GENFN_ROW_CASES(rows, row_avx2, F)
 }
 
-// q6_k_r8 where its VNNI kernel cannot run (AVX2, or AVX-512 without VNNI: where the loader keeps
-// Q6_K as stored, so only for a weight repacked elsewhere): each of the group's rows put back as
-// stored, then the Q6_K row kernel, so the same integers and floats, the same bits.
-template <int M>
-void q6k_r8_by_rows(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+// q6_k_r8 or iq4_xs_r8 (F) where its VNNI kernel cannot run (AVX2, or AVX-512 without VNNI: where
+// the loader keeps Q6_K and IQ4_XS as stored, so only for a weight repacked elsewhere): each of the
+// group's rows put back as stored, then the stored format's AVX2 row kernel (which reads the codes in
+// natural order, as activation_order lays them out for an interleaved format), so the same integers
+// and floats, the same bits.
+template <int M, int64_t F>
+void r8_by_rows(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  constexpr int64_t stored = stored_format(F);
+  const RowFn row_kernel = stored == kQ6K ? &row_avx2<M, kQ6K> : pick_iq4(kAvx2, stored, M);
   thread_local std::vector<uint8_t> row;
-  row.resize(nb * block_bytes(kQ6K));
+  row.resize(nb * block_bytes(stored));
   for (int r = 0; r < kR8Rows; ++r) {
-    for (int64_t b = 0; b < nb; ++b)
-      r8_load<kQ6KR8>(w + b * group_block_bytes(kQ6KR8), r, row.data() + b * block_bytes(kQ6K));
-    row_avx2<M, kQ6K>(row.data(), nb, a, m0, y + r, N);
+    for (int64_t b = 0; b < nb; ++b) r8_load<F>(w + b * group_block_bytes(F), r, row.data() + b * block_bytes(stored));
+    row_kernel(row.data(), nb, a, m0, y + r, N);
   }
 }
 
-// Whether a format's rows take its own kernel on path `isa`: q6_k_r8's group kernel needs AVX-512
-// VNNI, and elsewhere pick() takes its groups a row at a time through Q6_K's kernel (the same bits,
-// slower than Q6_K as stored), so the GGUF loader asks this (kquant_own_kernel_runs) before it
-// interleaves Q6_K.
-bool own_kernel_runs(Isa isa, int64_t format) { return format != kQ6KR8 || (isa == kAvx512 && has_vnni()); }
+// Whether a format's rows take its own kernel on path `isa`: q6_k_r8's and iq4_xs_r8's group kernels
+// need AVX-512 VNNI, and elsewhere pick() takes their groups a row at a time through the stored
+// format's kernel (the same bits, slower than the format as stored), so the GGUF loader asks this
+// (kquant_own_kernel_runs) before it interleaves Q6_K or IQ4_XS.
+bool own_kernel_runs(Isa isa, int64_t format) {
+  return (format != kQ6KR8 && format != kIQ4XSR8) || (isa == kAvx512 && has_vnni());
+}
 
 RowFn pick(Isa isa, int64_t format, int rows) {
   if (format == kIQ4NL || format == kIQ4XS) return pick_iq4(isa, format, rows);
-  if (!own_kernel_runs(isa, format)) { GENFN_ROW_CASES(rows, q6k_r8_by_rows) }
+  if (!own_kernel_runs(isa, format)) {
+    if (format == kQ6KR8) { GENFN_ROW_CASES(rows, r8_by_rows, kQ6KR8) }
+    GENFN_ROW_CASES(rows, r8_by_rows, kIQ4XSR8)
+  }
   if (interleaved(format)) return pick_r8(isa, format, rows);
   if (format == kQ4K) return pick_row<kQ4K>(isa, rows);
   if (format == kQ5K) return pick_row<kQ5K>(isa, rows);
@@ -392,7 +400,8 @@ constexpr LayerEntry kLayerEntry{layer_entry_key(), &prepare_shared, &linear_sha
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t format, int64_t out_features,
                          bool row_kernels) {
   TORCH_CHECK(format >= kQ4K && format <= kLastFormat,
-              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8), 6 (q5_k_r8) or 7 (q6_k_r8), got ",
+              "kquant_linear: format must be 0 (q4_k), 1 (q5_k), 2 (q6_k), 3 (iq4_nl), 4 (iq4_xs), 5 (q4_k_r8), 6 (q5_k_r8), "
+              "7 (q6_k_r8) or 8 (iq4_xs_r8), got ",
               format);
   const Isa isa = active_isa();
   TORCH_CHECK(isa != kNone, "kquant_linear: the K-quant kernels need an x86-64 CPU with AVX2, FMA and F16C (or AVX-512); "

@@ -1,6 +1,6 @@
 // An embedding lookup in a K-quant table: the float32 values of a few rows of a KQuantWeight, in
 // any format the library holds (Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, and the 8-row groups q4_k_r8,
-// q5_k_r8, q6_k_r8), so a model whose token table stays in the file's format never dequantizes
+// q5_k_r8, q6_k_r8, iq4_xs_r8), so a model whose token table stays in the file's format never dequantizes
 // more of it than the step's tokens.
 //
 //   kquant_lookup(data [rows, row bytes], format, out_features, index [n]) -> float32 [n, inputs]
@@ -136,6 +136,7 @@ at::Tensor kquant_lookup(const at::Tensor& data, int64_t format, int64_t out_fea
     if (format == kQ4KR8) interleaved_row<kQ4KR8>(d, row[t], nb, values);
     else if (format == kQ5KR8) interleaved_row<kQ5KR8>(d, row[t], nb, values);
     else if (format == kQ6KR8) interleaved_row<kQ6KR8>(d, row[t], nb, values);
+    else if (format == kIQ4XSR8) interleaved_row<kIQ4XSR8>(d, row[t], nb, values);
     else
       for (int64_t b = 0; b < nb; ++b) dequantize_block(format, d + (row[t] * nb + b) * block, values + b * inputs);
   }

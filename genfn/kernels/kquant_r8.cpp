@@ -1,7 +1,7 @@
-// Q4_K and Q5_K rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8"), and the row
-// kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's SharedLinear runs
-// them as it runs the other formats' rows); the repack and unpack ops serve Q6_K's groups too
-// ("q6_k_r8", whose row kernel is in kquant_q6k.cpp). The layout of a group's super-block is in
+// Q4_K, Q5_K and IQ4_XS rows interleaved 8 to a group at load ("q4_k_r8", "q5_k_r8", "iq4_xs_r8"),
+// and the row kernels over them, for the decode steps' few rows of x (kquant_linear.cpp's
+// SharedLinear runs them as it runs the other formats' rows); the repack and unpack ops serve Q6_K's
+// groups too ("q6_k_r8", whose row kernel is in kquant_q6k.cpp). The layout of a group's super-block is in
 // kquant.h (kR8*, kQ6R8*); the idea is ik_llama.cpp's q4_k_r8, the layout and the kernels are
 // genfn's own.
 //
@@ -170,6 +170,67 @@ GENFN_VNNI void rows_r8_avx512(const uint8_t* w, int64_t nb, const ActivationsK&
   for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
 }
 
+// iq4_xs_r8 (kquant.h's kX8 layout) against rows m0 .. m0 + M - 1 of x: writes y[m * N + r], r < 8.
+// The table's values plus 128 are the unsigned side of vpdpbusd, the codes the signed one, and each
+// lane starts from -128 times the codes it meets (offsets8 in natural order: q6_k_r8's starts, -32
+// times the same quads, taken four times over a sub-block's two 16-input groups), so it holds
+// sum w x over its 16 inputs of the sub-block (at most 16 x 127 x 127: past an int16, so vpmulld
+// applies the sub-block's scale). A row's two lanes then add to the super-block's exact integer,
+// the file layout's, added as add_block adds it: the same bits as IQ4_XS's row kernels and GEMM.
+// In a microbenchmark (benchmarks/iq4xs_r8_patterns.cpp, one thread, in L3) this reads about twice
+// the file layout's bytes a second.
+template <int M>
+GENFN_VNNI void rows_iq4xs_r8(const uint8_t* w, int64_t nb, const ActivationsK& a, int64_t m0, float* y, int64_t N) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t K = a.K;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesPlus128)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i dup = _mm512_load_si512(kR8Index.dup);
+  StreamFetch<M> fetch(w);
+  constexpr int64_t group_bytes = group_block_bytes(kIQ4XSR8);
+  for (int64_t b = 0; b < nb; ++b, w += group_bytes) {
+    fetch.through(w + group_bytes);
+    // Each row's scale fields in its two lanes.
+    const __m512i low_nibbles = _mm512_permutexvar_epi32(
+        dup, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kX8ScalesLow))));
+    const __m512i high_pairs = _mm512_permutexvar_epi32(
+        dup, _mm512_castsi256_si512(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8ScalesHigh)))));
+    __m512i sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const __m512i low = _mm512_and_si512(_mm512_srli_epi32(low_nibbles, 4 * s), _mm512_set1_epi32(0x0F));
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi32(high_pairs, 2 * s), _mm512_set1_epi32(0x03));
+      const __m512i scale = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+      __m512i values[4];  // runs 0 and 1, low then high nibbles
+      for (int t = 0; t < 2; ++t) {
+        const __m512i q = _mm512_loadu_si512(w + kX8Codes + 128 * s + 64 * t);
+        values[2 * t] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low4));
+        values[2 * t + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+      }
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.codes.data() + (m0 + m) * K + b * kSuper + 32 * s;
+        // offsets8 [e, o, e', o'] of the sub-block's two 16-input groups: the lanes start at 4 (e + e'), 4 (o + o').
+        const __m128i quads = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.offsets8.data() + (m0 + m) * (K / 8) +
+                                                                               b * (kSuper / 8) + 4 * s));
+        __m512i dot = _mm512_broadcastq_epi64(_mm_slli_epi32(_mm_add_epi32(quads, _mm_unpackhi_epi64(quads, quads)), 2));
+        for (int j = 0; j < 4; ++j) {
+          int64_t codes;
+          std::memcpy(&codes, x + 8 * j, 8);
+          dot = _mm512_dpbusd_epi32(dot, values[j], _mm512_set1_epi64(codes));
+        }
+        sum[m] = _mm512_add_epi32(sum[m], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kX8D)));
+    for (int m = 0; m < M; ++m)
+      acc[m] = add_block(acc[m], _mm512_cvtepi64_epi32(pair_total(sum[m])),
+                         _mm256_mul_ps(d, _mm256_set1_ps(a.scale[(m0 + m) * nb + b])));
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * N, acc[m]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2: each 64-byte run as two halves (rows 0-3, rows 4-7), vpmaddubsw then vpmaddwd against the
 // group's scale in both int16 halves (the products of 16 inputs times the scale: the same integers)
@@ -260,11 +321,12 @@ void repack_rows(const uint8_t* src, const int64_t* order, int64_t r0, int64_t r
 }
 
 int64_t check_interleaved_format(int64_t format, const char* op) {
-  TORCH_CHECK(interleaved(format), op, ": format must be 5 (q4_k_r8), 6 (q5_k_r8) or 7 (q6_k_r8), got ", format);
+  TORCH_CHECK(interleaved(format), op, ": format must be 5 (q4_k_r8), 6 (q5_k_r8), 7 (q6_k_r8) or 8 (iq4_xs_r8), got ",
+              format);
   return block_bytes(format);
 }
 
-// out [N, row bytes] = the Q4_K (format 5), Q5_K (6) or Q6_K (7) rows of src [rows, row bytes] (its rows
+// out [N, row bytes] = the Q4_K (format 5), Q5_K (6), Q6_K (7) or IQ4_XS (8) rows of src [rows, row bytes] (its rows
 // `rows` in order, or all of them) in 8-row groups, shared out over torch's threads.
 void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& rows, at::Tensor& out, int64_t format) {
   const int64_t block = check_interleaved_format(format, "kquant_repack_r8");
@@ -290,7 +352,8 @@ void kquant_repack_r8(const at::Tensor& src, const c10::optional<at::Tensor>& ro
   at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
     if (format == kQ4KR8) repack_rows<kQ4KR8>(s, order, 8 * g0, 8 * g1, nb, o);
     else if (format == kQ5KR8) repack_rows<kQ5KR8>(s, order, 8 * g0, 8 * g1, nb, o);
-    else repack_rows<kQ6KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+    else if (format == kQ6KR8) repack_rows<kQ6KR8>(s, order, 8 * g0, 8 * g1, nb, o);
+    else repack_rows<kIQ4XSR8>(s, order, 8 * g0, 8 * g1, nb, o);
   });
 }
 
@@ -316,7 +379,8 @@ void kquant_unpack_r8(const at::Tensor& src, at::Tensor& out, int64_t format) {
   at::parallel_for(0, src.size(0), 64, [&](int64_t n0, int64_t n1) {
     if (format == kQ4KR8) unpack_rows<kQ4KR8>(s, n0, n1, nb, o);
     else if (format == kQ5KR8) unpack_rows<kQ5KR8>(s, n0, n1, nb, o);
-    else unpack_rows<kQ6KR8>(s, n0, n1, nb, o);
+    else if (format == kQ6KR8) unpack_rows<kQ6KR8>(s, n0, n1, nb, o);
+    else unpack_rows<kIQ4XSR8>(s, n0, n1, nb, o);
   });
 }
 
@@ -327,6 +391,10 @@ RowFn pick_r8(Isa isa, int64_t format, int rows) {
   if (format == kQ6KR8) {  // VNNI only: kquant_linear.cpp's pick takes it a row at a time elsewhere
     TORCH_CHECK(vnni, "q6_k_r8's group kernel needs AVX-512 VNNI");
     return pick_q6k_r8_vnni(rows);
+  }
+  if (format == kIQ4XSR8) {  // likewise
+    TORCH_CHECK(vnni, "iq4_xs_r8's group kernel needs AVX-512 VNNI");
+    GENFN_ROW_CASES(rows, rows_iq4xs_r8)
   }
   if (format == kQ5KR8) {
     if (vnni) { GENFN_ROW_CASES(rows, rows_r8_avx512, kQ5KR8) }

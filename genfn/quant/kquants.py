@@ -14,9 +14,10 @@ of 16 values (``genfn.quant.iq4``); ``KQuantWeight`` holds them too (formats ``i
 
 ``q4_k_r8`` is Q4_K with its rows interleaved 8 to a group (``repack_r8``; the layout is in
 ``genfn/kernels/kquant.h``), the same bytes rearranged so that the decode kernel's one activation
-load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8`` and ``q6_k_r8`` are Q5_K and Q6_K alike. The GGUF
-loader repacks every matrix a decode step reads whole so (a layer's, the LM head, a tied embedding),
-its Q6_K ones where the CPU has AVX-512 VNNI (q6_k_r8's kernel); a row of such ``data`` is no one
+load serves 8 rows (``kquant_r8.cpp``); ``q5_k_r8``, ``q6_k_r8`` and ``iq4_xs_r8`` are Q5_K, Q6_K and
+IQ4_XS alike (IQ4_XS's index nibbles paired anew). The GGUF loader repacks every matrix a decode step
+reads whole so (a layer's, the LM head, a tied embedding), its Q6_K and IQ4_XS ones where the CPU has
+AVX-512 VNNI (their group kernels' ISA); a row of such ``data`` is no one
 matrix row, and ``dequantize``/``map_rows`` put the rows back first (``genfn.kernels.embedding`` a
 token's group of 8).
 
@@ -46,14 +47,14 @@ __all__ = ["KQuantWeight", "K_FORMATS", "GGUF_K_FORMATS", "SUPER_BLOCK", "BLOCK_
 
 SUPER_BLOCK = 256
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, **IQ4_BLOCK_BYTES, "q4_k_r8": 144, "q5_k_r8": 176,
-               "q6_k_r8": 210}
+               "q6_k_r8": 210, "iq4_xs_r8": 136}
 # Inputs per block; the activations are quantized with one scale per as many inputs.
 BLOCK_INPUTS = {"q4_k": SUPER_BLOCK, "q5_k": SUPER_BLOCK, "q6_k": SUPER_BLOCK, **IQ4_BLOCK_INPUTS,
-                "q4_k_r8": SUPER_BLOCK, "q5_k_r8": SUPER_BLOCK, "q6_k_r8": SUPER_BLOCK}
+                "q4_k_r8": SUPER_BLOCK, "q5_k_r8": SUPER_BLOCK, "q6_k_r8": SUPER_BLOCK, "iq4_xs_r8": SUPER_BLOCK}
 # Rows per group of the interleaved formats.
 R8_ROWS = 8
 # The interleaved formats and the file's format each rearranges.
-INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k", "q6_k_r8": "q6_k"}
+INTERLEAVED = {"q4_k_r8": "q4_k", "q5_k_r8": "q5_k", "q6_k_r8": "q6_k", "iq4_xs_r8": "iq4_xs"}
 # The other way: the interleaved format of a stored one that has one.
 INTERLEAVED_OF = {stored: fmt for fmt, stored in INTERLEAVED.items()}
 # ggml type names -> format: the GGUF types kept as ``KQuantWeight`` blocks.
@@ -136,9 +137,17 @@ def cat_k(parts: list) -> KQuantWeight:
 
 def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
     """The fields of an interleaved super-block (d, dmin, scales, codes; Q5_K's fifth bits after;
-    Q6_K's d, scales, low and high runs), each with the 8 rows of a group as the interleaved layout
-    has them (kquant.h), from ``groups [G, super-blocks, 8, block bytes]``."""
+    Q6_K's d, scales, low and high runs; IQ4_XS's d, low and high scale bits, index runs), each with
+    the 8 rows of a group as the interleaved layout has them (kquant.h), from ``groups [G,
+    super-blocks, 8, block bytes]``."""
     g, nb, _, size = groups.shape
+    if size == BLOCK_BYTES["iq4_xs"]:
+        # Sub-block s's bytes j and 8 + j (j < 8) of each row: run 0 pairs their low nibbles, run 1 their high.
+        q = groups[..., 8:].reshape(g, nb, 8, 8, 2, 8)
+        low, high = q & 0x0F, q >> 4
+        runs = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), high[..., 0, :] | (high[..., 1, :] << 4)], dim=4)
+        return [groups[..., 0:2].reshape(g, nb, 16), groups[..., 4:8].reshape(g, nb, 32),
+                groups[..., 2:4].reshape(g, nb, 16), runs.permute(0, 1, 3, 4, 2, 5).reshape(g, nb, 1024)]
     if size == BLOCK_BYTES["q6_k"]:
         return [groups[..., 208:210].reshape(g, nb, 16), groups[..., 192:208].transpose(2, 3).reshape(g, nb, 128),
                 groups[..., :128].reshape(g, nb, 8, 16, 8).transpose(2, 3).reshape(g, nb, 1024),
@@ -153,11 +162,11 @@ def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
 
 
 def repack_r8(weight: KQuantWeight) -> KQuantWeight:
-    """A Q4_K, Q5_K or Q6_K matrix with its rows interleaved 8 to a group (``q4_k_r8``, ``q5_k_r8``,
-    ``q6_k_r8``; rows a multiple of 8)."""
+    """A Q4_K, Q5_K, Q6_K or IQ4_XS matrix with its rows interleaved 8 to a group (``q4_k_r8``,
+    ``q5_k_r8``, ``q6_k_r8``, ``iq4_xs_r8``; rows a multiple of 8)."""
     if weight.format not in INTERLEAVED_OF or weight.out_features % R8_ROWS:
-        raise ValueError(f"repack_r8 needs a q4_k, q5_k or q6_k weight whose rows are a multiple of {R8_ROWS}; "
-                         f"got {weight!r}")
+        raise ValueError(f"repack_r8 needs a q4_k, q5_k, q6_k or iq4_xs weight whose rows are a multiple of "
+                         f"{R8_ROWS}; got {weight!r}")
     n, row_bytes = weight.data.shape
     size = BLOCK_BYTES[weight.format]
     groups = weight.data.reshape(n // R8_ROWS, R8_ROWS, -1, size).transpose(1, 2)
@@ -168,12 +177,20 @@ def repack_r8(weight: KQuantWeight) -> KQuantWeight:
 def unpack_r8(weight: KQuantWeight) -> KQuantWeight:
     """``repack_r8``'s inverse: the rows as GGUF stores them, byte for byte."""
     if weight.format not in INTERLEAVED:
-        raise ValueError(f"unpack_r8 needs a q4_k_r8, q5_k_r8 or q6_k_r8 weight; got {weight!r}")
+        raise ValueError(f"unpack_r8 needs a q4_k_r8, q5_k_r8, q6_k_r8 or iq4_xs_r8 weight; got {weight!r}")
     stored = INTERLEAVED[weight.format]
     size = BLOCK_BYTES[stored]
     n, row_bytes = weight.data.shape
     g, nb = n // R8_ROWS, row_bytes // size
     blocks = weight.data.reshape(g, nb, R8_ROWS * size)
+    if stored == "iq4_xs":  # as stored: d, scales_h, scales_l, then 16 index bytes a sub-block
+        runs = blocks[..., 64:].reshape(g, nb, 8, 2, 8, 8).permute(0, 1, 4, 2, 3, 5)  # [g, nb, row, s, run, j]
+        low, high = runs & 0x0F, runs >> 4
+        q = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), high[..., 0, :] | (high[..., 1, :] << 4)], dim=4)
+        fields = [blocks[..., 0:16].reshape(g, nb, 8, 2), blocks[..., 48:64].reshape(g, nb, 8, 2),
+                  blocks[..., 16:48].reshape(g, nb, 8, 4), q.reshape(g, nb, 8, 128)]
+        rows = torch.cat(fields, dim=-1).transpose(1, 2).reshape(n, row_bytes)
+        return KQuantWeight(rows, stored, weight.out_features, weight.in_features)
     if stored == "q6_k":  # as stored: ql, qh, scales, d
         fields = [blocks[..., 144:1168].reshape(g, nb, 16, 8, 8).transpose(2, 3).reshape(g, nb, 8, 128),
                   blocks[..., 1168:].reshape(g, nb, 8, 8, 8).transpose(2, 3).reshape(g, nb, 8, 64),

@@ -221,18 +221,18 @@ def _write_run(gguf, run: list[str], row_order, arena) -> dict[str, QuantizedWei
 
 
 def _interleaved(gguf, run: list[str], type_name: str, rows: list[int]) -> bool:
-    """Whether a run is Q4_K, Q5_K or Q6_K matrices that every decode step reads whole (a layer's,
-    the LM head, a tied embedding: ``_streamed``), which the native kernels read interleaved 8 rows
-    to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``; Q6_K only where the K-quant kernels run AVX-512
-    VNNI, which q6_k_r8's kernel needs: elsewhere it would run a row at a time through the stored
-    rows' kernel). A tied embedding's lookup puts a token's group of rows back
+    """Whether a run is Q4_K, Q5_K, Q6_K or IQ4_XS matrices that every decode step reads whole (a
+    layer's, the LM head, a tied embedding: ``_streamed``), which the native kernels read interleaved
+    8 rows to a group (``q4_k_r8``, ``q5_k_r8``, ``q6_k_r8``, ``iq4_xs_r8``; Q6_K and IQ4_XS only where
+    their group kernels run, on AVX-512 VNNI: elsewhere they would run a row at a time through the
+    stored rows' kernel). A tied embedding's lookup puts a token's group of rows back
     (``genfn.kernels.embedding``); an embedding beside its own head keeps the file's rows.
     ``GENFN_Q4K_R8=0`` in the environment keeps every matrix as stored."""
     fmt = GGUF_K_FORMATS.get(type_name)
     return (fmt in INTERLEAVED_OF and _streamed(gguf, run)
             and all(n % 8 == 0 for n in rows) and os.environ.get("GENFN_Q4K_R8", "1") != "0"
             and kquant.kquant_available()
-            and (fmt != "q6_k" or kquant.q6_k_r8_runs()))
+            and (fmt not in ("q6_k", "iq4_xs") or kquant.group_kernel_runs(INTERLEAVED_OF[fmt])))
 
 
 def _streamed(gguf, run: list[str]) -> bool:
@@ -244,7 +244,7 @@ def _streamed(gguf, run: list[str]) -> bool:
 
 
 def _write_r8_run(gguf, run, row_order, arena, rows, cols, fmt: str) -> dict[str, KQuantWeight]:
-    """A run of Q4_K, Q5_K or Q6_K matrices repacked (as ``fmt``) from the file mapping into the arena (huge
+    """A run of Q4_K, Q5_K, Q6_K or IQ4_XS matrices repacked (as ``fmt``) from the file mapping into the arena (huge
     pages where it has them; else ordinary pages, ``arena.empty`` either way), each matrix's mapping
     let go once written, so the peak holds one matrix twice at most."""
     data = arena.empty((sum(rows), gguf.raw(run[0]).shape[1]), torch.uint8)
