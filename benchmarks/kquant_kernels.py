@@ -20,8 +20,8 @@ products on the row kernels and on the GEMMs, interleaved.
 
     python benchmarks/kquant_kernels.py --gemm-ab --rows 512 --shape 1536x576
 
-``--stream``: Q8_0 and Q4_0 (quant_linear) against Q4_K and Q6_K (as stored and interleaved, ``q4_k_r8``,
-``q6_k_r8``; kquant_linear) at Llama-3.2-1B's shapes
+``--stream``: Q8_0 and Q4_0 (quant_linear) against Q4_K, Q6_K and IQ4_XS (as stored and interleaved,
+``q4_k_r8``, ``q6_k_r8``, ``iq4_xs_r8``; kquant_linear) at Llama-3.2-1B's shapes
 (q/o 2048 x 2048, k/v 512 x 2048, gate/up 8192 x 2048, down 2048 x 8192), each shape as several
 copies of the matrix called in turn, ``--stream-mb`` of them in all (default 128 MB, well past an
 L3), so every call reads its weight from memory: GB/s here is the kernel against DRAM, as in decode.
@@ -115,7 +115,7 @@ SHAPES_1B = (("q/o", 2048, 2048), ("k/v", 512, 2048), ("gate/up", 8192, 2048), (
 
 def stream(counts: list[int], rounds: int, megabytes: int) -> None:
     """GB/s per format, shape and row count, each call on a matrix out of cache (copies in turn)."""
-    formats = ("q8_0", "q4_0", "q4_k", "q4_k_r8", "q6_k", "q6_k_r8")
+    formats = ("q8_0", "q4_0", "q4_k", "q4_k_r8", "q6_k", "q6_k_r8", "iq4_xs", "iq4_xs_r8")
     results: dict[tuple[str, str, int], float] = {}
     copies: dict[tuple[str, str], list] = {}
     for name, rows_out, cols in SHAPES_1B:
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512, help="prompt length for --model")
     parser.add_argument("--decode-share", action="store_true",
                         help="with --model: a decode step's K-quant products by format and shape, against the step")
-    parser.add_argument("--stream", action="store_true", help="Q4_0/Q4_K/Q6_K at the 1B shapes, out of cache")
+    parser.add_argument("--stream", action="store_true", help="Q4_0/Q4_K/Q6_K/IQ4_XS at the 1B shapes, out of cache")
     parser.add_argument("--stream-mb", type=int, default=128, help="megabytes of copies per shape for --stream")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
