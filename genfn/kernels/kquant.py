@@ -95,9 +95,10 @@ def kquant_isa() -> str:
 
 def group_kernel_runs(fmt: str) -> bool:
     """Whether interleaved format ``fmt``'s group kernel runs here (the native library's answer):
-    ``q6_k_r8``'s and ``iq4_xs_r8``'s need its AVX-512 path on a CPU with VNNI, and elsewhere their
-    groups go a row at a time through the stored format's row kernel (the same bits, slower than the
-    format as stored), so the GGUF loader interleaves Q6_K and IQ4_XS only where this holds."""
+    ``q4_k_r8``'s and ``q5_k_r8``'s wherever the library loads; ``q6_k_r8``'s and ``iq4_xs_r8``'s on
+    its AVX-512 path on a CPU with VNNI, and elsewhere their groups go a row at a time through the
+    stored format's row kernel (the same bits, slower than the format as stored). The GGUF loader
+    interleaves a format only where this holds."""
     if fmt not in INTERLEAVED:
         raise ValueError(f"group_kernel_runs: fmt must be one of {sorted(INTERLEAVED)}, got {fmt!r}")
     return kquant_available() and bool(torch.ops.genfn_kquant.kquant_own_kernel_runs(FORMAT_ID[fmt]))

@@ -231,8 +231,7 @@ def _interleaved(gguf, run: list[str], type_name: str, rows: list[int]) -> bool:
     fmt = GGUF_K_FORMATS.get(type_name)
     return (fmt in INTERLEAVED_OF and _streamed(gguf, run)
             and all(n % 8 == 0 for n in rows) and os.environ.get("GENFN_Q4K_R8", "1") != "0"
-            and kquant.kquant_available()
-            and (fmt not in ("q6_k", "iq4_xs") or kquant.group_kernel_runs(INTERLEAVED_OF[fmt])))
+            and kquant.group_kernel_runs(INTERLEAVED_OF[fmt]))
 
 
 def _streamed(gguf, run: list[str]) -> bool:
