@@ -11,7 +11,8 @@ fixed 16-token prompt (static cache, eager unless ``--compiled``; ``min_new_toke
 token does not cut a decode short), the prefill subtracted: tok/s is
 (time(1 + n tokens) - time(1 token)) / n, best of 3 calls. Prints each round's tok/s, the formats
 the loader chose for the layers, whether both trees decoded the same tokens, and ``tensor.sum``'s
-read rate after each round (the memory's speed moves between minutes on a VM).
+read rate after each decode (``genfn.bench.decode.read_bandwidth_gbs``; the memory's speed moves
+between minutes on a VM).
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ for _ in range(3):
     one, _ = timed(1)
     many, out = timed(1 + n)
     best = min(best, (many - one) / n)
-x = torch.ones(256 << 20)
-x.sum()
-read = min((lambda t: (x.sum(), time.perf_counter() - t)[1])(time.perf_counter()) for _ in range(5))
-print(json.dumps({"tok_s": 1 / best, "formats": formats, "tokens": out[0].tolist(), "read_gb_s": x.numel() * 4 / read / 1e9}))
+from genfn.bench.decode import read_bandwidth_gbs
+read_gb_s = read_bandwidth_gbs()[0]  # tensor.sum's
+print(json.dumps({"tok_s": 1 / best, "formats": formats, "tokens": out[0].tolist(), "read_gb_s": read_gb_s}))
 """
 
 
