@@ -16,6 +16,9 @@ time compare. Engines:
     genfn-compiled  the same model, ``cache_implementation="static"`` (the step compiled)
     genfn-coded     genfn-compiled with an F16/BF16 file's linears coded in 12.2 bits, every weight
                     kept (``quantize="coded_bf16"``; a quantized file loads as for genfn-compiled)
+    genfn-avx2      genfn eager as a CPU without AVX-512 runs it (``genfn.bench.avx2``: no decode
+                    library, the K-quant kernels' AVX2 path); ``genfn-avx2-compiled`` compiled, the
+                    step's generated code 256 bits wide. Against a ``--llama-bench`` built for AVX2
     llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
     llama-bench     ``--llama-bench PATH``: a ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's;
                     extra flags with ``--llama-bench-args``, e.g. ``"-rtr 1"``), tg and pp512
@@ -51,12 +54,17 @@ PROMPT_LEN = 16
 # genfn's engines whose decode is put over each peer's: the compiled ones (the coded one over the
 # plain compiled one too), or the eager one where neither ran.
 _COMPILED = ("genfn-coded", "genfn-compiled")
+_AVX2 = ("genfn-avx2", "genfn-avx2-compiled")
+ENGINES = ("genfn", *_COMPILED, *_AVX2, "llama.cpp")
 
 
 def _pairs(present) -> list[tuple[str, str]]:
-    """(genfn engine, peer) among the engines `present`, in the order their ratios print."""
+    """(genfn engine, peer) among the engines `present`, in the order their ratios print; the AVX2
+    engines' compiled one, or their eager one where it did not run, over the peers too."""
     ours = [e for e in _COMPILED if e in present] or ["genfn"]
+    ours += [e for e in _AVX2[::-1] if e in present][:1]
     peers = {o: (("genfn-compiled",) if o == "genfn-coded" else ()) + ("llama.cpp", "llama-bench") for o in ours}
+    peers.update({o: ("genfn", "llama.cpp", "llama-bench") for o in _AVX2})
     return [(o, p) for o in ours for p in peers[o] if o in present and p in present]
 
 
@@ -113,6 +121,14 @@ def child(args) -> dict:
     if args.engine == "llama.cpp":
         from genfn.bench import llamacpp
     else:
+        if args.engine in _AVX2:
+            from genfn.bench.avx2 import run_as_avx2_cpu
+
+            run_as_avx2_cpu()
+            if args.engine == "genfn-avx2-compiled":
+                import torch._inductor.config
+
+                torch._inductor.config.cpp.simdlen = 256
         import genfn
         from genfn import kernels
 
@@ -144,7 +160,7 @@ def child(args) -> dict:
         same compiled graph (a cache of another length would be another graph, built in the call)."""
         if args.engine == "llama.cpp":
             return runner.generate(ids.tolist(), new_tokens)
-        compiled = args.engine in ("genfn-compiled", "genfn-coded")
+        compiled = args.engine in ("genfn-compiled", "genfn-coded", "genfn-avx2-compiled")
         extra = {"cache_implementation": "static", "max_cache_len": cache_len} if compiled else {}
         with torch.no_grad():
             return genfn.generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -355,7 +371,8 @@ def main(args) -> int:
 def add_arguments(ap) -> None:
     ap.add_argument("--model", default=None, help="GGUF files or HF directories, comma-separated")
     ap.add_argument("--model-engines", default="genfn,llama.cpp",
-                    help="with --model: genfn, genfn-compiled, genfn-coded, llama.cpp (comma list)")
+                    help="with --model: genfn, genfn-compiled, genfn-coded, genfn-avx2, genfn-avx2-compiled, "
+                         "llama.cpp (comma list)")
     ap.add_argument("--llama-bench", default=None, help="with --model: path of a llama-bench binary to run too")
     ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags, e.g. '-rtr 1' for ik_llama.cpp")
     ap.add_argument("--prefill", type=int, default=512, help="with --model: prompt length of the prefill test (0: none)")
@@ -367,6 +384,9 @@ def from_decode_args(args) -> int:
     """``benchmarks/model_bench.py --model ...``: the parsed options, lists split."""
     args.models = [m.strip() for m in args.model.split(",") if m.strip()]
     args.engines = [e.strip() for e in args.model_engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"--model-engines: {', '.join(unknown)} unknown; choose among {', '.join(ENGINES)}")
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     return main(args)
 

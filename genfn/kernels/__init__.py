@@ -370,9 +370,12 @@ _FORMAT_OF_KIND = {0: "q4_0", 1: "q4_1", 2: "q8_0", 3: "q5_0", 4: "q5_1"}
 _quant_native: bool | None = None
 
 
-def _define_reference_op() -> None:
-    """``quant_linear`` in plain torch, under the native op's name and schema, where the library
-    could not be built: compiled steps and eager calls see the same op either way."""
+def _define_fallback_op() -> None:
+    """``quant_linear`` under the native op's name and schema where the decode library cannot load
+    (a CPU without AVX-512, no compiler, ``GENFN_KERNELS=0``): the K-quant library's AVX2 kernel of
+    the same tiles (``tiles_avx2.cpp``: quant_linear.cpp's arithmetic, so its bits) where that
+    library runs, else plain torch. Compiled steps and eager calls see the same op either way."""
+    from genfn.kernels import kquant
     from genfn.quant.reference import reference_linear
 
     library = torch.library.Library(_OP_NAMESPACE, "FRAGMENT")
@@ -380,27 +383,34 @@ def _define_reference_op() -> None:
                    "int out_features) -> Tensor")
     library.define("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
                    "int out_features) -> Tensor")
+    avx2 = kquant.tiles_kernel_runs()
 
     def reference(x, codes, scales, mins, kind, out_features):
+        if avx2:
+            return torch.ops.genfn_kquant.tiles_linear(x, codes, scales, mins, kind, out_features)
         weight = QuantizedWeight(codes, scales, mins, _FORMAT_OF_KIND[kind], out_features, codes.shape[1] * 32)
         return reference_linear(x, weight, dtype=torch.float32)
 
-    def reference_from(init, x, codes, scales, mins, kind, out_features):  # not the native chain's bits
-        return init + reference(x, codes, scales, mins, kind, out_features)
+    def reference_from(init, x, codes, scales, mins, kind, out_features):
+        if avx2:
+            return torch.ops.genfn_kquant.tiles_linear(x, codes, scales, mins, kind, out_features, init)
+        return init + reference(x, codes, scales, mins, kind, out_features)  # not the native chain's bits
 
     library.impl("quant_linear", reference, "CPU")
     library.impl("quant_linear_from", reference_from, "CPU")
-    _define_reference_op.library = library  # the registration lives as long as this object
+    _define_fallback_op.library = library  # the registration lives as long as this object
     _register_quant_fake()
 
 
 def quant_linear_available() -> bool:
-    """Whether quantized linears run the native kernel (else the torch reference, much slower)."""
+    """Whether quantized linears run the decode library's kernel (else the K-quant library's AVX2
+    kernel of the same tiles and bits, or where that cannot run either the torch reference, much
+    slower: ``_define_fallback_op``)."""
     global _quant_native
     if _quant_native is None:
         _quant_native = decode_linear_available()
         if not _quant_native:
-            _define_reference_op()
+            _define_fallback_op()
     return _quant_native
 
 

@@ -187,6 +187,8 @@ __attribute__((always_inline)) inline void r8_load(const uint8_t* group, int r, 
 }
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+// The best path this CPU runs (not a forced one): tiles_avx2.cpp asks whether it has AVX2 at all.
+Isa best_isa();
 
 // Whether the AVX-512 path may also use VNNI's vpdpbusd / vpdpwssd (the q4_k_r8 and Q6_K rows, the GEMM).
 inline bool has_vnni() {

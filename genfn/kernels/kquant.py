@@ -17,8 +17,10 @@ import torch
 from genfn.kernels import native
 from genfn.quant.kquants import (BLOCK_BYTES, BLOCK_INPUTS, FORMAT_ID, FORMAT_NAME, INTERLEAVED, R8_ROWS, KQuantWeight,
                                  dequantize_k, reference_linear_k, unpack_r8)
+from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["kquant_linear", "kquant_lookup", "kquant_available", "kquant_isa", "force_isa", "gemm_min_rows",
+           "tiles_linear", "tiles_kernel_runs",
            "kquant_status", "needs_build"]
 
 _NAMESPACE = "genfn_kquant"
@@ -49,7 +51,11 @@ def _register_fake(native_ops: bool) -> None:
     def _(x, data, format, out_features, row_kernels=False):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    if native_ops:  # the MoE step and the lookup exist only in the native library
+    if native_ops:  # the MoE step, the lookup and the tiles' AVX2 product exist only in the native library
+        @torch.library.register_fake(f"{_NAMESPACE}::tiles_linear")
+        def _(x, codes, scales, mins, kind, out_features, init=None):
+            return x.new_empty((*x.shape[:-1], out_features))
+
         @torch.library.register_fake(f"{_NAMESPACE}::kquant_moe_decode")
         def _(x, experts, weights, gate_up, gate_up_format, down, down_format):
             return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
@@ -102,6 +108,27 @@ def group_kernel_runs(fmt: str) -> bool:
     if fmt not in INTERLEAVED:
         raise ValueError(f"group_kernel_runs: fmt must be one of {sorted(INTERLEAVED)}, got {fmt!r}")
     return kquant_available() and bool(torch.ops.genfn_kquant.kquant_own_kernel_runs(FORMAT_ID[fmt]))
+
+
+def tiles_kernel_runs() -> bool:
+    """Whether ``tiles_linear`` runs here: the library is loaded and the CPU has AVX2, FMA and F16C."""
+    return kquant_available() and int(torch.ops.genfn_kquant.kquant_isa()) != 0
+
+
+def tiles_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tensor | None = None) -> torch.Tensor:
+    """``genfn.kernels.quantized_linear`` on AVX2 (``tiles_avx2.cpp``): ``x @ weight.dequantize().T``
+    for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tiles, bit for bit what the decode library's VNNI kernel gives
+    (``init`` included). ``quantized_linear`` runs it where the decode library, built for
+    AVX-512, cannot load; here it is for tests and benchmarks of that path."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"tiles_linear: x has {x.shape[-1]} features, the quantized weight expects "
+                         f"{weight.in_features}")
+    if weight.layout != "tiles16":
+        raise ValueError(f"tiles_linear: weight must be in the kernel's tiles (layout 'tiles16'), got {weight.layout!r}")
+    if not tiles_kernel_runs():
+        raise RuntimeError(f"tiles_linear needs the K-quant kernels on a CPU with AVX2 (they are {_status})")
+    return torch.ops.genfn_kquant.tiles_linear(x, weight.codes, weight.scales, weight.mins, weight.kind,
+                                               weight.out_features, init)
 
 
 def force_isa(isa: str | None) -> str:

@@ -51,6 +51,7 @@ Isa forced_isa = kNone;  // tests pin the AVX2 path on an AVX-512 machine
 }  // namespace
 
 bool genfn::kquant::quantize_avx512() { return kBestIsa == kAvx512; }
+genfn::kquant::Isa genfn::kquant::best_isa() { return kBestIsa; }
 
 namespace {
 

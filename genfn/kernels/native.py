@@ -81,9 +81,9 @@ KQUANT = NativeLibrary(
     stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "kquant_quantize.cpp",
                                                       _HERE / "kquant_gemm.cpp", _HERE / "iq4nl_gemm.cpp", _HERE / "iq4_linear.cpp",
                                                       _HERE / "kquant_r8.cpp", _HERE / "kquant_q6k.cpp",
-                                                      _HERE / "kquant_lookup.cpp"),
+                                                      _HERE / "kquant_lookup.cpp", _HERE / "tiles_avx2.cpp"),
     headers=(_HERE / "kquant.h", _HERE / "kquant_quantize.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
-             _HERE / "kquant_rows.h", _HERE / "kquant_panel.h"),
+             _HERE / "kquant_rows.h", _HERE / "kquant_panel.h", _HERE / "tile_kinds.h"),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
 LIBRARIES = (DECODE, KQUANT)
 
