@@ -366,8 +366,12 @@ def _decode_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Quantized weights
 
 _FORMAT_OF_KIND = {0: "q4_0", 1: "q4_1", 2: "q8_0", 3: "q5_0", 4: "q5_1"}
-# None until the first quantized call: whether quant_linear is the native op or the torch fallback.
+# None until the first quantized call: whether quant_linear is the native op or the fallback.
 _quant_native: bool | None = None
+# Set with it: whether quantized_linear calls the K-quant library's AVX2 kernel of the tiles
+# (tiles_avx2.cpp, the same bits): where the decode library has no VNNI kernel to run, on a CPU
+# without AVX-512 (it cannot load) or with AVX-512 but no VNNI (it has only a scalar loop).
+_tiles_on_avx2 = False
 
 
 def _define_fallback_op() -> None:
@@ -403,12 +407,18 @@ def _define_fallback_op() -> None:
 
 
 def quant_linear_available() -> bool:
-    """Whether quantized linears run the decode library's kernel (else the K-quant library's AVX2
-    kernel of the same tiles and bits, or where that cannot run either the torch reference, much
-    slower: ``_define_fallback_op``)."""
-    global _quant_native
+    """Whether the decode library loaded for quantized linears (else ``_define_fallback_op``'s op:
+    the K-quant library's AVX2 kernel of the same tiles and bits, or where that cannot run either
+    the torch reference, much slower). ``quantized_linear`` takes the AVX2 kernel wherever the
+    decode library has no VNNI kernel."""
+    global _quant_native, _tiles_on_avx2
     if _quant_native is None:
-        _quant_native = decode_linear_available()
+        loaded = decode_linear_available()
+        if not (loaded and native.cpu_has("avx512_vnni")):
+            from genfn.kernels import kquant
+
+            _tiles_on_avx2 = kquant.tiles_kernel_runs()
+        _quant_native = loaded
         if not _quant_native:
             _define_fallback_op()
     return _quant_native
@@ -454,6 +464,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tenso
         raise ValueError(f"quantized_linear: init must be float32 of the output's shape "
                          f"{[*x.shape[:-1], weight.out_features]}, got {init.dtype} {list(init.shape)}")
     quant_linear_available()
+    if _tiles_on_avx2:
+        return torch.ops.genfn_kquant.tiles_linear(x, weight.codes, weight.scales, weight.mins, weight.kind,
+                                                   weight.out_features, init)
     ops = getattr(torch.ops, _OP_NAMESPACE)
     if init is None:
         return ops.quant_linear(x, weight.codes, weight.scales, weight.mins, weight.kind, weight.out_features)
