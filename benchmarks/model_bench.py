@@ -17,8 +17,9 @@ time compare. Engines:
     genfn-coded     genfn-compiled with an F16/BF16 file's linears coded in 12.2 bits, every weight
                     kept (``quantize="coded_bf16"``; a quantized file loads as for genfn-compiled)
     genfn-avx2      genfn eager as a CPU without AVX-512 runs it (``genfn.bench.avx2``: no decode
-                    library, the K-quant kernels' AVX2 path); ``genfn-avx2-compiled`` compiled, the
-                    step's generated code 256 bits wide. Against a ``--llama-bench`` built for AVX2
+                    library, the K-quant kernels' AVX2 path, torch's kernels at
+                    ``ATEN_CPU_CAPABILITY=avx2``); ``genfn-avx2-compiled`` compiled, the step's
+                    generated code 256 bits wide. Against a ``--llama-bench`` built for AVX2
     llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
     llama-bench     ``--llama-bench PATH``: a ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's;
                     extra flags with ``--llama-bench-args``, e.g. ``"-rtr 1"``), tg and pp512
@@ -222,7 +223,9 @@ def run_child(args, model: str, engine: str, tree: str | None = None) -> dict:
     command = [sys.executable, __file__, "--child", "--model", model, "--engine", engine,
                "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
                "--prefill", str(args.prefill), "--repeats", str(args.repeats), "--threads", str(args.threads)]
-    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    env = dict(os.environ, PYTHONPATH=tree) if tree else dict(os.environ)
+    if engine in _AVX2:  # torch's own kernels on their AVX2 forms too, as on such a CPU
+        env["ATEN_CPU_CAPABILITY"] = "avx2"
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
