@@ -75,7 +75,7 @@ DECODE = NativeLibrary(
              _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h", _HERE / "stack_table.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
-    fallback="using F.linear")
+    fallback="using torch's ops (block-quantized linears: the K-quant kernels' AVX2 path)")
 # Its AVX-512 and AVX2 paths are compiled per function and chosen at run time (kquant.h).
 KQUANT = NativeLibrary(
     stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "kquant_quantize.cpp",
