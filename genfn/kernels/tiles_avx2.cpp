@@ -72,8 +72,9 @@ GENFN_AVX2 void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K,
       const float* v = x + m * K + b * kBlock;
       __m256 f[4];
       for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(v + 8 * i);
-      const float amax = max8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], magnitude), _mm256_and_ps(f[1], magnitude)),
-                                            _mm256_max_ps(_mm256_and_ps(f[2], magnitude), _mm256_and_ps(f[3], magnitude))));
+      __m256 largest = _mm256_and_ps(f[0], magnitude);
+      for (int i = 1; i < 4; ++i) largest = _mm256_max_ps(largest, _mm256_and_ps(f[i], magnitude));
+      const float amax = max8(largest);
       const float d = amax / 127.0f;
       const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 1.0f / d : 0.0f);
       __m256i q[4];
@@ -158,7 +159,8 @@ GENFN_AVX2 void tile_rows(int64_t t, int64_t m0, int64_t nb, const uint8_t* code
   const int64_t n0 = t * kTile;
   __m256i keep[2];
   for (int h = 0; h < 2; ++h) {
-    const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(n0 + 8 * h)));
+    const __m256i lane =
+        _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(n0 + 8 * h)));
     keep[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(N)), lane);
   }
   __m256 acc[M][2];
@@ -198,7 +200,8 @@ GENFN_AVX2 void tile_rows(int64_t t, int64_t m0, int64_t nb, const uint8_t* code
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * kTile + 8 * h)));
       __m256 mins_b;
-      if constexpr (kMin) mins_b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * kTile + 8 * h)));
+      if constexpr (kMin)
+        mins_b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * kTile + 8 * h)));
       for (int m = 0; m < M; ++m) {
         const int64_t row = m0 + m;
         const int32_t* xb = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * kBlock);
@@ -242,14 +245,16 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(genfn::kquant::best_isa() != genfn::kquant::kNone,
               "tiles_linear: needs an x86-64 CPU with AVX2, FMA and F16C; this one lacks them");
   TORCH_CHECK(valid_tile_kind(kind), "tiles_linear: kind must be ", kTileKindNames, ", got ", kind);
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte, "tiles_linear: codes must be uint8 [tiles, blocks, bytes]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte,
+              "tiles_linear: codes must be uint8 [tiles, blocks, bytes]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "tiles_linear: scales must be float16");
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "tiles_linear: CPU tensors only");
   const int64_t K = x.size(-1), tiles = codes.size(0), nb = codes.size(1), N = out_features;
   TORCH_CHECK(K == nb * kBlock, "tiles_linear: x has ", K, " features, the weight expects ", nb * kBlock);
   TORCH_CHECK(codes.size(2) == tile_block_bytes(kind), "tiles_linear: codes of ", codes.size(2),
               " bytes a block do not match kind ", kind);
-  TORCH_CHECK(N <= tiles * kTile && N > (tiles - 1) * kTile, "tiles_linear: ", N, " output rows do not fit ", tiles, " tiles");
+  TORCH_CHECK(N <= tiles * kTile && N > (tiles - 1) * kTile, "tiles_linear: ", N, " output rows do not fit ", tiles,
+              " tiles");
   TORCH_CHECK(scales.numel() == tiles * nb * kTile, "tiles_linear: scales do not match the codes");
   const bool has_min = has_minimum(kind);
   TORCH_CHECK(!has_min || (mins.has_value() && mins->numel() == scales.numel() && mins->scalar_type() == at::kHalf),
