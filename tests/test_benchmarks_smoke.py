@@ -164,6 +164,27 @@ def test_model_bench_pairs_each_round_with_its_peers():
     assert ratios["genfn-coded / genfn-compiled b1"] == [50.0 / 40.0, 55.0 / 44.0]
     assert ratios["genfn-coded / llama-bench b1"] == [1.0, 55.0 / 40.0]
     assert "genfn / llama.cpp b1" not in ratios
+    # the AVX2 engines: the compiled one (else the eager one) over genfn's own eager run and the peers
+    runs["genfn-avx2"] = [{"decode_tok_s": {"1": 10.0}}] * 2
+    runs["genfn-avx2-compiled"] = [{"decode_tok_s": {"1": 20.0}}, {"decode_tok_s": {"1": 30.0}}]
+    ratios = model_bench.paired_ratios(runs)
+    assert ratios["genfn-avx2-compiled / genfn b1"] == [20.0, 30.0]
+    assert ratios["genfn-avx2-compiled / llama-bench b1"] == [0.4, 0.75]
+    assert not any(key.startswith("genfn-avx2 /") for key in ratios)
+    del runs["genfn-avx2-compiled"]
+    assert model_bench.paired_ratios(runs)["genfn-avx2 / llama-bench b1"] == [0.2, 0.25]
+
+
+def test_model_bench_names_the_engines_it_knows():
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("model_bench_engines", REPO / "benchmarks" / "model_bench.py")
+    model_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model_bench)
+    args = argparse.Namespace(model="x.gguf", model_engines="genfn,genfn-fast", batches="1")
+    with pytest.raises(ValueError, match="genfn-fast unknown; choose among genfn, genfn-coded"):
+        model_bench.from_decode_args(args)
 
 
 def test_code_entropy_counts_each_field_and_bounds_a_recoding():
