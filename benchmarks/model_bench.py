@@ -19,7 +19,8 @@ time compare. Engines:
     genfn-avx2      genfn eager as a CPU without AVX-512 runs it (``genfn.bench.avx2``: no decode
                     library, the K-quant kernels' AVX2 path, torch's kernels at
                     ``ATEN_CPU_CAPABILITY=avx2``); ``genfn-avx2-compiled`` compiled, the step's
-                    generated code 256 bits wide. Against a ``--llama-bench`` built for AVX2
+                    generated code 256 bits wide: compare them with a ``--llama-bench`` built for
+                    AVX2 (benchmarks/results/avx2-aten-2026-12-07-s44-zen4.log has the build)
     llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
     llama-bench     ``--llama-bench PATH``: a ``llama-bench`` binary (llama.cpp's or ik_llama.cpp's;
                     extra flags with ``--llama-bench-args``, e.g. ``"-rtr 1"``), tg and pp512

@@ -118,8 +118,9 @@ def tiles_kernel_runs() -> bool:
 def tiles_linear(x: torch.Tensor, weight: QuantizedWeight, init: torch.Tensor | None = None) -> torch.Tensor:
     """``genfn.kernels.quantized_linear`` on AVX2 (``tiles_avx2.cpp``): ``x @ weight.dequantize().T``
     for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tiles, bit for bit what the decode library's VNNI kernel gives
-    (``init`` included). ``quantized_linear`` runs it where the decode library, built for
-    AVX-512, cannot load; here it is for tests and benchmarks of that path."""
+    (``init`` included). ``quantized_linear`` runs it wherever the decode library has no VNNI kernel
+    (a CPU without AVX-512, where that library cannot load, or without VNNI); here it is for tests
+    and benchmarks of that path."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"tiles_linear: x has {x.shape[-1]} features, the quantized weight expects "
                          f"{weight.in_features}")
