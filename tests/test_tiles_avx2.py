@@ -144,3 +144,11 @@ def test_a_cpu_without_avx512_decodes_a_quantized_model_on_the_avx2_kernel(tmp_p
     # in the decode library here, so the logits agree to float32 rounding and the tokens exactly.
     assert torch.equal(got["sequences"], here_out.sequences)
     torch.testing.assert_close(got["logits"], torch.stack(here_out.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_running_as_an_avx2_cpu_must_come_before_the_decode_library_loads():
+    from genfn.bench.avx2 import run_as_avx2_cpu
+
+    kernels.decode_linear_available()  # this process has tried to load it (a fixture or test did already)
+    with pytest.raises(RuntimeError, match="already loaded"):
+        run_as_avx2_cpu()
