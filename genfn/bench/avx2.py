@@ -21,7 +21,7 @@ def run_as_avx2_cpu() -> None:
     from genfn import kernels
 
     if kernels._available is not None:
-        raise RuntimeError("run_as_avx2_cpu: the decode library was already loaded in this process")
+        raise RuntimeError("run_as_avx2_cpu: this process already loaded (or tried to load) the decode library")
     native.DECODE = dataclasses.replace(native.DECODE, cpu_features=native.DECODE.cpu_features + ("none_has_this",))
     from genfn.kernels import kquant
 
