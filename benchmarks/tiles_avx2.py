@@ -25,10 +25,6 @@ from genfn.kernels import kquant, native
 from genfn.quant import FORMATS, QuantizedWeight, quantize
 
 
-def _bytes(weight: QuantizedWeight) -> int:
-    return sum(t.numel() * t.element_size() for t in (weight.codes, weight.scales, weight.mins) if t is not None)
-
-
 def _rate(product, x: torch.Tensor, weights: list[QuantizedWeight], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -36,7 +32,7 @@ def _rate(product, x: torch.Tensor, weights: list[QuantizedWeight], repeats: int
         for w in weights:
             product(x, w)
         best = min(best, time.perf_counter() - start)
-    return sum(map(_bytes, weights)) / best / 1e9
+    return sum(w.nbytes for w in weights) / best / 1e9
 
 
 def main() -> None:

@@ -378,8 +378,8 @@ def _define_fallback_op() -> None:
     """``quant_linear`` under the native op's name and schema where the decode library cannot load
     (a CPU without AVX-512, no compiler, ``GENFN_KERNELS=0``): the K-quant library's AVX2 kernel of
     the same tiles (``tiles_avx2.cpp``: quant_linear.cpp's arithmetic, so its bits) where that
-    library runs, else plain torch. Compiled steps and eager calls see the same op either way."""
-    from genfn.kernels import kquant
+    library runs (``_tiles_on_avx2``, set before this is called), else plain torch. Compiled steps and
+    eager calls see the same op either way."""
     from genfn.quant.reference import reference_linear
 
     library = torch.library.Library(_OP_NAMESPACE, "FRAGMENT")
@@ -387,16 +387,15 @@ def _define_fallback_op() -> None:
                    "int out_features) -> Tensor")
     library.define("quant_linear_from(Tensor init, Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, "
                    "int out_features) -> Tensor")
-    avx2 = kquant.tiles_kernel_runs()
 
     def reference(x, codes, scales, mins, kind, out_features):
-        if avx2:
+        if _tiles_on_avx2:
             return torch.ops.genfn_kquant.tiles_linear(x, codes, scales, mins, kind, out_features)
         weight = QuantizedWeight(codes, scales, mins, _FORMAT_OF_KIND[kind], out_features, codes.shape[1] * 32)
         return reference_linear(x, weight, dtype=torch.float32)
 
     def reference_from(init, x, codes, scales, mins, kind, out_features):
-        if avx2:
+        if _tiles_on_avx2:
             return torch.ops.genfn_kquant.tiles_linear(x, codes, scales, mins, kind, out_features, init)
         return init + reference(x, codes, scales, mins, kind, out_features)  # not the native chain's bits
 

@@ -117,6 +117,14 @@ __attribute__((always_inline)) inline void q6_r8_load(const uint8_t* group, int 
   for (int run = 0; run < 8; ++run) std::memcpy(block + 128 + 8 * run, group + kQ6R8High + 64 * run + 8 * r, 8);
 }
 
+// Bytes a, b as (low(a) | low(b) << 4, high(a) | high(b) << 4): an IQ4_XS sub-block's bytes j and
+// 8 + j into iq4_xs_r8's runs 0 and 1, and, being its own inverse, back (genfn/quant/kquants.py's
+// _pair_nibbles).
+__attribute__((always_inline)) inline void pair_nibbles(uint8_t a, uint8_t b, uint8_t& low, uint8_t& high) {
+  low = static_cast<uint8_t>((a & 0x0F) | (b << 4));
+  high = static_cast<uint8_t>((a >> 4) | (b & 0xF0));
+}
+
 // Row r's IQ4_XS super-block as GGUF stores it (d, scales_h, scales_l, then 16 index bytes a
 // sub-block: byte i's low nibble input i, its high one input 16 + i) into / out of its group's
 // iq4_xs_r8 super-block: the nibbles of bytes i and 8 + i (i < 8) of a sub-block pair up anew.
@@ -127,10 +135,7 @@ __attribute__((always_inline)) inline void iq4xs_r8_store(const uint8_t* block, 
   for (int s = 0; s < 8; ++s) {
     const uint8_t* q = block + 8 + 16 * s;
     uint8_t* run = group + kX8Codes + 128 * s + 8 * r;
-    for (int j = 0; j < 8; ++j) {
-      run[j] = static_cast<uint8_t>((q[j] & 0x0F) | (q[8 + j] << 4));
-      run[64 + j] = static_cast<uint8_t>((q[j] >> 4) | (q[8 + j] & 0xF0));
-    }
+    for (int j = 0; j < 8; ++j) pair_nibbles(q[j], q[8 + j], run[j], run[64 + j]);
   }
 }
 __attribute__((always_inline)) inline void iq4xs_r8_load(const uint8_t* group, int r, uint8_t* block) {
@@ -140,10 +145,7 @@ __attribute__((always_inline)) inline void iq4xs_r8_load(const uint8_t* group, i
   for (int s = 0; s < 8; ++s) {
     const uint8_t* run = group + kX8Codes + 128 * s + 8 * r;
     uint8_t* q = block + 8 + 16 * s;
-    for (int j = 0; j < 8; ++j) {
-      q[j] = static_cast<uint8_t>((run[j] & 0x0F) | (run[64 + j] << 4));
-      q[8 + j] = static_cast<uint8_t>((run[j] >> 4) | (run[64 + j] & 0xF0));
-    }
+    for (int j = 0; j < 8; ++j) pair_nibbles(run[j], run[64 + j], q[j], q[8 + j]);
   }
 }
 

@@ -135,6 +135,14 @@ def cat_k(parts: list) -> KQuantWeight:
 # Bytes <-> values
 
 
+def _pair_nibbles(pairs: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint8 ``pairs`` (size 2 along ``dim``: bytes a, b) as (low(a) | low(b) << 4, high(a) | high(b) << 4):
+    an IQ4_XS sub-block's bytes j and 8 + j into iq4_xs_r8's runs 0 and 1, and, being its own inverse,
+    back (kquant.h's pair_nibbles)."""
+    first, second = pairs.unbind(dim)
+    return torch.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], dim=dim)
+
+
 def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
     """The fields of an interleaved super-block (d, dmin, scales, codes; Q5_K's fifth bits after;
     Q6_K's d, scales, low and high runs; IQ4_XS's d, low and high scale bits, index runs), each with
@@ -143,9 +151,7 @@ def _r8_fields(groups: torch.Tensor) -> list[torch.Tensor]:
     g, nb, _, size = groups.shape
     if size == BLOCK_BYTES["iq4_xs"]:
         # Sub-block s's bytes j and 8 + j (j < 8) of each row: run 0 pairs their low nibbles, run 1 their high.
-        q = groups[..., 8:].reshape(g, nb, 8, 8, 2, 8)
-        low, high = q & 0x0F, q >> 4
-        runs = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), high[..., 0, :] | (high[..., 1, :] << 4)], dim=4)
+        runs = _pair_nibbles(groups[..., 8:].reshape(g, nb, 8, 8, 2, 8), dim=4)
         return [groups[..., 0:2].reshape(g, nb, 16), groups[..., 4:8].reshape(g, nb, 32),
                 groups[..., 2:4].reshape(g, nb, 16), runs.permute(0, 1, 3, 4, 2, 5).reshape(g, nb, 1024)]
     if size == BLOCK_BYTES["q6_k"]:
@@ -185,8 +191,7 @@ def unpack_r8(weight: KQuantWeight) -> KQuantWeight:
     blocks = weight.data.reshape(g, nb, R8_ROWS * size)
     if stored == "iq4_xs":  # as stored: d, scales_h, scales_l, then 16 index bytes a sub-block
         runs = blocks[..., 64:].reshape(g, nb, 8, 2, 8, 8).permute(0, 1, 4, 2, 3, 5)  # [g, nb, row, s, run, j]
-        low, high = runs & 0x0F, runs >> 4
-        q = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), high[..., 0, :] | (high[..., 1, :] << 4)], dim=4)
+        q = _pair_nibbles(runs, dim=4)
         fields = [blocks[..., 0:16].reshape(g, nb, 8, 2), blocks[..., 48:64].reshape(g, nb, 8, 2),
                   blocks[..., 16:48].reshape(g, nb, 8, 4), q.reshape(g, nb, 8, 128)]
         rows = torch.cat(fields, dim=-1).transpose(1, 2).reshape(n, row_bytes)
