@@ -1,10 +1,11 @@
 """Run genfn in this process as a CPU with AVX2 but without AVX-512 runs it, on a CPU that has both:
 for benchmarks and tests of that path (``tiles_avx2.cpp``, the K-quant kernels' AVX2 path).
 
-The decode library is built for AVX-512, so such a CPU cannot load it: its ops fall back (block-
-quantized linears to the K-quant library's AVX2 kernel of the same tiles, float ones to torch). Here
-the library is refused as it is there, by a CPU feature this one lacks, and the K-quant library is
-pinned to its AVX2 path."""
+The decode library is built for AVX-512, so such a CPU cannot load it: the decode stack's AVX2 build
+(``native.DECODE_AVX2``) runs the layers of tiles16 and K-quant models there, and the other ops fall
+back (block-quantized linears to the K-quant library's AVX2 kernel of the same tiles, float ones to
+torch). Here the library is refused as it is there, by a CPU feature this one lacks, and the K-quant
+library is pinned to its AVX2 path."""
 
 from __future__ import annotations
 

@@ -16,8 +16,10 @@ torch and a compiler, else the first time they are needed, into ``$GENFN_KERNEL_
 ``~/.cache/genfn/kernels``); ``genfn kernels build`` builds them now. Each build is named by a key
 over the sources, torch's version and the flags (``genfn.kernels.native``, the one loader). Where
 they cannot be built or run (no compiler, a CPU without AVX-512, ``GENFN_KERNELS=0``), ``linear``
-is ``F.linear`` and the reason is in ``kernel_status()``; the quantized op then runs
-``genfn.quant.reference_linear`` (same numbers, far slower).
+is ``F.linear`` and the reason is in ``kernel_status()``; the quantized op then runs the K-quant
+library's AVX2 kernel of the same tiles, or ``genfn.quant.reference_linear`` (same numbers, far
+slower). On a CPU with AVX2 but no AVX-512 the decode stack's own AVX2 build loads instead
+(``decode_stack_isa``): the stack of tiles16 and K-quant layers and the attention, the same bits.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
-           "decode_linear_available", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
+           "decode_linear_available", "decode_stack_isa", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
            "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS", "coded_linear", "encode_coded_bf16"]
 
 _OP_NAMESPACE = "genfn_kernels"
@@ -60,6 +62,8 @@ _status = "not loaded yet"
 # None until the first call of decode_linear_available(); a plain global (not functools.cache)
 # so that a compiled step reads it as a constant instead of tracing the loader.
 _available: bool | None = None
+# Which library holds the stack's ops (decode_stack_isa), set with _available.
+_stack_isa: str | None = None
 
 
 def kernel_status() -> str:
@@ -71,7 +75,10 @@ def kernel_status() -> str:
 def needs_build() -> bool:
     """Whether using the kernels would first compile them: no installed or cached build for these
     sources, torch and flags, and a compiler to build one (``False`` once they are loaded)."""
-    return _available is None and native.plan(native.DECODE).action == "build"
+    if _available is not None:
+        return False
+    action = native.plan(native.DECODE).action
+    return action == "build" or (action == "unavailable" and native.plan(native.DECODE_AVX2).action == "build")
 
 
 def _register_fake() -> None:
@@ -95,18 +102,10 @@ def _register_fake() -> None:
 
     _register_quant_fake()
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
-    def _(q, keys, values, visible, scale, softcap=0.0, cache_rows=None):
-        return torch.empty_like(q)
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
     def _(q, keys, values, mask, scale, first_slots=None):
         batch, heads, seq, head_dim = q.shape
         return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
-
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_query_attention")
-    def _(q, keys, values, tables, lengths, scale, sliding_window, softcap=0.0):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")
     def _(x, norm, wqkv, cos, sin, eps, heads, kv_heads):
@@ -134,6 +133,34 @@ def _register_fake() -> None:
           eps, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")
+    def _(x, mlp_norm, codes, scales, mins, kind, out_features, eps):
+        return x.new_empty((x.shape[0], out_features // 2))
+
+    _register_stack_fake()
+    _register_token_ops_fake()
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode")
+    def _(x, experts, weights, gate_up, down):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode_quant")
+    def _(x, experts, weights, gate_up_codes, gate_up_scales, gate_up_mins, gate_up_kind, gate_up_rows, down_codes,
+          down_scales, down_mins, down_kind, down_rows):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
+
+
+def _register_stack_fake() -> None:
+    """The fakes of the ops both decode libraries have: the stack, its table and the attention."""
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
+    def _(q, keys, values, visible, scale, softcap=0.0, cache_rows=None):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_query_attention")
+    def _(q, keys, values, tables, lengths, scale, sliding_window, softcap=0.0):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_stack_table")
     def _(weights, layout, dtype, hidden, heads, kv_heads, head_dim):
         device = next(w.device for w in weights if w is not None)
@@ -148,24 +175,9 @@ def _register_fake() -> None:
           scale, sliding_window):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_mlp_input_quant")
-    def _(x, mlp_norm, codes, scales, mins, kind, out_features, eps):
-        return x.new_empty((x.shape[0], out_features // 2))
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
         return None
-
-    _register_token_ops_fake()
-
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode")
-    def _(x, experts, weights, gate_up, down):
-        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
-
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode_quant")
-    def _(x, experts, weights, gate_up_codes, gate_up_scales, gate_up_mins, gate_up_kind, gate_up_rows, down_codes,
-          down_scales, down_mins, down_kind, down_rows):
-        return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((), dtype=torch.int64)
 
 
 def _register_token_ops_fake() -> None:
@@ -224,11 +236,26 @@ def decode_linear_available() -> bool:
 
 
 def _load() -> bool:
-    global _status
+    global _status, _stack_isa
     loaded, _status = native.load(native.DECODE)
     if loaded:
         _register_fake()
+        _stack_isa = "avx512"
+    elif native.plan(native.DECODE).action == "unavailable":  # not this CPU: the stack's AVX2 build may run
+        stack_loaded, stack_status = native.load(native.DECODE_AVX2)
+        if stack_loaded:
+            _register_stack_fake()
+            _stack_isa = "avx2"
+            _status += f"; the {native.DECODE_AVX2.what} {stack_status}"
     return loaded
+
+
+def decode_stack_isa() -> str | None:
+    """Which build of the decode stack (``decode_layer.run_stack``) this process runs: ``"avx512"`` (the
+    decode library, every op), ``"avx2"`` (``native.DECODE_AVX2``, where the CPU has no AVX-512: the
+    stack of tiles16 and K-quant layers and the attention, the same bits) or None."""
+    decode_linear_available()
+    return _stack_isa
 
 
 def release_thread_pool() -> bool:
@@ -236,7 +263,7 @@ def release_thread_pool() -> bool:
     thread that hands its torch work to another (continuous batching's caller, before it waits),
     so that the working thread's pool is the process's only one. Returns whether a pool was
     released (``False`` where the kernels are not built or the thread is inside a parallel region)."""
-    if not decode_linear_available():
+    if decode_stack_isa() is None:
         return False
     return bool(torch.ops.genfn_kernels.release_thread_pool())
 

@@ -40,6 +40,7 @@
 namespace {
 
 using namespace genfn_kernels::lanes;
+namespace simd = genfn_kernels::simd;
 
 constexpr int64_t kMaxGroups = 8;   // query heads per kv head held in registers
 constexpr int64_t kMaxQueryVectors = 16;  // the per-query walk (attend_rows_at) takes head_dim <= 256 (Gemma)
@@ -63,25 +64,30 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t n
 constexpr int64_t kSlotRun = 32;
 
 // How many heads of a query group weigh each loaded value row together: their chains in registers
-// (at most 16 of the 32), each row loaded once for them.
+// (at most half the registers: 16 of AVX-512's 32, 8 F16s in AVX2's 16), each row loaded once for them.
+#if defined(__AVX512F__)
+constexpr int kValueChains = 16;
+#else
+constexpr int kValueChains = 8;
+#endif
 template <int V>
-constexpr int64_t kValueHeads = std::max(1, std::min(4, 16 / V));
+constexpr int64_t kValueHeads = std::max(1, std::min(4, kValueChains / V));
 
 // sums[h] = sum over i < n of weights[h * stride + i] * values[offsets[i]], one fma chain per lane in
 // slot order, for H heads at once.
 template <typename T, int V, int H>
 void weigh_values(const T* values, const int64_t* offsets, int64_t n, const float* weights, int64_t stride,
-                  __m512 (*sums)[V]) {
-  __m512 acc[H][V];
+                  F16 (*sums)[V]) {
+  F16 acc[H][V];
   for (int h = 0; h < H; ++h)
-    for (int j = 0; j < V; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[h][j] = simd::zero();
   for (int64_t i = 0; i < n; ++i) {
     const T* v = values + offsets[i];
-    __m512 rows[V];
+    F16 rows[V];
     for (int j = 0; j < V; ++j) rows[j] = load_lanes(v + j * kLanes);
     for (int h = 0; h < H; ++h) {
-      const __m512 w = _mm512_set1_ps(weights[h * stride + i]);
-      for (int j = 0; j < V; ++j) acc[h][j] = _mm512_fmadd_ps(w, rows[j], acc[h][j]);
+      const F16 w = simd::set1(weights[h * stride + i]);
+      for (int j = 0; j < V; ++j) acc[h][j] = simd::fmadd(w, rows[j], acc[h][j]);
     }
   }
   for (int h = 0; h < H; ++h)
@@ -114,19 +120,18 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
     return;
   }
   scores.resize(groups * n);
-  const __m512 sv = _mm512_set1_ps(scale);
+  const F16 sv = simd::set1(scale);
   for (int64_t run = 0; run < n; run += kSlotRun) {
     const int64_t stop = std::min(n, run + kSlotRun);
     for (int64_t g = 0; g < groups; ++g) {
-      __m512 qv[V];
+      F16 qv[V];
       for (int j = 0; j < V; ++j) qv[j] = load_lanes(q + g * D + j * kLanes);
       for (int64_t i = run; i < stop; i += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, stop - i);
-        __m512 dots[kLanes];
+        F16 dots[kLanes];
         for (int64_t l = 0; l < kLanes; ++l)
-          dots[l] = l < count ? dot_lanes<T, V>(qv, keys + offsets[i + l]) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(scores.data() + g * n + i, genfn_kernels::lanes_below(count),
-                              _mm512_mul_ps(sum_lanes_of_16(dots), sv));
+          dots[l] = l < count ? dot_lanes<T, V>(qv, keys + offsets[i + l]) : simd::zero();
+        simd::store_kept(scores.data() + g * n + i, simd::lanes_below(count), simd::mul(sum_lanes_of_16(dots), sv));
       }
     }
   }
@@ -138,7 +143,7 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
     if constexpr (!std::is_same_v<T, float>)
       for (int64_t i = 0; i < n; ++i) s[i] = static_cast<float>(T(s[i]));
   }
-  __m512 sums[kMaxGroups][V];
+  F16 sums[kMaxGroups][V];
   for (int64_t g = 0; g < groups; g += kValueHeads<V>) {
     const int64_t heads = std::min<int64_t>(kValueHeads<V>, groups - g);
     if (heads == 1) weigh_values<T, V, 1>(values, offsets, n, scores.data() + g * n, n, sums + g);
@@ -148,9 +153,9 @@ void attend_rows_at(const T* q, const T* keys, const T* values, const int64_t* o
   }
   alignas(64) float lanes[kLanes];
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / totals[g]);
+    const F16 inv = simd::set1(1.f / totals[g]);
     for (int j = 0; j < V; ++j) {
-      _mm512_store_ps(lanes, _mm512_mul_ps(sums[g][j], inv));
+      simd::storeu(lanes, simd::mul(sums[g][j], inv));
       for (int l = 0; l < kLanes; ++l) narrow(out + g * D + j * kLanes + l, lanes[l]);
     }
   }

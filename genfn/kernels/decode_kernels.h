@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lanes16.h"
 #include "row_queue.h"
 #include "tile_kinds.h"
 
@@ -33,6 +34,7 @@ void with_rows(int64_t M, F&& f) {
   }
 }
 
+#if defined(__AVX512F__)
 // 16 bfloat16 values widened to float32 lanes (exact).
 inline __m512 widen_bfloat16(__m256i halves) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
@@ -46,40 +48,54 @@ inline __m256i round_to_bfloat16(__m512 v) {
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+#endif
 
-// The first n of 16 lanes (all 16 from n >= 16).
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
+using simd::lanes_below;
 
-// The kept lanes of 16 elements of T as float32, and back (bfloat16 rounded as above).
-inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+// The kept lanes of 16 elements of T as float32, and back (bfloat16 rounded as c10::BFloat16(float)
+// rounds: to nearest even, NaN quiet).
+inline simd::F16 load16(const float* p, simd::M16 keep) { return simd::load_kept(keep, p); }
+inline void store16(float* p, simd::F16 v, simd::M16 keep) { simd::store_kept(p, keep, v); }
+#if defined(__AVX512F__)
 inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) { return widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p)); }
-inline void store16(float* p, __m512 v, __mmask16 keep) { _mm512_mask_storeu_ps(p, keep, v); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) { _mm256_mask_storeu_epi16(p, keep, round_to_bfloat16(v)); }
+#else  // one value at a time through float32 lanes: the AVX2 library's layers run float32 activations
+inline simd::F16 load16(const c10::BFloat16* p, simd::M16 keep) {
+  alignas(32) float lanes[16];
+  for (int i = 0; i < 16; ++i) lanes[i] = keep >> i & 1 ? static_cast<float>(p[i]) : 0.f;
+  return simd::loadu(lanes);
+}
+inline void store16(c10::BFloat16* p, simd::F16 v, simd::M16 keep) {
+  alignas(32) float lanes[16];
+  simd::storeu(lanes, v);
+  for (int i = 0; i < 16; ++i)
+    if (keep >> i & 1) p[i] = c10::BFloat16(lanes[i]);
+}
+#endif
 
 // e^x in 16 float32 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7
 // (truncation ~5e-9 relative, under float32's 6e-8), scaled by 2^n. Within 2 ulp of expf.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline simd::F16 exp16(simd::F16 x) {
+  using namespace simd;
+  x = max(min(x, set1(88.7f)), set1(-104.0f));
+  const F16 n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  F16 r = fnmadd(n, set1(0.693145751953125f), x);  // ln 2 in two parts
+  r = fnmadd(n, set1(1.428606765330187e-06f), r);
+  F16 p = set1(1.f / 5040);
+  p = fmadd(p, r, set1(1.f / 720));
+  p = fmadd(p, r, set1(1.f / 120));
+  p = fmadd(p, r, set1(1.f / 24));
+  p = fmadd(p, r, set1(1.f / 6));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.f));
+  p = fmadd(p, r, set1(1.f));
+  return scalef(p, n);
 }
 
 // silu(g) = g / (1 + e^-g) in 16 float32 lanes, as every SwiGLU kernel computes it.
-inline __m512 silu16(__m512 g) {
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+inline simd::F16 silu16(simd::F16 g) {
+  using namespace simd;
+  return div(g, add(set1(1.f), exp16(sub(zero(), g))));
 }
 
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
@@ -130,6 +146,16 @@ struct QuantActivations {
 };
 // Whether the quantized shares can run (they need AVX512_VNNI).
 bool cpu_has_avx512_vnni();
+// Whether quantize_rows_share and the quant_linear shares run here: the AVX-512 library's on a CPU
+// with AVX512_VNNI, the AVX2 library's (decode_avx2.cpp) wherever it loads.
+bool quant_shares_run();
+// Whether this build has the plain (float32, bfloat16) and coded bfloat16 linears: the AVX2 library
+// runs tiles16 and K-quant layers only.
+#if defined(__AVX512F__)
+inline constexpr bool kPlainLinears = true;
+#else
+inline constexpr bool kPlainLinears = false;
+#endif
 // Thread t of T quantizes its share of the M rows of x [M, K] into a; a barrier must follow
 // before any thread reads a.
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T);

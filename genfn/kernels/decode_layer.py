@@ -29,6 +29,10 @@ step hands the stack one tensor, not every weight (a compiled step's wrapper and
 spent ~1 us on each of SmolLM2's ~440).
 :func:`run_paged_stack` is the same stack over continuous batching's paged cache, for a packed
 batch of a few tokens (decode steps, drafts, short prompt chunks).
+
+On a CPU without AVX-512 the decode library cannot load; the stack's own build for AVX2
+(``native.DECODE_AVX2``) runs there instead, for layers of tiles16 blocks and K-quant rows, with the
+same bits (``lanes16.h``); plain and coded bfloat16 layers run op by op there.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from typing import Any, Mapping
 
 import torch
 
-from genfn.kernels import MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, kernel_status, kquant, native
+from genfn.kernels import (MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, decode_stack_isa, kernel_status,
+                           kquant, native)
 from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.kquants import FORMAT_ID, KQuantWeight
 from genfn.quant.stack import RowStack
@@ -105,13 +110,16 @@ def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_di
     verification's drafts) runs natively: float32, or bfloat16 inside a compiled step on a CPU with
     AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
     block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
-    float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate."""
-    return stack_takes(x, keys, head_dim) and layer_kind(layer, x.dtype) in (_PLAIN, _TILES, _KQUANT)
+    float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate. The per-layer
+    ops are the decode library's (AVX-512): the AVX2 build has the stack alone."""
+    return (stack_takes(x, keys, head_dim) and decode_linear_available()
+            and layer_kind(layer, x.dtype) in (_PLAIN, _TILES, _KQUANT))
 
 
 def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
     """``takes``' conditions on the rows and the cache, the same for every layer of a step: whether
-    layers the native calls read (a ``stack_table`` of ``x``'s dtype) run a step on ``x``."""
+    layers the native calls read (a ``stack_table`` of ``x``'s dtype) run a step on ``x``, with either
+    build of the stack (``genfn.kernels.decode_stack_isa``)."""
     dtype = x.dtype
     if (x.dim() != 3 or dtype not in MAX_DECODE_ROWS or x.shape[0] * x.shape[1] > MAX_LAYER_ROWS
             or x.device.type != "cpu"):
@@ -124,7 +132,7 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
         return False
-    return decode_linear_available()
+    return decode_stack_isa() is not None
 
 
 # A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles
@@ -141,7 +149,7 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         return None
     # The weights that must be plain tensors of x's dtype: all six, or the norms of a quantized layer.
     if quantized(layer):
-        if dtype != torch.float32 or not _VNNI:
+        if dtype != torch.float32 or not _tiles_native():
             return None
         kind, plain = _TILES, _NORMS
     elif kquantized(layer):
@@ -150,14 +158,15 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
         kind, plain = _KQUANT, _NORMS
     elif (all(_tile_parts(layer.get(n)) or _kquant_parts(layer.get(n)) for n in _LINEARS)
           and (all(_tile_parts(layer.get(n)) for n in _LINEARS) or kquant.kquant_available())):
-        if dtype != torch.float32 or not _VNNI:
+        if dtype != torch.float32 or not _tiles_native():
             return None
         kind, plain = _MIXED, _NORMS
     elif all(isinstance(layer.get(n), CodedBfloat16) for n in _LINEARS):
-        if dtype != torch.bfloat16 or not _BF16_DOT:
+        if dtype != torch.bfloat16 or not _BF16_DOT or decode_stack_isa() == "avx2":
             return None
         kind, plain = _CODED, _NORMS
-    elif dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT):
+    elif (dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT)
+          or decode_stack_isa() == "avx2"):  # the AVX2 build has no plain linears
         return None
     else:
         # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op
@@ -171,8 +180,13 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
     return kind
 
 
+def _tiles_native() -> bool:
+    """Whether tiles16 layers run natively: the decode library's VNNI kernels, or the AVX2 build's."""
+    return _VNNI or decode_stack_isa() == "avx2"
+
+
 def _ops():
-    if not decode_linear_available():
+    if decode_stack_isa() is None:
         raise RuntimeError(f"genfn.kernels.decode_layer needs the native kernels, which are {kernel_status()}")
     return getattr(torch.ops, _OP_NAMESPACE)
 
@@ -243,7 +257,7 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     take (``stack_takes``' head_dim), or without the native kernels. The table
     reads the weights as they are now: weights replaced later (not changed in place) need a new
     table, as a compiled step closes over the weights it was traced with."""
-    if head_dim % 16 or head_dim > 128 or heads % kv_heads or not decode_linear_available():
+    if head_dim % 16 or head_dim > 128 or heads % kv_heads or decode_stack_isa() is None:
         return None
     weights, layout = [], []
     for layer in layers:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["NativeLibrary", "DECODE", "KQUANT", "LIBRARIES", "BUILD_NOTE", "Plan", "plan", "load", "build", "library_key",
+__all__ = ["NativeLibrary", "DECODE", "DECODE_AVX2", "KQUANT", "LIBRARIES", "BUILD_NOTE", "Plan", "plan", "load", "build", "library_key",
            "file_name", "cache_dir", "prebuilt_dir", "compiler", "compile_command", "cpu_flags", "cpu_has"]
 
 _HERE = Path(__file__).resolve().parent
@@ -72,10 +72,25 @@ DECODE = NativeLibrary(
                                             "quant_gemm.cpp", "prefill_attention.cpp", "lookup_ops.cpp",
                                             "coded_bf16.cpp", "stack_table.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h", _HERE / "kquant.h",
-             _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h", _HERE / "stack_table.h"),
+             _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h", _HERE / "stack_table.h",
+             _HERE / "lanes16.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using torch's ops (block-quantized linears: the K-quant kernels' AVX2 path)")
+# The decode stack (decode_stack.cpp, its table, the attention) built for a CPU with AVX2 but no
+# AVX-512, where DECODE cannot load: its per-token arithmetic in lanes16.h's two-register form, the
+# same bits; tiles16 layers through tiles_avx2.h's kernels, K-quant layers through the K-quant
+# library's. It registers ops under DECODE's names, so a process loads one of the two, never both.
+DECODE_AVX2 = NativeLibrary(
+    stem="decode_avx2", what="decode stack for AVX2",
+    sources=tuple(_HERE / name for name in ("decode_avx2.cpp", "decode_attention.cpp", "decode_stack.cpp",
+                                            "stack_table.cpp", "thread_pool.cpp")),
+    headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
+             _HERE / "kquant.h", _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h",
+             _HERE / "stack_table.h", _HERE / "lanes16.h", _HERE / "tiles_avx2.h"),
+    isa_flags=("-mavx2", "-mfma", "-mf16c"),
+    cpu_features=("avx2", "fma", "f16c"),
+    fallback="using the layer op by op")
 # Its AVX-512 and AVX2 paths are compiled per function and chosen at run time (kquant.h).
 KQUANT = NativeLibrary(
     stem="kquant_linear", what="K-quant kernels", sources=(_HERE / "kquant_linear.cpp", _HERE / "kquant_quantize.cpp",
@@ -83,9 +98,9 @@ KQUANT = NativeLibrary(
                                                       _HERE / "kquant_r8.cpp", _HERE / "kquant_q6k.cpp",
                                                       _HERE / "kquant_lookup.cpp", _HERE / "tiles_avx2.cpp"),
     headers=(_HERE / "kquant.h", _HERE / "kquant_quantize.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
-             _HERE / "kquant_rows.h", _HERE / "kquant_panel.h", _HERE / "tile_kinds.h"),
+             _HERE / "kquant_rows.h", _HERE / "kquant_panel.h", _HERE / "tile_kinds.h", _HERE / "tiles_avx2.h"),
     isa_flags=("-mno-avx512f",), cpu_features=(), fallback="using the torch reference")
-LIBRARIES = (DECODE, KQUANT)
+LIBRARIES = (DECODE, DECODE_AVX2, KQUANT)
 
 
 def cache_dir() -> Path:

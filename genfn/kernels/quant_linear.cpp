@@ -341,6 +341,7 @@ at::Tensor quant_linear_from(const at::Tensor& init, const at::Tensor& x, const 
 namespace genfn_kernels {
 
 bool cpu_has_avx512_vnni() { return has_vnni(); }
+bool quant_shares_run() { return has_vnni(); }
 
 void QuantActivations::resize(int64_t M, int64_t K) {
   codes.resize(M * K);

@@ -18,24 +18,35 @@
 namespace genfn_kernels::rows {
 
 inline constexpr int64_t kLanes = 16;
+using simd::F16;
+using simd::M16;
 
 // The value a store then a load of T gives: the rounding the model code's `.to(dtype)` makes.
-inline __m512 round_to(float*, __m512 v) { return v; }
-inline __m512 round_to(c10::BFloat16*, __m512 v) { return widen_bfloat16(round_to_bfloat16(v)); }
+inline F16 round_to(float*, F16 v) { return v; }
+inline F16 round_to(c10::BFloat16* p, F16 v) {
+#if defined(__AVX512F__)
+  return widen_bfloat16(round_to_bfloat16(v));
+#else
+  alignas(32) c10::BFloat16 rounded[16];
+  store16(rounded, v, simd::lanes_below(16));
+  return load16(rounded, simd::lanes_below(16));
+#endif
+}
 
 // out = w * to_T(x * rsqrt(mean(x^2) + eps)), the squares summed in 16 lanes.
 template <typename T>
 void norm_row(const T* x, const T* w, int64_t E, float eps, T* out) {
-  __m512 squares = _mm512_setzero_ps();
+  using namespace simd;
+  F16 squares = zero();
   for (int64_t e = 0; e < E; e += kLanes) {
-    const __m512 v = load16(x + e, lanes_below(E - e));
-    squares = _mm512_fmadd_ps(v, v, squares);
+    const F16 v = load16(x + e, lanes_below(E - e));
+    squares = fmadd(v, v, squares);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(E) + eps));
+  const F16 r = set1(1.f / std::sqrt(reduce_add(squares) / static_cast<float>(E) + eps));
   for (int64_t e = 0; e < E; e += kLanes) {
-    const __mmask16 keep = lanes_below(E - e);
-    const __m512 normed = round_to(out, _mm512_mul_ps(load16(x + e, keep), r));
-    store16(out + e, _mm512_mul_ps(load16(w + e, keep), normed), keep);
+    const M16 keep = lanes_below(E - e);
+    const F16 normed = round_to(out, mul(load16(x + e, keep), r));
+    store16(out + e, mul(load16(w + e, keep), normed), keep);
   }
 }
 
@@ -43,8 +54,8 @@ void norm_row(const T* x, const T* w, int64_t E, float eps, T* out) {
 template <typename T>
 void add_row(const T* x, const T* d, int64_t E, T* out) {
   for (int64_t e = 0; e < E; e += kLanes) {
-    const __mmask16 keep = lanes_below(E - e);
-    store16(out + e, _mm512_add_ps(load16(x + e, keep), load16(d + e, keep)), keep);
+    const M16 keep = simd::lanes_below(E - e);
+    store16(out + e, simd::add(load16(x + e, keep), load16(d + e, keep)), keep);
   }
 }
 
@@ -52,13 +63,13 @@ void add_row(const T* x, const T* d, int64_t E, T* out) {
 // rotate_half(x) = (-x2, x1).
 template <typename T>
 void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
+  using namespace simd;
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += kLanes) {
-    const __mmask16 keep = lanes_below(half - i);
-    const __m512 a = load16(x + i, keep), b = load16(x + half + i, keep);
-    store16(out + i, _mm512_fnmadd_ps(b, load16(sin + i, keep), _mm512_mul_ps(a, load16(cos + i, keep))), keep);
-    store16(out + half + i,
-            _mm512_fmadd_ps(a, load16(sin + half + i, keep), _mm512_mul_ps(b, load16(cos + half + i, keep))), keep);
+    const M16 keep = lanes_below(half - i);
+    const F16 a = load16(x + i, keep), b = load16(x + half + i, keep);
+    store16(out + i, fnmadd(b, load16(sin + i, keep), mul(a, load16(cos + i, keep))), keep);
+    store16(out + half + i, fmadd(a, load16(sin + half + i, keep), mul(b, load16(cos + half + i, keep))), keep);
   }
 }
 
@@ -66,8 +77,8 @@ void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, int64_t F, T* out) {
   for (int64_t f = 0; f < F; f += kLanes) {
-    const __mmask16 keep = lanes_below(F - f);
-    store16(out + f, _mm512_mul_ps(silu16(load16(gate + f, keep)), load16(up + f, keep)), keep);
+    const M16 keep = simd::lanes_below(F - f);
+    store16(out + f, simd::mul(silu16(load16(gate + f, keep)), load16(up + f, keep)), keep);
   }
 }
 

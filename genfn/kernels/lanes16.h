@@ -1,0 +1,125 @@
+// Sixteen float32 lanes, the unit of the per-token arithmetic that the decode stack runs around its
+// linears (row_ops.h: norms, RoPE, SwiGLU, residuals; attention_lanes.h and decode_attention.cpp:
+// scores, softmax, weighted values): one __m512 where the library is built for AVX-512, two __m256
+// where it is built for AVX2 (the stack's library for CPUs without AVX-512, native.py's DECODE_AVX2).
+//
+// Both forms give the same bits. Every lane runs the same instruction on the same inputs (AVX2 has
+// the same IEEE operations, fused multiply-adds included); a sum or maximum over the lanes takes
+// the pairs _mm512_reduce_add_ps takes (lane i with lane i + 8, those sums four apart, then two,
+// then one); scalef is two exact power-of-two products, the second rounding as scalef's one does;
+// bfloat16 rounds as c10::BFloat16(float) does. So a token run by either library gets the same
+// numbers, and the tests hold the AVX2 stack to the AVX-512 one bit for bit.
+//
+// The AVX-512 form is the intrinsics themselves (F16 is __m512, M16 is __mmask16): code written
+// against this header compiles to what it compiled to before there was an AVX2 form.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace genfn_kernels::simd {
+
+#if defined(__AVX512F__)
+
+using F16 = __m512;
+using M16 = __mmask16;
+
+inline F16 zero() { return _mm512_setzero_ps(); }
+inline F16 set1(float v) { return _mm512_set1_ps(v); }
+inline F16 loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline F16 load_kept(M16 keep, const float* p) { return _mm512_maskz_loadu_ps(keep, p); }
+inline void storeu(float* p, F16 v) { _mm512_storeu_ps(p, v); }
+inline void store_kept(float* p, M16 keep, F16 v) { _mm512_mask_storeu_ps(p, keep, v); }
+inline F16 add(F16 a, F16 b) { return _mm512_add_ps(a, b); }
+inline F16 sub(F16 a, F16 b) { return _mm512_sub_ps(a, b); }
+inline F16 mul(F16 a, F16 b) { return _mm512_mul_ps(a, b); }
+inline F16 div(F16 a, F16 b) { return _mm512_div_ps(a, b); }
+inline F16 max(F16 a, F16 b) { return _mm512_max_ps(a, b); }
+inline F16 min(F16 a, F16 b) { return _mm512_min_ps(a, b); }
+inline F16 fmadd(F16 a, F16 b, F16 c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline F16 fnmadd(F16 a, F16 b, F16 c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline F16 round_nearest(F16 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline F16 scalef(F16 p, F16 n) { return _mm512_scalef_ps(p, n); }  // p * 2^n for integral n
+inline F16 keep_only(M16 keep, F16 v) { return _mm512_maskz_mov_ps(keep, v); }
+inline float reduce_add(F16 v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(F16 v) { return _mm512_reduce_max_ps(v); }
+
+#else  // AVX2: the low and high eight lanes
+
+struct F16 {
+  __m256 lo, hi;
+};
+using M16 = uint16_t;
+
+inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F16 loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+// Lane i's all-ones mask where bit i of keep is set (vmaskmov reads only those lanes' memory).
+inline __m256i lane_mask(M16 keep, int half) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i word = _mm256_set1_epi32((keep >> (8 * half)) & 0xFF);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(word, bits), bits);
+}
+inline F16 load_kept(M16 keep, const float* p) {
+  return {_mm256_maskload_ps(p, lane_mask(keep, 0)), _mm256_maskload_ps(p + 8, lane_mask(keep, 1))};
+}
+inline void storeu(float* p, F16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline void store_kept(float* p, M16 keep, F16 v) {
+  _mm256_maskstore_ps(p, lane_mask(keep, 0), v.lo);
+  _mm256_maskstore_ps(p + 8, lane_mask(keep, 1), v.hi);
+}
+inline F16 add(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 sub(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 div(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F16 max(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline F16 min(F16 a, F16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 fnmadd(F16 a, F16 b, F16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F16 round_nearest(F16 v) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
+}
+// p * 2^n for integral n in [-252, 254] as p * 2^a * 2^b, a = floor(n / 2), b = n - a: each power
+// a normal float, the first product exact for the |p| ~ 1 the exponentials scale, so the only
+// rounding is the second product's, which is scalef's one rounding (to a subnormal, or to infinity,
+// as it would).
+inline __m256 power_of_two(__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); }
+inline __m256 scalef8(__m256 p, __m256 n) {
+  const __m256i k = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(k, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, power_of_two(a)), power_of_two(_mm256_sub_epi32(k, a)));
+}
+inline F16 scalef(F16 p, F16 n) { return {scalef8(p.lo, n.lo), scalef8(p.hi, n.hi)}; }
+inline F16 keep_only(M16 keep, F16 v) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(lane_mask(keep, 0))),
+          _mm256_and_ps(v.hi, _mm256_castsi256_ps(lane_mask(keep, 1)))};
+}
+// _mm512_reduce_add_ps's and _mm512_reduce_max_ps's tree, operands in its order.
+inline float reduce_add(F16 v) {
+  const __m256 eights = _mm256_add_ps(v.hi, v.lo);
+  const __m128 fours = _mm_add_ps(_mm256_extractf128_ps(eights, 1), _mm256_castps256_ps128(eights));
+  const __m128 twos = _mm_add_ps(fours, _mm_shuffle_ps(fours, fours, 0x4E));
+  return _mm_cvtss_f32(twos) + _mm_cvtss_f32(_mm_shuffle_ps(twos, twos, 0x55));
+}
+inline float reduce_max(F16 v) {
+  const __m256 eights = _mm256_max_ps(v.hi, v.lo);
+  const __m128 fours = _mm_max_ps(_mm256_extractf128_ps(eights, 1), _mm256_castps256_ps128(eights));
+  const __m128 twos = _mm_max_ps(fours, _mm_shuffle_ps(fours, fours, 0x4E));
+  return _mm_cvtss_f32(_mm_max_ss(twos, _mm_shuffle_ps(twos, twos, 0x55)));
+}
+
+#endif
+
+// The first n of 16 lanes (all 16 from n >= 16).
+inline M16 lanes_below(int64_t n) { return n >= 16 ? static_cast<M16>(0xFFFF) : static_cast<M16>((1u << n) - 1); }
+
+}  // namespace genfn_kernels::simd

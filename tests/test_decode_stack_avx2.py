@@ -1,0 +1,135 @@
+"""The decode stack built for CPUs without AVX-512 (native.DECODE_AVX2: decode_stack.cpp with lanes16.h's
+two-register lanes and tiles_avx2.h's tiles): in a process that runs as such a CPU (genfn.bench.avx2),
+the stack of tiles16, K-quant and mixed layers, dense and paged, gives the AVX-512 library's bits and
+cache; generate's logits, prompt lookup's included, are this process's bit for bit; plain layers,
+which it has no linears for, run op by op, and its table refuses them by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import genfn
+from genfn import kernels
+from genfn.kernels import decode_layer, kquant, native
+from test_decode_layer import EPS, HEAD_DIM, K_HEADS, K_KV_HEADS
+from test_decode_stack import _stack_layers, _step_inputs
+from test_paged_stack import _paged_copy
+from test_tiles_avx2 import build_case_model
+
+needs_both = pytest.mark.skipif(
+    not (kernels.decode_stack_isa() == "avx512" and native.cpu_has("avx512_vnni") and native.cpu_has("avx2")
+         and kquant.kquant_available() and native.plan(native.DECODE_AVX2).action != "no compiler"),
+    reason="compares the AVX2 build with the AVX-512 decode library (a CPU with both, a compiler)")
+
+# Every kind of layer the AVX2 build runs: each tile kind, K-quant rows (their 8-row repacking, IQ4_XS),
+# and a stack that mixes them.
+STACKS = {"tiles": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), "kquant": ("q4_k_m", "q4_k_m_r8", "iq4_xs"),
+          "mixed": ("q4_1", "q4_k_m", "q8_0")}
+# One row, a batch of rows, drafts of two rows (10 rows: two groups of the linears), with a sliding window.
+STEPS = ((1, 1, None), (3, 1, None), (2, 5, None), (2, 5, 6))
+
+
+def stack_cases() -> dict:
+    """Each stack's output and written cache for each step, dense and paged."""
+    out = {}
+    for name, kinds in STACKS.items():
+        layers = _stack_layers(kinds)
+        table = decode_layer.stack_table(layers, torch.float32, K_HEADS, K_KV_HEADS, HEAD_DIM)
+        assert table is not None, name
+        for batch, seq, window in STEPS:
+            x, cos, sin, keys, values, slots, visible = _step_inputs(batch, seq, len(layers))
+            (paged_keys, paged_values), inputs, paged_visible, _ = _paged_copy(keys, values, slots, window)
+            if window is None:
+                dense = decode_layer.run_stack(x, table, len(layers), cos, sin, keys, values, slots, visible, EPS)
+                out[name, batch, seq, "dense"] = (dense, keys, values)
+            rows = batch * seq
+            paged = decode_layer.run_paged_stack(x.reshape(rows, -1), table, len(layers), cos.reshape(rows, -1),
+                                                 sin.reshape(rows, -1), paged_keys, paged_values, inputs, EPS, window)
+            out[name, batch, seq, window] = (paged, paged_keys, paged_values)
+    return out
+
+
+def generate_cases() -> dict:
+    """A tiles model's greedy tokens and logits, and its tokens with prompt lookup (verification steps of
+    several rows)."""
+    model = build_case_model()
+    # 12 prompt tokens: the prefill too is one step of the stack (a longer one runs op by op, where the
+    # AVX-512 process's native prefill attention and torch's attention in the other differ in rounding)
+    ids = torch.tensor([[5, 17, 3, 5, 17, 3], [1, 2, 3, 1, 2, 3]])
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, disable_compile=True)
+    greedy = genfn.generate(model, ids, **settings, return_dict_in_generate=True, output_logits=True)
+    lookup = genfn.generate(model, ids, **settings, prompt_lookup_num_tokens=3)
+    return {"greedy": (greedy.sequences, torch.stack(greedy.logits)), "lookup": lookup}
+
+
+_AS_AVX2_CPU = """
+import torch
+from genfn.bench.avx2 import run_as_avx2_cpu
+run_as_avx2_cpu()
+from genfn import kernels
+from genfn.kernels import decode_layer
+from test_decode_layer import HEAD_DIM, K_HEADS, K_HIDDEN, K_KV_HEADS
+from test_decode_stack import _plain_layer
+from test_decode_stack_avx2 import generate_cases, stack_cases
+plain = decode_layer.stack_table([_plain_layer(0)], torch.float32, K_HEADS, K_KV_HEADS, HEAD_DIM)
+layer = _plain_layer(0)
+try:
+    torch.ops.genfn_kernels.decode_stack_table([layer[n] for n in ("attn_norm", "mlp_norm", "wqkv", "wo", "w_gate_up",
+                                                                   "w_down")], [0], torch.float32, K_HIDDEN, K_HEADS,
+                                               K_KV_HEADS, HEAD_DIM)
+    refusal = None
+except RuntimeError as error:
+    refusal = str(error)
+torch.save({"isa": kernels.decode_stack_isa(), "decode_library": kernels.decode_linear_available(),
+            "plain_table": plain, "refusal": refusal, "stacks": stack_cases(), "generate": generate_cases()}, PATH)
+"""
+
+
+@pytest.fixture(scope="module")
+def as_avx2_cpu(tmp_path_factory):
+    """What a process that runs as a CPU without AVX-512 computed (torch's own kernels as here, so that
+    only genfn's libraries differ)."""
+    result = tmp_path_factory.mktemp("avx2") / "out.pt"
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    script = _AS_AVX2_CPU.replace("PATH", repr(str(result)))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(result, weights_only=False)
+
+
+@needs_both
+def test_the_process_runs_the_avx2_build_of_the_stack_alone(as_avx2_cpu):
+    assert as_avx2_cpu["isa"] == "avx2"
+    assert as_avx2_cpu["decode_library"] is False
+
+
+@needs_both
+def test_the_avx2_stack_gives_the_avx512_stacks_bits_and_cache(as_avx2_cpu):
+    here = stack_cases()
+    there = as_avx2_cpu["stacks"]
+    assert there.keys() == here.keys()
+    for case, tensors in here.items():
+        for mine, theirs in zip(tensors, there[case]):
+            assert torch.equal(mine, theirs), case
+
+
+@needs_both
+def test_generate_on_the_avx2_stack_gives_this_processs_logits_and_lookups_tokens(as_avx2_cpu):
+    here, there = generate_cases(), as_avx2_cpu["generate"]
+    assert torch.equal(there["greedy"][0], here["greedy"][0])
+    assert torch.equal(there["greedy"][1], here["greedy"][1])
+    # verification steps of several rows: the greedy tokens, as everywhere
+    assert torch.equal(there["lookup"], here["lookup"]) and torch.equal(here["lookup"], here["greedy"][0])
+
+
+@needs_both
+def test_plain_layers_are_not_the_avx2_builds_and_its_table_says_so(as_avx2_cpu):
+    assert as_avx2_cpu["plain_table"] is None  # the model code runs them op by op
+    assert "AVX-512" in as_avx2_cpu["refusal"] and "decode_stack_table" in as_avx2_cpu["refusal"]
