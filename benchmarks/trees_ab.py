@@ -2,6 +2,7 @@
 
     python benchmarks/trees_ab.py --model llama-1b-q4_k_m.gguf --trees /work/wt/base,/work/main --rounds 4
     python benchmarks/trees_ab.py --model llama-1b-iq4_xs.gguf --trees 9f1269c,. --engine genfn-compiled
+    python benchmarks/trees_ab.py --model SmolLM2-135M-Instruct.Q4_1.gguf --trees bd4b58d,. --engine genfn-avx2
 
 A ``--trees`` entry that is no directory is a git revision of this checkout, exported with ``git
 archive`` into a temporary directory for the run.
@@ -27,7 +28,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from model_bench import run_child, sampled
+from model_bench import ENGINES, run_child, sampled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="a GGUF file or HF directory")
     ap.add_argument("--trees", required=True,
                     help="comma list of source trees or git revisions; ratios are over the first")
-    ap.add_argument("--engine", default="genfn", choices=["genfn", "genfn-compiled"])
+    ap.add_argument("--engine", default="genfn", choices=[e for e in ENGINES if e != "llama.cpp"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed decodes per process (the fastest counts)")

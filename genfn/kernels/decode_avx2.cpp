@@ -42,21 +42,11 @@ CodedWeight coded_weight_of(const at::Tensor&, const at::Tensor&, const at::Tens
   TORCH_CHECK(false, op, ": ", kNoPlain);
 }
 
-void QuantActivations::resize(int64_t M, int64_t K) {
-  codes.resize(M * K);
-  scale.resize(M * (K / 32));
-  sum.resize(M * (K / 32));
-  scaled_sum.resize(M * (K / 32));
-}
 
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T) {
   tiles_avx2::quantize_rows(x, M * t / T, M * (t + 1) / T, K, a);
 }
 
-void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
-                        RowQueue& queue) {
-  quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
-}
 
 // quant_linear.cpp's sharing (chunks of ~32 KiB of codes for one group of rows, ~8 KiB for several,
 // every group over a chunk while it is in L1), each tile by tiles_avx2.h's kernels.

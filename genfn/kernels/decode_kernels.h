@@ -135,15 +135,6 @@ struct QuantWeight {
   const uint16_t* mins;    // float16, kinds 1 and 4 only
   int64_t kind, tiles, blocks, out_features;
 };
-// Rows of x quantized to 8 bits per block of 32 (quant_linear.cpp): codes, block scales, block
-// code sums and scale * sum. resize() before the parallel region that fills it.
-struct QuantActivations {
-  std::vector<int8_t> codes;      // [M, K]
-  std::vector<float> scale;       // [M, K / 32]
-  std::vector<int32_t> sum;       // [M, K / 32]
-  std::vector<float> scaled_sum;  // [M, K / 32]
-  void resize(int64_t M, int64_t K);
-};
 // Whether the quantized shares can run (they need AVX512_VNNI).
 bool cpu_has_avx512_vnni();
 // Whether quantize_rows_share and the quant_linear shares run here: the AVX-512 library's on a CPU
@@ -162,8 +153,6 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 // Thread t's share of y[M, N] = x[M, K] @ dequantize(w).T from x quantized in a (M <=
 // kMaxDecodeRows), summed as quant_linear sums it: tiles shared out balanced as linear_balanced
 // shares rows (queue.prepare_blocks(w.tiles, T) before the region).
-void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
-                        RowQueue& queue);
 // quant_linear_share for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
 // every group over each claimed chunk of tiles: the weight streams once for all of them. Group g's
 // chains start at init[g]'s values where init is given (quant_linear_from). y's (and init's) rows
@@ -171,6 +160,10 @@ void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const Q
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
                                const float* const* init = nullptr, int64_t ld = 0);
+inline void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y,
+                               int64_t t, RowQueue& queue) {
+  quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
+}
 // Whether quant_linear hands a product of this many rows of x to quant_gemm (from 16 rows unless
 // the op quant_gemm_min_rows set another count).
 bool quant_gemm_takes(int64_t rows);

@@ -343,21 +343,11 @@ namespace genfn_kernels {
 bool cpu_has_avx512_vnni() { return has_vnni(); }
 bool quant_shares_run() { return has_vnni(); }
 
-void QuantActivations::resize(int64_t M, int64_t K) {
-  codes.resize(M * K);
-  scale.resize(M * (K / kBlock));
-  sum.resize(M * (K / kBlock));
-  scaled_sum.resize(M * (K / kBlock));
-}
 
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T) {
   quantize_rows(x, M * t / T, M * (t + 1) / T, K, a);
 }
 
-void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y, int64_t t,
-                        RowQueue& queue) {
-  quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
-}
 
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,

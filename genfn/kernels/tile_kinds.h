@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace genfn_kernels {
 // Inline: genfn_kernels::kQ4 as well, and `using namespace genfn_kernels::tile_kinds` takes only these.
@@ -76,4 +77,21 @@ inline int32_t tile_code(const uint8_t* block, int64_t kind, int64_t r, int64_t 
 }
 
 }  // namespace tile_kinds
+
+// Rows of x quantized to 8 bits per block of 32 inputs, as every tiles kernel reads them (VNNI's,
+// quant_linear.cpp; AVX2's, tiles_avx2.h): codes, block scales, block code sums and scale * sum.
+// resize() before the parallel region that fills it.
+struct QuantActivations {
+  std::vector<int8_t> codes;      // [M, K]
+  std::vector<float> scale;       // [M, K / 32]
+  std::vector<int32_t> sum;       // [M, K / 32]
+  std::vector<float> scaled_sum;  // [M, K / 32]
+  void resize(int64_t M, int64_t K) {
+    codes.resize(M * K);
+    scale.resize(M * (K / 32));
+    sum.resize(M * (K / 32));
+    scaled_sum.resize(M * (K / 32));
+  }
+};
+
 }  // namespace genfn_kernels

@@ -49,8 +49,8 @@ at::Tensor tiles_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const float* ip = init.has_value() ? start.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   // Reused across calls (a decode step makes dozens); the workers read the caller's through this reference.
-  thread_local TileActivations buffer;
-  TileActivations& a = buffer;
+  thread_local genfn_kernels::QuantActivations buffer;
+  genfn_kernels::QuantActivations& a = buffer;
   a.resize(M, K);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)),

@@ -34,20 +34,6 @@ constexpr int64_t kBlock = 32;
 // unpacked codes (eight registers) fit AVX2's sixteen.
 constexpr int kMaxRows = 4;
 
-// x quantized per block of 32: codes [M, K], and per block d_x, its code sum, and d_x * sum; the
-// decode kernels' QuantActivations, whose layout the stack's AVX2 library fills with these kernels.
-struct TileActivations {
-  std::vector<int8_t> codes;
-  std::vector<float> scale;
-  std::vector<int32_t> sum;
-  std::vector<float> scaled_sum;
-  void resize(int64_t M, int64_t K) {
-    codes.resize(M * K);
-    scale.resize(M * K / kBlock);
-    sum.resize(M * K / kBlock);
-    scaled_sum.resize(M * K / kBlock);
-  }
-};
 
 GENFN_AVX2_INLINE inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -62,8 +48,7 @@ GENFN_AVX2_INLINE inline int32_t sum8(__m256i v) {
 }
 
 // Rows [m0, m1) of x [M, K]: quant_linear.cpp's quantize_rows, eight lanes at a time.
-template <typename Activations>
-GENFN_AVX2 void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, Activations& a) {
+GENFN_AVX2 inline void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, QuantActivations& a) {
   const int64_t nb = K / kBlock;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 lim = _mm256_set1_ps(127.0f), neg_lim = _mm256_set1_ps(-127.0f);
@@ -152,9 +137,9 @@ GENFN_AVX2_INLINE inline __m256i block_integer(const __m256i* w, const __m256i* 
 
 // Tile t against rows m0 .. m0 + M - 1 of x: y[m, 16t .. 16t + 15], y's (and init's) rows ld floats
 // apart, the outputs past N masked.
-template <int M, int64_t kind, typename Activations>
+template <int M, int64_t kind>
 GENFN_AVX2 void tile_rows(int64_t t, int64_t m0, int64_t nb, const uint8_t* codes, const uint16_t* scales,
-                          const uint16_t* mins, const Activations& a, int64_t K, int64_t N, int64_t ld, float* y,
+                          const uint16_t* mins, const QuantActivations& a, int64_t K, int64_t N, int64_t ld, float* y,
                           const float* init) {
   constexpr int64_t kBlockBytes = tile_block_bytes(kind);
   constexpr bool kMin = has_minimum(kind);
@@ -218,41 +203,38 @@ GENFN_AVX2 void tile_rows(int64_t t, int64_t m0, int64_t nb, const uint8_t* code
     for (int h = 0; h < 2; ++h) _mm256_maskstore_ps(y + (m0 + m) * ld + n0 + 8 * h, keep[h], acc[m][h]);
 }
 
-template <typename Activations>
 using TileFn = void (*)(int64_t, int64_t, int64_t, const uint8_t*, const uint16_t*, const uint16_t*,
-                        const Activations&, int64_t, int64_t, int64_t, float*, const float*);
+                        const QuantActivations&, int64_t, int64_t, int64_t, float*, const float*);
 
-template <int64_t kind, typename Activations>
-TileFn<Activations> pick_for(int rows) {
+template <int64_t kind>
+TileFn pick_for(int rows) {
   switch (rows) {
-    case 1: return &tile_rows<1, kind, Activations>;
-    case 2: return &tile_rows<2, kind, Activations>;
-    case 3: return &tile_rows<3, kind, Activations>;
-    default: return &tile_rows<4, kind, Activations>;
+    case 1: return &tile_rows<1, kind>;
+    case 2: return &tile_rows<2, kind>;
+    case 3: return &tile_rows<3, kind>;
+    default: return &tile_rows<4, kind>;
   }
 }
 
 // The kernel for `rows` (1 to kMaxRows) rows of x against tiles of `kind`.
-template <typename Activations>
-TileFn<Activations> pick(int64_t kind, int rows) {
+inline TileFn pick(int64_t kind, int rows) {
   switch (kind) {
-    case kQ4: return pick_for<kQ4, Activations>(rows);
-    case kQ4Min: return pick_for<kQ4Min, Activations>(rows);
-    case kQ5: return pick_for<kQ5, Activations>(rows);
-    case kQ5Min: return pick_for<kQ5Min, Activations>(rows);
-    default: return pick_for<kQ8, Activations>(rows);
+    case kQ4: return pick_for<kQ4>(rows);
+    case kQ4Min: return pick_for<kQ4Min>(rows);
+    case kQ5: return pick_for<kQ5>(rows);
+    case kQ5Min: return pick_for<kQ5Min>(rows);
+    default: return pick_for<kQ8>(rows);
   }
 }
 
 // Tiles [t0, t1) against the M rows of x quantized in a, kMaxRows rows a pass over each tile.
-template <typename Activations>
 void tiles_rows(int64_t t0, int64_t t1, int64_t M, int64_t kind, int64_t nb, const uint8_t* codes, const uint16_t* scales,
-                const uint16_t* mins, const Activations& a, int64_t K, int64_t N, int64_t ld, float* y,
+                const uint16_t* mins, const QuantActivations& a, int64_t K, int64_t N, int64_t ld, float* y,
                 const float* init) {
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      pick<Activations>(kind, rows)(t, m0, nb, codes, scales, mins, a, K, N, ld, y, init);
+      pick(kind, rows)(t, m0, nb, codes, scales, mins, a, K, N, ld, y, init);
     }
 }
 
