@@ -145,13 +145,16 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
     from genfn import kernels
     from genfn.kernels import kquant as kquant_kernels, native
 
-    building = [native.DECODE.what] if kernels.needs_build() else []
+    # A CPU without AVX-512 runs the decode stack's AVX2 build in the decode kernels' place.
+    decode = (native.DECODE_AVX2 if native.plan(native.DECODE).action == "unavailable"
+              and native.plan(native.DECODE_AVX2).action != "unavailable" else native.DECODE)
+    building = [decode.what] if kernels.needs_build() else []
     if kquant and kquant_kernels.needs_build():
         building.append(native.KQUANT.what)
-    what = " and ".join([native.DECODE.what] + ([native.KQUANT.what] if kquant else []))
+    what = " and ".join([decode.what] + ([native.KQUANT.what] if kquant else []))
     status.begin(f"building the native {' and '.join(building)} into {native.cache_dir()} ({native.BUILD_NOTE})"
                  if building else f"loading the native {what}")
-    available = kernels.quant_linear_available()
+    available = kernels.quant_linear_available() or kernels.decode_stack_isa() is not None
     if kquant:
         kquant_kernels.kquant_available()
     if available:

@@ -47,15 +47,13 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
   tiles_avx2::quantize_rows(x, M * t / T, M * (t + 1) / T, K, a);
 }
 
-
-// quant_linear.cpp's sharing (chunks of ~32 KiB of codes for one group of rows, ~8 KiB for several,
-// every group over a chunk while it is in L1), each tile by tiles_avx2.h's kernels.
+// quant_linear.cpp's sharing (tiles_chunk's chunks, every group over a chunk while it is in L1), each
+// tile by tiles_avx2.h's kernels.
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
                                const float* const* init, int64_t ld) {
   if (ld == 0) ld = w.out_features;
-  const int64_t tile_bytes = w.blocks * tile_block_bytes(w.kind);
-  const int64_t chunk = std::max<int64_t>(1, (groups == 1 ? 32768 : 8192) / tile_bytes);
+  const int64_t chunk = tiles_chunk(w, groups);
   auto tiles = [&](int64_t begin, int64_t end) {
     for (int64_t g = 0; g < groups; ++g)
       tiles_avx2::tiles_rows(begin, end, M[g], w.kind, w.blocks, w.codes, w.scales, w.mins, a[g], K, w.out_features,

@@ -160,6 +160,18 @@ void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations&
 void quant_linear_share_groups(int64_t groups, const int64_t* M, const QuantActivations* a, int64_t K,
                                const QuantWeight& w, float* const* y, int64_t t, RowQueue& queue,
                                const float* const* init = nullptr, int64_t ld = 0);
+// The tiles one claim of a quant_linear share takes (a chunk, what one run of the tiles sums): ~32 KiB of
+// codes for one group of rows. At ~8 KiB a 576-wide matrix took a call (and its share of a claim) per tile:
+// where this VM's memory read ~70-90 GB/s, SmolLM2 Q4_1's stack took 0.95x that time at one row, 0.93x at
+// two, 0.81x at four, 0.97x at eight (session 34, stack_ab.py, the same sums; ~16 KiB lost to 32, ~64 KiB
+// gained nothing more); where it read ~46 GB/s, 0.99-1.01x (there the few-row steps ran 0.67x as long: 1.30
+// ms at four rows against 1.94, so their per-call costs weighed less). 2048-wide tiles of 16-32 KiB are one
+// or two a chunk either way. For several groups ~8 KiB, so that the chunk the first group fetched is still
+// in L1 when the others read it.
+inline int64_t tiles_chunk(const QuantWeight& w, int64_t groups) {
+  const int64_t tile_bytes = w.blocks * tile_block_bytes(w.kind);
+  return std::max<int64_t>(1, (groups == 1 ? 32768 : 8192) / tile_bytes);
+}
 inline void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y,
                                int64_t t, RowQueue& queue) {
   quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
