@@ -150,10 +150,7 @@ inline constexpr bool kPlainLinears = false;
 // Thread t of T quantizes its share of the M rows of x [M, K] into a; a barrier must follow
 // before any thread reads a.
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T);
-// Thread t's share of y[M, N] = x[M, K] @ dequantize(w).T from x quantized in a (M <=
-// kMaxDecodeRows), summed as quant_linear sums it: tiles shared out balanced as linear_balanced
-// shares rows (queue.prepare_blocks(w.tiles, T) before the region).
-// quant_linear_share for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
+// quant_linear_share (below) for `groups` groups of rows (M[g] rows quantized in a[g], results to y[g]),
 // every group over each claimed chunk of tiles: the weight streams once for all of them. Group g's
 // chains start at init[g]'s values where init is given (quant_linear_from). y's (and init's) rows
 // lie `ld` floats apart (0: w.out_features), wider where w is one part of a stacked linear.
@@ -172,6 +169,9 @@ inline int64_t tiles_chunk(const QuantWeight& w, int64_t groups) {
   const int64_t tile_bytes = w.blocks * tile_block_bytes(w.kind);
   return std::max<int64_t>(1, (groups == 1 ? 32768 : 8192) / tile_bytes);
 }
+// Thread t's share of y[M, N] = x[M, K] @ dequantize(w).T from x quantized in a (M <=
+// kMaxDecodeRows), summed as quant_linear sums it: tiles shared out balanced as linear_balanced
+// shares rows (queue.prepare_blocks(w.tiles, T) before the region).
 inline void quant_linear_share(int64_t M, const QuantActivations& a, int64_t K, const QuantWeight& w, float* y,
                                int64_t t, RowQueue& queue) {
   quant_linear_share_groups(1, &M, &a, K, w, &y, t, queue);
