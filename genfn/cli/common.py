@@ -145,9 +145,7 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
     from genfn import kernels
     from genfn.kernels import kquant as kquant_kernels, native
 
-    # A CPU without AVX-512 runs the decode stack's AVX2 build in the decode kernels' place.
-    decode = (native.DECODE_AVX2 if native.plan(native.DECODE).action == "unavailable"
-              and native.plan(native.DECODE_AVX2).action != "unavailable" else native.DECODE)
+    decode = kernels.decode_library()  # on a CPU without AVX-512, the decode stack's AVX2 build
     building = [decode.what] if kernels.needs_build() else []
     if kquant and kquant_kernels.needs_build():
         building.append(native.KQUANT.what)

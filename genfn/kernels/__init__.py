@@ -35,7 +35,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
-           "decode_linear_available", "decode_stack_isa", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
+           "decode_linear_available", "decode_library", "decode_stack_isa", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
            "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS", "coded_linear", "encode_coded_bf16"]
 
 _OP_NAMESPACE = "genfn_kernels"
@@ -75,10 +75,17 @@ def kernel_status() -> str:
 def needs_build() -> bool:
     """Whether using the kernels would first compile them: no installed or cached build for these
     sources, torch and flags, and a compiler to build one (``False`` once they are loaded)."""
-    if _available is not None:
-        return False
-    action = native.plan(native.DECODE).action
-    return action == "build" or (action == "unavailable" and native.plan(native.DECODE_AVX2).action == "build")
+    return _available is None and native.plan(decode_library()).action == "build"
+
+
+def decode_library() -> native.NativeLibrary:
+    """The decode library this process loads: the decode kernels (``native.DECODE``), or on a CPU
+    they cannot run on but the decode stack's AVX2 build can (no AVX-512), that build
+    (``native.DECODE_AVX2``)."""
+    if (native.plan(native.DECODE).action == "unavailable"
+            and native.plan(native.DECODE_AVX2).action != "unavailable"):
+        return native.DECODE_AVX2
+    return native.DECODE
 
 
 def _register_fake() -> None:
@@ -237,16 +244,18 @@ def decode_linear_available() -> bool:
 
 def _load() -> bool:
     global _status, _stack_isa
-    loaded, _status = native.load(native.DECODE)
-    if loaded:
-        _register_fake()
-        _stack_isa = "avx512"
-    elif native.plan(native.DECODE).action == "unavailable":  # not this CPU: the stack's AVX2 build may run
+    if decode_library() is native.DECODE_AVX2:
+        _status = native.plan(native.DECODE).reason
         stack_loaded, stack_status = native.load(native.DECODE_AVX2)
         if stack_loaded:
             _register_stack_fake()
             _stack_isa = "avx2"
             _status += f"; the {native.DECODE_AVX2.what} {stack_status}"
+        return False
+    loaded, _status = native.load(native.DECODE)
+    if loaded:
+        _register_fake()
+        _stack_isa = "avx512"
     return loaded
 
 

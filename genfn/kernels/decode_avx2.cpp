@@ -42,7 +42,6 @@ CodedWeight coded_weight_of(const at::Tensor&, const at::Tensor&, const at::Tens
   TORCH_CHECK(false, op, ": ", kNoPlain);
 }
 
-
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T) {
   tiles_avx2::quantize_rows(x, M * t / T, M * (t + 1) / T, K, a);
 }

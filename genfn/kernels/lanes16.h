@@ -19,7 +19,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace genfn_kernels::simd {
 

@@ -34,17 +34,10 @@ constexpr int64_t kBlock = 32;
 // unpacked codes (eight registers) fit AVX2's sixteen.
 constexpr int kMaxRows = 4;
 
-
 GENFN_AVX2_INLINE inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-GENFN_AVX2_INLINE inline int32_t sum8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
 // Rows [m0, m1) of x [M, K]: quant_linear.cpp's quantize_rows, eight lanes at a time.
@@ -72,7 +65,8 @@ GENFN_AVX2 inline void quantize_rows(const float* x, int64_t m0, int64_t m1, int
       const __m256i bytes = _mm256_permutevar8x32_epi32(
           _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.codes.data() + m * K + b * kBlock), bytes);
-      const int32_t total = sum8(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      const int32_t total =
+          genfn::kquant::sum_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
       a.scale[m * nb + b] = d;
       a.sum[m * nb + b] = total;
       a.scaled_sum[m * nb + b] = d * static_cast<float>(total);
