@@ -1,8 +1,9 @@
 """The decode stack built for CPUs without AVX-512 (native.DECODE_AVX2: decode_stack.cpp with lanes16.h's
-two-register lanes and tiles_avx2.h's tiles): in a process that runs as such a CPU (genfn.bench.avx2),
-the stack of tiles16, K-quant and mixed layers, dense and paged, gives the AVX-512 library's bits and
-cache; generate's logits, prompt lookup's included, are this process's bit for bit; plain layers,
-which it has no linears for, run op by op, and its table refuses them by name."""
+two-register lanes, plain_rows.h's blocks and tiles_avx2.h's tiles): in a process that runs as such a
+CPU (genfn.bench.avx2), the stack of plain float32, tiles16, K-quant and mixed layers, dense and paged,
+gives the AVX-512 library's bits and cache, and a bfloat16 stack the AVX-512 library's widening path's;
+generate's logits, prompt lookup's included, are this process's bit for bit, for a block-quantized
+model and a float32 one; coded bfloat16 layers, which it has no linears for, its table refuses by name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from genfn.kernels import decode_layer, kquant, native
 from test_decode_layer import EPS, HEAD_DIM, K_HEADS, K_KV_HEADS
 from test_decode_stack import _stack_layers, _step_inputs
 from test_paged_stack import _paged_copy
+from conftest import tiny_hf_model
+from genfn.models.model import from_hf_state_dict
 from test_tiles_avx2 import build_case_model
 
 needs_both = pytest.mark.skipif(
@@ -27,24 +30,28 @@ needs_both = pytest.mark.skipif(
          and kquant.kquant_available() and native.plan(native.DECODE_AVX2).action != "no compiler"),
     reason="compares the AVX2 build with the AVX-512 decode library (a CPU with both, a compiler)")
 
-# Every kind of layer the AVX2 build runs: each tile kind, K-quant rows (their 8-row repacking, IQ4_XS),
-# and a stack that mixes them.
-STACKS = {"tiles": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), "kquant": ("q4_k_m", "q4_k_m_r8", "iq4_xs"),
-          "mixed": ("q4_1", "q4_k_m", "q8_0")}
+# Every kind of layer the AVX2 build runs: plain float32, each tile kind, K-quant rows (their 8-row
+# repacking, IQ4_XS), and a stack that mixes them.
+STACKS = {"plain": ("plain", "plain"), "tiles": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"),
+          "kquant": ("q4_k_m", "q4_k_m_r8", "iq4_xs"), "mixed": ("q4_1", "plain", "q4_k_m", "q8_0")}
 # One row, a batch of rows, drafts of two rows (10 rows: two groups of the linears), with a sliding window.
 STEPS = ((1, 1, None), (3, 1, None), (2, 5, None), (2, 5, 6))
 
 
 def stack_cases() -> dict:
-    """Each stack's output and written cache for each step, dense and paged."""
+    """Each stack's output and written cache for each step, dense and paged; a stack of two plain
+    bfloat16 layers too (the AVX-512 library's widening path: the AVX2 build has no vdpbf16ps)."""
     out = {}
-    for name, kinds in STACKS.items():
-        layers = _stack_layers(kinds)
-        table = decode_layer.stack_table(layers, torch.float32, K_HEADS, K_KV_HEADS, HEAD_DIM)
+    bfloat16 = [{n: w.bfloat16() for n, w in layer.items()} for layer in _stack_layers(("plain", "plain"))]
+    cases = [(name, _stack_layers(kinds), torch.float32) for name, kinds in STACKS.items()]
+    for name, layers, dtype in cases + [("bfloat16", bfloat16, torch.bfloat16)]:
+        table = decode_layer.stack_table(layers, dtype, K_HEADS, K_KV_HEADS, HEAD_DIM)
         assert table is not None, name
         for batch, seq, window in STEPS:
-            x, cos, sin, keys, values, slots, visible = _step_inputs(batch, seq, len(layers))
+            x, cos, sin, keys, values, slots, visible = (t.to(dtype) if t.is_floating_point() else t
+                                                         for t in _step_inputs(batch, seq, len(layers)))
             (paged_keys, paged_values), inputs, paged_visible, _ = _paged_copy(keys, values, slots, window)
+            paged_keys, paged_values = paged_keys.to(dtype), paged_values.to(dtype)
             if window is None:
                 dense = decode_layer.run_stack(x, table, len(layers), cos, sin, keys, values, slots, visible, EPS)
                 out[name, batch, seq, "dense"] = (dense, keys, values)
@@ -55,10 +62,31 @@ def stack_cases() -> dict:
     return out
 
 
+def attention_cases() -> dict:
+    """The stack's attention op over head_dims of one to four 16-lane slices, float32 and bfloat16: at one
+    slice a score is a single product's lanes summed, which a compiler left to fuse products into
+    the sum's first additions gave other bits than the AVX-512 library's."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for head_dim in (16, 32, 64):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, keys, values = (torch.randn(*shape, head_dim, generator=gen).to(dtype)
+                               for shape in ((2, 4), (2, 2, 48), (2, 2, 48)))
+            visible = torch.arange(48)[None] < torch.tensor([[21], [40]])
+            out[head_dim, dtype] = torch.ops.genfn_kernels.dense_decode_attention(q, keys, values, visible,
+                                                                                  head_dim ** -0.5)
+    return out
+
+
 def generate_cases() -> dict:
-    """A tiles model's greedy tokens and logits, and its tokens with prompt lookup (verification steps of
-    several rows)."""
-    model = build_case_model()
+    """A tiles model's and a float32 model's greedy tokens and logits, and their tokens with prompt lookup
+    (verification steps of several rows)."""
+    hf, config = tiny_hf_model(seed=4, intermediate_size=128, num_hidden_layers=3)
+    return {"tiles": _generate_case(build_case_model()),
+            "float32": _generate_case(from_hf_state_dict(config, hf.state_dict()))}
+
+
+def _generate_case(model) -> dict:
     # 12 prompt tokens: the prefill too is one step of the stack (a longer one runs op by op, where the
     # AVX-512 process's native prefill attention and torch's attention in the other differ in rounding)
     ids = torch.tensor([[5, 17, 3, 5, 17, 3], [1, 2, 3, 1, 2, 3]])
@@ -76,18 +104,16 @@ from genfn import kernels
 from genfn.kernels import decode_layer
 from test_decode_layer import HEAD_DIM, K_HEADS, K_HIDDEN, K_KV_HEADS
 from test_decode_stack import _plain_layer
-from test_decode_stack_avx2 import generate_cases, stack_cases
-plain = decode_layer.stack_table([_plain_layer(0)], torch.float32, K_HEADS, K_KV_HEADS, HEAD_DIM)
+from test_decode_stack_avx2 import attention_cases, generate_cases, stack_cases
 layer = _plain_layer(0)
-try:
-    torch.ops.genfn_kernels.decode_stack_table([layer[n] for n in ("attn_norm", "mlp_norm", "wqkv", "wo", "w_gate_up",
-                                                                   "w_down")], [0], torch.float32, K_HIDDEN, K_HEADS,
+try:  # a coded bfloat16 layer (kind 4): refused before its tensors are read
+    torch.ops.genfn_kernels.decode_stack_table([layer["attn_norm"].bfloat16()], [4], torch.bfloat16, K_HIDDEN, K_HEADS,
                                                K_KV_HEADS, HEAD_DIM)
     refusal = None
 except RuntimeError as error:
     refusal = str(error)
 torch.save({"isa": kernels.decode_stack_isa(), "decode_library": kernels.decode_linear_available(),
-            "plain_table": plain, "refusal": refusal, "stacks": stack_cases(), "generate": generate_cases()}, PATH)
+            "refusal": refusal, "attention": attention_cases(), "stacks": stack_cases(), "generate": generate_cases()}, PATH)
 """
 
 
@@ -112,7 +138,11 @@ def test_the_process_runs_the_avx2_build_of_the_stack_alone(as_avx2_cpu):
 
 @needs_both
 def test_the_avx2_stack_gives_the_avx512_stacks_bits_and_cache(as_avx2_cpu):
-    here = stack_cases()
+    kernels.force_bf16_linear_path("widen")
+    try:
+        here = stack_cases()
+    finally:
+        kernels.force_bf16_linear_path(None)
     there = as_avx2_cpu["stacks"]
     assert there.keys() == here.keys()
     for case, tensors in here.items():
@@ -121,8 +151,17 @@ def test_the_avx2_stack_gives_the_avx512_stacks_bits_and_cache(as_avx2_cpu):
 
 
 @needs_both
-def test_generate_on_the_avx2_stack_gives_this_processs_logits_and_lookups_tokens(as_avx2_cpu):
-    here, there = generate_cases(), as_avx2_cpu["generate"]
+def test_the_avx2_attention_gives_the_avx512_bits_at_every_head_dim(as_avx2_cpu):
+    here, there = attention_cases(), as_avx2_cpu["attention"]
+    assert there.keys() == here.keys()
+    for case, out in here.items():
+        assert torch.equal(out, there[case]), case
+
+
+@needs_both
+@pytest.mark.parametrize("model", ["tiles", "float32"])
+def test_generate_on_the_avx2_stack_gives_this_processs_logits_and_lookups_tokens(as_avx2_cpu, model):
+    here, there = generate_cases()[model], as_avx2_cpu["generate"][model]
     assert torch.equal(there["greedy"][0], here["greedy"][0])
     assert torch.equal(there["greedy"][1], here["greedy"][1])
     # verification steps of several rows: the greedy tokens, as everywhere
@@ -130,6 +169,5 @@ def test_generate_on_the_avx2_stack_gives_this_processs_logits_and_lookups_token
 
 
 @needs_both
-def test_plain_layers_are_not_the_avx2_builds_and_its_table_says_so(as_avx2_cpu):
-    assert as_avx2_cpu["plain_table"] is None  # the model code runs them op by op
-    assert "AVX-512" in as_avx2_cpu["refusal"] and "decode_stack_table" in as_avx2_cpu["refusal"]
+def test_coded_layers_are_not_the_avx2_builds_and_its_table_says_so(as_avx2_cpu):
+    assert "AVX512_BF16" in as_avx2_cpu["refusal"] and "decode_stack_table" in as_avx2_cpu["refusal"]

@@ -91,14 +91,6 @@ def decode_library() -> native.NativeLibrary:
 def _register_fake() -> None:
     register_coded_fake(_OP_NAMESPACE)
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
-    def _(x, weight):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::invariant_linear")
-    def _(x, weight):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::bf16_gemm_plain")
     def _(x, weight, bias, out_float32):
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if out_float32 else x.dtype)
@@ -158,7 +150,16 @@ def _register_fake() -> None:
 
 
 def _register_stack_fake() -> None:
-    """The fakes of the ops both decode libraries have: the stack, its table and the attention."""
+    """The fakes of the ops both decode libraries have: the plain linears, the stack, its table and the
+    attention."""
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
+    def _(x, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::invariant_linear")
+    def _(x, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::dense_decode_attention")
     def _(q, keys, values, visible, scale, softcap=0.0, cache_rows=None):
@@ -277,8 +278,16 @@ def release_thread_pool() -> bool:
     return bool(torch.ops.genfn_kernels.release_thread_pool())
 
 
+def _linear_rows(dtype: torch.dtype) -> int | None:
+    """Rows of x up to which ``linear`` takes ``decode_linear`` for weights of ``dtype`` (None: never):
+    MAX_LINEAR_ROWS with the AVX-512 library; a decode step's MAX_DECODE_ROWS with the AVX2 build, whose
+    panels past them (tiles of 6 x 1) were not measured against the library's GEMM."""
+    isa = decode_stack_isa()
+    return None if isa is None else (MAX_LINEAR_ROWS if isa == "avx512" else MAX_DECODE_ROWS).get(dtype)
+
+
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    limit = MAX_LINEAR_ROWS.get(weight.dtype)
+    limit = _linear_rows(weight.dtype)
     return (
         limit is not None
         and x.dtype == weight.dtype
@@ -289,7 +298,6 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.numel() // max(weight.shape[1], 1) <= limit
         # The op has no backward: anything that will be differentiated takes F.linear.
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and decode_linear_available()
     )
 
 
@@ -478,7 +486,8 @@ def force_bf16_linear_path(path: str | None) -> str:
     """Pin the bfloat16 path of ``decode_linear``/``invariant_linear``: ``"widen"`` (the weights
     widened to float32, the path of CPUs without AVX512_BF16), ``"dot"`` (``vdpbf16ps``) or
     ``None`` (the best this CPU has), for tests and benchmarks of the widening path on a CPU that
-    has both; returns the path now in force. The fused decode layer keeps ``vdpbf16ps``."""
+    has both; returns the path now in force. The decode stack's plain bfloat16 linears follow it too (the
+    AVX2 build's bits); coded bfloat16 ones keep ``vdpbf16ps``."""
     if path not in _BF16_PATHS:
         raise ValueError(f"path must be None, 'widen' or 'dot'; got {path!r}")
     if not decode_linear_available():

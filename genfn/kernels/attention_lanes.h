@@ -25,13 +25,7 @@ using simd::F16;
 using simd::M16;
 
 inline F16 load_lanes(const float* p) { return simd::loadu(p); }
-inline F16 load_lanes(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  return genfn_kernels::widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  return genfn_kernels::load16(p, simd::lanes_below(kLanes));
-#endif
-}
+inline F16 load_lanes(const c10::BFloat16* p) { return simd::widen_bf16(p); }
 
 // e^x for x <= 0 (scores minus their maximum): 2^n * p(f) with a degree-6 polynomial on
 // f in [-ln2/2, ln2/2] (relative error ~2e-7, about float32's own); -inf and very negative give 0.

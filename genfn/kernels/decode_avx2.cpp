@@ -4,9 +4,10 @@
 // A stack of tiles16 layers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) runs its linears with tiles_avx2.h's
 // kernels, which give quant_linear.cpp's VNNI bits: x quantized as there, each output's chain over
 // the blocks as there. K-quant layers reach the K-quant library's own AVX2 kernels through its entry
-// table, as they do from the AVX-512 library. Plain float32 or bfloat16 weights (decode_linear.cpp)
-// and coded bfloat16 ones (coded_bf16.cpp) have no AVX2 form: stack_table refuses them here, and
-// genfn.kernels.decode_layer does not hand them to this library.
+// table, as they do from the AVX-512 library. Plain float32 and bfloat16 layers run plain_linear.cpp's
+// blocks, and decode_linear.cpp's ops are built here too (bfloat16 widened, as the AVX-512 library
+// sums it on a CPU without AVX512_BF16). Coded bfloat16 weights (coded_bf16.cpp, vdpbf16ps) have no AVX2 form: stack_table
+// refuses them here, and genfn.kernels.decode_layer does not hand them to this library.
 #include <ATen/ATen.h>
 
 #include "decode_kernels.h"
@@ -17,29 +18,20 @@ namespace genfn_kernels {
 
 namespace {
 
-constexpr const char* kNoPlain =
-    "the decode kernels built for AVX2 take tiles16 and K-quant weights only; plain and coded bfloat16 "
-    "weights need the AVX-512 library";
+constexpr const char* kNoCoded =
+    "the decode kernels built for AVX2 have no coded bfloat16 linears; coded weights need the AVX-512 library "
+    "on a CPU with AVX512_BF16";
 
 }  // namespace
 
-bool cpu_has_avx512_bf16() { return false; }
 bool quant_shares_run() { return true; }
 
-void RowQueue::prepare(int64_t, int64_t, int64_t, bool) { TORCH_CHECK(false, kNoPlain); }
-void linear_balanced(int64_t, const float*, const float*, int64_t, int64_t, float*, int64_t, RowQueue&) {
-  TORCH_CHECK(false, kNoPlain);
-}
-void linear_balanced(int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*, int64_t,
-                     RowQueue&) {
-  TORCH_CHECK(false, kNoPlain);
-}
 void coded_linear_share(int64_t, const c10::BFloat16*, const CodedWeight&, c10::BFloat16*, int64_t, RowQueue&) {
-  TORCH_CHECK(false, kNoPlain);
+  TORCH_CHECK(false, kNoCoded);
 }
 CodedWeight coded_weight_of(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const char* op) {
-  TORCH_CHECK(false, op, ": ", kNoPlain);
+  TORCH_CHECK(false, op, ": ", kNoCoded);
 }
 
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T) {

@@ -35,19 +35,8 @@ void with_rows(int64_t M, F&& f) {
 }
 
 #if defined(__AVX512F__)
-// 16 bfloat16 values widened to float32 lanes (exact).
-inline __m512 widen_bfloat16(__m256i halves) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
-// 16 float32 lanes rounded to bfloat16 as c10::BFloat16(float) rounds: to nearest even, NaN quiet.
-inline __m256i round_to_bfloat16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
+using simd::round_to_bfloat16;
+using simd::widen_bfloat16;
 #endif
 
 using simd::lanes_below;
@@ -56,22 +45,8 @@ using simd::lanes_below;
 // rounds: to nearest even, NaN quiet).
 inline simd::F16 load16(const float* p, simd::M16 keep) { return simd::load_kept(keep, p); }
 inline void store16(float* p, simd::F16 v, simd::M16 keep) { simd::store_kept(p, keep, v); }
-#if defined(__AVX512F__)
-inline __m512 load16(const c10::BFloat16* p, __mmask16 keep) { return widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p)); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 keep) { _mm256_mask_storeu_epi16(p, keep, round_to_bfloat16(v)); }
-#else  // one value at a time through float32 lanes: the AVX2 library's layers run float32 activations
-inline simd::F16 load16(const c10::BFloat16* p, simd::M16 keep) {
-  alignas(32) float lanes[16];
-  for (int i = 0; i < 16; ++i) lanes[i] = keep >> i & 1 ? static_cast<float>(p[i]) : 0.f;
-  return simd::loadu(lanes);
-}
-inline void store16(c10::BFloat16* p, simd::F16 v, simd::M16 keep) {
-  alignas(32) float lanes[16];
-  simd::storeu(lanes, v);
-  for (int i = 0; i < 16; ++i)
-    if (keep >> i & 1) p[i] = c10::BFloat16(lanes[i]);
-}
-#endif
+inline simd::F16 load16(const c10::BFloat16* p, simd::M16 keep) { return simd::widen_bf16_kept(keep, p); }
+inline void store16(c10::BFloat16* p, simd::F16 v, simd::M16 keep) { simd::store_bf16_kept(p, keep, v); }
 
 // e^x in 16 float32 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor series to r^7
 // (truncation ~5e-9 relative, under float32's 6e-8), scaled by 2^n. Within 2 ulp of expf.
@@ -100,6 +75,9 @@ inline simd::F16 silu16(simd::F16 g) {
 
 // Whether the bfloat16 forms can run (they need AVX512_BF16).
 bool cpu_has_avx512_bf16();
+// Whether bfloat16 linears sum through vdpbf16ps (plain_rows.h's Bfloat16Dot): on a CPU with
+// AVX512_BF16 unless the op bf16_linear_path chose the widening path; else they widen.
+bool bf16_dot_in_use();
 
 // The rows of one product shared out to T threads that balance their work: row_queue.h.
 // prepare() before the parallel region, then every thread calls linear_balanced with it once:
@@ -140,13 +118,6 @@ bool cpu_has_avx512_vnni();
 // Whether quantize_rows_share and the quant_linear shares run here: the AVX-512 library's on a CPU
 // with AVX512_VNNI, the AVX2 library's (decode_avx2.cpp) wherever it loads.
 bool quant_shares_run();
-// Whether this build has the plain (float32, bfloat16) and coded bfloat16 linears: the AVX2 library
-// runs tiles16 and K-quant layers only.
-#if defined(__AVX512F__)
-inline constexpr bool kPlainLinears = true;
-#else
-inline constexpr bool kPlainLinears = false;
-#endif
 // Thread t of T quantizes its share of the M rows of x [M, K] into a; a barrier must follow
 // before any thread reads a.
 void quantize_rows_share(const float* x, int64_t M, int64_t K, QuantActivations& a, int64_t t, int64_t T);

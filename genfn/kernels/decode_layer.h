@@ -401,9 +401,8 @@ inline void check_rows(const at::Tensor& x, const char* op, Weights weights) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && genfn_kernels::quant_shares_run(), op,
                 ": float32 activations on a CPU with AVX512_VNNI, or the AVX2 library; got ", x.scalar_type());
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat ||
-                    (x.scalar_type() == at::kBFloat16 && genfn_kernels::cpu_has_avx512_bf16()),
-                op, ": float32, or bfloat16 on a CPU with AVX512_BF16; got ", x.scalar_type());
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+                ": float32 or bfloat16 activations; got ", x.scalar_type());
   }
 }
 

@@ -31,8 +31,9 @@ spent ~1 us on each of SmolLM2's ~440).
 batch of a few tokens (decode steps, drafts, short prompt chunks).
 
 On a CPU without AVX-512 the decode library cannot load; the stack's own build for AVX2
-(``native.DECODE_AVX2``) runs there instead, for layers of tiles16 blocks and K-quant rows, with the
-same bits (``lanes16.h``); plain and coded bfloat16 layers run op by op there.
+(``native.DECODE_AVX2``) runs there instead, for layers of plain weights, tiles16 blocks and K-quant
+rows, with the same bits (``lanes16.h``, ``plain_rows.h``; bfloat16 the AVX-512 library's widening
+path's); coded bfloat16 layers run op by op there.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ _NORMS = ("attn_norm", "mlp_norm")
 _LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 _WEIGHTS = _NORMS + _LINEARS
 
-# Read at import: a compiled step must not open files while it is traced. The bfloat16 layer
-# needs the CPU's vdpbf16ps, the quantized one its vpdpbusd.
+# Read at import: a compiled step must not open files while it is traced. The coded bfloat16 layer
+# needs the CPU's vdpbf16ps, the quantized one its vpdpbusd (plain bfloat16 layers widen where the
+# CPU has no vdpbf16ps).
 _BF16_DOT = native.cpu_has("avx512_bf16")
 _VNNI = native.cpu_has("avx512_vnni")
 
@@ -107,8 +109,7 @@ def kquantized(layer: Mapping[str, Any]) -> bool:
 
 def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_dim: int) -> bool:
     """Whether ``layer``'s step on ``x [B, S, hidden]`` (S tokens of each row, a decode step's one or a
-    verification's drafts) runs natively: float32, or bfloat16 inside a compiled step on a CPU with
-    AVX512_BF16; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
+    verification's drafts) runs natively: float32, or bfloat16 inside a compiled step; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
     block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
     float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate. The per-layer
     ops are the decode library's (AVX-512): the AVX2 build has the stack alone."""
@@ -128,7 +129,7 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
         return False
     if torch.is_grad_enabled() and x.requires_grad:
         return False
-    if dtype == torch.bfloat16 and not (_BF16_DOT and torch.compiler.is_compiling()):
+    if dtype == torch.bfloat16 and not torch.compiler.is_compiling():
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
         return False
@@ -162,11 +163,11 @@ def layer_kind(layer: Mapping[str, Any], dtype: torch.dtype) -> int | None:
             return None
         kind, plain = _MIXED, _NORMS
     elif all(isinstance(layer.get(n), CodedBfloat16) for n in _LINEARS):
+        # vdpbf16ps, which the AVX2 build has no form of
         if dtype != torch.bfloat16 or not _BF16_DOT or decode_stack_isa() == "avx2":
             return None
         kind, plain = _CODED, _NORMS
-    elif (dtype not in MAX_DECODE_ROWS or (dtype == torch.bfloat16 and not _BF16_DOT)
-          or decode_stack_isa() == "avx2"):  # the AVX2 build has no plain linears
+    elif dtype not in MAX_DECODE_ROWS:
         return None
     else:
         # a lone QuantizedWeight (a mixed layer) is no Tensor: it runs op by op

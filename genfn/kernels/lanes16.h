@@ -7,7 +7,7 @@
 // the same IEEE operations, fused multiply-adds included); a sum or maximum over the lanes takes
 // the pairs _mm512_reduce_add_ps takes (lane i with lane i + 8, those sums four apart, then two,
 // then one); scalef is two exact power-of-two products, the second rounding as scalef's one does;
-// bfloat16 rounds as c10::BFloat16(float) does. So a token run by either library gets the same
+// bfloat16 widens exactly and rounds as c10::BFloat16(float) does. So a token run by either library gets the same
 // numbers, and the tests hold the AVX2 stack to the AVX-512 one bit for bit.
 //
 // The AVX-512 form is the intrinsics themselves (F16 is __m512, M16 is __mmask16): code written
@@ -46,6 +46,25 @@ inline F16 scalef(F16 p, F16 n) { return _mm512_scalef_ps(p, n); }  // p * 2^n f
 inline F16 keep_only(M16 keep, F16 v) { return _mm512_maskz_mov_ps(keep, v); }
 inline float reduce_add(F16 v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(F16 v) { return _mm512_reduce_max_ps(v); }
+
+// 16 bfloat16 values widened to float32 lanes (exact).
+inline __m512 widen_bfloat16(__m256i halves) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+// 16 float32 lanes rounded to bfloat16 as c10::BFloat16(float) rounds: to nearest even, NaN quiet.
+inline __m256i round_to_bfloat16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline F16 widen_bf16(const c10::BFloat16* p) {
+  return widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline F16 widen_bf16_kept(M16 keep, const c10::BFloat16* p) { return widen_bfloat16(_mm256_maskz_loadu_epi16(keep, p)); }
+inline void store_bf16_kept(c10::BFloat16* p, M16 keep, F16 v) { _mm256_mask_storeu_epi16(p, keep, round_to_bfloat16(v)); }
+inline F16 round_bf16(F16 v) { return widen_bfloat16(round_to_bfloat16(v)); }
 
 #else  // AVX2: the low and high eight lanes
 
@@ -115,6 +134,45 @@ inline float reduce_max(F16 v) {
   const __m128 twos = _mm_max_ps(fours, _mm_shuffle_ps(fours, fours, 0x4E));
   return _mm_cvtss_f32(_mm_max_ss(twos, _mm_shuffle_ps(twos, twos, 0x55)));
 }
+
+inline __m256 widen8(__m128i halves) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)); }
+// Eight float32 lanes rounded to bfloat16 (as the AVX-512 form rounds), each left in its lane's
+// high half: the float32 value of the rounded bfloat16.
+inline __m256i round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_and_si256(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan),
+                          _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline __m128i narrow8(__m256 v) {  // round8's bfloat16 values, packed
+  const __m256i high = _mm256_srli_epi32(round8(v), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+inline F16 widen_bf16(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {widen8(_mm256_castsi256_si128(halves)), widen8(_mm256_extracti128_si256(halves, 1))};
+}
+// A partial load or store goes through 16 values on the stack: AVX2 has no 16-bit masked moves (only
+// a row's last few elements take this path).
+inline F16 widen_bf16_kept(M16 keep, const c10::BFloat16* p) {
+  if (keep == 0xFFFF) return widen_bf16(p);
+  alignas(32) c10::BFloat16 kept[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (keep >> i & 1) kept[i] = p[i];
+  return widen_bf16(kept);
+}
+inline void store_bf16_kept(c10::BFloat16* p, M16 keep, F16 v) {
+  alignas(32) c10::BFloat16 rounded[16];
+  c10::BFloat16* out = keep == 0xFFFF ? p : rounded;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), narrow8(v.lo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), narrow8(v.hi));
+  if (out == rounded)
+    for (int i = 0; i < 16; ++i)
+      if (keep >> i & 1) p[i] = rounded[i];
+}
+inline F16 round_bf16(F16 v) { return {_mm256_castsi256_ps(round8(v.lo)), _mm256_castsi256_ps(round8(v.hi))}; }
 
 #endif
 

@@ -70,25 +70,30 @@ DECODE = NativeLibrary(
                                             "decode_layer.cpp", "decode_stack.cpp", "token_ops.cpp", "thread_pool.cpp",
                                             "bf16_gemm.cpp", "moe_decode.cpp", "gguf_tiles.cpp",
                                             "quant_gemm.cpp", "prefill_attention.cpp", "lookup_ops.cpp",
-                                            "coded_bf16.cpp", "stack_table.cpp")),
+                                            "coded_bf16.cpp", "stack_table.cpp", "plain_linear.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h", _HERE / "kquant.h",
              _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h", _HERE / "stack_table.h",
-             _HERE / "lanes16.h"),
+             _HERE / "lanes16.h", _HERE / "plain_rows.h"),
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using torch's ops (block-quantized linears: the K-quant kernels' AVX2 path)")
 # The decode stack (decode_stack.cpp, its table, the attention) built for a CPU with AVX2 but no
-# AVX-512, where DECODE cannot load: its per-token arithmetic in lanes16.h's two-register form, the
-# same bits; tiles16 layers through tiles_avx2.h's kernels, K-quant layers through the K-quant
-# library's. It registers ops under DECODE's names, so a process loads one of the two, never both.
+# AVX-512, where DECODE cannot load: its per-token arithmetic and plain linears (plain_rows.h, and
+# decode_linear.cpp's ops) in lanes16.h's two-register form, the same bits; tiles16 layers through
+# tiles_avx2.h's kernels, K-quant layers through the K-quant library's. It registers ops under
+# DECODE's names, so a process loads one of the two, never both. Built without contracting a product
+# and a sum into one fused multiply-add where the code wrote two operations: g++ does so by default, and
+# where an AVX2 sum of two halves read a product directly (a head_dim 16 score) it fused what the
+# AVX-512 form's shuffles keep apart, one rounding fewer than the AVX-512 library's bits.
 DECODE_AVX2 = NativeLibrary(
     stem="decode_avx2", what="decode stack for AVX2",
     sources=tuple(_HERE / name for name in ("decode_avx2.cpp", "decode_attention.cpp", "decode_stack.cpp",
-                                            "stack_table.cpp", "thread_pool.cpp")),
+                                            "stack_table.cpp", "thread_pool.cpp", "plain_linear.cpp",
+                                            "decode_linear.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
              _HERE / "kquant.h", _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h",
-             _HERE / "stack_table.h", _HERE / "lanes16.h", _HERE / "tiles_avx2.h"),
-    isa_flags=("-mavx2", "-mfma", "-mf16c"),
+             _HERE / "stack_table.h", _HERE / "lanes16.h", _HERE / "tiles_avx2.h", _HERE / "plain_rows.h"),
+    isa_flags=("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),
     cpu_features=("avx2", "fma", "f16c"),
     fallback="using the layer op by op")
 # Its AVX-512 and AVX2 paths are compiled per function and chosen at run time (kquant.h).

@@ -23,15 +23,7 @@ using simd::M16;
 
 // The value a store then a load of T gives: the rounding the model code's `.to(dtype)` makes.
 inline F16 round_to(float*, F16 v) { return v; }
-inline F16 round_to(c10::BFloat16* p, F16 v) {
-#if defined(__AVX512F__)
-  return widen_bfloat16(round_to_bfloat16(v));
-#else
-  alignas(32) c10::BFloat16 rounded[16];
-  store16(rounded, v, simd::lanes_below(16));
-  return load16(rounded, simd::lanes_below(16));
-#endif
-}
+inline F16 round_to(c10::BFloat16*, F16 v) { return simd::round_bf16(v); }
 
 // out = w * to_T(x * rsqrt(mean(x^2) + eps)), the squares summed in 16 lanes.
 template <typename T>

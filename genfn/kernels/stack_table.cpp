@@ -190,8 +190,8 @@ at::Tensor decode_stack_table(const c10::List<c10::optional<at::Tensor>>& weight
     TORCH_CHECK(l.kind >= kPlain && l.kind <= kCoded, kTableOp,
                 ": a layer's kind must be 0 (plain), 1 (tiles16), 2 (K-quant), 3 (mixed) or 4 (coded bfloat16), got ",
                 l.kind);
-    TORCH_CHECK(genfn_kernels::kPlainLinears || (l.kind != kPlain && l.kind != kCoded), kTableOp,
-                ": plain and coded bfloat16 layers need the AVX-512 decode kernels (this library is built for AVX2)");
+    TORCH_CHECK(l.kind != kCoded || genfn_kernels::cpu_has_avx512_bf16(), kTableOp,
+                ": coded bfloat16 layers need the AVX-512 decode kernels on a CPU with AVX512_BF16");
     // What x must be for the layer's weights (tiles16, mixed too: float32 and AVX512_VNNI; K-quant:
     // float32).
     check_rows(probe, kTableOp, l.kind == kPlain || l.kind == kCoded ? Weights::kPlain
