@@ -2,8 +2,9 @@
 two-register lanes, plain_rows.h's blocks and tiles_avx2.h's tiles): in a process that runs as such a
 CPU (genfn.bench.avx2), the stack of plain float32, tiles16, K-quant and mixed layers, dense and paged,
 gives the AVX-512 library's bits and cache, and a bfloat16 stack the AVX-512 library's widening path's;
-generate's logits, prompt lookup's included, are this process's bit for bit, for a block-quantized
-model and a float32 one; coded bfloat16 layers, which it has no linears for, its table refuses by name."""
+the attention and token ops give this process's bits; generate's logits, prompt lookup's included, are
+this process's bit for bit, for a block-quantized model and a float32 one, and so are the batch-invariant
+mode's; coded bfloat16 layers, which it has no linears for, its table refuses by name."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from test_decode_stack import _stack_layers, _step_inputs
 from test_paged_stack import _paged_copy
 from conftest import tiny_hf_model
 from genfn.models.model import from_hf_state_dict
+from genfn.strategies.assisted import propose_prompt_lookup
 from test_tiles_avx2 import build_case_model
 
 needs_both = pytest.mark.skipif(
@@ -78,6 +80,47 @@ def attention_cases() -> dict:
     return out
 
 
+def token_op_cases() -> dict:
+    """The token ops (``token_ops.cpp``, ``lookup_ops.cpp``) on rows whose widths leave a partial last
+    16 lanes: norms, RoPE and SwiGLU in float32 and bfloat16; the greedy pick and logsumexp over rows
+    with a tie, a NaN and no finite value; a prompt-lookup proposal."""
+    ops = torch.ops.genfn_kernels
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, delta = (torch.randn(5, 70, generator=gen).to(dtype) for _ in range(2))
+        weight = (1 + 0.1 * torch.randn(70, generator=gen)).to(dtype)
+        qkv = torch.randn(3, 8 * 16, generator=gen).to(dtype)
+        cos, sin = (torch.randn(3, 16, generator=gen).to(dtype) for _ in range(2))
+        out["rms_norm", dtype] = ops.rms_norm(x, weight, EPS)
+        out["add_rms_norm", dtype] = ops.add_rms_norm(x, delta, weight, EPS)
+        out["rope_qkv", dtype] = ops.rope_qkv(qkv, cos, sin, 4, 2)
+        out["silu_mul", dtype] = ops.silu_mul(torch.randn(3, 2 * 40, generator=gen).to(dtype))
+    logits = torch.randn(4, 1003, generator=gen)
+    logits[1, 7] = logits[1, 900] = 50.0
+    logits[2, 33] = float("nan")
+    logits[3] = float("-inf")
+    out["max_logsumexp"] = ops.max_logsumexp(logits)
+    out["argmax_rows"] = ops.argmax_rows(logits)
+    tokens = torch.tensor([[5, 17, 3, 9, 5, 17, 3, 4, 5, 17], [1, 2, 3, 1, 2, 3, 1, 2, 0, 0]])
+    out["prompt_lookup"] = propose_prompt_lookup(tokens, torch.tensor([10, 8]), 3)
+    return out
+
+
+def invariant_cases() -> dict:
+    """The batch-invariant mode's greedy logits for a tiles model and a float32 model, a prompt long
+    enough to be a prefill."""
+    hf, config = tiny_hf_model(seed=4, intermediate_size=128, num_hidden_layers=3)
+    ids = torch.tensor([[5, 17, 3, 5, 17, 3] * 4, [1, 2, 3, 4] * 6])
+    out = {}
+    for name, model in (("tiles", build_case_model()), ("float32", from_hf_state_dict(config, hf.state_dict()))):
+        with genfn.deterministic():
+            done = genfn.generate(model, ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  disable_compile=True, return_dict_in_generate=True, output_logits=True)
+        out[name] = (done.sequences, torch.stack(done.logits))
+    return out
+
+
 def generate_cases() -> dict:
     """A tiles model's and a float32 model's greedy tokens and logits, and their tokens with prompt lookup
     (verification steps of several rows)."""
@@ -104,7 +147,7 @@ from genfn import kernels
 from genfn.kernels import decode_layer
 from test_decode_layer import HEAD_DIM, K_HEADS, K_HIDDEN, K_KV_HEADS
 from test_decode_stack import _plain_layer
-from test_decode_stack_avx2 import attention_cases, generate_cases, stack_cases
+from test_decode_stack_avx2 import attention_cases, generate_cases, invariant_cases, stack_cases, token_op_cases
 layer = _plain_layer(0)
 try:  # a coded bfloat16 layer (kind 4): refused before its tensors are read
     torch.ops.genfn_kernels.decode_stack_table([layer["attn_norm"].bfloat16()], [4], torch.bfloat16, K_HIDDEN, K_HEADS,
@@ -113,7 +156,8 @@ try:  # a coded bfloat16 layer (kind 4): refused before its tensors are read
 except RuntimeError as error:
     refusal = str(error)
 torch.save({"isa": kernels.decode_stack_isa(), "decode_library": kernels.decode_linear_available(),
-            "refusal": refusal, "attention": attention_cases(), "stacks": stack_cases(), "generate": generate_cases()}, PATH)
+            "refusal": refusal, "attention": attention_cases(), "token_ops": token_op_cases(),
+            "invariant": invariant_cases(), "stacks": stack_cases(), "generate": generate_cases()}, PATH)
 """
 
 
@@ -156,6 +200,25 @@ def test_the_avx2_attention_gives_the_avx512_bits_at_every_head_dim(as_avx2_cpu)
     assert there.keys() == here.keys()
     for case, out in here.items():
         assert torch.equal(out, there[case]), case
+
+
+@needs_both
+def test_the_avx2_token_ops_give_the_avx512_bits(as_avx2_cpu):
+    here, there = token_op_cases(), as_avx2_cpu["token_ops"]
+    assert there.keys() == here.keys()
+    for case, out in here.items():
+        mine, theirs = (o if isinstance(o, tuple) else (o,) for o in (out, there[case]))
+        for a, b in zip(mine, theirs, strict=True):
+            # NaN where NaN (a row with one), the same bits elsewhere
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), case
+
+
+@needs_both
+@pytest.mark.parametrize("model", ["tiles", "float32"])
+def test_the_batch_invariant_mode_on_avx2_gives_the_avx512_logits(as_avx2_cpu, model):
+    here, there = invariant_cases()[model], as_avx2_cpu["invariant"][model]
+    assert torch.equal(there[0], here[0])
+    assert torch.equal(there[1], here[1])
 
 
 @needs_both

@@ -109,9 +109,9 @@ def _native_ops():
 
 
 def _kernels_built() -> bool:
-    from genfn.kernels import decode_linear_available
+    from genfn.kernels import portable_ops_available
 
-    return decode_linear_available()
+    return portable_ops_available()
 
 
 def _native_ok(buffer: torch.Tensor, *tensors: torch.Tensor) -> bool:

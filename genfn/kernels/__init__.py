@@ -35,7 +35,7 @@ from genfn.quant.stack import RowStack
 from genfn.quant.weight import QuantizedWeight
 
 __all__ = ["linear", "embedding", "decode_attention", "prefill_attention", "MIN_PREFILL_QUERIES",
-           "decode_linear_available", "decode_library", "decode_stack_isa", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
+           "decode_linear_available", "portable_ops_available", "decode_library", "decode_stack_isa", "quant_linear_available", "quant_gemm_min_rows", "force_bf16_linear_path", "kernel_status", "needs_build",
            "release_thread_pool", "MAX_DECODE_ROWS", "MAX_LINEAR_ROWS", "coded_linear", "encode_coded_bf16"]
 
 _OP_NAMESPACE = "genfn_kernels"
@@ -101,6 +101,10 @@ def _register_fake() -> None:
 
     _register_quant_fake()
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::tiles_lookup")
+    def _(codes, scales, mins, kind, out_features, index):
+        return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
     def _(q, keys, values, mask, scale, first_slots=None):
         batch, heads, seq, head_dim = q.shape
@@ -137,7 +141,6 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], out_features // 2))
 
     _register_stack_fake()
-    _register_token_ops_fake()
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::moe_decode")
     def _(x, experts, weights, gate_up, down):
@@ -150,8 +153,8 @@ def _register_fake() -> None:
 
 
 def _register_stack_fake() -> None:
-    """The fakes of the ops both decode libraries have: the plain linears, the stack, its table and the
-    attention."""
+    """The fakes of the ops both decode libraries have (``portable_ops_available``): the plain linears,
+    the stack, its table, the attention and the token ops."""
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
     def _(x, weight):
@@ -187,8 +190,6 @@ def _register_stack_fake() -> None:
     def _(keys, values, layer, slots, k, v):
         return None
 
-
-def _register_token_ops_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
@@ -210,10 +211,6 @@ def _register_token_ops_fake() -> None:
     @torch.library.register_fake(f"{_OP_NAMESPACE}::max_logsumexp")
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.int64), logits.new_empty((logits.shape[0],))
-
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::tiles_lookup")
-    def _(codes, scales, mins, kind, out_features, index):
-        return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::argmax_rows")
     def _(logits):
@@ -258,6 +255,15 @@ def _load() -> bool:
         _register_fake()
         _stack_isa = "avx512"
     return loaded
+
+
+def portable_ops_available() -> bool:
+    """Whether the ops both decode libraries build are loaded, from the AVX-512 one or, on a CPU without
+    AVX-512, the AVX2 one (``decode_stack_isa``), with the same bits: the stack and its table, the decode
+    attention (``decode_attention.cpp``), the plain linears (``decode_linear``, ``invariant_linear``) and
+    the token ops (``token_ops.cpp``, ``lookup_ops.cpp``). The rest (fused layers, GEMMs, prefill
+    attention, the VNNI tiles) is the AVX-512 library's alone (``decode_linear_available``)."""
+    return decode_stack_isa() is not None
 
 
 def decode_stack_isa() -> str | None:
@@ -342,8 +348,9 @@ def _takes_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def decode_attention_available() -> bool:
-    """Whether the native attention ops (``decode_attention.cpp``) are built and loaded."""
-    return decode_linear_available()
+    """Whether the native decode attention ops (``decode_attention.cpp``: the dense and paged caches' ops)
+    are built and loaded, from either decode library."""
+    return portable_ops_available()
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -378,7 +385,7 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
         and heads % keys.shape[1] == 0
         and q.stride(-1) == 1 and keys.stride(-1) == 1 and keys.stride() == values.stride()
         and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
-        and decode_attention_available()
+        and decode_linear_available()  # prefill_attention.cpp: the AVX-512 library's
     )
 
 

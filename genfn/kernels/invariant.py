@@ -59,7 +59,7 @@ def batch_invariant() -> bool:
 def require_native() -> None:
     """Refuse the mode where genfn's native kernels are not built: the library GEMMs it would fall
     back to reduce in a shape-dependent order."""
-    if not kernels.decode_linear_available():
+    if not kernels.portable_ops_available():
         raise RuntimeError(f"the batch-invariant mode needs genfn's native kernels, which are "
                            f"{kernels.kernel_status()}")
 

@@ -46,6 +46,11 @@ inline F16 scalef(F16 p, F16 n) { return _mm512_scalef_ps(p, n); }  // p * 2^n f
 inline F16 keep_only(M16 keep, F16 v) { return _mm512_maskz_mov_ps(keep, v); }
 inline float reduce_add(F16 v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(F16 v) { return _mm512_reduce_max_ps(v); }
+// The kept lanes loaded, the others `fill`.
+inline F16 load_kept_or(M16 keep, const float* p, F16 fill) { return _mm512_mask_loadu_ps(fill, keep, p); }
+// Bit i set where lane i is NaN; where lane i of a equals lane i of b (-0 == +0, NaN equals nothing).
+inline M16 unordered(F16 v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline M16 equal(F16 a, F16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 
 // 16 bfloat16 values widened to float32 lanes (exact).
 inline __m512 widen_bfloat16(__m256i halves) {
@@ -134,6 +139,19 @@ inline float reduce_max(F16 v) {
   const __m128 twos = _mm_max_ps(fours, _mm_shuffle_ps(fours, fours, 0x4E));
   return _mm_cvtss_f32(_mm_max_ss(twos, _mm_shuffle_ps(twos, twos, 0x55)));
 }
+
+inline F16 load_kept_or(M16 keep, const float* p, F16 fill) {
+  const F16 kept = load_kept(keep, p);
+  return {_mm256_blendv_ps(fill.lo, kept.lo, _mm256_castsi256_ps(lane_mask(keep, 0))),
+          _mm256_blendv_ps(fill.hi, kept.hi, _mm256_castsi256_ps(lane_mask(keep, 1)))};
+}
+template <int kPredicate>
+inline M16 compare(F16 a, F16 b) {
+  return static_cast<M16>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, kPredicate)) |
+                          _mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, kPredicate)) << 8);
+}
+inline M16 unordered(F16 v) { return compare<_CMP_UNORD_Q>(v, v); }
+inline M16 equal(F16 a, F16 b) { return compare<_CMP_EQ_OQ>(a, b); }
 
 inline __m256 widen8(__m128i halves) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)); }
 // Eight float32 lanes rounded to bfloat16 (as the AVX-512 form rounds), each left in its lane's

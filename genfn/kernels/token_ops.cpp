@@ -19,6 +19,8 @@
 //                             and log_softmax took ~3 ms of a 32-row, 49152-token step)
 //   argmax_rows(logits):      each row's argmax alone (the greedy pick without log-probabilities:
 //                             torch.argmax took ~70-95 us of a one-row 49152-token step)
+//
+// Written against lanes16.h (row_ops.h), so both decode libraries build it with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -152,23 +154,23 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // NaN), and its value in top. The index is found 16 lanes at a time: a scalar scan for it cost
 // as much as the maximum's pass.
 int64_t row_argmax(const float* x, int64_t V, float& top) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
+  using namespace genfn_kernels::simd;
+  const F16 minus_inf = set1(-INFINITY);
+  F16 best = minus_inf;
   bool has_nan = false;
   for (int64_t i = 0; i < V; i += kLanes) {
-    const __mmask16 keep = lanes_below(V - i);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), keep, x + i);
-    has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-    best = _mm512_max_ps(best, v);
+    const F16 v = load_kept_or(lanes_below(V - i), x + i, minus_inf);
+    has_nan |= unordered(v) != 0;
+    best = max(best, v);
   }
-  top = has_nan ? NAN : _mm512_reduce_max_ps(best);
-  const __m512 target = _mm512_set1_ps(top);
+  top = has_nan ? NAN : reduce_max(best);
+  const F16 target = set1(top);
   for (int64_t i = 0; i < V; i += kLanes) {
-    const __mmask16 keep = lanes_below(V - i);
-    const __m512 v = _mm512_maskz_loadu_ps(keep, x + i);
+    const M16 keep = lanes_below(V - i);
+    const F16 v = load_kept(keep, x + i);
     // NaN: the first unordered lane; otherwise the first lane equal to the maximum (-0 == +0, as
     // torch.argmax's comparisons have it)
-    const __mmask16 hit = has_nan ? _mm512_mask_cmp_ps_mask(keep, v, v, _CMP_UNORD_Q)
-                                  : _mm512_mask_cmp_ps_mask(keep, v, target, _CMP_EQ_OQ);
+    const unsigned hit = keep & (has_nan ? unordered(v) : equal(v, target));
     if (hit) return i + __builtin_ctz(hit);
   }
   return 0;  // unreachable: the maximum is one of the row's values
@@ -176,17 +178,17 @@ int64_t row_argmax(const float* x, int64_t V, float& top) {
 
 // The first maximum of a row (the first NaN if it has one) and log(sum(exp(x - max))) + max.
 std::pair<int64_t, float> row_max_logsumexp(const float* x, int64_t V) {
+  using namespace genfn_kernels::simd;
   float top;
   const int64_t index = row_argmax(x, V, top);
   if (std::isnan(top) || top == -INFINITY || top == INFINITY) return {index, top};
-  __m512 sum = _mm512_setzero_ps();
-  const __m512 shift = _mm512_set1_ps(top);
+  F16 sum = zero();
+  const F16 shift = set1(top);
   for (int64_t i = 0; i < V; i += kLanes) {
-    const __mmask16 keep = lanes_below(V - i);
-    const __m512 v = _mm512_maskz_loadu_ps(keep, x + i);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, genfn_kernels::exp16(_mm512_sub_ps(v, shift))));
+    const M16 keep = lanes_below(V - i);
+    sum = add(sum, keep_only(keep, genfn_kernels::exp16(sub(load_kept(keep, x + i), shift))));
   }
-  return {index, top + std::log(_mm512_reduce_add_ps(sum))};
+  return {index, top + std::log(reduce_add(sum))};
 }
 
 void check_logits(const at::Tensor& logits, const char* op) {

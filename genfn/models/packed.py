@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from genfn.cache.paged import NATIVE_PREFILL_TOKENS, PackedPlan, PagedKVCache, init_paged_cache, paged_attention
 from genfn.cache.paged import plan_attention
 from genfn.cache.paged import PlannedAttention, planned_attention, sink_softmax, soft_capped, write
-from genfn.kernels import MIN_PREFILL_QUERIES, decode_layer, decode_linear_available, invariant
+from genfn.kernels import MIN_PREFILL_QUERIES, decode_layer, invariant, portable_ops_available
 from genfn.kernels import linear as plain_linear
 from genfn.kernels.packed_gemm import PackedWeight, pack_linear_weights, packed_linear as linear
 from genfn.models import tensor_parallel
@@ -171,7 +171,7 @@ def _native_layer_ops(x: torch.Tensor, norm: torch.Tensor) -> bool:
     """Whether the eager forward's elementwise steps can run natively on activations like ``x``
     (norm weights like ``norm``)."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and norm.dtype == x.dtype
-            and not (torch.is_grad_enabled() and x.requires_grad) and decode_linear_available())
+            and not (torch.is_grad_enabled() and x.requires_grad) and portable_ops_available())
 
 
 # Attention reads the whole cache (masked) instead of gathering each query's blocks when the

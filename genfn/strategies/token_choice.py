@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from genfn import random as grandom
-from genfn.kernels import decode_linear_available
+from genfn.kernels import portable_ops_available
 from genfn.processors.grammar import apply_token_bitmask
 
 __all__ = ["TokenChoice", "argmax", "choose_tokens", "pick_tokens", "chosen_logprobs", "max_logsumexp", "native_pick", "raw_logprobs",
@@ -47,7 +47,7 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
 def native_pick(scores: torch.Tensor) -> bool:
     """Whether :func:`max_logsumexp` reads ``scores`` in one native pass (``token_ops.cpp``)."""
     return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
-            and scores.shape[-1] > 0 and scores.is_contiguous() and decode_linear_available())
+            and scores.shape[-1] > 0 and scores.is_contiguous() and portable_ops_available())
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from genfn.kernels import decode_linear_available
+from genfn.kernels import portable_ops_available
 
 __all__ = ["propose_prompt_lookup", "OCCURRENCES"]
 
@@ -65,7 +65,7 @@ def propose_prompt_lookup(tokens: torch.Tensor, cur_len: torch.Tensor, num_outpu
     lengths = cur_len.to(torch.int64)
     first = _row_vector(first_column, "first_column", batch)
     max_length = _row_vector(max_length, "max_length", batch)
-    if tokens.device.type == "cpu" and decode_linear_available():
+    if tokens.device.type == "cpu" and portable_ops_available():
         # One native scan a row: the same tensors as the tensor ops, which an eager step would
         # dispatch as ~80 small ops.
         return torch.ops.genfn_kernels.propose_prompt_lookup(tokens, lengths, first, max_length, list(eos_token_ids),
