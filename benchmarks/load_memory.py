@@ -11,6 +11,9 @@ and at the peak, and the peak over the process's own (the load's cost) against t
 Issue 31's bars: load <= 1 s per GB of file; peak <= 1.15x the file for quantized files.
 The file's pages stay in the page cache between repeats (a warm read, as on a second start).
 
+``--dtype float32|bfloat16`` times ``genfn.load(file, dtype=...)`` instead (a float load), and
+``--as-avx2`` runs each child as a CPU without AVX-512 (``genfn.bench.avx2``).
+
 ``--variants`` compares settings in one session, each repeat running every file under every
 variant in turn (interleaved, so a busy machine's load falls on all of them alike): a variant is
 ``label:NAME=VALUE,...``, environment variables for its child; ``PYTHONPATH`` picks another
@@ -31,10 +34,15 @@ import time
 
 CHILD = """
 import json, sys, time
+if sys.argv[3] == "avx2":
+    from genfn.bench.avx2 import run_as_avx2_cpu
+    run_as_avx2_cpu()
+import torch
 import genfn
 from genfn import kernels
 from genfn.models.loaders import gguf
 kernels.quant_linear_available()
+kernels.decode_stack_isa()
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -44,16 +52,17 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS:")
 t = time.perf_counter()
-model = genfn.load(sys.argv[1], quantize="gguf")
+model = (genfn.load(sys.argv[1], quantize="gguf") if sys.argv[2] == "gguf"
+         else genfn.load(sys.argv[1], dtype=getattr(torch, sys.argv[2])))
 seconds = time.perf_counter() - t
 print(json.dumps({"load_s": seconds, "rss_before": before, "rss_after": status("VmRSS:"), "peak": status("VmHWM:")}))
 """
 
 
-def measure(path: str, timeout: float, env: dict | None = None) -> dict:
+def measure(path: str, timeout: float, env: dict | None = None, dtype: str = "gguf", cpu: str = "native") -> dict:
     # -P: where the variant names a PYTHONPATH, the working directory's genfn must not come first.
     isolate = ["-P"] if env and "PYTHONPATH" in env else []
-    done = subprocess.run([sys.executable, *isolate, "-c", CHILD, path], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, *isolate, "-c", CHILD, path, dtype, cpu], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
     if done.returncode:
         raise RuntimeError(f"loading {path} failed:\n{done.stderr[-3000:]}")
@@ -80,17 +89,22 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="default: benchmarks/results/load-memory-<time>.json")
     parser.add_argument("--variants", default=None,
                         help='"label:NAME=VALUE,...;label:..." environments to compare, interleaved (see above)')
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="load as genfn.load(file, dtype=...) (default: quantize='gguf', the blocks as stored)")
+    parser.add_argument("--as-avx2", action="store_true",
+                        help="each child runs as a CPU without AVX-512 (genfn.bench.avx2)")
     args = parser.parse_args(argv)
     from genfn.bench.results import write_results
 
     variants = parse_variants(args.variants) if args.variants else {"": {}}
     paths = args.model.split(",")
-    report = {"load_avg_start": os.getloadavg()[0], "variants": variants, "files": []}
+    report = {"load_avg_start": os.getloadavg()[0], "variants": variants, "dtype": args.dtype,
+              "as_avx2": args.as_avx2, "files": []}
     runs: dict = {(path, label): [] for path in paths for label in variants}
     for _ in range(args.repeats):
         for path in paths:
             for label, env in variants.items():
-                run = measure(path, args.timeout, env)
+                run = measure(path, args.timeout, env, args.dtype or "gguf", "avx2" if args.as_avx2 else "native")
                 run["load_avg"] = os.getloadavg()[0]
                 runs[path, label].append(run)
     for (path, label), done in runs.items():

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -202,7 +205,7 @@ def _assert_the_native_load_is_numpys(path, monkeypatch, dtype):
     """``genfn.load(path, dtype=dtype)`` with the native placement equals, bit for bit, the load
     through the gguf package's numpy values (placement turned off), matrices in ``dtype``."""
     native = genfn.load(path, dtype=dtype).params
-    monkeypatch.setattr(gguf_blocks, "native_tiles_available", lambda: False)
+    monkeypatch.setenv("GENFN_NATIVE_TILES", "0")
     numpy_params = genfn.load(path, dtype=dtype).params
     (paths, native_leaves, _), (numpy_paths, numpy_leaves, _) = _leaves(native), _leaves(numpy_params)
     assert paths == numpy_paths
@@ -244,6 +247,43 @@ def test_float_matrices_are_copied_into_the_arena_as_the_numpy_load_reads_them(f
     # Layer 1's BF16 down projection loaded as bfloat16 is used where it lies, which the arena holds too.
     assert arena.holds(state_dict["model.layers.1.mlp.down_proj.weight"]) == (arena.enabled or dtype == torch.bfloat16)
     _assert_the_native_load_is_numpys(float_file, monkeypatch, dtype)
+
+
+_FLOAT_LOAD_AS_AVX2_CPU = """
+import torch
+from genfn.bench.avx2 import run_as_avx2_cpu
+run_as_avx2_cpu()
+from genfn import kernels
+from genfn.models.loaders.gguf import load_gguf_checkpoint
+from genfn.models.weight_arena import WeightArena
+arena = WeightArena()
+state_dict = load_gguf_checkpoint(FILE, arena=arena, dtype=DTYPE).state_dict
+qkv = [state_dict[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"]
+torch.save({"decode_library": kernels.decode_linear_available(), "arena": arena.enabled,
+            "in_arena": [arena.holds(t) for t in qkv], "state_dict": state_dict}, OUT)
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_without_the_decode_library_places_float_matrices_too(float_file, tmp_path, dtype):
+    """The float copies need no kernel of the decode library: a process that runs as a CPU without
+    AVX-512 (``genfn.bench.avx2``) writes F32/F16/BF16 matrices straight into the arena as well,
+    with this process's values, where it once read each through numpy (three writes of the floats)."""
+    out = tmp_path / "load.pt"
+    script = _FLOAT_LOAD_AS_AVX2_CPU.replace("FILE", repr(str(float_file))).replace("OUT", repr(str(out))).replace(
+        "DTYPE", repr(dtype))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = torch.load(out, weights_only=False)
+    assert there["decode_library"] is False
+    assert there["in_arena"] == [there["arena"]] * 3
+    here = load_gguf_checkpoint(float_file, dtype=dtype).state_dict
+    assert here.keys() == there["state_dict"].keys()
+    for name, tensor in here.items():
+        assert torch.equal(tensor, there["state_dict"][name]), name
 
 
 @needs_kernels

@@ -125,16 +125,24 @@ def _dequantized_type(gguf, name: str) -> str | None:
 
 def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena,
                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """GGUF tensor name -> its ``dtype`` values in ``arena``, for every Q8_0/Q4_0/Q4_1 matrix of
-    ``gguf`` (see the module docstring), rows in ``row_order``; {} without the native kernels or
-    for GPT-OSS (whose loader rearranges its matrices after reading them)."""
-    if not native_tiles_available() or gguf.metadata["general.architecture"] == gguf_gpt_oss.ARCH:
+    """GGUF tensor name -> its ``dtype`` values in ``arena``, for every F32/F16/BF16 matrix of ``gguf``
+    and, with the native kernels (the decode library), every Q8_0/Q4_0/Q4_1 one (see the module
+    docstring), rows in ``row_order``; {} with ``GENFN_NATIVE_TILES=0`` or for GPT-OSS (whose loader
+    rearranges its matrices after reading them)."""
+    if not _native_tiles_allowed() or gguf.metadata["general.architecture"] == gguf_gpt_oss.ARCH:
         return {}
+    # The float matrices need no kernel of the decode library (a CPU without AVX-512 places them too).
+    dequantizes = kernels.decode_linear_available()
+
+    def placed_type(gguf, name: str) -> str | None:
+        type_name = _dequantized_type(gguf, name)
+        return type_name if dequantizes or type_name in _FLOAT_TYPES else None
+
     placed: dict[str, torch.Tensor] = {}
     for name in gguf.tensors:
-        if name in placed or _dequantized_type(gguf, name) is None:
+        if name in placed or placed_type(gguf, name) is None:
             continue
-        group = _group(gguf, name, _dequantized_type)
+        group = _group(gguf, name, placed_type)
         cols = {gguf.tensors[n].shape[1] for n in group}
         for run in [group] if len(cols) == 1 else [[n] for n in group]:
             placed.update(_dequantize_run(gguf, run, row_order, arena, dtype))
@@ -275,7 +283,11 @@ def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order:
 def native_tiles_available() -> bool:
     """Whether the native kernels (built now if need be) write tiles; ``GENFN_NATIVE_TILES=0``
     in the environment keeps numpy's path (benchmarks/load_memory.py's A/B)."""
-    return os.environ.get("GENFN_NATIVE_TILES", "1") != "0" and kernels.decode_linear_available()
+    return _native_tiles_allowed() and kernels.decode_linear_available()
+
+
+def _native_tiles_allowed() -> bool:
+    return os.environ.get("GENFN_NATIVE_TILES", "1") != "0"
 
 
 def mapped(raw: np.ndarray) -> torch.Tensor:
