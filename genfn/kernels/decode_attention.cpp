@@ -64,12 +64,8 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t n
 constexpr int64_t kSlotRun = 32;
 
 // How many heads of a query group weigh each loaded value row together: their chains in registers
-// (at most half the registers: 16 of AVX-512's 32, 8 F16s in AVX2's 16), each row loaded once for them.
-#if defined(__AVX512F__)
-constexpr int kValueChains = 16;
-#else
-constexpr int kValueChains = 8;
-#endif
+// (16 of AVX-512's 32 F16s, all 8 of AVX2's), each row loaded once for them.
+constexpr int kValueChains = std::min(16, simd::kRegisters);
 template <int V>
 constexpr int64_t kValueHeads = std::max(1, std::min(4, kValueChains / V));
 

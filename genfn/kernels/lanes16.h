@@ -26,6 +26,8 @@ namespace genfn_kernels::simd {
 
 using F16 = __m512;
 using M16 = __mmask16;
+// The F16s the vector registers hold: 32 zmm.
+inline constexpr int kRegisters = 32;
 
 inline F16 zero() { return _mm512_setzero_ps(); }
 inline F16 set1(float v) { return _mm512_set1_ps(v); }
@@ -77,6 +79,8 @@ struct F16 {
   __m256 lo, hi;
 };
 using M16 = uint16_t;
+// The F16s the vector registers hold: 16 ymm, two a F16.
+inline constexpr int kRegisters = 8;
 
 inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F16 set1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }

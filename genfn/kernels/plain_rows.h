@@ -39,14 +39,6 @@ namespace genfn_kernels::plain_rows {
 using simd::F16;
 constexpr int kLanes = 16;
 
-// The vector registers a block's accumulators, its chunks of weight rows and one chunk of x share, in
-// F16s: 32 zmm, or 16 ymm (two a F16).
-#if defined(__AVX512F__)
-constexpr int kRegisters = 32;
-#else
-constexpr int kRegisters = 8;
-#endif
-
 // How far ahead of the bytes being summed each thread's stream is fetched, into L2 (Zen 4 keeps
 // `prefetcht1` out of L1). A thread's row blocks are contiguous, so the window runs on into its
 // next block. Fetched into L1 (`prefetcht0`) a block ahead, as this kernel first did, the core's
@@ -223,7 +215,7 @@ template <typename Dot, int M, int R, typename Out>
 GENFN_PLAIN_ROWS_TARGET void row_block(const typename Dot::Input* x, const typename Dot::Weight* w, int64_t K,
                                        int64_t N, int64_t n, Fetch fetch, Out* y) {
   // Past the vector registers (accumulators, a chunk of each weight row, one of x): two tiles.
-  if constexpr (M > 1 && M * R + R + 1 > kRegisters) {
+  if constexpr (M > 1 && M * R + R + 1 > simd::kRegisters) {
     constexpr int kFirst = (M + 1) / 2;
     row_block<Dot, kFirst, R>(x, w, K, N, n, fetch, y);
     row_block<Dot, M - kFirst, R>(x + kFirst * K, w, K, N, n, {}, y + kFirst * N);
