@@ -18,7 +18,9 @@ time compare. Engines:
                     kept (``quantize="coded_bf16"``; a quantized file loads as for genfn-compiled)
     genfn-avx2      genfn eager as a CPU without AVX-512 runs it (``genfn.bench.avx2``: no decode
                     library, the K-quant kernels' AVX2 path, torch's kernels at
-                    ``ATEN_CPU_CAPABILITY=avx2``); ``genfn-avx2-compiled`` compiled, the step's
+                    ``ATEN_CPU_CAPABILITY=avx2``, oneDNN's and MKL's at AVX2 since session 46,
+                    where their AVX-512 GEMMs had made a bfloat16 prefill look 8x faster than
+                    such a CPU runs it); ``genfn-avx2-compiled`` compiled, the step's
                     generated code 256 bits wide: compare them with a ``--llama-bench`` built for
                     AVX2 (benchmarks/results/avx2-aten-2026-12-07-s44-zen4.log has the build)
     llama.cpp       llama-cpp-python (``GENFN_LLAMA_REPACK=0`` turns its repacked/AMX buffers off)
@@ -225,8 +227,8 @@ def run_child(args, model: str, engine: str, tree: str | None = None) -> dict:
                "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
                "--prefill", str(args.prefill), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=tree) if tree else dict(os.environ)
-    if engine in _AVX2:  # torch's own kernels on their AVX2 forms too, as on such a CPU
-        env["ATEN_CPU_CAPABILITY"] = "avx2"
+    if engine in _AVX2:  # torch's own kernels on their AVX2 forms too, as on such a CPU: ATen's, oneDNN's, MKL's
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:

@@ -107,6 +107,15 @@ def token_op_cases() -> dict:
     return out
 
 
+def prefill_linear_case() -> dict:
+    """A bfloat16 product of a prefill's rows through ``genfn.kernels.linear``, and the float32 GEMM of
+    the widened values rounded once."""
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(40, 1024, generator=gen).bfloat16(), torch.randn(72, 1024, generator=gen).bfloat16()
+    return {"linear": kernels.linear(x, weight),
+            "float32": torch.nn.functional.linear(x.float(), weight.float()).bfloat16()}
+
+
 def invariant_cases() -> dict:
     """The batch-invariant mode's greedy logits for a tiles model and a float32 model, a prompt long
     enough to be a prefill."""
@@ -147,7 +156,8 @@ from genfn import kernels
 from genfn.kernels import decode_layer
 from test_decode_layer import HEAD_DIM, K_HEADS, K_HIDDEN, K_KV_HEADS
 from test_decode_stack import _plain_layer
-from test_decode_stack_avx2 import attention_cases, generate_cases, invariant_cases, stack_cases, token_op_cases
+from test_decode_stack_avx2 import (attention_cases, generate_cases, invariant_cases, prefill_linear_case, stack_cases,
+                                    token_op_cases)
 layer = _plain_layer(0)
 try:  # a coded bfloat16 layer (kind 4): refused before its tensors are read
     torch.ops.genfn_kernels.decode_stack_table([layer["attn_norm"].bfloat16()], [4], torch.bfloat16, K_HIDDEN, K_HEADS,
@@ -157,6 +167,7 @@ except RuntimeError as error:
     refusal = str(error)
 torch.save({"isa": kernels.decode_stack_isa(), "decode_library": kernels.decode_linear_available(),
             "refusal": refusal, "attention": attention_cases(), "token_ops": token_op_cases(),
+            "prefill_linear": prefill_linear_case(),
             "invariant": invariant_cases(), "stacks": stack_cases(), "generate": generate_cases()}, PATH)
 """
 
@@ -211,6 +222,13 @@ def test_the_avx2_token_ops_give_the_avx512_bits(as_avx2_cpu):
         for a, b in zip(mine, theirs, strict=True):
             # NaN where NaN (a row with one), the same bits elsewhere
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), case
+
+
+@needs_both
+def test_a_bfloat16_prefill_product_on_avx2_is_a_float32_gemm_rounded_once(as_avx2_cpu):
+    """oneDNN has no fast bfloat16 GEMM without AVX-512: the product runs in float32 there."""
+    case = as_avx2_cpu["prefill_linear"]
+    assert case["linear"].dtype == torch.bfloat16 and torch.equal(case["linear"], case["float32"])
 
 
 @needs_both

@@ -324,9 +324,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.cat([linear(x, part) for part in weight.parts], dim=-1)
         return y if bias is None else y + bias
     if not _takes(x, weight):
+        if _bf16_through_float32(x, weight):
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, weight, bias)
     y = _decode_linear_op(x, weight)
     return y if bias is None else y + bias
+
+
+def _bf16_through_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 product past the decode kernel's rows (a prefill's GEMM) runs as a float32
+    GEMM of the widened values, rounded once: on a CPU without AVX-512, where oneDNN's bfloat16 GEMM
+    has no fast form. As such a CPU (``ONEDNN_MAX_CPU_ISA=AVX2``), SmolLM2's shape prefilled 512 tokens
+    at 221 tok/s through it, the 1B shape at 31 (llama.cpp built for AVX2: 738 and 100); a weight's
+    widening is N x K conversions against the GEMM's M x N x K multiply-adds."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and decode_stack_isa() == "avx2")
 
 
 def _takes_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
