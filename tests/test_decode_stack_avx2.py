@@ -80,6 +80,24 @@ def attention_cases() -> dict:
     return out
 
 
+def prefill_attention_cases() -> dict:
+    """The prefill attention op over causal prompts with a left-padded row and holes, one and two key
+    tiles, head_dims of one to eight 16-lane slices, float32 and bfloat16."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, heads, kv_heads, seq, span, head_dim in ((2, 9, 3, 100, 130, 64), (1, 8, 2, 77, 77, 128),
+                                                             (2, 4, 2, 33, 50, 16)):
+            q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(dtype)
+            keys, values = (torch.randn(batch, kv_heads, span, head_dim, generator=gen).to(dtype) for _ in range(2))
+            mask = (torch.arange(span) <= torch.arange(span - seq, span)[:, None]).expand(batch, 1, seq, span).clone()
+            mask[1:, :, :, :5] = False
+            mask[..., 3] &= torch.rand(seq, generator=gen) < 0.5
+            out[dtype, heads, seq, head_dim] = torch.ops.genfn_kernels.prefill_attention(q, keys, values, mask,
+                                                                                         head_dim ** -0.5, None)
+    return out
+
+
 def token_op_cases() -> dict:
     """The token ops (``token_ops.cpp``, ``lookup_ops.cpp``) on rows whose widths leave a partial last
     16 lanes: norms, RoPE and SwiGLU in float32 and bfloat16; the greedy pick and logsumexp over rows
@@ -139,13 +157,18 @@ def generate_cases() -> dict:
 
 
 def _generate_case(model) -> dict:
-    # 12 prompt tokens: the prefill too is one step of the stack (a longer one runs op by op, where the
-    # AVX-512 process's native prefill attention and torch's attention in the other differ in rounding)
+    # 12 prompt tokens: the prefill too is one step of the stack; 48 (a left-padded row among them): a
+    # prefill of the native prefill layer and attention
     ids = torch.tensor([[5, 17, 3, 5, 17, 3], [1, 2, 3, 1, 2, 3]])
+    long_ids = torch.cat([torch.arange(5, 29).repeat(2)[None], torch.cat([torch.zeros(6, dtype=torch.long),
+                                                                          torch.arange(40, 82)])[None]])
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, disable_compile=True)
     greedy = genfn.generate(model, ids, **settings, return_dict_in_generate=True, output_logits=True)
     lookup = genfn.generate(model, ids, **settings, prompt_lookup_num_tokens=3)
-    return {"greedy": (greedy.sequences, torch.stack(greedy.logits)), "lookup": lookup}
+    long = genfn.generate(model, long_ids, attention_mask=(long_ids != 0).long(), **settings,
+                          return_dict_in_generate=True, output_logits=True)
+    return {"greedy": (greedy.sequences, torch.stack(greedy.logits)), "lookup": lookup,
+            "long": (long.sequences, torch.stack(long.logits))}
 
 
 _AS_AVX2_CPU = """
@@ -156,8 +179,8 @@ from genfn import kernels
 from genfn.kernels import decode_layer
 from test_decode_layer import HEAD_DIM, K_HEADS, K_HIDDEN, K_KV_HEADS
 from test_decode_stack import _plain_layer
-from test_decode_stack_avx2 import (attention_cases, generate_cases, invariant_cases, prefill_linear_case, stack_cases,
-                                    token_op_cases)
+from test_decode_stack_avx2 import (attention_cases, generate_cases, invariant_cases, prefill_attention_cases,
+                                    prefill_linear_case, stack_cases, token_op_cases)
 layer = _plain_layer(0)
 try:  # a coded bfloat16 layer (kind 4): refused before its tensors are read
     torch.ops.genfn_kernels.decode_stack_table([layer["attn_norm"].bfloat16()], [4], torch.bfloat16, K_HIDDEN, K_HEADS,
@@ -167,7 +190,7 @@ except RuntimeError as error:
     refusal = str(error)
 torch.save({"isa": kernels.decode_stack_isa(), "decode_library": kernels.decode_linear_available(),
             "refusal": refusal, "attention": attention_cases(), "token_ops": token_op_cases(),
-            "prefill_linear": prefill_linear_case(),
+            "prefill_linear": prefill_linear_case(), "prefill_attention": prefill_attention_cases(),
             "invariant": invariant_cases(), "stacks": stack_cases(), "generate": generate_cases()}, PATH)
 """
 
@@ -214,6 +237,14 @@ def test_the_avx2_attention_gives_the_avx512_bits_at_every_head_dim(as_avx2_cpu)
 
 
 @needs_both
+def test_the_avx2_prefill_attention_gives_the_avx512_bits(as_avx2_cpu):
+    here, there = prefill_attention_cases(), as_avx2_cpu["prefill_attention"]
+    assert there.keys() == here.keys()
+    for case, out in here.items():
+        assert torch.equal(out, there[case]), case
+
+
+@needs_both
 def test_the_avx2_token_ops_give_the_avx512_bits(as_avx2_cpu):
     here, there = token_op_cases(), as_avx2_cpu["token_ops"]
     assert there.keys() == here.keys()
@@ -247,6 +278,7 @@ def test_generate_on_the_avx2_stack_gives_this_processs_logits_and_lookups_token
     assert torch.equal(there["greedy"][1], here["greedy"][1])
     # verification steps of several rows: the greedy tokens, as everywhere
     assert torch.equal(there["lookup"], here["lookup"]) and torch.equal(here["lookup"], here["greedy"][0])
+    assert torch.equal(there["long"][0], here["long"][0]) and torch.equal(there["long"][1], here["long"][1])
 
 
 @needs_both

@@ -105,11 +105,6 @@ def _register_fake() -> None:
     def _(codes, scales, mins, kind, out_features, index):
         return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
-    def _(q, keys, values, mask, scale, first_slots=None):
-        batch, heads, seq, head_dim = q.shape
-        return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")
     def _(x, norm, wqkv, cos, sin, eps, heads, kv_heads):
         return x.new_empty((x.shape[0], wqkv.shape[0]))
@@ -154,7 +149,7 @@ def _register_fake() -> None:
 
 def _register_stack_fake() -> None:
     """The fakes of the ops both decode libraries have (``portable_ops_available``): the plain linears,
-    the stack, its table, the attention and the token ops."""
+    the stack, its table, the decode and prefill attention and the token ops."""
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_linear")
     def _(x, weight):
@@ -185,6 +180,11 @@ def _register_stack_fake() -> None:
     def _(x, table, layers, cos, sin, keys, values, slot_mapping, block_tables, request_index, positions, eps,
           scale, sliding_window):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::prefill_attention")
+    def _(q, keys, values, mask, scale, first_slots=None):
+        batch, heads, seq, head_dim = q.shape
+        return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
 
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
@@ -261,8 +261,8 @@ def portable_ops_available() -> bool:
     """Whether the ops both decode libraries build are loaded, from the AVX-512 one or, on a CPU without
     AVX-512, the AVX2 one (``decode_stack_isa``), with the same bits: the stack and its table, the decode
     attention (``decode_attention.cpp``), the plain linears (``decode_linear``, ``invariant_linear``) and
-    the token ops (``token_ops.cpp``, ``lookup_ops.cpp``). The rest (fused layers, GEMMs, prefill
-    attention, the VNNI tiles) is the AVX-512 library's alone (``decode_linear_available``)."""
+    the token ops (``token_ops.cpp``, ``lookup_ops.cpp``) and the prefill attention. The rest (fused
+    layers, GEMMs, the VNNI tiles) is the AVX-512 library's alone (``decode_linear_available``)."""
     return decode_stack_isa() is not None
 
 
@@ -397,7 +397,7 @@ def _takes_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
         and heads % keys.shape[1] == 0
         and q.stride(-1) == 1 and keys.stride(-1) == 1 and keys.stride() == values.stride()
         and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
-        and decode_linear_available()  # prefill_attention.cpp: the AVX-512 library's
+        and portable_ops_available()
     )
 
 

@@ -46,6 +46,7 @@ inline F16 fnmadd(F16 a, F16 b, F16 c) { return _mm512_fnmadd_ps(a, b, c); }  //
 inline F16 round_nearest(F16 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline F16 scalef(F16 p, F16 n) { return _mm512_scalef_ps(p, n); }  // p * 2^n for integral n
 inline F16 keep_only(M16 keep, F16 v) { return _mm512_maskz_mov_ps(keep, v); }
+inline F16 select(M16 keep, F16 a, F16 b) { return _mm512_mask_blend_ps(keep, b, a); }  // keep ? a : b
 inline float reduce_add(F16 v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(F16 v) { return _mm512_reduce_max_ps(v); }
 // The kept lanes loaded, the others `fill`.
@@ -130,6 +131,10 @@ inline F16 keep_only(M16 keep, F16 v) {
   return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(lane_mask(keep, 0))),
           _mm256_and_ps(v.hi, _mm256_castsi256_ps(lane_mask(keep, 1)))};
 }
+inline F16 select(M16 keep, F16 a, F16 b) {  // keep ? a : b
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_castsi256_ps(lane_mask(keep, 0))),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_castsi256_ps(lane_mask(keep, 1)))};
+}
 // _mm512_reduce_add_ps's and _mm512_reduce_max_ps's tree, operands in its order.
 inline float reduce_add(F16 v) {
   const __m256 eights = _mm256_add_ps(v.hi, v.lo);
@@ -144,11 +149,7 @@ inline float reduce_max(F16 v) {
   return _mm_cvtss_f32(_mm_max_ss(twos, _mm_shuffle_ps(twos, twos, 0x55)));
 }
 
-inline F16 load_kept_or(M16 keep, const float* p, F16 fill) {
-  const F16 kept = load_kept(keep, p);
-  return {_mm256_blendv_ps(fill.lo, kept.lo, _mm256_castsi256_ps(lane_mask(keep, 0))),
-          _mm256_blendv_ps(fill.hi, kept.hi, _mm256_castsi256_ps(lane_mask(keep, 1)))};
-}
+inline F16 load_kept_or(M16 keep, const float* p, F16 fill) { return select(keep, load_kept(keep, p), fill); }
 template <int kPredicate>
 inline M16 compare(F16 a, F16 b) {
   return static_cast<M16>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, kPredicate)) |

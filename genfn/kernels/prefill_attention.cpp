@@ -15,6 +15,10 @@
 //   weights = exp(scores - running max) where the mask is set, 0 elsewhere
 //   out     = sum(weights . values) / sum(weights)
 //
+// Written against lanes16.h, so both decode libraries build it with the same bits: a block's shape
+// (queries by key vectors, value vectors) is by the registers, and every score and output lane is
+// one chain whatever the shape.
+//
 // Which tiles are skipped is read from the mask itself, so any mask (left padding, a cache
 // filled before, a sliding window) gives softmax(masked scores) . values, equal to the library
 // attention's within float32 rounding (bfloat16: within the output's rounding). A query that sees
@@ -37,13 +41,20 @@ namespace {
 
 using genfn_kernels::exp16;
 using genfn_kernels::load16;
+using namespace genfn_kernels::simd;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kTileRows = 96;         // queries (positions x grouped heads) per tile
 constexpr int64_t kKeyTile = 64;          // cache slots per tile: four vectors of scores per query
-constexpr int64_t kKeyVectors = kKeyTile / kLanes;
-constexpr int64_t kRowBlock = 4;          // queries that share each loaded key vector
+constexpr int kKeyVectors = kKeyTile / kLanes;
+constexpr int kRowBlock = 4;              // queries that share each loaded key vector
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The registers' blocks: key vectors a pass over head_dim scores (queries by key vectors accumulate,
+// each key vector loaded once for the queries), value vectors a pass over the slots weighs. All at
+// once in AVX-512's 32 registers; on AVX2's 16 (8 F16s) 2 x 2 scores and one value vector at a time.
+constexpr int kScoreRows = kRegisters >= 32 ? kRowBlock : 2;
+constexpr int kScoreVectors = kRegisters >= 32 ? kKeyVectors : 2;
+constexpr int kValueVectors = kRegisters >= 32 ? 4 : 1;
 
 // Query positions per tile for G query heads a kv head: about kTileRows queries, which share each
 // transposed key tile and mask scan (a 512-token prefill of 1B's 4 heads per kv head ran its
@@ -74,14 +85,41 @@ struct Scratch {
   }
 };
 
+// Bit j set where visible[j], j < count <= 64.
+inline uint64_t seen_slots(const bool* visible, int64_t count) {
+#if defined(__AVX512F__)
+  const __mmask64 lanes = count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
+  const __m512i bytes = _mm512_maskz_loadu_epi8(lanes, visible);
+  return _mm512_test_epi8_mask(bytes, bytes);
+#else
+  if (count < 64) {
+    uint64_t seen = 0;
+    for (int64_t j = 0; j < count; ++j) seen |= static_cast<uint64_t>(visible[j] != 0) << j;
+    return seen;
+  }
+  const __m256i zero = _mm256_setzero_si256();
+  const auto half = [&](int64_t at) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(visible + at));
+    return static_cast<uint32_t>(~_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, zero)));
+  };
+  return half(0) | static_cast<uint64_t>(half(32)) << 32;
+#endif
+}
+
 // Whether any of the `positions` mask rows (from `mask`, rows `stride` bytes apart) sets a slot
 // in [first, first + count).
 bool tile_visible(const bool* mask, int64_t stride, int64_t positions, int64_t first, int64_t count) {
+#if defined(__AVX512F__)
   const __mmask64 lanes = count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
   __m512i any = _mm512_setzero_si512();
   for (int64_t i = 0; i < positions; ++i)
     any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(lanes, mask + i * stride + first));
   return _mm512_test_epi8_mask(any, any) != 0;
+#else
+  for (int64_t i = 0; i < positions; ++i)
+    if (seen_slots(mask + i * stride + first, count) != 0) return true;
+  return false;
+#endif
 }
 
 // keys_t[d * kKeyTile + j] = key j's element d (as float32), zeros past `count` keys.
@@ -95,51 +133,55 @@ void transpose_keys(const T* keys, int64_t slot_stride, int64_t count, int64_t D
     for (int64_t d = 0; d < D; ++d) keys_t[d * kKeyTile + j] = 0.f;
 }
 
-// scores[r, 0 .. 64) = queries[r] . keys_t for kRowBlock rows from `row`.
-inline void score_rows(const float* queries, const float* keys_t, int64_t D, float* scores) {
-  __m512 acc[kRowBlock][kKeyVectors];
-  for (int r = 0; r < kRowBlock; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_setzero_ps();
+// scores[r, c0 * 16 .. (c0 + kScoreVectors) * 16) = queries[r] . keys_t's columns there, kScoreRows rows.
+inline void score_block(const float* queries, const float* keys_t, int64_t D, int c0, float* scores) {
+  F16 acc[kScoreRows][kScoreVectors];
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int c = 0; c < kScoreVectors; ++c) acc[r][c] = zero();
   for (int64_t d = 0; d < D; ++d) {
-    __m512 k[kKeyVectors];
-    for (int c = 0; c < kKeyVectors; ++c) k[c] = _mm512_loadu_ps(keys_t + d * kKeyTile + c * kLanes);
-    for (int r = 0; r < kRowBlock; ++r) {
-      const __m512 q = _mm512_set1_ps(queries[r * D + d]);
-      for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_fmadd_ps(q, k[c], acc[r][c]);
+    F16 k[kScoreVectors];
+    for (int c = 0; c < kScoreVectors; ++c) k[c] = loadu(keys_t + d * kKeyTile + (c0 + c) * kLanes);
+    for (int r = 0; r < kScoreRows; ++r) {
+      const F16 q = set1(queries[r * D + d]);
+      for (int c = 0; c < kScoreVectors; ++c) acc[r][c] = fmadd(q, k[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < kRowBlock; ++r)
-    for (int c = 0; c < kKeyVectors; ++c) _mm512_storeu_ps(scores + r * kKeyTile + c * kLanes, acc[r][c]);
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int c = 0; c < kScoreVectors; ++c) storeu(scores + r * kKeyTile + (c0 + c) * kLanes, acc[r][c]);
+}
+
+// scores[r, 0 .. 64) = queries[r] . keys_t for kRowBlock rows.
+inline void score_rows(const float* queries, const float* keys_t, int64_t D, float* scores) {
+  for (int r = 0; r < kRowBlock; r += kScoreRows)
+    for (int c = 0; c < kKeyVectors; c += kScoreVectors) score_block(queries + r * D, keys_t, D, c, scores + r * kKeyTile);
 }
 
 // One query's scores of a key tile into weights (in place), the running maximum and sum updated;
 // returns the factor its earlier output must be scaled by.
 inline float weigh_row(float* scores, const bool* visible, int64_t count, float& maximum, float& sum) {
-  const __mmask64 lanes = count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
-  const __m512i bytes = _mm512_maskz_loadu_epi8(lanes, visible);
-  const __mmask64 seen = _mm512_test_epi8_mask(bytes, bytes);
-  __mmask16 keep[kKeyVectors];
-  __m512 top = _mm512_set1_ps(kNegInf);
+  const uint64_t seen = seen_slots(visible, count);
+  M16 keep[kKeyVectors];
+  F16 top = set1(kNegInf);
   for (int c = 0; c < kKeyVectors; ++c) {
-    keep[c] = static_cast<__mmask16>(seen >> (c * kLanes));
-    top = _mm512_mask_max_ps(top, keep[c], top, _mm512_loadu_ps(scores + c * kLanes));
+    keep[c] = static_cast<M16>(seen >> (c * kLanes));
+    top = select(keep[c], max(top, loadu(scores + c * kLanes)), top);
   }
-  const float tile_max = _mm512_reduce_max_ps(top);
+  const float tile_max = reduce_max(top);
   const float new_max = std::max(maximum, tile_max);
   if (new_max == kNegInf) {  // nothing seen yet: weights all zero, nothing to rescale
-    for (int c = 0; c < kKeyVectors; ++c) _mm512_storeu_ps(scores + c * kLanes, _mm512_setzero_ps());
+    for (int c = 0; c < kKeyVectors; ++c) storeu(scores + c * kLanes, zero());
     return 1.f;
   }
   const float rescale = maximum == kNegInf ? 0.f : std::exp(maximum - new_max);
-  const __m512 m = _mm512_set1_ps(new_max);
-  __m512 total = _mm512_setzero_ps();
+  const F16 m = set1(new_max);
+  F16 total = zero();
   for (int c = 0; c < kKeyVectors; ++c) {
-    const __m512 e = _mm512_maskz_mov_ps(keep[c], exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + c * kLanes), m)));
-    total = _mm512_add_ps(total, e);
-    _mm512_storeu_ps(scores + c * kLanes, e);
+    const F16 e = keep_only(keep[c], exp16(sub(loadu(scores + c * kLanes), m)));
+    total = add(total, e);
+    storeu(scores + c * kLanes, e);
   }
   maximum = new_max;
-  sum = sum * rescale + _mm512_reduce_add_ps(total);
+  sum = sum * rescale + reduce_add(total);
   return rescale;
 }
 
@@ -147,21 +189,21 @@ inline float weigh_row(float* scores, const bool* visible, int64_t count, float&
 template <int W, typename T>
 inline void accumulate_values(const float* weights, const T* values, int64_t slot_stride, int64_t count,
                               const float* rescale, int64_t D, int64_t c0, float* outputs) {
-  __m512 acc[kRowBlock][W];
+  F16 acc[kRowBlock][W];
   for (int r = 0; r < kRowBlock; ++r) {
-    const __m512 s = _mm512_set1_ps(rescale[r]);
-    for (int c = 0; c < W; ++c) acc[r][c] = _mm512_mul_ps(s, _mm512_loadu_ps(outputs + r * D + (c0 + c) * kLanes));
+    const F16 s = set1(rescale[r]);
+    for (int c = 0; c < W; ++c) acc[r][c] = mul(s, loadu(outputs + r * D + (c0 + c) * kLanes));
   }
   for (int64_t j = 0; j < count; ++j) {
-    __m512 v[W];
+    F16 v[W];
     for (int c = 0; c < W; ++c) v[c] = load16(values + j * slot_stride + (c0 + c) * kLanes, 0xffff);
     for (int r = 0; r < kRowBlock; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * kKeyTile + j]);
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+      const F16 w = set1(weights[r * kKeyTile + j]);
+      for (int c = 0; c < W; ++c) acc[r][c] = fmadd(w, v[c], acc[r][c]);
     }
   }
   for (int r = 0; r < kRowBlock; ++r)
-    for (int c = 0; c < W; ++c) _mm512_storeu_ps(outputs + r * D + (c0 + c) * kLanes, acc[r][c]);
+    for (int c = 0; c < W; ++c) storeu(outputs + r * D + (c0 + c) * kLanes, acc[r][c]);
 }
 
 template <typename T>
@@ -169,8 +211,8 @@ void accumulate_block(const float* weights, const T* values, int64_t slot_stride
                       const float* rescale, int64_t D, float* outputs) {
   const int64_t vectors = D / kLanes;
   int64_t c0 = 0;
-  for (; c0 + 4 <= vectors; c0 += 4)
-    accumulate_values<4, T>(weights, values, slot_stride, count, rescale, D, c0, outputs);
+  for (; c0 + kValueVectors <= vectors; c0 += kValueVectors)
+    accumulate_values<kValueVectors, T>(weights, values, slot_stride, count, rescale, D, c0, outputs);
   switch (vectors - c0) {
     case 3: accumulate_values<3, T>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;
     case 2: accumulate_values<2, T>(weights, values, slot_stride, count, rescale, D, c0, outputs); break;

@@ -26,7 +26,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from genfn.kernels import MIN_PREFILL_QUERIES, decode_linear_available, invariant, linear, prefill_attention
+from genfn.kernels import MIN_PREFILL_QUERIES, invariant, linear, portable_ops_available, prefill_attention
 from genfn.kernels.packed_gemm import bf16_gemm_preferred
 from genfn.quant.coded_bf16 import CodedBfloat16
 
@@ -46,8 +46,7 @@ def takes(spec, layer: Mapping[str, Any], x: torch.Tensor) -> bool:
             and layer["attn_norm"].dtype == layer["mlp_norm"].dtype == x.dtype
             and x.device.type == "cpu" and (not few or x.dtype == torch.float32)
             and spec.head_dim % 16 == 0 and spec.head_dim <= 256
-            and not (torch.is_grad_enabled() and _needs_gradient(layer, x))
-            and decode_linear_available())  # prefill_attention.cpp: the AVX-512 library's
+            and not (torch.is_grad_enabled() and _needs_gradient(layer, x)) and portable_ops_available())
 
 
 def _needs_gradient(layer: Mapping[str, Any], x: torch.Tensor) -> bool:
