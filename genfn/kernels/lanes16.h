@@ -92,7 +92,10 @@ inline __m256i lane_mask(M16 keep, int half) {
   const __m256i word = _mm256_set1_epi32((keep >> (8 * half)) & 0xFF);
   return _mm256_cmpeq_epi32(_mm256_and_si256(word, bits), bits);
 }
+// All sixteen kept (every chunk but a row's last) is a plain load or store: vmaskmov and its mask cost
+// several instructions more, and on AMD's cores a masked load waits longer.
 inline F16 load_kept(M16 keep, const float* p) {
+  if (keep == 0xFFFF) return loadu(p);
   return {_mm256_maskload_ps(p, lane_mask(keep, 0)), _mm256_maskload_ps(p + 8, lane_mask(keep, 1))};
 }
 inline void storeu(float* p, F16 v) {
@@ -100,6 +103,7 @@ inline void storeu(float* p, F16 v) {
   _mm256_storeu_ps(p + 8, v.hi);
 }
 inline void store_kept(float* p, M16 keep, F16 v) {
+  if (keep == 0xFFFF) return storeu(p, v);
   _mm256_maskstore_ps(p, lane_mask(keep, 0), v.lo);
   _mm256_maskstore_ps(p + 8, lane_mask(keep, 1), v.hi);
 }
