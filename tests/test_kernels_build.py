@@ -227,6 +227,6 @@ def test_without_a_compiler_the_line_does_not_promise_a_build(dirs, fresh_loader
 def test_a_cpu_without_avx512_says_it_builds_the_stacks_avx2_library(dirs, fresh_loader, monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     lines = _status_lines(monkeypatch)
-    assert lines[0] == (f"genfn: building the native decode stack for AVX2 into {dirs.cache} (once; a few "
+    assert lines[0] == (f"genfn: building the native decode kernels for AVX2 into {dirs.cache} (once; a few "
                         "minutes of g++ on a 2-core machine)...")
-    assert lines[1].startswith("genfn: built the native decode stack for AVX2 (")
+    assert lines[1].startswith("genfn: built the native decode kernels for AVX2 (")

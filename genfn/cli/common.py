@@ -145,7 +145,7 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
     from genfn import kernels
     from genfn.kernels import kquant as kquant_kernels, native
 
-    decode = kernels.decode_library()  # on a CPU without AVX-512, the decode stack's AVX2 build
+    decode = kernels.decode_library()  # on a CPU without AVX-512, the decode kernels built for AVX2
     building = [decode.what] if kernels.needs_build() else []
     if kquant and kquant_kernels.needs_build():
         building.append(native.KQUANT.what)

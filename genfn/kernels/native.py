@@ -77,17 +77,17 @@ DECODE = NativeLibrary(
     isa_flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"),
     cpu_features=("avx512f", "avx512bw", "avx512vl", "fma"),
     fallback="using torch's ops (block-quantized linears: the K-quant kernels' AVX2 path)")
-# The decode stack (decode_stack.cpp, its table, the attention) built for a CPU with AVX2 but no
-# AVX-512, where DECODE cannot load: its per-token arithmetic, plain linears (plain_rows.h, and
-# decode_linear.cpp's ops), token ops (token_ops.cpp, lookup_ops.cpp) and prefill attention in
-# lanes16.h's two-register form, the same bits; tiles16 layers through
+# The decode kernels that lanes16.h writes once, built for a CPU with AVX2 but no AVX-512, where DECODE
+# cannot load: the stack (decode_stack.cpp, its table, the decode attention), the plain linears
+# (plain_rows.h, and decode_linear.cpp's ops), the token ops (token_ops.cpp, lookup_ops.cpp) and the
+# prefill attention, in lanes16.h's two-register form, the same bits; tiles16 layers through
 # tiles_avx2.h's kernels, K-quant layers through the K-quant library's. It registers ops under
 # DECODE's names, so a process loads one of the two, never both. Built without contracting a product
 # and a sum into one fused multiply-add where the code wrote two operations: g++ does so by default, and
 # where an AVX2 sum of two halves read a product directly (a head_dim 16 score) it fused what the
 # AVX-512 form's shuffles keep apart, one rounding fewer than the AVX-512 library's bits.
 DECODE_AVX2 = NativeLibrary(
-    stem="decode_avx2", what="decode stack for AVX2",
+    stem="decode_avx2", what="decode kernels for AVX2",
     sources=tuple(_HERE / name for name in ("decode_avx2.cpp", "decode_attention.cpp", "decode_stack.cpp",
                                             "stack_table.cpp", "thread_pool.cpp", "plain_linear.cpp",
                                             "decode_linear.cpp", "token_ops.cpp", "lookup_ops.cpp",
