@@ -286,6 +286,42 @@ def test_a_cpu_without_the_decode_library_places_float_matrices_too(float_file, 
         assert torch.equal(tensor, there["state_dict"][name]), name
 
 
+_BLOCKS_LOAD_AS_AVX2_CPU = """
+import torch
+import genfn
+from genfn.bench.avx2 import run_as_avx2_cpu
+run_as_avx2_cpu()
+from genfn import kernels
+from genfn.models.loaders import gguf_blocks
+kept, floats = genfn.load(FILE, quantize="gguf").params, genfn.load(FILE, dtype=torch.float32).params
+torch.save({"decode_library": kernels.decode_linear_available(), "native": gguf_blocks.native_tiles_available(),
+            "kept": kept, "floats": floats,
+            "lookup": kernels.embedding(torch.tensor([[0, 5, 299]]), kept["embed"], torch.float32)}, OUT)
+"""
+
+
+@needs_kernels
+def test_a_cpu_without_the_decode_library_fills_the_tiles_natively(mixed_file, tmp_path, monkeypatch):
+    """The loader's tile fill and dequantization (``gguf_tiles.cpp``) build into the AVX2 library too: a
+    process that runs as a CPU without AVX-512 loads Q8_0/Q4_0/Q4_1 matrices, kept as tiles or
+    dequantized, and looks up rows of a tiled embedding, with this process's bytes and values."""
+    out = tmp_path / "load.pt"
+    script = _BLOCKS_LOAD_AS_AVX2_CPU.replace("FILE", repr(str(mixed_file))).replace("OUT", repr(str(out)))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = torch.load(out, weights_only=False)
+    assert there["decode_library"] is False and there["native"] is True
+    kept, floats = genfn.load(mixed_file, quantize="gguf").params, genfn.load(mixed_file, dtype=torch.float32).params
+    for here, theirs in ((kept, there["kept"]), (floats, there["floats"])):
+        (paths, leaves, _), (their_paths, their_leaves, _) = _leaves(here), _leaves(theirs)
+        assert paths == their_paths
+        assert all(_same_weight(a, b) for a, b in zip(leaves, their_leaves)), paths
+    assert isinstance(kept["embed"], QuantizedWeight)
+    assert torch.equal(kernels.embedding(torch.tensor([[0, 5, 299]]), kept["embed"], torch.float32), there["lookup"])
+
+
 @needs_kernels
 @needs_proc_maps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -101,10 +101,6 @@ def _register_fake() -> None:
 
     _register_quant_fake()
 
-    @torch.library.register_fake(f"{_OP_NAMESPACE}::tiles_lookup")
-    def _(codes, scales, mins, kind, out_features, index):
-        return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
-
     @torch.library.register_fake(f"{_OP_NAMESPACE}::decode_attention_input")
     def _(x, norm, wqkv, cos, sin, eps, heads, kv_heads):
         return x.new_empty((x.shape[0], wqkv.shape[0]))
@@ -186,6 +182,10 @@ def _register_stack_fake() -> None:
         batch, heads, seq, head_dim = q.shape
         return q.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
 
+    @torch.library.register_fake(f"{_OP_NAMESPACE}::tiles_lookup")
+    def _(codes, scales, mins, kind, out_features, index):
+        return index.new_empty((index.numel(), codes.shape[1] * 32), dtype=torch.float32)
+
     @torch.library.register_fake(f"{_OP_NAMESPACE}::paged_write")
     def _(keys, values, layer, slots, k, v):
         return None
@@ -261,8 +261,9 @@ def portable_ops_available() -> bool:
     """Whether the ops both decode libraries build are loaded, from the AVX-512 one or, on a CPU without
     AVX-512, the AVX2 one (``decode_stack_isa``), with the same bits: the stack and its table, the decode
     attention (``decode_attention.cpp``), the plain linears (``decode_linear``, ``invariant_linear``) and
-    the token ops (``token_ops.cpp``, ``lookup_ops.cpp``) and the prefill attention. The rest (fused
-    layers, GEMMs, the VNNI tiles) is the AVX-512 library's alone (``decode_linear_available``)."""
+    the token ops (``token_ops.cpp``, ``lookup_ops.cpp``), the prefill attention and the GGUF loader's
+    tile fill (``gguf_tiles.cpp``). The rest (fused layers, GEMMs, the VNNI tiles) is the AVX-512
+    library's alone (``decode_linear_available``)."""
     return decode_stack_isa() is not None
 
 
@@ -557,7 +558,7 @@ def embedding(tokens: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
 
         return kquant_lookup(table, tokens.reshape(-1)).view(*tokens.shape, table.in_features).to(dtype)
     if isinstance(table, QuantizedWeight):
-        if table.codes.is_cpu and tokens.device.type == "cpu" and decode_linear_available():
+        if table.codes.is_cpu and tokens.device.type == "cpu" and portable_ops_available():
             # QuantizedWeight.lookup's values in one native pass (gguf_tiles.cpp's tiles_lookup).
             rows = getattr(torch.ops, _OP_NAMESPACE).tiles_lookup(table.codes, table.scales, table.mins, table.kind,
                                                                   table.out_features, tokens.reshape(-1))

@@ -8,6 +8,9 @@
 // source rows are read block by block and the tile's bytes written in order, each 32-bit gather
 // taking one word of each row's record: a whole chunk of the tile, or the 16 rows' scales.
 //
+// Built into both decode libraries: the AVX2 build writes a tile word by word and dequantizes through
+// lanes16.h, the same bytes and values.
+//
 // Both fills run on torch's threads, which share the tiles or rows out as the decode kernels do (each_claimed).
 //
 // Tile layout, per tile of 16 output rows and block b of 32 inputs:
@@ -17,6 +20,7 @@
 // Rows of the last tile past out_features are written as zeros.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -25,6 +29,7 @@
 #include <cstring>
 #include <optional>
 
+#include "lanes16.h"
 #include "row_queue.h"
 #include "tile_kinds.h"
 
@@ -95,8 +100,14 @@ const int64_t* checked_rows(const char* op, const std::optional<at::Tensor>& row
 // A tile of 16 rows, block by block: each 32-bit gather takes one word of each row's record, which
 // is a whole chunk of the tile (16 rows' four code bytes) or the rows' scales (with the minimums
 // above them for Q4_1).
+void partial_tile(const uint8_t* src, const int64_t* row_offset, int64_t live, const BlockLayout& lay,
+                  int64_t nblocks, uint32_t flip, uint8_t* code_tile, uint16_t* scale_tile, uint16_t* min_tile);
+
 void full_tile(const uint8_t* src, const int64_t* row_offset, const BlockLayout& lay, int64_t nblocks, uint32_t flip,
                uint8_t* code_tile, uint16_t* scale_tile, uint16_t* min_tile) {
+#if !defined(__AVX512F__)  // the AVX2 build: word by word, as the last tile's rows (the same bytes)
+  return partial_tile(src, row_offset, kTile, lay, nblocks, flip, code_tile, scale_tile, min_tile);
+#else
   const __m512i low = _mm512_loadu_si512(row_offset), high = _mm512_loadu_si512(row_offset + 8);
   const __m512i flip_words = _mm512_set1_epi32(static_cast<int>(flip));
   const int64_t width = lay.code_bytes * kTile, chunks = lay.code_bytes / 4;
@@ -115,6 +126,7 @@ void full_tile(const uint8_t* src, const int64_t* row_offset, const BlockLayout&
       _mm512_storeu_si512(code_tile + b * width + c * 64,
                           _mm512_xor_si512(gather(block + lay.head + 4 * c), flip_words));
   }
+#endif
 }
 
 // The last tile of a matrix whose rows do not fill it: the missing rows written as zeros.
@@ -209,6 +221,38 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
 // for Q4_1 and Q5_1). The _round_ intrinsics are compiler builtins, which -ffp-contract never merges
 // into an FMA.
 inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
+#if !defined(__AVX512F__)
+  // The AVX2 build: the codes as float32 values (exact) a block at a time, then the same products and
+  // sums in 16 lanes (this library contracts nothing).
+  using namespace genfn_kernels::simd;
+  uint16_t half_scale, half_min = 0;
+  std::memcpy(&half_scale, record, 2);
+  const F16 d = set1(c10::detail::fp16_ieee_to_fp32_value(half_scale));
+  alignas(32) float values[32];
+  if (kind == kQ8) {
+    for (int i = 0; i < 32; ++i) values[i] = static_cast<float>(static_cast<int8_t>(record[2 + i]));
+    for (int half = 0; half < 2; ++half) storeu(out + 16 * half, mul(loadu(values + 16 * half), d));
+    return;
+  }
+  const bool with_min = has_minimum(kind), fifth = genfn_kernels::has_fifth_bits(kind);
+  if (with_min) std::memcpy(&half_min, record + 2, 2);
+  const uint8_t* after_head = record + (with_min ? 4 : 2);
+  uint32_t high_bits = 0;
+  if (fifth) std::memcpy(&high_bits, after_head, 4);
+  const uint8_t* packed = after_head + (fifth ? 4 : 0);
+  const int offset = with_min ? 0 : static_cast<int>(genfn_kernels::code_offset(kind));
+  // Low nibbles are values 0..15, high nibbles 16..31; input k's fifth bit is bit k.
+  const auto fifth_of = [&](int k) { return fifth ? static_cast<int>(high_bits >> k & 1) * 16 : 0; };
+  for (int i = 0; i < 16; ++i) {
+    values[i] = static_cast<float>((packed[i] & 0x0F) + fifth_of(i) - offset);
+    values[16 + i] = static_cast<float>((packed[i] >> 4) + fifth_of(16 + i) - offset);
+  }
+  const F16 m = set1(c10::detail::fp16_ieee_to_fp32_value(half_min));
+  for (int half = 0; half < 2; ++half) {
+    const F16 scaled = mul(d, loadu(values + 16 * half));
+    storeu(out + 16 * half, with_min ? add(scaled, m) : scaled);
+  }
+#else
   constexpr int kRound = _MM_FROUND_CUR_DIRECTION;
   uint16_t half_scale, half_min = 0;
   std::memcpy(&half_scale, record, 2);
@@ -246,6 +290,7 @@ inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
       _mm512_storeu_ps(out + 16 * half, _mm512_add_round_ps(scaled, m, kRound));
     }
   }
+#endif
 }
 
 // out[i] = the float32 values of blocks' row rows[i] (or row i). One thread, as the tile fill.

@@ -80,7 +80,8 @@ DECODE = NativeLibrary(
 # The decode kernels that lanes16.h writes once, built for a CPU with AVX2 but no AVX-512, where DECODE
 # cannot load: the stack (decode_stack.cpp, its table, the decode attention), the plain linears
 # (plain_rows.h, and decode_linear.cpp's ops), the token ops (token_ops.cpp, lookup_ops.cpp) and the
-# prefill attention, in lanes16.h's two-register form, the same bits; tiles16 layers through
+# prefill attention and the GGUF loader's tile fill (gguf_tiles.cpp), in lanes16.h's two-register form,
+# the same bits; tiles16 layers through
 # tiles_avx2.h's kernels, K-quant layers through the K-quant library's. It registers ops under
 # DECODE's names, so a process loads one of the two, never both. Built without contracting a product
 # and a sum into one fused multiply-add where the code wrote two operations: g++ does so by default, and
@@ -91,7 +92,7 @@ DECODE_AVX2 = NativeLibrary(
     sources=tuple(_HERE / name for name in ("decode_avx2.cpp", "decode_attention.cpp", "decode_stack.cpp",
                                             "stack_table.cpp", "thread_pool.cpp", "plain_linear.cpp",
                                             "decode_linear.cpp", "token_ops.cpp", "lookup_ops.cpp",
-                                            "prefill_attention.cpp")),
+                                            "prefill_attention.cpp", "gguf_tiles.cpp")),
     headers=(_HERE / "decode_kernels.h", _HERE / "decode_layer.h", _HERE / "row_queue.h", _HERE / "team_barrier.h",
              _HERE / "kquant.h", _HERE / "attention_lanes.h", _HERE / "row_ops.h", _HERE / "tile_kinds.h",
              _HERE / "stack_table.h", _HERE / "lanes16.h", _HERE / "tiles_avx2.h", _HERE / "plain_rows.h"),

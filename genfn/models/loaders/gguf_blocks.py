@@ -126,13 +126,13 @@ def _dequantized_type(gguf, name: str) -> str | None:
 def place_dequantized(gguf, row_order: Callable[[str], np.ndarray | None], arena,
                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> its ``dtype`` values in ``arena``, for every F32/F16/BF16 matrix of ``gguf``
-    and, with the native kernels (the decode library), every Q8_0/Q4_0/Q4_1 one (see the module
+    and, with the native kernels (``gguf_tiles.cpp``), every Q8_0/Q4_0/Q4_1 one (see the module
     docstring), rows in ``row_order``; {} with ``GENFN_NATIVE_TILES=0`` or for GPT-OSS (whose loader
     rearranges its matrices after reading them)."""
     if not _native_tiles_allowed() or gguf.metadata["general.architecture"] == gguf_gpt_oss.ARCH:
         return {}
-    # The float matrices need no kernel of the decode library (a CPU without AVX-512 places them too).
-    dequantizes = kernels.decode_linear_available()
+    # The float matrices need no native kernel (placed even where none is built).
+    dequantizes = native_tiles_available()
 
     def placed_type(gguf, name: str) -> str | None:
         type_name = _dequantized_type(gguf, name)
@@ -283,7 +283,7 @@ def _fill_tiles(weight: QuantizedWeight, raw: np.ndarray, type_name: str, order:
 def native_tiles_available() -> bool:
     """Whether the native kernels (built now if need be) write tiles; ``GENFN_NATIVE_TILES=0``
     in the environment keeps numpy's path (benchmarks/load_memory.py's A/B)."""
-    return _native_tiles_allowed() and kernels.decode_linear_available()
+    return _native_tiles_allowed() and kernels.portable_ops_available()
 
 
 def _native_tiles_allowed() -> bool:
