@@ -216,49 +216,61 @@ void gguf_blocks_to_tiles(const at::Tensor& blocks, const std::optional<at::Tens
   each_claimed(tiles, nblocks * (width + 4 * kTile), fill);
 }
 
+// A block record's head: its float16 scale and minimum (Q4_1, Q5_1), its fifth bits (Q5) and where its
+// codes start.
+struct RecordHead {
+  uint16_t scale = 0, minimum = 0;
+  uint32_t high_bits = 0;
+  bool with_min = false, fifth = false;
+  const uint8_t* codes = nullptr;
+};
+
+inline RecordHead record_head(const uint8_t* record, int64_t kind) {
+  RecordHead h;
+  std::memcpy(&h.scale, record, 2);
+  h.with_min = has_minimum(kind);
+  h.fifth = genfn_kernels::has_fifth_bits(kind);
+  if (h.with_min) std::memcpy(&h.minimum, record + 2, 2);
+  const uint8_t* after_head = record + (h.with_min ? 4 : 2);
+  if (h.fifth) std::memcpy(&h.high_bits, after_head, 4);
+  h.codes = after_head + (h.fifth ? 4 : 0);
+  return h;
+}
+
 // One block's 32 values, as the gguf package's numpy dequantization computes them (one rounding per
 // operation, never fused: d * q for Q8_0, and for Q4_0 and Q5_0 with q = u - 8 or u - 16; (d * u) + m
 // for Q4_1 and Q5_1). The _round_ intrinsics are compiler builtins, which -ffp-contract never merges
 // into an FMA.
 inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
+  const RecordHead h = record_head(record, kind);
 #if !defined(__AVX512F__)
   // The AVX2 build: the codes as float32 values (exact) a block at a time, then the same products and
   // sums in 16 lanes (this library contracts nothing).
   using namespace genfn_kernels::simd;
-  uint16_t half_scale, half_min = 0;
-  std::memcpy(&half_scale, record, 2);
-  const F16 d = set1(c10::detail::fp16_ieee_to_fp32_value(half_scale));
+  const F16 d = set1(c10::detail::fp16_ieee_to_fp32_value(h.scale));
   alignas(32) float values[32];
   if (kind == kQ8) {
-    for (int i = 0; i < 32; ++i) values[i] = static_cast<float>(static_cast<int8_t>(record[2 + i]));
+    for (int i = 0; i < 32; ++i) values[i] = static_cast<float>(static_cast<int8_t>(h.codes[i]));
     for (int half = 0; half < 2; ++half) storeu(out + 16 * half, mul(loadu(values + 16 * half), d));
     return;
   }
-  const bool with_min = has_minimum(kind), fifth = genfn_kernels::has_fifth_bits(kind);
-  if (with_min) std::memcpy(&half_min, record + 2, 2);
-  const uint8_t* after_head = record + (with_min ? 4 : 2);
-  uint32_t high_bits = 0;
-  if (fifth) std::memcpy(&high_bits, after_head, 4);
-  const uint8_t* packed = after_head + (fifth ? 4 : 0);
-  const int offset = with_min ? 0 : static_cast<int>(genfn_kernels::code_offset(kind));
+  const int offset = h.with_min ? 0 : static_cast<int>(genfn_kernels::code_offset(kind));
   // Low nibbles are values 0..15, high nibbles 16..31; input k's fifth bit is bit k.
-  const auto fifth_of = [&](int k) { return fifth ? static_cast<int>(high_bits >> k & 1) * 16 : 0; };
+  const auto fifth_of = [&](int k) { return h.fifth ? static_cast<int>(h.high_bits >> k & 1) * 16 : 0; };
   for (int i = 0; i < 16; ++i) {
-    values[i] = static_cast<float>((packed[i] & 0x0F) + fifth_of(i) - offset);
-    values[16 + i] = static_cast<float>((packed[i] >> 4) + fifth_of(16 + i) - offset);
+    values[i] = static_cast<float>((h.codes[i] & 0x0F) + fifth_of(i) - offset);
+    values[16 + i] = static_cast<float>((h.codes[i] >> 4) + fifth_of(16 + i) - offset);
   }
-  const F16 m = set1(c10::detail::fp16_ieee_to_fp32_value(half_min));
+  const F16 m = set1(c10::detail::fp16_ieee_to_fp32_value(h.minimum));
   for (int half = 0; half < 2; ++half) {
     const F16 scaled = mul(d, loadu(values + 16 * half));
-    storeu(out + 16 * half, with_min ? add(scaled, m) : scaled);
+    storeu(out + 16 * half, h.with_min ? add(scaled, m) : scaled);
   }
 #else
   constexpr int kRound = _MM_FROUND_CUR_DIRECTION;
-  uint16_t half_scale, half_min = 0;
-  std::memcpy(&half_scale, record, 2);
-  const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_scale)));
+  const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(h.scale)));
   if (kind == kQ8) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(record + 2);
+    const int8_t* q = reinterpret_cast<const int8_t*>(h.codes);
     for (int half = 0; half < 2; ++half) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
       const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -266,22 +278,17 @@ inline void dequantize_block(const uint8_t* record, int64_t kind, float* out) {
     }
     return;
   }
-  const bool with_min = has_minimum(kind), fifth = genfn_kernels::has_fifth_bits(kind);
-  if (with_min) std::memcpy(&half_min, record + 2, 2);
-  const uint8_t* after_head = record + (with_min ? 4 : 2);
-  uint32_t high_bits = 0;
-  if (fifth) std::memcpy(&high_bits, after_head, 4);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(after_head + (fifth ? 4 : 0)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.codes));
   const __m512i wide = _mm512_cvtepu8_epi32(packed);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   __m512i codes[2] = {_mm512_and_si512(wide, nibble), _mm512_and_si512(_mm512_srli_epi32(wide, 4), nibble)};
-  if (fifth)  // input k's fifth bit is bit k of the word: values 0..15, then 16..31
+  if (h.fifth)  // input k's fifth bit is bit k of the word: values 0..15, then 16..31
     for (int half = 0; half < 2; ++half)
-      codes[half] = _mm512_mask_add_epi32(codes[half], static_cast<__mmask16>(high_bits >> (16 * half)), codes[half],
-                                          _mm512_set1_epi32(16));
-  const __m512 m = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(half_min)));
+      codes[half] = _mm512_mask_add_epi32(codes[half], static_cast<__mmask16>(h.high_bits >> (16 * half)),
+                                          codes[half], _mm512_set1_epi32(16));
+  const __m512 m = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(h.minimum)));
   for (int half = 0; half < 2; ++half) {  // low nibbles are values 0..15, high nibbles 16..31
-    if (!with_min) {
+    if (!h.with_min) {
       const __m512i offset = _mm512_set1_epi32(genfn_kernels::code_offset(kind));
       const __m512 values = _mm512_cvtepi32_ps(_mm512_sub_epi32(codes[half], offset));
       _mm512_storeu_ps(out + 16 * half, _mm512_mul_round_ps(d, values, kRound));
