@@ -34,11 +34,6 @@ void with_rows(int64_t M, F&& f) {
   }
 }
 
-#if defined(__AVX512F__)
-using simd::round_to_bfloat16;
-using simd::widen_bfloat16;
-#endif
-
 using simd::lanes_below;
 
 // The kept lanes of 16 elements of T as float32, and back (bfloat16 rounded as c10::BFloat16(float)

@@ -142,11 +142,6 @@ inline __m512 ordered_sums(const __m512* acc, int c0) {
   return _mm512_permutexvar_ps(order, sum16(group));
 }
 
-inline void store_lanes(float* p, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(p, keep, v); }
-inline void store_lanes(c10::BFloat16* p, __mmask16 keep, __m512 v) {
-  _mm256_mask_storeu_epi16(p, keep, simd::round_to_bfloat16(v));
-}
-
 // y[m * N + n + r] = the lane sum of acc[m * R + r] for the M x R accumulators of a block (R divides 16,
 // so a row's R sums never straddle two groups of 16): one sum16 per 16 accumulators and one masked
 // store per row of x, in place of a scalar sum, rounding and store per element (by instruction
@@ -158,7 +153,7 @@ inline void store_block(const __m512* acc, Out* y, int64_t N, int64_t n) {
     const __m512 sums = ordered_sums<M * R>(acc, c0);
     for (int m = c0 / R; m < M && m * R < c0 + 16; ++m) {
       const int lane = m * R - c0;
-      store_lanes(y + m * N + n - lane, static_cast<__mmask16>(((1u << R) - 1) << lane), sums);
+      store16(y + m * N + n - lane, sums, static_cast<__mmask16>(((1u << R) - 1) << lane));
     }
   }
 }

@@ -109,17 +109,9 @@ inline uint64_t seen_slots(const bool* visible, int64_t count) {
 // Whether any of the `positions` mask rows (from `mask`, rows `stride` bytes apart) sets a slot
 // in [first, first + count).
 bool tile_visible(const bool* mask, int64_t stride, int64_t positions, int64_t first, int64_t count) {
-#if defined(__AVX512F__)
-  const __mmask64 lanes = count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
-  __m512i any = _mm512_setzero_si512();
-  for (int64_t i = 0; i < positions; ++i)
-    any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(lanes, mask + i * stride + first));
-  return _mm512_test_epi8_mask(any, any) != 0;
-#else
   for (int64_t i = 0; i < positions; ++i)
     if (seen_slots(mask + i * stride + first, count) != 0) return true;
   return false;
-#endif
 }
 
 // keys_t[d * kKeyTile + j] = key j's element d (as float32), zeros past `count` keys.

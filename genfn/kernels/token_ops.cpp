@@ -26,8 +26,6 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <tuple>
 
