@@ -1,11 +1,13 @@
 """Run genfn in this process as a CPU with AVX2 but without AVX-512 runs it, on a CPU that has both:
 for benchmarks and tests of that path (``tiles_avx2.cpp``, the K-quant kernels' AVX2 path).
 
-The decode library is built for AVX-512, so such a CPU cannot load it: the decode stack's AVX2 build
-(``native.DECODE_AVX2``) runs the layers of tiles16 and K-quant models there, and the other ops fall
-back (block-quantized linears to the K-quant library's AVX2 kernel of the same tiles, float ones to
-torch). Here the library is refused as it is there, by a CPU feature this one lacks, and the K-quant
-library is pinned to its AVX2 path."""
+The decode library is built for AVX-512, so such a CPU cannot load it: its AVX2 build
+(``native.DECODE_AVX2``) runs the ops ``genfn.kernels.portable_ops_available`` names there (the stack,
+the plain linears, the attention, the token ops, the GGUF tile fill), and the other ops fall back
+(block-quantized linears to the K-quant library's AVX2 kernel of the same tiles, GEMMs to torch). Here
+the library is refused as it is there, by a CPU feature this one lacks, and the K-quant library is
+pinned to its AVX2 path. torch's own kernels keep this CPU's paths: benchmarks hold them to AVX2
+(``model_bench.py``'s AVX2 engines)."""
 
 from __future__ import annotations
 

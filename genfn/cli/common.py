@@ -152,7 +152,7 @@ def _prepare_kernels(status: Status, kquant: bool = False) -> None:
     what = " and ".join([decode.what] + ([native.KQUANT.what] if kquant else []))
     status.begin(f"building the native {' and '.join(building)} into {native.cache_dir()} ({native.BUILD_NOTE})"
                  if building else f"loading the native {what}")
-    available = kernels.quant_linear_available() or kernels.decode_stack_isa() is not None
+    available = kernels.quant_linear_available() or kernels.portable_ops_available()
     if kquant:
         kquant_kernels.kquant_available()
     if available:

@@ -18,8 +18,8 @@ over the sources, torch's version and the flags (``genfn.kernels.native``, the o
 they cannot be built or run (no compiler, a CPU without AVX-512, ``GENFN_KERNELS=0``), ``linear``
 is ``F.linear`` and the reason is in ``kernel_status()``; the quantized op then runs the K-quant
 library's AVX2 kernel of the same tiles, or ``genfn.quant.reference_linear`` (same numbers, far
-slower). On a CPU with AVX2 but no AVX-512 the decode stack's own AVX2 build loads instead
-(``decode_stack_isa``): the stack of tiles16 and K-quant layers and the attention, the same bits.
+slower). On a CPU with AVX2 but no AVX-512 the decode kernels' AVX2 build loads instead
+(``decode_stack_isa``): the ops ``portable_ops_available`` names, the same bits.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def release_thread_pool() -> bool:
     thread that hands its torch work to another (continuous batching's caller, before it waits),
     so that the working thread's pool is the process's only one. Returns whether a pool was
     released (``False`` where the kernels are not built or the thread is inside a parallel region)."""
-    if decode_stack_isa() is None:
+    if not portable_ops_available():
         return False
     return bool(torch.ops.genfn_kernels.release_thread_pool())
 

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import torch
 
 from genfn.kernels import (MAX_DECODE_ROWS, _OP_NAMESPACE, decode_linear_available, decode_stack_isa, kernel_status,
-                           kquant, native)
+                           kquant, native, portable_ops_available)
 from genfn.quant.coded_bf16 import CodedBfloat16
 from genfn.quant.kquants import FORMAT_ID, KQuantWeight
 from genfn.quant.stack import RowStack
@@ -109,10 +109,11 @@ def kquantized(layer: Mapping[str, Any]) -> bool:
 
 def takes(x: torch.Tensor, layer: Mapping[str, Any], keys: torch.Tensor, head_dim: int) -> bool:
     """Whether ``layer``'s step on ``x [B, S, hidden]`` (S tokens of each row, a decode step's one or a
-    verification's drafts) runs natively: float32, or bfloat16 inside a compiled step; at most ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear
-    block-quantized with float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with
-    float32 ``x``; no q/k/v bias; the cache in ``x``'s dtype; nothing to differentiate. The per-layer
-    ops are the decode library's (AVX-512): the AVX2 build has the stack alone."""
+    verification's drafts) runs natively: float32, or bfloat16 inside a compiled step; at most
+    ``MAX_LAYER_ROWS`` tokens; plain weights of ``x``'s dtype, or every linear block-quantized with
+    float32 ``x`` on a CPU with AVX512_VNNI, or every linear K-quant rows with float32 ``x``; no q/k/v
+    bias; the cache in ``x``'s dtype; nothing to differentiate. The per-layer ops are the decode
+    library's (AVX-512) alone: the AVX2 build runs a step's layers as the stack."""
     return (stack_takes(x, keys, head_dim) and decode_linear_available()
             and layer_kind(layer, x.dtype) in (_PLAIN, _TILES, _KQUANT))
 
@@ -133,7 +134,7 @@ def stack_takes(x: torch.Tensor, keys: torch.Tensor, head_dim: int) -> bool:
         # Eager bfloat16 rounds after every op (transformers' numbers); the native layer rounds
         # as the compiled step does, so it stands in for the compiled layer only.
         return False
-    return decode_stack_isa() is not None
+    return portable_ops_available()
 
 
 # A layer's kind, as decode_stack_table's layout numbers it. A mixed layer's linears are each tiles
@@ -187,7 +188,7 @@ def _tiles_native() -> bool:
 
 
 def _ops():
-    if decode_stack_isa() is None:
+    if not portable_ops_available():
         raise RuntimeError(f"genfn.kernels.decode_layer needs the native kernels, which are {kernel_status()}")
     return getattr(torch.ops, _OP_NAMESPACE)
 
@@ -258,7 +259,7 @@ def stack_table(layers, dtype: torch.dtype, heads: int, kv_heads: int, head_dim:
     take (``stack_takes``' head_dim), or without the native kernels. The table
     reads the weights as they are now: weights replaced later (not changed in place) need a new
     table, as a compiled step closes over the weights it was traced with."""
-    if head_dim % 16 or head_dim > 128 or heads % kv_heads or decode_stack_isa() is None:
+    if head_dim % 16 or head_dim > 128 or heads % kv_heads or not portable_ops_available():
         return None
     weights, layout = [], []
     for layer in layers:

@@ -79,14 +79,14 @@ DECODE = NativeLibrary(
     fallback="using torch's ops (block-quantized linears: the K-quant kernels' AVX2 path)")
 # The decode kernels that lanes16.h writes once, built for a CPU with AVX2 but no AVX-512, where DECODE
 # cannot load: the stack (decode_stack.cpp, its table, the decode attention), the plain linears
-# (plain_rows.h, and decode_linear.cpp's ops), the token ops (token_ops.cpp, lookup_ops.cpp) and the
+# (plain_rows.h, and decode_linear.cpp's ops), the token ops (token_ops.cpp, lookup_ops.cpp), the
 # prefill attention and the GGUF loader's tile fill (gguf_tiles.cpp), in lanes16.h's two-register form,
-# the same bits; tiles16 layers through
-# tiles_avx2.h's kernels, K-quant layers through the K-quant library's. It registers ops under
-# DECODE's names, so a process loads one of the two, never both. Built without contracting a product
-# and a sum into one fused multiply-add where the code wrote two operations: g++ does so by default, and
-# where an AVX2 sum of two halves read a product directly (a head_dim 16 score) it fused what the
-# AVX-512 form's shuffles keep apart, one rounding fewer than the AVX-512 library's bits.
+# the same bits; tiles16 layers through tiles_avx2.h's kernels, K-quant layers through the K-quant
+# library's. It registers ops under DECODE's names, so a process loads one of the two, never both.
+# Built without contracting a product and a sum into one fused multiply-add where the code wrote two
+# operations: g++ does so by default, and where an AVX2 sum of two halves read a product directly (a
+# head_dim 16 score) it fused what the AVX-512 form's shuffles keep apart, one rounding fewer than the
+# AVX-512 library's bits.
 DECODE_AVX2 = NativeLibrary(
     stem="decode_avx2", what="decode kernels for AVX2",
     sources=tuple(_HERE / name for name in ("decode_avx2.cpp", "decode_attention.cpp", "decode_stack.cpp",
