@@ -11,7 +11,7 @@
 // AVX2 has no vpdpbusd. vpmaddubsw multiplies unsigned weight bytes by signed activation bytes and
 // adds pairs into 16 bits with saturation, so the integers stay exact only where no pair can reach
 // 2^15: 4-bit codes (at most 2 * 15 * 127 a pair) sum eight products' pairs in 16 bits, 5-bit codes
-// (2 * 31 * 127) four; an 8-bit code (stored + 128) is taken as |code| times x with the code's sign
+// (2 * 31 * 127) two; an 8-bit code (stored + 128) is taken as |code| times x with the code's sign
 // (at most 2 * 128 * 127), as llama.cpp's AVX2 kernels do. vpmaddwd against ones then widens a row's
 // pairs into its 32-bit lane. A 256-bit register holds half a tile's chunk: 8 rows of 4 bytes.
 #pragma once
@@ -30,9 +30,10 @@ using namespace genfn_kernels::tile_kinds;
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
-// Rows of x a pass over a tile takes: their accumulators (two halves a row) and the half-tile's
-// unpacked codes (eight registers) fit AVX2's sixteen.
-constexpr int kMaxRows = 4;
+// Rows of x a pass over a tile takes. Each row holds two accumulators and a chunk's unpacked codes
+// four registers, so past 6 rows they spill; 1B-shaped GEMMs of 512 rows (Zen 4, session 47) ran
+// Q4_0 and Q4_1 1.08-1.15x as fast in passes of 6 as of 4, Q8_0 and Q5_0 the same.
+constexpr int kMaxRows = 6;
 
 GENFN_AVX2_INLINE inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -99,34 +100,73 @@ GENFN_AVX2_INLINE inline void unpack_half(const uint8_t* block, int h, int j, __
   }
 }
 
-// One row of x's exact integer over half a block (8 output rows, one a lane): sum of codes times x
-// less the code offset's share (quant_linear.cpp's s0 + s1). w: the half's unpacked codes (Q8_0: its
-// 8 chunks as signed codes; else low 0-3 and high 4-7), xb: the row's block as 8 dwords of 4 codes.
-template <int64_t kind>
-GENFN_AVX2_INLINE inline __m256i block_integer(const __m256i* w, const __m256i* w_abs, const int32_t* xb, int32_t x_sum) {
+// The exact integers of rows m of x over one block, both halves of the tile (8 output rows each,
+// one a lane): s[m][h] = sum of codes times x, less the code offset's share for the 4- and 5-bit kinds
+// (quant_linear.cpp's s0 + s1). xb[m]: row m's block as 8 dwords of 4 codes, x_sum[m] its code sum.
+//
+// The chunk loop is outside the rows: a chunk's codes are unpacked once and stay in registers while
+// every row takes them, and each row holds only its two accumulators. With the rows outside (the
+// form before session 47) a half's unpacked codes took 8 registers (Q8_0: 16, the codes and their
+// magnitudes) beside the rows' accumulators, more than AVX2's 16: 1B-shaped GEMMs of 512 rows run
+// 1.27-1.35x as fast so (Q8_0, Q4_0, Q4_1; Q5_0 1.10x; Zen 4), and 2-8 rows 1.1-1.3x. The integers
+// are exact in any order (the 16-bit sums' bounds hold for every partial sum): the order changes no bit.
+template <int M, int64_t kind>
+GENFN_AVX2_INLINE inline void block_integers(const uint8_t* block, const int32_t* const* xb, const int32_t* x_sum,
+                                             __m256i (&s)[M][2]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i s;
   if constexpr (kind == kQ8) {
-    s = _mm256_setzero_si256();
+    // An 8-bit code (stored + 128) times x as |code| times x with the code's sign; the signed
+    // products hold no offset.
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(xb[j]), w[j]);
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[j], signed_x), ones));
+      __m256i w[2], w_abs[2];
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j + 32 * h)), flip);
+        w_abs[h] = _mm256_abs_epi8(w[h]);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = _mm256_set1_epi32(xb[m][j]);
+        for (int h = 0; h < 2; ++h)
+          s[m][h] = _mm256_add_epi32(s[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs[h], _mm256_sign_epi8(x, w[h])), ones));
+      }
     }
-    return s;  // the codes are stored + 128, and the signed ones' products hold no offset
+    return;
   } else if constexpr (has_fifth_bits(kind)) {
-    __m256i p0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0]));
-    __m256i p1 = _mm256_maddubs_epi16(w[4], _mm256_set1_epi32(xb[4]));
-    for (int j = 1; j < 4; ++j) {
-      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xb[j])));
-      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[4 + j], _mm256_set1_epi32(xb[4 + j])));
+    // A pair of 5-bit products reaches 2 * 31 * 127: a chunk's low and high pairs fit 16 bits
+    // together, then widen.
+    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i low[2], high[2];
+      for (int h = 0; h < 2; ++h) unpack_half<kind>(block, h, j, low[h], high[h]);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x_low = _mm256_set1_epi32(xb[m][j]), x_high = _mm256_set1_epi32(xb[m][4 + j]);
+        for (int h = 0; h < 2; ++h)
+          s[m][h] = _mm256_add_epi32(
+              s[m][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low[h], x_low),
+                                                           _mm256_maddubs_epi16(high[h], x_high)),
+                                         ones));
+      }
     }
-    s = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
   } else {
-    __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xb[0]));
-    for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xb[j])));
-    s = _mm256_madd_epi16(p, ones);
+    // A pair of 4-bit products reaches 2 * 15 * 127: a block's eight a lane fit 16 bits.
+    __m256i p[M][2];
+    for (int m = 0; m < M; ++m) p[m][0] = p[m][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i low[2], high[2];
+      for (int h = 0; h < 2; ++h) unpack_half<kind>(block, h, j, low[h], high[h]);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x_low = _mm256_set1_epi32(xb[m][j]), x_high = _mm256_set1_epi32(xb[m][4 + j]);
+        for (int h = 0; h < 2; ++h)
+          p[m][h] = _mm256_add_epi16(p[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(low[h], x_low),
+                                                               _mm256_maddubs_epi16(high[h], x_high)));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) s[m][h] = _mm256_madd_epi16(p[m][h], ones);
   }
-  return _mm256_sub_epi32(s, _mm256_set1_epi32(code_offset(kind) * x_sum));
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) s[m][h] = _mm256_sub_epi32(s[m][h], _mm256_set1_epi32(code_offset(kind) * x_sum[m]));
 }
 
 // Tile t against rows m0 .. m0 + M - 1 of x: y[m, 16t .. 16t + 15], y's (and init's) rows ld floats
@@ -168,27 +208,23 @@ GENFN_AVX2 void tile_rows(int64_t t, int64_t m0, int64_t nb, const uint8_t* code
         if constexpr (kMin) window.fetch(reinterpret_cast<const char*>(mn + b * kTile) + window.bytes / 8);
       }
     }
+    const int32_t* xb[M];
+    int32_t x_sum[M];
+    for (int m = 0; m < M; ++m) {
+      xb[m] = reinterpret_cast<const int32_t*>(a.codes.data() + (m0 + m) * K + b * kBlock);
+      x_sum[m] = a.sum[(m0 + m) * nb + b];
+    }
+    __m256i s[M][2];
+    block_integers<M, kind>(c, xb, x_sum, s);
     for (int h = 0; h < 2; ++h) {
-      __m256i w[8], w_abs[8];
-      if constexpr (kind == kQ8) {
-        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-        for (int j = 0; j < 8; ++j) {
-          w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * j + 32 * h)), flip);
-          w_abs[j] = _mm256_abs_epi8(w[j]);
-        }
-      } else {
-        for (int j = 0; j < 4; ++j) unpack_half<kind>(c, h, j, w[j], w[4 + j]);
-      }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * kTile + 8 * h)));
       __m256 mins_b;
       if constexpr (kMin)
         mins_b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + b * kTile + 8 * h)));
       for (int m = 0; m < M; ++m) {
         const int64_t row = m0 + m;
-        const int32_t* xb = reinterpret_cast<const int32_t*>(a.codes.data() + row * K + b * kBlock);
-        const __m256i s = block_integer<kind>(w, w_abs, xb, a.sum[row * nb + b]);
         const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(a.scale[row * nb + b]));
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dx, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), dx, acc[m][h]);
         if constexpr (kMin) acc[m][h] = _mm256_fmadd_ps(mins_b, _mm256_set1_ps(a.scaled_sum[row * nb + b]), acc[m][h]);
       }
     }
@@ -206,7 +242,9 @@ TileFn pick_for(int rows) {
     case 1: return &tile_rows<1, kind>;
     case 2: return &tile_rows<2, kind>;
     case 3: return &tile_rows<3, kind>;
-    default: return &tile_rows<4, kind>;
+    case 4: return &tile_rows<4, kind>;
+    case 5: return &tile_rows<5, kind>;
+    default: return &tile_rows<6, kind>;
   }
 }
 
@@ -221,14 +259,16 @@ inline TileFn pick(int64_t kind, int rows) {
   }
 }
 
-// Tiles [t0, t1) against the M rows of x quantized in a, kMaxRows rows a pass over each tile.
+// Tiles [t0, t1) against the M rows of x quantized in a: over each tile, passes of at most kMaxRows
+// rows, as even as they go (8 rows: two passes of 4, not 6 and 2).
 void tiles_rows(int64_t t0, int64_t t1, int64_t M, int64_t kind, int64_t nb, const uint8_t* codes, const uint16_t* scales,
                 const uint16_t* mins, const QuantActivations& a, int64_t K, int64_t N, int64_t ld, float* y,
                 const float* init) {
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
   for (int64_t t = t0; t < t1; ++t)
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      pick(kind, rows)(t, m0, nb, codes, scales, mins, a, K, N, ld, y, init);
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t m0 = M * p / passes, m1 = M * (p + 1) / passes;
+      pick(kind, static_cast<int>(m1 - m0))(t, m0, nb, codes, scales, mins, a, K, N, ld, y, init);
     }
 }
 
