@@ -135,6 +135,32 @@ def test_the_gemm_and_the_row_kernels_give_an_output_the_same_bits(isa, gemm_row
     assert torch.equal(kernels.linear(x[5:10], weight), alone[5:10])
 
 
+# Where each format's code bytes lie in its 256-input super-block (ggml's layout): Q4_K qs, Q5_K qh and
+# qs, Q6_K ql and qh. All ones there make every code the format's largest (15, 31, 63).
+_CODE_BYTES = {"q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192)}
+
+
+@pytest.mark.parametrize("fmt", sorted(_CODE_BYTES))
+def test_the_gemm_is_exact_where_its_16_bit_sums_are_at_their_bounds(isa, gemm_rows, fmt):
+    """The AVX2 GEMM sums several steps' vpmaddubsw pairs in 16 bits before its multiply by the
+    sub-block scale (Q4_K eight steps, Q5_K four, Q6_K two): with every weight code the format's
+    largest and every activation code at 127 in magnitude, those sums reach 30480, 31496 and
+    32004. They must not wrap: the GEMM's rows equal the row kernels' and the float64 reference."""
+    weight, _ = _problem(fmt, 24, 512, 3)
+    start, end = _CODE_BYTES[fmt]
+    data = weight.data.clone().view(24, 2, -1)  # [rows, super-blocks, bytes]
+    data[:, :, start:end] = 0xFF
+    weight = type(weight).from_bytes(data.reshape(24, -1), fmt, (24, 512))
+    x = torch.full((20, 512), 2.5)
+    x[1::2] *= -1
+    gemm_rows(1)
+    gemm = kernels.linear(x, weight)
+    gemm_rows(10**9)
+    assert torch.equal(gemm, kernels.linear(x, weight))
+    expected = reference_linear_k(x, weight)
+    torch.testing.assert_close(gemm, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_gemm_min_rows_rejects_what_is_not_a_row_count():
     for bad in (0, -3, 2.5, "16", True):
         with pytest.raises(ValueError, match="rows must be None or a positive int"):

@@ -10,8 +10,11 @@
 // - AVX-512 VNNI: `vpdpbusd` (unsigned weight code x signed activation code, four products into
 //   one int32 lane) against a broadcast of four activation codes gives one sub-block's sum for 16
 //   weight rows; `vpmulld` by the sub-block scales adds it to the super-block's integer sum.
-// - AVX2: `vpmaddubsw` then `vpmaddwd` against the sub-block scale (pairs of int16) does both steps
-//   at once, 8 weight rows per register.
+// - AVX2: `vpmaddubsw` products of several steps summed in 16 bits as far as they stay exact
+//   (steps_per_sum: a Q4_K sub-block's eight, Q5_K's four, Q6_K's two), then `vpmaddwd` against the
+//   sub-block scale (pairs of int16) widens and scales them at once, 8 weight rows per register.
+//   One vpmaddwd a step (before session 47) cost a 512-row 1B-shaped Q4_K GEMM 1.5x its time,
+//   Q5_K 1.2x (one Zen 4 core).
 // The activations are quantized once per call as the row kernels quantize them (llama.cpp's Q8_K,
 // natural order), so a super-block's integer sum is the row kernels' bit for bit, and it enters
 // the output's float32 sum in their order too (add_block in kquant.h): the GEMM and the row kernels
@@ -53,6 +56,17 @@ constexpr int pairs_of(int64_t format) { return stored_format(format) == kQ6K ? 
 // the integer sum before its one multiply-add; Q4_K/Q5_K's are a second term with their own dmin.
 constexpr bool offset_of_codes(int64_t format) {
   return stored_format(format) == kQ6K || stored_format(format) == kIQ4XS;
+}
+
+// On AVX2, the steps (4 inputs of 16 rows) of one sub-block whose vpmaddubsw pairs one 16-bit sum
+// holds exactly: a pair reaches 2 * 127 * the largest panel code (Q4_K 15, Q5_K 31, Q6_K 63, IQ4_XS's
+// magnitudes 127), and the sum may not pass 2^15 - 1.
+constexpr int steps_per_sum(int64_t format) {
+  const int64_t stored = stored_format(format);
+  const int largest = stored == kQ4K ? 15 : stored == kQ5K ? 31 : stored == kQ6K ? 63 : 127;
+  const int fit = 32767 / (2 * 127 * largest);
+  const int steps = 64 / groups_of(format);
+  return fit >= steps ? steps : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
 }
 
 // One tile of the weight, unpacked (see the top of this file).
@@ -267,12 +281,14 @@ GENFN_VNNI void panel_avx512(
 // ---------------------------------------------------------------------------------------------
 // AVX2: the same over two halves of 8 weight rows; the scales come as int16 pairs. kSigned (IQ4_XS):
 // the codes are signed values, multiplied as |w| by x with w's sign (vpmaddubsw takes an unsigned
-// side), and there is no offset to take off.
+// side), and there is no offset to take off. kSumSteps: the steps of a sub-block whose vpmaddubsw
+// pairs one 16-bit sum holds exactly (steps_per_sum), then one vpmaddwd by the scale for them all.
 
-template <int R, int kGroups, int kPairs, bool kOffset, bool kSigned>
+template <int R, int kGroups, int kPairs, bool kOffset, bool kSigned, int kSumSteps>
 GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a, int64_t m0, float* y, int64_t N,
                            __mmask16 keep) {
   constexpr int kSteps = 64 / kGroups;
+  static_assert(kSteps % kSumSteps == 0, "a sub-block's steps split into whole 16-bit sums");
   const Rows rows = rows_at<R, kPairs>(a, m0);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -282,18 +298,24 @@ GENFN_AVX2 void panel_avx2(const Panel& p, int64_t nb, const GemmActivations& a,
     __m256i total[R][2];
     for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_si256();
     for (int g = 0; g < kGroups; ++g) {
-      const __m256i scale[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kTile)),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kTile + 8))};
-      for (int s = 0; s < kSteps; ++s) {
-        const int step = g * kSteps + s;
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step + 32));
-        const __m256i u0 = kSigned ? _mm256_abs_epi8(w0) : w0, u1 = kSigned ? _mm256_abs_epi8(w1) : w1;
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_set1_epi32(four_codes(rows.codes[r] + b * kSuper + 4 * step));
-          const __m256i x0 = kSigned ? _mm256_sign_epi8(x, w0) : x, x1 = kSigned ? _mm256_sign_epi8(x, w1) : x;
-          total[r][0] = _mm256_add_epi32(total[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), scale[0]));
-          total[r][1] = _mm256_add_epi32(total[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x1), scale[1]));
+      for (int s0 = 0; s0 < kSteps; s0 += kSumSteps) {
+        __m256i part[R][2];
+        for (int s = 0; s < kSumSteps; ++s) {
+          const int step = g * kSteps + s0 + s;
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * step + 32));
+          const __m256i u0 = kSigned ? _mm256_abs_epi8(w0) : w0, u1 = kSigned ? _mm256_abs_epi8(w1) : w1;
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_set1_epi32(four_codes(rows.codes[r] + b * kSuper + 4 * step));
+            const __m256i x0 = kSigned ? _mm256_sign_epi8(x, w0) : x, x1 = kSigned ? _mm256_sign_epi8(x, w1) : x;
+            const __m256i p0 = _mm256_maddubs_epi16(u0, x0), p1 = _mm256_maddubs_epi16(u1, x1);
+            part[r][0] = s == 0 ? p0 : _mm256_add_epi16(part[r][0], p0);
+            part[r][1] = s == 0 ? p1 : _mm256_add_epi16(part[r][1], p1);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i scale = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * kTile + 8 * h));
+          for (int r = 0; r < R; ++r) total[r][h] = _mm256_add_epi32(total[r][h], _mm256_madd_epi16(part[r][h], scale));
         }
       }
     }
@@ -357,11 +379,12 @@ PanelFn pick_panel(bool vnni, int rows) {
     }
   }
   constexpr bool kSigned = stored_format(F) == kIQ4XS;
+  constexpr int kSum = steps_per_sum(F);
   switch (rows) {
-    case 1: return &panel_avx2<1, kGroups, kPairs, kOffset, kSigned>;
-    case 2: return &panel_avx2<2, kGroups, kPairs, kOffset, kSigned>;
-    case 3: return &panel_avx2<3, kGroups, kPairs, kOffset, kSigned>;
-    default: return &panel_avx2<4, kGroups, kPairs, kOffset, kSigned>;
+    case 1: return &panel_avx2<1, kGroups, kPairs, kOffset, kSigned, kSum>;
+    case 2: return &panel_avx2<2, kGroups, kPairs, kOffset, kSigned, kSum>;
+    case 3: return &panel_avx2<3, kGroups, kPairs, kOffset, kSigned, kSum>;
+    default: return &panel_avx2<4, kGroups, kPairs, kOffset, kSigned, kSum>;
   }
 }
 
