@@ -198,7 +198,7 @@ GENFN_BLOCK_LINKAGE void accumulate_values(const float* weights, const T* values
   }
   for (int64_t j = 0; j < count; ++j) {
     F16 v[W];
-    for (int c = 0; c < W; ++c) v[c] = load16(values + j * slot_stride + (c0 + c) * kLanes, 0xffff);
+    for (int c = 0; c < W; ++c) v[c] = load16(values + j * slot_stride + (c0 + c) * kLanes);
     for (int r = 0; r < kRowBlock; ++r) {
       const F16 w = set1(weights[r * kKeyTile + j]);
       for (int c = 0; c < W; ++c) acc[r][c] = fmadd(w, v[c], acc[r][c]);
