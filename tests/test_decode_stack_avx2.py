@@ -130,8 +130,13 @@ def prefill_linear_case() -> dict:
     the widened values rounded once."""
     gen = torch.Generator().manual_seed(2)
     x, weight = torch.randn(40, 1024, generator=gen).bfloat16(), torch.randn(72, 1024, generator=gen).bfloat16()
+    # 300 rows of 4096: widened in panels of 256 rows and one of 44, with a bias.
+    wide_x, wide = torch.randn(2, 20, 4096, generator=gen).bfloat16(), torch.randn(300, 4096, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
     return {"linear": kernels.linear(x, weight),
-            "float32": torch.nn.functional.linear(x.float(), weight.float()).bfloat16()}
+            "float32": torch.nn.functional.linear(x.float(), weight.float()).bfloat16(),
+            "panels": kernels.linear(wide_x, wide, bias),
+            "panels_float64": torch.nn.functional.linear(wide_x.double(), wide.double(), bias.double())}
 
 
 def invariant_cases() -> dict:
@@ -257,6 +262,11 @@ def test_a_bfloat16_prefill_product_on_avx2_is_a_float32_gemm_rounded_once(as_av
     """oneDNN has no fast bfloat16 GEMM without AVX-512: the product runs in float32 there."""
     case = as_avx2_cpu["prefill_linear"]
     assert case["linear"].dtype == torch.bfloat16 and torch.equal(case["linear"], case["float32"])
+    # A matrix past one panel of widened rows: every output the float64 product's within its rounding
+    # to bfloat16 (and float32's sums, far finer).
+    panels, expected = case["panels"], case["panels_float64"]
+    assert panels.dtype == torch.bfloat16 and panels.shape == (2, 20, 300)
+    torch.testing.assert_close(panels.double(), expected, rtol=2**-8, atol=1e-3)
 
 
 @needs_both
