@@ -232,3 +232,19 @@ def test_lookup_rounds_counts_the_rounds_without_drafts_and_times_both_strategie
     assert line["narrow_rounds"] > 0 and line["pass_index"] == 0
     assert line["paired_narrow_round_ms"] > 0 and line["paired_wide_round_ms"] > 0
     assert math.isfinite(line["narrow_over_wide_median"])
+
+
+def test_prefill_kernels_times_each_format_and_the_attention():
+    """``prefill_kernels.py`` at a tiny shape: a line per format with a finite checksum, and the
+    attention's lines where a decode library loads."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prefill_kernels.py"), "--formats",
+                           "q8_0,q4_k,bf16", "--shapes", "32x256", "--rows", "20", "--heads", "2/1",
+                           "--repeats", "1", "--threads", "1"], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=_env(), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    for fmt in ("q8_0", "q4_k", "bf16"):
+        (line,) = [text for text in lines if text.startswith(f"32x256 {fmt} ")]
+        assert math.isfinite(float(line.rsplit("checksum ", 1)[1]))
+    attention = [text for text in lines if text.startswith("attention 2/1 heads")]
+    assert len(attention) == 2 or any(text.startswith("# no prefill attention op") for text in lines)

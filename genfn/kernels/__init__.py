@@ -351,7 +351,7 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``F.linear`` of bfloat16 ``x`` and ``weight`` as a float32 GEMM of the widened values, rounded
     once (``_bf16_through_float32``), the weight widened a panel of rows at a time. Widened whole, the
     1B shape's 8192 x 2048 matrices went out to memory as float32 and back: a 512-row product of the
-    gate and up projections (16384 x 2048) took 229 ms so, 171-178 ms in panels (Zen 4 as an AVX2 CPU)."""
+    gate and up projections (16384 x 2048) took 228 ms so, 176-184 ms in panels (Zen 4 as an AVX2 CPU)."""
     out_features, in_features = weight.shape
     rows = max(64, _WIDEN_PANEL_BYTES // (4 * max(in_features, 1)))
     x32 = x.reshape(-1, in_features).float()
