@@ -6,7 +6,9 @@
     PYTHONPATH=<other tree> python benchmarks/prefill_kernels.py --as-avx2    # tree against tree
 
 Formats: the tiles (q8_0, q4_0, q4_1, q5_0), the K-quants as stored (q4_k, q5_k, q6_k, iq4_xs) and
-bfloat16 (``bf16``: on an AVX2 CPU a float32 GEMM of the widened values). ``--as-avx2`` runs this
+bfloat16 (``bf16``: on a CPU without AVX512_BF16 a float32 GEMM of the widened values, else oneDNN's;
+for comparison ``bf16_torch``, ``F.linear`` on the bfloat16 tensors, and ``bf16_float32``, ``F.linear``
+on them widened, rounded once). ``--as-avx2`` runs this
 process as a CPU without AVX-512 (``genfn.bench.avx2``; torch's own kernels keep this CPU's paths
 unless ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``/``MKL_ENABLE_INSTRUCTIONS`` hold them). Each
 figure is the best of ``--repeats`` calls, timed by the thread's CPU time at ``--threads 1`` (other
@@ -37,7 +39,7 @@ def best_seconds(fn, repeats: int) -> float:
 def weight_in(fmt: str, w: torch.Tensor):
     from genfn.quant import QuantizedWeight, quantize, quantize_k
 
-    if fmt == "bf16":
+    if fmt.startswith("bf16"):
         return w.bfloat16()
     if fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
         return QuantizedWeight.from_rows(quantize(w, fmt))
@@ -70,10 +72,13 @@ def main() -> None:
         x = torch.randn(args.rows, in_features, generator=generator)
         for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
             weight = weight_in(fmt, w)
-            xs = x.bfloat16() if fmt == "bf16" else x
-            seconds = best_seconds(lambda: kernels.linear(xs, weight), args.repeats)
-            checksum = kernels.linear(xs, weight).double().sum().item()
-            print(f"{shape} {fmt:7s} {seconds * 1e3:8.2f} ms  {args.rows * out_features * in_features / seconds / 1e9:6.1f} "
+            xs = x.bfloat16() if fmt.startswith("bf16") else x
+            product = {"bf16_torch": torch.nn.functional.linear,
+                       "bf16_float32": lambda a, b: torch.nn.functional.linear(a.float(), b.float()).to(a.dtype),
+                       }.get(fmt, kernels.linear)
+            seconds = best_seconds(lambda: product(xs, weight), args.repeats)
+            checksum = product(xs, weight).double().sum().item()
+            print(f"{shape} {fmt:12s} {seconds * 1e3:8.2f} ms  {args.rows * out_features * in_features / seconds / 1e9:6.1f} "
                   f"GMAC/s  checksum {checksum:.6f}", flush=True)
     if not kernels.portable_ops_available():
         print("# no prefill attention op here (neither decode library loads)")

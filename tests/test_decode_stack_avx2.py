@@ -269,6 +269,19 @@ def test_a_bfloat16_prefill_product_on_avx2_is_a_float32_gemm_rounded_once(as_av
     torch.testing.assert_close(panels.double(), expected, rtol=2**-8, atol=1e-3)
 
 
+@pytest.mark.parametrize("isa,bf16_instructions,widened", [("avx2", False, True), ("avx512", False, True),
+                                                          ("avx512", True, False), (None, False, True)])
+def test_a_bfloat16_gemm_is_widened_wherever_the_cpu_lacks_bfloat16_instructions(monkeypatch, isa, bf16_instructions,
+                                                                                 widened):
+    """oneDNN's bfloat16 GEMM emulates the products on an AVX-512 CPU without AVX512_BF16 too (Skylake-SP
+    to Ice Lake): the widened float32 GEMM takes over there as on AVX2; with the instructions it stays."""
+    monkeypatch.setattr(kernels, "decode_stack_isa", lambda: isa)
+    monkeypatch.setattr(native, "cpu_has", lambda feature: bf16_instructions if feature == "avx512_bf16" else True)
+    x, weight = torch.randn(40, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    assert kernels._bf16_through_float32(x, weight) is widened
+    assert not kernels._bf16_through_float32(x.float(), weight.float())
+
+
 @needs_both
 @pytest.mark.parametrize("model", ["tiles", "float32"])
 def test_the_batch_invariant_mode_on_avx2_gives_the_avx512_logits(as_avx2_cpu, model):

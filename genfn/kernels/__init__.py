@@ -334,12 +334,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _bf16_through_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a bfloat16 product past the decode kernel's rows (a prefill's GEMM) runs as a float32
-    GEMM of the widened values, rounded once: on a CPU without AVX-512, where oneDNN's bfloat16 GEMM
-    has no fast form. As such a CPU (``ONEDNN_MAX_CPU_ISA=AVX2``), SmolLM2's shape prefilled 512 tokens
-    at 221 tok/s through it, the 1B shape at 31 (llama.cpp built for AVX2: 738 and 100); a weight's
-    widening is N x K conversions against the GEMM's M x N x K multiply-adds."""
+    GEMM of the widened values, rounded once: on a CPU without AVX512_BF16, where oneDNN's bfloat16 GEMM
+    has no fast form. As an AVX2 CPU (``ONEDNN_MAX_CPU_ISA=AVX2``), SmolLM2's shape prefilled 512 tokens
+    at 221 tok/s through it, the 1B shape at 31 (llama.cpp built for AVX2: 738 and 100); an AVX-512 CPU
+    without bfloat16 instructions (Skylake-SP to Ice Lake; ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` on the Zen
+    4) ran a 512 x 2048 x 2048 product in 50 ms through oneDNN's emulation, 41 widened
+    (``benchmarks/prefill_kernels.py --formats bf16,bf16_torch``). A weight's widening is N x K
+    conversions against the GEMM's M x N x K multiply-adds."""
     return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
-            and decode_stack_isa() == "avx2")
+            and (decode_stack_isa() == "avx2" or not native.cpu_has("avx512_bf16")))
 
 
 # Bytes of float32 weight rows a widened bfloat16 GEMM converts at a time: a panel that stays in the
