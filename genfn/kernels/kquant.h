@@ -266,8 +266,9 @@ RowFn pick_q6k_r8_vnni(int rows);
 void quantize_rows_k(const float* x, int64_t m0, int64_t m1, int64_t K, int64_t block, Order order, ActivationsK& a);
 
 // The GEMM for many rows of x (kquant_gemm.cpp): whether it takes `rows` rows of a matrix in
-// `format`, and y [M, N] = x [M, K] @ W.T for W's rows (N of them, K / 256 super-blocks each) at w.
-bool gemm_takes(int64_t format, int64_t rows);
+// `format` on path `isa`, and y [M, N] = x [M, K] @ W.T for W's rows (N of them, K / 256 super-blocks
+// each) at w.
+bool gemm_takes(int64_t format, int64_t rows, Isa isa);
 void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa);
 // The fewest rows of x the GEMM takes (rows <= 0: the default); returns the count now in force.
 int64_t set_gemm_min_rows(int64_t rows);

@@ -145,8 +145,10 @@ def force_isa(isa: str | None) -> str:
 
 def gemm_min_rows(rows: int | None) -> int:
     """Set the fewest rows of ``x`` that a Q4_K/Q5_K/Q6_K/IQ4_XS product hands to the GEMM
-    (``kquant_gemm.cpp``) instead of the row kernels (``None``: the default, 16), for tests and
-    benchmarks of either path; returns the count now in force."""
+    (``kquant_gemm.cpp``) instead of the row kernels, for every format, for tests and benchmarks of
+    either path; returns the count now in force. ``None``: the defaults, 16 rows, and 48 for
+    interleaved Q4_K and Q5_K rows on the AVX2 path, whose row kernels stay faster up to there
+    (returns 16)."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         raise ValueError(f"rows must be None or a positive int; got {rows!r}")
     if not kquant_available():

@@ -45,7 +45,18 @@ namespace {
 constexpr int kTile = kPanelRows;
 constexpr int64_t kPanelBlock = 16 * 256;  // panel code bytes per super-block
 constexpr int64_t kDefaultMinRows = 16;
-std::atomic<int64_t> min_rows{kDefaultMinRows};
+// The rows the op kquant_gemm_min_rows set; 0: the default of each format and path (default_min_rows).
+std::atomic<int64_t> min_rows{0};
+
+// Where the GEMM's panel, unpacked once per call, pays for itself: from 16 rows, but on the AVX2 path
+// the interleaved Q4_K and Q5_K rows' own kernels (kquant_r8.cpp) stay faster up to about 48 rows.
+// One Zen 4 core, 8192 x 2048, row kernels against the GEMM: q4_k_r8 16 rows 2.59 / 3.59 ms, 32 rows
+// 5.03 / 5.55, 48 rows 7.56 / 7.43; q5_k_r8 16 rows 3.00 / 4.35, 48 rows 8.66 / 9.44, 64 rows 11.66 /
+// 11.83. As stored (q4_k, q6_k) the GEMM wins from 16 rows on either path.
+int64_t default_min_rows(int64_t format, Isa isa) {
+  const bool vnni = isa == kAvx512 && has_vnni();
+  return !vnni && (format == kQ4KR8 || format == kQ5KR8) ? 48 : kDefaultMinRows;
+}
 
 // Sub-blocks (one scale each) per super-block.
 constexpr int groups_of(int64_t format) { return stored_format(format) == kQ6K ? 16 : 8; }
@@ -404,15 +415,16 @@ void run_tiles(const GemmActivations& a, const uint8_t* w, int64_t N, float* y, 
 
 }  // namespace
 
-bool gemm_takes(int64_t format, int64_t rows) {
+bool gemm_takes(int64_t format, int64_t rows, Isa isa) {
+  const int64_t set = min_rows.load(std::memory_order_relaxed);
   return (format == kQ4K || format == kQ5K || format == kQ6K || format == kIQ4XS || format == kIQ4NL ||
           interleaved(format)) &&
-         rows >= min_rows.load(std::memory_order_relaxed);
+         rows >= (set > 0 ? set : default_min_rows(format, isa));
 }
 
 int64_t set_gemm_min_rows(int64_t rows) {
-  min_rows.store(rows > 0 ? rows : kDefaultMinRows, std::memory_order_relaxed);
-  return min_rows.load(std::memory_order_relaxed);
+  min_rows.store(rows > 0 ? rows : 0, std::memory_order_relaxed);
+  return rows > 0 ? rows : kDefaultMinRows;
 }
 
 void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t format, int64_t N, float* y, Isa isa) {
@@ -434,6 +446,7 @@ void kquant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
 }  // namespace genfn::kquant
 
 TORCH_LIBRARY_FRAGMENT(genfn_kquant, m) {
-  // The fewest rows of x that take the GEMM (0: the default); returns the count now in force.
+  // The fewest rows of x that take the GEMM (0: the defaults); returns the count now in force (the
+  // defaults: 16, which default_min_rows raises for interleaved Q4_K/Q5_K rows on the AVX2 path).
   m.def("kquant_gemm_min_rows", &genfn::kquant::set_gemm_min_rows);
 }

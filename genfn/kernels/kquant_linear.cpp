@@ -422,7 +422,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& data, int64_t fo
   if (M == 0 || N == 0) return y.view(out_sizes).to(x.scalar_type());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor w = data.contiguous();
-  if (!row_kernels && gemm_takes(format, M)) {  // many rows: kquant_gemm.cpp
+  if (!row_kernels && gemm_takes(format, M, isa)) {  // many rows: kquant_gemm.cpp
     kquant_gemm(xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), format, N, y.data_ptr<float>(), isa);
     return y.view(out_sizes).to(x.scalar_type());
   }
