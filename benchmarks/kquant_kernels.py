@@ -11,7 +11,7 @@ Formats are interleaved over 4 rounds (best of each). GB/s counts the weight's b
 the matrices (5-17 MB) may sit in a large L3, so this compares the kernels' cost per byte, not the
 memory's bandwidth (the last line prints tensor.sum() over 256 MiB for that).
 
-``--gemm-ab``: Q4_K/Q5_K/Q6_K and Q8_0/Q4_1/Q4_0, each row count through the row kernels and
+``--gemm-ab``: Q4_K/Q5_K/Q6_K (as stored and interleaved) and Q8_0/Q4_1/Q4_0, each row count through the row kernels and
 through the GEMM (``kquant_gemm.cpp``, ``quant_gemm.cpp``; ``kquant.gemm_min_rows`` and
 ``kernels.quant_gemm_min_rows`` pick the path), interleaved; ``--shape 1536x576`` for another
 matrix (SmolLM2's gate/up half). ``--model``: a GGUF file loaded with ``quantize="gguf"``, the
@@ -67,7 +67,7 @@ def best(fn, repeats: int = 5) -> float:
 
 # The path a quantized product takes: the fewest rows that go to the GEMMs.
 PATHS = {"rows": 10**9, "gemm": 1}
-GEMM_FORMATS = ("q4_k", "q4_k_r8", "q5_k", "q6_k", "q8_0", "q4_1", "q4_0")
+GEMM_FORMATS = ("q4_k", "q4_k_r8", "q5_k", "q5_k_r8", "q6_k", "q6_k_r8", "q8_0", "q4_1", "q4_0")
 
 
 def set_path(min_rows: int | None) -> None:
