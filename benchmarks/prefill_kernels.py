@@ -14,7 +14,9 @@ unless ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``/``MKL_ENABLE_INSTRUCTIONS`
 figure is the best of ``--repeats`` calls, timed by the thread's CPU time at ``--threads 1`` (other
 processes' turns on a shared machine do not inflate it) and by the wall clock on more. Products
 print multiply-adds a second (int8 or float), the attention its time per call. A checksum of each
-output follows, so two trees' runs show whether the bits moved.
+output follows, so two trees' runs show whether the bits moved. ``--decode-slots N`` adds the decode
+attention op (``dense_decode_attention``: one query a head against N cached slots, what each step
+after a long prompt pays per layer) for the same head counts.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--as-avx2", action="store_true", help="run as a CPU without AVX-512")
+    ap.add_argument("--decode-slots", type=int, default=0, help="also time the decode attention over this many slots")
     args = ap.parse_args()
     if args.as_avx2:
         from genfn.bench.avx2 import run_as_avx2_cpu
@@ -93,6 +96,16 @@ def main() -> None:
             seconds = best_seconds(call, args.repeats)
             print(f"attention {heads}/{kv_heads} heads {str(dtype).removeprefix('torch.'):8s} {seconds * 1e3:8.2f} ms  "
                   f"checksum {call().double().sum().item():.6f}", flush=True)
+            if args.decode_slots > 0:
+                q1, k1, v1 = (torch.randn(*shape, generator=generator).to(dtype)
+                              for shape in ((1, heads, 64), (1, kv_heads, args.decode_slots, 64),
+                                            (1, kv_heads, args.decode_slots, 64)))
+                visible = torch.ones(1, args.decode_slots, dtype=torch.bool)
+                step = lambda: torch.ops.genfn_kernels.dense_decode_attention(q1, k1, v1, visible, 64 ** -0.5)  # noqa: E731
+                seconds = best_seconds(step, 4 * args.repeats)
+                print(f"decode attention {heads}/{kv_heads} heads {args.decode_slots} slots "
+                      f"{str(dtype).removeprefix('torch.'):8s} {seconds * 1e6:8.1f} us  "
+                      f"checksum {step().double().sum().item():.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,31 +63,43 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lengths, int64_t n
 // stay in L1 while the group's heads take their turns.
 constexpr int64_t kSlotRun = 32;
 
-// How many heads of a query group weigh each loaded value row together: their chains in registers
-// (16 of AVX-512's 32 F16s, all 8 of AVX2's), each row loaded once for them.
+// How many heads of a query group weigh each loaded value row together, and how many of the row's
+// V vectors a pass over the slots takes (the slice): the heads' chains of a slice and the slice
+// itself in registers, each row loaded once for the heads. AVX-512 holds whole rows (up to 16 chains
+// of its 32 F16s); AVX2's 8 F16s hold one vector of four heads and the vector, so it passes over the
+// slots once per vector of the row. With whole rows there, two heads' chains and the row spilled to
+// the stack every slot; sliced, a 4096-slot decode attention of 9 query heads (3 kv heads) takes 0.8x
+// the time, of 32 (8) 0.75-1.07x, bound by the cache there (one Zen 4 core,
+// benchmarks/results/avx2-decode-attention-trees-2026-12-08-s47-zen4.log). Every lane's chain still
+// runs over the slots in order, so the slicing changes no bit.
 constexpr int kValueChains = std::min(16, simd::kRegisters);
 template <int V>
-constexpr int64_t kValueHeads = std::max(1, std::min(4, kValueChains / V));
+constexpr int kValueSlice = simd::kRegisters >= 32 ? V : 1;
+template <int V>
+constexpr int64_t kValueHeads = std::max(1, std::min(4, kValueChains / kValueSlice<V>));
 
 // sums[h] = sum over i < n of weights[h * stride + i] * values[offsets[i]], one fma chain per lane in
 // slot order, for H heads at once.
 template <typename T, int V, int H>
 void weigh_values(const T* values, const int64_t* offsets, int64_t n, const float* weights, int64_t stride,
                   F16 (*sums)[V]) {
-  F16 acc[H][V];
-  for (int h = 0; h < H; ++h)
-    for (int j = 0; j < V; ++j) acc[h][j] = simd::zero();
-  for (int64_t i = 0; i < n; ++i) {
-    const T* v = values + offsets[i];
-    F16 rows[V];
-    for (int j = 0; j < V; ++j) rows[j] = load_lanes(v + j * kLanes);
-    for (int h = 0; h < H; ++h) {
-      const F16 w = simd::set1(weights[h * stride + i]);
-      for (int j = 0; j < V; ++j) acc[h][j] = simd::fmadd(w, rows[j], acc[h][j]);
+  constexpr int S = kValueSlice<V>;
+  for (int j0 = 0; j0 < V; j0 += S) {
+    F16 acc[H][S];
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < S; ++j) acc[h][j] = simd::zero();
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = values + offsets[i] + j0 * kLanes;
+      F16 rows[S];
+      for (int j = 0; j < S; ++j) rows[j] = load_lanes(v + j * kLanes);
+      for (int h = 0; h < H; ++h) {
+        const F16 w = simd::set1(weights[h * stride + i]);
+        for (int j = 0; j < S; ++j) acc[h][j] = simd::fmadd(w, rows[j], acc[h][j]);
+      }
     }
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < S; ++j) sums[h][j0 + j] = acc[h][j];
   }
-  for (int h = 0; h < H; ++h)
-    for (int j = 0; j < V; ++j) sums[h][j] = acc[h][j];
 }
 
 // G query heads that share a kv head against the n key/value rows at element offsets
