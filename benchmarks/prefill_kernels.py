@@ -22,20 +22,10 @@ after a long prompt pays per layer) for the same head counts.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def best_seconds(fn, repeats: int) -> float:
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    fn()
-    fastest = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        fastest = min(fastest, clock() - start)
-    return fastest
+from kquant_kernels import best as best_seconds  # this folder's: thread CPU time at one thread, else wall
 
 
 def weight_in(fmt: str, w: torch.Tensor):

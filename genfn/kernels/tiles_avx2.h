@@ -132,38 +132,30 @@ GENFN_AVX2_INLINE inline void block_integers(const uint8_t* block, const int32_t
       }
     }
     return;
-  } else if constexpr (has_fifth_bits(kind)) {
-    // A pair of 5-bit products reaches 2 * 31 * 127: a chunk's low and high pairs fit 16 bits
-    // together, then widen.
-    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m256i low[2], high[2];
-      for (int h = 0; h < 2; ++h) unpack_half<kind>(block, h, j, low[h], high[h]);
-      for (int m = 0; m < M; ++m) {
-        const __m256i x_low = _mm256_set1_epi32(xb[m][j]), x_high = _mm256_set1_epi32(xb[m][4 + j]);
-        for (int h = 0; h < 2; ++h)
-          s[m][h] = _mm256_add_epi32(
-              s[m][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low[h], x_low),
-                                                           _mm256_maddubs_epi16(high[h], x_high)),
-                                         ones));
-      }
-    }
   } else {
-    // A pair of 4-bit products reaches 2 * 15 * 127: a block's eight a lane fit 16 bits.
+    // A chunk's low and high pairs, summed: a pair of 4-bit products reaches 2 * 15 * 127, so a block's
+    // eight pairs a lane fit 16 bits and widen once; a pair of 5-bit products 2 * 31 * 127, so a
+    // chunk's two pairs widen every chunk.
     __m256i p[M][2];
-    for (int m = 0; m < M; ++m) p[m][0] = p[m][1] = _mm256_setzero_si256();
+    for (int m = 0; m < M; ++m) p[m][0] = p[m][1] = s[m][0] = s[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       __m256i low[2], high[2];
       for (int h = 0; h < 2; ++h) unpack_half<kind>(block, h, j, low[h], high[h]);
       for (int m = 0; m < M; ++m) {
         const __m256i x_low = _mm256_set1_epi32(xb[m][j]), x_high = _mm256_set1_epi32(xb[m][4 + j]);
-        for (int h = 0; h < 2; ++h)
-          p[m][h] = _mm256_add_epi16(p[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(low[h], x_low),
-                                                               _mm256_maddubs_epi16(high[h], x_high)));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pairs =
+              _mm256_add_epi16(_mm256_maddubs_epi16(low[h], x_low), _mm256_maddubs_epi16(high[h], x_high));
+          if constexpr (has_fifth_bits(kind))
+            s[m][h] = _mm256_add_epi32(s[m][h], _mm256_madd_epi16(pairs, ones));
+          else
+            p[m][h] = _mm256_add_epi16(p[m][h], pairs);
+        }
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int h = 0; h < 2; ++h) s[m][h] = _mm256_madd_epi16(p[m][h], ones);
+    if constexpr (!has_fifth_bits(kind))
+      for (int m = 0; m < M; ++m)
+        for (int h = 0; h < 2; ++h) s[m][h] = _mm256_madd_epi16(p[m][h], ones);
   }
   for (int m = 0; m < M; ++m)
     for (int h = 0; h < 2; ++h) s[m][h] = _mm256_sub_epi32(s[m][h], _mm256_set1_epi32(code_offset(kind) * x_sum[m]));
