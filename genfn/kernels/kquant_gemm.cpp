@@ -49,10 +49,12 @@ constexpr int64_t kDefaultMinRows = 16;
 std::atomic<int64_t> min_rows{0};
 
 // Where the GEMM's panel, unpacked once per call, pays for itself: from 16 rows, but on the AVX2 path
-// the interleaved Q4_K and Q5_K rows' own kernels (kquant_r8.cpp) stay faster up to about 48 rows.
-// One Zen 4 core, 8192 x 2048, row kernels against the GEMM: q4_k_r8 16 rows 2.59 / 3.59 ms, 32 rows
-// 5.03 / 5.55, 48 rows 7.56 / 7.43; q5_k_r8 16 rows 3.00 / 4.35, 48 rows 8.66 / 9.44, 64 rows 11.66 /
-// 11.83. As stored (q4_k, q6_k) the GEMM wins from 16 rows on either path.
+// the interleaved Q4_K and Q5_K rows' own kernels (kquant_r8.cpp) stay as fast or faster up to about
+// 48 rows, and their times hold where the GEMM's swing. One Zen 4 core, 8192 x 2048, row kernels
+// against the GEMM, two runs: q4_k_r8 16 rows 2.5-2.6 / 2.8-3.1 ms, 48 rows 7.3-7.8 / 7.0-8.0; q5_k_r8
+// 16 rows 2.8-2.9 / 3.3-3.9, 64 rows 11.3-11.5 / 11.2-11.8
+// (benchmarks/results/kquant-avx2-handover-2026-12-08-s47-zen4.log). As stored (q4_k, q5_k, q6_k) the
+// GEMM wins from 16 rows on either path.
 int64_t default_min_rows(int64_t format, Isa isa) {
   const bool vnni = isa == kAvx512 && has_vnni();
   return !vnni && (format == kQ4KR8 || format == kQ5KR8) ? 48 : kDefaultMinRows;
