@@ -31,8 +31,9 @@ using namespace genfn_kernels::tile_kinds;
 constexpr int64_t kTile = 16;
 constexpr int64_t kBlock = 32;
 // Rows of x a pass over a tile takes. Each row holds two accumulators and a chunk's unpacked codes
-// four registers, so past 6 rows they spill; 1B-shaped GEMMs of 512 rows (Zen 4, session 47) ran
-// Q4_0 and Q4_1 1.08-1.15x as fast in passes of 6 as of 4, Q8_0 and Q5_0 the same.
+// four registers, so past 6 rows they spill. 512 rows of 2048 x 2048 on two Zen 4 cores (session 47,
+// two alternated runs) ran Q4_0 and Q4_1 1.08-1.15x as fast in passes of 6 as of 4, Q8_0 and Q5_0
+// the same.
 constexpr int kMaxRows = 6;
 
 GENFN_AVX2_INLINE inline float max8(__m256 v) {
@@ -107,8 +108,10 @@ GENFN_AVX2_INLINE inline void unpack_half(const uint8_t* block, int h, int j, __
 // The chunk loop is outside the rows: a chunk's codes are unpacked once and stay in registers while
 // every row takes them, and each row holds only its two accumulators. With the rows outside (the
 // form before session 47) a half's unpacked codes took 8 registers (Q8_0: 16, the codes and their
-// magnitudes) beside the rows' accumulators, more than AVX2's 16: 1B-shaped GEMMs of 512 rows run
-// 1.27-1.35x as fast so (Q8_0, Q4_0, Q4_1; Q5_0 1.10x; Zen 4), and 2-8 rows 1.1-1.3x. The integers
+// magnitudes) beside the rows' accumulators, more than AVX2's 16. So, 512 rows of 2048 x 2048 on one
+// Zen 4 core run Q8_0 1.1-1.3x as fast, Q4_0 1.4x, Q4_1 1.5x, Q5_0 1.1-1.3x
+// (benchmarks/results/avx2-prefill-kernels-trees-2026-12-08-s47-zen4.log), and 2-8 rows out of cache
+// 1.1-1.3x. The integers
 // are exact in any order (the 16-bit sums' bounds hold for every partial sum): the order changes no bit.
 template <int M, int64_t kind>
 GENFN_AVX2_INLINE inline void block_integers(const uint8_t* block, const int32_t* const* xb, const int32_t* x_sum,
