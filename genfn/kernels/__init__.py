@@ -386,14 +386,8 @@ def _takes_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         and heads % kv_heads == 0
         and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.stride(2) == values.stride(2)
         and not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad or values.requires_grad))
-        and decode_attention_available()
+        and portable_ops_available()
     )
-
-
-def decode_attention_available() -> bool:
-    """Whether the native decode attention ops (``decode_attention.cpp``: the dense and paged caches' ops)
-    are built and loaded, from either decode library."""
-    return portable_ops_available()
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:

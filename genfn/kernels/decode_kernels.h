@@ -39,11 +39,6 @@ using simd::lanes_below;
 // The kept lanes of 16 elements of T as float32, and back (bfloat16 rounded as c10::BFloat16(float)
 // rounds: to nearest even, NaN quiet).
 inline simd::F16 load16(const float* p, simd::M16 keep) { return simd::load_kept(keep, p); }
-// All sixteen lanes, with no mask to test: in a loop that keeps its sums in registers on AVX2,
-// g++ (12) left the stores of every sum inside the loop when the loads went through the keep
-// test above, even with keep a constant 0xFFFF (prefill attention's weighted values: 1.6x the time).
-inline simd::F16 load16(const float* p) { return simd::loadu(p); }
-inline simd::F16 load16(const c10::BFloat16* p) { return simd::widen_bf16(p); }
 inline void store16(float* p, simd::F16 v, simd::M16 keep) { simd::store_kept(p, keep, v); }
 inline simd::F16 load16(const c10::BFloat16* p, simd::M16 keep) { return simd::widen_bf16_kept(keep, p); }
 inline void store16(c10::BFloat16* p, simd::F16 v, simd::M16 keep) { simd::store_bf16_kept(p, keep, v); }
