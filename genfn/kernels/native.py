@@ -24,6 +24,7 @@ it from the source tree and build the same libraries with the same flags at inst
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -170,8 +171,10 @@ def file_name(library: NativeLibrary) -> str:
     return f"{library.stem}-{library_key(library)}.so"
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from ``/proc/cpuinfo``; ``None`` where there is none to read."""
+    """The CPU's feature flags from ``/proc/cpuinfo``; ``None`` where there is none to read. Read once a
+    process: ``cpu_has`` asks it on paths a step takes (``genfn.kernels.linear``'s bfloat16 GEMMs)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
