@@ -68,6 +68,7 @@ def best(fn, repeats: int = 5) -> float:
 # The path a quantized product takes: the fewest rows that go to the GEMMs.
 PATHS = {"rows": 10**9, "gemm": 1}
 GEMM_FORMATS = ("q4_k", "q4_k_r8", "q5_k", "q5_k_r8", "q6_k", "q6_k_r8", "q8_0", "q4_1", "q4_0")
+TILE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def set_path(min_rows: int | None) -> None:
@@ -77,7 +78,8 @@ def set_path(min_rows: int | None) -> None:
 
 
 def gemm_weight(w: torch.Tensor, fmt: str):
-    return QuantizedWeight.from_rows(quantize(w, fmt)) if fmt in ("q8_0", "q4_1", "q4_0") else quantize_k(w, fmt)
+    """``w`` in ``fmt``: a tiles format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or a K-quant one."""
+    return QuantizedWeight.from_rows(quantize(w, fmt)) if fmt in TILE_FORMATS else quantize_k(w, fmt)
 
 
 def gemm_ab(counts: list[int], rounds: int, shape: tuple[int, int]) -> None:

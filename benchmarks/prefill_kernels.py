@@ -25,17 +25,12 @@ import argparse
 
 import torch
 
-from kquant_kernels import best as best_seconds  # this folder's: thread CPU time at one thread, else wall
+# This folder's: thread CPU time at one thread (else wall), and a weight in a quantized format.
+from kquant_kernels import best as best_seconds, gemm_weight
 
 
 def weight_in(fmt: str, w: torch.Tensor):
-    from genfn.quant import QuantizedWeight, quantize, quantize_k
-
-    if fmt.startswith("bf16"):
-        return w.bfloat16()
-    if fmt in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
-        return QuantizedWeight.from_rows(quantize(w, fmt))
-    return quantize_k(w, fmt)
+    return w.bfloat16() if fmt.startswith("bf16") else gemm_weight(w, fmt)
 
 
 def main() -> None:
